@@ -1,0 +1,140 @@
+"""The ``surgeon`` command: a thin shell over :mod:`surgeon.api`."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import click
+
+from . import api
+from ._version import __version__
+from .errors import SurgeonError
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+def _fail(message: str, code: int = 1) -> None:
+    click.echo(f"surgeon: error: {message}", err=True)
+    sys.exit(code)
+
+
+def handle_errors(fn):
+    """Bad input ends in one line on stderr and a non-zero exit code, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except SurgeonError as exc:
+            _fail(str(exc), exc.exit_code)
+        except OSError as exc:  # disk full, permission denied, ... while reading or writing
+            where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
+            _fail(f"{exc.strerror or exc}{where}")
+        except KeyboardInterrupt:
+            _fail("interrupted; nothing was written", 130)
+
+    return wrapper
+
+
+def model_options(fn):
+    """Options that tell surgeon about the checkpoint when its config.json does not."""
+    for decorator in reversed(
+        [
+            click.option("--config", "config", type=click.Path(dir_okay=False), help="config.json to read heads from (default: the one beside the weights)."),
+            click.option("--num-heads", type=click.IntRange(min=1), help="Number of query heads, when there is no config.json."),
+            click.option("--num-kv-heads", type=click.IntRange(min=1), help="Number of key/value heads (grouped-query attention)."),
+            click.option("--head-dim", type=click.IntRange(min=1), help="Head dimension, when it is not width / heads."),
+            click.option("--device", default="auto", show_default=True, help="Where generation and factorizations run: auto, cpu, cuda, cuda:N."),
+            click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout."),
+        ]
+    ):
+        fn = decorator(fn)
+    return fn
+
+
+@click.group(context_settings=CONTEXT)
+@click.version_option(__version__, "-V", "--version", prog_name="surgeon")
+def main() -> None:
+    """Re-initialize the attention of transformer checkpoints with conditioned initialization.
+
+    Per head: semi-orthogonal query and key, rectangular-identity value, so every condition
+    number is 1 (Saratchandran & Lucey, "Conditioned Initialization for Attention").
+    Reads and writes safetensors (single or sharded), PyTorch state dicts and model folders;
+    every tensor it does not re-initialize is left byte for byte as it was.
+    """
+
+
+@main.command(context_settings=CONTEXT, epilog="""\b
+Examples:
+  surgeon inspect model.safetensors
+  surgeon inspect ./my-model --json > report.json
+  surgeon inspect encoder.pt --num-heads 8
+""")
+@click.argument("model")
+@model_options
+@handle_errors
+def inspect(model, config, num_heads, num_kv_heads, head_dim, device, as_json):
+    """List the attention blocks of MODEL and the condition numbers of their projections.
+
+    MODEL is a .safetensors/.bin/.pt file, a sharded *.index.json, or a model folder.
+    """
+    report = api.inspect_checkpoint(
+        model, config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        device=device, progress=not as_json and sys.stderr.isatty(),
+    )
+    click.echo(report.to_json() if as_json else report.render())
+
+
+@main.command(context_settings=CONTEXT, epilog="""\b
+Examples:
+  surgeon reinit model.safetensors --layers 0-11
+  surgeon reinit ./bert --layers -2- -o ./bert-top2-reset          # the last two layers
+  surgeon reinit ./llama --targets q,k --heads 0-7 --seed 1
+  surgeon reinit ./t5 --attention cross --stack decoder
+  surgeon reinit ./model --mode polar --strength 0.5 --keep-scale   # halve log-kappa, keep scale
+  surgeon reinit model.safetensors --dry-run                        # print the plan only
+\b
+Layer and head specs: all, N, A-B (inclusive), A- (to the last), lists like 0,3,5-7;
+negative numbers count from the end (-1 is the last). Each stack of layers is numbered from 0.
+""")
+@click.argument("model")
+@click.option("-o", "--output", type=click.Path(), help="Output file (file input) or folder (folder input). Default: beside the input.")
+@click.option("--layers", default="all", show_default=True, help="Layers to re-initialize, per stack.")
+@click.option("--targets", default="q,k,v", show_default=True, help="Projections to re-initialize: any of q,k,v.")
+@click.option("--heads", default="all", show_default=True, help="Query heads to re-initialize (K/V: the key/value heads they use).")
+@click.option("--attention", type=click.Choice(["self", "cross", "all"]), default="all", show_default=True, help="Self-attention, cross-attention or both.")
+@click.option("--stack", help="Only these stacks, by path or name part (e.g. encoder, decoder); comma-separated.")
+@click.option("--mode", type=click.Choice(["conditioned", "polar"]), default="conditioned", show_default=True,
+              help="conditioned: the paper's fresh reset. polar: keep each head's singular vectors, move its singular values to 1.")
+@click.option("--strength", type=float, help="Polar mode: sigma -> sigma^(1-t) for t in (0, 1] (kappa -> kappa^(1-t)). Default 1.")
+@click.option("--value-identity", type=click.Choice(["block", "per-head"]), default="block", show_default=True,
+              help="block: the whole value projection is the rectangular identity; per-head: every head is I.")
+@click.option("--keep-scale", is_flag=True, help="Rescale each new head matrix to the original's Frobenius norm.")
+@click.option("--bias", type=click.Choice(["zero", "keep"]), default=None,
+              help="Biases of re-initialized heads. Default: zero for conditioned, keep for polar.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Random seed; each head's draw depends only on (seed, tensor, head).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output.")
+@click.option("--in-place", is_flag=True, help="Replace the input itself (atomically).")
+@click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
+@model_options
+@handle_errors
+def reinit(model, output, layers, targets, heads, attention, stack, mode, strength, value_identity, keep_scale, bias,
+           seed, overwrite, in_place, dry_run, config, num_heads, num_kv_heads, head_dim, device, as_json):
+    """Re-initialize query/key/value projections of MODEL with conditioned initialization.
+
+    Writes a new checkpoint in the same format and layout; every tensor that is not
+    re-initialized keeps its bytes. Prints condition numbers before and after.
+    """
+    report = api.reinit_checkpoint(
+        model, output=output, in_place=in_place, overwrite=overwrite, dry_run=dry_run, layers=layers,
+        targets=targets, heads=heads, attention=attention, stack=stack, mode=mode, strength=strength,
+        value_identity=value_identity, keep_scale=keep_scale, bias=bias or "auto", seed=seed, device=device,
+        config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        progress=not as_json and sys.stderr.isatty(),
+    )
+    click.echo(report.to_json() if as_json else report.render())
+
+
+if __name__ == "__main__":
+    main()

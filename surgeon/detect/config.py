@@ -1,0 +1,121 @@
+"""Head counts, head dim and fused-layout flags from a Hugging Face ``config.json``.
+
+Families spell the same fact differently (``num_attention_heads``, ``n_head``, ``num_heads``, ...);
+encoder-decoder models have per-stack counts; multimodal models nest a config per tower. This module
+turns all of that into one answer per stack of layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+HEADS_KEYS = ("num_attention_heads", "num_heads", "n_head", "n_heads", "attention_heads", "heads")
+KV_HEADS_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "kv_n_heads", "num_kv_heads_per_layer")
+HEAD_DIM_KEYS = ("head_dim", "d_kv", "attention_head_dim", "kv_channels", "head_size")
+HIDDEN_KEYS = ("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim", "width")
+# Where a tower's config is nested (CLIP, SigLIP, LLaVA, encoder-decoder wrappers): the words in a
+# stack's module path that select it.
+SUBCONFIG_WORDS = {
+    "text_config": ("text", "language", "llm"),
+    "vision_config": ("vision", "visual", "image"),
+    "audio_config": ("audio", "speech"),
+    "encoder": ("encoder",),
+    "decoder": ("decoder",),
+}
+# query_key_value tensors pack q/k/v differently per family (see spec.PACKINGS).
+QKV_PACKING_BY_MODEL_TYPE = {
+    "gpt_neox": "interleaved",
+    "gpt_neox_japanese": "interleaved",
+    "bloom": "interleaved",
+    "persimmon": "interleaved",
+    "chatglm": "qkv",
+}
+
+
+@dataclass(frozen=True)
+class Hints:
+    """What the user says about heads, overriding config.json (``--num-heads`` etc.)."""
+
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+
+
+@dataclass(frozen=True)
+class StackFacts:
+    heads: int | list[int] | None
+    kv_heads: int | list[int] | None
+    head_dim: int | None
+    hidden: int | None
+    source: str  # where the numbers came from, for messages
+
+    def pick(self, value, stage: int | None):
+        if isinstance(value, list):  # per-stage lists (Swin): indexed by the stage number
+            if stage is None or stage >= len(value):
+                return None
+            return value[stage]
+        return value
+
+
+class ConfigView:
+    def __init__(self, config: dict | None, hints: Hints | None = None) -> None:
+        self.config = config or {}
+        self.hints = hints or Hints()
+
+    @property
+    def model_type(self) -> str | None:
+        return self.config.get("model_type")
+
+    def _scope(self, stack: str) -> tuple[dict, str]:
+        """The (sub)config that describes ``stack``, and its name."""
+        words = [w.lower() for w in stack.split(".")]
+        for key, markers in SUBCONFIG_WORDS.items():
+            sub = self.config.get(key)
+            if isinstance(sub, dict) and any(m in w for w in words for m in markers):
+                return sub, f"config.json {key}"
+        return self.config, "config.json"
+
+    def facts(self, stack: str) -> StackFacts:
+        scope, source = self._scope(stack)
+        nested = [scope] + [v for k, v in scope.items() if k in ("attn_config", "attention_config") and isinstance(v, dict)]
+        decoder = any("decoder" in w for w in stack.lower().split("."))
+        side = "decoder" if decoder else "encoder"
+        heads = _first(nested, (f"{side}_attention_heads", f"num_{side}_attention_heads") + HEADS_KEYS)
+        kv_heads = _first(nested, KV_HEADS_KEYS)
+        # Multi-query flags win over a kv-heads count that the model does not use (Falcon, GPTBigCode).
+        if scope.get("new_decoder_architecture"):
+            pass
+        elif scope.get("multi_query") is True:
+            kv_heads = 1
+        elif self.model_type == "falcon" or "multi_query" in scope:
+            kv_heads = None
+        head_dim = _first(nested, HEAD_DIM_KEYS)
+        hidden = _first(nested, HIDDEN_KEYS)
+        if self.hints.num_heads is not None:
+            heads, source = self.hints.num_heads, "--num-heads"
+        if self.hints.num_kv_heads is not None:
+            kv_heads = self.hints.num_kv_heads
+        if self.hints.head_dim is not None:
+            head_dim = self.hints.head_dim
+        return StackFacts(heads, kv_heads, head_dim if isinstance(head_dim, int) else None, hidden if isinstance(hidden, int) else None, source)
+
+    def qkv_packing(self, stack: str) -> str | None:
+        """How a ``query_key_value`` tensor packs its rows, or None when the config does not say."""
+        scope, _ = self._scope(stack)
+        if self.model_type == "falcon" or "new_decoder_architecture" in scope:
+            if scope.get("new_decoder_architecture"):
+                return "grouped"
+            return "qkv" if scope.get("multi_query", True) else "interleaved"
+        return QKV_PACKING_BY_MODEL_TYPE.get(self.model_type or "")
+
+
+def _first(scopes: list[dict], keys: tuple[str, ...]) -> Any:
+    for scope in scopes:
+        for key in keys:
+            value = scope.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+            if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+                return value
+    return None

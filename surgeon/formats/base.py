@@ -1,0 +1,103 @@
+"""What every weight format offers: tensor infos, reading one tensor, writing a patched copy."""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # the format's own name for the dtype, e.g. "BF16" or "bfloat16"
+    torch_dtype: torch.dtype | None  # None where torch has no equivalent
+    file: str  # the file (shard) holding it, relative to the weight set's folder
+    nbytes: int
+
+    @property
+    def is_float(self) -> bool:
+        return self.torch_dtype in FLOAT_DTYPES
+
+
+# ``updates(file)`` returns the new values of the tensors of ``file`` that change (name -> tensor,
+# same shape and dtype as before). Called once per file, so only one file's updates are in memory.
+UpdatesFn = Callable[[str], dict[str, torch.Tensor]]
+
+
+class WeightSet(ABC):
+    """The weight files of one checkpoint: a single file, or shards plus their index file."""
+
+    format: str  # "safetensors", "torch", "onnx"
+
+    def __init__(self, folder: Path, files: list[str], index: str | None) -> None:
+        self.folder = folder
+        self.files = files  # weight files (shards), relative to folder, in index order
+        self.index = index  # the index file (model.safetensors.index.json), if sharded
+
+    @property
+    def all_files(self) -> list[str]:
+        return self.files + ([self.index] if self.index else [])
+
+    @property
+    @abstractmethod
+    def tensors(self) -> dict[str, TensorInfo]:
+        """Every tensor, in file order."""
+
+    @abstractmethod
+    def read(self, name: str) -> torch.Tensor:
+        """One tensor, decoded on the CPU in its stored dtype."""
+
+    @abstractmethod
+    def save(self, dest: Path, updates: UpdatesFn, record: dict) -> None:
+        """Write every file of this set into the folder ``dest`` under the same relative names.
+
+        Tensors that are not updated keep their bytes; ``record`` says what surgeon did and goes
+        into the file's metadata where the format has a place for it.
+        """
+
+    def nbytes(self) -> int:
+        return sum((self.folder / f).stat().st_size for f in self.all_files)
+
+    def describe(self) -> str:
+        shards = f"{len(self.files)} shards" if len(self.files) > 1 else self.files[0]
+        return f"{self.format} ({shards})"
+
+
+def read_index(path: Path, suffix: str) -> dict[str, str]:
+    """The ``weight_map`` of a sharded checkpoint's index file, validated."""
+    try:
+        index = json.loads(path.read_text())
+        weight_map = index["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"cannot read index {path}: {exc}; expected JSON with a 'weight_map'") from None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"index {path} has an empty or malformed 'weight_map'")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard.endswith(suffix):
+            raise CheckpointError(f"index {path} maps {name!r} to {shard!r}, which is not a {suffix} file")
+    return weight_map
+
+
+def shard_order(weight_map: dict[str, str]) -> list[str]:
+    return sorted(set(weight_map.values()))
+
+
+def check_index_against_shards(index: Path, weight_map: dict[str, str], found: dict[str, str]) -> None:
+    """Every tensor the index names must be in the shard it names (``found``: name -> shard)."""
+    for name, shard in weight_map.items():
+        if found.get(name) != shard:
+            where = f"it is in {found[name]}" if name in found else "no shard has it"
+            raise CheckpointError(
+                f"index {index.name} says tensor {name!r} is in {shard}, but {where}: "
+                "the index and shards do not match; re-download or re-save the checkpoint"
+            )

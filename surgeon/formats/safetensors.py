@@ -1,0 +1,278 @@
+"""safetensors, single file or sharded, read and patched at the byte level.
+
+A file is ``<u64 little-endian N><N bytes of JSON header><data>``; data offsets in the header are
+relative to the start of the data section. surgeon keeps every tensor's dtype and shape, so data
+offsets never move: the output is the input's data section with the updated byte ranges
+overwritten, behind a header that differs only in ``__metadata__``. Untouched tensors are copied
+as bytes, never decoded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError
+from .base import TensorInfo, UpdatesFn, WeightSet, check_index_against_shards, read_index, shard_order
+
+INDEX_SUFFIX = ".safetensors.index.json"
+METADATA_KEY = "surgeon"
+_MAX_HEADER = 100 * 1024 * 1024  # the limit the reference implementation enforces
+
+DTYPES: dict[str, tuple[torch.dtype | None, int]] = {
+    "F64": (torch.float64, 8),
+    "F32": (torch.float32, 4),
+    "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2),
+    "I64": (torch.int64, 8),
+    "I32": (torch.int32, 4),
+    "I16": (torch.int16, 2),
+    "I8": (torch.int8, 1),
+    "U64": (torch.uint64, 8),
+    "U32": (torch.uint32, 4),
+    "U16": (torch.uint16, 2),
+    "U8": (torch.uint8, 1),
+    "BOOL": (torch.bool, 1),
+    "F8_E4M3": (torch.float8_e4m3fn, 1),
+    "F8_E5M2": (torch.float8_e5m2, 1),
+}
+_NAMES = {dtype: name for name, (dtype, _) in DTYPES.items()}
+
+
+@dataclass
+class Header:
+    """A parsed safetensors header, keeping the original key order."""
+
+    path: Path
+    length: int  # N, the header's byte length
+    entries: dict  # the whole JSON object, "__metadata__" included, in file order
+    file_size: int
+
+    @property
+    def data_start(self) -> int:
+        return 8 + self.length
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return dict(self.entries.get("__metadata__") or {})
+
+    def tensor_entries(self) -> dict[str, dict]:
+        return {k: v for k, v in self.entries.items() if k != "__metadata__"}
+
+
+def read_header(path: Path) -> Header:
+    """Parse and validate a safetensors header; every problem is a one-line CheckpointError."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"{path} is not a safetensors file: it is only {size} bytes long")
+            (length,) = struct.unpack("<Q", prefix)
+            if length > _MAX_HEADER or 8 + length > size:
+                raise CheckpointError(
+                    f"{path} has a corrupt or truncated safetensors header (it claims {length} header "
+                    f"bytes, the file has {size}); re-download or re-save it"
+                )
+            raw = f.read(length)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        entries = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise CheckpointError(f"{path} has a corrupt safetensors header (not valid JSON); re-download or re-save it") from None
+    if not isinstance(entries, dict):
+        raise CheckpointError(f"{path} has a corrupt safetensors header (not a JSON object)")
+    header = Header(path=path, length=length, entries=entries, file_size=size)
+    _validate(header)
+    return header
+
+
+def _validate(header: Header) -> None:
+    path, data_size = header.path, header.file_size - header.data_start
+    meta = header.entries.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise CheckpointError(f"{path} has corrupt __metadata__ (must map strings to strings)")
+    spans = []
+    for name, entry in header.tensor_entries().items():
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            itemsize = DTYPES[dtype][1]
+            numel = math.prod(int(d) for d in shape)
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(
+                f"{path} has a corrupt header entry for tensor {name!r}: {json.dumps(entry)[:120]}"
+            ) from None
+        if end - begin != numel * itemsize or begin < 0:
+            raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {shape} {dtype}: corrupt header")
+        if end > data_size:
+            raise CheckpointError(
+                f"{path} is truncated: tensor {name!r} ends at data byte {end} but the file holds only "
+                f"{data_size}; re-download or re-save it"
+            )
+        spans.append((begin, end, name))
+    spans.sort()
+    cursor = 0
+    for begin, end, name in spans:
+        if begin < cursor:
+            raise CheckpointError(f"{path}: tensor {name!r} overlaps another tensor's bytes: corrupt header")
+        cursor = end
+
+
+def tensor_info(header: Header, name: str, file: str) -> TensorInfo:
+    entry = header.entries[name]
+    dtype, _ = DTYPES[entry["dtype"]]
+    begin, end = entry["data_offsets"]
+    return TensorInfo(name, tuple(entry["shape"]), entry["dtype"], dtype, file, end - begin)
+
+
+def read_tensor(header: Header, name: str) -> torch.Tensor:
+    entry = header.entries[name]
+    dtype, _ = DTYPES[entry["dtype"]]
+    begin, end = entry["data_offsets"]
+    shape = tuple(entry["shape"])
+    if end == begin:
+        return torch.empty(shape, dtype=dtype)
+    buf = bytearray(end - begin)
+    with open(header.path, "rb") as f:
+        f.seek(header.data_start + begin)
+        if f.readinto(buf) != len(buf):
+            raise CheckpointError(f"{header.path} ended while reading tensor {name!r}: the file is truncated")
+    return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """The little-endian bytes of a tensor, as safetensors stores them."""
+    flat = tensor.detach().contiguous().cpu().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def encode_header(entries: dict) -> bytes:
+    raw = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return raw + b" " * (-len(raw) % 8)  # pad to 8 bytes, as the reference writer does
+
+
+def with_metadata(entries: dict, metadata: dict[str, str]) -> dict:
+    """A copy of the header whose ``__metadata__`` is ``metadata``, placed first if it was absent."""
+    if "__metadata__" in entries:
+        return {k: (metadata if k == "__metadata__" else v) for k, v in entries.items()}
+    return {"__metadata__": metadata, **entries}
+
+
+def add_record(metadata: dict[str, str], record: dict) -> dict[str, str]:
+    """Append surgeon's record to the history kept under ``__metadata__['surgeon']``."""
+    history = []
+    if METADATA_KEY in metadata:
+        try:
+            history = json.loads(metadata[METADATA_KEY])
+            history = history if isinstance(history, list) else [history]
+        except ValueError:
+            history = [metadata[METADATA_KEY]]
+    return {**metadata, METADATA_KEY: json.dumps(history + [record], separators=(",", ":"), sort_keys=True)}
+
+
+def records(metadata: dict[str, str]) -> list[dict]:
+    """surgeon's records in a file's metadata (oldest first)."""
+    if METADATA_KEY not in metadata:
+        return []
+    value = json.loads(metadata[METADATA_KEY])
+    return value if isinstance(value, list) else [value]
+
+
+def write_patched(header: Header, dest: Path, updates: dict[str, torch.Tensor], record: dict | None) -> None:
+    """Write ``header``'s file to ``dest`` with ``updates`` patched in and ``record`` added."""
+    entries = header.entries
+    if record is not None:
+        entries = with_metadata(entries, add_record(header.metadata, record))
+    raw_header = encode_header(entries)
+    with open(header.path, "rb") as src, open(dest, "wb") as out:
+        out.write(struct.pack("<Q", len(raw_header)))
+        out.write(raw_header)
+        _copy_range(src, out, header.data_start, header.file_size - header.data_start)
+        data_start = 8 + len(raw_header)
+        for name, tensor in updates.items():
+            entry = header.entries[name]
+            if tuple(tensor.shape) != tuple(entry["shape"]) or _NAMES.get(tensor.dtype) != entry["dtype"]:
+                raise AssertionError(f"update of {name} changes its shape or dtype")
+            begin, _ = entry["data_offsets"]
+            out.seek(data_start + begin)
+            out.write(tensor_bytes(tensor))
+
+
+def _copy_range(src, out, offset: int, count: int) -> None:
+    """Copy ``count`` bytes of ``src`` from ``offset`` to the current position of ``out``."""
+    out.flush()
+    dst_offset = out.tell()
+    copied = 0
+    try:  # kernel-side copy (reflinks where the file system has them); falls back to read/write
+        while copied < count:
+            n = os.copy_file_range(src.fileno(), out.fileno(), count - copied, offset + copied, dst_offset + copied)
+            if n == 0:
+                break
+            copied += n
+    except OSError:
+        pass
+    out.seek(dst_offset + copied)
+    src.seek(offset + copied)
+    remaining = count - copied
+    while remaining:
+        chunk = src.read(min(remaining, 16 << 20))
+        if not chunk:
+            raise CheckpointError(f"{src.name} ended early while copying: the file is truncated")
+        out.write(chunk)
+        remaining -= len(chunk)
+
+
+class SafetensorsWeights(WeightSet):
+    format = "safetensors"
+
+    def __init__(self, folder: Path, files: list[str], index: str | None = None) -> None:
+        super().__init__(folder, files, index)
+        self.headers: dict[str, Header] = {}
+        self._infos: dict[str, TensorInfo] = {}
+        found: dict[str, str] = {}
+        for file in files:
+            path = folder / file
+            if not path.is_file():
+                raise CheckpointError(
+                    f"missing shard {file}: {index or 'the checkpoint'} lists it but it is not in {folder}"
+                )
+            header = self.headers[file] = read_header(path)
+            for name in header.tensor_entries():
+                if name in found:
+                    raise CheckpointError(f"tensor {name!r} is in both {found[name]} and {file}")
+                found[name] = file
+                self._infos[name] = tensor_info(header, name, file)
+        if index is not None:
+            check_index_against_shards(folder / index, read_index(folder / index, ".safetensors"), found)
+
+    @classmethod
+    def from_index(cls, index_path: Path) -> SafetensorsWeights:
+        weight_map = read_index(index_path, ".safetensors")
+        return cls(index_path.parent, shard_order(weight_map), index_path.name)
+
+    @property
+    def tensors(self) -> dict[str, TensorInfo]:
+        return self._infos
+
+    def read(self, name: str) -> torch.Tensor:
+        info = self._infos[name]
+        return read_tensor(self.headers[info.file], name)
+
+    def metadata(self, file: str | None = None) -> dict[str, str]:
+        return self.headers[file or self.files[0]].metadata
+
+    def save(self, dest: Path, updates: UpdatesFn, record: dict) -> None:
+        for file in self.files:
+            write_patched(self.headers[file], dest / file, updates(file), record)
+        if self.index:
+            shutil.copyfile(self.folder / self.index, dest / self.index)
+
+

@@ -1,0 +1,127 @@
+"""PyTorch state dicts (``.bin``, ``.pt``, ``.pth``, ``.ckpt``), single or sharded.
+
+Loaded only with ``torch.load(weights_only=True)``: surgeon never runs code from a file. Zip-format
+files are memory-mapped, so tensors are paged in on use, not held in memory. A top-level
+``state_dict`` / ``model`` entry is unwrapped, and written back in place with everything around it
+kept. Untouched tensors are saved from the same storages, so their bytes are unchanged.
+"""
+
+from __future__ import annotations
+
+import pickle
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError
+from .base import TensorInfo, UpdatesFn, WeightSet, check_index_against_shards, read_index, shard_order
+
+SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+INDEX_SUFFIX = ".bin.index.json"
+WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "module")
+
+
+def _is_state_dict(obj) -> bool:
+    return isinstance(obj, Mapping) and bool(obj) and all(isinstance(k, str) for k in obj) and any(
+        isinstance(v, torch.Tensor) for v in obj.values()
+    )
+
+
+def load_file(path: Path) -> tuple[object, str | None, Mapping]:
+    """Load a file safely: (the whole object, the wrapper key or None, the state dict)."""
+    if not path.is_file():
+        raise CheckpointError(f"missing file {path}")
+    is_zip = zipfile.is_zipfile(path)
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
+    except pickle.UnpicklingError as exc:
+        detail = _unsafe_detail(str(exc))
+        raise CheckpointError(
+            f"{path} cannot be loaded safely{detail}: surgeon loads pickles with weights_only=True and never "
+            "runs code from a file; re-save it as a plain state dict or as safetensors"
+        ) from None
+    except Exception as exc:  # torch raises RuntimeError/EOFError/... for damaged files
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path} is not a readable PyTorch checkpoint ({first[:160]}); re-download or re-save it") from None
+    if _is_state_dict(obj):
+        return obj, None, obj
+    if isinstance(obj, Mapping):
+        for key in WRAPPER_KEYS:
+            if _is_state_dict(obj.get(key)):
+                return obj, key, obj[key]
+        keys = ", ".join(map(str, list(obj)[:8]))
+        raise CheckpointError(f"{path} holds no state dict (top-level keys: {keys}); expected tensors or a 'state_dict'/'model' entry")
+    raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a state dict of tensors")
+
+
+def _unsafe_detail(message: str) -> str:
+    for line in message.splitlines():
+        line = line.strip()
+        if "GLOBAL" in line or "Unsupported" in line:
+            return f" (it asks for {line[:120]})"
+    return " (it needs code execution)"
+
+
+class TorchWeights(WeightSet):
+    format = "torch"
+
+    def __init__(self, folder: Path, files: list[str], index: str | None = None) -> None:
+        super().__init__(folder, files, index)
+        self._loaded: dict[str, tuple[object, str | None, Mapping]] = {}
+        self._infos: dict[str, TensorInfo] = {}
+        found: dict[str, str] = {}
+        for file in files:
+            if not (folder / file).is_file():
+                raise CheckpointError(f"missing shard {file}: {index or 'the checkpoint'} lists it but it is not in {folder}")
+            loaded = self._loaded[file] = load_file(folder / file)
+            for name, value in loaded[2].items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if name in found:
+                    raise CheckpointError(f"tensor {name!r} is in both {found[name]} and {file}")
+                found[name] = file
+                nbytes = value.numel() * value.element_size()
+                self._infos[name] = TensorInfo(name, tuple(value.shape), str(value.dtype).removeprefix("torch."), value.dtype, file, nbytes)
+        if index is not None:
+            check_index_against_shards(folder / index, read_index(folder / index, ".bin"), found)
+
+    @classmethod
+    def from_index(cls, index_path: Path) -> TorchWeights:
+        weight_map = read_index(index_path, ".bin")
+        return cls(index_path.parent, shard_order(weight_map), index_path.name)
+
+    @property
+    def tensors(self) -> dict[str, TensorInfo]:
+        return self._infos
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._loaded[self._infos[name].file][2][name]
+
+    def save(self, dest: Path, updates: UpdatesFn, record: dict) -> None:
+        import shutil
+
+        # torch files have no metadata slot that loaders ignore, so the record is not embedded here.
+        for file in self.files:
+            changes = updates(file)
+            if not changes:
+                shutil.copyfile(self.folder / file, dest / file)
+                continue
+            obj, key, state = self._loaded[file]
+            new_state = state.copy()  # same type (dict / OrderedDict), same key order
+            for name, tensor in changes.items():
+                old = state[name]
+                assert tensor.shape == old.shape and tensor.dtype == old.dtype, f"update of {name} changes it"
+                new_state[name] = tensor.contiguous()
+            if hasattr(state, "_metadata"):
+                new_state._metadata = state._metadata
+            if key is not None:
+                out = obj.copy()
+                out[key] = new_state
+            else:
+                out = new_state
+            # Same file name inside the temporary folder: torch names the zip archive after it.
+            torch.save(out, dest / file, _use_new_zipfile_serialization=zipfile.is_zipfile(self.folder / file))
+        if self.index:
+            shutil.copyfile(self.folder / self.index, dest / self.index)

@@ -1,0 +1,112 @@
+"""Where the output goes, and putting it there atomically.
+
+Everything is written into a temporary folder beside the destination and renamed into place at
+the end, so a failed or interrupted run leaves no partial output and never touches the input.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from .errors import OutputError
+from .source import Source
+
+
+def default_output(source: Source) -> Path:
+    """Beside the input: ``model.reinit.safetensors`` for a file, ``<folder>-reinit`` for a folder."""
+    if source.kind == "file":
+        p = source.path
+        return p.with_name(f"{p.stem}.reinit{p.suffix}")
+    if source.hub_id is not None:
+        return Path.cwd() / f"{source.hub_id.rsplit('/', 1)[-1]}-reinit"
+    folder = source.path if source.kind == "folder" else source.path.parent
+    return folder.with_name(f"{folder.name}-reinit")
+
+
+def output_kind(source: Source) -> str:
+    return "file" if source.kind == "file" else "folder"
+
+
+def resolve_output(source: Source, output: str | Path | None, *, in_place: bool, overwrite: bool) -> Path:
+    """The destination path, after every check that can fail before anything is written."""
+    if in_place:
+        if output is not None:
+            raise OutputError("use either -o/--output or --in-place, not both")
+        if source.hub_id is not None:
+            raise OutputError("--in-place cannot write into the Hugging Face cache; use -o to choose an output folder")
+        return source.path if source.kind == "file" else source.folder
+    dest = Path(output) if output is not None else default_output(source)
+    kind = output_kind(source)
+    if kind == "file" and dest.is_dir():
+        dest = dest / source.path.name  # like cp: a folder given for a file output receives the file
+    if kind == "folder" and dest.is_file():
+        raise OutputError(f"{dest} is a file, but the output of a {source.kind} input is a folder; choose a folder path with -o")
+    inputs = {source.path.resolve(), source.folder.resolve()} if kind == "folder" else {source.path.resolve()}
+    if dest.resolve() in inputs:
+        raise OutputError(f"{dest} is the input; surgeon writes a new copy unless you pass --in-place")
+    if kind == "folder" and source.folder.resolve() in dest.resolve().parents:
+        raise OutputError(f"{dest} is inside the input folder {source.folder}; choose an output outside it")
+    if dest.exists() and not overwrite:
+        raise OutputError(f"{dest} already exists; pass --overwrite to replace it, or choose another path with -o")
+    return dest
+
+
+@contextmanager
+def staged(dest: Path, kind: str, file_name: str | None = None) -> Iterator[Path]:
+    """Yield a temporary folder to write into; on success move its content to ``dest``.
+
+    ``kind`` "file": the folder must end up holding ``file_name``, which becomes ``dest``.
+    ``kind`` "folder": the folder itself becomes ``dest`` (replacing an existing one).
+    ``kind`` "merge": each file in the folder replaces its namesake in the existing folder ``dest``
+    (in-place runs on a folder: every file is replaced atomically, nothing else is touched).
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".surgeon-tmp", dir=dest if kind == "merge" else dest.parent))
+    try:
+        yield tmp
+        if kind == "merge":
+            for p in sorted(tmp.rglob("*")):
+                if p.is_file():
+                    os.replace(p, dest / p.relative_to(tmp))
+            shutil.rmtree(tmp)
+        elif kind == "file":
+            os.replace(tmp / (file_name or dest.name), dest)
+            shutil.rmtree(tmp)
+        else:
+            os.chmod(tmp, 0o777 & ~_umask())
+            if dest.exists():
+                old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".surgeon-old", dir=dest.parent))
+                os.rename(dest, old / "x")
+                os.rename(tmp, dest)
+                shutil.rmtree(old)
+            else:
+                os.rename(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def copy_extras(source: Source, dest: Path) -> None:
+    """Carry every non-weight file of a folder input over unchanged (tokenizer, configs, ...)."""
+    for rel in source.extra_files:
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source.folder / rel, target)
+
+
+def tree_size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

@@ -1,0 +1,182 @@
+"""From detected blocks and the user's selection to a plan: which heads of which projections change how."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable
+
+from ._version import __version__
+from .conditioning import VALUE_IDENTITIES
+from .errors import OptionError, SelectionError
+from .selection import IndexSpec, format_indices, parse_attention, parse_targets, resolve_indices
+from .spec import AttentionBlock, Projection
+
+MODES = ("conditioned", "polar")
+BIAS_CHOICES = ("auto", "zero", "keep")
+
+
+@dataclass(frozen=True)
+class ReinitOptions:
+    """How to re-initialize; the defaults are the paper's conditioned reset of every layer."""
+
+    layers: IndexSpec = "all"
+    targets: str | Iterable[str] = ("q", "k", "v")
+    heads: IndexSpec = "all"
+    attention: str = "all"
+    stack: str | Iterable[str] | None = None
+    mode: str = "conditioned"
+    strength: float | None = None
+    value_identity: str = "block"
+    keep_scale: bool = False
+    bias: str = "auto"
+    seed: int = 0
+
+    def validated(self) -> ReinitOptions:
+        if self.mode not in MODES:
+            raise OptionError(f"unknown mode {self.mode!r}: use conditioned (the paper's reset) or polar (condition the existing weights)")
+        if self.strength is not None:
+            if self.mode != "polar":
+                raise OptionError("--strength applies to --mode polar only (the conditioned reset always reaches kappa = 1)")
+            if not 0.0 < float(self.strength) <= 1.0:
+                raise OptionError(f"--strength must be in (0, 1], not {self.strength}")
+        if self.value_identity not in VALUE_IDENTITIES:
+            raise OptionError(f"unknown value identity {self.value_identity!r}: use block or per-head")
+        if self.bias not in BIAS_CHOICES:
+            raise OptionError(f"unknown bias policy {self.bias!r}: use zero, keep or auto")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise OptionError(f"seed must be an integer, not {self.seed!r}")
+        return self
+
+    @property
+    def effective_strength(self) -> float:
+        return 1.0 if self.strength is None else float(self.strength)
+
+    @property
+    def zero_bias(self) -> bool:
+        # A fresh reset starts from zero biases; conditioning pretrained weights keeps them.
+        return self.bias == "zero" or (self.bias == "auto" and self.mode == "conditioned")
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        for key in ("layers", "heads"):
+            value = out[key]
+            out[key] = value if value is None or isinstance(value, (str, int)) else list(value)
+        out["targets"] = list(parse_targets(self.targets))
+        out["stack"] = None if self.stack is None else _stacks(self.stack)
+        out["strength"] = self.effective_strength if self.mode == "polar" else None
+        out["bias"] = "zero" if self.zero_bias else "keep"
+        return out
+
+
+@dataclass(frozen=True)
+class Change:
+    """Re-initialize ``heads`` of one projection (key/value head numbers for k and v)."""
+
+    block: AttentionBlock
+    role: str
+    heads: tuple[int, ...]
+
+    @property
+    def projection(self) -> Projection:
+        return self.block.projection(self.role)
+
+
+@dataclass
+class Plan:
+    options: ReinitOptions
+    blocks: list[AttentionBlock]  # everything detected
+    changes: list[Change] = field(default_factory=list)
+
+    @property
+    def touched_blocks(self) -> list[AttentionBlock]:
+        seen: dict[str, AttentionBlock] = {}
+        for c in self.changes:
+            seen.setdefault(c.block.module, c.block)
+        return list(seen.values())
+
+    def tensors(self) -> list[str]:
+        names: list[str] = []
+        for c in self.changes:
+            p = c.projection
+            for rows in (p.weight, p.bias if self.options.zero_bias else None):
+                if rows is not None and rows.tensor not in names:
+                    names.append(rows.tensor)
+        return names
+
+    def record(self) -> dict:
+        """What surgeon did, for the output's metadata: no paths, no times, so outputs are reproducible."""
+        blocks = []
+        for block in self.touched_blocks:
+            entry: dict = {"module": block.module, "stack": block.stack, "layer": block.layer, "kind": block.kind, "targets": {}}
+            for c in self.changes:
+                if c.block.module == block.module:
+                    entry["targets"][c.role] = "all" if len(c.heads) == c.projection.heads else format_indices(c.heads)
+            blocks.append(entry)
+        return {"tool": "surgeon", "version": __version__, "method": "conditioned-initialization", "options": self.options.to_dict(), "blocks": blocks}
+
+
+def _stacks(spec: str | Iterable[str]) -> list[str]:
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    return [s.strip() for s in items if s.strip()]
+
+
+def _stack_matches(stack: str, wanted: list[str]) -> bool:
+    comps = stack.split(".")
+    return any(w == stack or w in comps for w in wanted)
+
+
+def make_plan(blocks: list[AttentionBlock], options: ReinitOptions) -> Plan:
+    options = options.validated()
+    targets = parse_targets(options.targets)
+    kinds = parse_attention(options.attention)
+    chosen = [b for b in blocks if b.kind in kinds]
+    if options.stack is not None:
+        wanted = _stacks(options.stack)
+        stacks = list(dict.fromkeys(b.stack for b in blocks))
+        unknown = [w for w in wanted if not any(_stack_matches(s, [w]) for s in stacks)]
+        if unknown:
+            raise SelectionError(f"no stack named {unknown[0]!r}: this model's stacks are {', '.join(s or '(top level)' for s in stacks)}")
+        chosen = [b for b in chosen if _stack_matches(b.stack, wanted)]
+    if not chosen:
+        raise SelectionError(f"no {options.attention}-attention blocks in this model (it has {_kinds_present(blocks)})")
+    plan = Plan(options=options, blocks=blocks)
+    by_stack: dict[str, list[AttentionBlock]] = {}
+    for b in chosen:
+        by_stack.setdefault(b.stack, []).append(b)
+    for stack, members in by_stack.items():
+        depth = max(b.layer for b in blocks if b.stack == stack) + 1
+        where = f"{stack or 'the model'}" + (" (pick a stack with --stack)" if len(by_stack) > 1 else "")
+        layers = set(resolve_indices(options.layers, depth, what="layer", where=where))
+        for block in members:
+            if block.layer not in layers:
+                continue
+            q_heads = resolve_indices(options.heads, block.heads, what="head", where=f"{block.module} ({block.heads} heads)")
+            for role in targets:
+                heads = q_heads if role == "q" else _kv_heads(block, q_heads, role)
+                if heads:
+                    plan.changes.append(Change(block, role, tuple(heads)))
+    if not plan.changes:
+        raise SelectionError("the selection picks no projection: check --layers, --heads, --targets and --attention")
+    return plan
+
+
+def _kv_heads(block: AttentionBlock, q_heads: list[int], role: str) -> list[int]:
+    """Key/value heads whose whole group of query heads is selected (GQA/MQA share them)."""
+    group = block.group_size
+    selected = set(q_heads)
+    out = []
+    for g in range(block.kv_heads):
+        members = set(range(g * group, (g + 1) * group))
+        if members <= selected:
+            out.append(g)
+        elif members & selected:
+            raise SelectionError(
+                f"--heads {format_indices(sorted(selected))} splits key/value head {g} of {block.module}, which serves "
+                f"query heads {format_indices(sorted(members))}: select whole groups or use --targets q"
+            )
+    return out
+
+
+def _kinds_present(blocks: list[AttentionBlock]) -> str:
+    kinds = sorted({b.kind for b in blocks})
+    return " and ".join(f"{k}-attention" for k in kinds)

@@ -1,0 +1,197 @@
+"""What a command found or did: a table for people, a dict/JSON for machines."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from .conditioning import Spectrum
+from .selection import format_indices
+from .spec import AttentionBlock
+
+
+def fmt_kappa(x: float) -> str:
+    if not math.isfinite(x):
+        return "inf"
+    if x >= 1e5:
+        return f"{x:.2e}"
+    if x >= 100:
+        return f"{x:,.0f}"
+    return f"{x:.2f}" if x < 10 else f"{x:.1f}"
+
+
+def fmt_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError
+
+
+def _spec_cells(s: Spectrum | None) -> list[str]:
+    if s is None:
+        return ["-", "-", "-"]
+    return [fmt_kappa(s.kappa), "/".join(fmt_kappa(x) for x in (s.head_min, s.head_median, s.head_max)), f"{s.norm:.3g}"]
+
+
+def table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+
+    def line(cells):
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+@dataclass
+class ProjectionRow:
+    """One projection in a report: where it is, and its spectra."""
+
+    block: AttentionBlock
+    role: str
+    before: Spectrum | None
+    after: Spectrum | None = None
+    heads_changed: tuple[int, ...] = ()
+    dtype: str = ""
+    bias_zeroed: bool = False
+
+    def to_dict(self) -> dict:
+        proj = self.block.projection(self.role)
+        out = {
+            "module": self.block.module,
+            "stack": self.block.stack,
+            "layer": self.block.layer,
+            "kind": self.block.kind,
+            "role": self.role,
+            "tensor": proj.weight.tensor,
+            "bias": proj.bias.tensor if proj.bias else None,
+            "heads": proj.heads,
+            "head_dim": proj.head_dim,
+            "in_features": proj.in_features,
+            "dtype": self.dtype,
+            "before": self.before.to_dict() if self.before else None,
+        }
+        if self.after is not None:
+            out["after"] = self.after.to_dict()
+            out["heads_changed"] = list(self.heads_changed)
+            out["bias_zeroed"] = self.bias_zeroed
+        return out
+
+
+@dataclass
+class Report:
+    command: str  # "inspect" or "reinit"
+    source: str
+    format: str
+    blocks: list[AttentionBlock]
+    rows: list[ProjectionRow] = field(default_factory=list)
+    options: dict | None = None
+    output: str | None = None
+    dry_run: bool = False
+    seconds: float = 0.0
+    bytes_written: int = 0
+    device: str = "cpu"
+    notes: list[str] = field(default_factory=list)
+
+    # --- machines ------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "command": self.command,
+            "source": self.source,
+            "format": self.format,
+            "output": self.output,
+            "dry_run": self.dry_run,
+            "device": self.device,
+            "seconds": round(self.seconds, 4),
+            "bytes_written": self.bytes_written,
+            "options": self.options,
+            "blocks": [_block_dict(b) for b in self.blocks],
+            "projections": [r.to_dict() for r in self.rows],
+            "notes": self.notes,
+        }
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), indent=kwargs.pop("indent", 2), **kwargs)
+
+    # --- people --------------------------------------------------------------------------
+    def __str__(self) -> str:
+        return self.render()
+
+    def render(self) -> str:
+        parts = [self._summary()]
+        if self.command == "inspect":
+            parts.append(self._stacks_table())
+            parts.append(self._inspect_table())
+        elif self.dry_run:
+            parts.append(self._plan_table())
+        else:
+            parts.append(self._reinit_table())
+        parts += [f"note: {n}" for n in self.notes]
+        if self.command == "reinit" and not self.dry_run and self.output:
+            parts.append(f"wrote {self.output} ({fmt_bytes(self.bytes_written)}) in {self.seconds:.2f} s on {self.device}")
+        return "\n\n".join(p for p in parts if p)
+
+    def _summary(self) -> str:
+        stacks = list(dict.fromkeys(b.stack for b in self.blocks))
+        head = f"{self.source} ({self.format}): {len(self.blocks)} attention blocks in {len(stacks)} stack{'s' if len(stacks) != 1 else ''}"
+        if self.command == "inspect":
+            return head
+        o = self.options or {}
+        what = "plan (dry run, nothing written)" if self.dry_run else "re-initialized"
+        mode = o.get("mode")
+        if mode == "polar":
+            mode += f", strength {o.get('strength')}"
+        else:
+            mode += f", value identity {o.get('value_identity')}"
+        extras = f"mode {mode}, bias {o.get('bias')}, seed {o.get('seed')}" + (", keep scale" if o.get("keep_scale") else "")
+        touched = len({r.block.module for r in self.rows})
+        return f"{head}\n{what}: {len(self.rows)} projections in {touched} blocks; {extras}"
+
+    def _stacks_table(self) -> str:
+        groups: dict[tuple, list[AttentionBlock]] = {}
+        for b in self.blocks:
+            groups.setdefault((b.stack, b.kind, b.layout, b.heads, b.kv_heads, b.head_dim), []).append(b)
+        rows = []
+        for (stack, kind, layout, heads, kv, d), members in groups.items():
+            rows.append([stack or "(top)", kind, format_indices(sorted(b.layer for b in members)), str(heads), str(kv), str(d), layout, _tensor_names(members[0])])
+        return table(["stack", "kind", "layers", "heads", "kv", "head_dim", "layout", "tensors (first layer)"], rows, right={3, 4, 5})
+
+    def _inspect_table(self) -> str:
+        rows = []
+        for r in self.rows:
+            proj = r.block.projection(r.role)
+            rows.append([_where(r.block), r.role, f"{proj.heads}x{proj.head_dim}", r.dtype, *_spec_cells(r.before)])
+        return table(["block", "proj", "heads", "dtype", "kappa", "head kappa min/med/max", "||W||2"], rows, right={4, 6})
+
+    def _plan_table(self) -> str:
+        rows = []
+        for r in self.rows:
+            proj = r.block.projection(r.role)
+            heads = "all" if len(r.heads_changed) == proj.heads else format_indices(r.heads_changed)
+            rows.append([_where(r.block), r.role, proj.weight.tensor, f"{heads} of {proj.heads}", "yes" if r.bias_zeroed else "no"])
+        return table(["block", "proj", "tensor", "heads", "zero bias"], rows)
+
+    def _reinit_table(self) -> str:
+        rows = []
+        for r in self.rows:
+            proj = r.block.projection(r.role)
+            heads = "all" if len(r.heads_changed) == proj.heads else format_indices(r.heads_changed)
+            b, a = _spec_cells(r.before), _spec_cells(r.after)
+            rows.append([_where(r.block), r.role, heads, f"{b[0]} -> {a[0]}", f"{b[1]} -> {a[1]}", f"{b[2]} -> {a[2]}"])
+        return table(["block", "proj", "heads", "kappa", "head kappa min/med/max", "||W||2"], rows)
+
+
+def _where(block: AttentionBlock) -> str:
+    return f"{block.label} {block.kind}"
+
+
+def _tensor_names(block: AttentionBlock) -> str:
+    names = block.tensors()
+    prefix = block.module + "." if block.module else ""
+    return ", ".join(n.removeprefix(prefix) for n in names)
+
+
+def _block_dict(b: AttentionBlock) -> dict:
+    d = b.to_dict()
+    return d

@@ -1,0 +1,165 @@
+"""Attention blocks and projections described as data.
+
+A projection is "which tensor, which rows, which orientation, how many heads": :class:`Rows` says
+where each head's ``head_dim`` output features start inside one tensor, along which axis. Fused
+layouts differ only in how the (role, head) slots are ordered inside a tensor, so each one is a
+single entry of :data:`PACKINGS`; every other part of surgeon works on :class:`Projection` alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable, Literal
+
+Role = Literal["q", "k", "v"]
+ROLES: tuple[Role, ...] = ("q", "k", "v")
+
+Slot = tuple[str, int]  # (role, head): one block of head_dim output features
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Where a projection's heads live inside one tensor.
+
+    ``axis`` is the output-feature axis: 0 for an ``nn.Linear`` weight (out, in) or a bias,
+    1 for a GPT-2 ``Conv1D`` weight or an ONNX ``MatMul`` initializer (in, out).
+    Head ``h`` owns indices ``offsets[h] .. offsets[h] + size - 1`` along ``axis``.
+    """
+
+    tensor: str
+    axis: int
+    offsets: tuple[int, ...]
+    size: int
+
+    def head_slice(self, head: int) -> slice:
+        start = self.offsets[head]
+        return slice(start, start + self.size)
+
+
+@dataclass(frozen=True)
+class Projection:
+    """The query, key or value projection of one attention block."""
+
+    role: Role
+    weight: Rows
+    bias: Rows | None
+    in_features: int
+
+    @property
+    def heads(self) -> int:
+        return len(self.weight.offsets)
+
+    @property
+    def head_dim(self) -> int:
+        return self.weight.size
+
+
+@dataclass(frozen=True)
+class AttentionBlock:
+    """One attention layer: its place in the model and its three projections."""
+
+    stack: str  # module path of the layer list, e.g. "model.layers", "decoder.block"
+    layer: int  # index inside its stack, from 0
+    kind: Literal["self", "cross"]
+    module: str  # the attention module, parent of the projections
+    layout: str  # name of the layout rule that matched, e.g. "separate", "fused/interleaved"
+    heads: int
+    kv_heads: int
+    head_dim: int
+    q: Projection
+    k: Projection
+    v: Projection
+
+    @property
+    def projections(self) -> tuple[Projection, Projection, Projection]:
+        return (self.q, self.k, self.v)
+
+    def projection(self, role: str) -> Projection:
+        return {"q": self.q, "k": self.k, "v": self.v}[role]
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head (1 for plain multi-head attention)."""
+        return self.heads // self.kv_heads
+
+    @property
+    def label(self) -> str:
+        return f"{self.stack}.{self.layer}" if self.stack else str(self.layer)
+
+    def tensors(self) -> list[str]:
+        names: list[str] = []
+        for p in self.projections:
+            for rows in (p.weight, p.bias):
+                if rows is not None and rows.tensor not in names:
+                    names.append(rows.tensor)
+        return names
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        for role in ROLES:
+            proj = out[role]
+            for key in ("weight", "bias"):
+                if proj[key] is not None:
+                    proj[key]["offsets"] = list(proj[key]["offsets"])
+        return out
+
+
+# --- fused layouts -------------------------------------------------------------------------
+# A packing lists the (role, head) slots of one tensor in storage order; each slot is head_dim
+# consecutive output features. ``heads`` query heads, ``kv_heads`` key/value heads.
+Packing = Callable[[int, int], list[Slot]]
+
+
+def _single(role: str) -> Packing:
+    return lambda heads, kv_heads: [(role, h) for h in range(heads if role == "q" else kv_heads)]
+
+
+def _blocked(roles: str) -> Packing:
+    # [Q heads | K heads | V heads]: GPT-2 c_attn, timm/nanoGPT qkv, MPT/ModernBERT Wqkv,
+    # Phi-3 qkv_proj and GPTBigCode c_attn (GQA/MQA sections), nn.MultiheadAttention in_proj.
+    def slots(heads: int, kv_heads: int) -> list[Slot]:
+        return [(r, h) for r in roles for h in range(heads if r == "q" else kv_heads)]
+
+    return slots
+
+
+def _interleaved(heads: int, kv_heads: int) -> list[Slot]:
+    # rows viewed as (H, 3, d): GPT-NeoX/Pythia, Bloom, Falcon (multi_query=False, old architecture)
+    if heads != kv_heads:
+        raise ValueError("an interleaved (H, 3, d) layout has as many key/value heads as query heads")
+    return [(r, h) for h in range(heads) for r in "qkv"]
+
+
+def _grouped(heads: int, kv_heads: int) -> list[Slot]:
+    # rows viewed as (KV, H/KV + 2, d): each group holds its query heads, then its key, then its value
+    # (Falcon new_decoder_architecture)
+    group = heads // kv_heads
+    slots: list[Slot] = []
+    for g in range(kv_heads):
+        slots += [("q", g * group + i) for i in range(group)]
+        slots += [("k", g), ("v", g)]
+    return slots
+
+
+PACKINGS: dict[str, Packing] = {
+    "q": _single("q"),
+    "k": _single("k"),
+    "v": _single("v"),
+    "qkv": _blocked("qkv"),
+    "kv": _blocked("kv"),
+    "interleaved": _interleaved,
+    "grouped": _grouped,
+}
+
+
+def slot_offsets(packing: str, heads: int, kv_heads: int, head_dim: int) -> dict[str, tuple[int, ...]]:
+    """Offsets of each role's heads along the output axis of a tensor packed as ``packing``."""
+    slots = PACKINGS[packing](heads, kv_heads)
+    by_role: dict[str, dict[int, int]] = {}
+    for index, (role, head) in enumerate(slots):
+        by_role.setdefault(role, {})[head] = index * head_dim
+    return {role: tuple(offsets[h] for h in sorted(offsets)) for role, offsets in by_role.items()}
+
+
+def packed_size(packing: str, heads: int, kv_heads: int, head_dim: int) -> int:
+    return len(PACKINGS[packing](heads, kv_heads)) * head_dim
