@@ -49,7 +49,7 @@ def inspect_checkpoint(
     with _progress(progress, len({p.weight.tensor for b in detection.blocks for p in b.projections}), "inspect") as bar:
         spectra = inspect_blocks(detection.blocks, weights.read, dev, progress=bar.update if bar else None)
     rows = [
-        ProjectionRow(block, proj.role, spectra[(block.module, proj.role)], dtype=weights.tensors[proj.weight.tensor].dtype)
+        ProjectionRow(block, proj.role, spectra[(block.module, proj.role)], dtype=str(weights.tensors[proj.weight.tensor].torch_dtype).removeprefix("torch."))
         for block in detection.blocks
         for proj in block.projections
     ]
@@ -100,6 +100,8 @@ def reinit_checkpoint(
         output=str(dest), dry_run=dry_run, device=str(dev), notes=detection.notes[:5],
     )
     if dry_run:
+        if dest.exists() and not overwrite and not in_place:
+            report.notes.append(f"{dest} exists: the real run needs --overwrite or another -o")
         report.rows = [
             ProjectionRow(c.block, c.role, None, heads_changed=c.heads, bias_zeroed=options.zero_bias and c.projection.bias is not None)
             for c in plan.changes

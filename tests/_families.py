@@ -6,6 +6,8 @@ model in ``eval()`` mode and builds in well under a second.  Sizes are tiny
 family supports it the config uses grouped-query attention
 (``num_key_value_heads < num_attention_heads``), attention biases, and for
 Gemma a ``head_dim`` that is *not* ``hidden_size // num_attention_heads``.
+transformers initialises biases to zero, so ``_build`` re-draws every bias
+from N(0, 0.05^2) (deterministically) to make bias handling observable.
 
 ``FAMILIES[name].make()`` builds a model; ``FAMILIES[name].load(path)`` reloads
 one saved with ``save_pretrained(path)`` through the matching ``AutoModel*``

@@ -7,8 +7,12 @@ Public API
 each attention module (the parent module of its q/k/v projection(s)), in
 ``model.named_modules()`` order.  ``ObservedBlock`` holds, per head, the map
 ``q_head_h = q[h] @ x + q_bias[h]`` (and likewise for k and v, with one entry
-per *key/value* head for GQA/MQA models).  ``ObservationError`` is raised when
-the maps cannot be recovered honestly.
+per *key/value* head for GQA/MQA models); ``ObservedBlock.capture`` says where
+q/k/v were caught (``"attention-interface"``, ``"sdpa"`` or
+``"matmul/softmax"``).  ``ObservationError`` is raised when the maps cannot be
+recovered honestly.  The model must be float32 (float64 also accepted); the
+forwards run single-threaded (``torch.set_num_threads(1)``, restored), which
+keeps a call well under a second for the tiny test models.
 
 How it works
 ------------
@@ -50,14 +54,18 @@ Capture, per family group:
   ``(q, k, v)`` directly (falcon under sdpa); otherwise the eager pattern is
   recognised: the last ``matmul/bmm/baddbmm`` before the first ``softmax`` is
   ``Q @ K^T`` (bloom: ``alibi.baddbmm(batch1=Q, batch2=K^T)``; falcon/mpt
-  eager: ``Q @ K^T``) and the first product after it is ``P @ V``.
+  eager: ``Q @ K^T``) and the first product after it is ``P @ V`` (a softmax
+  done by a leaf module such as ``nn.Softmax`` counts for its caller).
   Batch-major ``(B*H, L, d)`` tensors (bloom) are viewed as ``(B, H, L, d)``.
 
 Neutralised: rotary embeddings (``position_ids`` all zero, so cos=1/sin=0 and
 RoPE is the identity -- a rotary ``attention_scaling != 1`` would scale only
 the rotary part of the head and is refused), k/v caching (``use_cache=False``,
 no cache object), dropout (eval mode, restored afterwards), attention masks
-(the observing kernel ignores them; masks never touch q/k/v).
+(the observing kernel ignores them; masks never touch q/k/v -- and since
+``"surgeon_observe"`` has no mask function registered, transformers skips
+building them).  That RoPE really is the identity is not assumed: the fit's
+residual check would fail for any position-dependent map.
 
 Keys/values that a family repeats to the query heads *before* the capture
 point (falcon ``new_decoder_architecture`` uses ``broadcast_to``) are
@@ -93,7 +101,7 @@ MPT                none: scores multiplied by ``softmax_scale``.
 
 Refused with ``ObservationError`` (non-linear, cannot be neutralised): QK-norm
 (an attention module with a ``q_norm``/``k_norm``/``q_layernorm``/... child,
-e.g. Qwen3, OLMo-2, Gemma-3, Falcon-style ``qk_layernorm``), MPT
+e.g. Qwen3, OLMo-2, Gemma-3, Persimmon/StableLM ``q_layernorm``), MPT
 ``clip_qkv`` (clamp of the fused qkv), rotary ``attention_scaling != 1``, a
 forward that visibly multiplies a projection output by a scale but is not in
 the table above, and any fit whose residual is not ~0.
@@ -143,6 +151,8 @@ class ObservedBlock:
     k_bias: torch.Tensor  # (KV, d)
     v: torch.Tensor  # (KV, d_v, D_kv_in)
     v_bias: torch.Tensor  # (KV, d_v)
+    # where q/k/v were captured: "attention-interface", "sdpa" or "matmul/softmax"
+    capture: str = ""
 
     @property
     def num_heads(self) -> int:
@@ -207,9 +217,13 @@ class _Recorder(TorchFunctionMode):
             raise ObservationError(f"module stack out of sync at {type(module).__name__}")
         _, events, call = self.stack.pop()
         if events and call is not None:
-            qkv = _match_kernel_pattern(events)
-            if qkv is not None:
-                self._record(module, *qkv, via="kernel-ops")
+            match = _match_kernel_pattern(events)
+            if match is not None:
+                self._record(module, *match)
+        if events and self.stack and not any(True for _ in module.children()):
+            # a leaf module such as nn.Softmax: its softmax belongs to the caller's pattern
+            parent_events = self.stack[-1][1]
+            parent_events.extend(e for e in events if e[0] in ("softmax", "sdpa"))
         self.current.pop(module, None)
         return None
 
@@ -251,11 +265,9 @@ class _Recorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not self.suppress and self.stack:
-            module, events, call = self.stack[-1]
-            if call is not None:
-                ev = _classify(func, args, kwargs)
-                if ev is not None:
-                    events.append(ev)
+            ev = _classify(func, args, kwargs)
+            if ev is not None:
+                self.stack[-1][1].append(ev)
         return func(*args, **kwargs)
 
 
@@ -287,7 +299,7 @@ def _match_kernel_pattern(events):
         if len(sdpa) > 1:
             raise ObservationError("several scaled_dot_product_attention calls in one module forward")
         _, q, k, v = sdpa[0]
-        return q, k, v
+        return q, k, v, "sdpa"
     soft = [i for i, e in enumerate(events) if e[0] == "softmax"]
     if not soft:
         return None
@@ -300,7 +312,7 @@ def _match_kernel_pattern(events):
     _, _, v = after[0]
     if not all(torch.is_tensor(t) for t in (q, kt, v)) or q.dim() < 3 or kt.dim() < 3:
         return None
-    return q, kt.transpose(-1, -2), v
+    return q, kt.transpose(-1, -2), v, "matmul/softmax"
 
 
 _SIG_CACHE: dict = {}
@@ -502,6 +514,8 @@ def _declared_kv_heads(module, num_heads):
 
 def _to_bhld(t, x, what, name):
     """View a captured tensor as (B, heads, L, d) given its probe x of shape (B, L, D)."""
+    if x.dim() != 3:
+        raise ObservationError(f"{name}: module input of shape {tuple(x.shape)} is not (batch, tokens, features)")
     b, length = x.shape[0], x.shape[1]
     if t.dim() == 4:
         if t.shape[0] != b or t.shape[2] != length:
@@ -528,10 +542,10 @@ def _dedup_kv(t, kv, name, what):
 
 
 def _solve(x_list, t_list, name, what):
-    x = torch.cat([xx.reshape(-1, xx.shape[-1]) for xx in x_list]).double()
+    x = torch.cat([xx.reshape(-1, xx.shape[-1]) for xx in x_list]).double().cpu()
     ys = []
     for t in t_list:  # (B, heads, L, d) -> (B*L, heads*d)
-        ys.append(t.permute(0, 2, 1, 3).reshape(-1, t.shape[1] * t.shape[3]).double())
+        ys.append(t.permute(0, 2, 1, 3).reshape(-1, t.shape[1] * t.shape[3]).double().cpu())
     y = torch.cat(ys)
     heads, d = t_list[0].shape[1], t_list[0].shape[3]
     n, din = x.shape
@@ -579,6 +593,9 @@ def observe(model, *, seed: int = 0) -> dict[str, ObservedBlock]:
     (training flags, attention implementation, hooks are all restored; the
     forwards run with ``torch.set_num_threads(1)``, restored afterwards).
     """
+    bad = {p.dtype for p in model.parameters() if p.is_floating_point()} - {torch.float32, torch.float64}
+    if bad:
+        raise ObservationError(f"observe() needs a float32 model (found {sorted(map(str, bad))}); call model.float()")
     names = {m: n for n, m in model.named_modules()}
     training = {m: m.training for m in model.modules()}
     threads = torch.get_num_threads()
@@ -643,5 +660,5 @@ def observe(model, *, seed: int = 0) -> dict[str, ObservedBlock]:
         qw, qb = _solve(xs, qs, name, "q")
         kw, kb = _solve(ys, ks, name, "k")
         vw, vb = _solve(ys, vs, name, "v")
-        out[name] = ObservedBlock(name, cross, qw, qb, kw, kb, vw, vb)
+        out[name] = ObservedBlock(name, cross, qw, qb, kw, kb, vw, vb, capture=calls[0].via)
     return out

@@ -20,10 +20,14 @@ import pytest
 import torch
 import transformers
 
-from _families import FAMILIES
-from _observe import ObservationError, ObservedBlock, observe
+try:  # tests/ on sys.path (pytest rootdir-relative import, no __init__.py)
+    from _families import FAMILIES
+    from _observe import ObservationError, ObservedBlock, observe
+except ImportError:  # tests/ is a package
+    from ._families import FAMILIES
+    from ._observe import ObservationError, ObservedBlock, observe
 
-ATOL = 1e-4
+ATOL = 1e-5  # observed errors are ~1e-8; weights are ~1e-2, so any layout/scale slip is >> ATOL
 
 # --------------------------------------------------------------------------- layouts
 
@@ -292,8 +296,19 @@ def _single_thread():
     torch.set_num_threads(n)
 
 
+# Where observe() captures q/k/v for each family (see _observe's docstring).
+CAPTURE = {name: "attention-interface" for name in FAMILIES}
+CAPTURE.update(
+    bloom="matmul/softmax",  # alibi.baddbmm(batch1=Q, batch2=K^T) ... softmax ... bmm(P, V)
+    mpt="matmul/softmax",  # matmul(Q, K^T) ... softmax ... matmul(P, V)
+    falcon_new="sdpa",  # F.scaled_dot_product_attention under the default sdpa config
+    falcon_mqa="sdpa",
+    falcon_mha="sdpa",
+)
+
+
 def test_specs_cover_all_families():
-    assert set(SPECS) == set(FAMILIES)
+    assert set(SPECS) == set(FAMILIES) == set(CAPTURE)
 
 
 @pytest.fixture(scope="module")
@@ -337,6 +352,8 @@ def test_observed_maps_equal_weight_layout(family, built):
         assert 0 < n_cross < len(obs)
     else:
         assert not any(b.cross for b in obs.values())
+
+    assert {b.capture for b in obs.values()} == {CAPTURE[family]}
 
     if family in SHAPES:
         first = next(iter(obs.values()))
@@ -456,6 +473,8 @@ def test_eager_attention_paths(family):
         cfg._attn_implementation_internal = "eager"
     got = observe(model)
     assert list(got) == list(ref)
+    expected_capture = "matmul/softmax" if family.startswith("falcon") else "attention-interface"
+    assert {b.capture for b in got.values()} == {expected_capture}
     for name in ref:
         for key in ("q", "q_bias", "k", "k_bias", "v", "v_bias"):
             assert torch.allclose(getattr(got[name], key), getattr(ref[name], key), atol=ATOL), (name, key)
@@ -484,3 +503,54 @@ def test_observe_leaves_model_untouched(family):
     kw = {"decoder_input_ids": ids} if FAMILIES[family].encoder_decoder else {}
     with torch.no_grad():
         model(input_ids=ids, **kw)
+
+
+def test_non_float32_model_is_refused():
+    model = FAMILIES["bert"].make().to(torch.bfloat16)
+    with pytest.raises(ObservationError, match="float32"):
+        observe(model)
+
+
+def test_leaf_softmax_module_counts_for_its_caller():
+    """An inline-attention module whose softmax is an nn.Softmax child (older
+    code style) is still recognised by the matmul/softmax pattern."""
+
+    class Attn(torch.nn.Module):
+        def __init__(self, dim=16, heads=4):
+            super().__init__()
+            self.h, self.d = heads, dim // heads
+            self.qkv = torch.nn.Linear(dim, 3 * dim)
+            self.softmax = torch.nn.Softmax(dim=-1)
+
+        def forward(self, hidden_states):
+            b, n, _ = hidden_states.shape
+            q, k, v = self.qkv(hidden_states).view(b, n, 3, self.h, self.d).permute(2, 0, 3, 1, 4)
+            p = self.softmax(torch.matmul(q, k.transpose(-1, -2)))
+            return torch.matmul(p, v).transpose(1, 2).reshape(b, n, -1)
+
+    class Net(torch.nn.Module):
+        main_input_name = "pixel_values"
+
+        def __init__(self):
+            super().__init__()
+            self.config = transformers.PretrainedConfig(image_size=4, num_channels=16)
+            self.blocks = torch.nn.ModuleList([Attn(), Attn()])
+
+        def forward(self, pixel_values):
+            x = pixel_values.flatten(2).transpose(1, 2)  # (B, 16 tokens, 16)
+            for blk in self.blocks:
+                x = blk(x)
+            return x
+
+    torch.manual_seed(0)
+    net = Net().eval()
+    obs = observe(net)
+    assert list(obs) == ["blocks.0", "blocks.1"]
+    for i, blk in enumerate(net.blocks):
+        w3 = blk.qkv.weight.view(3, 4, 4, 16)
+        b3 = blk.qkv.bias.view(3, 4, 4)
+        o = obs[f"blocks.{i}"]
+        assert o.capture == "matmul/softmax"
+        assert torch.allclose(o.q, w3[0], atol=ATOL) and torch.allclose(o.q_bias, b3[0], atol=ATOL)
+        assert torch.allclose(o.k, w3[1], atol=ATOL) and torch.allclose(o.k_bias, b3[1], atol=ATOL)
+        assert torch.allclose(o.v, w3[2], atol=ATOL) and torch.allclose(o.v_bias, b3[2], atol=ATOL)
