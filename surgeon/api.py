@@ -27,6 +27,9 @@ def load(model: str | Path, *, config: str | Path | None = None, revision: str |
 
 
 def _detect(source: Source, hints: Hints) -> Detection:
+    found = source.primary.detect(source.config, hints)
+    if found is not None:
+        return found
     return detect(source.primary.tensors, source.config, hints, source=str(source.path))
 
 
@@ -107,6 +110,8 @@ def reinit_checkpoint(
             for c in plan.changes
         ]
         return report
+    for weights in source.weights:
+        weights.check_plan(plan)
     engine = Engine(plan, dev)
     _check_secondary_sets(source, engine)
     kind = "merge" if in_place and source.kind != "file" else output_kind(source)

@@ -65,6 +65,17 @@ class WeightSet(ABC):
         into the file's metadata where the format has a place for it.
         """
 
+    def detect(self, config: dict | None, hints) -> "Detection | None":
+        """Formats whose tensor names carry no structure (ONNX) find attention themselves.
+
+        Returns None to use name-based detection (surgeon.detect.names).
+        """
+        return None
+
+    def check_plan(self, plan) -> None:
+        """Refuse a plan this format cannot carry out safely (e.g. an ONNX initializer shared with
+        nodes outside the plan). Raise a SurgeonError with a one-line reason."""
+
     def nbytes(self) -> int:
         return sum((self.folder / f).stat().st_size for f in self.all_files)
 
