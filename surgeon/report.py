@@ -127,10 +127,23 @@ class Report:
             parts.append(self._plan_table())
         else:
             parts.append(self._reinit_table())
+        if self.command == "reinit" and not self.dry_run and self.rows:
+            parts.append(self._legend())
         parts += [f"note: {n}" for n in self.notes]
         if self.command == "reinit" and not self.dry_run and self.output:
             parts.append(f"wrote {self.output} ({fmt_bytes(self.bytes_written)}) in {self.seconds:.2f} s on {self.device}")
         return "\n\n".join(p for p in parts if p)
+
+    def _legend(self) -> str:
+        o = self.options or {}
+        text = "kappa: condition number of the whole projection (all heads stacked); head kappa: of each head's own matrix."
+        if o.get("mode") == "conditioned":
+            text += (
+                "\nEach query/key head is drawn independently (as in the paper), so heads are not mutually orthogonal"
+                " and the whole q/k matrix keeps a kappa above 1"
+                + ("; the block value identity is kappa 1 as a whole." if o.get("value_identity") == "block" else ".")
+            )
+        return text
 
     def _summary(self) -> str:
         stacks = list(dict.fromkeys(b.stack for b in self.blocks))
