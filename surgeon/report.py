@@ -106,7 +106,7 @@ class Report:
             "seconds": round(self.seconds, 4),
             "bytes_written": self.bytes_written,
             "options": self.options,
-            "blocks": [_block_dict(b) for b in self.blocks],
+            "blocks": [b.to_dict() for b in self.blocks],
             "projections": [r.to_dict() for r in self.rows],
             "notes": self.notes,
         }
@@ -204,7 +204,3 @@ def _tensor_names(block: AttentionBlock) -> str:
     prefix = block.module + "." if block.module else ""
     return ", ".join(n.removeprefix(prefix) for n in names)
 
-
-def _block_dict(b: AttentionBlock) -> dict:
-    d = b.to_dict()
-    return d

@@ -188,11 +188,10 @@ def _place(matches: dict[str, Rule]) -> list[tuple[str, Rule, str, int, int | No
     for _, stack, depth, key, _ in placed_raw:
         ranks[(stack, depth)].append(key)
     order = {k: sorted(set(v)) for k, v in ranks.items()}
+    stack_of = {module: stack for module, stack, *_ in placed_raw}
     stack_order: dict[str, int] = {}
     for module in matches:  # stacks in the order their tensors appear in the checkpoint
-        for m, stack, *_ in placed_raw:
-            if m == module:
-                stack_order.setdefault(stack, len(stack_order))
+        stack_order.setdefault(stack_of[module], len(stack_order))
     placed = [
         (module, matches[module], stack, order[(stack, depth)].index(key), stage)
         for module, stack, depth, key, stage in placed_raw
