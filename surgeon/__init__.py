@@ -2,6 +2,7 @@
 
 from ._version import __version__
 from .api import inspect_checkpoint, reinit_checkpoint
+from .modules import inspect, inspect_module, reinit, reinit_
 from .errors import (
     CheckpointError,
     LayoutError,
@@ -12,6 +13,7 @@ from .errors import (
     SurgeonError,
     UnsupportedWeightsError,
 )
+from .hub import HubAccessError, HubAuthError, HubError, HubNotFoundError, HubOfflineError, PushError, PushResult, push_folder
 from .plan import ReinitOptions
 from .report import Report
 from .spec import AttentionBlock, Projection, Rows
@@ -20,6 +22,12 @@ __all__ = [
     "__version__",
     "inspect_checkpoint",
     "reinit_checkpoint",
+    "push_folder",
+    "PushResult",
+    "inspect",
+    "inspect_module",
+    "reinit",
+    "reinit_",
     "ReinitOptions",
     "Report",
     "AttentionBlock",
@@ -33,4 +41,10 @@ __all__ = [
     "OutputError",
     "SelectionError",
     "UnsupportedWeightsError",
+    "HubError",
+    "HubOfflineError",
+    "HubAccessError",
+    "HubNotFoundError",
+    "HubAuthError",
+    "PushError",
 ]

@@ -8,7 +8,7 @@ from the original and from the stored result, so the "after" column is what the 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -50,8 +50,12 @@ def _set_heads(tensor: torch.Tensor, rows: Rows, heads: tuple[int, ...], values:
         mat[rows.head_slice(h)] = value
 
 
-def new_heads(change: Change, old: torch.Tensor, plan: Plan) -> torch.Tensor:
-    """New per-head matrices for ``change.heads`` given their old values ``(len(heads), d, in)``."""
+def new_heads(change: Change, old: torch.Tensor, plan: Plan, *, seed_name: str | None = None) -> torch.Tensor:
+    """New per-head matrices for ``change.heads`` given their old values ``(len(heads), d, in)``.
+
+    Draws are keyed by ``seed_name`` (default: the tensor's own name), so that a model in memory whose
+    parameter names differ from its checkpoint's can draw exactly what the checkpoint path draws.
+    """
     opts, proj = plan.options, change.projection
     d, n_in = proj.head_dim, proj.in_features
     if opts.mode == "polar":
@@ -59,7 +63,8 @@ def new_heads(change: Change, old: torch.Tensor, plan: Plan) -> torch.Tensor:
     elif change.role == "v":
         new = torch.stack([value_identity(h, d, n_in, opts.value_identity, device=old.device) for h in change.heads])
     else:
-        seeds = [head_seed(opts.seed, proj.weight.tensor, change.role, h) for h in change.heads]
+        key = seed_name or proj.weight.tensor
+        seeds = [head_seed(opts.seed, key, change.role, h) for h in change.heads]
         new = torch.stack([semi_orthogonal(d, n_in, seed=s, device=old.device) for s in seeds])
     return rescale_to(new, old) if opts.keep_scale else new
 
@@ -82,9 +87,10 @@ class ProjectionResult:
 class Engine:
     """Applies a plan to tensors given one at a time, remembering before/after spectra."""
 
-    def __init__(self, plan: Plan, device: torch.device) -> None:
+    def __init__(self, plan: Plan, device: torch.device, *, seed_names: Mapping[str, str] | None = None) -> None:
         self.plan = plan
         self.device = device
+        self.seed_names = dict(seed_names or {})  # tensor -> name its draws are keyed by (see new_heads)
         self.edits: dict[str, list[tuple[Change, str]]] = defaultdict(list)
         for change in plan.changes:
             proj = change.projection
@@ -108,7 +114,8 @@ class Engine:
                     work[proj.bias.head_slice(h)] = 0.0
                 continue
             old = head_matrices(work, proj.weight, change.heads)
-            _set_heads(work, proj.weight, change.heads, new_heads(change, old, self.plan))
+            new = new_heads(change, old, self.plan, seed_name=self.seed_names.get(name))
+            _set_heads(work, proj.weight, change.heads, new)
         stored = work.to(original.dtype).to(original.device)
         if record:
             self._record(name, original, stored, edits)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import sys
 
 import click
@@ -41,6 +42,7 @@ def model_options(fn):
     """Options that tell surgeon about the checkpoint when its config.json does not."""
     for decorator in reversed(
         [
+            click.option("--revision", metavar="REV", help="Branch, tag or commit hash of a Hub MODEL (default: its main branch)."),
             click.option("--config", "config", type=click.Path(dir_okay=False), help="config.json to read heads from (default: the one beside the weights)."),
             click.option("--num-heads", type=click.IntRange(min=1), help="Number of query heads, when there is no config.json."),
             click.option("--num-kv-heads", type=click.IntRange(min=1), help="Number of key/value heads (grouped-query attention)."),
@@ -70,19 +72,31 @@ Examples:
   surgeon inspect model.safetensors
   surgeon inspect ./my-model --json > report.json
   surgeon inspect encoder.pt --num-heads 8
+  surgeon inspect sentence-transformers/all-MiniLM-L6-v2           # a Hugging Face Hub model
+  surgeon inspect org/model --revision v1.0                        # at a branch, tag or commit
+  surgeon inspect ./my-model --verify-layout                       # names vs the real forward
 """)
 @click.argument("model")
+@click.option("--verify-layout", is_flag=True,
+              help="Build the architecture from config.json with transformers (random init, no download) and check "
+                   "that its forward uses the q/k/v rows that names say.")
 @model_options
 @handle_errors
-def inspect(model, config, num_heads, num_kv_heads, head_dim, device, as_json):
+def inspect(model, verify_layout, revision, config, num_heads, num_kv_heads, head_dim, device, as_json):
     """List the attention blocks of MODEL and the condition numbers of their projections.
 
-    MODEL is a .safetensors/.bin/.pt file, a sharded *.index.json, or a model folder.
+    MODEL is a .safetensors/.bin/.pt file, a sharded *.index.json, a model folder, or a Hugging
+    Face Hub id org/name (a local path of the same name wins; write hf://org/name for the Hub).
     """
     report = api.inspect_checkpoint(
-        model, config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        model, revision=revision, config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         device=device, progress=not as_json and sys.stderr.isatty(),
     )
+    if verify_layout:
+        from .verify import verify_layout as check_layout
+
+        check = check_layout(model, revision=revision, config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        report.notes.append(check.summary())
     click.echo(report.to_json() if as_json else report.render())
 
 
@@ -94,6 +108,9 @@ Examples:
   surgeon reinit ./t5 --attention cross --stack decoder
   surgeon reinit ./model --mode polar --strength 0.5 --keep-scale   # halve log-kappa, keep scale
   surgeon reinit model.safetensors --dry-run                        # print the plan only
+  surgeon reinit org/model --revision v1.0 -o ./model-reset         # read a Hub model at a tag
+  surgeon reinit org/model --push-to-hub me/model-reset --private   # then publish the output
+  surgeon reinit ./bert --push-to-hub org/bert-reset --create-pr    # as a pull request
 \b
 Layer and head specs: all, N, A-B (inclusive), A- (to the last), lists like 0,3,5-7;
 negative numbers count from the end (-1 is the last). Each stack of layers is numbered from 0.
@@ -117,23 +134,71 @@ negative numbers count from the end (-1 is the last). Each stack of layers is nu
 @click.option("--overwrite", is_flag=True, help="Replace an existing output.")
 @click.option("--in-place", is_flag=True, help="Replace the input itself (atomically).")
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
+@click.option("--push-to-hub", "push_to_hub", metavar="ORG/NAME", help="Upload the output folder to this Hub model repo (created if needed) in one commit.")
+@click.option("--private", is_flag=True, help="With --push-to-hub: create the repo as private.")
+@click.option("--push-revision", metavar="BRANCH", help="With --push-to-hub: commit to this branch (created from main if missing).")
+@click.option("--create-pr", is_flag=True, help="With --push-to-hub: open a pull request against main instead of committing.")
+@click.option("--commit-message", help="With --push-to-hub: the commit message (default: what was re-initialized).")
 @model_options
 @handle_errors
 def reinit(model, output, layers, targets, heads, attention, stack, mode, strength, value_identity, keep_scale, bias,
-           seed, overwrite, in_place, dry_run, config, num_heads, num_kv_heads, head_dim, device, as_json):
+           seed, overwrite, in_place, dry_run, push_to_hub, private, push_revision, create_pr, commit_message,
+           revision, config, num_heads, num_kv_heads, head_dim, device, as_json):
     """Re-initialize query/key/value projections of MODEL with conditioned initialization.
 
     Writes a new checkpoint in the same format and layout; every tensor that is not
-    re-initialized keeps its bytes. Prints condition numbers before and after.
+    re-initialized keeps its bytes. Prints condition numbers before and after. A folder
+    output also gets a model card (README.md): what was done, the condition numbers, the
+    command to reproduce it, and the source's own card below.
+
+    MODEL is a file, an *.index.json, a model folder or a Hub id org/name (--revision picks its
+    branch, tag or commit). The Hub token comes from HF_TOKEN or `hf auth login`.
     """
     report = api.reinit_checkpoint(
-        model, output=output, in_place=in_place, overwrite=overwrite, dry_run=dry_run, layers=layers,
+        model, revision=revision, output=output, in_place=in_place, overwrite=overwrite, dry_run=dry_run, layers=layers,
         targets=targets, heads=heads, attention=attention, stack=stack, mode=mode, strength=strength,
         value_identity=value_identity, keep_scale=keep_scale, bias=bias or "auto", seed=seed, device=device,
         config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        progress=not as_json and sys.stderr.isatty(),
+        progress=not as_json and sys.stderr.isatty(), push_to_hub=push_to_hub, private=private,
+        push_revision=push_revision, create_pr=create_pr, commit_message=commit_message,
     )
     click.echo(report.to_json() if as_json else report.render())
+
+
+@main.command(context_settings=CONTEXT, epilog="""\b
+Examples:
+  surgeon push ./llama-reinit me/llama-reinit
+  surgeon push ./llama-reinit org/llama-reinit --private
+  surgeon push ./llama-reinit org/llama-reinit --revision reset-v2   # to a branch
+  surgeon push ./llama-reinit org/llama-reinit --create-pr           # as a pull request
+\b
+The token comes from HF_TOKEN or `hf auth login`; HF_ENDPOINT selects another Hub.
+""")
+@click.argument("folder", type=click.Path(file_okay=False))
+@click.argument("repo_id", metavar="ORG/NAME")
+@click.option("--private", is_flag=True, help="Create the repo as private (an existing repo keeps its visibility).")
+@click.option("--revision", metavar="BRANCH", help="Commit to this branch, created from main if missing (default: main).")
+@click.option("--create-pr", is_flag=True, help="Open a pull request against main instead of committing.")
+@click.option("--commit-message", help="The commit message (default: Upload FOLDER with surgeon VERSION).")
+@click.option("--json", "as_json", is_flag=True, help="Print what was pushed as JSON on stdout.")
+@handle_errors
+def push(folder, repo_id, private, revision, create_pr, commit_message, as_json):
+    """Upload FOLDER (e.g. an output of surgeon reinit) to the Hub model repo ORG/NAME.
+
+    Creates the repo if needed and uploads every file in one commit, large files through
+    the Hub client's large-file path. If the push stops part-way, running it again sends
+    only what is missing and commits.
+    """
+    from .hub import push_folder
+
+    result = push_folder(
+        folder, repo_id, private=private, revision=revision, create_pr=create_pr, commit_message=commit_message,
+        progress=not as_json and sys.stderr.isatty(),
+    )
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        click.echo("\n".join([f"note: {n}" for n in result.notes] + [result.summary()]))
 
 
 if __name__ == "__main__":

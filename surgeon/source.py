@@ -29,6 +29,9 @@ class Source:
     config_path: Path | None = None
     extra_files: list[str] = field(default_factory=list)  # folder inputs: carried over unchanged
     hub_id: str | None = None
+    hub_revision: str | None = None  # as asked for (branch, tag or commit); None: the default branch
+    hub_commit: str | None = None  # the commit the files came from
+    notes: list[str] = field(default_factory=list)  # for the report: where MODEL was read from
 
     @property
     def primary(self) -> WeightSet:
@@ -88,7 +91,9 @@ def _open_file(path: Path) -> Source:
     if path.suffix == ".onnx":
         from .formats.onnx import open_onnx  # optional module, built on the core
 
-        return Source(path, "file", [open_onnx(path)])
+        weights = open_onnx(path)
+        # With external data the .onnx is like an index over its data files: the output is a folder.
+        return Source(path, "index" if len(weights.files) > 1 else "file", [weights])
     raise CheckpointError(
         f"{path}: unknown checkpoint type {path.suffix or '(no suffix)'}; surgeon reads .safetensors, "
         ".bin/.pt/.pth/.ckpt, their .index.json, .onnx files and model folders"
@@ -114,6 +119,11 @@ def _open_folder(folder: Path) -> Source:
             sets.append(TorchWeights(folder, picked))
     if not sets:
         onnx_files = [n for n in top if n.endswith(".onnx")]
+        if len(onnx_files) > 1:
+            raise CheckpointError(
+                f"folder {folder} holds {len(onnx_files)} ONNX models ({', '.join(onnx_files[:3])}{', ...' if len(onnx_files) > 3 else ''}); "
+                "point surgeon at one .onnx file"
+            )
         if onnx_files:
             from .formats.onnx import open_onnx
 

@@ -45,7 +45,7 @@ def test_reinit_top_layers_and_encode(cli, minilm_dir, tmp_path):
     # every non-weight file (tokenizer, sentence-transformers modules, pooling config) came along
     out_files = tree_digest(out)
     for rel, digest in source_files.items():
-        if rel != "model.safetensors":
+        if rel not in ("model.safetensors", "README.md"):  # README.md: the new card, the source's below it
             assert out_files[rel] == digest, rel
 
     sentences = ["A man is playing a guitar.", "The weather is cold today."]

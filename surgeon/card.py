@@ -1,0 +1,196 @@
+"""The model card (README.md) of a re-initialized model folder.
+
+Front matter the Hub understands (base model, tags, library, license), then what was done, the
+condition numbers this run measured, the command that reproduces it and the paper to cite. The source
+model's own card follows, unchanged, so nothing it said is lost. Never holds a token, a time or an
+absolute path: the same run gives the same card.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from ._version import __version__
+from .apply import ProjectionResult
+from .detect.config import Hints
+from .plan import Plan
+from .report import fmt_kappa
+from .selection import format_indices
+from .source import Source
+
+TAGS = ["surgeon", "conditioned-initialization"]
+PAPER_URL = "https://openreview.net/forum?id=cKNOCYPo2W"
+BIBTEX = """\
+@inproceedings{saratchandran2026conditioned,
+  title     = {Conditioned Initialization for Attention},
+  author    = {Saratchandran, Hemanth and Lucey, Simon},
+  booktitle = {Submitted to The Fourteenth International Conference on Learning Representations (ICLR)},
+  year      = {2026},
+  url       = {https://openreview.net/forum?id=cKNOCYPo2W}
+}"""
+# Source metadata that still describes the re-initialized model. Evaluation results (model-index),
+# datasets, metrics and the source's own base_model describe the source only, so they are dropped.
+KEPT_METADATA = ("license", "license_name", "license_link", "language", "pipeline_tag", "library_name")
+_YAML_BLOCK = re.compile(r"^(\s*---[\r\n]+)([\S\s]*?)([\r\n]+---(\r\n|\n|$))")
+
+
+@dataclass
+class SourceCard:
+    """The source model's card: its metadata (as a dict) and its Markdown body."""
+
+    metadata: dict
+    body: str
+
+    @classmethod
+    def read(cls, path: Path) -> SourceCard | None:
+        if not path.is_file():
+            return None
+        from huggingface_hub import ModelCard
+
+        text = path.read_text(encoding="utf-8", errors="replace")
+        try:
+            card = ModelCard(text, ignore_metadata_errors=True)
+            return cls(card.data.to_dict(), card.text)
+        except Exception:  # front matter that is not a YAML mapping: keep the text, drop the metadata
+            match = _YAML_BLOCK.search(text)
+            return cls({}, text[match.end():] if match else text)
+
+
+def reproduce_command(model: str, *, revision: str | None, options: dict, hints: Hints, output: str) -> str:
+    """The ``surgeon reinit`` command line that makes the same weights again (every option spelled out)."""
+    q = shlex.quote
+
+    def spec(value) -> str:
+        return value if isinstance(value, str) else str(value) if isinstance(value, int) else format_indices(sorted(value))
+
+    args = ["surgeon", "reinit", q(model)]
+    if revision:
+        args += ["--revision", q(revision)]
+    # `--layers=-2-`: with "=", a spec that starts with "-" cannot be read as an option
+    args += [f"--layers={q(spec(options['layers']))}", "--targets", ",".join(options["targets"]), f"--heads={q(spec(options['heads']))}"]
+    args += ["--attention", options["attention"]]
+    if options.get("stack"):
+        args += ["--stack", q(",".join(options["stack"]))]
+    args += ["--mode", options["mode"]]
+    if options["mode"] == "polar":
+        args += ["--strength", str(options["strength"])]
+    else:
+        args += ["--value-identity", options["value_identity"]]
+    args += ["--bias", options["bias"], "--seed", str(options["seed"])]
+    if options.get("keep_scale"):
+        args.append("--keep-scale")
+    for flag, value in (("--num-heads", hints.num_heads), ("--num-kv-heads", hints.num_kv_heads), ("--head-dim", hints.head_dim)):
+        if value is not None:
+            args += [flag, str(value)]
+    return " ".join(args + ["-o", q(output)])
+
+
+def build_card(*, source: Source, plan: Plan, results: list[ProjectionResult], command: str, title: str):
+    """The card as a ``huggingface_hub.ModelCard`` (metadata validated by its own parser)."""
+    from huggingface_hub import ModelCard, ModelCardData, constants
+
+    original = SourceCard.read(source.folder / "README.md") if source.kind == "folder" else None
+    meta = original.metadata if original else {}
+    kept = {k: meta[k] for k in KEPT_METADATA if meta.get(k) is not None}
+    if "library_name" not in kept and isinstance(source.config, dict) and source.config.get("model_type"):
+        kept["library_name"] = "transformers"  # a config.json with a model_type is a transformers model
+    source_tags = meta.get("tags") or []
+    tags = list(dict.fromkeys(TAGS + [str(t) for t in (source_tags if isinstance(source_tags, list) else [source_tags])]))
+    data = ModelCardData(base_model=source.hub_id, tags=tags, **kept)
+
+    endpoint = constants.ENDPOINT.rstrip("/")
+    if source.hub_id:
+        commit = f" (commit `{source.hub_commit[:12]}`)" if source.hub_commit else ""
+        origin = f"[`{source.hub_id}`]({endpoint}/{source.hub_id}){commit}"
+    else:
+        origin = f"`{source.path.name}`"
+    parts = [
+        f"# {title}",
+        f"This is {origin} with the attention query/key/value projections of {len(plan.touched_blocks)} of its "
+        f"{len(plan.blocks)} attention blocks re-initialized by surgeon {__version__} "
+        f"with conditioned initialization ([Saratchandran & Lucey]({PAPER_URL})). Every other tensor is byte for byte "
+        "the source's.",
+        "The re-initialized projections no longer hold what the source model learned there: this is a starting "
+        "point for fine-tuning or further training, not a drop-in replacement for the source.",
+        "## What was done",
+        _options_table(plan),
+        _blocks_table(plan),
+        "## Condition numbers",
+        "Measured by this run on the weights as written: kappa = sigma_max / sigma_min of the whole projection, "
+        "and min / median / max over its heads.",
+        _kappa_table(results),
+        "## Reproduce",
+        f"With surgeon {__version__}:",
+        f"```bash\n{command}\n```",
+        "Each head's random draw depends only on (seed, tensor name, role, head), not on the order of processing, "
+        "the sharding or the other heads selected.",
+        "## Citation",
+        f"```bibtex\n{BIBTEX}\n```",
+    ]
+    if original and original.body.strip():
+        name = f"`{source.hub_id}`" if source.hub_id else "the source model"
+        parts += ["## Source model card", f"The card of {name}, as it came with the source, follows unchanged.", original.body.strip()]
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(parts) + "\n")
+    return card
+
+
+def write_card(folder: Path, **kwargs) -> Path:
+    path = Path(folder) / "README.md"
+    build_card(**kwargs).save(path)
+    return path
+
+
+def _options_table(plan: Plan) -> str:
+    o = plan.options.to_dict()
+    if o["mode"] == "polar":
+        mode = f"polar, strength {o['strength']}: each head's singular values sigma -> sigma^(1 - strength), singular vectors kept"
+    else:
+        mode = (
+            "conditioned: independent semi-orthogonal query and key per head, value = rectangular identity "
+            f"({o['value_identity']})"
+        )
+    rows = [
+        ("mode", mode),
+        ("projections", ", ".join(o["targets"])),
+        ("layers", str(o["layers"]) if not isinstance(o["layers"], list) else format_indices(o["layers"])),
+        ("heads", str(o["heads"]) if not isinstance(o["heads"], list) else format_indices(o["heads"])),
+        ("attention", o["attention"] + (f", stacks {', '.join(o['stack'])}" if o.get("stack") else "")),
+        ("biases of re-initialized heads", "zeroed" if o["bias"] == "zero" else "kept"),
+        ("keep scale", "yes (each head rescaled to its old Frobenius norm)" if o["keep_scale"] else "no"),
+        ("seed", str(o["seed"])),
+        ("surgeon", __version__),
+    ]
+    return "| | |\n| --- | --- |\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
+
+
+def _blocks_table(plan: Plan) -> str:
+    lines = ["| block | kind | " + " | ".join(plan.options.to_dict()["targets"]) + " |"]
+    lines.append("| --- | --- |" + " --- |" * len(plan.options.to_dict()["targets"]))
+    for block in plan.touched_blocks:
+        cells = []
+        for role in plan.options.to_dict()["targets"]:
+            change = next((c for c in plan.changes if c.block.module == block.module and c.role == role), None)
+            if change is None:
+                cells.append("-")
+            else:
+                total = change.projection.heads
+                cells.append(f"all {total} heads" if len(change.heads) == total else f"heads {format_indices(change.heads)} of {total}")
+        lines.append(f"| `{block.module}` | {block.kind} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _kappa_table(results: list[ProjectionResult]) -> str:
+    lines = ["| block | proj | kappa before | kappa after | head kappa before (min/med/max) | head kappa after (min/med/max) |"]
+    lines.append("| --- | --- | ---: | ---: | --- | --- |")
+    for r in results:
+        if r.before is None or r.after is None:
+            continue
+        heads = lambda s: "/".join(fmt_kappa(x) for x in (s.head_min, s.head_median, s.head_max))  # noqa: E731
+        lines.append(
+            f"| `{r.block.module}` | {r.role} | {fmt_kappa(r.before.kappa)} | {fmt_kappa(r.after.kappa)} | "
+            f"{heads(r.before)} | {heads(r.after)} |"
+        )
+    return "\n".join(lines)

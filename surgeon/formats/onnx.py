@@ -1,0 +1,480 @@
+"""ONNX models, their initializers embedded in the .onnx file or kept in external data files.
+
+Reading never loads external data: each initializer's byte range is located once and read on its
+own, so models over 2 GB work. Writing patches bytes instead of re-serializing the model:
+
+* the .onnx is copied with the changed initializers' data overwritten in place (``raw_data``, or
+  packed ``float_data``/``double_data``, which are the same little-endian bytes); an initializer
+  stored in another encoding is rewritten as ``raw_data`` (the graph's length prefix follows).
+  surgeon's record is a ``metadata_props`` entry appended at the end of the file, a valid protobuf
+  encoding of one more field of the ModelProto; an earlier ``surgeon`` entry is taken out and its
+  history carried into the new one. Everything else stays byte for byte.
+* external data files are copied with only the changed tensors' byte ranges rewritten, at the
+  same offsets, so the graph's ``external_data`` entries stay valid.
+
+The protobuf wire format is walked directly (``_scan``) to find where each initializer's bytes are.
+"""
+
+from __future__ import annotations
+
+import json
+import errno
+import mmap
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import numpy as np
+import onnx
+import torch
+
+from ..errors import CheckpointError, SelectionError
+from .base import TensorInfo, UpdatesFn, WeightSet
+
+METADATA_KEY = "surgeon"
+
+# ONNX TensorProto.DataType -> (torch dtype, bytes per element)
+DTYPES: dict[int, tuple[torch.dtype, int]] = {
+    onnx.TensorProto.FLOAT: (torch.float32, 4),
+    onnx.TensorProto.FLOAT16: (torch.float16, 2),
+    onnx.TensorProto.BFLOAT16: (torch.bfloat16, 2),
+    onnx.TensorProto.DOUBLE: (torch.float64, 8),
+    onnx.TensorProto.INT64: (torch.int64, 8),
+    onnx.TensorProto.INT32: (torch.int32, 4),
+    onnx.TensorProto.INT16: (torch.int16, 2),
+    onnx.TensorProto.INT8: (torch.int8, 1),
+    onnx.TensorProto.UINT64: (torch.uint64, 8),
+    onnx.TensorProto.UINT32: (torch.uint32, 4),
+    onnx.TensorProto.UINT16: (torch.uint16, 2),
+    onnx.TensorProto.UINT8: (torch.uint8, 1),
+    onnx.TensorProto.BOOL: (torch.bool, 1),
+    onnx.TensorProto.FLOAT8E4M3FN: (torch.float8_e4m3fn, 1),
+    onnx.TensorProto.FLOAT8E5M2: (torch.float8_e5m2, 1),
+}
+_SMALL = 4096  # constants the graph walker may read (shapes, axes, split sizes)
+
+# Field numbers of onnx.proto that the byte-level scan needs.
+_MODEL_GRAPH, _MODEL_METADATA = 7, 14
+_GRAPH_INITIALIZER = 5
+_TENSOR_NAME, _TENSOR_RAW, _TENSOR_FLOAT, _TENSOR_DOUBLE = 8, 9, 4, 10
+_TENSOR_DATA_FIELDS = {4, 5, 6, 7, 9, 10, 11}
+_LEN = 2  # wire type of length-delimited fields
+
+
+class SharedInitializerError(SelectionError):
+    """An initializer the plan would change is also read by nodes the plan leaves alone."""
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """Where one initializer's data lives."""
+
+    file: str  # relative to the model's folder: the .onnx itself or an external data file
+    offset: int  # absolute byte offset of the data in that file
+    length: int
+    in_place: bool  # the bytes are the tensor's little-endian values and can be overwritten as they are
+    field: tuple[int, int] | None = None  # embedded: the initializer's whole field in the .onnx
+
+
+@dataclass
+class _Layout:
+    """Byte positions in the .onnx found by scanning its protobuf encoding."""
+
+    size: int
+    graph: tuple[int, int, int]  # field start, payload start, payload end
+    tensors: dict[str, tuple[int, int, int | None, int, int, bool]]  # name -> field start/end, data field, data start/end, one piece
+    metadata: list[tuple[int, int, str, str]]  # top-level metadata_props: field start/end, key, value
+
+
+def open_onnx(path: str | Path) -> OnnxWeights:
+    return OnnxWeights(Path(path))
+
+
+class OnnxWeights(WeightSet):
+    format = "onnx"
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path.parent, [path.name], None)
+        self.path = path
+        self.model = _load(path)
+        self.layout = _scan(path)
+        self._infos: dict[str, TensorInfo] = {}
+        self._stored: dict[str, _Stored] = {}
+        self._protos: dict[str, onnx.TensorProto] = {}
+        external: list[str] = []
+        for t in self.model.graph.initializer:
+            if t.data_type not in DTYPES:
+                continue  # strings, complex and packed 4-bit types: never projections
+            dtype, itemsize = DTYPES[t.data_type]
+            nbytes = int(np.prod(t.dims, dtype=np.int64)) * itemsize if t.dims else itemsize
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                stored = self._external(t, nbytes)
+                if stored.file not in external:
+                    external.append(stored.file)
+            else:
+                stored = self._embedded(t, nbytes)
+            name = onnx.TensorProto.DataType.Name(t.data_type)
+            self._infos[t.name] = TensorInfo(t.name, tuple(int(d) for d in t.dims), name, dtype, stored.file, nbytes)
+            self._stored[t.name] = stored
+            self._protos[t.name] = t
+        self.files = [path.name] + external
+        self._detected = None
+
+    # --- where the bytes are ---------------------------------------------------------------
+    def _embedded(self, t: onnx.TensorProto, nbytes: int) -> _Stored:
+        entry = self.layout.tensors.get(t.name)
+        if entry is None:
+            raise CheckpointError(f"{self.path}: initializer {t.name!r} could not be located in the file; re-save the model with onnx.save")
+        fstart, fend, data_field, dstart, dend, one_piece = entry
+        raw = data_field == _TENSOR_RAW or (data_field == _TENSOR_FLOAT and t.data_type == onnx.TensorProto.FLOAT) or (
+            data_field == _TENSOR_DOUBLE and t.data_type == onnx.TensorProto.DOUBLE
+        )
+        if data_field is None and nbytes == 0:
+            raw = True
+        if raw and one_piece and dend - dstart != nbytes:
+            raise CheckpointError(
+                f"{self.path}: initializer {t.name!r} holds {dend - dstart} bytes for shape {list(t.dims)}: the model is corrupt"
+            )
+        return _Stored(self.path.name, dstart, dend - dstart, raw and one_piece, (fstart, fend))
+
+    def _external(self, t: onnx.TensorProto, nbytes: int) -> _Stored:
+        info = {e.key: e.value for e in t.external_data}
+        location = info.get("location", "")
+        rel = PurePosixPath(location.replace("\\", "/"))
+        if not location or rel.is_absolute() or ".." in rel.parts:
+            raise CheckpointError(
+                f"{self.path}: initializer {t.name!r} points to external data {location!r}, which is not a path inside the model's folder"
+            )
+        file = self.folder / rel
+        try:
+            offset = int(info.get("offset", 0))
+            length = int(info.get("length", nbytes))
+        except ValueError:
+            raise CheckpointError(f"{self.path}: initializer {t.name!r} has a malformed external data offset or length") from None
+        if not file.is_file():
+            raise CheckpointError(
+                f"missing external data file {location} (initializer {t.name!r} of {self.path.name}): "
+                f"it must be in {self.folder} as the model says; copy it there or re-export the model"
+            )
+        if length != nbytes:
+            raise CheckpointError(f"{self.path}: initializer {t.name!r} has {length} bytes of external data for shape {list(t.dims)}: the model is corrupt")
+        size = file.stat().st_size
+        if offset < 0 or offset + length > size:
+            raise CheckpointError(
+                f"external data file {location} is truncated: initializer {t.name!r} needs bytes {offset}-{offset + length} "
+                f"but the file has {size}; re-download or re-export the model"
+            )
+        return _Stored(str(rel), offset, length, True)
+
+    # --- WeightSet ----------------------------------------------------------------------------
+    @property
+    def tensors(self) -> dict[str, TensorInfo]:
+        return self._infos
+
+    def read(self, name: str) -> torch.Tensor:
+        info, stored = self._infos[name], self._stored[name]
+        if not stored.in_place:  # varint-encoded (e.g. float16 in int32_data): let onnx decode it
+            return _to_torch(onnx.numpy_helper.to_array(self._protos[name]), info)
+        if stored.length == 0:
+            return torch.empty(info.shape, dtype=info.torch_dtype)
+        buf = bytearray(stored.length)
+        with open(self.folder / stored.file, "rb") as f:
+            f.seek(stored.offset)
+            if f.readinto(buf) != len(buf):
+                raise CheckpointError(f"{stored.file} ended while reading initializer {name!r}: the file is truncated")
+        return torch.frombuffer(buf, dtype=info.torch_dtype).reshape(info.shape)
+
+    def describe(self) -> str:
+        extra = len(self.files) - 1
+        return f"onnx ({self.path.name}" + (f" + {extra} external data file{'s' if extra > 1 else ''})" if extra else ")")
+
+    def detect(self, config: dict | None, hints):
+        from ..detect.onnx_graph import find_attention
+
+        self._detected = find_attention(self.model, self._const, config, hints, source=str(self.path))
+        return self._detected.detection
+
+    def _const(self, name: str) -> np.ndarray | None:
+        info = self._infos.get(name)
+        if info is None or info.nbytes > _SMALL * 8 or info.torch_dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+            return None
+        return self.read(name).numpy()
+
+    def check_plan(self, plan) -> None:
+        """Refuse to change an initializer that nodes outside the plan read too."""
+        found = self._detected
+        if found is None:
+            return
+        allowed: dict[str, set[int]] = {}
+        for change in plan.changes:
+            proj, users = change.projection, found.users[(change.block.module, change.role)]
+            allowed.setdefault(proj.weight.tensor, set()).update(users["weight"])
+            if plan.options.zero_bias and proj.bias is not None:
+                allowed.setdefault(proj.bias.tensor, set()).update(users["bias"])
+        graph = found.graph
+        for name in plan.tensors():
+            others = [n for n in graph.consumers.get(name, []) if n not in allowed.get(name, set())]
+            if not others and name not in graph.outputs:
+                continue
+            what = [f"block {found.owners[n][0]} ({found.owners[n][1]})" if n in found.owners else graph.describe(n) for n in others]
+            what = list(dict.fromkeys(what)) + (["a graph output"] if name in graph.outputs else [])
+            shown = ", ".join(what[:3]) + (f" and {len(what) - 3} more" if len(what) > 3 else "")
+            is_bias = any(c.projection.bias is not None and c.projection.bias.tensor == name for c in plan.changes)
+            fix = "select them too (--layers/--stack/--attention)" + (", or keep the biases (--bias keep)" if is_bias else "")
+            raise SharedInitializerError(
+                f"initializer {name!r} is shared: besides the projections chosen, {shown} read{'s' if len(what) == 1 else ''} it, "
+                f"so changing it would change them too; {fix}, or leave those projections out"
+            )
+
+    def save(self, dest: Path, updates: UpdatesFn, record: dict) -> None:
+        self._write_model(dest / self.path.name, updates(self.path.name), record)
+        for file in self.files[1:]:
+            changed = updates(file)
+            target = dest / file
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _copy_file(self.folder / file, target)
+            if changed:
+                with open(target, "r+b") as out:
+                    for name, tensor in changed.items():
+                        data = self._bytes(name, tensor)
+                        out.seek(self._stored[name].offset)
+                        out.write(data)
+
+    # --- writing the .onnx ----------------------------------------------------------------------
+    def _write_model(self, target: Path, changed: dict[str, torch.Tensor], record: dict) -> None:
+        layout = self.layout
+        edits: list[tuple[int, int, bytes]] = []
+        graph_growth = 0
+        for name, tensor in changed.items():
+            data = self._bytes(name, tensor)
+            stored = self._stored[name]
+            if stored.in_place:
+                edits.append((stored.offset, stored.offset + stored.length, data))
+                continue
+            proto = onnx.TensorProto()
+            proto.CopyFrom(self._protos[name])
+            for f in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data"):
+                proto.ClearField(f)
+            proto.raw_data = data
+            start, end = stored.field  # type: ignore[misc]
+            new = _field(_GRAPH_INITIALIZER, proto.SerializeToString())
+            edits.append((start, end, new))
+            graph_growth += len(new) - (end - start)
+        if graph_growth:
+            gstart, pstart, pend = layout.graph
+            edits.append((gstart, pstart, _key(_MODEL_GRAPH) + _varint(pend - pstart + graph_growth)))
+        history: list = []
+        for start, end, key, value in layout.metadata:
+            if key == METADATA_KEY:
+                edits.append((start, end, b""))
+                try:
+                    old = json.loads(value)
+                    history += old if isinstance(old, list) else [old]
+                except ValueError:
+                    history.append(value)
+        entry = _field(1, METADATA_KEY.encode()) + _field(2, json.dumps(history + [record], separators=(",", ":"), sort_keys=True).encode())
+        with open(self.path, "rb") as src, open(target, "wb") as out:
+            pos = 0
+            for start, end, data in sorted(edits):
+                _copy(src, out, pos, start - pos)
+                out.write(data)
+                pos = end
+            _copy(src, out, pos, layout.size - pos)
+            out.write(_field(_MODEL_METADATA, entry))
+
+    def _bytes(self, name: str, tensor: torch.Tensor) -> bytes:
+        info = self._infos[name]
+        if tuple(tensor.shape) != info.shape or tensor.dtype != info.torch_dtype:
+            raise AssertionError(f"update of {name} changes its shape or dtype")
+        return tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def surgeon_records(model: onnx.ModelProto) -> list[dict]:
+    """surgeon's records in a model's ``metadata_props`` (oldest first)."""
+    for p in model.metadata_props:
+        if p.key == METADATA_KEY:
+            value = json.loads(p.value)
+            return value if isinstance(value, list) else [value]
+    return []
+
+
+# --- reading the model ---------------------------------------------------------------------------
+def _load(path: Path) -> onnx.ModelProto:
+    try:
+        model = onnx.load_model(str(path), load_external_data=False)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except Exception as exc:  # noqa: BLE001 - protobuf raises several types for bad bytes
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CheckpointError(f"{path} is not a readable ONNX model ({reason}); re-export or re-download it") from None
+    if not model.ir_version or not model.graph.node:
+        raise CheckpointError(f"{path} is not an ONNX model (it has no graph); re-export or re-download it")
+    return model
+
+
+def _to_torch(array: np.ndarray, info: TensorInfo) -> torch.Tensor:
+    array = np.ascontiguousarray(array)
+    if array.dtype.kind in "biuf" and array.dtype.name not in ("bfloat16",) and array.dtype.itemsize == torch.empty((), dtype=info.torch_dtype).element_size():
+        try:
+            return torch.from_numpy(array.copy()).view(info.torch_dtype).reshape(info.shape)
+        except TypeError:
+            pass
+    raw = array.view(np.uint8).copy()
+    return torch.from_numpy(raw).view(info.torch_dtype).reshape(info.shape)
+
+
+class _Corrupt(Exception):
+    pass
+
+
+def _scan(path: Path) -> _Layout:
+    """Find the graph, each initializer's data and surgeon's metadata entries in the .onnx bytes."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            return _scan_buffer(buf)
+    except _Corrupt as exc:
+        raise CheckpointError(f"{path} has a corrupt protobuf encoding ({exc}); re-export or re-download it") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from None
+
+
+def _scan_buffer(buf) -> _Layout:
+    size = len(buf)
+    graph = None
+    metadata = []
+    for number, wire, start, pstart, pend in _fields(buf, 0, size):
+        if number == _MODEL_GRAPH and wire == _LEN:
+            if graph is not None:
+                raise _Corrupt("the model has its graph in two pieces")
+            graph = (start, pstart, pend)
+        elif number == _MODEL_METADATA and wire == _LEN:
+            entry = {n: bytes(buf[s:e]).decode("utf-8", "replace") for n, w, _, s, e in _fields(buf, pstart, pend) if w == _LEN}
+            metadata.append((start, pend, entry.get(1, ""), entry.get(2, "")))
+    if graph is None:
+        raise _Corrupt("no graph")
+    tensors = {}
+    for number, wire, start, pstart, pend in _fields(buf, graph[1], graph[2]):
+        if number != _GRAPH_INITIALIZER or wire != _LEN:
+            continue
+        name, data_field, span, pieces = "", None, (pend, pend), 0
+        for n, w, _, s, e in _fields(buf, pstart, pend):
+            if n == _TENSOR_NAME and w == _LEN:
+                name = bytes(buf[s:e]).decode("utf-8")
+            elif n in _TENSOR_DATA_FIELDS:
+                # an unpacked repeated field (one element per field) cannot be patched in place
+                pieces += 1 if w == _LEN else 2
+                data_field, span = n, (s, e)
+        tensors[name] = (start, pend, data_field, span[0], span[1], pieces <= 1)
+    return _Layout(size, graph, tensors, metadata)
+
+
+def _fields(buf, start: int, end: int):
+    """(field number, wire type, field start, payload start, payload end) of each field in buf[start:end]."""
+    pos = start
+    while pos < end:
+        fstart = pos
+        key, pos = _read_varint(buf, pos, end)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            pstart = pos
+            _, pos = _read_varint(buf, pos, end)
+        elif wire == 1:
+            pstart, pos = pos, pos + 8
+        elif wire == _LEN:
+            length, pos = _read_varint(buf, pos, end)
+            pstart, pos = pos, pos + length
+        elif wire == 5:
+            pstart, pos = pos, pos + 4
+        else:
+            raise _Corrupt(f"unknown wire type {wire} at byte {fstart}")
+        if pos > end or number == 0:
+            raise _Corrupt(f"a field at byte {fstart} runs past its message")
+        yield number, wire, fstart, pstart, pos
+
+
+def _read_varint(buf, pos: int, end: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= end:
+            raise _Corrupt(f"truncated varint at byte {pos}")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if b < 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise _Corrupt(f"overlong varint at byte {pos}")
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _key(number: int) -> bytes:
+    return _varint(number << 3 | _LEN)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    return _key(number) + _varint(len(payload)) + payload
+
+
+def _copy_file(src: Path, dst: Path) -> None:
+    """Copy a data file: kernel-side where possible, and holes of sparse files stay holes."""
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        size = os.fstat(fin.fileno()).st_size
+        pos = 0
+        try:
+            while pos < size:
+                start = os.lseek(fin.fileno(), pos, os.SEEK_DATA)
+                end = os.lseek(fin.fileno(), start, os.SEEK_HOLE)
+                _copy_range(fin, fout, start, end - start)
+                pos = end
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # only a hole left
+                pass
+            elif exc.errno in (errno.EINVAL, errno.EOPNOTSUPP) and pos == 0:  # no SEEK_DATA here
+                fin.seek(0)
+                shutil.copyfileobj(fin, fout, 16 << 20)
+            else:
+                raise
+        fout.truncate(size)
+
+
+def _copy_range(fin, fout, offset: int, count: int) -> None:
+    """bytes offset..offset+count of fin to the same offset of fout."""
+    done = 0
+    try:
+        while done < count:
+            n = os.copy_file_range(fin.fileno(), fout.fileno(), count - done, offset + done, offset + done)
+            if n == 0:
+                break
+            done += n
+    except OSError:
+        pass
+    fin.seek(offset + done)
+    fout.seek(offset + done)
+    _copy_stream(fin, fout, count - done)
+
+
+def _copy_stream(src, out, count: int) -> None:
+    while count > 0:
+        chunk = src.read(min(count, 16 << 20))
+        if not chunk:
+            raise CheckpointError(f"{src.name} ended early while copying: the file is truncated")
+        out.write(chunk)
+        count -= len(chunk)
+
+
+def _copy(src, out, offset: int, count: int) -> None:
+    src.seek(offset)
+    _copy_stream(src, out, count)

@@ -1,0 +1,154 @@
+"""The Python API on models in memory: ``surgeon.reinit_(model)`` and ``surgeon.inspect(model)``.
+
+The same plan, engine and report as the checkpoint path (:mod:`surgeon.api`): same options, same
+defaults and, for the same seed, the same weights as ``reinit_checkpoint`` on the model's saved file.
+Weights change in place under ``torch.no_grad()``, on the device and in the dtype they live in
+(computed in float64 on that device, stored back in the parameter's own dtype).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .apply import Engine, inspect_blocks
+from .detect.config import Hints
+from .detect.modules import ModuleDetection, detect_module
+from .errors import OptionError
+from .plan import ReinitOptions, make_plan
+from .report import ProjectionRow, Report
+from .selection import IndexSpec
+
+
+def reinit_(
+    module: nn.Module,
+    *,
+    layers: IndexSpec = "all",
+    targets: str | Iterable[str] = ("q", "k", "v"),
+    heads: IndexSpec = "all",
+    attention: str = "all",
+    stack: str | Iterable[str] | None = None,
+    mode: str = "conditioned",
+    strength: float | None = None,
+    value_identity: str = "block",
+    keep_scale: bool = False,
+    bias: str = "auto",
+    seed: int = 0,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    example_inputs: Any = None,
+) -> Report:
+    """Re-initialize the chosen query/key/value projections of ``module`` in place; return the report.
+
+    ``layers`` and ``heads`` take the CLI's specs (``"all"``, ``"0-11"``, ``"-2-"``, ``"0,3,5-7"``) or
+    an iterable of ints; the other options are those of ``surgeon reinit``. ``example_inputs`` (a
+    tensor, a tuple of arguments or a dict of keyword arguments for ``module(...)``) is needed only
+    for a custom module whose forward surgeon cannot call with a plain (batch, tokens, width) tensor.
+    """
+    _check(module, "reinit_")
+    options = ReinitOptions(
+        layers=_fixed(layers), targets=targets, heads=_fixed(heads), attention=attention, stack=stack, mode=mode,
+        strength=strength, value_identity=value_identity, keep_scale=keep_scale, bias=bias, seed=seed,
+    ).validated()
+    start = time.perf_counter()
+    found = detect_module(module, hints=Hints(num_heads, num_kv_heads, head_dim), example_inputs=example_inputs)
+    plan = make_plan(found.blocks, options)
+    device = found.params[plan.changes[0].projection.weight.tensor].device
+    engine = Engine(plan, device, seed_names=found.seed_names)
+    with torch.no_grad():
+        for name in engine.tensor_names:
+            param = found.params[name]
+            param.copy_(engine.update(name, param.detach()))
+    rows = [ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed) for r in engine.ordered_results()]
+    return Report(
+        "reinit", _label(module), _describe(module), found.blocks, rows, options=options.to_dict(),
+        seconds=time.perf_counter() - start, device=str(device), notes=_notes(found),
+    )
+
+
+def inspect_module(
+    module: nn.Module,
+    *,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    example_inputs: Any = None,
+) -> Report:
+    """The attention blocks of ``module`` and the condition numbers of their projections (changes nothing)."""
+    _check(module, "inspect")
+    start = time.perf_counter()
+    found = detect_module(module, hints=Hints(num_heads, num_kv_heads, head_dim), example_inputs=example_inputs)
+    first = found.params[found.blocks[0].q.weight.tensor]
+    with torch.no_grad():
+        spectra = inspect_blocks(found.blocks, lambda name: found.params[name].detach(), first.device)
+    rows = [
+        ProjectionRow(block, proj.role, spectra[(block.module, proj.role)], dtype=str(found.params[proj.weight.tensor].dtype).removeprefix("torch."))
+        for block in found.blocks
+        for proj in block.projections
+    ]
+    return Report(
+        "inspect", _label(module), _describe(module), found.blocks, rows,
+        seconds=time.perf_counter() - start, device=str(first.device), notes=_notes(found),
+    )
+
+
+def inspect(model: nn.Module | str | Path, /, **options: Any) -> Report:
+    """Inspect a model in memory (:func:`inspect_module`) or a checkpoint path / Hub id (:func:`surgeon.api.inspect_checkpoint`)."""
+    if isinstance(model, nn.Module):
+        return inspect_module(model, **options)
+    from .api import inspect_checkpoint
+
+    return inspect_checkpoint(model, **options)
+
+
+def reinit(model: str | Path, /, **options: Any) -> Report:
+    """Re-initialize a checkpoint path or Hub id into a new checkpoint (:func:`surgeon.api.reinit_checkpoint`).
+
+    A model in memory is changed in place by :func:`reinit_` instead; the trailing underscore says so.
+    """
+    if isinstance(model, nn.Module):
+        raise OptionError("surgeon.reinit writes a new checkpoint from a path or Hub id; to change a model in memory, call surgeon.reinit_(model, ...)")
+    from .api import reinit_checkpoint
+
+    return reinit_checkpoint(model, **options)
+
+
+def _check(module: Any, fn: str) -> None:
+    if not isinstance(module, nn.Module):
+        other = "surgeon.reinit(path)" if fn == "reinit_" else "surgeon.inspect(path)"
+        raise OptionError(f"surgeon.{fn} takes a torch.nn.Module, not {type(module).__name__}; for a checkpoint path or Hub id use {other}")
+    if any(p.is_meta for p in module.parameters()):
+        raise OptionError(f"{type(module).__name__} has parameters on the meta device (no values yet); load or materialize its weights first")
+
+
+def _fixed(spec: IndexSpec) -> IndexSpec:
+    # a generator would be used up by the options' record before the plan reads it
+    if spec is None or isinstance(spec, (str, int)):
+        return spec
+    return tuple(spec)
+
+
+def _label(module: nn.Module) -> str:
+    return f"{type(module).__name__} (in memory)"
+
+
+def _describe(module: nn.Module) -> str:
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in module.parameters() if p.is_floating_point()})
+    devices = sorted({str(p.device) for p in module.parameters()})
+    return f"nn.Module, {'/'.join(dtypes) or 'no float parameters'} on {'/'.join(devices)}"
+
+
+def _notes(found: ModuleDetection) -> list[str]:
+    notes = list(found.notes)
+    by_route: dict[str, int] = {}
+    for route in found.routes.values():
+        by_route[route] = by_route.get(route, 0) + 1
+    if by_route.get("forward"):
+        notes.append(f"layout of {by_route['forward']} block(s) read from the module's own forward (which rows reach q, k and v)")
+    return notes

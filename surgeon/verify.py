@@ -1,0 +1,148 @@
+"""Check a checkpoint's name-based layout against what its architecture's forward really does.
+
+``surgeon inspect MODEL --verify-layout``: the architecture named by config.json is built with
+transformers (randomly initialized, nothing downloaded: only its structure matters), the module
+walker's forward route (:func:`surgeon.detect.modules.probe_blocks`) reads which rows of which
+tensor reach q, k and v per head, and the result is compared with name-based detection of the
+checkpoint, block by block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .detect.config import Hints
+from .errors import LayoutError, OptionError
+from .spec import AttentionBlock, Projection, Rows
+
+
+@dataclass
+class LayoutCheck:
+    """Name-based detection and the forward agree on every attention block."""
+
+    source: str
+    architecture: str  # the transformers class that was built
+    blocks: int
+
+    def summary(self) -> str:
+        return (
+            f"layout verified: the {self.blocks} attention blocks found by name are the ones the forward of "
+            f"{self.architecture} uses, with the same q/k/v rows per head, heads and biases"
+        )
+
+
+def verify_layout(
+    model: str | Path,
+    *,
+    revision: str | None = None,
+    config: str | Path | None = None,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+) -> LayoutCheck:
+    """Raise LayoutError (one line) at the first disagreement; return the agreement otherwise."""
+    from . import api
+    from .detect.modules import checkpoint_names, probe_blocks
+
+    source = api.load(model, config=config, revision=revision)
+    blocks = api._detect(source, Hints(num_heads, num_kv_heads, head_dim)).blocks
+    if not source.config:
+        raise OptionError(f"--verify-layout builds the architecture from config.json, and {source.path} has none; pass --config PATH")
+    arch = build_architecture(source.config)
+    try:
+        probed = probe_blocks(arch)
+    except LayoutError as exc:
+        raise LayoutError(f"cannot verify the layout: the forward of {type(arch).__name__} does not settle it ({exc})") from None
+    names = _Names(checkpoint_names(arch), set(source.primary.tensors))
+    probed = [_renamed(b, names) for b in probed]
+    _compare(blocks, probed, type(arch).__name__)
+    return LayoutCheck(str(source.path), type(arch).__name__, len(blocks))
+
+
+def build_architecture(config: dict) -> torch.nn.Module:
+    """The transformers model that config.json describes, randomly initialized in float32, in eval mode."""
+    try:
+        import transformers
+    except ImportError:
+        raise OptionError("--verify-layout needs transformers to build the architecture: pip install transformers") from None
+    model_type = config.get("model_type")
+    if not model_type:
+        raise OptionError("--verify-layout needs config.json to name its model_type (a transformers architecture)")
+    settings = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
+    try:
+        cfg = transformers.AutoConfig.for_model(model_type, **settings)
+    except (ValueError, KeyError) as exc:
+        raise OptionError(f"--verify-layout: transformers {transformers.__version__} does not know model_type {model_type!r} ({exc})") from None
+    names = config.get("architectures") or []
+    cls = getattr(transformers, names[0], None) if names else None
+    if cls is None:
+        cls = transformers.AutoModel
+        build = lambda: cls.from_config(cfg, dtype=torch.float32)  # noqa: E731
+    else:
+        build = lambda: cls._from_config(cfg, dtype=torch.float32)  # noqa: E731
+    transformers.logging.set_verbosity_error()
+    try:
+        with torch.device("cpu"):
+            model = build()
+    except Exception as exc:  # an architecture transformers cannot build from this config
+        raise OptionError(f"--verify-layout: cannot build {names[0] if names else model_type} from config.json: {type(exc).__name__}: {str(exc)[:200]}") from None
+    return model.float().eval()
+
+
+class _Names:
+    """In-memory parameter names of the built model -> tensor names of the checkpoint."""
+
+    def __init__(self, renames: dict[str, str], tensors: set[str]) -> None:
+        self.renames, self.tensors = renames, tensors
+
+    def __call__(self, name: str) -> str:
+        name = self.renames.get(name, name)
+        if name in self.tensors:
+            return name
+        # the checkpoint of a base model under a head model's class, or the other way round
+        hits = [t for t in self.tensors if t.endswith("." + name) or name.endswith("." + t)]
+        return hits[0] if len(hits) == 1 else name
+
+
+def _renamed(block: AttentionBlock, names: _Names) -> AttentionBlock:
+    from dataclasses import replace
+
+    def rows(r: Rows | None) -> Rows | None:
+        return None if r is None else replace(r, tensor=names(r.tensor))
+
+    return replace(block, **{p.role: replace(p, weight=rows(p.weight), bias=rows(p.bias)) for p in block.projections})
+
+
+def _describe(p: Projection) -> str:
+    axis = "rows" if p.weight.axis == 0 else "columns"
+    starts = ",".join(map(str, p.weight.offsets[:4])) + (",..." if len(p.weight.offsets) > 4 else "")
+    return f"{p.heads} heads x {p.head_dim} at {axis} {starts} of {p.weight.tensor}"
+
+
+def _compare(by_names: list[AttentionBlock], by_forward: list[AttentionBlock], arch: str) -> None:
+    forward = {b.q.weight.tensor: b for b in by_forward}
+    for block in by_names:
+        seen = forward.pop(block.q.weight.tensor, None)
+        if seen is None:
+            raise LayoutError(f"layout check failed: names put a query projection in {block.q.weight.tensor}, but the forward of {arch} never uses it as one")
+        for role in "qkv":
+            ours, theirs = block.projection(role), seen.projection(role)
+            if (ours.weight, ours.in_features) != (theirs.weight, theirs.in_features):
+                raise LayoutError(
+                    f"layout check failed: {block.module} {role}: names say {_describe(ours)}; the forward of {arch} uses {_describe(theirs)}"
+                )
+            if ours.bias != theirs.bias:
+                say = lambda b: f"{b.tensor} at {','.join(map(str, b.offsets[:4]))}" if b else "no bias"  # noqa: E731
+                raise LayoutError(
+                    f"layout check failed: {block.module} {role} bias: names say {say(ours.bias)}; the forward of {arch} adds {say(theirs.bias)}"
+                )
+        if block.kind != seen.kind:
+            raise LayoutError(f"layout check failed: names call {block.module} {block.kind}-attention; the forward of {arch} uses it as {seen.kind}-attention")
+    if forward:
+        extra = next(iter(forward.values()))
+        raise LayoutError(
+            f"layout check failed: the forward of {arch} computes attention from {_describe(extra.q)}, which name-based detection missed"
+        )

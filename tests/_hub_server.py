@@ -1,0 +1,590 @@
+"""A Hugging Face Hub on loopback: a real HTTP server with the endpoints huggingface_hub calls.
+
+Serves model repos (branches, tags, pull requests, private and gated repos, tokens with namespaces)
+and accepts pushes through the client's own code path: repo creation, branches, README validation,
+preupload, the LFS batch API (basic and multipart transfers, verify) and NDJSON commits. It keeps what
+arrives (files, bytes, commit messages, every request) so tests can check it, and can be told to fail
+chosen requests to test interrupted pushes.
+
+Not implemented: Xet storage (CAS) uploads and downloads. The server never advertises Xet for
+downloads, and tests that push run the client with HF_HUB_DISABLE_XET=1, the client's documented switch
+to its LFS path.
+"""
+
+from __future__ import annotations
+
+import base64
+import fnmatch
+import hashlib
+import itertools
+import json
+import re
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import yaml
+
+# The Hub's default .gitattributes: these names (and anything of 10 MB or more) are stored in LFS.
+LFS_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.onnx", "*.h5", "*.msgpack", "*.model", "*.ot", "*.npz", "*.zip")
+LFS_MIN_SIZE = 10 * 1024 * 1024
+GITATTRIBUTES = "".join(f"{p} filter=lfs diff=lfs merge=lfs -text\n" for p in LFS_PATTERNS).encode()
+
+
+def git_oid(content: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(content) + content).hexdigest()
+
+
+def sha256(content: bytes) -> str:
+    return hashlib.sha256(content).hexdigest()
+
+
+def is_lfs(path: str, size: int) -> bool:
+    name = path.rsplit("/", 1)[-1]
+    return size >= LFS_MIN_SIZE or any(fnmatch.fnmatch(name, p) for p in LFS_PATTERNS)
+
+
+@dataclass
+class Commit:
+    oid: str
+    parent: str | None
+    message: str
+    description: str
+    files: dict[str, bytes]
+
+
+@dataclass
+class Repo:
+    repo_id: str
+    private: bool = False
+    gated: bool = False
+    gated_allowed: set[str] = field(default_factory=set)  # users who accepted the conditions
+    branches: dict[str, str] = field(default_factory=dict)  # name (or refs/pr/N) -> commit oid
+    tags: dict[str, str] = field(default_factory=dict)
+    commits: dict[str, Commit] = field(default_factory=dict)
+    prs: int = 0
+
+
+@dataclass
+class Seen:
+    """One request as it arrived (the Authorization header is kept apart, never in `headers`)."""
+
+    method: str
+    path: str
+    query: dict
+    user: str | None
+    auth: str | None
+    headers: dict
+    body: bytes
+    status: int = 0
+
+
+class HubServer:
+    """``with HubServer() as hub:`` starts it on 127.0.0.1 (any free port); ``hub.url`` is HF_ENDPOINT."""
+
+    def __init__(self, *, multipart_threshold: int | None = None, chunk_size: int = 64 * 1024) -> None:
+        self.repos: dict[str, Repo] = {}
+        self.tokens: dict[str, tuple[str, set[str]]] = {}  # token -> (user, orgs)
+        self.lfs: dict[str, bytes] = {}  # sha256 -> content: the large-file store
+        self.parts: dict[str, dict[int, bytes]] = {}
+        self.requests: list[Seen] = []
+        self.validated_cards: list[str] = []
+        self.pushed: list[dict] = []  # one entry per commit received through the API
+        self.faults: list[dict] = []
+        self.multipart_threshold = multipart_threshold
+        self.chunk_size = chunk_size
+        self.lock = threading.RLock()
+        self._counter = itertools.count(1)
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def __enter__(self) -> HubServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    # --- set-up, for tests ---------------------------------------------------------------------
+    def add_token(self, token: str, user: str, orgs: tuple[str, ...] = ()) -> None:
+        self.tokens[token] = (user, set(orgs))
+
+    def add_model(self, repo_id: str, files: dict[str, bytes] | Path, *, private: bool = False, gated: bool = False,
+                  branch: str = "main", message: str = "add model") -> str:
+        """Create (or add a commit to) a repo holding ``files`` (a dict, or every file of a folder)."""
+        if isinstance(files, Path):
+            files = {p.relative_to(files).as_posix(): p.read_bytes() for p in sorted(files.rglob("*")) if p.is_file()}
+        with self.lock:
+            repo = self.repos.get(repo_id) or self._create(repo_id, private=private)
+            repo.gated = repo.gated or gated
+            base = repo.branches.get(branch) or repo.branches["main"]
+            merged = dict(repo.commits[base].files)
+            merged.update(files)
+            for path, content in files.items():
+                if is_lfs(path, len(content)):
+                    self.lfs[sha256(content)] = content
+            return self._commit(repo, branch, merged, message, "", base)
+
+    def fail(self, method: str, path_pattern: str, *, status: int = 507, times: int | None = 1, message: str = "simulated failure") -> None:
+        """Answer the next ``times`` matching requests (None: all of them) with ``status``."""
+        self.faults.append({"method": method, "pattern": re.compile(path_pattern), "status": status, "times": times, "message": message})
+
+    def files(self, repo_id: str, revision: str = "main") -> dict[str, bytes]:
+        repo = self.repos[repo_id]
+        return repo.commits[self._resolve(repo, revision)].files
+
+    def downloads(self) -> list[str]:
+        """Paths of files served by GET .../resolve/... (what the client actually downloaded)."""
+        out = []
+        for r in self.requests:
+            m = re.match(r"^/[^/]+/[^/]+/resolve/[^/]+/(.+)$", r.path)
+            if r.method == "GET" and m and r.status in (200, 206):
+                out.append(unquote(m.group(1)))
+        return out
+
+    def lfs_uploads(self) -> list[str]:
+        """sha256 of every large file that arrived through an LFS upload (basic or multipart)."""
+        return [r.path.split("/")[2] for r in self.requests if r.path.startswith("/__lfs/") and r.status == 200
+                and ((r.method == "PUT" and r.path.count("/") == 2) or r.path.endswith("/complete"))]
+
+    # --- state ---------------------------------------------------------------------------------
+    def _create(self, repo_id: str, *, private: bool) -> Repo:
+        repo = Repo(repo_id, private=private)
+        self.repos[repo_id] = repo
+        self._commit(repo, "main", {".gitattributes": GITATTRIBUTES}, "initial commit", "", None)
+        return repo
+
+    def _commit(self, repo: Repo, branch: str, files: dict[str, bytes], message: str, description: str, parent: str | None) -> str:
+        digest = hashlib.sha1(f"{repo.repo_id}\0{parent}\0{message}\0{next(self._counter)}".encode())
+        for path in sorted(files):
+            digest.update(path.encode() + b"\0" + hashlib.sha1(files[path]).digest())
+        oid = digest.hexdigest()
+        repo.commits[oid] = Commit(oid, parent, message, description, dict(files))
+        repo.branches[branch] = oid
+        return oid
+
+    def _resolve(self, repo: Repo, revision: str) -> str | None:
+        if revision in repo.branches:
+            return repo.branches[revision]
+        if revision in repo.tags:
+            return repo.tags[revision]
+        if revision in repo.commits:
+            return revision
+        return None
+
+
+class _Reply(Exception):
+    def __init__(self, status: int, body=None, headers: dict | None = None) -> None:
+        self.status, self.body, self.headers = status, body, headers or {}
+
+
+def _error(status: int, message: str, code: str | None = None, **headers) -> _Reply:
+    h = {"X-Error-Message": message, **headers}
+    if code:
+        h["X-Error-Code"] = code
+    return _Reply(status, {"error": message}, h)
+
+
+def _handler(hub: HubServer):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as the client expects; every reply has a Content-Length
+
+        def log_message(self, *args) -> None:  # quiet
+            pass
+
+        def do_GET(self):
+            self._serve("GET")
+
+        def do_HEAD(self):
+            self._serve("HEAD")
+
+        def do_POST(self):
+            self._serve("POST")
+
+        def do_PUT(self):
+            self._serve("PUT")
+
+        # --- plumbing ------------------------------------------------------------------------
+        def _body(self) -> bytes:
+            if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                chunks = []
+                while True:
+                    size = int(self.rfile.readline().split(b";")[0].strip(), 16)
+                    if size == 0:
+                        while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                            pass
+                        return b"".join(chunks)
+                    chunks.append(self.rfile.read(size))
+                    self.rfile.readline()
+            return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+        def _serve(self, method: str) -> None:
+            split = urlsplit(self.path)
+            body = self._body() if method in ("POST", "PUT") else b""
+            auth = self.headers.get("Authorization")
+            token = auth.removeprefix("Bearer ").strip() if auth else None
+            headers = {k: v for k, v in self.headers.items() if k.lower() != "authorization"}
+            seen = Seen(method, split.path, parse_qs(split.query), None, token, headers, body)
+            with hub.lock:
+                hub.requests.append(seen)
+            try:
+                if token is not None and token not in hub.tokens:
+                    raise _error(401, "Invalid credentials in Authorization header")
+                seen.user = hub.tokens[token][0] if token else None
+                self._fault(method, split.path)
+                result = route(hub, method, split.path, seen)
+                reply = _Reply(result.status, result) if isinstance(result, _Raw) else _Reply(200, result)
+            except _Reply as r:
+                reply = r
+            seen.status = reply.status
+            self._send(method, reply)
+
+        def _fault(self, method: str, path: str) -> None:
+            with hub.lock:
+                for f in hub.faults:
+                    if f["method"] == method and f["pattern"].search(path) and f["times"] != 0:
+                        if f["times"] is not None:
+                            f["times"] -= 1
+                        raise _error(f["status"], f["message"])
+
+        def _send(self, method: str, reply: _Reply) -> None:
+            body, headers = reply.body, dict(reply.headers)
+            if isinstance(body, _Raw):
+                headers.update(body.headers)
+                data = body.data
+            elif body is None:
+                data = b""
+            else:
+                data = json.dumps(body).encode()
+                headers.setdefault("Content-Type", "application/json")
+            self.send_response(reply.status)
+            for k, v in headers.items():
+                self.send_header(k, str(v))
+            self.send_header("Content-Length", str(len(data)))  # for HEAD: the size GET would send
+            self.end_headers()
+            if method != "HEAD":
+                self.wfile.write(data)
+
+    return Handler
+
+
+@dataclass
+class _Raw:
+    data: bytes
+    headers: dict
+    status: int = 200
+
+
+# --- routes ----------------------------------------------------------------------------------------
+
+
+def route(hub: HubServer, method: str, path: str, req: Seen):
+    parts = [unquote(p) for p in path.strip("/").split("/")]
+    if parts[:2] == ["api", "models"] and len(parts) >= 4:
+        repo_id, rest = f"{parts[2]}/{parts[3]}", parts[4:]
+        if method == "GET" and not rest:
+            return model_info(hub, repo_id, "main", req)
+        if method == "GET" and rest[0] == "revision" and len(rest) == 2:
+            return model_info(hub, repo_id, rest[1], req)
+        if method == "GET" and rest[0] == "tree" and len(rest) >= 2:
+            return tree(hub, repo_id, rest[1], "/".join(rest[2:]), req)
+        if method == "POST" and rest[0] == "preupload" and len(rest) == 2:
+            return preupload(hub, repo_id, rest[1], req)
+        if method == "POST" and rest[0] == "commit" and len(rest) == 2:
+            return commit(hub, repo_id, rest[1], req)
+        if method == "POST" and rest[0] == "branch" and len(rest) == 2:
+            return create_branch(hub, repo_id, rest[1], req)
+    if parts == ["api", "repos", "create"] and method == "POST":
+        return create_repo(hub, req)
+    if parts == ["api", "validate-yaml"] and method == "POST":
+        return validate_yaml(hub, req)
+    if len(parts) == 6 and parts[2:] == ["info", "lfs", "objects", "batch"] and parts[1].endswith(".git") and method == "POST":
+        return lfs_batch(hub, f"{parts[0]}/{parts[1].removesuffix('.git')}", req)
+    if parts[0] == "__lfs":
+        return lfs_transfer(hub, method, parts[1:], req)
+    if len(parts) >= 5 and parts[2] == "resolve" and method in ("GET", "HEAD"):
+        return resolve_file(hub, f"{parts[0]}/{parts[1]}", parts[3], "/".join(parts[4:]), req)
+    raise _error(404, f"no route for {method} {path}")
+
+
+def _owner_of(hub: HubServer, repo_id: str, user: str | None) -> bool:
+    if user is None:
+        return False
+    name, orgs = next((u, o) for u, o in hub.tokens.values() if u == user)
+    return repo_id.split("/")[0] in ({name} | orgs)
+
+
+def _readable(hub: HubServer, repo_id: str, req: Seen) -> Repo:
+    repo = hub.repos.get(repo_id)
+    if repo is None or (repo.private and not _owner_of(hub, repo_id, req.user)):
+        # like the Hub: 401 without a token, 404 with one; never says whether a private repo exists
+        raise _error(401 if req.user is None else 404, "Repository not found", "RepoNotFound")
+    if repo.gated and not _owner_of(hub, repo_id, req.user) and req.user not in repo.gated_allowed:
+        status = 401 if req.user is None else 403
+        raise _error(status, f"Access to model {repo_id} is restricted. You must have access to it and be authenticated to access it.", "GatedRepo")
+    return repo
+
+
+def _writable(hub: HubServer, repo_id: str, req: Seen) -> Repo:
+    repo = _readable(hub, repo_id, req)
+    if not _owner_of(hub, repo_id, req.user):
+        raise _error(403 if req.user else 401, f"You don't have write access to {repo_id}")
+    return repo
+
+
+def _commit_of(repo: Repo, revision: str) -> str:
+    for candidate in (revision, unquote(revision)):
+        if candidate in repo.branches or candidate in repo.tags or candidate in repo.commits:
+            return repo.branches.get(candidate) or repo.tags.get(candidate) or candidate
+    raise _error(404, f"Invalid rev id: {revision}", "RevisionNotFound")
+
+
+def model_info(hub: HubServer, repo_id: str, revision: str, req: Seen) -> dict:
+    repo = _readable(hub, repo_id, req)
+    oid = _commit_of(repo, revision)
+    files = repo.commits[oid].files
+    card = {}
+    if "README.md" in files:
+        m = re.match(r"^---\n(.*?)\n---", files["README.md"].decode(errors="replace"), re.S)
+        card = (yaml.safe_load(m.group(1)) or {}) if m else {}
+    return {
+        "_id": hashlib.md5(repo_id.encode()).hexdigest()[:24], "id": repo_id, "modelId": repo_id, "author": repo_id.split("/")[0],
+        "sha": oid, "private": repo.private, "gated": "auto" if repo.gated else False, "disabled": False,
+        "tags": list(card.get("tags") or []), "library_name": card.get("library_name"), "cardData": card or None,
+        "siblings": [{"rfilename": p} for p in sorted(files)], "lastModified": "2026-01-01T00:00:00.000Z",
+        "createdAt": "2026-01-01T00:00:00.000Z",
+    }
+
+
+def _entry(path: str, content: bytes) -> dict:
+    entry = {"type": "file", "oid": git_oid(content), "size": len(content), "path": path}
+    if is_lfs(path, len(content)):
+        pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256(content)}\nsize {len(content)}\n"
+        entry["oid"] = git_oid(pointer.encode())
+        entry["lfs"] = {"oid": sha256(content), "size": len(content), "pointerSize": len(pointer)}
+    return entry
+
+
+def tree(hub: HubServer, repo_id: str, revision: str, prefix: str, req: Seen) -> list:
+    repo = _readable(hub, repo_id, req)
+    files = repo.commits[_commit_of(repo, revision)].files
+    recursive = req.query.get("recursive", ["false"])[0].lower() in ("true", "1")
+    base = prefix.strip("/") + "/" if prefix.strip("/") else ""
+    out, dirs = [], set()
+    for path in sorted(files):
+        if not path.startswith(base):
+            continue
+        rest = path[len(base):]
+        if "/" in rest:
+            for i, _ in enumerate(rest.split("/")[:-1]):
+                d = base + "/".join(rest.split("/")[: i + 1])
+                if (recursive or i == 0) and d not in dirs:
+                    dirs.add(d)
+                    out.append({"type": "directory", "oid": hashlib.sha1(d.encode()).hexdigest(), "size": 0, "path": d})
+            if not recursive:
+                continue
+        out.append(_entry(path, files[path]))
+    return out
+
+
+def resolve_file(hub: HubServer, repo_id: str, revision: str, path: str, req: Seen) -> _Raw:
+    repo = _readable(hub, repo_id, req)
+    oid = _commit_of(repo, revision)
+    files = repo.commits[oid].files
+    if path not in files:
+        raise _error(404, "Entry not found", "EntryNotFound", **{"X-Repo-Commit": oid})
+    content = files[path]
+    lfs = is_lfs(path, len(content))
+    etag = sha256(content) if lfs else git_oid(content)
+    headers = {"X-Repo-Commit": oid, "ETag": f'"{etag}"', "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+    if lfs:
+        headers.update({"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(len(content))})
+    status, data = 200, content
+    m = re.fullmatch(r"bytes=(\d+)-(\d*)", req.headers.get("Range", ""))
+    if m and req.method == "GET":
+        start, end = int(m.group(1)), int(m.group(2) or len(content) - 1)
+        data, status = content[start : end + 1], 206
+        headers["Content-Range"] = f"bytes {start}-{start + len(data) - 1}/{len(content)}"
+    return _Raw(data, headers, status)
+
+
+def create_repo(hub: HubServer, req: Seen) -> dict:
+    if req.user is None:
+        raise _error(401, "You must be authenticated to create a repo")
+    payload = json.loads(req.body)
+    if payload.get("type", "model") != "model":
+        raise _error(400, "this server holds model repos only")
+    repo_id = f"{payload.get('organization') or req.user}/{payload['name']}"
+    if not _owner_of(hub, repo_id, req.user):
+        raise _error(403, f"You don't have the rights to create a model under the namespace {repo_id.split('/')[0]}")
+    with hub.lock:
+        if repo_id in hub.repos:
+            raise _Reply(409, {"error": "You already created this model repo", "url": f"{hub.url}/{repo_id}"},
+                         {"X-Error-Message": "You already created this model repo"})
+        hub._create(repo_id, private=payload.get("visibility") == "private" or bool(payload.get("private")))
+    return {"url": f"{hub.url}/{repo_id}", "name": repo_id, "id": repo_id}
+
+
+def create_branch(hub: HubServer, repo_id: str, branch: str, req: Seen) -> dict:
+    repo = _writable(hub, repo_id, req)
+    payload = json.loads(req.body or b"{}")
+    with hub.lock:
+        if branch in repo.branches:
+            raise _error(409, f"Reference already exists: refs/heads/{branch}")
+        repo.branches[branch] = _commit_of(repo, payload.get("startingPoint") or "main")
+    return {}
+
+
+def validate_yaml(hub: HubServer, req: Seen) -> dict:
+    content = json.loads(req.body)["content"]
+    hub.validated_cards.append(content)
+    m = re.match(r"^---\r?\n(.*?)\r?\n---", content, re.S)
+    try:
+        meta = yaml.safe_load(m.group(1)) if m else {}
+    except yaml.YAMLError as exc:
+        raise _Reply(400, {"errors": [{"message": f"YAML: {exc}"}]}, {"X-Error-Message": "Invalid YAML"}) from None
+    errors = []
+    if not isinstance(meta or {}, dict):
+        errors.append("metadata must be a mapping")
+    else:
+        meta = meta or {}
+        if "tags" in meta and not (isinstance(meta["tags"], list) and all(isinstance(t, str) for t in meta["tags"])):
+            errors.append('"tags" must be a list of strings')
+        base = meta.get("base_model")
+        if base is not None and not (isinstance(base, str) and re.fullmatch(r"[\w.-]+/[\w.-]+", base)):
+            errors.append('"base_model" must be a model id')
+    if errors:
+        raise _Reply(400, {"errors": [{"message": e} for e in errors]}, {"X-Error-Message": "Invalid metadata"})
+    return {"errors": [], "warnings": []}
+
+
+def preupload(hub: HubServer, repo_id: str, revision: str, req: Seen) -> dict:
+    repo = _readable(hub, repo_id, req)
+    if req.user is None:
+        raise _error(401, "You must be authenticated to upload")
+    create_pr = req.query.get("create_pr", ["0"])[0] == "1"
+    if not create_pr:
+        _writable(hub, repo_id, req)
+    files = repo.commits[_commit_of(repo, revision)].files
+    out = []
+    for f in json.loads(req.body)["files"]:
+        lfs = is_lfs(f["path"], f["size"])
+        existing = files.get(f["path"])
+        oid = None if existing is None else (sha256(existing) if lfs else git_oid(existing))
+        out.append({"path": f["path"], "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False, "oid": oid})
+    return {"files": out, "commitOid": _commit_of(repo, revision)}
+
+
+def lfs_batch(hub: HubServer, repo_id: str, req: Seen) -> _Raw:
+    _readable(hub, repo_id, req)
+    if req.user is None:
+        raise _error(401, "You must be authenticated to upload")
+    payload = json.loads(req.body)
+    if payload.get("operation") != "upload":
+        raise _error(400, "only uploads are supported")
+    multipart = hub.multipart_threshold is not None and "multipart" in payload.get("transfers", [])
+    objects = []
+    for obj in payload["objects"]:
+        oid, size = obj["oid"], obj["size"]
+        entry = {"oid": oid, "size": size}
+        if oid not in hub.lfs:
+            entry["authenticated"] = True
+            if multipart and size > hub.multipart_threshold:
+                n = -(-size // hub.chunk_size)
+                header = {"chunk_size": str(hub.chunk_size), **{str(i): f"{hub.url}/__lfs/{oid}/part/{i}" for i in range(1, n + 1)}}
+                upload = {"href": f"{hub.url}/__lfs/{oid}/complete", "header": header}
+            else:
+                upload = {"href": f"{hub.url}/__lfs/{oid}"}
+            entry["actions"] = {"upload": upload, "verify": {"href": f"{hub.url}/__lfs/verify", "header": {}}}
+        objects.append(entry)
+    body = json.dumps({"transfer": "multipart" if multipart else "basic", "objects": objects}).encode()
+    return _Raw(body, {"Content-Type": "application/vnd.git-lfs+json"})
+
+
+def lfs_transfer(hub: HubServer, method: str, parts: list[str], req: Seen):
+    if method == "POST" and parts == ["verify"]:
+        obj = json.loads(req.body)
+        if hub.lfs.get(obj["oid"]) is None or len(hub.lfs[obj["oid"]]) != obj["size"]:
+            raise _error(404, "object not found")
+        return {}
+    oid = parts[0]
+    if method == "PUT" and len(parts) == 1:
+        return _store(hub, oid, req.body)
+    if method == "PUT" and len(parts) == 3 and parts[1] == "part":
+        with hub.lock:
+            hub.parts.setdefault(oid, {})[int(parts[2])] = req.body
+        return _Raw(b"", {"ETag": f'"{hashlib.md5(req.body).hexdigest()}"'})
+    if method == "POST" and parts[1:] == ["complete"]:
+        done = json.loads(req.body)
+        chunks = hub.parts.get(oid, {})
+        for p in done["parts"]:
+            if f'"{hashlib.md5(chunks.get(p["partNumber"], b"")).hexdigest()}"' != p["etag"]:
+                raise _error(400, f"part {p['partNumber']} does not match its etag")
+        return _store(hub, oid, b"".join(chunks[p["partNumber"]] for p in sorted(done["parts"], key=lambda p: p["partNumber"])))
+    raise _error(404, "unknown LFS transfer")
+
+
+def _store(hub: HubServer, oid: str, data: bytes) -> dict:
+    if sha256(data) != oid:
+        raise _error(400, f"content does not match sha256 {oid}")
+    with hub.lock:
+        hub.lfs[oid] = data
+    return {}
+
+
+def commit(hub: HubServer, repo_id: str, revision: str, req: Seen) -> dict:
+    create_pr = req.query.get("create_pr", ["0"])[0] == "1"
+    repo = _readable(hub, repo_id, req) if create_pr else _writable(hub, repo_id, req)
+    if req.user is None:
+        raise _error(401, "You must be authenticated to commit")
+    if req.headers.get("Content-Type") != "application/x-ndjson":
+        raise _error(400, "expected application/x-ndjson")
+    lines = [json.loads(line) for line in req.body.splitlines() if line.strip()]
+    if not lines or lines[0]["key"] != "header":
+        raise _error(400, "the first line must be the commit header")
+    header = lines[0]["value"]
+    branch = unquote(revision)
+    if branch not in repo.branches:
+        raise _error(404, f"Invalid rev id: {branch} is not a branch", "RevisionNotFound")
+    with hub.lock:
+        base = repo.branches[branch]
+        if header.get("parentCommit") and header["parentCommit"] != base:
+            raise _error(412, "A commit has happened since the parent commit")
+        files = dict(repo.commits[base].files)
+        changed = []
+        for line in lines[1:]:
+            key, value = line["key"], line["value"]
+            if key == "file":
+                files[value["path"]] = base64.b64decode(value["content"])
+            elif key == "lfsFile":
+                if value["oid"] not in hub.lfs:
+                    raise _error(422, f"LFS object {value['oid']} for {value['path']} was never uploaded")
+                files[value["path"]] = hub.lfs[value["oid"]]
+            elif key in ("deletedFile", "deletedFolder"):
+                files = {p: c for p, c in files.items() if not (p == value["path"] or p.startswith(value["path"].rstrip("/") + "/"))}
+            else:
+                raise _error(400, f"unknown commit operation {key!r}")
+            changed.append(value["path"])
+        if create_pr:
+            repo.prs += 1
+            target = f"refs/pr/{repo.prs}"
+            repo.branches[target] = base
+        else:
+            target = branch
+        oid = hub._commit(repo, target, files, header["summary"], header.get("description", ""), base)
+        hub.pushed.append({"repo_id": repo_id, "branch": target, "base": branch, "commit": oid, "message": header["summary"],
+                           "description": header.get("description", ""), "paths": changed, "user": req.user})
+    return {
+        "success": True, "commitOid": oid, "commitUrl": f"{hub.url}/{repo_id}/commit/{oid}",
+        "pullRequestUrl": f"{hub.url}/{repo_id}/discussions/{repo.prs}" if create_pr else None,
+    }

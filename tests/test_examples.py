@@ -1,0 +1,70 @@
+"""The examples run end to end at a tiny size (--quick): real model, real data, real training steps."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.fixture(autouse=True)
+def keep_threads():
+    threads = torch.get_num_threads()  # the examples' --threads sets torch's global thread count
+    yield
+    torch.set_num_threads(threads)
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_prefinetune_minilm_quick(tmp_path, capsys):
+    out = tmp_path / "minilm.png"
+    result = load("prefinetune_minilm").main(["--quick", "--threads", "1", "--out", str(out)])
+    runs = {r["variant"]: r for r in result["results"]}
+    assert set(runs) == {"none", "conditioned", "default"}
+    assert "kappa" in runs["conditioned"]["reset"] and runs["conditioned"]["reset"].endswith("-> max 1.0000")
+    for r in runs.values():
+        assert len(r["train_loss"]) == 4 and all(math.isfinite(x) for x in r["train_loss"])
+        assert [s for s, _, _ in r["evals"]] == [0, 2, 4]
+        assert all(0.0 <= acc <= 1.0 and math.isfinite(loss) for _, acc, loss in r["evals"])
+    # "none" and "default" start from different encoders but the same head and batches
+    assert runs["none"]["evals"][0] != runs["conditioned"]["evals"][0]
+    printed = capsys.readouterr().out
+    assert "mean test accuracy" in printed and f"plot: {out}" in printed
+    assert out.stat().st_size > 10_000
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert len(saved["results"]) == 3
+
+
+def test_pretrain_gpt_quick(tmp_path, capsys):
+    out = tmp_path / "gpt.png"
+    result = load("pretrain_gpt").main(["--quick", "--threads", "1", "--out", str(out)])
+    runs = {r["variant"]: r for r in result["results"]}
+    assert set(runs) == {"default", "conditioned"}
+    assert runs["conditioned"]["init"].startswith("surgeon.reinit_: 6 projections")
+    for r in runs.values():
+        assert len(r["train_loss"]) == 6
+        # a byte-level model starts near log2(256) = 8 bits per byte and learns something in 6 steps
+        first, last = r["evals"][0][1] / math.log(2), r["evals"][-1][1] / math.log(2)
+        assert 7.0 < first < 8.5 and last < first
+    printed = capsys.readouterr().out
+    assert "final validation" in printed and f"plot: {out}" in printed
+    assert out.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("name", ["prefinetune_minilm", "pretrain_gpt"])
+def test_bad_variant_is_a_usage_error(name, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        load(name).main(["--variants", "mimetic"])
+    assert exit_.value.code == 2
+    assert "unknown variant(s) ['mimetic']" in capsys.readouterr().err

@@ -1,0 +1,125 @@
+"""Every ONNX error: one line on stderr, a non-zero exit, no traceback, nothing written."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+
+from _onnx_graphs import mlp_only, tiny_attention
+from _onnx_helpers import expect_cli_error, initializers, ort_run
+from surgeon import reinit_checkpoint
+from surgeon.errors import NoAttentionFoundError
+
+
+def _save(model: onnx.ModelProto, folder, name: str = "model.onnx", **kwargs):
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    onnx.save_model(model, str(path), **kwargs)
+    return path
+
+
+def test_no_attention_in_an_mlp(cli, tmp_path):
+    path = _save(mlp_only(), tmp_path / "m")
+    expect_cli_error(cli, tmp_path, "inspect", path, match="no attention found")
+    msg = expect_cli_error(cli, tmp_path, "reinit", path, match="has no Softmax and no Attention, MultiHeadAttention or GroupQueryAttention node")
+    assert "(4 nodes)" in msg
+
+
+def test_no_attention_lists_each_softmax_and_where_the_walk_failed(cli, tmp_path):
+    path = _save(mlp_only(softmax=True), tmp_path / "m")
+    msg = expect_cli_error(cli, tmp_path, "reinit", path, match="looked at 1 Softmax/attention node")
+    assert "Softmax /head/Softmax: no Q·Kᵀ product (MatMul of two computed tensors) feeds it" in msg
+
+
+def test_a_walk_that_reaches_no_projection_is_named(cli, tmp_path):
+    # Q read straight from the model input: the Q·Kᵀ product is found, the Q projection is not
+    model = tiny_attention(layers=1)
+    q_matmul = next(n for n in model.graph.node if n.name == "/layers.0/attn/q_proj/MatMul")
+    q_matmul.op_type, q_matmul.input[:] = "Identity", [q_matmul.input[0]]
+    path = _save(model, tmp_path / "m")
+    with pytest.raises(NoAttentionFoundError) as err:
+        reinit_checkpoint(path, device="cpu")
+    assert "Softmax /layers.0/attn/Softmax: Q reaches no MatMul/Gemm with a constant weight (the walk stops at graph input x)" in str(err.value)
+    expect_cli_error(cli, tmp_path, "inspect", path, match="no attention found")
+
+
+@pytest.mark.parametrize(
+    "source,match",
+    [
+        ("input", "reads weight q_weight_0, which is a graph input, not a constant initializer; export the model with its weights as initializers"),
+        ("computed", "reads weight /layers.0/attn/q_scale/Mul_output_0, which is computed by Mul /layers.0/attn/q_scale/Mul, not a constant initializer"),
+        ("quantized", "reads a quantized weight (DequantizeLinear /layers.0/attn/q_proj/DequantizeLinear): surgeon rewrites float weights only"),
+    ],
+)
+def test_projection_weight_that_is_not_an_initializer(cli, tmp_path, source, match):
+    path = _save(tiny_attention(q_weight=source), tmp_path / "m")
+    expect_cli_error(cli, tmp_path, "reinit", path, match=match)
+    expect_cli_error(cli, tmp_path, "inspect", path, match="the Q projection MatMul /layers.0/attn/q_proj/MatMul")
+
+
+def test_corrupt_and_unsupported_files(cli, tmp_path):
+    good = _save(tiny_attention(), tmp_path / "good")
+    raw = good.read_bytes()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "truncated.onnx").write_bytes(raw[: len(raw) // 2])
+    (bad / "text.onnx").write_text("this is not a model\n" * 20)
+    (bad / "empty.onnx").write_bytes(b"")
+    expect_cli_error(cli, tmp_path, "reinit", bad / "truncated.onnx", match="is not a readable ONNX model")
+    expect_cli_error(cli, tmp_path, "inspect", bad / "text.onnx", match="text.onnx is not")
+    expect_cli_error(cli, tmp_path, "reinit", bad / "empty.onnx", match="is not an ONNX model (it has no graph)")
+
+
+def test_missing_and_truncated_external_data(cli, tmp_path):
+    path = _save(tiny_attention(), tmp_path / "m", save_as_external_data=True, location="weights.bin", size_threshold=0)
+    data = tmp_path / "m" / "weights.bin"
+    blob = data.read_bytes()
+    data.write_bytes(blob[: len(blob) // 2])
+    expect_cli_error(cli, tmp_path, "reinit", path, match="external data file weights.bin is truncated: initializer")
+    data.unlink()
+    expect_cli_error(cli, tmp_path, "reinit", path, match="missing external data file weights.bin (initializer")
+    expect_cli_error(cli, tmp_path, "inspect", tmp_path / "m", match="missing external data file weights.bin")
+
+
+def test_shared_initializer_is_changed_only_with_all_its_users(cli, tmp_path):
+    path = _save(tiny_attention(layers=2, share_q=True), tmp_path / "m")
+    expect_cli_error(
+        cli, tmp_path, "reinit", path, "--layers", "0",
+        match="initializer 'q_shared' is shared: besides the projections chosen, block layers.1 (q) reads it, so changing it would change them too",
+    )
+    expect_cli_error(cli, tmp_path, "reinit", path, "--layers", "1", "--targets", "q", match="block layers.0 (q) reads it")
+    # keys and values are not shared: fine on their own
+    out = tmp_path / "kv.onnx"
+    cli("reinit", path, "--layers", "0", "--targets", "k,v", "-o", out)
+    # every user chosen: the shared weight changes once, for both layers
+    both = tmp_path / "both.onnx"
+    cli("reinit", path, "-o", both)
+    after = initializers(both)
+    w = after["q_shared"].T.astype(np.float64)
+    assert np.allclose(w[:4] @ w[:4].T, np.eye(4), atol=1e-6)
+    ort_run(both, {"x": np.ones((1, 5, 8), np.float32)})
+
+
+def test_shared_bias_names_the_bias_option(cli, tmp_path):
+    model = tiny_attention(layers=2)
+    # the dynamo exporter merges equal initializers: two layers' query biases become one
+    for node in model.graph.node:
+        if node.name == "/layers.1/attn/q_proj/Add":
+            node.input[0] = "layers.0.attn.q_proj.bias"
+    model.graph.initializer.remove(next(t for t in model.graph.initializer if t.name == "layers.1.attn.q_proj.bias"))
+    path = _save(model, tmp_path / "m")
+    msg = expect_cli_error(cli, tmp_path, "reinit", path, "--layers", "0", match="initializer 'layers.0.attn.q_proj.bias' is shared")
+    assert "or keep the biases (--bias keep)" in msg
+    cli("reinit", path, "--layers", "0", "--bias", "keep", "-o", tmp_path / "ok.onnx")
+
+
+def test_output_errors_leave_nothing_behind(cli, tmp_path):
+    path = _save(tiny_attention(), tmp_path / "m", save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    expect_cli_error(cli, tmp_path, "reinit", path, "-o", tmp_path / "m" / "inside", match="is inside the input folder")
+    (tmp_path / "taken").mkdir()
+    expect_cli_error(cli, tmp_path, "reinit", path, "-o", tmp_path / "taken", match="already exists")
+    shutil.rmtree(tmp_path / "taken")
+    expect_cli_error(cli, tmp_path, "reinit", path, "--layers", "5", match="layer 5 is out of range: layers has layers 0-1")
