@@ -17,6 +17,10 @@ from .formats.torchfile import TorchWeights
 # Files a training run leaves in a model folder that are pickles but not weights.
 NOT_WEIGHTS = {"training_args.bin", "optimizer.pt", "optimizer.bin", "scheduler.pt", "scaler.pt"}
 SKIP_DIRS = {".git", ".cache"}
+# Copies of the weights in formats surgeon does not rewrite here. Carried over unchanged they would
+# still hold the old attention weights, so a folder output leaves them out and says so.
+STALE_WEIGHT_SUFFIXES = (".h5", ".msgpack", ".ot", ".gguf", ".tflite", ".mlmodel", ".onnx", ".onnx_data", ".onnx.data")
+STALE_WEIGHT_DIRS = {"onnx", "openvino", "coreml", "tflite", "gguf"}
 TORCH_NAMES = ("pytorch_model.bin", "model.bin", "model.pt", "model.pth", "model.ckpt")
 
 
@@ -134,10 +138,17 @@ def _open_folder(folder: Path) -> Source:
             "pytorch_model.bin(.index.json) or a .onnx file"
         )
     weight_files = {f for s in sets for f in s.all_files}
-    extras = []
+    extras, stale = [], []
     for p in sorted(folder.rglob("*")):
         rel = p.relative_to(folder)
         if rel.parts[0] in SKIP_DIRS or not p.is_file() or str(rel) in weight_files:
             continue
+        if (len(rel.parts) > 1 and rel.parts[0] in STALE_WEIGHT_DIRS) or p.name.endswith(STALE_WEIGHT_SUFFIXES):
+            stale.append(rel.parts[0] + "/" if len(rel.parts) > 1 else str(rel))
+            continue
         extras.append(str(rel))
-    return Source(folder, "folder", sets, extra_files=extras)
+    notes = []
+    if stale:
+        names = ", ".join(dict.fromkeys(stale))
+        notes.append(f"left out other copies of the weights that surgeon does not rewrite here: {names} (re-export them from the output)")
+    return Source(folder, "folder", sets, extra_files=extras, notes=notes)

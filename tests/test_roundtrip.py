@@ -191,3 +191,15 @@ def test_weight_sets_report_formats(tmp_path, llama_dir):
     index = next(sd_dir.glob("*.index.json"))
     tw = TorchWeights.from_index(index)
     assert len(tw.files) > 1 and set(json.loads(index.read_text())["weight_map"]) == set(tw.tensors)
+
+
+def test_stale_copies_in_other_formats_are_left_out(tmp_path, llama_dir):
+    (llama_dir / "tf_model.h5").write_bytes(b"old weights")
+    (llama_dir / "onnx").mkdir()
+    (llama_dir / "onnx" / "model.onnx").write_bytes(b"old graph")
+    (llama_dir / "tokenizer.json").write_text("{}")
+    report = reinit_checkpoint(llama_dir, output=tmp_path / "out", layers="0")
+    out = tree_digest(tmp_path / "out")
+    assert "tf_model.h5" not in out and "onnx/model.onnx" not in out and "tokenizer.json" in out
+    assert any("onnx/, tf_model.h5" in note for note in report.notes)
+    assert "onnx/, tf_model.h5 (re-export them from the output)" in report.render()
