@@ -123,3 +123,23 @@ def test_output_errors_leave_nothing_behind(cli, tmp_path):
     expect_cli_error(cli, tmp_path, "reinit", path, "-o", tmp_path / "taken", match="already exists")
     shutil.rmtree(tmp_path / "taken")
     expect_cli_error(cli, tmp_path, "reinit", path, "--layers", "5", match="layer 5 is out of range: layers has layers 0-1")
+
+
+def test_heads_from_the_user_when_the_graph_does_not_say(cli, tmp_path):
+    model = tiny_attention(layers=1)
+    # the head split's shape arrives at run time: nothing in the graph tells the heads
+    model.graph.input.append(onnx.helper.make_tensor_value_info("split_shape", onnx.TensorProto.INT64, [4]))
+    for node in model.graph.node:
+        if node.op_type == "Reshape" and node.input[1] == "shape4":
+            node.input[1] = "split_shape"
+    path = _save(model, tmp_path / "m")
+    expect_cli_error(cli, tmp_path, "inspect", path, match="cannot tell the heads of layers.0.attn (Softmax /layers.0/attn/Softmax): no Reshape splits its 8 query features")
+    result = cli("inspect", path, "--num-heads", "2", "--json")
+    import json
+
+    [block] = json.loads(result.output)["blocks"]
+    assert (block["heads"], block["head_dim"]) == (2, 4)
+    feeds = {"x": np.ones((1, 5, 8), np.float32), "split_shape": np.array([1, 5, 2, 4], np.int64)}
+    out = tmp_path / "out.onnx"
+    cli("reinit", path, "--num-heads", "2", "-o", out)
+    ort_run(out, feeds)

@@ -11,9 +11,10 @@ pattern:
 * Q and K are the two operands of the Q·Kᵀ product, V the second operand of the
   probabilities·V product after the Softmax (fused ops name them as inputs).
 * each of them is followed back to the first ``MatMul``/``Gemm`` with a constant weight. On the
-  way from that projection to the core, a ``Split``/``Slice`` of the feature axis selects the
-  columns that belong to the role (fused QKV), an ``Add`` of a 1-D initializer is the bias, and the
-  first ``Reshape`` that splits the feature axis gives (heads, head_dim).
+  way from that projection to the core, a ``Split``/``Slice`` of the feature axis, or a ``Gather``
+  of an unflattened (3, E) axis, selects the columns that belong to the role (fused QKV), an
+  ``Add`` of a 1-D initializer is the bias, and the ``Reshape`` that splits the feature axis
+  gives (heads, head_dim).
 
 Blocks are numbered in graph order; their module path comes from the exporter's scopes (the
 legacy exporter's node names ``/encoder/layer.0/attention/self/Softmax``, the dynamo exporter's
@@ -56,6 +57,7 @@ _SCORE_BACK: dict[str, tuple[int, ...] | str] = {
 }
 # Between the Softmax and the probabilities·V product.
 _PROB_FORWARD = {"Cast", "Identity", "Dropout", "Where", "Mul", "Div", "Reshape"}
+_CORES = {"Softmax", "Attention", f"{MS}.Attention", f"{MS}.MultiHeadAttention", f"{MS}.GroupQueryAttention"}
 _PRODUCTS = {"MatMul", "Einsum", "FusedMatMul"}  # data x data products (Q·Kᵀ, P·V)
 _QUANTIZED = {"MatMulNBits", "MatMulInteger", "QLinearMatMul", "DynamicQuantizeMatMul", "MatMulIntegerToFloat", "QAttention", "QGemm"}
 # Ops a source tensor passes through unchanged in content (for self/cross: do Q and K read the same input?)
@@ -350,12 +352,8 @@ class Walker:
         self.g = graph
 
     def cores(self) -> list[int]:
-        out = []
-        for n, node in enumerate(self.g.nodes):
-            op = self.g.op(n)
-            if op in ("Softmax", "Attention", f"{MS}.Attention", f"{MS}.MultiHeadAttention", f"{MS}.GroupQueryAttention"):
-                out.append(n)
-        return out
+        """Where attention is computed: Softmax nodes and the fused attention ops, in graph order."""
+        return [n for n in range(len(self.g.nodes)) if self.g.op(n) in _CORES]
 
     def resolve(self, n: int) -> _Core:
         op = self.g.op(n)
@@ -466,6 +464,8 @@ class Walker:
         if len(node.input) > 2 and node.input[1] and node.input[2]:
             return self._separate_inputs(n, "com.microsoft.GroupQueryAttention", packed_bias=None)
         heads, kv = g.attr(n, "num_heads"), g.attr(n, "kv_num_heads")
+        if not heads or not kv:
+            raise _Fail("its packed query needs the num_heads and kv_num_heads attributes to be cut into Q, K and V")
         p = self._projection(node.input[0], "packed QKV")
         slots = heads + 2 * kv
         if p.width % slots:
@@ -499,7 +499,7 @@ class Walker:
                     "re-initialize the float model, then quantize"
                 )
             if node.op_type in ("MatMul", "Gemm") and node.domain in ("", "ai.onnx"):
-                if node.op_type == "MatMul" and not g.is_const(node.input[1]) and not node.input[1] in g.inputs:
+                if node.op_type == "MatMul" and not g.is_const(node.input[1]) and node.input[1] not in g.inputs:
                     dead.append(f"{g.describe(n)} (two computed operands)")
                     continue
                 if (n, t) not in found:
@@ -653,9 +653,9 @@ class Walker:
         if pending is not None:
             heads_shape = pending.shape
         if heads_shape is not None:
-            split = heads_shape
-            d = split[-1] if split and isinstance(split[-1], int) and split[-1] > 0 else None
-            h = split[-2] if len(split) > 1 and isinstance(split[-2], int) and split[-2] > 0 else None
+            shape = heads_shape
+            d = shape[-1] if shape and isinstance(shape[-1], int) and shape[-1] > 0 else None
+            h = shape[-2] if len(shape) > 1 and isinstance(shape[-2], int) and shape[-2] > 0 else None
             if d and p.width % d == 0:
                 p.head_dim, p.heads = d, p.width // d
                 if h and h != p.heads:
@@ -689,24 +689,33 @@ class Walker:
             perm = g.attr(n, "perm") or list(range(rank or 0))[::-1]
             pending.axis = perm.index(axis) if axis < len(perm) else None
         elif op in ("Gather", "Split", "Slice"):
-            chosen_axis = g.attr(n, "axis", 0) if op != "Slice" else None
-            if op != "Slice" and axis is not None and rank is not None and chosen_axis % rank == axis:
-                count, size = pending.shape[-2:] if len(pending.shape) > 1 else (None, None)
-                if op == "Gather":
-                    index = g.ints(node.input[1])
-                    picked = index[0] if index is not None and len(index) == 1 and g.value(node.input[1]).ndim == 0 else None
-                else:
-                    sizes = g.ints(node.input[1]) if len(node.input) > 1 and node.input[1] else g.attr(n, "split")
-                    k = list(node.output).index(t_out)
-                    picked = k if not sizes or set(sizes) == {1} else None
-                if picked is None or not isinstance(size, int) or not isinstance(count, int) or count * size != p.width:
-                    raise _Fail(f"{role} is selected by {g.describe(n)} in a way surgeon does not follow")
-                p.base += (picked % count) * size
-                p.width = size
-                return True
-            if not self._cuts_last_axis(n, t_in) and op != "Slice":
+            if op == "Slice":
+                cut = g.ints(node.input[3]) if len(node.input) > 3 and node.input[3] else None
+            else:
+                cut = [g.attr(n, "axis", 0)]
+            on_pending = axis is not None and rank is not None and cut is not None and axis in [a % rank for a in cut]
+            if on_pending and op != "Slice":
+                return self._pick_chunk(pending, p, n, t_out, role)
+            if on_pending or (op != "Slice" and not self._cuts_last_axis(n, t_in)):
                 raise _Fail(f"{role} is cut by {g.describe(n)}, a QKV packing surgeon does not follow")
         return False
+
+    def _pick_chunk(self, pending: _Pending, p: _Proj, n: int, t_out: str, role: str) -> bool:
+        """A Gather of one index, or a Split into ones, of the first axis of a feature split."""
+        g = self.g
+        node = g.nodes[n]
+        count, size = pending.shape[-2:] if len(pending.shape) > 1 else (None, None)
+        if node.op_type == "Gather":
+            index = g.value(node.input[1])
+            picked = int(index) if index is not None and index.ndim == 0 else None
+        else:
+            sizes = g.ints(node.input[1]) if len(node.input) > 1 and node.input[1] else g.attr(n, "split")
+            picked = list(node.output).index(t_out) if not sizes or set(sizes) == {1} else None
+        if picked is None or not isinstance(size, int) or not isinstance(count, int) or count * size != p.width:
+            raise _Fail(f"{role} is selected by {g.describe(n)} in a way surgeon does not follow")
+        p.base += (picked % count) * size
+        p.width = size
+        return True
 
     def _cuts_last_axis(self, n: int, t_in: str) -> bool:
         g = self.g
@@ -779,7 +788,6 @@ def _same_data_source(g: Graph, tensor: str) -> str:
             return tensor
         tensor = g.nodes[n].input[0]
     return tensor
-
 
 
 # --- from resolved cores to blocks ----------------------------------------------------------------
