@@ -151,16 +151,22 @@ def plot(results: list[dict], args, path: Path) -> str:
         return "matplotlib is not installed (pip install 'surgeon[examples]'): no plot"
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     colors = {"none": "tab:gray", "conditioned": "tab:blue", "default": "tab:orange"}
-    for r in results:
-        loss = torch.tensor(r["train_loss"])
-        k = max(1, min(20, len(loss) // 5))
-        smooth = torch.nn.functional.avg_pool1d(loss[None, None], k, stride=1)[0, 0] if len(loss) >= k else loss
-        label = f"{r['variant']} (seed {r['seed']})"
-        ax1.plot(range(k, k + len(smooth)), smooth, color=colors.get(r["variant"]), alpha=0.8, label=label)
-        ax2.plot([s for s, _, _ in r["evals"]], [a for _, a, _ in r["evals"]], color=colors.get(r["variant"]), alpha=0.8, marker=".", label=label)
+    for variant in args.variants:  # thin lines: each seed; thick: the mean over seeds
+        runs = [r for r in results if r["variant"] == variant]
+        losses = torch.tensor([r["train_loss"] for r in runs])
+        k = max(1, min(10, losses.shape[1] // 5))
+        smooth = F.avg_pool1d(losses[:, None], k, stride=1)[:, 0]
+        steps = range(k, k + smooth.shape[1])
+        accs = torch.tensor([[a for _, a, _ in r["evals"]] for r in runs])
+        eval_steps = [s for s, _, _ in runs[0]["evals"]]
+        for i in range(len(runs)):
+            ax1.plot(steps, smooth[i], color=colors[variant], alpha=0.25, lw=1)
+            ax2.plot(eval_steps, accs[i], color=colors[variant], alpha=0.25, lw=1)
+        ax1.plot(steps, smooth.mean(0), color=colors[variant], lw=2.2, label=variant)
+        ax2.plot(eval_steps, accs.mean(0), color=colors[variant], lw=2.2, marker=".", label=f"{variant} (mean of {len(runs)})")
     ax1.set(title="training loss (moving average)", xlabel="step", ylabel="cross-entropy")
     ax2.set(title="accuracy on unseen names", xlabel="step", ylabel="accuracy", ylim=(0.4, 1.02))
-    ax2.legend(fontsize=7)
+    ax2.legend(fontsize=8)
     fig.suptitle(f"all-MiniLM-L6-v2, top {args.reset_layers} layers' Q/K/V reset before fine-tuning")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

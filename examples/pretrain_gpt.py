@@ -146,18 +146,24 @@ def plot(results: list[dict], args, path: Path) -> str:
         return "matplotlib is not installed (pip install 'surgeon[examples]'): no plot"
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     colors = {"default": "tab:gray", "conditioned": "tab:blue"}
-    for r in results:
-        loss = torch.tensor(r["train_loss"]) / math.log(2)
-        k = max(1, min(25, len(loss) // 5))
-        smooth = F.avg_pool1d(loss[None, None], k, stride=1)[0, 0] if len(loss) >= k else loss
-        label = f"{r['variant']} (seed {r['seed']})"
-        ax1.plot(range(k, k + len(smooth)), smooth, color=colors[r["variant"]], alpha=0.8, label=label)
-        ax2.plot([s for s, _ in r["evals"]], [bits(v) for _, v in r["evals"]], color=colors[r["variant"]], alpha=0.8, marker=".", label=label)
+    for variant in args.variants:  # thin lines: each seed; thick: the mean over seeds
+        runs = [r for r in results if r["variant"] == variant]
+        losses = torch.tensor([r["train_loss"] for r in runs]) / math.log(2)
+        k = max(1, min(25, losses.shape[1] // 5))
+        smooth = F.avg_pool1d(losses[:, None], k, stride=1)[:, 0]
+        steps = range(k, k + smooth.shape[1])
+        vals = torch.tensor([[bits(v) for _, v in r["evals"]] for r in runs])
+        eval_steps = [s for s, _ in runs[0]["evals"]]
+        for i in range(len(runs)):
+            ax1.plot(steps, smooth[i], color=colors[variant], alpha=0.25, lw=1)
+            ax2.plot(eval_steps, vals[i], color=colors[variant], alpha=0.25, lw=1)
+        ax1.plot(steps, smooth.mean(0), color=colors[variant], lw=2.2, label=variant)
+        ax2.plot(eval_steps, vals.mean(0), color=colors[variant], lw=2.2, marker=".", label=f"{variant} (mean of {len(runs)})")
     ax1.set(title="training loss (moving average)", xlabel="step", ylabel="bits per byte")
     ax2.set(title="validation loss (unseen files)", xlabel="step", ylabel="bits per byte")
     for ax in (ax1, ax2):
         ax.set_ylim(top=min(8.2, ax.get_ylim()[1]))
-    ax2.legend(fontsize=7)
+    ax2.legend(fontsize=8)
     fig.suptitle(f"GPT-2 ({args.layers} layers, width {args.width}, {args.heads} heads) on Python stdlib source, byte level")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -66,9 +66,11 @@ def reinit_(
             param = found.params[name]
             param.copy_(engine.update(name, param.detach()))
     rows = [ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed) for r in engine.ordered_results()]
+    seconds = time.perf_counter() - start
+    notes = _notes(found) + [f"changed {len(engine.tensor_names)} parameters in place in {seconds:.2f} s on {device}"]
     return Report(
         "reinit", _label(module), _describe(module), found.blocks, rows, options=options.to_dict(),
-        seconds=time.perf_counter() - start, device=str(device), notes=_notes(found),
+        seconds=seconds, device=str(device), notes=notes,
     )
 
 

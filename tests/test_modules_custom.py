@@ -259,3 +259,87 @@ def test_inspect_changes_nothing_and_reports_real_condition_numbers():
         assert row.before.head_kappas == pytest.approx(kappas, rel=1e-9)
         whole = torch.linalg.svdvals(w.reshape(32, 32))
         assert row.before.kappa == pytest.approx(float(whole[0] / whole[-1]), rel=1e-6)
+
+
+def test_softmax_products_without_projections_are_not_attention():
+    class Smoother(nn.Module):
+        """Token mixing by softmax(X Xᵀ) X: no parameter involved, so no attention block to re-initialize."""
+
+        def forward(self, x):
+            return torch.softmax(x @ x.transpose(-1, -2), dim=-1) @ x
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.smooth, self.attn, self.out = Smoother(), LucidAttention(24), nn.Linear(24, 24)
+
+        def forward(self, x):
+            return self.out(self.attn(self.smooth(x)))
+
+    report = surgeon.inspect(Net())
+    assert [b.module for b in report.blocks] == ["attn"]
+
+
+def test_hugging_face_model_inside_a_custom_model():
+    """Names route for the transformers part, forward route for the custom part, one report."""
+    from conftest import tiny_bert
+
+    class Classifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = tiny_bert()
+            self.pool = TimmAttentionPool()
+
+        def forward(self, input_ids):
+            return self.pool(self.encoder(input_ids=input_ids).last_hidden_state)
+
+    class TimmAttentionPool(nn.Module):
+        def __init__(self):
+            super().__init__()
+            from _modules import TimmAttention
+
+            self.attn = TimmAttention(48, 4, qkv_bias=True)
+
+        def forward(self, x):
+            return self.attn(x)[:, 0]
+
+    model = Classifier().eval()
+    before = observe(model.pool.attn, 48)
+    report = surgeon.reinit_(model, seed=3)
+    assert [(b.module, b.layout) for b in report.blocks] == [
+        ("encoder.encoder.layer.0.attention.self", "separate"),
+        ("encoder.encoder.layer.1.attention.self", "separate"),
+        ("pool.attn", "forward: fused qkv"),
+    ]
+    assert [b.stack for b in report.blocks] == ["encoder.encoder.layer", "encoder.encoder.layer", ""]
+    got = observe(model.pool.attn, 48)
+    assert_conditioned(got)
+    assert not torch.allclose(got.q, before.q)
+    assert model(torch.randint(0, 96, (2, 7))).shape == (2, 48)
+
+
+def test_hugging_face_layout_the_config_does_not_settle_is_read_from_the_forward():
+    """A GPT-NeoX whose config names an unknown model_type (a fork, remote code): the names cannot tell
+    interleaved from blocked rows, so the forward decides, and the report says so."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from _families import FAMILIES
+    from _observe import observe as observe_hf
+
+    import transformers
+
+    class ForkConfig(transformers.GPTNeoXConfig):  # what a remote-code copy of GPT-NeoX looks like
+        model_type = "my_neox_fork"
+
+    model = FAMILIES["gpt_neox"].make()
+    model.config.__class__ = ForkConfig
+    for sub in model.modules():  # every module shares the one config object
+        assert getattr(sub, "config", model.config) is model.config
+    report = surgeon.reinit_(model, layers="0", seed=2)
+    assert [b.q.weight.offsets for b in report.blocks] == [(0, 36, 72, 108)] * 2  # interleaved (H, 3, d)
+    assert any("do not settle the layout, so it was read from the forward" in n for n in report.notes)
+    maps = observe_hf(model)["gpt_neox.layers.0.attention"]
+    for w in (maps.q, maps.k):
+        for h in w:
+            assert torch.allclose(h @ h.T, torch.eye(h.shape[0]), atol=1e-4)

@@ -80,7 +80,7 @@ def detect_module(module: nn.Module, *, hints: Hints | None = None, example_inpu
             except SurgeonError as probe_exc:
                 raise LayoutError(f"{exc} (the forward did not settle it either: {probe_exc})") from None
             _add(found, blocks, "forward")
-            found.notes.append(f"{type(hf).__name__}: layout read from the forward ({exc})")
+            found.notes.append(f"{type(hf).__name__}: its names and config do not settle the layout, so it was read from the forward")
             continue
         renames = checkpoint_names(hf)
         blocks = [_prefixed(b, prefix) for b in detection.blocks]
