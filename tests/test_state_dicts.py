@@ -167,3 +167,12 @@ def test_timm_style_vit(tmp_path, config):
             conditioned(*got)
         else:
             same(got, observe_timm(model.blocks[i]["attn"], 48))
+
+
+def test_conventional_fused_layout_is_reported(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file(TimmStyleViT().state_dict(), tmp_path / "model.safetensors")
+    report = inspect_checkpoint(tmp_path / "model.safetensors", num_heads=6)
+    assert any("read as blocked [Q | K | V] (the timm/nanoGPT convention" in n for n in report.notes)
+    assert "note: qkv tensors are read as blocked" in report.render()

@@ -101,7 +101,26 @@ def detect(tensors: Mapping[str, TensorInfo], config: dict | None = None, hints:
     blocks = [_build(module, rule, stack, layer, stage, tensors, view) for module, rule, stack, layer, stage in placed]
     if not blocks:
         raise NoAttentionFoundError(_nothing_found(tensors, notes, source))
-    return Detection(blocks, len(tensors), notes)
+    return Detection(blocks, len(tensors), _assumed_layouts(blocks, view) + notes)
+
+
+# Fused tensors whose packing is a naming convention rather than something config.json states.
+_CONVENTIONAL = {"fused qkv": "timm/nanoGPT", "fused to_qkv": "chunk(3)"}
+
+
+def _assumed_layouts(blocks: list[AttentionBlock], view: ConfigView) -> list[str]:
+    """Say so when a fused layout rests on a naming convention alone (no model_type to confirm it)."""
+    if view.model_type:
+        return []
+    notes = []
+    for layout in dict.fromkeys(b.layout for b in blocks):
+        if layout in _CONVENTIONAL:
+            tensor = layout.split()[1]
+            notes.append(
+                f"{tensor} tensors are read as blocked [Q | K | V] (the {_CONVENTIONAL[layout]} convention; no config.json "
+                "model_type confirms it); if your model interleaves heads, check with the Python API (surgeon.inspect(module))"
+            )
+    return notes
 
 
 def _refuse_quantized(tensors: Mapping[str, TensorInfo]) -> None:
