@@ -373,7 +373,7 @@ def observe(attn, width, *, context_width=None, call=None, q_scale=1.0):
     return Maps(qw, qb, kw, kb, vw, vb)
 
 
-class _KernelCapture(TorchDispatchMode):
+class KernelCapture(TorchDispatchMode):
     """q, k, v at the ATen attention kernel (seen even inside F.multi_head_attention_forward)."""
 
     def __init__(self):
@@ -391,7 +391,7 @@ def observe_mha(mha: nn.MultiheadAttention, *, cross=False):
     x = probe(width)
     y = probe(kv_width, rows=x.shape[1], seed=12) if cross or kv_width != width else x
     xs, ys = (x, y) if mha.batch_first else (x.transpose(0, 1), y.transpose(0, 1))
-    mode = _KernelCapture()
+    mode = KernelCapture()
     with torch.enable_grad(), mode:  # grad on keeps nn.MultiheadAttention off its fused fast path
         mha(xs, ys, ys, need_weights=False)
     ((q, k, v),) = mode.calls

@@ -18,7 +18,6 @@ import numpy as np
 import onnx
 import torch
 
-from conftest import tree_digest
 
 SEQ, DEC_SEQ = 7, 5
 ROLE_LEAVES = {"query": "q", "key": "k", "value": "v", "q_lin": "q", "k_lin": "k", "v_lin": "v",
@@ -219,18 +218,6 @@ def tensor_ranges(path: Path) -> dict[str, tuple[str, int, int]]:
     return out
 
 
-def expect_cli_error(cli, folder: Path, *args, match: str) -> str:
-    """One line on stderr, a non-zero exit, no traceback, nothing written or changed under ``folder``."""
-    before = tree_digest(folder)
-    result = cli(*args, ok=False)
-    assert result.exit_code != 0
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("surgeon: error: "), lines[0]
-    assert "Traceback" not in result.stderr + result.output
-    assert match in lines[0], lines[0]
-    assert tree_digest(folder) == before
-    return lines[0]
 
 
 def check_against_pytorch(model, params, inits_before, inits_after, chosen) -> tuple[set[str], torch.nn.Module]:

@@ -74,3 +74,44 @@ class Cli:
 @pytest.fixture
 def cli() -> Cli:
     return Cli()
+
+
+def expect_cli_error(cli, folder: Path, *args, match: str) -> str:
+    """One line on stderr, a non-zero exit, no traceback, nothing written or changed under ``folder``."""
+    before = tree_digest(folder)
+    result = cli(*args, ok=False)
+    assert result.exit_code != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("surgeon: error: "), lines[0]
+    assert "Traceback" not in result.stderr + result.output
+    assert match in lines[0], lines[0]
+    assert tree_digest(folder) == before
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Forward passes of tiny models run faster on one thread (and leave the other core to the rest)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def saved_family(tmp_path_factory):
+    """``saved_family(name)`` -> (folder of the saved tiny model, its observed maps), built once per module."""
+    from _families import FAMILIES
+    from _observe import observe
+
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            path = tmp_path_factory.mktemp(name) / "src"
+            FAMILIES[name].make().save_pretrained(path)
+            cache[name] = (path, observe(FAMILIES[name].load(path)))
+        return cache[name]
+
+    return get

@@ -10,20 +10,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import tiny_llama, tree_digest
+from conftest import expect_cli_error as expect_error, tiny_llama
 
 
-def expect_error(cli, tmp_path, *args, match: str):
-    before = tree_digest(tmp_path)
-    result = cli(*args, ok=False)
-    assert result.exit_code != 0
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("surgeon: error: "), lines[0]
-    assert "Traceback" not in result.stderr + result.output
-    assert match in lines[0], lines[0]
-    assert tree_digest(tmp_path) == before  # nothing written, no temporary left behind
-    return lines[0]
 
 
 def test_no_attention_found(cli, tmp_path):

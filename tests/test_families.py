@@ -25,12 +25,7 @@ from surgeon.formats.safetensors import SafetensorsWeights
 ATOL = 2e-5  # float32 storage
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def raw_bytes(folder):
@@ -60,20 +55,6 @@ def same_maps(a, b):
     for role in ("q", "k", "v"):
         assert torch.allclose(getattr(a, role), getattr(b, role), atol=1e-6, rtol=1e-5), role
         assert torch.allclose(getattr(a, f"{role}_bias"), getattr(b, f"{role}_bias"), atol=1e-6, rtol=1e-5), role
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            path = tmp_path_factory.mktemp(name) / "src"
-            FAMILIES[name].make().save_pretrained(path)
-            cache[name] = (path, observe(FAMILIES[name].load(path)))
-        return cache[name]
-
-    return get
 
 
 def our_maps(weights, block):
@@ -117,16 +98,16 @@ def match_blocks(src, observed):
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_detection_matches_the_forward(name, saved):
+def test_detection_matches_the_forward(name, saved_family):
     """Every attention module of the forward is found once, with the rows the forward really uses."""
-    src, observed = saved(name)
+    src, observed = saved_family(name)
     _, pairs = match_blocks(src, observed)
     assert sorted(pairs.values()) == sorted(observed)
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_reinit_first_layer_through_forward(name, saved, tmp_path):
-    src, before = saved(name)
+def test_reinit_first_layer_through_forward(name, saved_family, tmp_path):
+    src, before = saved_family(name)
     _, pairs = match_blocks(src, before)
     out = tmp_path / "out"
     report = reinit_checkpoint(src, output=out, layers="0", seed=1)

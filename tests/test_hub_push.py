@@ -48,7 +48,7 @@ def test_reinit_and_push_in_one_commit(sources, tmp_path):
         (pushed,) = hub.pushed  # one commit, on main, by the token's user
         assert pushed["branch"] == "main" and pushed["user"] == "me"
         assert pushed["message"] == "Conditioned re-initialization of q,k,v in 1 attention block of org/tiny (surgeon 0.1.0)"
-        assert f"pushed 6 files (" in run.stdout and f"in one commit: {hub.url}/me/tiny-reset/commit/{pushed['commit']}" in run.stdout
+        assert "pushed 6 files (" in run.stdout and f"in one commit: {hub.url}/me/tiny-reset/commit/{pushed['commit']}" in run.stdout
         # every file arrived with its exact bytes; nothing else was added
         arrived = {p: hashlib.sha256(c).hexdigest() for p, c in hub.files("me/tiny-reset").items() if p != ".gitattributes"}
         assert arrived == digest(out)

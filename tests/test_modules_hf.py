@@ -18,12 +18,7 @@ from _observe import observe
 from surgeon.detect.modules import detect_module, probe_blocks
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def semi_orthogonal(maps, atol=1e-4):

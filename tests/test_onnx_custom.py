@@ -99,7 +99,7 @@ def test_custom_modules_detected_and_reinitialized(exported, tmp_path):
 def test_identical_layers_share_one_initializer(cli, tmp_path):
     """nn.TransformerEncoder deep-copies its layer: the exporter stores the equal weights once
     (behind Identity nodes), so one layer alone cannot be re-initialized, both together can."""
-    from _onnx_helpers import expect_cli_error
+    from conftest import expect_cli_error
 
     torch.manual_seed(0)
     model = Encoder().eval()

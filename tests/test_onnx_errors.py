@@ -9,7 +9,8 @@ import onnx
 import pytest
 
 from _onnx_graphs import mlp_only, tiny_attention
-from _onnx_helpers import expect_cli_error, initializers, ort_run
+from _onnx_helpers import initializers, ort_run
+from conftest import expect_cli_error
 from surgeon import reinit_checkpoint
 from surgeon.errors import NoAttentionFoundError
 

@@ -268,7 +268,7 @@ def test_cli_inspect_and_reinit(bert, cli, tmp_path):
 
 
 def test_folder_with_several_models_is_refused(bert, cli, tmp_path):
-    from _onnx_helpers import expect_cli_error
+    from conftest import expect_cli_error
 
     folder = tmp_path / "optimum"
     folder.mkdir()

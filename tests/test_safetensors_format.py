@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import struct
 
-import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file

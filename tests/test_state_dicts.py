@@ -10,24 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from _modules import KernelCapture as CaptureSDPA
 
 from surgeon import reinit_checkpoint
 from surgeon.api import inspect_checkpoint
-
-
-class CaptureSDPA(TorchDispatchMode):
-    """Records the (q, k, v) of every scaled-dot-product-attention kernel call (ATen level, so
-    calls made inside F.multi_head_attention_forward are seen too)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if "scaled_dot_product" in func.name():
-            self.calls.append(tuple(a.detach().clone() for a in args[:3]))
-        return func(*args, **(kwargs or {}))
 
 
 def solve_heads(x, states):

@@ -10,30 +10,11 @@ from _observe import observe
 from surgeon import reinit_checkpoint
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            path = tmp_path_factory.mktemp(name) / "src"
-            FAMILIES[name].make().save_pretrained(path)
-            cache[name] = (path, observe(FAMILIES[name].load(path)))
-        return cache[name]
-
-    return get
-
-
-def run(models, name, tmp_path, **options):
-    src, before = models(name)
+def run(saved_family, name, tmp_path, **options):
+    src, before = saved_family(name)
     report = reinit_checkpoint(src, output=tmp_path / "out", **options)
     return before, observe(FAMILIES[name].load(tmp_path / "out")), report
 
@@ -43,9 +24,9 @@ def is_semi_orthogonal(w):
     return torch.allclose(gram, torch.eye(gram.shape[0], dtype=gram.dtype), atol=1e-4)
 
 
-def test_heads_subset_with_grouped_query_attention(models, tmp_path):
+def test_heads_subset_with_grouped_query_attention(saved_family, tmp_path):
     # llama: 8 query heads, 2 key/value heads -> query heads 0-3 share key/value head 0
-    before, after, report = run(models, "llama", tmp_path, layers="0", heads="0-3")
+    before, after, report = run(saved_family, "llama", tmp_path, layers="0", heads="0-3")
     b, a = before["model.layers.0.self_attn"], after["model.layers.0.self_attn"]
     for h in range(8):
         assert is_semi_orthogonal(a.q[h]) == (h < 4)
@@ -55,9 +36,9 @@ def test_heads_subset_with_grouped_query_attention(models, tmp_path):
     assert {(r.role, r.heads_changed) for r in report.rows} == {("q", (0, 1, 2, 3)), ("k", (0,)), ("v", (0,))}
 
 
-def test_targets_inside_a_fused_tensor(models, tmp_path):
+def test_targets_inside_a_fused_tensor(saved_family, tmp_path):
     # gpt2 keeps Q, K and V in one Conv1D tensor: re-initializing q must leave k and v as they were
-    before, after, _ = run(models, "gpt2", tmp_path, layers="1", targets="q")
+    before, after, _ = run(saved_family, "gpt2", tmp_path, layers="1", targets="q")
     b, a = before["transformer.h.1.attn"], after["transformer.h.1.attn"]
     assert all(is_semi_orthogonal(w) for w in a.q)
     assert torch.allclose(a.q_bias, torch.zeros_like(a.q_bias), atol=1e-6)
@@ -65,8 +46,8 @@ def test_targets_inside_a_fused_tensor(models, tmp_path):
         assert torch.equal(getattr(a, role), getattr(b, role)), role
 
 
-def test_interleaved_layout_value_only(models, tmp_path):
-    before, after, _ = run(models, "gpt_neox", tmp_path, layers="0", targets="v", bias="keep")
+def test_interleaved_layout_value_only(saved_family, tmp_path):
+    before, after, _ = run(saved_family, "gpt_neox", tmp_path, layers="0", targets="v", bias="keep")
     module = next(m for m in before if m.endswith("layers.0.attention"))
     b, a = before[module], after[module]
     heads, d, width = a.v.shape
@@ -76,15 +57,15 @@ def test_interleaved_layout_value_only(models, tmp_path):
     assert torch.equal(a.q, b.q) and torch.equal(a.k, b.k)
 
 
-def test_per_head_value_identity(models, tmp_path):
-    _, after, _ = run(models, "bert", tmp_path, layers="0", value_identity="per-head")
+def test_per_head_value_identity(saved_family, tmp_path):
+    _, after, _ = run(saved_family, "bert", tmp_path, layers="0", value_identity="per-head")
     a = after["encoder.layer.0.attention.self"]
     for w in a.v:
         assert torch.allclose(w, torch.eye(w.shape[0], w.shape[1], dtype=w.dtype), atol=1e-6)
 
 
-def test_polar_mode_keeps_singular_vectors(models, tmp_path):
-    before, after, report = run(models, "bert", tmp_path, layers="1", mode="polar")
+def test_polar_mode_keeps_singular_vectors(saved_family, tmp_path):
+    before, after, report = run(saved_family, "bert", tmp_path, layers="1", mode="polar")
     b, a = before["encoder.layer.1.attention.self"], after["encoder.layer.1.attention.self"]
     for role in ("q", "k", "v"):
         for old, new in zip(getattr(b, role), getattr(a, role)):
@@ -94,8 +75,8 @@ def test_polar_mode_keeps_singular_vectors(models, tmp_path):
     assert all(r.after.head_max < 1 + 1e-5 for r in report.rows)
 
 
-def test_strength_moves_kappa_geometrically(models, tmp_path):
-    before, after, report = run(models, "llama", tmp_path, layers="1", mode="polar", strength=0.5)
+def test_strength_moves_kappa_geometrically(saved_family, tmp_path):
+    before, after, report = run(saved_family, "llama", tmp_path, layers="1", mode="polar", strength=0.5)
     b, a = before["model.layers.1.self_attn"], after["model.layers.1.self_attn"]
     for role in ("q", "k", "v"):
         for old, new in zip(getattr(b, role), getattr(a, role)):
@@ -106,8 +87,8 @@ def test_strength_moves_kappa_geometrically(models, tmp_path):
             assert k1 == pytest.approx(k0 ** 0.5, rel=1e-4)
 
 
-def test_keep_scale_preserves_each_heads_norm(models, tmp_path):
-    before, after, _ = run(models, "qwen2", tmp_path, layers="0", keep_scale=True)
+def test_keep_scale_preserves_each_heads_norm(saved_family, tmp_path):
+    before, after, _ = run(saved_family, "qwen2", tmp_path, layers="0", keep_scale=True)
     b, a = before["model.layers.0.self_attn"], after["model.layers.0.self_attn"]
     for role in ("q", "k", "v"):
         old, new = getattr(b, role), getattr(a, role)
@@ -117,8 +98,8 @@ def test_keep_scale_preserves_each_heads_norm(models, tmp_path):
             assert float(s.max() / s.min()) == pytest.approx(1.0, abs=1e-4)
 
 
-def test_cross_attention_only(models, tmp_path):
-    before, after, report = run(models, "bart", tmp_path, attention="cross")
+def test_cross_attention_only(saved_family, tmp_path):
+    before, after, report = run(saved_family, "bart", tmp_path, attention="cross")
     assert {r.block.kind for r in report.rows} == {"cross"}
     for module, obs in after.items():
         if obs.cross:
@@ -128,16 +109,16 @@ def test_cross_attention_only(models, tmp_path):
             assert torch.equal(obs.q, before[module].q)
 
 
-def test_stack_selection_numbers_each_stack_from_zero(models, tmp_path):
-    before, after, report = run(models, "t5", tmp_path, stack="decoder", layers="-1")
+def test_stack_selection_numbers_each_stack_from_zero(saved_family, tmp_path):
+    before, after, report = run(saved_family, "t5", tmp_path, stack="decoder", layers="-1")
     changed = {r.block.module for r in report.rows}
     assert changed == {"decoder.block.1.layer.0.SelfAttention", "decoder.block.1.layer.1.EncDecAttention"}
     for module, obs in after.items():
         assert torch.equal(obs.q, before[module].q) == (module not in changed)
 
 
-def test_dry_run_writes_nothing(models, tmp_path):
-    src, _ = models("llama")
+def test_dry_run_writes_nothing(saved_family, tmp_path):
+    src, _ = saved_family("llama")
     report = reinit_checkpoint(src, output=tmp_path / "out", dry_run=True, layers="0-1", targets="q")
     assert not (tmp_path / "out").exists()
     assert [(r.block.layer, r.role) for r in report.rows] == [(0, "q"), (1, "q")]

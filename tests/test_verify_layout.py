@@ -14,12 +14,7 @@ from surgeon.errors import LayoutError, OptionError
 from surgeon.verify import verify_layout
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

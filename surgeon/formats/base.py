@@ -7,10 +7,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import CheckpointError
+
+if TYPE_CHECKING:
+    from ..detect.names import Detection
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -38,20 +42,32 @@ class WeightSet(ABC):
     """The weight files of one checkpoint: a single file, or shards plus their index file."""
 
     format: str  # "safetensors", "torch", "onnx"
+    shard_suffix: str = ""  # what every shard named by an index file must end with
 
     def __init__(self, folder: Path, files: list[str], index: str | None) -> None:
         self.folder = folder
         self.files = files  # weight files (shards), relative to folder, in index order
         self.index = index  # the index file (model.safetensors.index.json), if sharded
+        self._infos: dict[str, TensorInfo] = {}
+
+    @classmethod
+    def from_index(cls, index_path: Path) -> WeightSet:
+        """The shards an index file names, in the order of their names."""
+        weight_map = read_index(index_path, cls.shard_suffix)
+        return cls(index_path.parent, shard_order(weight_map), index_path.name)
+
+    def _check_index(self, found: dict[str, str]) -> None:
+        if self.index is not None:
+            check_index_against_shards(self.folder / self.index, read_index(self.folder / self.index, self.shard_suffix), found)
 
     @property
     def all_files(self) -> list[str]:
         return self.files + ([self.index] if self.index else [])
 
     @property
-    @abstractmethod
     def tensors(self) -> dict[str, TensorInfo]:
         """Every tensor, in file order."""
+        return self._infos
 
     @abstractmethod
     def read(self, name: str) -> torch.Tensor:

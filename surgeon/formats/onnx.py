@@ -18,10 +18,7 @@ The protobuf wire format is walked directly (``_scan``) to find where each initi
 from __future__ import annotations
 
 import json
-import errno
 import mmap
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -31,6 +28,7 @@ import torch
 
 from ..errors import CheckpointError, SelectionError
 from .base import TensorInfo, UpdatesFn, WeightSet
+from .fileio import copy_file_sparse, copy_range
 
 METADATA_KEY = "surgeon"
 
@@ -99,7 +97,6 @@ class OnnxWeights(WeightSet):
         self.path = path
         self.model = _load(path)
         self.layout = _scan(path)
-        self._infos: dict[str, TensorInfo] = {}
         self._stored: dict[str, _Stored] = {}
         self._protos: dict[str, onnx.TensorProto] = {}
         external: list[str] = []
@@ -168,10 +165,6 @@ class OnnxWeights(WeightSet):
         return _Stored(str(rel), offset, length, True)
 
     # --- WeightSet ----------------------------------------------------------------------------
-    @property
-    def tensors(self) -> dict[str, TensorInfo]:
-        return self._infos
-
     def read(self, name: str) -> torch.Tensor:
         info, stored = self._infos[name], self._stored[name]
         if not stored.in_place:  # varint-encoded (e.g. float16 in int32_data): let onnx decode it
@@ -233,7 +226,7 @@ class OnnxWeights(WeightSet):
             changed = updates(file)
             target = dest / file
             target.parent.mkdir(parents=True, exist_ok=True)
-            _copy_file(self.folder / file, target)
+            copy_file_sparse(self.folder / file, target)
             if changed:
                 with open(target, "r+b") as out:
                     for name, tensor in changed.items():
@@ -428,53 +421,6 @@ def _field(number: int, payload: bytes) -> bytes:
     return _key(number) + _varint(len(payload)) + payload
 
 
-def _copy_file(src: Path, dst: Path) -> None:
-    """Copy a data file: kernel-side where possible, and holes of sparse files stay holes."""
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
-        size = os.fstat(fin.fileno()).st_size
-        pos = 0
-        try:
-            while pos < size:
-                start = os.lseek(fin.fileno(), pos, os.SEEK_DATA)
-                end = os.lseek(fin.fileno(), start, os.SEEK_HOLE)
-                _copy_range(fin, fout, start, end - start)
-                pos = end
-        except OSError as exc:
-            if exc.errno == errno.ENXIO:  # only a hole left
-                pass
-            elif exc.errno in (errno.EINVAL, errno.EOPNOTSUPP) and pos == 0:  # no SEEK_DATA here
-                fin.seek(0)
-                shutil.copyfileobj(fin, fout, 16 << 20)
-            else:
-                raise
-        fout.truncate(size)
-
-
-def _copy_range(fin, fout, offset: int, count: int) -> None:
-    """bytes offset..offset+count of fin to the same offset of fout."""
-    done = 0
-    try:
-        while done < count:
-            n = os.copy_file_range(fin.fileno(), fout.fileno(), count - done, offset + done, offset + done)
-            if n == 0:
-                break
-            done += n
-    except OSError:
-        pass
-    fin.seek(offset + done)
-    fout.seek(offset + done)
-    _copy_stream(fin, fout, count - done)
-
-
-def _copy_stream(src, out, count: int) -> None:
-    while count > 0:
-        chunk = src.read(min(count, 16 << 20))
-        if not chunk:
-            raise CheckpointError(f"{src.name} ended early while copying: the file is truncated")
-        out.write(chunk)
-        count -= len(chunk)
-
-
 def _copy(src, out, offset: int, count: int) -> None:
-    src.seek(offset)
-    _copy_stream(src, out, count)
+    """Append ``count`` bytes of ``src`` at ``offset`` to ``out``."""
+    copy_range(src, out, offset, out.tell(), count)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import struct
 from dataclasses import dataclass
@@ -20,7 +19,8 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
-from .base import TensorInfo, UpdatesFn, WeightSet, check_index_against_shards, read_index, shard_order
+from .base import TensorInfo, UpdatesFn, WeightSet
+from .fileio import copy_range
 
 INDEX_SUFFIX = ".safetensors.index.json"
 METADATA_KEY = "surgeon"
@@ -195,7 +195,7 @@ def write_patched(header: Header, dest: Path, updates: dict[str, torch.Tensor], 
     with open(header.path, "rb") as src, open(dest, "wb") as out:
         out.write(struct.pack("<Q", len(raw_header)))
         out.write(raw_header)
-        _copy_range(src, out, header.data_start, header.file_size - header.data_start)
+        copy_range(src, out, header.data_start, out.tell(), header.file_size - header.data_start)
         data_start = 8 + len(raw_header)
         for name, tensor in updates.items():
             entry = header.entries[name]
@@ -206,37 +206,13 @@ def write_patched(header: Header, dest: Path, updates: dict[str, torch.Tensor], 
             out.write(tensor_bytes(tensor))
 
 
-def _copy_range(src, out, offset: int, count: int) -> None:
-    """Copy ``count`` bytes of ``src`` from ``offset`` to the current position of ``out``."""
-    out.flush()
-    dst_offset = out.tell()
-    copied = 0
-    try:  # kernel-side copy (reflinks where the file system has them); falls back to read/write
-        while copied < count:
-            n = os.copy_file_range(src.fileno(), out.fileno(), count - copied, offset + copied, dst_offset + copied)
-            if n == 0:
-                break
-            copied += n
-    except OSError:
-        pass
-    out.seek(dst_offset + copied)
-    src.seek(offset + copied)
-    remaining = count - copied
-    while remaining:
-        chunk = src.read(min(remaining, 16 << 20))
-        if not chunk:
-            raise CheckpointError(f"{src.name} ended early while copying: the file is truncated")
-        out.write(chunk)
-        remaining -= len(chunk)
-
-
 class SafetensorsWeights(WeightSet):
     format = "safetensors"
+    shard_suffix = ".safetensors"
 
     def __init__(self, folder: Path, files: list[str], index: str | None = None) -> None:
         super().__init__(folder, files, index)
         self.headers: dict[str, Header] = {}
-        self._infos: dict[str, TensorInfo] = {}
         found: dict[str, str] = {}
         for file in files:
             path = folder / file
@@ -250,17 +226,7 @@ class SafetensorsWeights(WeightSet):
                     raise CheckpointError(f"tensor {name!r} is in both {found[name]} and {file}")
                 found[name] = file
                 self._infos[name] = tensor_info(header, name, file)
-        if index is not None:
-            check_index_against_shards(folder / index, read_index(folder / index, ".safetensors"), found)
-
-    @classmethod
-    def from_index(cls, index_path: Path) -> SafetensorsWeights:
-        weight_map = read_index(index_path, ".safetensors")
-        return cls(index_path.parent, shard_order(weight_map), index_path.name)
-
-    @property
-    def tensors(self) -> dict[str, TensorInfo]:
-        return self._infos
+        self._check_index(found)
 
     def read(self, name: str) -> torch.Tensor:
         info = self._infos[name]

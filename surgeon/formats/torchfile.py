@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
-from .base import TensorInfo, UpdatesFn, WeightSet, check_index_against_shards, read_index, shard_order
+from .base import TensorInfo, UpdatesFn, WeightSet
 
 SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 INDEX_SUFFIX = ".bin.index.json"
@@ -66,11 +66,11 @@ def _unsafe_detail(message: str) -> str:
 
 class TorchWeights(WeightSet):
     format = "torch"
+    shard_suffix = ".bin"
 
     def __init__(self, folder: Path, files: list[str], index: str | None = None) -> None:
         super().__init__(folder, files, index)
         self._loaded: dict[str, tuple[object, str | None, Mapping]] = {}
-        self._infos: dict[str, TensorInfo] = {}
         found: dict[str, str] = {}
         for file in files:
             if not (folder / file).is_file():
@@ -84,17 +84,7 @@ class TorchWeights(WeightSet):
                 found[name] = file
                 nbytes = value.numel() * value.element_size()
                 self._infos[name] = TensorInfo(name, tuple(value.shape), str(value.dtype).removeprefix("torch."), value.dtype, file, nbytes)
-        if index is not None:
-            check_index_against_shards(folder / index, read_index(folder / index, ".bin"), found)
-
-    @classmethod
-    def from_index(cls, index_path: Path) -> TorchWeights:
-        weight_map = read_index(index_path, ".bin")
-        return cls(index_path.parent, shard_order(weight_map), index_path.name)
-
-    @property
-    def tensors(self) -> dict[str, TensorInfo]:
-        return self._infos
+        self._check_index(found)
 
     def read(self, name: str) -> torch.Tensor:
         return self._loaded[self._infos[name].file][2][name]
