@@ -147,7 +147,7 @@ class Report:
 
     def _summary(self) -> str:
         stacks = list(dict.fromkeys(b.stack for b in self.blocks))
-        head = f"{self.source} ({self.format}): {len(self.blocks)} attention blocks in {len(stacks)} stack{'s' if len(stacks) != 1 else ''}"
+        head = f"{self.source} ({self.format}): {_count(len(self.blocks), 'attention block')} in {_count(len(stacks), 'stack')}"
         if self.command == "inspect":
             return head
         o = self.options or {}
@@ -159,7 +159,7 @@ class Report:
             mode += f", value identity {o.get('value_identity')}"
         extras = f"mode {mode}, bias {o.get('bias')}, seed {o.get('seed')}" + (", keep scale" if o.get("keep_scale") else "")
         touched = len({r.block.module for r in self.rows})
-        return f"{head}\n{what}: {len(self.rows)} projections in {touched} blocks; {extras}"
+        return f"{head}\n{what}: {_count(len(self.rows), 'projection')} in {_count(touched, 'block')}; {extras}"
 
     def _stacks_table(self) -> str:
         groups: dict[tuple, list[AttentionBlock]] = {}
@@ -193,6 +193,10 @@ class Report:
             b, a = _spec_cells(r.before), _spec_cells(r.after)
             rows.append([_where(r.block), r.role, heads, f"{b[0]} -> {a[0]}", f"{b[1]} -> {a[1]}", f"{b[2]} -> {a[2]}"])
         return table(["block", "proj", "heads", "kappa", "head kappa min/med/max", "||W||2"], rows)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _where(block: AttentionBlock) -> str:

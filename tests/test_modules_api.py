@@ -76,7 +76,7 @@ def test_report_content():
     assert [p["role"] for p in data["projections"]] == ["q", "v"]
     assert data["output"] is None and data["device"] == "cpu"
     text = report.render()
-    assert "re-initialized: 2 projections in 1 blocks" in text
+    assert "re-initialized: 2 projections in 1 block;" in text
     assert "model.layers.2 self  q" in text
 
 
