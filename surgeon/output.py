@@ -51,6 +51,8 @@ def resolve_output(source: Source, output: str | Path | None, *, in_place: bool,
         raise OutputError(f"{dest} is the input; surgeon writes a new copy unless you pass --in-place")
     if kind == "folder" and source.folder.resolve() in dest.resolve().parents:
         raise OutputError(f"{dest} is inside the input folder {source.folder}; choose an output outside it")
+    if dest.resolve() in source.path.resolve().parents:
+        raise OutputError(f"{dest} holds the input {source.path}; choose an output that does not contain it")
     if dest.exists() and not overwrite:
         raise OutputError(f"{dest} already exists; pass --overwrite to replace it, or choose another path with -o")
     return dest

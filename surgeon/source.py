@@ -82,6 +82,13 @@ def read_config(path: Path) -> dict:
     return config
 
 
+def _other_weights(rel: Path) -> bool:
+    """A top-level weight file outside the chosen set (e.g. Mistral's consolidated.safetensors)."""
+    if len(rel.parts) > 1 or rel.name in NOT_WEIGHTS or rel.name.startswith(("rng_state", "optimizer", "scheduler")):
+        return False
+    return rel.name.endswith((".safetensors", ".safetensors.index.json", ".bin.index.json")) or rel.suffix in PT_SUFFIXES
+
+
 def _open_file(path: Path) -> Source:
     name = path.name
     if name.endswith(ST_INDEX):
@@ -143,7 +150,13 @@ def _open_folder(folder: Path) -> Source:
         rel = p.relative_to(folder)
         if rel.parts[0] in SKIP_DIRS or not p.is_file() or str(rel) in weight_files:
             continue
-        if (len(rel.parts) > 1 and rel.parts[0] in STALE_WEIGHT_DIRS) or p.name.endswith(STALE_WEIGHT_SUFFIXES):
+        if rel.parts[0].endswith((".surgeon-tmp", ".surgeon-old")):  # left by an interrupted run
+            continue
+        if (
+            (len(rel.parts) > 1 and rel.parts[0] in STALE_WEIGHT_DIRS)
+            or p.name.endswith(STALE_WEIGHT_SUFFIXES)
+            or _other_weights(rel)
+        ):
             stale.append(rel.parts[0] + "/" if len(rel.parts) > 1 else str(rel))
             continue
         extras.append(str(rel))

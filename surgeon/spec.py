@@ -141,6 +141,15 @@ def _grouped(heads: int, kv_heads: int) -> list[Slot]:
     return slots
 
 
+def _codegen(heads: int, kv_heads: int) -> list[Slot]:
+    # rows viewed as (4, 3, H/4, d): four model-parallel chunks, each [Q | V | K] of H/4 heads (CodeGen)
+    chunks = 4
+    if heads != kv_heads or heads % chunks:
+        raise ValueError("CodeGen's qkv_proj packs 4 chunks of as many key/value heads as query heads")
+    per = heads // chunks
+    return [(r, c * per + i) for c in range(chunks) for r in "qvk" for i in range(per)]
+
+
 PACKINGS: dict[str, Packing] = {
     "q": _single("q"),
     "k": _single("k"),
@@ -149,6 +158,7 @@ PACKINGS: dict[str, Packing] = {
     "kv": _blocked("kv"),
     "interleaved": _interleaved,
     "grouped": _grouped,
+    "codegen": _codegen,
 }
 
 

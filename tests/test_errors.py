@@ -142,3 +142,38 @@ def test_missing_input_and_unknown_type(cli, tmp_path):
 def test_usage_errors_exit_2(cli, tmp_path):
     result = cli("reinit", ok=False)
     assert result.exit_code == 2 and "Missing argument 'MODEL'" in result.stderr
+
+
+def test_index_cannot_point_outside_the_checkpoint(cli, tmp_path):
+    repo = tmp_path / "repo"
+    tiny_llama().save_pretrained(repo, max_shard_size="40KB")
+    index_path = repo / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    victim = tmp_path / "victim.safetensors"
+    first = sorted(repo.glob("*.safetensors"))[0]
+    shutil.move(first, victim)
+    index["weight_map"] = {k: ("../victim.safetensors" if v == first.name else v) for k, v in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index))
+    expect_error(cli, tmp_path, "reinit", repo, "-o", tmp_path / "out", match="which is not a file beside the index")
+
+
+def test_output_that_holds_the_input_is_refused(cli, tmp_path):
+    src = tmp_path / "models" / "llama"
+    tiny_llama().save_pretrained(src)
+    expect_error(cli, tmp_path, "reinit", src, "-o", tmp_path / "models", "--overwrite", match="holds the input")
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"dtype": "F32", "shape": [4, 4], "data_offsets": ["0", "64"]},
+        {"dtype": "F32", "shape": [4, 4], "data_offsets": [None, 64]},
+        {"dtype": "F32", "shape": [-1, 4], "data_offsets": [16, 0]},
+        {"dtype": "F32", "shape": [4, 4]},
+        "not an object",
+    ],
+)
+def test_malformed_header_entries(cli, tmp_path, entry):
+    header = json.dumps({"x.weight": entry}).encode()
+    (tmp_path / "bad.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(64))
+    expect_error(cli, tmp_path, "inspect", tmp_path / "bad.safetensors", match="corrupt header entry for tensor 'x.weight'")

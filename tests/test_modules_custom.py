@@ -306,7 +306,7 @@ def test_hugging_face_model_inside_a_custom_model():
         ("encoder.encoder.layer.1.attention.self", "separate"),
         ("pool.attn", "forward: fused qkv"),
     ]
-    assert [b.stack for b in report.blocks] == ["encoder.encoder.layer", "encoder.encoder.layer", ""]
+    assert [b.stack for b in report.blocks] == ["encoder.encoder.layer", "encoder.encoder.layer", "pool.attn"]
     got = observe(model.pool.attn, 48)
     assert_conditioned(got)
     assert not torch.allclose(got.q, before.q)

@@ -203,3 +203,14 @@ def test_stale_copies_in_other_formats_are_left_out(tmp_path, llama_dir):
     assert "tf_model.h5" not in out and "onnx/model.onnx" not in out and "tokenizer.json" in out
     assert any("onnx/, tf_model.h5" in note for note in report.notes)
     assert "onnx/, tf_model.h5 (re-export them from the output)" in report.render()
+
+
+def test_leftover_weight_files_beside_a_sharded_checkpoint_are_left_out(tmp_path):
+    src = tmp_path / "mistral-like"
+    tiny_llama().save_pretrained(src, max_shard_size="40KB")
+    (src / "consolidated.safetensors").write_bytes((next(src.glob("model-*.safetensors"))).read_bytes())
+    (src / "training_args.bin").write_bytes(b"not weights")
+    report = reinit_checkpoint(src, output=tmp_path / "out", layers="0")
+    out = tree_digest(tmp_path / "out")
+    assert "consolidated.safetensors" not in out and "training_args.bin" in out
+    assert any("consolidated.safetensors" in n for n in report.notes)

@@ -78,3 +78,18 @@ def test_reader_matches_reference_for_every_float_dtype(tmp_path):
         got = weights.read(name)
         assert got.dtype == t.dtype and torch.equal(got, t)
     assert weights.tensors["bf16"].dtype == "BF16" and weights.tensors["i8"].torch_dtype == torch.int8
+
+
+def test_newer_dtypes_in_untouched_tensors_are_carried_over(tmp_path):
+    from surgeon import reinit_checkpoint
+
+    tensors = {f"layers.0.attn.{p}_proj.weight": torch.randn(16, 16) for p in "qkv"}
+    tensors["scales"] = torch.ones(8).to(torch.float8_e8m0fnu)
+    tensors["phase"] = torch.randn(4, dtype=torch.complex64)
+    src = tmp_path / "m.safetensors"
+    save_file(tensors, src)
+    reinit_checkpoint(src, output=tmp_path / "o.safetensors", num_heads=2)
+    _, before = raw_tensors(src)
+    _, after = raw_tensors(tmp_path / "o.safetensors")
+    assert after["scales"] == before["scales"] and after["phase"] == before["phase"]
+    assert after["layers.0.attn.q_proj.weight"] != before["layers.0.attn.q_proj.weight"]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 HEADS_KEYS = ("num_attention_heads", "num_heads", "n_head", "n_heads", "attention_heads", "heads")
-KV_HEADS_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "kv_n_heads", "num_kv_heads_per_layer")
+KV_HEADS_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "kv_n_heads", "num_kv_heads_per_layer", "multi_query_group_num")
 HEAD_DIM_KEYS = ("head_dim", "d_kv", "attention_head_dim", "kv_channels", "head_size")
 HIDDEN_KEYS = ("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim", "width")
 # Where a tower's config is nested (CLIP, SigLIP, LLaVA, encoder-decoder wrappers): the words in a
@@ -23,13 +23,14 @@ SUBCONFIG_WORDS = {
     "encoder": ("encoder",),
     "decoder": ("decoder",),
 }
-# query_key_value tensors pack q/k/v differently per family (see spec.PACKINGS).
-QKV_PACKING_BY_MODEL_TYPE = {
-    "gpt_neox": "interleaved",
-    "gpt_neox_japanese": "interleaved",
-    "bloom": "interleaved",
-    "persimmon": "interleaved",
-    "chatglm": "qkv",
+# How a fused tensor packs q/k/v where a family departs from the default of its tensor name
+# (spec.PACKINGS); flag-dependent families (Falcon, ChatGLM, GPTBigCode) are in ConfigView.fused_packing.
+FUSED_PACKING_BY_MODEL_TYPE = {
+    ("query_key_value", "gpt_neox"): "interleaved",
+    ("query_key_value", "gpt_neox_japanese"): "interleaved",
+    ("query_key_value", "bloom"): "interleaved",
+    ("query_key_value", "persimmon"): "interleaved",
+    ("qkv_proj", "codegen"): "codegen",
 }
 
 
@@ -68,12 +69,16 @@ class ConfigView:
         return self.config.get("model_type")
 
     def _scope(self, stack: str) -> tuple[dict, str]:
-        """The (sub)config that describes ``stack``, and its name."""
-        words = [w.lower() for w in stack.split(".")]
-        for key, markers in SUBCONFIG_WORDS.items():
-            sub = self.config.get(key)
-            if isinstance(sub, dict) and any(m in w for w in words for m in markers):
-                return sub, f"config.json {key}"
+        """The (sub)config that describes ``stack``, and its name.
+
+        The first word of the path that names a tower decides: ``decoder.bert.encoder.layer`` (the
+        decoder of an EncoderDecoderModel) is described by ``decoder``, not by ``encoder``.
+        """
+        for word in (w.lower() for w in stack.split(".")):
+            for key, markers in SUBCONFIG_WORDS.items():
+                sub = self.config.get(key)
+                if isinstance(sub, dict) and any(m in word for m in markers):
+                    return sub, f"config.json {key}"
         return self.config, "config.json"
 
     def facts(self, stack: str) -> StackFacts:
@@ -88,7 +93,7 @@ class ConfigView:
             pass
         elif scope.get("multi_query") is True:
             kv_heads = 1
-        elif self.model_type == "falcon" or "multi_query" in scope:
+        elif self.model_type == "falcon" or "multi_query" in scope or scope.get("multi_query_attention") is False:
             kv_heads = None
         head_dim = _first(nested, HEAD_DIM_KEYS)
         hidden = _first(nested, HIDDEN_KEYS)
@@ -100,14 +105,22 @@ class ConfigView:
             head_dim = self.hints.head_dim
         return StackFacts(heads, kv_heads, head_dim if isinstance(head_dim, int) else None, hidden if isinstance(hidden, int) else None, source)
 
-    def qkv_packing(self, stack: str) -> str | None:
-        """How a ``query_key_value`` tensor packs its rows, or None when the config does not say."""
+    def fused_packing(self, tensor: str, stack: str) -> str | None:
+        """How the fused tensor ``tensor`` (e.g. "query_key_value") of this model packs its rows,
+        or None when the config does not say (the rule's default applies where it has one)."""
         scope, _ = self._scope(stack)
-        if self.model_type == "falcon" or "new_decoder_architecture" in scope:
-            if scope.get("new_decoder_architecture"):
-                return "grouped"
-            return "qkv" if scope.get("multi_query", True) else "interleaved"
-        return QKV_PACKING_BY_MODEL_TYPE.get(self.model_type or "")
+        model_type = scope.get("model_type") or self.model_type or ""
+        if tensor == "query_key_value":
+            if model_type == "falcon" or "new_decoder_architecture" in scope:
+                if scope.get("new_decoder_architecture"):
+                    return "grouped"
+                return "qkv" if scope.get("multi_query", True) else "interleaved"
+            if model_type == "chatglm" or "multi_query_attention" in scope:
+                # ChatGLM2/3 split [Q | K | V] with multi-query groups, else view rows as (heads, 3 * d)
+                return "qkv" if scope.get("multi_query_attention") else "interleaved"
+        if tensor == "c_attn" and model_type == "gpt_bigcode" and scope.get("multi_query") is False:
+            return "interleaved"  # GPTBigCode without multi-query views c_attn as (heads, 3 * d)
+        return FUSED_PACKING_BY_MODEL_TYPE.get((tensor, model_type))
 
 
 def _first(scopes: list[dict], keys: tuple[str, ...]) -> Any:

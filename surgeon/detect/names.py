@@ -199,7 +199,8 @@ def _place(matches: dict[str, Rule]) -> list[tuple[str, Rule, str, int, int | No
         split = [m.split(".") for m in modules]
         varying = [i for i in numeric if len({s[i] for s in split}) > 1] or numeric[:1]
         for module, comps in zip(modules, split):
-            stack = ".".join(comps[: varying[0]]) if varying else ""
+            # A module outside any numbered list (SigLIP's pooling head) is a stack of its own.
+            stack = ".".join(comps[: varying[0]]) if varying else module
             key = tuple(int(comps[i]) for i in varying)
             stage = key[0] if len(key) > 1 else None
             placed_raw.append((module, stack, len(varying), key, stage))
@@ -273,9 +274,9 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
 
 
 def _packing(part: Part, view: ConfigView, stack: str, where: str) -> str:
-    if part.packing != "auto":
+    if part.packing in ("q", "k", "v"):
         return part.packing
-    packing = view.qkv_packing(stack)
+    packing = view.fused_packing(part.weight.rsplit(".", 1)[0], stack) or (None if part.packing == "auto" else part.packing)
     if packing is None:
         raise LayoutError(
             f"cannot tell how {_join(where, part.weight)} packs query/key/value: it is interleaved per head in "

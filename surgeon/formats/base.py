@@ -112,6 +112,13 @@ def read_index(path: Path, suffix: str) -> dict[str, str]:
     for name, shard in weight_map.items():
         if not isinstance(shard, str) or not shard.endswith(suffix):
             raise CheckpointError(f"index {path} maps {name!r} to {shard!r}, which is not a {suffix} file")
+        # Shards sit beside their index. A name with a folder in it ("../x", "/abs/x") would make
+        # surgeon read, and write, files outside the checkpoint: refuse it.
+        if "/" in shard or "\\" in shard:
+            raise CheckpointError(
+                f"index {path} maps {name!r} to {shard!r}, which is not a file beside the index; "
+                "shard names must be plain file names"
+            )
     return weight_map
 
 

@@ -26,24 +26,33 @@ INDEX_SUFFIX = ".safetensors.index.json"
 METADATA_KEY = "surgeon"
 _MAX_HEADER = 100 * 1024 * 1024  # the limit the reference implementation enforces
 
+# name -> (torch dtype, or None where this torch has none; bits per element). A dtype missing here
+# is still accepted in tensors surgeon never decodes; its byte size just cannot be checked.
 DTYPES: dict[str, tuple[torch.dtype | None, int]] = {
-    "F64": (torch.float64, 8),
-    "F32": (torch.float32, 4),
-    "F16": (torch.float16, 2),
-    "BF16": (torch.bfloat16, 2),
-    "I64": (torch.int64, 8),
-    "I32": (torch.int32, 4),
-    "I16": (torch.int16, 2),
-    "I8": (torch.int8, 1),
-    "U64": (torch.uint64, 8),
-    "U32": (torch.uint32, 4),
-    "U16": (torch.uint16, 2),
-    "U8": (torch.uint8, 1),
-    "BOOL": (torch.bool, 1),
-    "F8_E4M3": (torch.float8_e4m3fn, 1),
-    "F8_E5M2": (torch.float8_e5m2, 1),
+    "F64": (torch.float64, 64),
+    "F32": (torch.float32, 32),
+    "F16": (torch.float16, 16),
+    "BF16": (torch.bfloat16, 16),
+    "C64": (torch.complex64, 64),
+    "I64": (torch.int64, 64),
+    "I32": (torch.int32, 32),
+    "I16": (torch.int16, 16),
+    "I8": (torch.int8, 8),
+    "U64": (torch.uint64, 64),
+    "U32": (torch.uint32, 32),
+    "U16": (torch.uint16, 16),
+    "U8": (torch.uint8, 8),
+    "BOOL": (torch.bool, 8),
+    "F8_E4M3": (torch.float8_e4m3fn, 8),
+    "F8_E5M2": (torch.float8_e5m2, 8),
+    "F8_E4M3FNUZ": (getattr(torch, "float8_e4m3fnuz", None), 8),
+    "F8_E5M2FNUZ": (getattr(torch, "float8_e5m2fnuz", None), 8),
+    "F8_E8M0": (getattr(torch, "float8_e8m0fnu", None), 8),
+    "F6_E2M3": (None, 6),
+    "F6_E3M2": (None, 6),
+    "F4": (None, 4),
 }
-_NAMES = {dtype: name for name, (dtype, _) in DTYPES.items()}
+_NAMES = {dtype: name for name, (dtype, _) in DTYPES.items() if dtype is not None}
 
 
 @dataclass
@@ -102,15 +111,12 @@ def _validate(header: Header) -> None:
         raise CheckpointError(f"{path} has corrupt __metadata__ (must map strings to strings)")
     spans = []
     for name, entry in header.tensor_entries().items():
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-            itemsize = DTYPES[dtype][1]
-            numel = math.prod(int(d) for d in shape)
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(
-                f"{path} has a corrupt header entry for tensor {name!r}: {json.dumps(entry)[:120]}"
-            ) from None
-        if end - begin != numel * itemsize or begin < 0:
+        dtype, shape, offsets = (entry.get(k) for k in ("dtype", "shape", "data_offsets")) if isinstance(entry, dict) else (None,) * 3
+        if not (isinstance(dtype, str) and _naturals(shape) and _naturals(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]):
+            raise CheckpointError(f"{path} has a corrupt header entry for tensor {name!r}: {json.dumps(entry)[:120]}")
+        begin, end = offsets
+        bits = DTYPES.get(dtype, (None, None))[1]
+        if bits is not None and end - begin != (math.prod(shape) * bits + 7) // 8:
             raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {shape} {dtype}: corrupt header")
         if end > data_size:
             raise CheckpointError(
@@ -126,16 +132,22 @@ def _validate(header: Header) -> None:
         cursor = end
 
 
+def _naturals(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+
+
 def tensor_info(header: Header, name: str, file: str) -> TensorInfo:
     entry = header.entries[name]
-    dtype, _ = DTYPES[entry["dtype"]]
+    dtype, _ = DTYPES.get(entry["dtype"], (None, None))
     begin, end = entry["data_offsets"]
     return TensorInfo(name, tuple(entry["shape"]), entry["dtype"], dtype, file, end - begin)
 
 
 def read_tensor(header: Header, name: str) -> torch.Tensor:
     entry = header.entries[name]
-    dtype, _ = DTYPES[entry["dtype"]]
+    dtype, _ = DTYPES.get(entry["dtype"], (None, None))
+    if dtype is None:
+        raise CheckpointError(f"{header.path}: tensor {name!r} has dtype {entry['dtype']}, which this torch cannot decode")
     begin, end = entry["data_offsets"]
     shape = tuple(entry["shape"])
     if end == begin:
