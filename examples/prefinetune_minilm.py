@@ -23,7 +23,6 @@ It prints the test accuracy and loss per start and seed, and saves a plot of the
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -38,6 +37,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import surgeon  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _compare  # noqa: E402
 
 NAMES = (
     "Mia Omar Lena Ravi Sofia Tom Aisha Ben Chloe Diego Emma Farid Grace Hugo Ines Jonas Kira Liam Maya Noah "
@@ -141,44 +143,9 @@ def summarize(results: list[dict], args) -> list[str]:
     return lines
 
 
-def plot(results: list[dict], args, path: Path) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install 'surgeon[examples]'): no plot"
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    colors = {"none": "tab:gray", "conditioned": "tab:blue", "default": "tab:orange"}
-    for variant in args.variants:  # thin lines: each seed; thick: the mean over seeds
-        runs = [r for r in results if r["variant"] == variant]
-        losses = torch.tensor([r["train_loss"] for r in runs])
-        k = max(1, min(10, losses.shape[1] // 5))
-        smooth = F.avg_pool1d(losses[:, None], k, stride=1)[:, 0]
-        steps = range(k, k + smooth.shape[1])
-        accs = torch.tensor([[a for _, a, _ in r["evals"]] for r in runs])
-        eval_steps = [s for s, _, _ in runs[0]["evals"]]
-        for i in range(len(runs)):
-            ax1.plot(steps, smooth[i], color=colors[variant], alpha=0.25, lw=1)
-            ax2.plot(eval_steps, accs[i], color=colors[variant], alpha=0.25, lw=1)
-        ax1.plot(steps, smooth.mean(0), color=colors[variant], lw=2.2, label=variant)
-        ax2.plot(eval_steps, accs.mean(0), color=colors[variant], lw=2.2, marker=".", label=f"{variant} (mean of {len(runs)})")
-    ax1.set(title="training loss (moving average)", xlabel="step", ylabel="cross-entropy")
-    ax2.set(title="accuracy on unseen names", xlabel="step", ylabel="accuracy", ylim=(0.4, 1.02))
-    ax2.legend(fontsize=8)
-    fig.suptitle(f"all-MiniLM-L6-v2, top {args.reset_layers} layers' Q/K/V reset before fine-tuning")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return f"plot: {path}"
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=100, help="fine-tuning steps per run (default 100)")
-    parser.add_argument("--seeds", type=int, default=2, help="runs per start, seeds 0..N-1 (default 2)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-4, help="encoder learning rate (default 1e-4)")
     parser.add_argument("--head-lr", type=float, default=1e-3)
@@ -189,16 +156,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--forms", type=int, choices=(2, 4), default=2,
                         help="hypothesis forms: 2 (names kept or swapped; default) or 4 (also the relation flipped: an XOR, "
                              "not learned in a few hundred steps)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of none,conditioned,default")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out" / "prefinetune_minilm.png")
-    parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: torch's choice; 1 is fastest on a busy machine)")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 4 steps, 1 seed, tiny data")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if set(args.variants) - set(VARIANTS):
-        parser.error(f"unknown variant(s) {sorted(set(args.variants) - set(VARIANTS))}: use {', '.join(VARIANTS)}")
+    _compare.add_options(parser, variants=VARIANTS, plot_name="prefinetune_minilm.png", quick="4 steps, 1 seed, tiny data")
+    args = _compare.parse(parser, argv, VARIANTS)
     if args.quick:
         args.steps, args.seeds, args.train, args.test, args.eval_every, args.batch = 4, 1, 64, 32, 2, 8
     from transformers import AutoTokenizer
@@ -213,22 +172,18 @@ def main(argv: list[str] | None = None) -> dict:
     data = (make_pairs(names[:28], args.train, rng, args.forms), make_pairs(names[28:], args.test, rng, args.forms))
     print(f"task: {len(data[0])} training pairs over 28 names, {len(data[1])} test pairs over {len(names) - 28} unseen names; "
           f"example: {data[0][0]}")
-    results, start = [], time.perf_counter()
-    for seed in range(args.seeds):
-        for variant in args.variants:
-            t = time.perf_counter()
-            r = run(variant, seed, args, data, tokenizer)
-            results.append(r)
-            print(f"  {variant:<12} seed {seed}: test accuracy {r['evals'][-1][1]:.3f} after {args.steps} steps "
-                  f"({time.perf_counter() - t:.0f} s; {r['reset']})", flush=True)
-    lines = summarize(results, args)
-    print("\n" + "\n".join(lines))
-    print(plot(results, args, args.out))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}))
-    print(f"numbers: {args.out.with_suffix('.json')}; total {time.perf_counter() - start:.0f} s")
-    return {"results": results, "summary": lines}
-
+    started = time.perf_counter()
+    results = _compare.run_all(
+        args, lambda variant, seed: run(variant, seed, args, data, tokenizer),
+        lambda r, secs: f"test accuracy {r['evals'][-1][1]:.3f} after {args.steps} steps ({secs:.0f} s; {r['reset']})",
+    )
+    plot = lambda: _compare.plot_curves(  # noqa: E731
+        results, args, colors={"none": "tab:gray", "conditioned": "tab:blue", "default": "tab:orange"}, window=10,
+        train=lambda r: r["train_loss"], evals=lambda r: [(s, acc) for s, acc, _ in r["evals"]],
+        left=("training loss (moving average)", "cross-entropy"), right=("accuracy on unseen names", "accuracy"),
+        suptitle=f"all-MiniLM-L6-v2, top {args.reset_layers} layers' Q/K/V reset before fine-tuning", right_ylim=(0.4, 1.02),
+    )
+    return _compare.finish(results, summarize(results, args), args, plot, started)
 
 if __name__ == "__main__":
     main()

@@ -19,7 +19,6 @@ It prints the training and validation losses (bits per byte) and saves a plot of
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
@@ -33,9 +32,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import surgeon  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _compare  # noqa: E402
 
 VARIANTS = ("default", "conditioned")
 
@@ -136,45 +137,9 @@ def summarize(results: list[dict], args) -> list[str]:
     return lines
 
 
-def plot(results: list[dict], args, path: Path) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install 'surgeon[examples]'): no plot"
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    colors = {"default": "tab:gray", "conditioned": "tab:blue"}
-    for variant in args.variants:  # thin lines: each seed; thick: the mean over seeds
-        runs = [r for r in results if r["variant"] == variant]
-        losses = torch.tensor([r["train_loss"] for r in runs]) / math.log(2)
-        k = max(1, min(25, losses.shape[1] // 5))
-        smooth = F.avg_pool1d(losses[:, None], k, stride=1)[:, 0]
-        steps = range(k, k + smooth.shape[1])
-        vals = torch.tensor([[bits(v) for _, v in r["evals"]] for r in runs])
-        eval_steps = [s for s, _ in runs[0]["evals"]]
-        for i in range(len(runs)):
-            ax1.plot(steps, smooth[i], color=colors[variant], alpha=0.25, lw=1)
-            ax2.plot(eval_steps, vals[i], color=colors[variant], alpha=0.25, lw=1)
-        ax1.plot(steps, smooth.mean(0), color=colors[variant], lw=2.2, label=variant)
-        ax2.plot(eval_steps, vals.mean(0), color=colors[variant], lw=2.2, marker=".", label=f"{variant} (mean of {len(runs)})")
-    ax1.set(title="training loss (moving average)", xlabel="step", ylabel="bits per byte")
-    ax2.set(title="validation loss (unseen files)", xlabel="step", ylabel="bits per byte")
-    for ax in (ax1, ax2):
-        ax.set_ylim(top=min(8.2, ax.get_ylim()[1]))
-    ax2.legend(fontsize=8)
-    fig.suptitle(f"GPT-2 ({args.layers} layers, width {args.width}, {args.heads} heads) on Python stdlib source, byte level")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return f"plot: {path}"
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=400, help="training steps per run (default 400)")
-    parser.add_argument("--seeds", type=int, default=2, help="runs per start, seeds 0..N-1 (default 2)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--width", type=int, default=128)
@@ -185,16 +150,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--val-batches", type=int, default=8)
     parser.add_argument("--text-bytes", type=int, default=4_000_000, help="bytes of stdlib source to read (default 4 MB)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of default,conditioned")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out" / "pretrain_gpt.png")
-    parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: torch's choice; 1 is fastest on a busy machine)")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 6 steps, 1 seed, a tiny model")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if set(args.variants) - set(VARIANTS):
-        parser.error(f"unknown variant(s) {sorted(set(args.variants) - set(VARIANTS))}: use {', '.join(VARIANTS)}")
+    _compare.add_options(parser, variants=VARIANTS, plot_name="pretrain_gpt.png", quick="6 steps, 1 seed, a tiny model")
+    args = _compare.parse(parser, argv, VARIANTS)
     if args.quick:
         args.steps, args.seeds, args.batch, args.context, args.width, args.layers = 6, 1, 4, 32, 32, 2
         args.eval_every, args.val_batches, args.text_bytes, args.warmup = 3, 2, 200_000, 2
@@ -204,22 +161,19 @@ def main(argv: list[str] | None = None) -> dict:
     train, val, files = corpus(args.text_bytes)
     print(f"text: {len(train):,} training and {len(val):,} validation bytes from the first of {files} stdlib .py files; "
           f"model: GPT-2, {args.layers} layers, width {args.width}, {args.heads} heads, context {args.context}")
-    results, start = [], time.perf_counter()
-    for seed in range(args.seeds):
-        for variant in args.variants:
-            t = time.perf_counter()
-            r = run(variant, seed, args, train, val)
-            results.append(r)
-            print(f"  {variant:<12} seed {seed}: validation {bits(r['evals'][-1][1]):.3f} bits/byte after {args.steps} steps "
-                  f"({time.perf_counter() - t:.0f} s; {r['init']})", flush=True)
-    lines = summarize(results, args)
-    print("\n" + "\n".join(lines))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    print(plot(results, args, args.out))
-    args.out.with_suffix(".json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}))
-    print(f"numbers: {args.out.with_suffix('.json')}; total {time.perf_counter() - start:.0f} s")
-    return {"results": results, "summary": lines}
-
+    started = time.perf_counter()
+    results = _compare.run_all(
+        args, lambda variant, seed: run(variant, seed, args, train, val),
+        lambda r, secs: f"validation {bits(r['evals'][-1][1]):.3f} bits/byte after {args.steps} steps ({secs:.0f} s; {r['init']})",
+    )
+    plot = lambda: _compare.plot_curves(  # noqa: E731
+        results, args, colors={"default": "tab:gray", "conditioned": "tab:blue"}, window=25,
+        train=lambda r: [bits(x) for x in r["train_loss"]], evals=lambda r: [(s, bits(v)) for s, v in r["evals"]],
+        left=("training loss (moving average)", "bits per byte"), right=("validation loss (unseen files)", "bits per byte"),
+        suptitle=f"GPT-2 ({args.layers} layers, width {args.width}, {args.heads} heads) on Python stdlib source, byte level",
+        max_top=8.2,
+    )
+    return _compare.finish(results, summarize(results, args), args, plot, started)
 
 if __name__ == "__main__":
     main()
