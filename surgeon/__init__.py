@@ -1,50 +1,79 @@
-"""surgeon: conditioned re-initialization of attention in existing transformer checkpoints."""
+"""surgeon: conditioned re-initialization of attention in existing transformer checkpoints.
+
+Names are loaded on first use (PEP 562), so that ``surgeon --help`` and the byte copies of a
+reinit do not wait for torch to import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 from ._version import __version__
-from .api import inspect_checkpoint, reinit_checkpoint
-from .modules import inspect, inspect_module, reinit, reinit_
-from .errors import (
-    CheckpointError,
-    LayoutError,
-    NoAttentionFoundError,
-    OptionError,
-    OutputError,
-    SelectionError,
-    SurgeonError,
-    UnsupportedWeightsError,
-)
-from .hub import HubAccessError, HubAuthError, HubError, HubNotFoundError, HubOfflineError, PushError, PushResult, push_folder
-from .plan import ReinitOptions
-from .report import Report
-from .spec import AttentionBlock, Projection, Rows
 
-__all__ = [
-    "__version__",
-    "inspect_checkpoint",
-    "reinit_checkpoint",
-    "push_folder",
-    "PushResult",
-    "inspect",
-    "inspect_module",
-    "reinit",
-    "reinit_",
-    "ReinitOptions",
-    "Report",
-    "AttentionBlock",
-    "Projection",
-    "Rows",
-    "SurgeonError",
-    "CheckpointError",
-    "LayoutError",
-    "NoAttentionFoundError",
-    "OptionError",
-    "OutputError",
-    "SelectionError",
-    "UnsupportedWeightsError",
-    "HubError",
-    "HubOfflineError",
-    "HubAccessError",
-    "HubNotFoundError",
-    "HubAuthError",
-    "PushError",
-]
+# public name -> module that defines it
+_EXPORTS = {
+    "inspect_checkpoint": "api",
+    "reinit_checkpoint": "api",
+    "inspect": "modules",
+    "inspect_module": "modules",
+    "reinit": "modules",
+    "reinit_": "modules",
+    "recover": "journal",
+    "CheckpointError": "errors",
+    "LayoutError": "errors",
+    "NoAttentionFoundError": "errors",
+    "OptionError": "errors",
+    "OutputError": "errors",
+    "SelectionError": "errors",
+    "SurgeonError": "errors",
+    "UnsupportedWeightsError": "errors",
+    "HubAccessError": "hub",
+    "HubAuthError": "hub",
+    "HubError": "hub",
+    "HubNotFoundError": "hub",
+    "HubOfflineError": "hub",
+    "PushError": "hub",
+    "PushResult": "hub",
+    "push_folder": "hub",
+    "ReinitOptions": "plan",
+    "Report": "report",
+    "AttentionBlock": "spec",
+    "Projection": "spec",
+    "Rows": "spec",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'surgeon' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+if TYPE_CHECKING:
+    from .api import inspect_checkpoint, reinit_checkpoint
+    from .errors import (
+        CheckpointError,
+        LayoutError,
+        NoAttentionFoundError,
+        OptionError,
+        OutputError,
+        SelectionError,
+        SurgeonError,
+        UnsupportedWeightsError,
+    )
+    from .hub import HubAccessError, HubAuthError, HubError, HubNotFoundError, HubOfflineError, PushError, PushResult, push_folder
+    from .journal import recover
+    from .modules import inspect, inspect_module, reinit, reinit_
+    from .plan import ReinitOptions
+    from .report import Report
+    from .spec import AttentionBlock, Projection, Rows

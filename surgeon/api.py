@@ -5,11 +5,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from . import hub
-from .apply import Engine, inspect_blocks, resolve_device
 from .detect.config import Hints
 from .detect.names import Detection, detect
 from ._version import __version__
@@ -20,6 +18,11 @@ from .report import ProjectionRow, Report
 from .selection import IndexSpec
 from .source import Source
 
+if TYPE_CHECKING:  # torch is imported when tensors are first touched, so that opening, planning and
+    import torch  # the byte copies of a reinit run while it loads
+
+    from .apply import Engine
+
 
 def load(model: str | Path, *, config: str | Path | None = None, revision: str | None = None, progress: bool = False) -> Source:
     """Open a checkpoint: a file, a sharded index, a model folder, or a Hub id ``org/name`` (a local path wins)."""
@@ -29,6 +32,16 @@ def load(model: str | Path, *, config: str | Path | None = None, revision: str |
 def _label(source: Source) -> str:
     """How reports name the input: the Hub id for a Hub model (its cache path is in the notes)."""
     return f"{source.hub_id}@{source.hub_revision or 'main'}" if source.hub_id else str(source.path)
+
+
+def check_device(device: str | torch.device | None) -> None:
+    """Refuse a misspelt --device before anything is opened (whether it exists is checked with torch)."""
+    text = "auto" if device is None else str(device)
+    kind, _, index = text.partition(":")
+    if kind in ("meta", "mps", "xpu", "xla", "hpu", "mtia", "privateuseone"):
+        raise OptionError(f"unsupported device {text!r}: use auto, cpu, cuda or cuda:N")
+    if kind not in ("auto", "cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
+        raise OptionError(f"unknown device {text!r}: use auto, cpu, cuda or cuda:N")
 
 
 def _detect(source: Source, hints: Hints) -> Detection:
@@ -47,21 +60,26 @@ def inspect_checkpoint(
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
     device: str | torch.device = "auto",
+    full: bool = False,
     progress: bool = False,
 ) -> Report:
     """Find the attention blocks of a checkpoint and the condition numbers of their projections.
 
-    ``model`` is a path or a Hugging Face Hub id (``org/name``, at ``revision``).
+    ``model`` is a path or a Hugging Face Hub id (``org/name``, at ``revision``). Per-head condition
+    numbers are always computed; the whole-projection kappa and spectral norm only where cheap
+    (smaller side <= 1024, or on a GPU), or everywhere with ``full=True``.
     """
+    from .apply import inspect_blocks, resolve_device
+
     dev = resolve_device(device)
     start = time.perf_counter()
     source = load(model, config=config, revision=revision, progress=progress)
     detection = _detect(source, Hints(num_heads, num_kv_heads, head_dim))
     weights = source.primary
     with _progress(progress, len({p.weight.tensor for b in detection.blocks for p in b.projections}), "inspect") as bar:
-        spectra = inspect_blocks(detection.blocks, weights.read, dev, progress=bar.update if bar else None)
+        spectra = inspect_blocks(detection.blocks, weights.read, dev, progress=bar.update if bar else None, whole=True if full else None)
     rows = [
-        ProjectionRow(block, proj.role, spectra[(block.module, proj.role)], dtype=str(weights.tensors[proj.weight.tensor].torch_dtype).removeprefix("torch."))
+        ProjectionRow(block, proj.role, spectra[(block.module, proj.role)], dtype=weights.tensors[proj.weight.tensor].element or "")
         for block in detection.blocks
         for proj in block.projections
     ]
@@ -95,6 +113,7 @@ def reinit_checkpoint(
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
+    full: bool = False,
     progress: bool = False,
     push_to_hub: str | None = None,
     private: bool = False,
@@ -108,6 +127,8 @@ def reinit_checkpoint(
     ``model`` is a path or a Hugging Face Hub id (``org/name``, at ``revision``). A folder output gets a
     model card (README.md). ``push_to_hub="org/name"`` then uploads the output folder in one commit
     (see :func:`surgeon.hub.push_folder` for ``private``, ``push_revision``, ``create_pr``, ``token``).
+    ``in_place=True`` on safetensors patches only the changed byte ranges, journaled (see
+    :mod:`surgeon.journal`). ``full=True`` also measures the whole-projection kappa of wide projections.
     """
     if push_to_hub is None and (private or push_revision or create_pr or commit_message):
         raise OptionError("--private, --push-revision, --create-pr and --commit-message go with --push-to-hub org/name")
@@ -119,7 +140,7 @@ def reinit_checkpoint(
         layers=layers, targets=targets, heads=heads, attention=attention, stack=stack, mode=mode,
         strength=strength, value_identity=value_identity, keep_scale=keep_scale, bias=bias, seed=seed,
     ).validated()
-    dev = resolve_device(device)
+    check_device(device)
     start = time.perf_counter()
     source = load(model, config=config, revision=revision, progress=progress)
     if push_to_hub is not None and output_kind(source) != "folder":
@@ -130,36 +151,33 @@ def reinit_checkpoint(
     dest = resolve_output(source, output, in_place=in_place, overwrite=overwrite or dry_run)
     report = Report(
         "reinit", _label(source), source.describe(), detection.blocks, options=options.to_dict(),
-        output=str(dest), dry_run=dry_run, device=str(dev), notes=source.notes + detection.notes[:5],
+        output=str(dest), dry_run=dry_run, device=str(device), notes=source.notes + detection.notes[:5],
     )
     if dry_run:
-        if dest.exists() and not overwrite and not in_place:
-            report.notes.append(f"{dest} exists: the real run needs --overwrite or another -o")
-        report.rows = [
-            ProjectionRow(c.block, c.role, None, heads_changed=c.heads, bias_zeroed=options.zero_bias and c.projection.bias is not None)
-            for c in plan.changes
-        ]
-        if push_to_hub is not None:
-            report.notes.append(f"the real run pushes {dest.name} to {push_to_hub}")
-        return report
+        return _plan_report(report, plan, dest, overwrite=overwrite, in_place=in_place, push_to_hub=push_to_hub)
     for weights in source.weights:
         weights.check_plan(plan)
-    engine = Engine(plan, dev)
-    _check_secondary_sets(source, engine)
-    kind = "merge" if in_place and source.kind != "file" else output_kind(source)
-    with _progress(progress, len(engine.tensor_names) * len(source.weights), "reinit") as bar:
-        with staged(dest, kind, file_name=source.path.name) as tmp:
-            for i, weights in enumerate(source.weights):
-                weights.save(tmp, _updates_fn(weights, engine, record=i == 0, bar=bar), plan.record())
-            if kind == "folder" and source.kind == "folder":
-                copy_extras(source, tmp)
-            command = _reproduce(model, source, options, hints, dest)
-            _after_write(source, plan, engine, tmp, kind, command=command, title=push_to_hub or dest.name)
+    _check_secondary_sets(source, plan.tensors())
+    run = _Run(plan, device, whole=True if full else None, progress=progress, total=len(plan.tensors()) * len(source.weights))
+    try:
+        if in_place and source.format == "safetensors":
+            from .journal import patch_in_place
+
+            report.notes += patch_in_place(source, run.updates_for(source.primary, record=True), plan.record())
+            kind = "patch"
+        else:
+            kind = _write_copy(source, plan, run, dest, in_place=in_place, command=_reproduce(model, source, options, hints, dest), title=push_to_hub or dest.name)
+    finally:
+        run.close()
+    report.device = str(run.engine.device) if run.started else report.device
     report.rows = [
-        ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed) for r in engine.ordered_results()
-    ]
+        ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed) for r in run.engine.ordered_results()
+    ] if run.started else []
     report.seconds = time.perf_counter() - start
-    report.bytes_written = tree_size(dest) if kind != "merge" else sum((dest / f).stat().st_size for w in source.weights for f in w.all_files)
+    if kind == "patch":
+        report.bytes_written = run.bytes_changed
+    else:
+        report.bytes_written = tree_size(dest) if kind != "merge" else sum((dest / f).stat().st_size for w in source.weights for f in w.all_files)
     if push_to_hub is not None:
         try:
             pushed = hub.push_folder(
@@ -171,6 +189,82 @@ def reinit_checkpoint(
             raise
         report.notes += pushed.notes + [pushed.summary()]
     return report
+
+
+def _plan_report(report: Report, plan: Plan, dest: Path, *, overwrite: bool, in_place: bool, push_to_hub: str | None) -> Report:
+    """A dry run: the plan as rows, nothing computed or written."""
+    if dest.exists() and not overwrite and not in_place:
+        report.notes.append(f"{dest} exists: the real run needs --overwrite or another -o")
+    report.rows = [
+        ProjectionRow(c.block, c.role, None, heads_changed=c.heads, bias_zeroed=plan.options.zero_bias and c.projection.bias is not None)
+        for c in plan.changes
+    ]
+    if push_to_hub is not None:
+        report.notes.append(f"the real run pushes {dest.name} to {push_to_hub}")
+    return report
+
+
+def _write_copy(source: Source, plan: Plan, run: _Run, dest: Path, *, in_place: bool, command: str, title: str) -> str:
+    """Write the re-initialized checkpoint into a staging folder, then move it into place."""
+    kind = "merge" if in_place and source.kind != "file" else output_kind(source)
+    with staged(dest, kind, file_name=source.path.name) as tmp:
+        for i, weights in enumerate(source.weights):
+            weights.save(tmp, run.updates_for(weights, record=i == 0), plan.record())
+        if kind == "folder" and source.kind == "folder":
+            copy_extras(source, tmp)
+        if kind == "folder":
+            from .card import write_card
+
+            write_card(tmp, source=source, plan=plan, results=run.engine.ordered_results(), command=command, title=title)
+    return kind
+
+
+class _Run:
+    """The compute side of a reinit: the Engine, made (and torch imported) on first use.
+
+    Formats call ``updates(file)`` once per file after starting that file's byte copy, so the
+    torch import and the math overlap the copying.
+    """
+
+    def __init__(self, plan: Plan, device, *, whole: bool | None, progress: bool, total: int) -> None:
+        self.plan, self.device, self.whole = plan, device, whole
+        self._engine: Engine | None = None
+        self._bar = _progress(progress, total, "reinit")
+        self.bytes_changed = 0
+
+    @property
+    def started(self) -> bool:
+        return self._engine is not None
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            from .apply import Engine, resolve_device
+
+            self._engine = Engine(self.plan, resolve_device(self.device), whole=self.whole)
+            self._bar.__enter__()
+        return self._engine
+
+    def updates_for(self, weights, *, record: bool):
+        names = self.plan.tensors()
+
+        def updates(file: str) -> dict[str, torch.Tensor]:
+            out = {}
+            for name in names:
+                info = weights.tensors.get(name)
+                if info is None or info.file != file:
+                    continue
+                out[name] = self.engine.update(name, weights.read(name), record=record)
+                self.bytes_changed += info.nbytes
+                if self._bar.bar is not None:
+                    self._bar.bar.update(1)
+            return out
+
+        updates.names = names  # type: ignore[attr-defined]  # which tensors it changes (in-place journaling)
+        return updates
+
+    def close(self) -> None:
+        self._bar.__exit__(None, None, None)
 
 
 def _reproduce(model: str | Path, source: Source, options: ReinitOptions, hints: Hints, dest: Path) -> str:
@@ -190,43 +284,17 @@ def _commit_message(source: Source, plan: Plan) -> str:
     return f"Conditioned re-initialization of {targets} in {n} attention block{'s' if n != 1 else ''}{of} (surgeon {__version__})"
 
 
-def _updates_fn(weights, engine: Engine, *, record: bool, bar):
-    def updates(file: str) -> dict[str, torch.Tensor]:
-        out = {}
-        for name in engine.tensor_names:
-            info = weights.tensors.get(name)
-            if info is None or info.file != file:
-                continue
-            out[name] = engine.update(name, weights.read(name), record=record)
-            if bar is not None:
-                bar.update(1)
-        return out
-
-    return updates
-
-
-def _check_secondary_sets(source: Source, engine: Engine) -> None:
+def _check_secondary_sets(source: Source, tensors: list[str]) -> None:
     """A folder with the same weights twice (safetensors and .bin): both must hold every edited tensor."""
     primary = source.primary.tensors
     for other in source.weights[1:]:
-        for name in engine.tensor_names:
+        for name in tensors:
             theirs = other.tensors.get(name)
             if theirs is None or theirs.shape != primary[name].shape:
                 raise CheckpointError(
                     f"{source.folder} holds two weight sets ({source.primary.describe()} and {other.describe()}) "
                     f"that disagree on {name!r}; point surgeon at one file, or remove the stale copy"
                 )
-
-
-def _after_write(source: Source, plan: Plan, engine: Engine, tmp: Path, kind: str, *, command: str, title: str) -> None:
-    """Files written beside the weights: the model card of a folder output.
-
-    In-place runs ("merge") replace the weight files only and leave the folder's README.md alone.
-    """
-    if kind == "folder":
-        from .card import write_card
-
-        write_card(tmp, source=source, plan=plan, results=engine.ordered_results(), command=command, title=title)
 
 
 class _progress:

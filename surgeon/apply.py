@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .conditioning import Spectrum, head_seed, polar, rescale_to, semi_orthogonal, spectrum, value_identity
-from .errors import OptionError
+from .conditioning import Spectrum, head_kappas, head_seed, polar, rescale_to, semi_orthogonal_batch, spectrum, value_identity
+from .errors import OptionError, UnsupportedWeightsError
+from .selection import format_indices
 from .plan import Change, Plan
 from .spec import AttentionBlock, Projection, Rows
 
@@ -37,36 +38,49 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+def _row_index(rows: Rows, heads, device) -> torch.Tensor:
+    starts = torch.tensor([rows.offsets[h] for h in heads], dtype=torch.long)
+    return (starts[:, None] + torch.arange(rows.size)).reshape(-1).to(device)
+
+
 def head_matrices(tensor: torch.Tensor, rows: Rows, heads: list[int] | tuple[int, ...] | None = None) -> torch.Tensor:
-    """The per-head matrices ``(H, d, in)`` of a projection, in PyTorch (out, in) orientation."""
+    """The per-head matrices ``(H, d, in)`` of a projection, in PyTorch (out, in) orientation (a copy)."""
     heads = range(len(rows.offsets)) if heads is None else heads
     mat = tensor if rows.axis == 0 else tensor.transpose(0, 1)
-    return torch.stack([mat[rows.head_slice(h)] for h in heads])
+    return mat.index_select(0, _row_index(rows, heads, tensor.device)).reshape(len(heads), rows.size, mat.shape[1])
 
 
 def _set_heads(tensor: torch.Tensor, rows: Rows, heads: tuple[int, ...], values: torch.Tensor) -> None:
     mat = tensor if rows.axis == 0 else tensor.transpose(0, 1)  # a view: writes land in tensor
-    for h, value in zip(heads, values):
-        mat[rows.head_slice(h)] = value
+    mat.index_copy_(0, _row_index(rows, heads, tensor.device), values.reshape(-1, mat.shape[1]).to(tensor.device, tensor.dtype))
 
 
-def new_heads(change: Change, old: torch.Tensor, plan: Plan, *, seed_name: str | None = None) -> torch.Tensor:
-    """New per-head matrices for ``change.heads`` given their old values ``(len(heads), d, in)``.
+def _zero_heads(tensor: torch.Tensor, rows: Rows, heads: tuple[int, ...]) -> None:
+    tensor.index_fill_(0, _row_index(rows, heads, tensor.device), 0)
 
-    Draws are keyed by ``seed_name`` (default: the tensor's own name), so that a model in memory whose
-    parameter names differ from its checkpoint's can draw exactly what the checkpoint path draws.
+
+def new_heads(change: Change, old: torch.Tensor | None, plan: Plan, *, seed_name: str | None = None, device=None) -> torch.Tensor:
+    """New per-head matrices (float64) for ``change.heads``, given their old values ``(len(heads), d, in)``.
+
+    ``old`` is only read by polar mode and ``keep_scale`` (pass None otherwise). Draws are keyed by
+    ``seed_name`` (default: the tensor's own name), so that a model in memory whose parameter names
+    differ from its checkpoint's can draw exactly what the checkpoint path draws.
     """
     opts, proj = plan.options, change.projection
     d, n_in = proj.head_dim, proj.in_features
+    device = old.device if old is not None else (device or "cpu")
     if opts.mode == "polar":
         new = polar(old, opts.effective_strength)
     elif change.role == "v":
-        new = torch.stack([value_identity(h, d, n_in, opts.value_identity, device=old.device) for h in change.heads])
+        new = torch.stack([value_identity(h, d, n_in, opts.value_identity, device=device) for h in change.heads])
     else:
         key = seed_name or proj.weight.tensor
-        seeds = [head_seed(opts.seed, key, change.role, h) for h in change.heads]
-        new = torch.stack([semi_orthogonal(d, n_in, seed=s, device=old.device) for s in seeds])
+        new = semi_orthogonal_batch(d, n_in, [head_seed(opts.seed, key, change.role, h) for h in change.heads], device=device)
     return rescale_to(new, old) if opts.keep_scale else new
+
+
+def needs_old_values(plan: Plan) -> bool:
+    return plan.options.mode == "polar" or plan.options.keep_scale
 
 
 @dataclass
@@ -85,11 +99,15 @@ class ProjectionResult:
 
 
 class Engine:
-    """Applies a plan to tensors given one at a time, remembering before/after spectra."""
+    """Applies a plan to tensors given one at a time, remembering before/after spectra.
 
-    def __init__(self, plan: Plan, device: torch.device, *, seed_names: Mapping[str, str] | None = None) -> None:
+    ``whole``: also the whole-projection kappa (None: where cheap, see conditioning.WHOLE_SPECTRUM_LIMIT).
+    """
+
+    def __init__(self, plan: Plan, device: torch.device, *, seed_names: Mapping[str, str] | None = None, whole: bool | None = None) -> None:
         self.plan = plan
         self.device = device
+        self.whole = whole
         self.seed_names = dict(seed_names or {})  # tensor -> name its draws are keyed by (see new_heads)
         self.edits: dict[str, list[tuple[Change, str]]] = defaultdict(list)
         for change in plan.changes:
@@ -104,32 +122,54 @@ class Engine:
         return list(self.edits)
 
     def update(self, name: str, original: torch.Tensor, *, record: bool = True) -> torch.Tensor:
-        """The new value of tensor ``name`` (same shape and dtype as ``original``, on its device)."""
-        work = original.detach().to(self.device, torch.float64, copy=True)
+        """The new value of tensor ``name`` (same shape and dtype as ``original``, on its device).
+
+        Only the re-initialized rows are computed (in float64 on the engine's device) and rounded to
+        the tensor's dtype; every other element keeps its exact bits.
+        """
+        original = original.detach()
+        stored = original.clone()
         edits = self.edits[name]
+        before: dict[tuple[str, str], Spectrum] = {}
         for change, what in edits:
             proj = change.projection
             if what == "bias":
-                for h in change.heads:
-                    work[proj.bias.head_slice(h)] = 0.0
+                _zero_heads(stored, proj.bias, change.heads)
                 continue
-            old = head_matrices(work, proj.weight, change.heads)
-            new = new_heads(change, old, self.plan, seed_name=self.seed_names.get(name))
-            _set_heads(work, proj.weight, change.heads, new)
-        stored = work.to(original.dtype).to(original.device)
+            if record:
+                before[(change.block.module, change.role)] = self._spectrum(head_matrices(original, proj.weight))
+            old = None
+            if needs_old_values(self.plan):
+                old = head_matrices(original, proj.weight, change.heads).to(self.device, torch.float64)
+                bad = [h for h, ok in zip(change.heads, torch.isfinite(old).flatten(1).all(1).tolist()) if not ok]
+                if bad:
+                    how = "polar mode" if self.plan.options.mode == "polar" else "--keep-scale"
+                    raise UnsupportedWeightsError(
+                        f"{name}: {change.role} head{'s' if len(bad) > 1 else ''} {format_indices(bad)} hold NaN or Inf, and {how} "
+                        "needs the old values; re-initialize them with the conditioned reset (without keep-scale), or repair the weights"
+                    )
+            new = new_heads(change, old, self.plan, seed_name=self.seed_names.get(name), device=self.device)
+            _set_heads(stored, proj.weight, change.heads, new)
         if record:
-            self._record(name, original, stored, edits)
+            self._record(stored, edits, before)
         return stored
 
-    def _record(self, name: str, original: torch.Tensor, stored: torch.Tensor, edits) -> None:
+    def _spectrum(self, heads: torch.Tensor, kappas: tuple[float, ...] | None = None) -> Spectrum:
+        return spectrum(heads.to(self.device), whole=self.whole, kappas=kappas)
+
+    def _record(self, stored: torch.Tensor, edits, before: dict[tuple[str, str], Spectrum]) -> None:
         for change, what in edits:
             key = (change.block.module, change.role)
             proj = change.projection
             if what == "weight":
-                before = spectrum(head_matrices(original.to(self.device), proj.weight))
-                after = spectrum(head_matrices(stored.to(self.device), proj.weight))
+                # Heads that did not change keep their bytes, so their kappas are the ones just measured.
+                kappas = list(before[key].head_kappas)
+                if change.heads:
+                    for h, k in zip(change.heads, head_kappas(head_matrices(stored, proj.weight, change.heads).to(self.device))):
+                        kappas[h] = k
+                after = self._spectrum(head_matrices(stored, proj.weight), tuple(kappas)) if before[key].kappa is not None else Spectrum(None, tuple(kappas), None)
                 prev = self.results.get(key)
-                self.results[key] = ProjectionResult(change.block, change.role, change.heads, str(original.dtype).removeprefix("torch."), before, after, prev.bias_zeroed if prev else False)
+                self.results[key] = ProjectionResult(change.block, change.role, change.heads, str(stored.dtype).removeprefix("torch."), before[key], after, prev.bias_zeroed if prev else False)
             elif key in self.results:
                 self.results[key].bias_zeroed = True
             else:  # bias stored before its weight (another shard): mark it for when the weight comes
@@ -139,7 +179,7 @@ class Engine:
         return [self.results[(c.block.module, c.role)] for c in self.plan.changes if (c.block.module, c.role) in self.results]
 
 
-def inspect_blocks(blocks: list[AttentionBlock], read: Callable[[str], torch.Tensor], device: torch.device, progress=None) -> dict[tuple[str, str], Spectrum]:
+def inspect_blocks(blocks: list[AttentionBlock], read: Callable[[str], torch.Tensor], device: torch.device, progress=None, *, whole: bool | None = None) -> dict[tuple[str, str], Spectrum]:
     """Spectra of every projection of every block, reading each tensor once."""
     by_tensor: dict[str, list[tuple[AttentionBlock, Projection]]] = defaultdict(list)
     for block in blocks:
@@ -147,9 +187,9 @@ def inspect_blocks(blocks: list[AttentionBlock], read: Callable[[str], torch.Ten
             by_tensor[proj.weight.tensor].append((block, proj))
     out: dict[tuple[str, str], Spectrum] = {}
     for name, users in by_tensor.items():
-        tensor = read(name).to(device, torch.float64)
+        tensor = read(name).to(device)
         for block, proj in users:
-            out[(block.module, proj.role)] = spectrum(head_matrices(tensor, proj.weight))
+            out[(block.module, proj.role)] = spectrum(head_matrices(tensor, proj.weight), whole=whole)
         if progress is not None:
             progress(1)
     return out

@@ -8,9 +8,11 @@ import sys
 
 import click
 
-from . import api
 from ._version import __version__
 from .errors import SurgeonError
+
+# The commands import surgeon.api (and through it torch) when they run, so that --help and
+# --version answer at once.
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -88,6 +90,8 @@ def inspect(model, verify_layout, revision, config, num_heads, num_kv_heads, hea
     MODEL is a .safetensors/.bin/.pt file, a sharded *.index.json, a model folder, or a Hugging
     Face Hub id org/name (a local path of the same name wins; write hf://org/name for the Hub).
     """
+    from . import api
+
     report = api.inspect_checkpoint(
         model, revision=revision, config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         device=device, progress=not as_json and sys.stderr.isatty(),
@@ -154,6 +158,8 @@ def reinit(model, output, layers, targets, heads, attention, stack, mode, streng
     MODEL is a file, an *.index.json, a model folder or a Hub id org/name (--revision picks its
     branch, tag or commit). The Hub token comes from HF_TOKEN or `hf auth login`.
     """
+    from . import api
+
     report = api.reinit_checkpoint(
         model, revision=revision, output=output, in_place=in_place, overwrite=overwrite, dry_run=dry_run, layers=layers,
         targets=targets, heads=heads, attention=attention, stack=stack, mode=mode, strength=strength,

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from collections.abc import Iterable
 
 from ._version import __version__
-from .conditioning import VALUE_IDENTITIES
+from .spectrum import VALUE_IDENTITIES
 from .errors import OptionError, SelectionError
 from .selection import IndexSpec, format_indices, parse_attention, parse_targets, resolve_indices
 from .spec import AttentionBlock, Projection

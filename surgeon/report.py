@@ -6,12 +6,16 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from .conditioning import Spectrum
+from .spectrum import Spectrum
 from .selection import format_indices
 from .spec import AttentionBlock
 
 
-def fmt_kappa(x: float) -> str:
+def fmt_kappa(x: float | None) -> str:
+    if x is None:
+        return "-"  # not computed (the whole-projection kappa of a wide matrix, without --full)
+    if math.isnan(x):
+        return "nan"
     if not math.isfinite(x):
         return "inf"
     if x >= 1e5:
@@ -32,7 +36,8 @@ def fmt_bytes(n: int) -> str:
 def _spec_cells(s: Spectrum | None) -> list[str]:
     if s is None:
         return ["-", "-", "-"]
-    return [fmt_kappa(s.kappa), "/".join(fmt_kappa(x) for x in (s.head_min, s.head_median, s.head_max)), f"{s.norm:.3g}"]
+    norm = "-" if s.norm is None else f"{s.norm:.3g}"
+    return [fmt_kappa(s.kappa), "/".join(fmt_kappa(x) for x in (s.head_min, s.head_median, s.head_max)), norm]
 
 
 def table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:
@@ -129,14 +134,29 @@ class Report:
             parts.append(self._reinit_table())
         if self.command == "reinit" and not self.dry_run and self.rows:
             parts.append(self._legend())
-        parts += [f"note: {n}" for n in self.notes]
+        parts += [f"note: {n}" for n in self.nonfinite_notes() + self.notes]
         if self.command == "reinit" and not self.dry_run and self.output:
             parts.append(f"wrote {self.output} ({fmt_bytes(self.bytes_written)}) in {self.seconds:.2f} s on {self.device}")
         return "\n\n".join(p for p in parts if p)
 
+    def nonfinite_notes(self) -> list[str]:
+        """Heads whose weights hold NaN or Inf: reported, never a traceback."""
+        out = []
+        for r in self.rows:
+            bad = r.before.nonfinite_heads if r.before is not None else ()
+            if bad:
+                what = f"{r.block.label} {r.role}: head{'s' if len(bad) > 1 else ''} {format_indices(list(bad))} hold NaN or Inf (kappa nan)"
+                if r.after is not None and set(bad) <= set(r.heads_changed):
+                    what += "; the conditioned reset does not read the old values, so they were replaced"
+                out.append(what)
+        return out
+
     def _legend(self) -> str:
         o = self.options or {}
-        text = "kappa: condition number of the whole projection (all heads stacked); head kappa: of each head's own matrix."
+        text = (
+            "kappa: condition number of the whole projection (all heads stacked; '-' where not computed: "
+            "wide projections need --full); head kappa: of each head's own matrix."
+        )
         if o.get("mode") == "conditioned":
             text += (
                 "\nEach query/key head is drawn independently (as in the paper), so heads are not mutually orthogonal"

@@ -55,6 +55,7 @@ class Source:
 
 def open_source(path: str | Path, *, config: str | Path | None = None) -> Source:
     path = Path(path)
+    recovered = _recover(path)
     if path.is_dir():
         source = _open_folder(path)
     elif path.is_file():
@@ -67,7 +68,18 @@ def open_source(path: str | Path, *, config: str | Path | None = None) -> Source
         source.config_path = source.folder / "config.json"
     if source.config_path is not None:
         source.config = read_config(source.config_path)
+    source.notes[:0] = recovered
     return source
+
+
+def _recover(path: Path) -> list[str]:
+    """Roll back an in-place run on this checkpoint that was interrupted (see surgeon.journal)."""
+    from .journal import SUFFIX, recover
+
+    folder = path if path.is_dir() else path.parent
+    if not any(folder.glob(f".*{SUFFIX}*")):
+        return []
+    return recover(path)
 
 
 def read_config(path: Path) -> dict:
@@ -150,7 +162,7 @@ def _open_folder(folder: Path) -> Source:
         rel = p.relative_to(folder)
         if rel.parts[0] in SKIP_DIRS or not p.is_file() or str(rel) in weight_files:
             continue
-        if rel.parts[0].endswith((".surgeon-tmp", ".surgeon-old")):  # left by an interrupted run
+        if rel.parts[0].endswith((".surgeon-tmp", ".surgeon-old", ".surgeon-journal", ".surgeon-journal.tmp")):  # a run's leftovers
             continue
         if (
             (len(rel.parts) > 1 and rel.parts[0] in STALE_WEIGHT_DIRS)

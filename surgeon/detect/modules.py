@@ -121,7 +121,7 @@ def _under(path: str, prefixes: list[str]) -> bool:
 
 def _tensor_infos(module: nn.Module) -> dict[str, TensorInfo]:
     return {
-        n: TensorInfo(n, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.dtype, "", p.numel() * p.element_size())
+        n: TensorInfo(n, tuple(p.shape), str(p.dtype).removeprefix("torch."), str(p.dtype).removeprefix("torch."), "", p.numel() * p.element_size())
         for n, p in module.named_parameters()
     }
 

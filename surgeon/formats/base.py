@@ -9,14 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from ..errors import CheckpointError
 
 if TYPE_CHECKING:
+    import torch
+
     from ..detect.names import Detection
 
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
 @dataclass(frozen=True)
@@ -24,18 +24,24 @@ class TensorInfo:
     name: str
     shape: tuple[int, ...]
     dtype: str  # the format's own name for the dtype, e.g. "BF16" or "bfloat16"
-    torch_dtype: torch.dtype | None  # None where torch has no equivalent
+    element: str | None  # the torch dtype's name ("bfloat16"); None where torch has no equivalent
     file: str  # the file (shard) holding it, relative to the weight set's folder
     nbytes: int
 
     @property
     def is_float(self) -> bool:
-        return self.torch_dtype in FLOAT_DTYPES
+        return self.element in FLOAT_DTYPES
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        import torch  # here, not at import: opening and planning do not need torch
+
+        return getattr(torch, self.element, None) if self.element else None
 
 
 # ``updates(file)`` returns the new values of the tensors of ``file`` that change (name -> tensor,
 # same shape and dtype as before). Called once per file, so only one file's updates are in memory.
-UpdatesFn = Callable[[str], dict[str, torch.Tensor]]
+UpdatesFn = Callable[[str], "dict[str, torch.Tensor]"]
 
 
 class WeightSet(ABC):

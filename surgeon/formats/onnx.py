@@ -112,7 +112,7 @@ class OnnxWeights(WeightSet):
             else:
                 stored = self._embedded(t, nbytes)
             name = onnx.TensorProto.DataType.Name(t.data_type)
-            self._infos[t.name] = TensorInfo(t.name, tuple(int(d) for d in t.dims), name, dtype, stored.file, nbytes)
+            self._infos[t.name] = TensorInfo(t.name, tuple(int(d) for d in t.dims), name, str(dtype).removeprefix("torch."), stored.file, nbytes)
             self._stored[t.name] = stored
             self._protos[t.name] = t
         self.files = [path.name] + external

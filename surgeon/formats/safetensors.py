@@ -11,43 +11,47 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError
 from .base import TensorInfo, UpdatesFn, WeightSet
-from .fileio import copy_range
+from .fileio import BackgroundCopies, copy_range
+
+if TYPE_CHECKING:
+    import torch
 
 INDEX_SUFFIX = ".safetensors.index.json"
 METADATA_KEY = "surgeon"
 _MAX_HEADER = 100 * 1024 * 1024  # the limit the reference implementation enforces
 
-# name -> (torch dtype, or None where this torch has none; bits per element). A dtype missing here
-# is still accepted in tensors surgeon never decodes; its byte size just cannot be checked.
-DTYPES: dict[str, tuple[torch.dtype | None, int]] = {
-    "F64": (torch.float64, 64),
-    "F32": (torch.float32, 32),
-    "F16": (torch.float16, 16),
-    "BF16": (torch.bfloat16, 16),
-    "C64": (torch.complex64, 64),
-    "I64": (torch.int64, 64),
-    "I32": (torch.int32, 32),
-    "I16": (torch.int16, 16),
-    "I8": (torch.int8, 8),
-    "U64": (torch.uint64, 64),
-    "U32": (torch.uint32, 32),
-    "U16": (torch.uint16, 16),
-    "U8": (torch.uint8, 8),
-    "BOOL": (torch.bool, 8),
-    "F8_E4M3": (torch.float8_e4m3fn, 8),
-    "F8_E5M2": (torch.float8_e5m2, 8),
-    "F8_E4M3FNUZ": (getattr(torch, "float8_e4m3fnuz", None), 8),
-    "F8_E5M2FNUZ": (getattr(torch, "float8_e5m2fnuz", None), 8),
-    "F8_E8M0": (getattr(torch, "float8_e8m0fnu", None), 8),
+# name -> (torch dtype name, or None where torch has none; bits per element). A dtype missing here
+# is still accepted in tensors surgeon never decodes; its byte size just cannot be checked. torch is
+# imported only to decode, so that opening, planning and copying do not wait for it.
+DTYPES: dict[str, tuple[str | None, int]] = {
+    "F64": ("float64", 64),
+    "F32": ("float32", 32),
+    "F16": ("float16", 16),
+    "BF16": ("bfloat16", 16),
+    "C64": ("complex64", 64),
+    "I64": ("int64", 64),
+    "I32": ("int32", 32),
+    "I16": ("int16", 16),
+    "I8": ("int8", 8),
+    "U64": ("uint64", 64),
+    "U32": ("uint32", 32),
+    "U16": ("uint16", 16),
+    "U8": ("uint8", 8),
+    "BOOL": ("bool", 8),
+    "F8_E4M3": ("float8_e4m3fn", 8),
+    "F8_E5M2": ("float8_e5m2", 8),
+    "F8_E4M3FNUZ": ("float8_e4m3fnuz", 8),
+    "F8_E5M2FNUZ": ("float8_e5m2fnuz", 8),
+    "F8_E8M0": ("float8_e8m0fnu", 8),
     "F6_E2M3": (None, 6),
     "F6_E3M2": (None, 6),
     "F4": (None, 4),
@@ -144,8 +148,11 @@ def tensor_info(header: Header, name: str, file: str) -> TensorInfo:
 
 
 def read_tensor(header: Header, name: str) -> torch.Tensor:
+    import torch
+
     entry = header.entries[name]
-    dtype, _ = DTYPES.get(entry["dtype"], (None, None))
+    element, _ = DTYPES.get(entry["dtype"], (None, None))
+    dtype = getattr(torch, element, None) if element else None
     if dtype is None:
         raise CheckpointError(f"{header.path}: tensor {name!r} has dtype {entry['dtype']}, which this torch cannot decode")
     begin, end = entry["data_offsets"]
@@ -162,6 +169,8 @@ def read_tensor(header: Header, name: str) -> torch.Tensor:
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:
     """The little-endian bytes of a tensor, as safetensors stores them."""
+    import torch
+
     flat = tensor.detach().contiguous().cpu().reshape(-1)
     return flat.view(torch.uint8).numpy().tobytes()
 
@@ -200,6 +209,12 @@ def records(metadata: dict[str, str]) -> list[dict]:
 
 def write_patched(header: Header, dest: Path, updates: dict[str, torch.Tensor], record: dict | None) -> None:
     """Write ``header``'s file to ``dest`` with ``updates`` patched in and ``record`` added."""
+    data_start = write_copy(header, dest, record)
+    patch(header, dest, data_start, updates)
+
+
+def write_copy(header: Header, dest: Path, record: dict | None, cancel=None) -> int:
+    """Write ``header``'s file to ``dest`` unchanged but for ``record``; returns where its data starts."""
     entries = header.entries
     if record is not None:
         entries = with_metadata(entries, add_record(header.metadata, record))
@@ -207,15 +222,20 @@ def write_patched(header: Header, dest: Path, updates: dict[str, torch.Tensor], 
     with open(header.path, "rb") as src, open(dest, "wb") as out:
         out.write(struct.pack("<Q", len(raw_header)))
         out.write(raw_header)
-        copy_range(src, out, header.data_start, out.tell(), header.file_size - header.data_start)
-        data_start = 8 + len(raw_header)
+        copy_range(src, out, header.data_start, out.tell(), header.file_size - header.data_start, cancel=cancel)
+    return 8 + len(raw_header)
+
+
+def patch(header: Header, path: Path, data_start: int, updates: dict[str, torch.Tensor]) -> None:
+    """Overwrite the bytes of the updated tensors in ``path``, whose data section starts at ``data_start``."""
+    if not updates:
+        return
+    with open(path, "r+b") as out:
         for name, tensor in updates.items():
             entry = header.entries[name]
-            if tuple(tensor.shape) != tuple(entry["shape"]) or _NAMES.get(tensor.dtype) != entry["dtype"]:
+            if tuple(tensor.shape) != tuple(entry["shape"]) or _NAMES.get(str(tensor.dtype).removeprefix("torch.")) != entry["dtype"]:
                 raise AssertionError(f"update of {name} changes its shape or dtype")
-            begin, _ = entry["data_offsets"]
-            out.seek(data_start + begin)
-            out.write(tensor_bytes(tensor))
+            os.pwrite(out.fileno(), tensor_bytes(tensor), data_start + entry["data_offsets"][0])
 
 
 class SafetensorsWeights(WeightSet):
@@ -248,8 +268,13 @@ class SafetensorsWeights(WeightSet):
         return self.headers[file or self.files[0]].metadata
 
     def save(self, dest: Path, updates: UpdatesFn, record: dict) -> None:
-        for file in self.files:
-            write_patched(self.headers[file], dest / file, updates(file), record)
+        # Every shard's bytes are copied on a background thread while ``updates`` computes the new
+        # values of one shard at a time; each shard is patched once both are ready.
+        with BackgroundCopies() as copies:
+            started = {file: copies.submit(write_copy, self.headers[file], dest / file, record, copies.cancel) for file in self.files}
+            for file in self.files:
+                new = updates(file)
+                patch(self.headers[file], dest / file, started[file].result(), new)
         if self.index:
             shutil.copyfile(self.folder / self.index, dest / self.index)
 

@@ -12,8 +12,10 @@ import pickle
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from ..errors import CheckpointError
 from .base import TensorInfo, UpdatesFn, WeightSet
@@ -24,6 +26,8 @@ WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "module")
 
 
 def _is_state_dict(obj) -> bool:
+    import torch
+
     return isinstance(obj, Mapping) and bool(obj) and all(isinstance(k, str) for k in obj) and any(
         isinstance(v, torch.Tensor) for v in obj.values()
     )
@@ -31,6 +35,8 @@ def _is_state_dict(obj) -> bool:
 
 def load_file(path: Path) -> tuple[object, str | None, Mapping]:
     """Load a file safely: (the whole object, the wrapper key or None, the state dict)."""
+    import torch
+
     if not path.is_file():
         raise CheckpointError(f"missing file {path}")
     is_zip = zipfile.is_zipfile(path)
@@ -69,6 +75,8 @@ class TorchWeights(WeightSet):
     shard_suffix = ".bin"
 
     def __init__(self, folder: Path, files: list[str], index: str | None = None) -> None:
+        import torch
+
         super().__init__(folder, files, index)
         self._loaded: dict[str, tuple[object, str | None, Mapping]] = {}
         found: dict[str, str] = {}
@@ -83,7 +91,7 @@ class TorchWeights(WeightSet):
                     raise CheckpointError(f"tensor {name!r} is in both {found[name]} and {file}")
                 found[name] = file
                 nbytes = value.numel() * value.element_size()
-                self._infos[name] = TensorInfo(name, tuple(value.shape), str(value.dtype).removeprefix("torch."), value.dtype, file, nbytes)
+                self._infos[name] = TensorInfo(name, tuple(value.shape), str(value.dtype).removeprefix("torch."), str(value.dtype).removeprefix("torch."), file, nbytes)
         self._check_index(found)
 
     def read(self, name: str) -> torch.Tensor:
@@ -91,6 +99,8 @@ class TorchWeights(WeightSet):
 
     def save(self, dest: Path, updates: UpdatesFn, record: dict) -> None:
         import shutil
+
+        import torch
 
         # torch files have no metadata slot that loaders ignore, so the record is not embedded here.
         for file in self.files:
