@@ -67,7 +67,7 @@ def inspect_checkpoint(
 
     ``model`` is a path or a Hugging Face Hub id (``org/name``, at ``revision``). Per-head condition
     numbers are always computed; the whole-projection kappa and spectral norm only where cheap
-    (smaller side <= 1024, or on a GPU), or everywhere with ``full=True``.
+    (smaller side <= 768, or on a GPU), or everywhere with ``full=True``.
     """
     from .apply import inspect_blocks, resolve_device
 

@@ -50,6 +50,9 @@ def model_options(fn):
             click.option("--num-kv-heads", type=click.IntRange(min=1), help="Number of key/value heads (grouped-query attention)."),
             click.option("--head-dim", type=click.IntRange(min=1), help="Head dimension, when it is not width / heads."),
             click.option("--device", default="auto", show_default=True, help="Where generation and factorizations run: auto, cpu, cuda, cuda:N."),
+            click.option("--full", is_flag=True,
+                         help="Also the kappa and spectral norm of each whole projection wider than 768 (one D x D eigensolve "
+                              "each: seconds per projection on a CPU). Per-head kappas are always computed."),
             click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout."),
         ]
     ):
@@ -84,7 +87,7 @@ Examples:
                    "that its forward uses the q/k/v rows that names say.")
 @model_options
 @handle_errors
-def inspect(model, verify_layout, revision, config, num_heads, num_kv_heads, head_dim, device, as_json):
+def inspect(model, verify_layout, revision, config, num_heads, num_kv_heads, head_dim, device, full, as_json):
     """List the attention blocks of MODEL and the condition numbers of their projections.
 
     MODEL is a .safetensors/.bin/.pt file, a sharded *.index.json, a model folder, or a Hugging
@@ -94,7 +97,7 @@ def inspect(model, verify_layout, revision, config, num_heads, num_kv_heads, hea
 
     report = api.inspect_checkpoint(
         model, revision=revision, config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        device=device, progress=not as_json and sys.stderr.isatty(),
+        device=device, full=full, progress=not as_json and sys.stderr.isatty(),
     )
     if verify_layout:
         from .verify import verify_layout as check_layout
@@ -136,7 +139,10 @@ negative numbers count from the end (-1 is the last). Each stack of layers is nu
               help="Biases of re-initialized heads. Default: zero for conditioned, keep for polar.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Random seed; each head's draw depends only on (seed, tensor, head).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output.")
-@click.option("--in-place", is_flag=True, help="Replace the input itself (atomically).")
+@click.option("--in-place", is_flag=True,
+              help="Change the input itself. safetensors: only the changed bytes are rewritten, after their old bytes are "
+                   "saved to a journal (an interrupted run is rolled back by the next command, or `surgeon recover`); "
+                   "other formats: the files are replaced atomically.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
 @click.option("--push-to-hub", "push_to_hub", metavar="ORG/NAME", help="Upload the output folder to this Hub model repo (created if needed) in one commit.")
 @click.option("--private", is_flag=True, help="With --push-to-hub: create the repo as private.")
@@ -147,7 +153,7 @@ negative numbers count from the end (-1 is the last). Each stack of layers is nu
 @handle_errors
 def reinit(model, output, layers, targets, heads, attention, stack, mode, strength, value_identity, keep_scale, bias,
            seed, overwrite, in_place, dry_run, push_to_hub, private, push_revision, create_pr, commit_message,
-           revision, config, num_heads, num_kv_heads, head_dim, device, as_json):
+           revision, config, num_heads, num_kv_heads, head_dim, device, full, as_json):
     """Re-initialize query/key/value projections of MODEL with conditioned initialization.
 
     Writes a new checkpoint in the same format and layout; every tensor that is not
@@ -164,7 +170,7 @@ def reinit(model, output, layers, targets, heads, attention, stack, mode, streng
         model, revision=revision, output=output, in_place=in_place, overwrite=overwrite, dry_run=dry_run, layers=layers,
         targets=targets, heads=heads, attention=attention, stack=stack, mode=mode, strength=strength,
         value_identity=value_identity, keep_scale=keep_scale, bias=bias or "auto", seed=seed, device=device,
-        config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, full=full,
         progress=not as_json and sys.stderr.isatty(), push_to_hub=push_to_hub, private=private,
         push_revision=push_revision, create_pr=create_pr, commit_message=commit_message,
     )
@@ -205,6 +211,28 @@ def push(folder, repo_id, private, revision, create_pr, commit_message, as_json)
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
         click.echo("\n".join([f"note: {n}" for n in result.notes] + [result.summary()]))
+
+
+@main.command(context_settings=CONTEXT, epilog="""\b
+Examples:
+  surgeon recover model.safetensors
+  surgeon recover ./llama                      # a sharded checkpoint folder
+\b
+Any surgeon command that opens the checkpoint does the same first, and says so.
+""")
+@click.argument("path", type=click.Path(exists=True))
+@handle_errors
+def recover(path):
+    """Roll back an interrupted `surgeon reinit --in-place` on the checkpoint at PATH.
+
+    --in-place saves the old bytes of every range it patches to a journal
+    (.NAME.surgeon-journal) before changing anything; this writes them back, so the
+    checkpoint is exactly as it was before that run. Does nothing if there is no journal.
+    """
+    from .journal import recover as roll_back
+
+    notes = roll_back(path)
+    click.echo("\n".join(f"note: {n}" for n in notes) if notes else f"nothing to recover at {path}")
 
 
 if __name__ == "__main__":

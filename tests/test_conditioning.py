@@ -86,3 +86,52 @@ def test_spectrum_of_known_matrix():
     assert s.norm == pytest.approx(float(torch.linalg.svdvals(w.reshape(4, 3)).max()))
     ref = torch.linalg.svdvals(w.reshape(4, 3))  # the stacked 4 x 3 matrix has full column rank
     assert s.kappa == pytest.approx(float(ref.max() / ref.min()))
+
+
+def test_draw_is_the_positive_qr_of_seeded_sfc64_gaussians():
+    """The documented recipe, recomputed independently: numpy SFC64 Gaussians -> Householder QR, diag(R) > 0."""
+    import numpy as np
+
+    from surgeon.conditioning import semi_orthogonal_batch
+
+    seeds = [head_seed(3, "layers.0.q_proj.weight", "q", h) for h in range(5)]
+    for rows, cols in [(8, 64), (16, 16), (64, 8), (12, 40)]:
+        got = semi_orthogonal_batch(rows, cols, seeds)
+        for seed, mat in zip(seeds, got):
+            gauss = np.random.Generator(np.random.SFC64(seed)).standard_normal((max(rows, cols), min(rows, cols)))
+            q, r = torch.linalg.qr(torch.from_numpy(gauss))
+            q = q * torch.sign(torch.diagonal(r))
+            assert torch.allclose(mat, q if rows >= cols else q.T, atol=1e-13)
+
+
+def test_draws_do_not_depend_on_batching_or_order():
+    from surgeon.conditioning import semi_orthogonal_batch
+
+    seeds = [head_seed(0, "w", "k", h) for h in range(9)]
+    together = semi_orthogonal_batch(16, 256, seeds)
+    alone = torch.stack([semi_orthogonal_batch(16, 256, [s])[0] for s in seeds])
+    reversed_ = semi_orthogonal_batch(16, 256, seeds[::-1]).flip(0)
+    assert torch.equal(together, alone) and torch.equal(together, reversed_)
+
+
+def test_nonfinite_heads_get_nan_kappa_not_an_error():
+    w = torch.randn(3, 4, 16, dtype=torch.float64)
+    w[1, 0, 3] = float("nan")
+    w[2, 2, 2] = float("inf")
+    s = spectrum(w, whole=True)
+    assert math.isnan(s.head_kappas[1]) and math.isnan(s.head_kappas[2]) and math.isfinite(s.head_kappas[0])
+    assert s.nonfinite_heads == (1, 2) and math.isnan(s.kappa)
+    assert s.to_dict()["heads"][1] == "nan" and s.head_max == s.head_kappas[0]
+
+
+def test_whole_spectrum_only_where_cheap_or_asked():
+    from surgeon.conditioning import WHOLE_SPECTRUM_LIMIT
+
+    few_heads, wide = torch.randn(2, 8, 1024), torch.randn(8, 128, 1024)  # Gram sides 16 and 1024
+    assert spectrum(few_heads).kappa is not None  # cheap: always measured
+    assert min(8 * 128, 1024) > WHOLE_SPECTRUM_LIMIT
+    assert spectrum(wide).kappa is None and spectrum(wide).norm is None
+    full = spectrum(wide, whole=True)
+    ref = torch.linalg.svdvals(wide.double().reshape(-1, 1024))
+    assert full.kappa == pytest.approx(float(ref[0] / ref[-1]), rel=1e-6) and full.norm == pytest.approx(float(ref[0]), rel=1e-9)
+    assert full.head_kappas == spectrum(wide).head_kappas

@@ -8,7 +8,7 @@ import shlex
 from huggingface_hub import ModelCard, ModelCardData
 
 from conftest import sha256, tiny_llama, tree_digest
-from surgeon import reinit_checkpoint
+from surgeon import __version__, reinit_checkpoint
 from surgeon.report import fmt_kappa
 
 
@@ -35,7 +35,7 @@ def test_card_of_a_real_model_keeps_its_card_and_reproduces(minilm_dir, tmp_path
 
     # what was done and the numbers this run measured
     text = card.text
-    assert "| seed | 7 |" in text and "| projections | q, k, v |" in text and "| surgeon | 0.1.0 |" in text
+    assert "| seed | 7 |" in text and "| projections | q, k, v |" in text and f"| surgeon | {__version__} |" in text
     assert "| `encoder.layer.4.attention.self` | self | all 12 heads | all 12 heads | all 12 heads |" in text
     assert "encoder.layer.3" not in text.split("## Source model card")[0]
     assert len(report.rows) == 6

@@ -14,7 +14,7 @@ from huggingface_hub import ModelCard
 
 from _hub import OTHER_TOKEN, SOURCE_BODY, TOKEN, Surgeon, all_text_under, digest, make_source
 from _hub_server import HubServer
-from surgeon import reinit_checkpoint
+from surgeon import __version__, reinit_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def test_reinit_and_push_in_one_commit(sources, tmp_path):
         assert "note: created the private model repo me/tiny-reset" in run.stdout
         (pushed,) = hub.pushed  # one commit, on main, by the token's user
         assert pushed["branch"] == "main" and pushed["user"] == "me"
-        assert pushed["message"] == "Conditioned re-initialization of q,k,v in 1 attention block of org/tiny (surgeon 0.1.0)"
+        assert pushed["message"] == f"Conditioned re-initialization of q,k,v in 1 attention block of org/tiny (surgeon {__version__})"
         assert "pushed 6 files (" in run.stdout and f"in one commit: {hub.url}/me/tiny-reset/commit/{pushed['commit']}" in run.stdout
         # every file arrived with its exact bytes; nothing else was added
         arrived = {p: hashlib.sha256(c).hexdigest() for p, c in hub.files("me/tiny-reset").items() if p != ".gitattributes"}
@@ -99,7 +99,7 @@ def test_push_to_a_branch_and_as_a_pull_request_with_multipart_uploads(sources, 
         for ref in ("reset-v2", "refs/pr/1"):
             arrived = {p: hashlib.sha256(c).hexdigest() for p, c in hub.files("org/tiny-reset", ref).items() if p != ".gitattributes"}
             assert arrived == digest(out), ref
-        assert [p["message"] for p in hub.pushed] == ["Reset layer 1", "Upload out with surgeon 0.1.0"]
+        assert [p["message"] for p in hub.pushed] == ["Reset layer 1", f"Upload out with surgeon {__version__}"]
         assert [p["branch"] for p in hub.pushed] == ["reset-v2", "refs/pr/1"] and repo.prs == 1
         result = json.loads(pr.stdout)
         assert result["pr_url"] == f"{hub.url}/org/tiny-reset/discussions/1"
