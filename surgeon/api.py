@@ -66,8 +66,7 @@ def inspect_checkpoint(
     """Find the attention blocks of a checkpoint and the condition numbers of their projections.
 
     ``model`` is a path or a Hugging Face Hub id (``org/name``, at ``revision``). Per-head condition
-    numbers are always computed; the whole-projection kappa and spectral norm only where cheap
-    (smaller side <= 768, or on a GPU), or everywhere with ``full=True``.
+    numbers are always computed; the whole-projection kappa and spectral norm with ``full=True``.
     """
     from .apply import inspect_blocks, resolve_device
 
@@ -77,7 +76,7 @@ def inspect_checkpoint(
     detection = _detect(source, Hints(num_heads, num_kv_heads, head_dim))
     weights = source.primary
     with _progress(progress, len({p.weight.tensor for b in detection.blocks for p in b.projections}), "inspect") as bar:
-        spectra = inspect_blocks(detection.blocks, weights.read, dev, progress=bar.update if bar else None, whole=True if full else None)
+        spectra = inspect_blocks(detection.blocks, weights.read, dev, progress=bar.update if bar else None, whole=full)
     rows = [
         ProjectionRow(block, proj.role, spectra[(block.module, proj.role)], dtype=weights.tensors[proj.weight.tensor].element or "")
         for block in detection.blocks
@@ -128,7 +127,7 @@ def reinit_checkpoint(
     model card (README.md). ``push_to_hub="org/name"`` then uploads the output folder in one commit
     (see :func:`surgeon.hub.push_folder` for ``private``, ``push_revision``, ``create_pr``, ``token``).
     ``in_place=True`` on safetensors patches only the changed byte ranges, journaled (see
-    :mod:`surgeon.journal`). ``full=True`` also measures the whole-projection kappa of wide projections.
+    :mod:`surgeon.journal`). ``full=True`` also measures each whole projection's kappa and spectral norm.
     """
     if push_to_hub is None and (private or push_revision or create_pr or commit_message):
         raise OptionError("--private, --push-revision, --create-pr and --commit-message go with --push-to-hub org/name")
@@ -158,7 +157,7 @@ def reinit_checkpoint(
     for weights in source.weights:
         weights.check_plan(plan)
     _check_secondary_sets(source, plan.tensors())
-    run = _Run(plan, device, whole=True if full else None, progress=progress, total=len(plan.tensors()) * len(source.weights))
+    run = _Run(plan, device, whole=full, progress=progress, total=len(plan.tensors()) * len(source.weights))
     try:
         if in_place and source.format == "safetensors":
             from .journal import patch_in_place
@@ -226,7 +225,7 @@ class _Run:
     torch import and the math overlap the copying.
     """
 
-    def __init__(self, plan: Plan, device, *, whole: bool | None, progress: bool, total: int) -> None:
+    def __init__(self, plan: Plan, device, *, whole: bool, progress: bool, total: int) -> None:
         self.plan, self.device, self.whole = plan, device, whole
         self._engine: Engine | None = None
         self._bar = _progress(progress, total, "reinit")

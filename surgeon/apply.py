@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .conditioning import Spectrum, head_kappas, head_seed, polar, rescale_to, semi_orthogonal_batch, spectrum, value_identity
+from .conditioning import Spectrum, head_kappas, head_seed, polar, rescale_to, semi_orthogonal_batch, single_threaded, spectrum, value_identity
 from .errors import OptionError, UnsupportedWeightsError
 from .selection import format_indices
 from .plan import Change, Plan
@@ -101,10 +101,10 @@ class ProjectionResult:
 class Engine:
     """Applies a plan to tensors given one at a time, remembering before/after spectra.
 
-    ``whole``: also the whole-projection kappa (None: where cheap, see conditioning.WHOLE_SPECTRUM_LIMIT).
+    ``whole``: also the whole-projection kappa and spectral norm (``--full``).
     """
 
-    def __init__(self, plan: Plan, device: torch.device, *, seed_names: Mapping[str, str] | None = None, whole: bool | None = None) -> None:
+    def __init__(self, plan: Plan, device: torch.device, *, seed_names: Mapping[str, str] | None = None, whole: bool = False) -> None:
         self.plan = plan
         self.device = device
         self.whole = whole
@@ -127,7 +127,10 @@ class Engine:
         Only the re-initialized rows are computed (in float64 on the engine's device) and rounded to
         the tensor's dtype; every other element keeps its exact bits.
         """
-        original = original.detach()
+        with single_threaded():
+            return self._update(name, original.detach(), record)
+
+    def _update(self, name: str, original: torch.Tensor, record: bool) -> torch.Tensor:
         stored = original.clone()
         edits = self.edits[name]
         before: dict[tuple[str, str], Spectrum] = {}
@@ -179,17 +182,21 @@ class Engine:
         return [self.results[(c.block.module, c.role)] for c in self.plan.changes if (c.block.module, c.role) in self.results]
 
 
-def inspect_blocks(blocks: list[AttentionBlock], read: Callable[[str], torch.Tensor], device: torch.device, progress=None, *, whole: bool | None = None) -> dict[tuple[str, str], Spectrum]:
+def inspect_blocks(blocks: list[AttentionBlock], read: Callable[[str], torch.Tensor], device: torch.device, progress=None, *, whole: bool = False) -> dict[tuple[str, str], Spectrum]:
     """Spectra of every projection of every block, reading each tensor once."""
     by_tensor: dict[str, list[tuple[AttentionBlock, Projection]]] = defaultdict(list)
     for block in blocks:
         for proj in block.projections:
             by_tensor[proj.weight.tensor].append((block, proj))
     out: dict[tuple[str, str], Spectrum] = {}
-    for name, users in by_tensor.items():
-        tensor = read(name).to(device)
-        for block, proj in users:
-            out[(block.module, proj.role)] = spectrum(head_matrices(tensor, proj.weight), whole=whole)
-        if progress is not None:
-            progress(1)
+    with single_threaded():
+        for name, users in by_tensor.items():
+            _inspect_tensor(read(name).to(device), users, out, whole)
+            if progress is not None:
+                progress(1)
     return out
+
+
+def _inspect_tensor(tensor: torch.Tensor, users, out: dict, whole: bool) -> None:
+    for block, proj in users:
+        out[(block.module, proj.role)] = spectrum(head_matrices(tensor, proj.weight), whole=whole)

@@ -119,8 +119,8 @@ def build_card(*, source: Source, plan: Plan, results: list[ProjectionResult], c
         _options_table(plan),
         _blocks_table(plan),
         "## Condition numbers",
-        "Measured by this run on the weights as written: kappa = sigma_max / sigma_min of the whole projection, "
-        "and min / median / max over its heads.",
+        "Measured by this run on the weights as written: kappa = sigma_max / sigma_min of each head's matrix, "
+        "min / median / max over the heads of each projection (and of the whole projection, when measured with --full).",
         _kappa_table(results),
         "## Reproduce",
         f"With surgeon {__version__}:",
@@ -183,14 +183,12 @@ def _blocks_table(plan: Plan) -> str:
 
 
 def _kappa_table(results: list[ProjectionResult]) -> str:
-    lines = ["| block | proj | kappa before | kappa after | head kappa before (min/med/max) | head kappa after (min/med/max) |"]
-    lines.append("| --- | --- | ---: | ---: | --- | --- |")
-    for r in results:
-        if r.before is None or r.after is None:
-            continue
+    measured = [r for r in results if r.before is not None and r.after is not None]
+    whole = any(r.before.kappa is not None for r in measured)
+    lines = ["| block | proj | " + ("kappa before | kappa after | " if whole else "") + "head kappa before (min/med/max) | head kappa after (min/med/max) |"]
+    lines.append("| --- | --- | " + ("---: | ---: | " if whole else "") + "--- | --- |")
+    for r in measured:
         heads = lambda s: "/".join(fmt_kappa(x) for x in (s.head_min, s.head_median, s.head_max))  # noqa: E731
-        lines.append(
-            f"| `{r.block.module}` | {r.role} | {fmt_kappa(r.before.kappa)} | {fmt_kappa(r.after.kappa)} | "
-            f"{heads(r.before)} | {heads(r.after)} |"
-        )
+        cells = f"{fmt_kappa(r.before.kappa)} | {fmt_kappa(r.after.kappa)} | " if whole else ""
+        lines.append(f"| `{r.block.module}` | {r.role} | {cells}{heads(r.before)} | {heads(r.after)} |")
     return "\n".join(lines)

@@ -51,8 +51,8 @@ def model_options(fn):
             click.option("--head-dim", type=click.IntRange(min=1), help="Head dimension, when it is not width / heads."),
             click.option("--device", default="auto", show_default=True, help="Where generation and factorizations run: auto, cpu, cuda, cuda:N."),
             click.option("--full", is_flag=True,
-                         help="Also the kappa and spectral norm of each whole projection wider than 768 (one D x D eigensolve "
-                              "each: seconds per projection on a CPU). Per-head kappas are always computed."),
+                         help="Also the kappa and spectral norm of each whole projection (one D x D eigensolve each: "
+                              "~15 s for D = 4096 on a CPU). Per-head kappas are always computed."),
             click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout."),
         ]
     ):

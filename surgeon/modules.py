@@ -51,7 +51,7 @@ def reinit_(
     an iterable of ints; the other options are those of ``surgeon reinit``. ``example_inputs`` (a
     tensor, a tuple of arguments or a dict of keyword arguments for ``module(...)``) is needed only
     for a custom module whose forward surgeon cannot call with a plain (batch, tokens, width) tensor.
-    ``full=True`` also measures the whole-projection kappa of projections wider than 768 on a CPU.
+    ``full=True`` also measures each whole projection's kappa and spectral norm.
     """
     _check(module, "reinit_")
     options = ReinitOptions(
@@ -62,7 +62,7 @@ def reinit_(
     found = detect_module(module, hints=Hints(num_heads, num_kv_heads, head_dim), example_inputs=example_inputs)
     plan = make_plan(found.blocks, options)
     device = found.params[plan.changes[0].projection.weight.tensor].device
-    engine = Engine(plan, device, seed_names=found.seed_names, whole=True if full else None)
+    engine = Engine(plan, device, seed_names=found.seed_names, whole=full)
     with torch.no_grad():
         for name in engine.tensor_names:
             param = found.params[name]
@@ -91,7 +91,7 @@ def inspect_module(
     found = detect_module(module, hints=Hints(num_heads, num_kv_heads, head_dim), example_inputs=example_inputs)
     first = found.params[found.blocks[0].q.weight.tensor]
     with torch.no_grad():
-        spectra = inspect_blocks(found.blocks, lambda name: found.params[name].detach(), first.device, whole=True if full else None)
+        spectra = inspect_blocks(found.blocks, lambda name: found.params[name].detach(), first.device, whole=full)
     rows = [
         ProjectionRow(block, proj.role, spectra[(block.module, proj.role)], dtype=str(found.params[proj.weight.tensor].dtype).removeprefix("torch."))
         for block in found.blocks

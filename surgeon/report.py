@@ -153,9 +153,8 @@ class Report:
 
     def _legend(self) -> str:
         o = self.options or {}
-        text = (
-            "kappa: condition number of the whole projection (all heads stacked; '-' where not computed: "
-            "wide projections need --full); head kappa: of each head's own matrix."
+        text = "head kappa: condition number of each head's own matrix, min/median/max over the heads" + (
+            "; kappa: of the whole projection, all heads stacked." if self._whole_measured() else " (--full adds the whole projection's)."
         )
         if o.get("mode") == "conditioned":
             text += (
@@ -190,12 +189,19 @@ class Report:
             rows.append([stack or "(top)", kind, format_indices(sorted(b.layer for b in members)), str(heads), str(kv), str(d), layout, _tensor_names(members[0])])
         return table(["stack", "kind", "layers", "heads", "kv", "head_dim", "layout", "tensors (first layer)"], rows, right={3, 4, 5})
 
+    def _whole_measured(self) -> bool:
+        """Whether any whole-projection kappa was measured (--full); if not, those columns are left out."""
+        return any(s is not None and s.kappa is not None for r in self.rows for s in (r.before, r.after))
+
     def _inspect_table(self) -> str:
-        rows = []
+        whole, rows = self._whole_measured(), []
         for r in self.rows:
             proj = r.block.projection(r.role)
-            rows.append([_where(r.block), r.role, f"{proj.heads}x{proj.head_dim}", r.dtype, *_spec_cells(r.before)])
-        return table(["block", "proj", "heads", "dtype", "kappa", "head kappa min/med/max", "||W||2"], rows, right={4, 6})
+            cells = _spec_cells(r.before)
+            rows.append([_where(r.block), r.role, f"{proj.heads}x{proj.head_dim}", r.dtype, *(cells if whole else cells[1:2])])
+        if whole:
+            return table(["block", "proj", "heads", "dtype", "kappa", "head kappa min/med/max", "||W||2"], rows, right={4, 6})
+        return table(["block", "proj", "heads", "dtype", "head kappa min/med/max"], rows)
 
     def _plan_table(self) -> str:
         rows = []
@@ -206,13 +212,18 @@ class Report:
         return table(["block", "proj", "tensor", "heads", "zero bias"], rows)
 
     def _reinit_table(self) -> str:
-        rows = []
+        whole, rows = self._whole_measured(), []
         for r in self.rows:
             proj = r.block.projection(r.role)
             heads = "all" if len(r.heads_changed) == proj.heads else format_indices(r.heads_changed)
             b, a = _spec_cells(r.before), _spec_cells(r.after)
-            rows.append([_where(r.block), r.role, heads, f"{b[0]} -> {a[0]}", f"{b[1]} -> {a[1]}", f"{b[2]} -> {a[2]}"])
-        return table(["block", "proj", "heads", "kappa", "head kappa min/med/max", "||W||2"], rows)
+            if whole:
+                rows.append([_where(r.block), r.role, heads, f"{b[0]} -> {a[0]}", f"{b[1]} -> {a[1]}", f"{b[2]} -> {a[2]}"])
+            else:
+                rows.append([_where(r.block), r.role, heads, f"{b[1]} -> {a[1]}"])
+        if whole:
+            return table(["block", "proj", "heads", "kappa", "head kappa min/med/max", "||W||2"], rows)
+        return table(["block", "proj", "heads", "head kappa min/med/max"], rows)
 
 
 def _count(n: int, noun: str) -> str:

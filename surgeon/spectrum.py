@@ -21,8 +21,8 @@ class Spectrum:
     """Condition numbers of one projection: each of its heads, and (when computed) the whole matrix.
 
     ``kappa`` and ``norm`` are None when the whole-matrix spectrum was not computed: it is one
-    O(D^3) eigensolve for a single number (see ``whole_spectrum_default``). A head whose matrix holds
-    NaN or Inf has kappa NaN ("non-finite").
+    O(D^3) eigensolve for a single number, made only when asked for (``--full``). A head whose
+    matrix holds NaN or Inf has kappa NaN ("non-finite").
     """
 
     kappa: float | None  # of the whole projection (all heads stacked)

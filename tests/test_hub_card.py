@@ -40,7 +40,8 @@ def test_card_of_a_real_model_keeps_its_card_and_reproduces(minilm_dir, tmp_path
     assert "encoder.layer.3" not in text.split("## Source model card")[0]
     assert len(report.rows) == 6
     for r in report.rows:
-        row = f"| `{r.block.module}` | {r.role} | {fmt_kappa(r.before.kappa)} | {fmt_kappa(r.after.kappa)} | "
+        heads = lambda s: "/".join(fmt_kappa(x) for x in (s.head_min, s.head_median, s.head_max))  # noqa: E731
+        row = f"| `{r.block.module}` | {r.role} | {heads(r.before)} | {heads(r.after)} |"
         assert row in text, row
     assert "@inproceedings{saratchandran2026conditioned" in text and "openreview.net/forum?id=cKNOCYPo2W" in text
     # the source card follows, every word of it

@@ -39,7 +39,7 @@ def surgeon(tmp_path, hub):
 
 
 def kappas(report: dict) -> list[float]:
-    return [p["before"]["kappa"] for p in report["projections"]]
+    return [p["before"]["heads"] for p in report["projections"]]
 
 
 def test_reads_by_id_fetching_only_what_it_needs(surgeon, hub, sources, tmp_path):
@@ -53,7 +53,7 @@ def test_reads_by_id_fetching_only_what_it_needs(surgeon, hub, sources, tmp_path
     snapshot = surgeon.hf_home / "hub" / "models--org--tiny" / "snapshots" / commit
     assert digest(snapshot) == {k: v for k, v in digest(sources[0]).items() if k in FETCHED}
     assert (surgeon.hf_home / "hub" / "models--org--tiny" / "refs" / "main").read_text() == commit
-    assert kappas(report) == [r.before.kappa for r in inspect_checkpoint(sources[0]).rows]  # same numbers as locally
+    assert kappas(report) == [list(r.before.head_kappas) for r in inspect_checkpoint(sources[0]).rows]  # same numbers as locally
 
     # reinit by id: the default output is ./<name>-reinit, the same weights as a local run, from the cache
     n = len(hub.downloads())
@@ -74,7 +74,7 @@ def test_revision_branch_tag_and_commit(surgeon, hub, sources):
                         ["inspect", "org/tiny", "--revision", "nope"])
     main, on_branch, by_commit, by_tag = (kappas(json.loads(r.stdout)) for r in runs[:4])
     assert on_branch != main
-    assert on_branch == [r.before.kappa for r in inspect_checkpoint(sources[1]).rows]
+    assert on_branch == [list(r.before.head_kappas) for r in inspect_checkpoint(sources[1]).rows]
     assert by_commit == on_branch and by_tag == main
     assert "org/tiny has no revision 'nope'" in runs[4].error
 
@@ -86,7 +86,7 @@ def test_a_local_path_wins_over_a_hub_id(surgeon, hub, sources, tmp_path):
     local = json.loads(local.stdout)
     assert local["source"] == "org/tiny"
     assert "org/tiny is a local folder, so it was used (write hf://org/tiny for the Hub model of that name)" in local["notes"]
-    assert kappas(local) == [r.before.kappa for r in inspect_checkpoint(sources[1]).rows]
+    assert kappas(local) == [list(r.before.head_kappas) for r in inspect_checkpoint(sources[1]).rows]
     expected = "--revision applies to Hugging Face Hub ids only, and org/tiny is a local path; for the Hub model of that name write hf://org/tiny"
     assert expected in revision.error
     remote = json.loads(surgeon("inspect", "hf://org/tiny", "--json").stdout)
@@ -135,7 +135,7 @@ def test_offline_from_a_hand_built_cache(tmp_path, sources):
     report = json.loads(report.stdout)
     assert report["source"] == "org/cached@main"
     assert any(f"(commit {commit[:12]}): 3 files in the HF cache (HF_HUB_OFFLINE is set, nothing downloaded)" in n for n in report["notes"])
-    assert kappas(report) == [r.before.kappa for r in inspect_checkpoint(sources[0]).rows]
+    assert kappas(report) == [list(r.before.head_kappas) for r in inspect_checkpoint(sources[0]).rows]
     assert reinit.rc == 0 and "base_model: org/cached" in (tmp_path / "cached-reinit" / "README.md").read_text()
     for run, text in zip(errors, [
         "there is no file or folder org/nowhere, and org/nowhere is not (completely) in the Hugging Face cache",

@@ -13,7 +13,7 @@ from conftest import tree_digest
 
 
 def test_inspect_shows_real_condition_numbers(cli, minilm_dir):
-    result = cli("inspect", minilm_dir, "--json")
+    result = cli("inspect", minilm_dir, "--json", "--full")
     report = json.loads(result.stdout)
     assert [(b["stack"], b["layer"], b["heads"], b["kv_heads"], b["head_dim"]) for b in report["blocks"]] == [
         ("encoder.layer", i, 12, 12, 32) for i in range(6)
@@ -27,6 +27,10 @@ def test_inspect_shows_real_condition_numbers(cli, minilm_dir):
     assert all(2 < r["before"]["spectral_norm"] < 8 for r in rows)
     text = cli("inspect", minilm_dir).stdout
     assert "encoder.layer  self  0-5" in text
+    # without --full the whole-projection numbers are not measured, and say so
+    quick = json.loads(cli("inspect", minilm_dir, "--json").stdout)["projections"]
+    assert all(r["before"]["kappa"] is None and r["before"]["spectral_norm"] is None for r in quick)
+    assert [r["before"]["heads"] for r in quick] == [r["before"]["heads"] for r in rows]
 
 
 def test_reinit_top_layers_and_encode(cli, minilm_dir, tmp_path):

@@ -31,8 +31,8 @@ def test_real_minilm_in_memory_matches_the_checkpoint_path(minilm, tmp_path):
 
     folder, st = minilm
     model = copy.deepcopy(st)
-    on_disk = surgeon.inspect(folder)
-    in_memory = surgeon.inspect(model)
+    on_disk = surgeon.inspect(folder, full=True)
+    in_memory = surgeon.inspect(model, full=True)
     prefix = "0.model."  # sentence-transformers' Transformer module holds the BertModel as .model
     assert [b.module for b in in_memory.blocks] == [prefix + b.module for b in on_disk.blocks]
     for a, b in zip(in_memory.rows, on_disk.rows):

@@ -1,0 +1,196 @@
+"""--in-place on safetensors: only the changed byte ranges are rewritten, behind a durable undo journal.
+
+The crash tests kill real surgeon processes with SIGKILL in the middle of patching, then check that the
+next command (or `surgeon recover`) gives back the exact original bytes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import expect_cli_error, sha256, tiny_llama
+from surgeon import reinit_checkpoint
+from surgeon.formats.safetensors import read_header, records
+from surgeon.journal import SUFFIX, journal_path
+
+ATTN = ("q_proj", "k_proj", "v_proj")
+
+
+def changed_ranges(path, names):
+    header = read_header(path)
+    return [(header.data_start + header.entries[n]["data_offsets"][0], header.data_start + header.entries[n]["data_offsets"][1]) for n in names]
+
+
+def attention_weights(path, layers):
+    return [f"model.layers.{i}.self_attn.{p}.weight" for i in layers for p in ATTN]
+
+
+def test_in_place_rewrites_only_the_changed_ranges(llama_dir):
+    src = llama_dir / "model.safetensors"
+    before_bytes, inode = src.read_bytes(), src.stat().st_ino
+    before = {k: v.clone() for k, v in load_file(src).items()}
+    report = reinit_checkpoint(src, in_place=True, layers="1")
+    after_bytes = src.read_bytes()
+    assert src.stat().st_ino == inode and len(after_bytes) == len(before_bytes)  # patched, not replaced
+    spans = changed_ranges(src, attention_weights(src, [1]))
+    mask = bytearray(len(before_bytes))
+    for begin, end in spans:
+        mask[begin:end] = b"\1" * (end - begin)
+    outside = [i for i, (a, b) in enumerate(zip(before_bytes, after_bytes)) if a != b and not mask[i]]
+    assert outside == []  # the header too: the record does not fit in it, so it is left alone
+    assert report.bytes_written == sum(end - begin for begin, end in spans)
+    assert any("record was not added" in n for n in report.notes)
+    # through the model's own forward: layer 1's q/k heads are semi-orthogonal, the rest is the model it was
+    after = load_file(src)
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor) == (name not in attention_weights(src, [1])), name
+    q = after["model.layers.1.self_attn.q_proj.weight"].double().view(8, 8, 64)
+    assert torch.allclose(q @ q.mT, torch.eye(8, dtype=torch.float64).expand(8, 8, 8), atol=1e-5)
+    assert not list(llama_dir.glob(f".*{SUFFIX}*"))
+
+
+def test_in_place_gives_the_same_weights_as_a_copy(llama_dir, tmp_path):
+    src = llama_dir / "model.safetensors"
+    reinit_checkpoint(src, output=tmp_path / "copy.safetensors", layers="0,2", seed=4)
+    reinit_checkpoint(src, in_place=True, layers="0,2", seed=4)
+    copy, patched = load_file(tmp_path / "copy.safetensors"), load_file(src)
+    assert copy.keys() == patched.keys() and all(torch.equal(copy[k], patched[k]) for k in copy)
+
+
+def test_in_place_adds_the_record_where_the_header_has_room(tmp_path):
+    src = tmp_path / "model.safetensors"
+    tiny_llama().save_pretrained(tmp_path)
+    # re-write the header with 4 KiB of padding, as a tool reserving room for metadata would
+    raw = src.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = raw[8 : 8 + n].rstrip() + b" " * (n - len(raw[8 : 8 + n].rstrip()) + 4096)
+    src.write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + n :])
+    reinit_checkpoint(src, in_place=True, layers="0")
+    assert records(read_header(src).metadata)[-1]["blocks"][0]["module"] == "model.layers.0.self_attn"
+    load_file(src)  # the reference reader takes it
+
+
+KILLER = textwrap.dedent(
+    """
+    import os, signal, sys
+    import surgeon.journal as journal
+    real, calls = journal.patch, []
+
+    def patch(header, path, start, updates):  # patch the first tensor of this call, then die like kill -9
+        first = dict(list(updates.items())[:1])
+        real(header, path, start, first)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    journal.patch = patch
+    from surgeon.cli import main
+    sys.argv = ["surgeon", *sys.argv[1:]]
+    main()
+    """
+)
+
+
+def test_kill_9_while_patching_is_rolled_back_by_the_next_command(llama_dir, tmp_path, cli):
+    src = llama_dir / "model.safetensors"
+    original = sha256(src)
+    run = subprocess.run([sys.executable, "-c", KILLER, "reinit", str(src), "--in-place", "--layers", "all"], capture_output=True)
+    assert run.returncode == -signal.SIGKILL
+    assert sha256(src) != original  # it died half-way: one tensor patched
+    assert journal_path(llama_dir, "model.safetensors").is_file()
+    result = cli("inspect", src)  # any command that opens the checkpoint rolls back first
+    assert "rolled back an interrupted in-place run" in result.output
+    assert sha256(src) == original and not list(llama_dir.glob(f".*{SUFFIX}*"))
+
+
+def test_kill_9_rolled_back_by_recover_on_a_sharded_folder(tmp_path, cli):
+    folder = tmp_path / "sharded"
+    tiny_llama().save_pretrained(folder, max_shard_size="40KB")
+    digests = {p.name: sha256(p) for p in folder.iterdir()}
+    assert len(list(folder.glob("*.safetensors"))) > 2
+    run = subprocess.run([sys.executable, "-c", KILLER, "reinit", str(folder), "--in-place"], capture_output=True)
+    assert run.returncode == -signal.SIGKILL
+    assert {p.name: sha256(p) for p in folder.iterdir() if not p.name.startswith(".")} != digests
+    result = cli("recover", folder)
+    assert "rolled back" in result.output
+    assert {p.name: sha256(p) for p in folder.iterdir()} == digests
+    assert cli("recover", folder).output.startswith("nothing to recover")
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_points_leaves_the_input_or_the_finished_patch(tmp_path, cli):
+    """Real kills at spread-out times: afterwards the file is the original or the complete result, never between."""
+    src_dir = tmp_path / "src"
+    tiny_llama(hidden_size=256, intermediate_size=256, num_attention_heads=8, num_key_value_heads=8, num_hidden_layers=6).save_pretrained(src_dir)
+    done = tmp_path / "done"
+    shutil.copytree(src_dir, done)
+    reinit_checkpoint(done / "model.safetensors", in_place=True)
+    original, finished = sha256(src_dir / "model.safetensors"), sha256(done / "model.safetensors")
+    seen = set()
+    for delay in (0.2, 0.5, 0.8, 1.1, 1.4, 1.8, 2.2, 3.0):
+        work = tmp_path / f"work-{delay}"
+        shutil.copytree(src_dir, work)
+        proc = subprocess.Popen([sys.executable, "-m", "surgeon", "reinit", str(work / "model.safetensors"), "--in-place"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            proc.wait(timeout=delay)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        cli("recover", work / "model.safetensors")
+        state = sha256(work / "model.safetensors")
+        assert state in (original, finished), delay
+        seen.add(state)
+        assert not list(work.glob(f".*{SUFFIX}*"))
+    assert seen  # which states were hit depends on the machine's speed; both are allowed
+
+
+def test_a_running_in_place_job_is_neither_joined_nor_rolled_back(llama_dir, cli):
+    src = llama_dir / "model.safetensors"
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # what a running --in-place job holds
+        expect_cli_error(cli, llama_dir, "reinit", src, "--in-place", match="another surgeon run is patching")
+        journal_path(llama_dir, "model.safetensors").write_bytes(b"not yet complete")  # its journal, say
+        result = cli("recover", src)
+        assert "in progress" in result.output and journal_path(llama_dir, "model.safetensors").exists()
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+        journal_path(llama_dir, "model.safetensors").unlink()
+
+
+def test_a_damaged_journal_is_refused_in_one_line(llama_dir, cli):
+    src = llama_dir / "model.safetensors"
+    journal_path(llama_dir, "model.safetensors").write_bytes(b"SURGEON-JOURNAL-1\n" + b"\0" * 64)
+    expect_cli_error(cli, llama_dir, "recover", src, match="is damaged")
+
+
+def test_an_unfinished_journal_is_discarded_without_touching_the_checkpoint(llama_dir, cli):
+    src = llama_dir / "model.safetensors"
+    before = sha256(src)
+    tmp = journal_path(llama_dir, "model.safetensors").with_name(journal_path(llama_dir, "model.safetensors").name + ".tmp")
+    tmp.write_bytes(b"SURGEON-JOURNAL-1\n partial")  # a run died while writing its journal: nothing was patched
+    cli("inspect", src)
+    assert not tmp.exists() and sha256(src) == before
+
+
+def test_in_place_of_a_torch_file_still_replaces_it_atomically(tmp_path):
+    folder = tmp_path / "pt"
+    folder.mkdir()
+    model = tiny_llama()
+    model.config.save_pretrained(folder)
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    reinit_checkpoint(folder / "pytorch_model.bin", in_place=True, layers="0")
+    state = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    assert not torch.equal(state["model.layers.0.self_attn.q_proj.weight"], model.state_dict()["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(state["model.layers.1.self_attn.q_proj.weight"], model.state_dict()["model.layers.1.self_attn.q_proj.weight"])
