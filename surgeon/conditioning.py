@@ -89,9 +89,23 @@ def semi_orthogonal_batch(rows: int, cols: int, seeds: list[int], *, device: tor
     orthonormalization runs batched on ``device``. Neither depends on the device or the batching.
     """
     tall, short = max(rows, cols), min(rows, cols)
-    gauss = torch.cat(in_parallel(lambda chunk: gaussians(tall, short, chunk), list(seeds), device="cpu")).to(device)
-    q = torch.cat(in_parallel(lambda idx: orthonormal_columns(gauss[idx[0] : idx[-1] + 1]), list(range(len(seeds))), device=device))
-    return q if rows >= cols else q.mT
+    gauss = np.empty((len(seeds), tall, short), dtype=np.float64)
+    heads = list(range(len(seeds)))
+
+    def draw(idx: list[int]) -> None:  # each worker fills its own heads: no copies, no concatenation
+        for i in idx:
+            np.random.Generator(np.random.SFC64(seeds[i])).standard_normal(out=gauss[i])
+
+    in_parallel(draw, heads)
+    x = torch.from_numpy(gauss).to(device)
+    out = torch.empty(len(seeds), rows, cols, dtype=torch.float64, device=device)
+
+    def orthonormalize(idx: list[int]) -> None:
+        part = slice(idx[0], idx[-1] + 1)
+        out[part] = orthonormal_columns(x[part], transposed=rows < cols)
+
+    in_parallel(orthonormalize, heads, device=device)
+    return out
 
 
 def gaussians(rows: int, cols: int, seeds: list[int]) -> torch.Tensor:
@@ -109,19 +123,24 @@ def gaussians(rows: int, cols: int, seeds: list[int]) -> torch.Tensor:
 CHOLESKY_ASPECT = 4
 
 
-def orthonormal_columns(x: torch.Tensor) -> torch.Tensor:
-    """The Q factor with positive diag(R) of each tall matrix in ``x`` (batched, on x's device)."""
+def orthonormal_columns(x: torch.Tensor, *, transposed: bool = False) -> torch.Tensor:
+    """The Q factor with positive diag(R) of each tall matrix in ``x`` (batched, on x's device).
+
+    ``transposed``: return Q^T, computed as such (contiguous, no transposing copy afterwards).
+    """
     if x.shape[-2] >= CHOLESKY_ASPECT * x.shape[-1]:
         chol, info = torch.linalg.cholesky_ex(x.mT @ x)
         if not bool(info.any()):
             # X @ R^-1 as a GEMM: batched triangular solves run ~3x slower on CPU, and R is tiny and
             # as well conditioned as X, so forming its inverse loses nothing.
             eye = torch.eye(x.shape[-1], dtype=x.dtype, device=x.device).expand_as(chol)
-            return x @ torch.linalg.solve_triangular(chol.mT, eye, upper=True)
+            r_inv = torch.linalg.solve_triangular(chol.mT, eye, upper=True)
+            return r_inv.mT @ x.mT if transposed else x @ r_inv
     q, r = torch.linalg.qr(x)
     signs = torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))
     signs[signs == 0] = 1
-    return q * signs.unsqueeze(-2)
+    q = q * signs.unsqueeze(-2)
+    return q.mT if transposed else q
 
 
 def value_identity(head: int, head_dim: int, in_features: int, kind: str, *, device=None) -> torch.Tensor:
