@@ -46,6 +46,7 @@ def inspect_checkpoint(
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
+    force_hints: bool = False,
     device: str | torch.device = "auto",
     progress: bool = False,
 ) -> Report:
@@ -56,7 +57,7 @@ def inspect_checkpoint(
     dev = resolve_device(device)
     start = time.perf_counter()
     source = load(model, config=config, revision=revision, progress=progress)
-    detection = _detect(source, Hints(num_heads, num_kv_heads, head_dim))
+    detection = _detect(source, Hints(num_heads, num_kv_heads, head_dim, force_hints))
     weights = source.primary
     with _progress(progress, len({p.weight.tensor for b in detection.blocks for p in b.projections}), "inspect") as bar:
         spectra = inspect_blocks(detection.blocks, weights.read, dev, progress=bar.update if bar else None)
@@ -95,6 +96,7 @@ def reinit_checkpoint(
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
+    force_hints: bool = False,
     progress: bool = False,
     push_to_hub: str | None = None,
     private: bool = False,
@@ -124,7 +126,7 @@ def reinit_checkpoint(
     source = load(model, config=config, revision=revision, progress=progress)
     if push_to_hub is not None and output_kind(source) != "folder":
         raise OptionError(f"--push-to-hub uploads a model folder, and the output of {source.path.name} is a single file: give the model folder as MODEL")
-    hints = Hints(num_heads, num_kv_heads, head_dim)
+    hints = Hints(num_heads, num_kv_heads, head_dim, force_hints)
     detection = _detect(source, hints)
     plan = make_plan(detection.blocks, options)
     dest = resolve_output(source, output, in_place=in_place, overwrite=overwrite or dry_run)

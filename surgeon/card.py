@@ -85,6 +85,8 @@ def reproduce_command(model: str, *, revision: str | None, options: dict, hints:
     for flag, value in (("--num-heads", hints.num_heads), ("--num-kv-heads", hints.num_kv_heads), ("--head-dim", hints.head_dim)):
         if value is not None:
             args += [flag, str(value)]
+    if hints.force:
+        args.append("--force-hints")
     return " ".join(args + ["-o", q(output)])
 
 

@@ -47,6 +47,7 @@ def model_options(fn):
             click.option("--num-heads", type=click.IntRange(min=1), help="Number of query heads, when there is no config.json."),
             click.option("--num-kv-heads", type=click.IntRange(min=1), help="Number of key/value heads (grouped-query attention)."),
             click.option("--head-dim", type=click.IntRange(min=1), help="Head dimension, when it is not width / heads."),
+            click.option("--force-hints", is_flag=True, help="Use --num-heads/--num-kv-heads/--head-dim even where config.json says otherwise."),
             click.option("--device", default="auto", show_default=True, help="Where generation and factorizations run: auto, cpu, cuda, cuda:N."),
             click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout."),
         ]
@@ -55,7 +56,33 @@ def model_options(fn):
     return fn
 
 
-@click.group(context_settings=CONTEXT)
+class OneLineErrors(click.Group):
+    """Usage errors (a bad option value, a missing argument, an unknown command) are one line too.
+
+    click prints a usage block and a hint around them; surgeon prints ``surgeon: error: ...`` with the
+    command's ``--help`` to look at, and exits 2 as click does.
+    """
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            rv = super().main(args, "surgeon", complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as exc:  # bare `surgeon`: the help, as before
+            click.echo(exc.ctx.get_help() if exc.ctx else "", err=True)
+            sys.exit(exc.exit_code)
+        except click.UsageError as exc:
+            message = " ".join(line.strip() for line in exc.format_message().splitlines() if line.strip())
+            path = exc.ctx.command_path if exc.ctx is not None else "surgeon"
+            _fail(f"{message[:1].lower()}{message[1:].rstrip('.')} (see {path} --help)", exc.exit_code)
+        except click.ClickException as exc:
+            _fail(" ".join(exc.format_message().split()), exc.exit_code)
+        except click.Abort:
+            _fail("interrupted; nothing was written", 130)
+        if not standalone_mode:
+            return rv
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+@click.group(cls=OneLineErrors, context_settings=CONTEXT)
 @click.version_option(__version__, "-V", "--version", prog_name="surgeon")
 def main() -> None:
     """Re-initialize the attention of transformer checkpoints with conditioned initialization.
@@ -82,7 +109,7 @@ Examples:
                    "that its forward uses the q/k/v rows that names say.")
 @model_options
 @handle_errors
-def inspect(model, verify_layout, revision, config, num_heads, num_kv_heads, head_dim, device, as_json):
+def inspect(model, verify_layout, revision, config, num_heads, num_kv_heads, head_dim, force_hints, device, as_json):
     """List the attention blocks of MODEL and the condition numbers of their projections.
 
     MODEL is a .safetensors/.bin/.pt file, a sharded *.index.json, a model folder, or a Hugging
@@ -90,7 +117,7 @@ def inspect(model, verify_layout, revision, config, num_heads, num_kv_heads, hea
     """
     report = api.inspect_checkpoint(
         model, revision=revision, config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        device=device, progress=not as_json and sys.stderr.isatty(),
+        force_hints=force_hints, device=device, progress=not as_json and sys.stderr.isatty(),
     )
     if verify_layout:
         from .verify import verify_layout as check_layout
@@ -143,7 +170,7 @@ negative numbers count from the end (-1 is the last). Each stack of layers is nu
 @handle_errors
 def reinit(model, output, layers, targets, heads, attention, stack, mode, strength, value_identity, keep_scale, bias,
            seed, overwrite, in_place, dry_run, push_to_hub, private, push_revision, create_pr, commit_message,
-           revision, config, num_heads, num_kv_heads, head_dim, device, as_json):
+           revision, config, num_heads, num_kv_heads, head_dim, force_hints, device, as_json):
     """Re-initialize query/key/value projections of MODEL with conditioned initialization.
 
     Writes a new checkpoint in the same format and layout; every tensor that is not
@@ -158,7 +185,7 @@ def reinit(model, output, layers, targets, heads, attention, stack, mode, streng
         model, revision=revision, output=output, in_place=in_place, overwrite=overwrite, dry_run=dry_run, layers=layers,
         targets=targets, heads=heads, attention=attention, stack=stack, mode=mode, strength=strength,
         value_identity=value_identity, keep_scale=keep_scale, bias=bias or "auto", seed=seed, device=device,
-        config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, force_hints=force_hints,
         progress=not as_json and sys.stderr.isatty(), push_to_hub=push_to_hub, private=private,
         push_revision=push_revision, create_pr=create_pr, commit_message=commit_message,
     )
