@@ -140,8 +140,12 @@ def build_card(*, source: Source, plan: Plan, results: list[ProjectionResult], c
 
 
 def write_card(folder: Path, **kwargs) -> Path:
+    from .redact import redact
+
     path = Path(folder) / "README.md"
-    build_card(**kwargs).save(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, mode="w", newline="", encoding="utf-8") as f:  # as ModelCard.save, with no token, even one in the source's card
+        f.write(redact(str(build_card(**kwargs))))
     return path
 
 

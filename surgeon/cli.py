@@ -16,8 +16,17 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
 def _fail(message: str, code: int = 1) -> None:
-    click.echo(f"surgeon: error: {message}", err=True)
+    from .redact import redact
+
+    click.echo(f"surgeon: error: {redact(message)}", err=True)
     sys.exit(code)
+
+
+def _out(text: str) -> None:
+    """Reports and notes on stdout, never with a token in them."""
+    from .redact import redact
+
+    click.echo(redact(text))
 
 
 def handle_errors(fn):
@@ -124,7 +133,7 @@ def inspect(model, verify_layout, revision, config, num_heads, num_kv_heads, hea
 
         check = check_layout(model, revision=revision, config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
         report.notes.append(check.summary())
-    click.echo(report.to_json() if as_json else report.render())
+    _out(report.to_json() if as_json else report.render())
 
 
 @main.command(context_settings=CONTEXT, epilog="""\b
@@ -189,7 +198,7 @@ def reinit(model, output, layers, targets, heads, attention, stack, mode, streng
         progress=not as_json and sys.stderr.isatty(), push_to_hub=push_to_hub, private=private,
         push_revision=push_revision, create_pr=create_pr, commit_message=commit_message,
     )
-    click.echo(report.to_json() if as_json else report.render())
+    _out(report.to_json() if as_json else report.render())
 
 
 @main.command(context_settings=CONTEXT, epilog="""\b
@@ -223,9 +232,9 @@ def push(folder, repo_id, private, revision, create_pr, commit_message, as_json)
         progress=not as_json and sys.stderr.isatty(),
     )
     if as_json:
-        click.echo(json.dumps(result.to_dict(), indent=2))
+        _out(json.dumps(result.to_dict(), indent=2))
     else:
-        click.echo("\n".join([f"note: {n}" for n in result.notes] + [result.summary()]))
+        _out("\n".join([f"note: {n}" for n in result.notes] + [result.summary()]))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ._version import __version__
 from .errors import CheckpointError, OptionError, SurgeonError
+from .redact import redact, remember
 from .formats.torchfile import SUFFIXES as PT_SUFFIXES
 from .source import NOT_WEIGHTS, TORCH_NAMES, Source, open_source
 
@@ -141,10 +142,11 @@ def download(repo_id: str, *, revision: str | None = None, progress: bool = Fals
     Offline (HF_HUB_OFFLINE) or when the Hub cannot be reached, the cache is used as it is, without the
     client's retries: a cached model opens at once, an uncached one fails with one line.
     """
-    from huggingface_hub import HfApi, constants, snapshot_download
+    from huggingface_hub import HfApi, constants, get_token, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     offline = constants.is_offline_mode()
+    remember(get_token())  # the read path's token, masked like the push path's
     api = HfApi()
     try:
         info, reachable = None, not offline
@@ -323,6 +325,7 @@ def _push_token(token: str | None) -> str:
     from huggingface_hub import get_token
 
     found = token or get_token()
+    remember(found)
     if not found:
         raise HubAuthError("pushing to the Hub needs a token with write access: set HF_TOKEN or run `hf auth login`")
     return found
@@ -557,8 +560,9 @@ def _token_hint() -> str:
 
 
 def _scrub(text: str, token: str | None) -> str:
-    """Belt and braces: a token never reaches a message, even if a server echoed it."""
-    return text.replace(token, "***") if token else text
+    """Belt and braces: a token never reaches a message, even if a server echoed it (``surgeon.redact``)."""
+    remember(token)
+    return redact(text)
 
 
 def _line(exc: object) -> str:
