@@ -150,7 +150,7 @@ def reinit_checkpoint(
     _check_secondary_sets(source, engine)
     kind = "merge" if in_place and source.kind != "file" else output_kind(source)
     with _progress(progress, len(engine.tensor_names) * len(source.weights), "reinit") as bar:
-        with staged(dest, kind, file_name=source.path.name) as tmp:
+        with staged(dest, kind, file_name=source.path.name, notes=report.notes) as tmp:
             for i, weights in enumerate(source.weights):
                 weights.save(tmp, _updates_fn(weights, engine, record=i == 0, bar=bar), plan.record())
             if kind == "folder" and source.kind == "folder":
