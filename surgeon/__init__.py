@@ -2,6 +2,7 @@
 
 from ._version import __version__
 from .api import inspect_checkpoint, reinit_checkpoint
+from .audit import Verification, VerificationError, verify
 from .modules import inspect, inspect_module, reinit, reinit_
 from .errors import (
     CheckpointError,
@@ -22,6 +23,9 @@ __all__ = [
     "__version__",
     "inspect_checkpoint",
     "reinit_checkpoint",
+    "verify",
+    "Verification",
+    "VerificationError",
     "push_folder",
     "PushResult",
     "inspect",

@@ -127,6 +127,7 @@ def build_card(*, source: Source, plan: Plan, results: list[ProjectionResult], c
         "## Reproduce",
         f"With surgeon {__version__}:",
         f"```bash\n{command}\n```",
+        _record_comment(plan),
         "Each head's random draw depends only on (seed, tensor name, role, head), not on the order of processing, "
         "the sharding or the other heads selected.",
         "## Citation",
@@ -137,6 +138,13 @@ def build_card(*, source: Source, plan: Plan, results: list[ProjectionResult], c
         parts += ["## Source model card", f"The card of {name}, as it came with the source, follows unchanged.", original.body.strip()]
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(parts) + "\n")
     return card
+
+
+def _record_comment(plan: Plan) -> str:
+    """surgeon's record, for `surgeon verify` (PyTorch files have no metadata slot for it)."""
+    from .audit import card_comment
+
+    return card_comment(plan.record())
 
 
 def write_card(folder: Path, **kwargs) -> Path:

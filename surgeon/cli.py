@@ -237,5 +237,33 @@ def push(folder, repo_id, private, revision, create_pr, commit_message, as_json)
         _out("\n".join([f"note: {n}" for n in result.notes] + [result.summary()]))
 
 
+@main.command(context_settings=CONTEXT, epilog="""\b
+Examples:
+  surgeon verify model.safetensors model.reinit.safetensors
+  surgeon verify ./bert ./bert-reinit                 # a folder output (PyTorch: the record is in README.md)
+  surgeon verify model.onnx model.reinit.onnx --json
+  surgeon verify encoder.safetensors out.safetensors --num-heads 8   # the hints the run needed
+\b
+Exit status: 0 verified, 3 OUTPUT differs from what its record says, 1 cannot verify (no record, bad input).
+""")
+@click.argument("original")
+@click.argument("output", type=click.Path())
+@model_options
+@handle_errors
+def verify(original, output, revision, config, num_heads, num_kv_heads, head_dim, force_hints, device, as_json):
+    """Check that OUTPUT is exactly what surgeon made from ORIGINAL, by the record surgeon wrote in it.
+
+    Every tensor outside the recorded selection must be byte-identical; every re-initialized one must
+    be what the recipe gives (re-derived byte for byte from the seed in conditioned mode; within the
+    dtype's rounding, semi-orthogonal with strength 1, in polar mode). Prints a one-line verdict;
+    at the first mismatch, says what differs and exits non-zero.
+    """
+    from .audit import verify as check
+
+    result = check(original, output, revision=revision, config=config, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                   head_dim=head_dim, force_hints=force_hints, device="cpu" if device == "auto" else device)
+    _out(json.dumps(result.to_dict(), indent=2) if as_json else result.summary())
+
+
 if __name__ == "__main__":
     main()
