@@ -138,7 +138,8 @@ def reinit_checkpoint(
         if dest.exists() and not overwrite and not in_place:
             report.notes.append(f"{dest} exists: the real run needs --overwrite or another -o")
         report.rows = [
-            ProjectionRow(c.block, c.role, None, heads_changed=c.heads, bias_zeroed=options.zero_bias and c.projection.bias is not None)
+            ProjectionRow(c.block, c.role, None, heads_changed=c.heads, bias_zeroed=options.zero_bias and c.projection.bias is not None,
+                          dtype=str(source.primary.tensors[c.projection.weight.tensor].torch_dtype).removeprefix("torch."))
             for c in plan.changes
         ]
         if push_to_hub is not None:

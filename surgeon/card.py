@@ -112,7 +112,7 @@ def build_card(*, source: Source, plan: Plan, results: list[ProjectionResult], c
     parts = [
         f"# {title}",
         f"This is {origin} with the attention query/key/value projections of {len(plan.touched_blocks)} of its "
-        f"{len(plan.blocks)} attention blocks re-initialized by surgeon {__version__} "
+        f"{len(plan.blocks)} attention block{'s' if len(plan.blocks) != 1 else ''} re-initialized by surgeon {__version__} "
         f"with conditioned initialization ([Saratchandran & Lucey]({PAPER_URL})). Every other tensor is byte for byte "
         "the source's.",
         "The re-initialized projections no longer hold what the source model learned there: this is a starting "

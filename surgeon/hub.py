@@ -110,7 +110,7 @@ def open_model(model: str | Path, *, config: str | Path | None = None, revision:
             hint = f"; for the Hub model of that name write hf://{repo_id}" if repo_id else ""
             raise OptionError(f"--revision applies to Hugging Face Hub ids only, and {text} is a local path{hint}")
         source = open_source(model, config=config)
-        if repo_id is not None:
+        if repo_id is not None and _in_cache(repo_id):  # only where the Hub model of that name has been used here
             kind = "folder" if Path(text).is_dir() else "file"
             source.notes.append(f"{text} is a local {kind}, so it was used (write hf://{repo_id} for the Hub model of that name)")
         return source
@@ -134,6 +134,13 @@ def open_model(model: str | Path, *, config: str | Path | None = None, revision:
     if snap.skipped_weights:
         source.notes.append(f"not fetched (same weights in another format): {_few(snap.skipped_weights)}")
     return source
+
+
+def _in_cache(repo_id: str) -> bool:
+    """Whether the HF cache holds anything of the Hub model ``repo_id`` (no network)."""
+    from huggingface_hub import constants
+
+    return (Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}").is_dir()
 
 
 def download(repo_id: str, *, revision: str | None = None, progress: bool = False) -> Snapshot:

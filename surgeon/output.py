@@ -19,6 +19,9 @@ from .errors import OutputError
 from .source import Source
 
 
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".onnx", ".h5", ".gguf", ".msgpack", ".json")
+
+
 def default_output(source: Source) -> Path:
     """Beside the input: ``model.reinit.safetensors`` for a file, ``<folder>-reinit`` for a folder."""
     if source.kind == "file":
@@ -46,6 +49,11 @@ def resolve_output(source: Source, output: str | Path | None, *, in_place: bool,
     kind = output_kind(source)
     if kind == "file" and dest.is_dir():
         dest = dest / source.path.name  # like cp: a folder given for a file output receives the file
+    if kind == "folder" and not dest.is_dir() and dest.suffix.lower() in _WEIGHT_SUFFIXES:
+        raise OutputError(
+            f"-o {output} names a {dest.suffix} file, but the output of a {source.kind} input is a folder: "
+            f"give a folder path (e.g. -o {dest.with_suffix('')}), or give the weight file itself as MODEL"
+        )
     if kind == "folder" and dest.is_file():
         raise OutputError(f"{dest} is a file, but the output of a {source.kind} input is a folder; choose a folder path with -o")
     inputs = {source.path.resolve(), source.folder.resolve()} if kind == "folder" else {source.path.resolve()}

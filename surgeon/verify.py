@@ -29,7 +29,8 @@ class LayoutCheck:
 
     def summary(self) -> str:
         return (
-            f"layout verified: the {self.blocks} attention blocks found by name are the ones the forward of "
+            f"layout verified: {'the ' + str(self.blocks) + ' attention blocks' if self.blocks != 1 else 'the attention block'} "
+            f"found by name {'are the ones' if self.blocks != 1 else 'is the one'} the forward of "
             f"{self.architecture} uses, with the same q/k/v rows per head, heads and biases"
         )
 

@@ -152,3 +152,43 @@ def test_a_bin_that_is_not_a_pickle(cli, tmp_path):
     torch.save(tiny_llama().state_dict(), tmp_path / "legacy.bin", _use_new_zipfile_serialization=False)
     (tmp_path / "cut.bin").write_bytes((tmp_path / "legacy.bin").read_bytes()[:3000])
     expect_error(cli, tmp_path, "inspect", tmp_path / "cut.bin", match="is not a readable PyTorch checkpoint")
+
+
+# --- messages that misled or added noise -----------------------------------------------------------
+
+
+def test_the_readme_first_command_has_no_hub_note(cli, tmp_path, monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # the repo root, as in the README
+    report = json.loads(cli("reinit", "examples/tiny-bert", "--layers", "all", "-o", tmp_path / "out", "--json").stdout)
+    assert not [n for n in report["notes"] if "hf://" in n or "local folder" in n], report["notes"]
+
+
+def test_dry_run_json_lists_selected_heads_and_dtype(cli, llama_dir):
+    report = json.loads(cli("reinit", llama_dir, "--dry-run", "--json", "--layers", "0", "--heads", "0-3").stdout)
+    rows = {p["role"]: p for p in report["projections"]}
+    assert rows["q"]["heads_changed"] == [0, 1, 2, 3] and rows["k"]["heads_changed"] == [0] and rows["v"]["heads_changed"] == [0]
+    assert {p["dtype"] for p in report["projections"]} == {"float32"}
+
+
+def test_one_block_is_singular(cli, tmp_path):
+    from surgeon.verify import LayoutCheck
+
+    src = tmp_path / "one"
+    tiny_llama(num_hidden_layers=1).save_pretrained(src)
+    cli("reinit", src, "-o", tmp_path / "out")
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "1 of its 1 attention block re-initialized" in card and "1 attention blocks" not in card
+    assert "the attention block found by name is the one the forward" in LayoutCheck("x", "LlamaModel", 1).summary()
+
+
+def test_no_config_json_is_said_as_such(cli, tmp_path):
+    save_file({f"layers.0.attn.{p}_proj.weight": torch.randn(64, 64) for p in "qkv"}, tmp_path / "m.safetensors")
+    msg = expect_error(cli, tmp_path, "inspect", tmp_path / "m.safetensors", match="there is no config.json beside the weights; pass --num-heads N")
+    assert "does not say" not in msg
+
+
+@pytest.mark.parametrize("name", ["out.bin", "out.safetensors", "model.onnx"])
+def test_a_folder_input_needs_a_folder_output(cli, llama_dir, tmp_path, name):
+    expect_error(cli, tmp_path, "reinit", llama_dir, "-o", tmp_path / name, match=f"names a {name[name.index('.'):]} file, but the output of a folder input is a folder")
