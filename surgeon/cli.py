@@ -131,7 +131,8 @@ def inspect(model, verify_layout, revision, config, num_heads, num_kv_heads, hea
     if verify_layout:
         from .verify import verify_layout as check_layout
 
-        check = check_layout(model, revision=revision, config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        check = check_layout(model, revision=revision, config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                             force_hints=force_hints)
         report.notes.append(check.summary())
     _out(report.to_json() if as_json else report.render())
 

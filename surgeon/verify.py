@@ -43,13 +43,14 @@ def verify_layout(
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
+    force_hints: bool = False,
 ) -> LayoutCheck:
     """Raise LayoutError (one line) at the first disagreement; return the agreement otherwise."""
     from . import api
     from .detect.modules import checkpoint_names, probe_blocks
 
     source = api.load(model, config=config, revision=revision)
-    blocks = api._detect(source, Hints(num_heads, num_kv_heads, head_dim)).blocks
+    blocks = api._detect(source, Hints(num_heads, num_kv_heads, head_dim, force_hints)).blocks
     if not source.config:
         raise OptionError(f"--verify-layout builds the architecture from config.json, and {source.path} has none; pass --config PATH")
     arch = build_architecture(source.config)
