@@ -2,6 +2,7 @@
 
 from ._version import __version__
 from .api import inspect_checkpoint, reinit_checkpoint
+from . import verify as _verify_layout_module  # noqa: F401  (loaded first, so that `surgeon.verify` stays the function below)
 from .audit import Verification, VerificationError, verify
 from .modules import inspect, inspect_module, reinit, reinit_
 from .errors import (

@@ -46,6 +46,9 @@ def llama_out(tmp_path, llama_dir, cli):
 
 
 def test_verifies_a_conditioned_output_byte_for_byte(cli, llama_out, tmp_path):
+    from surgeon.verify import verify_layout  # the --verify-layout module: importing it must not hide surgeon.verify()
+
+    assert callable(surgeon.verify) and callable(verify_layout)
     src, out = llama_out
     result = cli("verify", src, out)
     assert result.stdout.startswith(f"verified: {out} is {src} with 2 attention blocks re-initialized as recorded (mode conditioned, targets q,k,v, seed 5)")
