@@ -20,6 +20,9 @@ _EXPORTS = {
     "reinit": "modules",
     "reinit_": "modules",
     "recover": "journal",
+    "verify": "audit",
+    "Verification": "audit",
+    "VerificationError": "audit",
     "CheckpointError": "errors",
     "LayoutError": "errors",
     "NoAttentionFoundError": "errors",
@@ -72,6 +75,7 @@ if TYPE_CHECKING:
         UnsupportedWeightsError,
     )
     from .hub import HubAccessError, HubAuthError, HubError, HubNotFoundError, HubOfflineError, PushError, PushResult, push_folder
+    from .audit import Verification, VerificationError, verify
     from .journal import recover
     from .modules import inspect, inspect_module, reinit, reinit_
     from .plan import ReinitOptions

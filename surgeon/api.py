@@ -59,6 +59,7 @@ def inspect_checkpoint(
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
+    force_hints: bool = False,
     device: str | torch.device = "auto",
     full: bool = False,
     progress: bool = False,
@@ -73,7 +74,7 @@ def inspect_checkpoint(
     dev = resolve_device(device)
     start = time.perf_counter()
     source = load(model, config=config, revision=revision, progress=progress)
-    detection = _detect(source, Hints(num_heads, num_kv_heads, head_dim))
+    detection = _detect(source, Hints(num_heads, num_kv_heads, head_dim, force_hints))
     weights = source.primary
     with _progress(progress, len({p.weight.tensor for b in detection.blocks for p in b.projections}), "inspect") as bar:
         spectra = inspect_blocks(detection.blocks, weights.read, dev, progress=bar.update if bar else None, whole=full)
@@ -112,6 +113,7 @@ def reinit_checkpoint(
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
+    force_hints: bool = False,
     full: bool = False,
     progress: bool = False,
     push_to_hub: str | None = None,
@@ -144,7 +146,7 @@ def reinit_checkpoint(
     source = load(model, config=config, revision=revision, progress=progress)
     if push_to_hub is not None and output_kind(source) != "folder":
         raise OptionError(f"--push-to-hub uploads a model folder, and the output of {source.path.name} is a single file: give the model folder as MODEL")
-    hints = Hints(num_heads, num_kv_heads, head_dim)
+    hints = Hints(num_heads, num_kv_heads, head_dim, force_hints)
     detection = _detect(source, hints)
     plan = make_plan(detection.blocks, options)
     dest = resolve_output(source, output, in_place=in_place, overwrite=overwrite or dry_run)
@@ -153,7 +155,7 @@ def reinit_checkpoint(
         output=str(dest), dry_run=dry_run, device=str(device), notes=source.notes + detection.notes[:5],
     )
     if dry_run:
-        return _plan_report(report, plan, dest, overwrite=overwrite, in_place=in_place, push_to_hub=push_to_hub)
+        return _plan_report(report, source, plan, dest, overwrite=overwrite, in_place=in_place, push_to_hub=push_to_hub)
     for weights in source.weights:
         weights.check_plan(plan)
     _check_secondary_sets(source, plan.tensors())
@@ -165,7 +167,10 @@ def reinit_checkpoint(
             report.notes += patch_in_place(source, run.updates_for(source.primary, record=True), plan.record())
             kind = "patch"
         else:
-            kind = _write_copy(source, plan, run, dest, in_place=in_place, command=_reproduce(model, source, options, hints, dest), title=push_to_hub or dest.name)
+            kind = _write_copy(
+                source, plan, run, dest, in_place=in_place, title=push_to_hub or dest.name, notes=report.notes,
+                command=lambda: _reproduce(model, source, options, hints, dest),
+            )
     finally:
         run.close()
     report.device = str(run.engine.device) if run.started else report.device
@@ -190,12 +195,13 @@ def reinit_checkpoint(
     return report
 
 
-def _plan_report(report: Report, plan: Plan, dest: Path, *, overwrite: bool, in_place: bool, push_to_hub: str | None) -> Report:
+def _plan_report(report: Report, source: Source, plan: Plan, dest: Path, *, overwrite: bool, in_place: bool, push_to_hub: str | None) -> Report:
     """A dry run: the plan as rows, nothing computed or written."""
     if dest.exists() and not overwrite and not in_place:
         report.notes.append(f"{dest} exists: the real run needs --overwrite or another -o")
     report.rows = [
-        ProjectionRow(c.block, c.role, None, heads_changed=c.heads, bias_zeroed=plan.options.zero_bias and c.projection.bias is not None)
+        ProjectionRow(c.block, c.role, None, heads_changed=c.heads, bias_zeroed=plan.options.zero_bias and c.projection.bias is not None,
+                      dtype=source.primary.tensors[c.projection.weight.tensor].element or "")
         for c in plan.changes
     ]
     if push_to_hub is not None:
@@ -203,10 +209,14 @@ def _plan_report(report: Report, plan: Plan, dest: Path, *, overwrite: bool, in_
     return report
 
 
-def _write_copy(source: Source, plan: Plan, run: _Run, dest: Path, *, in_place: bool, command: str, title: str) -> str:
-    """Write the re-initialized checkpoint into a staging folder, then move it into place."""
+def _write_copy(source: Source, plan: Plan, run: _Run, dest: Path, *, in_place: bool, command, title: str, notes: list[str]) -> str:
+    """Write the re-initialized checkpoint into a staging folder, then move it into place.
+
+    ``command()`` gives the model card's reproduce command; it is made after the weights, so that
+    nothing delays the start of the byte copies.
+    """
     kind = "merge" if in_place and source.kind != "file" else output_kind(source)
-    with staged(dest, kind, file_name=source.path.name) as tmp:
+    with staged(dest, kind, file_name=source.path.name, notes=notes) as tmp:
         for i, weights in enumerate(source.weights):
             weights.save(tmp, run.updates_for(weights, record=i == 0), plan.record())
         if kind == "folder" and source.kind == "folder":
@@ -214,7 +224,7 @@ def _write_copy(source: Source, plan: Plan, run: _Run, dest: Path, *, in_place: 
         if kind == "folder":
             from .card import write_card
 
-            write_card(tmp, source=source, plan=plan, results=run.engine.ordered_results(), command=command, title=title)
+            write_card(tmp, source=source, plan=plan, results=run.engine.ordered_results(), command=command(), title=title)
     return kind
 
 

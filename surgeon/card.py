@@ -85,6 +85,8 @@ def reproduce_command(model: str, *, revision: str | None, options: dict, hints:
     for flag, value in (("--num-heads", hints.num_heads), ("--num-kv-heads", hints.num_kv_heads), ("--head-dim", hints.head_dim)):
         if value is not None:
             args += [flag, str(value)]
+    if hints.force:
+        args.append("--force-hints")
     return " ".join(args + ["-o", q(output)])
 
 
@@ -110,7 +112,7 @@ def build_card(*, source: Source, plan: Plan, results: list[ProjectionResult], c
     parts = [
         f"# {title}",
         f"This is {origin} with the attention query/key/value projections of {len(plan.touched_blocks)} of its "
-        f"{len(plan.blocks)} attention blocks re-initialized by surgeon {__version__} "
+        f"{len(plan.blocks)} attention block{'s' if len(plan.blocks) != 1 else ''} re-initialized by surgeon {__version__} "
         f"with conditioned initialization ([Saratchandran & Lucey]({PAPER_URL})). Every other tensor is byte for byte "
         "the source's.",
         "The re-initialized projections no longer hold what the source model learned there: this is a starting "
@@ -125,6 +127,7 @@ def build_card(*, source: Source, plan: Plan, results: list[ProjectionResult], c
         "## Reproduce",
         f"With surgeon {__version__}:",
         f"```bash\n{command}\n```",
+        _record_comment(plan),
         "Each head's random draw depends only on (seed, tensor name, role, head), not on the order of processing, "
         "the sharding or the other heads selected.",
         "## Citation",
@@ -137,9 +140,20 @@ def build_card(*, source: Source, plan: Plan, results: list[ProjectionResult], c
     return card
 
 
+def _record_comment(plan: Plan) -> str:
+    """surgeon's record, for `surgeon verify` (PyTorch files have no metadata slot for it)."""
+    from .audit import card_comment
+
+    return card_comment(plan.record())
+
+
 def write_card(folder: Path, **kwargs) -> Path:
+    from .redact import redact
+
     path = Path(folder) / "README.md"
-    build_card(**kwargs).save(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, mode="w", newline="", encoding="utf-8") as f:  # as ModelCard.save, with no token, even one in the source's card
+        f.write(redact(str(build_card(**kwargs))))
     return path
 
 

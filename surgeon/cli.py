@@ -18,8 +18,17 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
 def _fail(message: str, code: int = 1) -> None:
-    click.echo(f"surgeon: error: {message}", err=True)
+    from .redact import redact
+
+    click.echo(f"surgeon: error: {redact(message)}", err=True)
     sys.exit(code)
+
+
+def _out(text: str) -> None:
+    """Reports and notes on stdout, never with a token in them."""
+    from .redact import redact
+
+    click.echo(redact(text))
 
 
 def handle_errors(fn):
@@ -40,6 +49,13 @@ def handle_errors(fn):
     return wrapper
 
 
+full_option = click.option(
+    "--full", is_flag=True,
+    help="Also the kappa and spectral norm of each whole projection (one D x D eigensolve each: "
+         "~15 s for D = 4096 on a CPU). Per-head kappas are always computed.",
+)
+
+
 def model_options(fn):
     """Options that tell surgeon about the checkpoint when its config.json does not."""
     for decorator in reversed(
@@ -49,10 +65,8 @@ def model_options(fn):
             click.option("--num-heads", type=click.IntRange(min=1), help="Number of query heads, when there is no config.json."),
             click.option("--num-kv-heads", type=click.IntRange(min=1), help="Number of key/value heads (grouped-query attention)."),
             click.option("--head-dim", type=click.IntRange(min=1), help="Head dimension, when it is not width / heads."),
+            click.option("--force-hints", is_flag=True, help="Use --num-heads/--num-kv-heads/--head-dim even where config.json says otherwise."),
             click.option("--device", default="auto", show_default=True, help="Where generation and factorizations run: auto, cpu, cuda, cuda:N."),
-            click.option("--full", is_flag=True,
-                         help="Also the kappa and spectral norm of each whole projection (one D x D eigensolve each: "
-                              "~15 s for D = 4096 on a CPU). Per-head kappas are always computed."),
             click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout."),
         ]
     ):
@@ -60,7 +74,33 @@ def model_options(fn):
     return fn
 
 
-@click.group(context_settings=CONTEXT)
+class OneLineErrors(click.Group):
+    """Usage errors (a bad option value, a missing argument, an unknown command) are one line too.
+
+    click prints a usage block and a hint around them; surgeon prints ``surgeon: error: ...`` with the
+    command's ``--help`` to look at, and exits 2 as click does.
+    """
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            rv = super().main(args, "surgeon", complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as exc:  # bare `surgeon`: the help, as before
+            click.echo(exc.ctx.get_help() if exc.ctx else "", err=True)
+            sys.exit(exc.exit_code)
+        except click.UsageError as exc:
+            message = " ".join(line.strip() for line in exc.format_message().splitlines() if line.strip())
+            path = exc.ctx.command_path if exc.ctx is not None else "surgeon"
+            _fail(f"{message[:1].lower()}{message[1:].rstrip('.')} (see {path} --help)", exc.exit_code)
+        except click.ClickException as exc:
+            _fail(" ".join(exc.format_message().split()), exc.exit_code)
+        except click.Abort:
+            _fail("interrupted; nothing was written", 130)
+        if not standalone_mode:
+            return rv
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+@click.group(cls=OneLineErrors, context_settings=CONTEXT)
 @click.version_option(__version__, "-V", "--version", prog_name="surgeon")
 def main() -> None:
     """Re-initialize the attention of transformer checkpoints with conditioned initialization.
@@ -86,8 +126,9 @@ Examples:
               help="Build the architecture from config.json with transformers (random init, no download) and check "
                    "that its forward uses the q/k/v rows that names say.")
 @model_options
+@full_option
 @handle_errors
-def inspect(model, verify_layout, revision, config, num_heads, num_kv_heads, head_dim, device, full, as_json):
+def inspect(model, verify_layout, revision, config, num_heads, num_kv_heads, head_dim, force_hints, device, full, as_json):
     """List the attention blocks of MODEL and the condition numbers of their projections.
 
     MODEL is a .safetensors/.bin/.pt file, a sharded *.index.json, a model folder, or a Hugging
@@ -97,14 +138,15 @@ def inspect(model, verify_layout, revision, config, num_heads, num_kv_heads, hea
 
     report = api.inspect_checkpoint(
         model, revision=revision, config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        device=device, full=full, progress=not as_json and sys.stderr.isatty(),
+        force_hints=force_hints, device=device, full=full, progress=not as_json and sys.stderr.isatty(),
     )
     if verify_layout:
-        from .verify import verify_layout as check_layout
+        from .layout_check import verify_layout as check_layout
 
-        check = check_layout(model, revision=revision, config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        check = check_layout(model, revision=revision, config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                             force_hints=force_hints)
         report.notes.append(check.summary())
-    click.echo(report.to_json() if as_json else report.render())
+    _out(report.to_json() if as_json else report.render())
 
 
 @main.command(context_settings=CONTEXT, epilog="""\b
@@ -150,10 +192,11 @@ negative numbers count from the end (-1 is the last). Each stack of layers is nu
 @click.option("--create-pr", is_flag=True, help="With --push-to-hub: open a pull request against main instead of committing.")
 @click.option("--commit-message", help="With --push-to-hub: the commit message (default: what was re-initialized).")
 @model_options
+@full_option
 @handle_errors
 def reinit(model, output, layers, targets, heads, attention, stack, mode, strength, value_identity, keep_scale, bias,
            seed, overwrite, in_place, dry_run, push_to_hub, private, push_revision, create_pr, commit_message,
-           revision, config, num_heads, num_kv_heads, head_dim, device, full, as_json):
+           revision, config, num_heads, num_kv_heads, head_dim, force_hints, device, full, as_json):
     """Re-initialize query/key/value projections of MODEL with conditioned initialization.
 
     Writes a new checkpoint in the same format and layout; every tensor that is not
@@ -170,11 +213,11 @@ def reinit(model, output, layers, targets, heads, attention, stack, mode, streng
         model, revision=revision, output=output, in_place=in_place, overwrite=overwrite, dry_run=dry_run, layers=layers,
         targets=targets, heads=heads, attention=attention, stack=stack, mode=mode, strength=strength,
         value_identity=value_identity, keep_scale=keep_scale, bias=bias or "auto", seed=seed, device=device,
-        config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, full=full,
+        config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, force_hints=force_hints, full=full,
         progress=not as_json and sys.stderr.isatty(), push_to_hub=push_to_hub, private=private,
         push_revision=push_revision, create_pr=create_pr, commit_message=commit_message,
     )
-    click.echo(report.to_json() if as_json else report.render())
+    _out(report.to_json() if as_json else report.render())
 
 
 @main.command(context_settings=CONTEXT, epilog="""\b
@@ -208,9 +251,37 @@ def push(folder, repo_id, private, revision, create_pr, commit_message, as_json)
         progress=not as_json and sys.stderr.isatty(),
     )
     if as_json:
-        click.echo(json.dumps(result.to_dict(), indent=2))
+        _out(json.dumps(result.to_dict(), indent=2))
     else:
-        click.echo("\n".join([f"note: {n}" for n in result.notes] + [result.summary()]))
+        _out("\n".join([f"note: {n}" for n in result.notes] + [result.summary()]))
+
+
+@main.command(context_settings=CONTEXT, epilog="""\b
+Examples:
+  surgeon verify model.safetensors model.reinit.safetensors
+  surgeon verify ./bert ./bert-reinit                 # a folder output (PyTorch: the record is in README.md)
+  surgeon verify model.onnx model.reinit.onnx --json
+  surgeon verify encoder.safetensors out.safetensors --num-heads 8   # the hints the run needed
+\b
+Exit status: 0 verified, 3 OUTPUT differs from what its record says, 1 cannot verify (no record, bad input).
+""")
+@click.argument("original")
+@click.argument("output", type=click.Path())
+@model_options
+@handle_errors
+def verify(original, output, revision, config, num_heads, num_kv_heads, head_dim, force_hints, device, as_json):
+    """Check that OUTPUT is exactly what surgeon made from ORIGINAL, by the record surgeon wrote in it.
+
+    Every tensor outside the recorded selection must be byte-identical; every re-initialized one must
+    be what the recipe gives (re-derived byte for byte from the seed in conditioned mode; within the
+    dtype's rounding, semi-orthogonal with strength 1, in polar mode). Prints a one-line verdict;
+    at the first mismatch, says what differs and exits non-zero.
+    """
+    from .audit import verify as check
+
+    result = check(original, output, revision=revision, config=config, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                   head_dim=head_dim, force_hints=force_hints, device="cpu" if device == "auto" else device)
+    _out(json.dumps(result.to_dict(), indent=2) if as_json else result.summary())
 
 
 @main.command(context_settings=CONTEXT, epilog="""\b

@@ -12,6 +12,11 @@ class SurgeonError(Exception):
 
     exit_code = 1
 
+    def __str__(self) -> str:  # a token echoed by a server never reaches a message
+        from .redact import redact
+
+        return redact(super().__str__())
+
 
 class CheckpointError(SurgeonError):
     """The checkpoint cannot be read: missing file or shard, corrupt header, unsafe pickle."""

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ._version import __version__
 from .errors import CheckpointError, OptionError, SurgeonError
+from .redact import redact, remember
 from .formats.torchfile import SUFFIXES as PT_SUFFIXES
 from .source import NOT_WEIGHTS, TORCH_NAMES, Source, open_source
 
@@ -109,7 +110,7 @@ def open_model(model: str | Path, *, config: str | Path | None = None, revision:
             hint = f"; for the Hub model of that name write hf://{repo_id}" if repo_id else ""
             raise OptionError(f"--revision applies to Hugging Face Hub ids only, and {text} is a local path{hint}")
         source = open_source(model, config=config)
-        if repo_id is not None:
+        if repo_id is not None and _in_cache(repo_id):  # only where the Hub model of that name has been used here
             kind = "folder" if Path(text).is_dir() else "file"
             source.notes.append(f"{text} is a local {kind}, so it was used (write hf://{repo_id} for the Hub model of that name)")
         return source
@@ -135,16 +136,24 @@ def open_model(model: str | Path, *, config: str | Path | None = None, revision:
     return source
 
 
+def _in_cache(repo_id: str) -> bool:
+    """Whether the HF cache holds anything of the Hub model ``repo_id`` (no network)."""
+    from huggingface_hub import constants
+
+    return (Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}").is_dir()
+
+
 def download(repo_id: str, *, revision: str | None = None, progress: bool = False) -> Snapshot:
     """Resolve ``repo_id`` at ``revision`` and fetch the files surgeon needs (from the cache when there).
 
     Offline (HF_HUB_OFFLINE) or when the Hub cannot be reached, the cache is used as it is, without the
     client's retries: a cached model opens at once, an uncached one fails with one line.
     """
-    from huggingface_hub import HfApi, constants, snapshot_download
+    from huggingface_hub import HfApi, constants, get_token, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     offline = constants.is_offline_mode()
+    remember(get_token())  # the read path's token, masked like the push path's
     api = HfApi()
     try:
         info, reachable = None, not offline
@@ -323,6 +332,7 @@ def _push_token(token: str | None) -> str:
     from huggingface_hub import get_token
 
     found = token or get_token()
+    remember(found)
     if not found:
         raise HubAuthError("pushing to the Hub needs a token with write access: set HF_TOKEN or run `hf auth login`")
     return found
@@ -557,8 +567,9 @@ def _token_hint() -> str:
 
 
 def _scrub(text: str, token: str | None) -> str:
-    """Belt and braces: a token never reaches a message, even if a server echoed it."""
-    return text.replace(token, "***") if token else text
+    """Belt and braces: a token never reaches a message, even if a server echoed it (``surgeon.redact``)."""
+    remember(token)
+    return redact(text)
 
 
 def _line(exc: object) -> str:

@@ -112,7 +112,10 @@ class Plan:
                 if c.block.module == block.module:
                     entry["targets"][c.role] = "all" if len(c.heads) == c.projection.heads else format_indices(c.heads)
             blocks.append(entry)
-        return {"tool": "surgeon", "version": __version__, "method": "conditioned-initialization", "options": self.options.to_dict(), "blocks": blocks}
+        from .redact import redact_obj
+
+        record = {"tool": "surgeon", "version": __version__, "method": "conditioned-initialization", "options": self.options.to_dict(), "blocks": blocks}
+        return redact_obj(record)  # never a token, even one typed into an option
 
 
 def _stacks(spec: str | Iterable[str]) -> list[str]:

@@ -79,6 +79,7 @@ class ProjectionRow:
         }
         if self.after is not None:
             out["after"] = self.after.to_dict()
+        if self.after is not None or self.heads_changed:  # a dry run: what the real run would change
             out["heads_changed"] = list(self.heads_changed)
             out["bias_zeroed"] = self.bias_zeroed
         return out

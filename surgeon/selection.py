@@ -84,26 +84,31 @@ def _run(run: list[int]) -> str:
 
 
 TARGETS = ("q", "k", "v")
-_TARGET_ALIASES = {"q": "q", "query": "q", "k": "k", "key": "k", "v": "v", "value": "v"}
+# Spellings that are refused with a hint, never guessed: 'query' (write q), 'qk' (write q,k).
+_TARGET_HINTS = {"query": "q", "key": "k", "value": "v"}
 
 
 def parse_targets(spec: str | Iterable[str] | None) -> tuple[str, ...]:
-    """``'q,k'`` / ``['q', 'v']`` / ``'qkv'`` -> ordered subset of ('q', 'k', 'v')."""
+    """``'q,k'`` / ``['q', 'v']`` -> ordered subset of ('q', 'k', 'v'). Only q, k and v are accepted."""
     if spec is None:
         return TARGETS
     if isinstance(spec, str):
         items = [s.strip().lower() for s in spec.split(",") if s.strip()]
-        if len(items) == 1 and items[0] not in _TARGET_ALIASES and set(items[0]) <= set("qkv"):
-            items = list(items[0])  # 'qkv', 'qk'
     else:
         items = [str(s).strip().lower() for s in spec]
     if not items:
         raise SelectionError("no targets given: use any of q,k,v (e.g. --targets q,k)")
     chosen = set()
     for item in items:
-        if item not in _TARGET_ALIASES:
-            raise SelectionError(f"unknown target {item!r}: use any of q,k,v (e.g. --targets q,k)")
-        chosen.add(_TARGET_ALIASES[item])
+        if item not in TARGETS:
+            if item in _TARGET_HINTS:
+                hint = f"write {_TARGET_HINTS[item]}"
+            elif item and set(item) <= set(TARGETS):
+                hint = f"write {','.join(item)}, comma-separated"
+            else:
+                hint = "use any of q,k,v, comma-separated (e.g. --targets q,k)"
+            raise SelectionError(f"unknown target {item!r}: {hint}")
+        chosen.add(item)
     return tuple(t for t in TARGETS if t in chosen)
 
 

@@ -135,9 +135,14 @@ class HubServer:
                     self.lfs[sha256(content)] = content
             return self._commit(repo, branch, merged, message, "", base)
 
-    def fail(self, method: str, path_pattern: str, *, status: int = 507, times: int | None = 1, message: str = "simulated failure") -> None:
-        """Answer the next ``times`` matching requests (None: all of them) with ``status``."""
-        self.faults.append({"method": method, "pattern": re.compile(path_pattern), "status": status, "times": times, "message": message})
+    def fail(self, method: str, path_pattern: str, *, status: int = 507, times: int | None = 1, message: str = "simulated failure",
+             echo_auth: bool = False) -> None:
+        """Answer the next ``times`` matching requests (None: all of them) with ``status``.
+
+        ``echo_auth``: the error message quotes the request's Authorization header after ``message``, as
+        careless servers and proxies do (``rejected credentials Bearer hf_...``)."""
+        self.faults.append({"method": method, "pattern": re.compile(path_pattern), "status": status, "times": times, "message": message,
+                            "echo_auth": echo_auth})
 
     def files(self, repo_id: str, revision: str = "main") -> dict[str, bytes]:
         repo = self.repos[repo_id]
@@ -241,7 +246,7 @@ def _handler(hub: HubServer):
                 if token is not None and token not in hub.tokens:
                     raise _error(401, "Invalid credentials in Authorization header")
                 seen.user = hub.tokens[token][0] if token else None
-                self._fault(method, split.path)
+                self._fault(method, split.path, auth)
                 result = route(hub, method, split.path, seen)
                 reply = _Reply(result.status, result) if isinstance(result, _Raw) else _Reply(200, result)
             except _Reply as r:
@@ -249,13 +254,13 @@ def _handler(hub: HubServer):
             seen.status = reply.status
             self._send(method, reply)
 
-        def _fault(self, method: str, path: str) -> None:
+        def _fault(self, method: str, path: str, auth: str | None = None) -> None:
             with hub.lock:
                 for f in hub.faults:
                     if f["method"] == method and f["pattern"].search(path) and f["times"] != 0:
                         if f["times"] is not None:
                             f["times"] -= 1
-                        raise _error(f["status"], f["message"])
+                        raise _error(f["status"], f"{f['message']} {auth}" if f["echo_auth"] else f["message"])
 
         def _send(self, method: str, reply: _Reply) -> None:
             body, headers = reply.body, dict(reply.headers)

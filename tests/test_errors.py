@@ -141,7 +141,7 @@ def test_missing_input_and_unknown_type(cli, tmp_path):
 
 def test_usage_errors_exit_2(cli, tmp_path):
     result = cli("reinit", ok=False)
-    assert result.exit_code == 2 and "Missing argument 'MODEL'" in result.stderr
+    assert result.exit_code == 2 and result.stderr == "surgeon: error: missing argument 'MODEL' (see surgeon reinit --help)\n"
 
 
 def test_index_cannot_point_outside_the_checkpoint(cli, tmp_path):

@@ -85,12 +85,17 @@ def test_a_local_path_wins_over_a_hub_id(surgeon, hub, sources, tmp_path):
     assert not [r for r in hub.requests if "org/tiny" in r.path]  # the Hub was not asked
     local = json.loads(local.stdout)
     assert local["source"] == "org/tiny"
-    assert "org/tiny is a local folder, so it was used (write hf://org/tiny for the Hub model of that name)" in local["notes"]
+    # nothing of the Hub's org/tiny has been used here: no note that it could have been meant
+    assert not [n for n in local["notes"] if "hf://" in n]
     assert kappas(local) == [list(r.before.head_kappas) for r in inspect_checkpoint(sources[1]).rows]
     expected = "--revision applies to Hugging Face Hub ids only, and org/tiny is a local path; for the Hub model of that name write hf://org/tiny"
     assert expected in revision.error
     remote = json.loads(surgeon("inspect", "hf://org/tiny", "--json").stdout)
     assert remote["source"] == "org/tiny@main" and kappas(remote) != kappas(local)
+    # now the cache holds the Hub model of that name, so the local one is said to have won
+    again = json.loads(surgeon("inspect", "org/tiny", "--json").stdout)
+    assert again["source"] == "org/tiny"
+    assert "org/tiny is a local folder, so it was used (write hf://org/tiny for the Hub model of that name)" in again["notes"]
 
 
 def test_read_errors_are_one_line(surgeon, hub, sources, tmp_path):

@@ -45,10 +45,13 @@ def test_format_indices_round_trips():
 def test_targets():
     assert parse_targets("q,k") == ("q", "k")
     assert parse_targets("v,q") == ("q", "v")
-    assert parse_targets("qkv") == ("q", "k", "v")
-    assert parse_targets(["value", "query"]) == ("q", "v")
+    assert parse_targets(["v", "q"]) == ("q", "v")
     for bad in ("x", "q,o", ""):
         with pytest.raises(SelectionError):
+            parse_targets(bad)
+    # only q, k and v: run-together and spelled-out names are refused with the spelling to use
+    for bad, hint in (("qk", "write q,k, comma-separated"), ("qkv", "write q,k,v"), ("query", "write q"), (["value"], "write v")):
+        with pytest.raises(SelectionError, match=f"unknown target .*: {hint}"):
             parse_targets(bad)
 
 

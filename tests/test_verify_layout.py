@@ -11,7 +11,7 @@ import torch
 
 from _families import FAMILIES
 from surgeon.errors import LayoutError, OptionError
-from surgeon.verify import verify_layout
+from surgeon.layout_check import verify_layout
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -29,8 +29,10 @@ def test_names_agree_with_the_forward(name, tmp_path):
 def test_wrong_head_count_is_caught(tmp_path):
     """Interleaved GPT-NeoX rows fit 2 heads of 24 as well as 4 heads of 12: only the forward tells."""
     FAMILIES["gpt_neox"].make().save_pretrained(tmp_path)
-    with pytest.raises(LayoutError) as err:
+    with pytest.raises(LayoutError, match="--num-heads 2 contradicts config.json, which says 4"):
         verify_layout(tmp_path, num_heads=2)
+    with pytest.raises(LayoutError) as err:
+        verify_layout(tmp_path, num_heads=2, force_hints=True)
     assert str(err.value) == (
         "layout check failed: gpt_neox.layers.0.attention q: names say 2 heads x 24 at rows 0,72 of "
         "gpt_neox.layers.0.attention.query_key_value.weight; the forward of GPTNeoXForCausalLM uses 4 heads x 12 "

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import LayoutError
+
 HEADS_KEYS = ("num_attention_heads", "num_heads", "n_head", "n_heads", "attention_heads", "heads")
 KV_HEADS_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "kv_n_heads", "num_kv_heads_per_layer", "multi_query_group_num")
 HEAD_DIM_KEYS = ("head_dim", "d_kv", "attention_head_dim", "kv_channels", "head_size")
@@ -41,6 +43,7 @@ class Hints:
     num_heads: int | None = None
     num_kv_heads: int | None = None
     head_dim: int | None = None
+    force: bool = False  # --force-hints: a hint wins even where config.json says otherwise
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class StackFacts:
 class ConfigView:
     def __init__(self, config: dict | None, hints: Hints | None = None) -> None:
         self.config = config or {}
+        self.has_config = config is not None
         self.hints = hints or Hints()
 
     @property
@@ -97,6 +101,13 @@ class ConfigView:
             kv_heads = None
         head_dim = _first(nested, HEAD_DIM_KEYS)
         hidden = _first(nested, HIDDEN_KEYS)
+        for flag, hint, said in (("--num-heads", self.hints.num_heads, heads), ("--num-kv-heads", self.hints.num_kv_heads, kv_heads),
+                                 ("--head-dim", self.hints.head_dim, head_dim)):
+            if hint is not None and said is not None and hint != said and not self.hints.force:
+                raise LayoutError(
+                    f"{flag} {hint} contradicts {source}, which says {said} for {stack or 'the model'}: leave {flag} out, "
+                    f"or pass --force-hints to override the config"
+                )
         if self.hints.num_heads is not None:
             heads, source = self.hints.num_heads, "--num-heads"
         if self.hints.num_kv_heads is not None:

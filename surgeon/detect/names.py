@@ -231,7 +231,8 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
     where = module or "the top-level attention module"
     if heads is None:
         raise LayoutError(
-            f"cannot tell the number of heads of {where}: {facts.source} does not say; "
+            f"cannot tell the number of heads of {where}: "
+            f"{facts.source + ' does not say' if view.has_config else 'there is no config.json beside the weights'}; "
             "pass --num-heads N (and --num-kv-heads for grouped-query attention), or --config PATH"
         )
     kv_hint = facts.pick(facts.kv_heads, stage)
@@ -244,6 +245,11 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
             )
         if len(info.shape) != 2:
             raise LayoutError(f"{info.name} has shape {list(info.shape)}; a projection weight must be 2-D")
+        if 0 in info.shape:
+            raise LayoutError(
+                f"{info.name} has shape {list(info.shape)}: an empty projection has no heads to re-initialize; "
+                "the checkpoint is damaged or not a model surgeon can rewrite"
+            )
     packings = [_packing(p, view, stack, where) for p, _ in parts]
     layout = _solve(parts, packings, heads, kv_hint, facts.head_dim, facts.hidden, where, facts.source)
     head_dim, kv_heads, orientations = layout
@@ -280,7 +286,9 @@ def _packing(part: Part, view: ConfigView, stack: str, where: str) -> str:
     if packing is None:
         raise LayoutError(
             f"cannot tell how {_join(where, part.weight)} packs query/key/value: it is interleaved per head in "
-            "GPT-NeoX/Bloom and grouped in Falcon, and config.json (model_type) does not say; pass --config PATH"
+            "GPT-NeoX/Bloom and grouped in Falcon, and "
+            + ("config.json (model_type) does not say" if view.has_config else "there is no config.json beside the weights")
+            + "; pass --config PATH"
         )
     return packing
 

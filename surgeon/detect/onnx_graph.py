@@ -238,9 +238,11 @@ class Graph:
         scopes = meta.get("pkg.torch.onnx.name_scopes")
         if scopes:
             try:
-                names = [s for s in ast.literal_eval(scopes)[:-1] if s]
-            except (ValueError, SyntaxError):
-                names = []
+                value = ast.literal_eval(scopes)
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                value = None
+            # a list of module paths; anything else (a number, a dict, a string) is ignored, not trusted
+            names = [s for s in value[:-1] if s] if isinstance(value, list) and all(isinstance(s, str) for s in value) else []
             if names:
                 return names[-1]
         namespace = meta.get("namespace")

@@ -139,11 +139,17 @@ class OnnxWeights(WeightSet):
         info = {e.key: e.value for e in t.external_data}
         location = info.get("location", "")
         rel = PurePosixPath(location.replace("\\", "/"))
-        if not location or rel.is_absolute() or ".." in rel.parts:
-            raise CheckpointError(
-                f"{self.path}: initializer {t.name!r} points to external data {location!r}, which is not a path inside the model's folder"
-            )
+        outside = CheckpointError(
+            f"{self.path}: initializer {t.name!r} points to external data {location[:80]!r}, which is not a path inside the model's folder"
+        )
+        if not location or "\x00" in location or rel.is_absolute() or ".." in rel.parts or rel.parts[:1] and ":" in rel.parts[0]:
+            raise outside
         file = self.folder / rel
+        try:  # a link that leads out of the folder is outside too: surgeon never reads (or writes) there
+            if file.exists() and self.folder.resolve() not in file.resolve().parents:
+                raise outside
+        except (OSError, ValueError):
+            raise outside from None
         try:
             offset = int(info.get("offset", 0))
             length = int(info.get("length", nbytes))

@@ -29,9 +29,9 @@ INDEX_SUFFIX = ".safetensors.index.json"
 METADATA_KEY = "surgeon"
 _MAX_HEADER = 100 * 1024 * 1024  # the limit the reference implementation enforces
 
-# name -> (torch dtype name, or None where torch has none; bits per element). A dtype missing here
-# is still accepted in tensors surgeon never decodes; its byte size just cannot be checked. torch is
-# imported only to decode, so that opening, planning and copying do not wait for it.
+# name -> (torch dtype name, or None where torch has none; bits per element): exactly the dtypes the
+# reference reader (the `safetensors` package) knows. A file with any other dtype is refused, as it is
+# there. torch is imported only to decode, so that opening, planning and copying do not wait for it.
 DTYPES: dict[str, tuple[str | None, int]] = {
     "F64": ("float64", 64),
     "F32": ("float32", 32),
@@ -98,7 +98,13 @@ def read_header(path: Path) -> Header:
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
     try:
-        entries = json.loads(raw.decode("utf-8"))
+        entries = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as exc:
+        raise CheckpointError(
+            f"{path} has a corrupt safetensors header: {exc.args[0]!r} is listed twice; re-download or re-save it"
+        ) from None
+    except RecursionError:
+        raise CheckpointError(f"{path} has a corrupt safetensors header (JSON nested too deeply); re-download or re-save it") from None
     except (UnicodeDecodeError, ValueError):
         raise CheckpointError(f"{path} has a corrupt safetensors header (not valid JSON); re-download or re-save it") from None
     if not isinstance(entries, dict):
@@ -108,7 +114,23 @@ def read_header(path: Path) -> Header:
     return header
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    """JSON objects with a key twice are refused: which of the two entries a reader uses is undefined."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def _validate(header: Header) -> None:
+    """As strict as the reference reader: known dtypes, byte length = dtype size x shape, and the
+    tensors' byte ranges cover the data section exactly (no overlaps, no holes, no trailing bytes)."""
     path, data_size = header.path, header.file_size - header.data_start
     meta = header.entries.get("__metadata__")
     if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
@@ -119,8 +141,12 @@ def _validate(header: Header) -> None:
         if not (isinstance(dtype, str) and _naturals(shape) and _naturals(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]):
             raise CheckpointError(f"{path} has a corrupt header entry for tensor {name!r}: {json.dumps(entry)[:120]}")
         begin, end = offsets
-        bits = DTYPES.get(dtype, (None, None))[1]
-        if bits is not None and end - begin != (math.prod(shape) * bits + 7) // 8:
+        if dtype not in DTYPES:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has unknown dtype {dtype[:40]!r} (safetensors knows {', '.join(DTYPES)}): corrupt header"
+            )
+        bits = math.prod(shape) * DTYPES[dtype][1]
+        if bits % 8 or end - begin != bits // 8:
             raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {shape} {dtype}: corrupt header")
         if end > data_size:
             raise CheckpointError(
@@ -133,7 +159,17 @@ def _validate(header: Header) -> None:
     for begin, end, name in spans:
         if begin < cursor:
             raise CheckpointError(f"{path}: tensor {name!r} overlaps another tensor's bytes: corrupt header")
+        if begin > cursor:
+            raise CheckpointError(
+                f"{path}: data bytes {cursor}-{begin - 1} before tensor {name!r} belong to no tensor (a hole in the data "
+                "section, which safetensors readers refuse): corrupt file; re-download or re-save it"
+            )
         cursor = end
+    if cursor != data_size:
+        raise CheckpointError(
+            f"{path} has {data_size - cursor} trailing bytes after the last tensor (data bytes {cursor}-{data_size - 1} belong "
+            "to no tensor, which safetensors readers refuse): corrupt file; re-download or re-save it"
+        )
 
 
 def _naturals(value) -> bool:

@@ -40,6 +40,15 @@ def load_file(path: Path) -> tuple[object, str | None, Mapping]:
     if not path.is_file():
         raise CheckpointError(f"missing file {path}")
     is_zip = zipfile.is_zipfile(path)
+    if not is_zip:
+        with open(path, "rb") as f:
+            head = f.read(8)
+        # torch.save writes a zip archive, or (legacy) a pickle, which starts with the PROTO opcode 0x80
+        if head[:1] != b"\x80" and head[:2] != b"PK":  # PK: a zip archive, perhaps cut short
+            raise CheckpointError(
+                f"{path} is not a PyTorch checkpoint: it is neither a zip archive nor a pickle (it starts with "
+                f"{head!r}); surgeon reads torch.save files, safetensors and ONNX (a CTranslate2, GGUF or TF file is none of them)"
+            )
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
     except pickle.UnpicklingError as exc:

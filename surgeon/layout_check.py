@@ -29,7 +29,8 @@ class LayoutCheck:
 
     def summary(self) -> str:
         return (
-            f"layout verified: the {self.blocks} attention blocks found by name are the ones the forward of "
+            f"layout verified: {'the ' + str(self.blocks) + ' attention blocks' if self.blocks != 1 else 'the attention block'} "
+            f"found by name {'are the ones' if self.blocks != 1 else 'is the one'} the forward of "
             f"{self.architecture} uses, with the same q/k/v rows per head, heads and biases"
         )
 
@@ -42,13 +43,14 @@ def verify_layout(
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
+    force_hints: bool = False,
 ) -> LayoutCheck:
     """Raise LayoutError (one line) at the first disagreement; return the agreement otherwise."""
     from . import api
     from .detect.modules import checkpoint_names, probe_blocks
 
     source = api.load(model, config=config, revision=revision)
-    blocks = api._detect(source, Hints(num_heads, num_kv_heads, head_dim)).blocks
+    blocks = api._detect(source, Hints(num_heads, num_kv_heads, head_dim, force_hints)).blocks
     if not source.config:
         raise OptionError(f"--verify-layout builds the architecture from config.json, and {source.path} has none; pass --config PATH")
     arch = build_architecture(source.config)
