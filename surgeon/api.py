@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -228,6 +228,26 @@ def _write_copy(source: Source, plan: Plan, run: _Run, dest: Path, *, in_place: 
     return kind
 
 
+class _Updates:
+    """The new values of one weight set's changing tensors, computed one at a time (see UpdatesFn)."""
+
+    def __init__(self, run: _Run, weights, record: bool) -> None:
+        self.run, self.weights, self.record = run, weights, record
+        self.order = [n for n in run.plan.tensors() if n in weights.tensors]
+        self.names = frozenset(self.order)
+
+    def __call__(self, file: str) -> Iterator[tuple[str, torch.Tensor]]:
+        run = self.run
+        for name in self.order:
+            info = self.weights.tensors[name]
+            if info.file != file:
+                continue
+            yield name, run.engine.update(name, self.weights.read(name), record=self.record)
+            run.bytes_changed += info.nbytes
+            if run._bar.bar is not None:
+                run._bar.bar.update(1)
+
+
 class _Run:
     """The compute side of a reinit: the Engine, made (and torch imported) on first use.
 
@@ -254,23 +274,8 @@ class _Run:
             self._bar.__enter__()
         return self._engine
 
-    def updates_for(self, weights, *, record: bool):
-        names = self.plan.tensors()
-
-        def updates(file: str) -> dict[str, torch.Tensor]:
-            out = {}
-            for name in names:
-                info = weights.tensors.get(name)
-                if info is None or info.file != file:
-                    continue
-                out[name] = self.engine.update(name, weights.read(name), record=record)
-                self.bytes_changed += info.nbytes
-                if self._bar.bar is not None:
-                    self._bar.bar.update(1)
-            return out
-
-        updates.names = names  # type: ignore[attr-defined]  # which tensors it changes (in-place journaling)
-        return updates
+    def updates_for(self, weights, *, record: bool) -> _Updates:
+        return _Updates(self, weights, record)
 
     def close(self) -> None:
         self._bar.__exit__(None, None, None)

@@ -149,7 +149,7 @@ class Engine:
                 if bad:
                     how = "polar mode" if self.plan.options.mode == "polar" else "--keep-scale"
                     raise UnsupportedWeightsError(
-                        f"{name}: {change.role} head{'s' if len(bad) > 1 else ''} {format_indices(bad)} hold NaN or Inf, and {how} "
+                        f"{name}: {change.role} head{'s' if len(bad) > 1 else ''} {format_indices(bad)} hold{'' if len(bad) > 1 else 's'} NaN or Inf, and {how} "
                         "needs the old values; re-initialize them with the conditioned reset (without keep-scale), or repair the weights"
                     )
             new = new_heads(change, old, self.plan, seed_name=self.seed_names.get(name), device=self.device)

@@ -24,6 +24,7 @@ import json
 import os
 import struct
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -195,15 +196,20 @@ def patch_in_place(source: Source, updates: UpdatesFn, record: dict) -> list[str
             for name in names:
                 begin, end = header.entries[name]["data_offsets"]
                 ranges.append((file, header.data_start + begin, end - begin))
-        journal = _write_journal(folder, key, ranges)
-        for file in changed:
-            header = weights.headers[file]
-            path = folder / file
-            patch(header, path, header.data_start, updates(file))
-            with open(path, "r+b") as out:
-                if headers[file] is not None:
-                    os.pwrite(out.fileno(), headers[file], 0)
-                os.fsync(out.fileno())
+        # The journal is written (and fsynced) on a background thread while torch loads and the first
+        # new value is computed; nothing is patched before it is durable. Each value is then written
+        # as soon as it is computed, so one is in memory at a time.
+        with ThreadPoolExecutor(1, thread_name_prefix="surgeon-journal") as pool:
+            durable = pool.submit(_write_journal, folder, key, ranges)
+            try:
+                _patch_files(weights, changed, headers, updates, durable)
+            except BaseException:
+                # A failure part-way (a refused head, a full disk, Ctrl-C) is rolled back at once from
+                # the journal, so the input is as it was; if the journal itself failed, nothing was patched.
+                if durable.exception() is None:
+                    _roll_back(folder, durable.result())
+                raise
+            journal = durable.result()
         journal.unlink()
         _fsync_dir(folder)
     skipped = [f for f in changed if headers[f] is None]
@@ -215,9 +221,28 @@ def patch_in_place(source: Source, updates: UpdatesFn, record: dict) -> list[str
     return notes
 
 
+def _patch_files(weights, changed: dict[str, list[str]], headers: dict[str, bytes | None], updates, durable) -> None:
+    def after_journal(items):
+        for item in items:
+            durable.result()  # nothing is written before the journal is durable
+            yield item
+
+    for file in changed:
+        header = weights.headers[file]
+        path = weights.folder / file
+        written = patch(header, path, header.data_start, after_journal(updates(file)))
+        if set(written) != set(changed[file]):
+            raise AssertionError(f"in-place patch of {file} is missing {sorted(set(changed[file]) - set(written))[:3]}")
+        with open(path, "r+b") as out:
+            durable.result()
+            if headers[file] is not None:
+                os.pwrite(out.fileno(), headers[file], 0)
+            os.fsync(out.fileno())
+
+
 def _changed_files(weights, updates) -> dict[str, list[str]]:
     """file -> tensors of the plan in it, in file order (``updates.names``: the plan's tensors)."""
-    wanted = set(getattr(updates, "names", ()))
+    wanted = updates.names
     out: dict[str, list[str]] = {}
     for name, info in weights.tensors.items():
         if name in wanted:

@@ -146,7 +146,8 @@ class Report:
         for r in self.rows:
             bad = r.before.nonfinite_heads if r.before is not None else ()
             if bad:
-                what = f"{r.block.label} {r.role}: head{'s' if len(bad) > 1 else ''} {format_indices(list(bad))} hold NaN or Inf (kappa nan)"
+                many = len(bad) > 1
+                what = f"{r.block.label} {r.role}: head{'s' if many else ''} {format_indices(list(bad))} hold{'' if many else 's'} NaN or Inf (kappa nan)"
                 if r.after is not None and set(bad) <= set(r.heads_changed):
                     what += "; the conditioned reset does not read the old values, so they were replaced"
                 out.append(what)

@@ -88,8 +88,7 @@ KILLER = textwrap.dedent(
     real, calls = journal.patch, []
 
     def patch(header, path, start, updates):  # patch the first tensor of this call, then die like kill -9
-        first = dict(list(updates.items())[:1])
-        real(header, path, start, first)
+        real(header, path, start, [next(iter(updates))])
         os.kill(os.getpid(), signal.SIGKILL)
 
     journal.patch = patch
@@ -194,3 +193,35 @@ def test_in_place_of_a_torch_file_still_replaces_it_atomically(tmp_path):
     state = torch.load(folder / "pytorch_model.bin", weights_only=True)
     assert not torch.equal(state["model.layers.0.self_attn.q_proj.weight"], model.state_dict()["model.layers.0.self_attn.q_proj.weight"])
     assert torch.equal(state["model.layers.1.self_attn.q_proj.weight"], model.state_dict()["model.layers.1.self_attn.q_proj.weight"])
+
+
+def test_a_refusal_part_way_is_rolled_back_at_once(llama_dir):
+    """Polar mode refuses a layer whose weights hold NaN after earlier layers were patched: the input comes back whole."""
+    from safetensors.torch import save_file
+
+    from surgeon import UnsupportedWeightsError
+
+    src = llama_dir / "model.safetensors"
+    state = load_file(src)
+    state["model.layers.2.self_attn.q_proj.weight"][3, 5] = float("nan")
+    save_file(state, src, metadata={"format": "pt"})
+    before = sha256(src)
+    with pytest.raises(UnsupportedWeightsError, match=r"model\.layers\.2\.self_attn\.q_proj\.weight: q head 0 holds NaN"):
+        reinit_checkpoint(src, in_place=True, mode="polar")
+    assert sha256(src) == before and not list(llama_dir.glob(f".*{SUFFIX}*"))
+    # the conditioned reset does not read the old values: it replaces them, and says so
+    report = reinit_checkpoint(src, in_place=True, layers="2")
+    assert any("holds NaN or Inf" in n and "replaced" in n for n in report.nonfinite_notes())
+    assert torch.isfinite(load_file(src)["model.layers.2.self_attn.q_proj.weight"]).all()
+
+
+def test_inspect_reports_nonfinite_heads_in_one_line(llama_dir, cli):
+    from safetensors.torch import save_file
+
+    src = llama_dir / "model.safetensors"
+    state = load_file(src)
+    state["model.layers.1.self_attn.k_proj.weight"][9, 0] = float("inf")  # key head 1 (head_dim 8)
+    save_file(state, src, metadata={"format": "pt"})
+    result = cli("inspect", src)
+    assert "note: model.layers.1 k: head 1 holds NaN or Inf (kappa nan)" in result.output
+    assert "Traceback" not in result.output

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ..errors import CheckpointError
 
@@ -39,9 +39,18 @@ class TensorInfo:
         return getattr(torch, self.element, None) if self.element else None
 
 
-# ``updates(file)`` returns the new values of the tensors of ``file`` that change (name -> tensor,
-# same shape and dtype as before). Called once per file, so only one file's updates are in memory.
-UpdatesFn = Callable[[str], "dict[str, torch.Tensor]"]
+class UpdatesFn(Protocol):
+    """The new values of the tensors that change, one at a time.
+
+    ``names``: every tensor that will change (in any file), known before anything is computed, so a
+    format can copy everything else in the background. ``updates(file)`` yields ``(name, tensor)`` for
+    the tensors of ``file`` that change (same shape and dtype as before), computing each as it is
+    asked for: a format that writes each value away before asking for the next holds one at a time.
+    """
+
+    names: frozenset[str]
+
+    def __call__(self, file: str) -> Iterator[tuple[str, torch.Tensor]]: ...
 
 
 class WeightSet(ABC):

@@ -227,9 +227,9 @@ class OnnxWeights(WeightSet):
             )
 
     def save(self, dest: Path, updates: UpdatesFn, record: dict) -> None:
-        self._write_model(dest / self.path.name, updates(self.path.name), record)
+        self._write_model(dest / self.path.name, dict(updates(self.path.name)), record)
         for file in self.files[1:]:
-            changed = updates(file)
+            changed = dict(updates(file))
             target = dest / file
             target.parent.mkdir(parents=True, exist_ok=True)
             copy_file_sparse(self.folder / file, target)

@@ -245,33 +245,55 @@ def records(metadata: dict[str, str]) -> list[dict]:
 
 def write_patched(header: Header, dest: Path, updates: dict[str, torch.Tensor], record: dict | None) -> None:
     """Write ``header``'s file to ``dest`` with ``updates`` patched in and ``record`` added."""
-    data_start = write_copy(header, dest, record)
-    patch(header, dest, data_start, updates)
+    data_start = start_file(header, dest, record)
+    copy_gaps(header, dest, data_start, set(updates))
+    patch(header, dest, data_start, updates.items())
 
 
-def write_copy(header: Header, dest: Path, record: dict | None, cancel=None) -> int:
-    """Write ``header``'s file to ``dest`` unchanged but for ``record``; returns where its data starts."""
+def start_file(header: Header, dest: Path, record: dict | None) -> int:
+    """Create ``dest`` at its final size with ``header`` (plus ``record``) written; returns where its data starts.
+
+    The data section is left as a hole, for :func:`copy_gaps` and :func:`patch` to fill in any order.
+    """
     entries = header.entries
     if record is not None:
         entries = with_metadata(entries, add_record(header.metadata, record))
     raw_header = encode_header(entries)
-    with open(header.path, "rb") as src, open(dest, "wb") as out:
+    data_start = 8 + len(raw_header)
+    with open(dest, "wb") as out:
         out.write(struct.pack("<Q", len(raw_header)))
         out.write(raw_header)
-        copy_range(src, out, header.data_start, out.tell(), header.file_size - header.data_start, cancel=cancel)
-    return 8 + len(raw_header)
+        out.truncate(data_start + header.file_size - header.data_start)
+    return data_start
 
 
-def patch(header: Header, path: Path, data_start: int, updates: dict[str, torch.Tensor]) -> None:
-    """Overwrite the bytes of the updated tensors in ``path``, whose data section starts at ``data_start``."""
-    if not updates:
-        return
+def spans(header: Header, names) -> list[tuple[int, int]]:
+    """The data-section byte ranges of ``names`` in ``header``'s file, in order."""
+    return sorted(tuple(header.entries[n]["data_offsets"]) for n in names)
+
+
+def copy_gaps(header: Header, dest: Path, data_start: int, skip: set[str], cancel=None) -> None:
+    """Copy the data section of ``header``'s file into ``dest``, leaving out the tensors in ``skip``."""
+    size, pos = header.file_size - header.data_start, 0
+    with open(header.path, "rb") as src, open(dest, "r+b") as out:
+        for begin, end in spans(header, skip) + [(size, size)]:
+            if begin > pos:
+                copy_range(src, out, header.data_start + pos, data_start + pos, begin - pos, cancel=cancel)
+            pos = max(pos, end)
+
+
+def patch(header: Header, path: Path, data_start: int, updates) -> list[str]:
+    """Write each ``(name, tensor)`` of ``updates`` (an iterable, consumed one at a time) over its bytes
+    in ``path``, whose data section starts at ``data_start``; returns the names written."""
+    written = []
     with open(path, "r+b") as out:
-        for name, tensor in updates.items():
+        for name, tensor in updates:
             entry = header.entries[name]
             if tuple(tensor.shape) != tuple(entry["shape"]) or _NAMES.get(str(tensor.dtype).removeprefix("torch.")) != entry["dtype"]:
                 raise AssertionError(f"update of {name} changes its shape or dtype")
             os.pwrite(out.fileno(), tensor_bytes(tensor), data_start + entry["data_offsets"][0])
+            written.append(name)
+    return written
 
 
 class SafetensorsWeights(WeightSet):
@@ -304,13 +326,26 @@ class SafetensorsWeights(WeightSet):
         return self.headers[file or self.files[0]].metadata
 
     def save(self, dest: Path, updates: UpdatesFn, record: dict) -> None:
-        # Every shard's bytes are copied on a background thread while ``updates`` computes the new
-        # values of one shard at a time; each shard is patched once both are ready.
+        # Every shard is created at its final size, and all bytes but the changing tensors' are copied
+        # on a background thread (kernel-side, so it overlaps torch's import and the math). Meanwhile
+        # each new tensor is written into its own, disjoint, range as soon as it is computed, so one
+        # tensor's new value is in memory at a time, whatever the size of the shard.
         with BackgroundCopies() as copies:
-            started = {file: copies.submit(write_copy, self.headers[file], dest / file, record, copies.cancel) for file in self.files}
+            jobs = []
+            starts = {}
             for file in self.files:
-                new = updates(file)
-                patch(self.headers[file], dest / file, started[file].result(), new)
+                header = self.headers[file]
+                starts[file] = start_file(header, dest / file, record)
+                skip = {n for n in header.tensor_entries() if n in updates.names}
+                jobs.append(copies.submit(copy_gaps, header, dest / file, starts[file], skip, copies.cancel))
+            for file in self.files:
+                header = self.headers[file]
+                written = patch(header, dest / file, starts[file], updates(file))
+                missing = {n for n in header.tensor_entries() if n in updates.names} - set(written)
+                if missing:  # a planned tensor that was not computed would leave a hole: never write that
+                    raise AssertionError(f"no new value for {sorted(missing)[:3]} in {file}")
+            for job in jobs:
+                job.result()
         if self.index:
             shutil.copyfile(self.folder / self.index, dest / self.index)
 

@@ -113,7 +113,7 @@ class TorchWeights(WeightSet):
 
         # torch files have no metadata slot that loaders ignore, so the record is not embedded here.
         for file in self.files:
-            changes = updates(file)
+            changes = dict(updates(file))
             if not changes:
                 shutil.copyfile(self.folder / file, dest / file)
                 continue
