@@ -145,18 +145,34 @@ class Engine:
             old = None
             if needs_old_values(self.plan):
                 old = head_matrices(original, proj.weight, change.heads).to(self.device, torch.float64)
-                bad = [h for h, ok in zip(change.heads, torch.isfinite(old).flatten(1).all(1).tolist()) if not ok]
-                if bad:
-                    how = "polar mode" if self.plan.options.mode == "polar" else "--keep-scale"
-                    raise UnsupportedWeightsError(
-                        f"{name}: {change.role} head{'s' if len(bad) > 1 else ''} {format_indices(bad)} hold{'' if len(bad) > 1 else 's'} NaN or Inf, and {how} "
-                        "needs the old values; re-initialize them with the conditioned reset (without keep-scale), or repair the weights"
-                    )
+                self._refuse_nonfinite(name, change, old)
             new = new_heads(change, old, self.plan, seed_name=self.seed_names.get(name), device=self.device)
             _set_heads(stored, proj.weight, change.heads, new)
         if record:
             self._record(stored, edits, before)
         return stored
+
+    def check_values(self, name: str, tensor: torch.Tensor) -> None:
+        """Refuse, before anything changes, heads whose old values the plan reads but that hold NaN/Inf.
+
+        For callers that change tensors one by one in place (a module in memory), so that a refusal
+        in a later layer does not leave earlier layers changed.
+        """
+        if not needs_old_values(self.plan):
+            return
+        for change, what in self.edits[name]:
+            if what == "weight":
+                self._refuse_nonfinite(name, change, head_matrices(tensor.detach(), change.projection.weight, change.heads))
+
+    def _refuse_nonfinite(self, name: str, change: Change, old: torch.Tensor) -> None:
+        bad = [h for h, ok in zip(change.heads, torch.isfinite(old).flatten(1).all(1).tolist()) if not ok]
+        if bad:
+            how = "polar mode" if self.plan.options.mode == "polar" else "--keep-scale"
+            raise UnsupportedWeightsError(
+                f"{name}: {change.role} head{'s' if len(bad) > 1 else ''} {format_indices(bad)} hold{'' if len(bad) > 1 else 's'} "
+                f"NaN or Inf, and {how} needs the old values; re-initialize them with the conditioned reset "
+                "(without keep-scale), or repair the weights"
+            )
 
     def _spectrum(self, heads: torch.Tensor, kappas: tuple[float, ...] | None = None) -> Spectrum:
         return spectrum(heads.to(self.device), whole=self.whole, kappas=kappas)

@@ -64,6 +64,8 @@ def reinit_(
     device = found.params[plan.changes[0].projection.weight.tensor].device
     engine = Engine(plan, device, seed_names=found.seed_names, whole=full)
     with torch.no_grad():
+        for name in engine.tensor_names:  # refusals first: nothing changes unless everything can
+            engine.check_values(name, found.params[name])
         for name in engine.tensor_names:
             param = found.params[name]
             param.copy_(engine.update(name, param.detach()))

@@ -225,3 +225,38 @@ def test_inspect_reports_nonfinite_heads_in_one_line(llama_dir, cli):
     result = cli("inspect", src)
     assert "note: model.layers.1 k: head 1 holds NaN or Inf (kappa nan)" in result.output
     assert "Traceback" not in result.output
+
+
+def _with_nan(path, name, row, col):
+    from safetensors.torch import save_file
+
+    state = load_file(path)
+    state[name][row, col] = float("nan")
+    save_file(state, path, metadata={"format": "pt"})
+
+
+def test_polar_on_nan_weights_is_one_line_and_writes_nothing(llama_dir, tmp_path, cli):
+    src = llama_dir / "model.safetensors"
+    _with_nan(src, "model.layers.1.self_attn.v_proj.weight", 8, 2)  # value head 1 (head_dim 8)
+    line = expect_cli_error(cli, llama_dir, "reinit", src, "--mode", "polar", "-o", tmp_path / "out.safetensors",
+                            match="model.layers.1.self_attn.v_proj.weight: v head 1 holds NaN or Inf")
+    assert "polar mode needs the old values" in line and not (tmp_path / "out.safetensors").exists()
+    expect_cli_error(cli, llama_dir, "reinit", src, "--keep-scale", "-o", tmp_path / "o2.safetensors", match="--keep-scale needs the old values")
+    result = cli("reinit", src, "-o", tmp_path / "ok.safetensors", "--layers", "1")  # the conditioned reset goes on
+    assert "head 1 holds NaN or Inf (kappa nan); the conditioned reset does not read the old values, so they were replaced" in result.output
+
+
+def test_module_refusal_changes_no_parameter():
+    import surgeon
+    from surgeon import UnsupportedWeightsError
+
+    model = tiny_llama()
+    with torch.no_grad():
+        model.model.layers[2].self_attn.k_proj.weight[0, 0] = float("inf")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(UnsupportedWeightsError, match="k head 0 holds NaN or Inf"):
+        surgeon.reinit_(model, mode="polar")
+    after = dict(model.named_parameters())
+    assert all(torch.equal(before[n], after[n].detach()) for n in before)  # layers 0 and 1 were not touched either
+    report = surgeon.inspect(model)
+    assert "model.layers.2 k: head 0 holds NaN or Inf (kappa nan)" in report.render()
