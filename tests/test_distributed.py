@@ -110,3 +110,18 @@ def test_fsdp2_peak_memory_stays_near_the_shard(tmp_path):
         assert got["shard_bytes"] < 0.55 * total
         print(f"rank {r}: shard {got['shard_bytes'] / 2**20:.1f} MiB of {total / 2**20:.1f} MiB, reinit_ peak above RSS {got['extra_peak'] / 2**20:.1f} MiB")
         assert got["extra_peak"] < 8 * projection64  # measured ~11 MiB; a whole-model gather would add 81 MiB, (got["extra_peak"], got["shard_bytes"], total)
+
+
+def test_readme_fsdp_example_runs_under_torchrun():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "examples/fsdp_reinit.py"],
+                            cwd=root, env=env, capture_output=True, text=True, timeout=55)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "sharded over 2 ranks == single process, bit for bit: True" in result.stdout
+    assert result.stdout.count("model.layers.3 self  q") == 1  # the report, printed by rank 0 only
