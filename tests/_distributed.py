@@ -50,7 +50,7 @@ def _entry(rank: int, worker, world: int, store: str, args) -> None:
 
 def make(family: str):
     if family == "llama-large":  # for peak memory: 84 MB of float32, the largest projection 1 MB
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import LlamaForCausalLM
 
         return LlamaForCausalLM(large_config())
     from _families import FAMILIES
