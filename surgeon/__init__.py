@@ -19,6 +19,7 @@ _EXPORTS = {
     "inspect_module": "modules",
     "reinit": "modules",
     "reinit_": "modules",
+    "conditioned_init_": "init_hooks",
     "recover": "journal",
     "verify": "audit",
     "Verification": "audit",
@@ -77,6 +78,7 @@ if TYPE_CHECKING:
     from .hub import HubAccessError, HubAuthError, HubError, HubNotFoundError, HubOfflineError, PushError, PushResult, push_folder
     from .audit import Verification, VerificationError, verify
     from .journal import recover
+    from .init_hooks import conditioned_init_
     from .modules import inspect, inspect_module, reinit, reinit_
     from .plan import ReinitOptions
     from .report import Report

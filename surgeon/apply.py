@@ -145,7 +145,7 @@ class Engine:
             old = None
             if needs_old_values(self.plan):
                 old = head_matrices(original, proj.weight, change.heads).to(self.device, torch.float64)
-                self._refuse_nonfinite(name, change, old)
+                self.refuse_nonfinite(name, change, old)
             new = new_heads(change, old, self.plan, seed_name=self.seed_names.get(name), device=self.device)
             _set_heads(stored, proj.weight, change.heads, new)
         if record:
@@ -162,9 +162,9 @@ class Engine:
             return
         for change, what in self.edits[name]:
             if what == "weight":
-                self._refuse_nonfinite(name, change, head_matrices(tensor.detach(), change.projection.weight, change.heads))
+                self.refuse_nonfinite(name, change, head_matrices(tensor.detach(), change.projection.weight, change.heads))
 
-    def _refuse_nonfinite(self, name: str, change: Change, old: torch.Tensor) -> None:
+    def refuse_nonfinite(self, name: str, change: Change, old: torch.Tensor) -> None:
         bad = [h for h, ok in zip(change.heads, torch.isfinite(old).flatten(1).all(1).tolist()) if not ok]
         if bad:
             how = "polar mode" if self.plan.options.mode == "polar" else "--keep-scale"

@@ -19,6 +19,7 @@ from torch import nn
 from .apply import Engine, inspect_blocks
 from .detect.config import Hints
 from .detect.modules import ModuleDetection, detect_module
+from .distributed import any_sharded, inspect_sharded, refuse_meta, unwrapped, write_sharded
 from .errors import OptionError
 from .plan import ReinitOptions, make_plan
 from .report import ProjectionRow, Report
@@ -59,16 +60,20 @@ def reinit_(
         strength=strength, value_identity=value_identity, keep_scale=keep_scale, bias=bias, seed=seed,
     ).validated()
     start = time.perf_counter()
-    found = detect_module(module, hints=Hints(num_heads, num_kv_heads, head_dim), example_inputs=example_inputs)
-    plan = make_plan(found.blocks, options)
-    device = found.params[plan.changes[0].projection.weight.tensor].device
-    engine = Engine(plan, device, seed_names=found.seed_names, whole=full)
-    with torch.no_grad():
-        for name in engine.tensor_names:  # refusals first: nothing changes unless everything can
-            engine.check_values(name, found.params[name])
-        for name in engine.tensor_names:
-            param = found.params[name]
-            param.copy_(engine.update(name, param.detach()))
+    with unwrapped(module) as inner:  # DDP, torch.compile, PEFT: the model inside, LoRA bases in place
+        found = detect_module(inner, hints=Hints(num_heads, num_kv_heads, head_dim), example_inputs=example_inputs)
+        plan = make_plan(found.blocks, options)
+        device = found.params[plan.changes[0].projection.weight.tensor].device
+        engine = Engine(plan, device, seed_names=found.seed_names, whole=full)
+        if any_sharded(found.params, engine.tensor_names):  # FSDP2 / DTensor: each rank writes its own rows
+            write_sharded(engine, found.params)
+        else:
+            with torch.no_grad():
+                for name in engine.tensor_names:  # refusals first: nothing changes unless everything can
+                    engine.check_values(name, found.params[name])
+                for name in engine.tensor_names:
+                    param = found.params[name]
+                    param.copy_(engine.update(name, param.detach()))
     rows = [ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed) for r in engine.ordered_results()]
     seconds = time.perf_counter() - start
     notes = _notes(found) + [f"changed {len(engine.tensor_names)} parameters in place in {seconds:.2f} s on {device}"]
@@ -90,10 +95,14 @@ def inspect_module(
     """The attention blocks of ``module`` and the condition numbers of their projections (changes nothing)."""
     _check(module, "inspect")
     start = time.perf_counter()
-    found = detect_module(module, hints=Hints(num_heads, num_kv_heads, head_dim), example_inputs=example_inputs)
-    first = found.params[found.blocks[0].q.weight.tensor]
-    with torch.no_grad():
-        spectra = inspect_blocks(found.blocks, lambda name: found.params[name].detach(), first.device, whole=full)
+    with unwrapped(module) as inner:
+        found = detect_module(inner, hints=Hints(num_heads, num_kv_heads, head_dim), example_inputs=example_inputs)
+        first = found.params[found.blocks[0].q.weight.tensor]
+        if any_sharded(found.params, found.params):
+            spectra = inspect_sharded(found.blocks, found.params, first.device, whole=full)
+        else:
+            with torch.no_grad():
+                spectra = inspect_blocks(found.blocks, lambda name: found.params[name].detach(), first.device, whole=full)
     rows = [
         ProjectionRow(block, proj.role, spectra[(block.module, proj.role)], dtype=str(found.params[proj.weight.tensor].dtype).removeprefix("torch."))
         for block in found.blocks
@@ -130,8 +139,7 @@ def _check(module: Any, fn: str) -> None:
     if not isinstance(module, nn.Module):
         other = "surgeon.reinit(path)" if fn == "reinit_" else "surgeon.inspect(path)"
         raise OptionError(f"surgeon.{fn} takes a torch.nn.Module, not {type(module).__name__}; for a checkpoint path or Hub id use {other}")
-    if any(p.is_meta for p in module.parameters()):
-        raise OptionError(f"{type(module).__name__} has parameters on the meta device (no values yet); load or materialize its weights first")
+    refuse_meta(module, fn)
 
 
 def _fixed(spec: IndexSpec) -> IndexSpec:

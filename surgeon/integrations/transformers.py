@@ -1,0 +1,50 @@
+"""``ReinitCallback``: conditioned re-initialization as the first thing a transformers ``Trainer`` does.
+
+    from surgeon.integrations.transformers import ReinitCallback
+    Trainer(model, args, train_dataset=..., callbacks=[ReinitCallback(layers="-2-", seed=0)]).train()
+
+At ``on_train_begin`` the optimizer exists but holds no state yet (its moments are created at the
+first step), and it refers to the very parameters ``reinit_`` changes in place, so nothing needs
+rebuilding. A run resumed from a checkpoint (``state.global_step > 0``) is left alone: its weights
+are the trained ones. Under DDP/FSDP every process re-initializes its own part (no communication
+beyond the report's spectra); the report is logged by the main process.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from transformers import TrainerCallback
+
+logger = logging.getLogger("surgeon")
+
+
+class ReinitCallback(TrainerCallback):
+    """Runs ``surgeon.reinit_(model, **options)`` at ``on_train_begin``; the report is kept as ``.report``."""
+
+    def __init__(self, **options: Any) -> None:
+        from ..plan import ReinitOptions
+
+        allowed = set(ReinitOptions.__dataclass_fields__) | {"num_heads", "num_kv_heads", "head_dim", "example_inputs", "full"}
+        unknown = sorted(set(options) - allowed)
+        if unknown:
+            from ..errors import OptionError
+
+            raise OptionError(f"ReinitCallback: unknown option(s) {', '.join(unknown)}; it takes the keyword options of surgeon.reinit_")
+        self.options = options
+        self.report = None
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if state.global_step > 0:
+            logger.info("surgeon: resumed at step %d, weights left as loaded (no re-initialization)", state.global_step)
+            return
+        if optimizer is not None and any(optimizer.state.values()):
+            from ..errors import OptionError
+
+            raise OptionError("ReinitCallback: the optimizer already holds state for these weights; re-initialize before the first step")
+        from ..modules import reinit_
+
+        self.report = reinit_(model, **self.options)
+        if state.is_world_process_zero:
+            print(self.report)
