@@ -22,7 +22,7 @@ _EXPORTS = {
     "recover": "journal",
     "verify": "audit",
     "Verification": "audit",
-    "VerificationError": "audit",
+    "VerificationError": "errors",
     "CheckpointError": "errors",
     "LayoutError": "errors",
     "NoAttentionFoundError": "errors",
@@ -31,12 +31,12 @@ _EXPORTS = {
     "SelectionError": "errors",
     "SurgeonError": "errors",
     "UnsupportedWeightsError": "errors",
-    "HubAccessError": "hub",
-    "HubAuthError": "hub",
-    "HubError": "hub",
-    "HubNotFoundError": "hub",
-    "HubOfflineError": "hub",
-    "PushError": "hub",
+    "HubAccessError": "errors",
+    "HubAuthError": "errors",
+    "HubError": "errors",
+    "HubNotFoundError": "errors",
+    "HubOfflineError": "errors",
+    "PushError": "errors",
     "PushResult": "hub",
     "push_folder": "hub",
     "ReinitOptions": "plan",
@@ -66,16 +66,23 @@ if TYPE_CHECKING:
     from .api import inspect_checkpoint, reinit_checkpoint
     from .errors import (
         CheckpointError,
+        HubAccessError,
+        HubAuthError,
+        HubError,
+        HubNotFoundError,
+        HubOfflineError,
         LayoutError,
         NoAttentionFoundError,
         OptionError,
         OutputError,
         SelectionError,
         SurgeonError,
+        PushError,
         UnsupportedWeightsError,
+        VerificationError,
     )
-    from .hub import HubAccessError, HubAuthError, HubError, HubNotFoundError, HubOfflineError, PushError, PushResult, push_folder
-    from .audit import Verification, VerificationError, verify
+    from .hub import PushResult, push_folder
+    from .audit import Verification, verify
     from .journal import recover
     from .modules import inspect, inspect_module, reinit, reinit_
     from .plan import ReinitOptions

@@ -11,7 +11,7 @@ from . import hub
 from .detect.config import Hints
 from .detect.names import Detection, detect
 from ._version import __version__
-from .errors import CheckpointError, OptionError
+from .errors import CheckpointError, OptionError, opt
 from .output import copy_extras, output_kind, resolve_output, staged, tree_size
 from .plan import Plan, ReinitOptions, make_plan
 from .report import ProjectionRow, Report
@@ -132,10 +132,12 @@ def reinit_checkpoint(
     :mod:`surgeon.journal`). ``full=True`` also measures each whole projection's kappa and spectral norm.
     """
     if push_to_hub is None and (private or push_revision or create_pr or commit_message):
-        raise OptionError("--private, --push-revision, --create-pr and --commit-message go with --push-to-hub org/name")
+        raise OptionError(
+            f"{opt('private')}, {opt('push_revision')}, {opt('create_pr')} and {opt('commit_message')} go with {opt('push_to_hub', 'org/name')}"
+        )
     if push_to_hub is not None:
         if in_place:
-            raise OptionError("--push-to-hub pushes a new output folder; it cannot be combined with --in-place")
+            raise OptionError(f"{opt('push_to_hub')} pushes a new output folder; it cannot be combined with {opt('in_place', True)}")
         push_to_hub = hub.check_push(push_to_hub, revision=push_revision, create_pr=create_pr, token=token)
     options = ReinitOptions(
         layers=layers, targets=targets, heads=heads, attention=attention, stack=stack, mode=mode,
@@ -145,7 +147,7 @@ def reinit_checkpoint(
     start = time.perf_counter()
     source = load(model, config=config, revision=revision, progress=progress)
     if push_to_hub is not None and output_kind(source) != "folder":
-        raise OptionError(f"--push-to-hub uploads a model folder, and the output of {source.path.name} is a single file: give the model folder as MODEL")
+        raise OptionError(f"{opt('push_to_hub')} uploads a model folder, and the output of {source.path.name} is a single file: give the model folder as MODEL")
     hints = Hints(num_heads, num_kv_heads, head_dim, force_hints)
     detection = _detect(source, hints)
     plan = make_plan(detection.blocks, options)
@@ -189,7 +191,7 @@ def reinit_checkpoint(
                 commit_message=commit_message or _commit_message(source, plan), token=token, progress=progress,
             )
         except hub.HubError as exc:  # the output is on disk: say so, and keep the error's type
-            exc.args = (f"wrote {dest}, but the push failed: {exc}",)
+            exc.context = f"wrote {dest}, but the push failed: "
             raise
         report.notes += pushed.notes + [pushed.summary()]
     return report
@@ -198,7 +200,7 @@ def reinit_checkpoint(
 def _plan_report(report: Report, source: Source, plan: Plan, dest: Path, *, overwrite: bool, in_place: bool, push_to_hub: str | None) -> Report:
     """A dry run: the plan as rows, nothing computed or written."""
     if dest.exists() and not overwrite and not in_place:
-        report.notes.append(f"{dest} exists: the real run needs --overwrite or another -o")
+        report.notes.append(f"{dest} exists: the real run needs {opt('overwrite', True)} or another {opt('output')}")
     report.rows = [
         ProjectionRow(c.block, c.role, None, heads_changed=c.heads, bias_zeroed=plan.options.zero_bias and c.projection.bias is not None,
                       dtype=source.primary.tensors[c.projection.weight.tensor].element or "")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .conditioning import Spectrum, head_kappas, head_seed, polar, rescale_to, semi_orthogonal_batch, single_threaded, spectrum, value_identity
-from .errors import OptionError, UnsupportedWeightsError
+from .errors import OptionError, UnsupportedWeightsError, opt
 from .selection import format_indices
 from .plan import Change, Plan
 from .spec import AttentionBlock, Projection, Rows
@@ -30,9 +30,9 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         raise OptionError(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise OptionError(f"--device {device}: no CUDA device is available here; use --device cpu or auto")
+            raise OptionError(f"{opt('device', device)}: no CUDA device is available here; use {opt('device', 'cpu')} or auto")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise OptionError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+            raise OptionError(f"{opt('device', device)}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     elif dev.type != "cpu":
         raise OptionError(f"unsupported device {device!r}: use auto, cpu, cuda or cuda:N")
     return dev
@@ -147,7 +147,7 @@ class Engine:
                 old = head_matrices(original, proj.weight, change.heads).to(self.device, torch.float64)
                 bad = [h for h, ok in zip(change.heads, torch.isfinite(old).flatten(1).all(1).tolist()) if not ok]
                 if bad:
-                    how = "polar mode" if self.plan.options.mode == "polar" else "--keep-scale"
+                    how = "polar mode" if self.plan.options.mode == "polar" else opt("keep_scale", True)
                     raise UnsupportedWeightsError(
                         f"{name}: {change.role} head{'s' if len(bad) > 1 else ''} {format_indices(bad)} hold{'' if len(bad) > 1 else 's'} NaN or Inf, and {how} "
                         "needs the old values; re-initialize them with the conditioned reset (without keep-scale), or repair the weights"

@@ -24,15 +24,9 @@ from pathlib import Path
 
 import torch
 
-from .errors import CheckpointError, SurgeonError
+from .errors import CheckpointError, SurgeonError, VerificationError  # noqa: F401  (re-exported)
 
 CARD_RECORD = re.compile(r"<!-- surgeon-record (\{.*?\}) -->")
-
-
-class VerificationError(SurgeonError):
-    """OUTPUT is not what its record says surgeon made from ORIGINAL; the message names the first mismatch."""
-
-    exit_code = 3
 
 
 @dataclass

@@ -9,12 +9,27 @@ import sys
 import click
 
 from ._version import __version__
-from .errors import SurgeonError
+from .errors import SurgeonError, spell
+
+# How the CLI spells an option the core names by its Python keyword (surgeon.errors.opt); the rest
+# are --keyword-with-dashes.
+FLAGS = {"output": "-o/--output"}
+WITH_VALUE = {"output": "-o"}  # "-o out/" reads best
 
 # The commands import surgeon.api (and through it torch) when they run, so that --help and
 # --version answer at once.
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+def cli_spelling(name: str, value: str | None) -> str:
+    """``--num-heads``, ``--num-heads 4``, ``--force-hints`` (a flag given as True), ``-o PATH``."""
+    if value is None:
+        return FLAGS.get(name, "--" + name.replace("_", "-"))
+    flag = WITH_VALUE.get(name, "--" + name.replace("_", "-"))
+    if value == "True":
+        return flag
+    return f"{flag}={value}" if value.startswith("-") else f"{flag} {value}"
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -28,7 +43,7 @@ def _out(text: str) -> None:
     """Reports and notes on stdout, never with a token in them."""
     from .redact import redact
 
-    click.echo(redact(text))
+    click.echo(redact(spell(text, cli_spelling)))
 
 
 def handle_errors(fn):
@@ -39,7 +54,7 @@ def handle_errors(fn):
         try:
             return fn(*args, **kwargs)
         except SurgeonError as exc:
-            _fail(str(exc), exc.exit_code)
+            _fail(exc.describe(cli_spelling), exc.exit_code)
         except OSError as exc:  # disk full, permission denied, ... while reading or writing
             where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
             _fail(f"{exc.strerror or exc}{where}")
@@ -146,7 +161,7 @@ def inspect(model, verify_layout, revision, config, num_heads, num_kv_heads, hea
         check = check_layout(model, revision=revision, config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                              force_hints=force_hints)
         report.notes.append(check.summary())
-    _out(report.to_json() if as_json else report.render())
+    _out(report.to_json(cli_spelling) if as_json else report.render(cli_spelling))
 
 
 @main.command(context_settings=CONTEXT, epilog="""\b
@@ -217,7 +232,7 @@ def reinit(model, output, layers, targets, heads, attention, stack, mode, streng
         progress=not as_json and sys.stderr.isatty(), push_to_hub=push_to_hub, private=private,
         push_revision=push_revision, create_pr=create_pr, commit_message=commit_message,
     )
-    _out(report.to_json() if as_json else report.render())
+    _out(report.to_json(cli_spelling) if as_json else report.render(cli_spelling))
 
 
 @main.command(context_settings=CONTEXT, epilog="""\b

@@ -22,40 +22,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ._version import __version__
-from .errors import CheckpointError, OptionError, SurgeonError
+from .errors import (  # noqa: F401  (the Hub errors are also importable from here)
+    CheckpointError,
+    HubAccessError,
+    HubAuthError,
+    HubError,
+    HubNotFoundError,
+    HubOfflineError,
+    OptionError,
+    PushError,
+    SurgeonError,
+    opt,
+)
 from .redact import redact, remember
 from .formats.torchfile import SUFFIXES as PT_SUFFIXES
 from .source import NOT_WEIGHTS, TORCH_NAMES, Source, open_source
 
 HF_PREFIX = "hf://"
-
-
-class HubError(SurgeonError):
-    """The Hugging Face Hub could not serve or accept a request."""
-
-
-class HubOfflineError(HubError):
-    """The model is not in the local HF cache and the Hub cannot be asked (offline mode, no connection)."""
-
-
-class HubAccessError(HubError):
-    """Repository or revision not found, private without access, gated, or no write access."""
-
-
-class HubNotFoundError(HubAccessError):
-    """No such model repo, or it is private and the token in use (if any) has no access to it."""
-
-
-class HubAuthError(HubError):
-    """No token for an operation that needs one, or the Hub rejected the token."""
-
-
-class PushError(HubError):
-    """A push stopped part-way; the message says what reached the Hub and what did not."""
-
-    def __init__(self, message: str, *, uploaded: list[str], not_uploaded: list[str]) -> None:
-        super().__init__(message)
-        self.uploaded, self.not_uploaded = uploaded, not_uploaded
 
 
 # --- ids ---------------------------------------------------------------------------------------
@@ -108,7 +91,7 @@ def open_model(model: str | Path, *, config: str | Path | None = None, revision:
     if not explicit and (repo_id is None or Path(text).exists()):
         if revision is not None:
             hint = f"; for the Hub model of that name write hf://{repo_id}" if repo_id else ""
-            raise OptionError(f"--revision applies to Hugging Face Hub ids only, and {text} is a local path{hint}")
+            raise OptionError(f"{opt('revision')} applies to Hugging Face Hub ids only, and {text} is a local path{hint}")
         source = open_source(model, config=config)
         if repo_id is not None and _in_cache(repo_id):  # only where the Hub model of that name has been used here
             kind = "folder" if Path(text).is_dir() else "file"
@@ -119,7 +102,7 @@ def open_model(model: str | Path, *, config: str | Path | None = None, revision:
         snap = download(repo_id, revision=revision, progress=progress)
     except (HubNotFoundError, HubOfflineError) as exc:
         if not explicit and revision is None:  # it may as well be a mistyped path: say there is none
-            exc.args = (f"there is no file or folder {text}, and {exc}",)
+            exc.context = f"there is no file or folder {text}, and "
         raise
     try:
         source = open_source(snap.path, config=config)
@@ -320,7 +303,9 @@ def check_push(repo_id: str, *, revision: str | None = None, create_pr: bool = F
     """Everything about a push that can fail before anything is written; returns the repo id."""
     repo_id = _require_repo_id(repo_id, "push target")
     if create_pr and revision not in (None, "main"):
-        raise OptionError("--create-pr opens a pull request against main; leave out the branch (--revision / --push-revision)")
+        raise OptionError(
+            f"{opt('create_pr', True)} opens a pull request against main; leave out the branch ({opt('revision')} / {opt('push_revision')})"
+        )
     if revision is not None and (not revision or revision.startswith("/") or ".." in revision or " " in revision
                                  or (revision.startswith("refs/") and not re.fullmatch(r"refs/pr/\d+", revision))):
         raise OptionError(f"{revision!r} is not a branch to push to: give a branch name (or refs/pr/N to add to a pull request)")
@@ -435,7 +420,7 @@ def _ensure_repo(api, repo_id: str, *, private: bool) -> tuple[bool, list[str]]:
         return True, [f"created the {'private ' if private else ''}model repo {repo_id}"]
     notes = []
     if private and info.private is False:
-        notes.append(f"{repo_id} already exists and is public: --private only applies to a repo surgeon creates")
+        notes.append(f"{repo_id} already exists and is public: {opt('private', True)} only applies to a repo surgeon creates")
     return False, notes
 
 
@@ -525,7 +510,7 @@ def _write_error(exc: Exception, repo_id: str, token: str, stage: str) -> Except
             return HubAuthError("the Hub rejected the token (HF_TOKEN or the saved login): check it, or run `hf auth login` again")
         if status == 403 or isinstance(exc, RepositoryNotFoundError):
             owner = repo_id.split("/")[0]
-            return HubAccessError(f"the token in use cannot write to {repo_id}: it needs write access to {owner!r} (or push with --create-pr)")
+            return HubAccessError(f"the token in use cannot write to {repo_id}: it needs write access to {owner!r} (or push with {opt('create_pr', True)})")
         return _http_error(exc, repo_id, token)
     if isinstance(exc, (ValueError, OSError)):  # the client's own checks, a file that vanished mid-push
         return HubError(_scrub(f"{stage} of {repo_id} failed: {_line(exc)}", token))

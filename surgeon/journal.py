@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import CheckpointError, OutputError
+from .errors import CheckpointError, OutputError, opt
 from .formats.safetensors import Header, add_record, encode_header, patch, with_metadata
 
 if TYPE_CHECKING:
@@ -216,7 +216,7 @@ def patch_in_place(source: Source, updates: UpdatesFn, record: dict) -> list[str
     if skipped:
         notes.append(
             f"surgeon's record was not added to the header of {', '.join(skipped)}: it does not fit without moving every "
-            "tensor, and --in-place rewrites only the changed bytes (write a copy with -o to get the record)"
+            f"tensor, and {opt('in_place', True)} rewrites only the changed bytes (write a copy with {opt('output')} to get the record)"
         )
     return notes
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .detect.config import Hints
-from .errors import LayoutError, OptionError
+from .errors import LayoutError, OptionError, opt
 from .spec import AttentionBlock, Projection, Rows
 
 
@@ -52,7 +52,7 @@ def verify_layout(
     source = api.load(model, config=config, revision=revision)
     blocks = api._detect(source, Hints(num_heads, num_kv_heads, head_dim, force_hints)).blocks
     if not source.config:
-        raise OptionError(f"--verify-layout builds the architecture from config.json, and {source.path} has none; pass --config PATH")
+        raise OptionError(f"{opt('verify_layout', True)} builds the architecture from config.json, and {source.path} has none; pass {opt('config', 'PATH')}", path=source.path)
     arch = build_architecture(source.config)
     try:
         probed = probe_blocks(arch)
@@ -69,15 +69,15 @@ def build_architecture(config: dict) -> torch.nn.Module:
     try:
         import transformers
     except ImportError:
-        raise OptionError("--verify-layout needs transformers to build the architecture: pip install transformers") from None
+        raise OptionError(f"{opt('verify_layout', True)} needs transformers to build the architecture: pip install transformers") from None
     model_type = config.get("model_type")
     if not model_type:
-        raise OptionError("--verify-layout needs config.json to name its model_type (a transformers architecture)")
+        raise OptionError(f"{opt('verify_layout', True)} needs config.json to name its model_type (a transformers architecture)")
     settings = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
     try:
         cfg = transformers.AutoConfig.for_model(model_type, **settings)
     except (ValueError, KeyError) as exc:
-        raise OptionError(f"--verify-layout: transformers {transformers.__version__} does not know model_type {model_type!r} ({exc})") from None
+        raise OptionError(f"{opt('verify_layout', True)}: transformers {transformers.__version__} does not know model_type {model_type!r} ({exc})") from None
     names = config.get("architectures") or []
     cls = getattr(transformers, names[0], None) if names else None
     if cls is None:
@@ -90,7 +90,7 @@ def build_architecture(config: dict) -> torch.nn.Module:
         with torch.device("cpu"):
             model = build()
     except Exception as exc:  # an architecture transformers cannot build from this config
-        raise OptionError(f"--verify-layout: cannot build {names[0] if names else model_type} from config.json: {type(exc).__name__}: {str(exc)[:200]}") from None
+        raise OptionError(f"{opt('verify_layout', True)}: cannot build {names[0] if names else model_type} from config.json: {type(exc).__name__}: {str(exc)[:200]}") from None
     return model.float().eval()
 
 

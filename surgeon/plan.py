@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from ._version import __version__
 from .spectrum import VALUE_IDENTITIES
-from .errors import OptionError, SelectionError
+from .errors import OptionError, SelectionError, opt
 from .selection import IndexSpec, format_indices, parse_attention, parse_targets, resolve_indices
 from .spec import AttentionBlock, Projection
 
@@ -36,9 +36,9 @@ class ReinitOptions:
             raise OptionError(f"unknown mode {self.mode!r}: use conditioned (the paper's reset) or polar (condition the existing weights)")
         if self.strength is not None:
             if self.mode != "polar":
-                raise OptionError("--strength applies to --mode polar only (the conditioned reset always reaches kappa = 1)")
+                raise OptionError(f"{opt('strength')} applies to {opt('mode', 'polar')} only (the conditioned reset always reaches kappa = 1)")
             if not 0.0 < float(self.strength) <= 1.0:
-                raise OptionError(f"--strength must be in (0, 1], not {self.strength}")
+                raise OptionError(f"{opt('strength')} must be in (0, 1], not {self.strength}")
         if self.value_identity not in VALUE_IDENTITIES:
             raise OptionError(f"unknown value identity {self.value_identity!r}: use block or per-head")
         if self.bias not in BIAS_CHOICES:
@@ -148,7 +148,7 @@ def make_plan(blocks: list[AttentionBlock], options: ReinitOptions) -> Plan:
         by_stack.setdefault(b.stack, []).append(b)
     for stack, members in by_stack.items():
         depth = max(b.layer for b in blocks if b.stack == stack) + 1
-        where = f"{stack or 'the model'}" + (" (pick a stack with --stack)" if len(by_stack) > 1 else "")
+        where = f"{stack or 'the model'}" + (f" (pick a stack with {opt('stack')})" if len(by_stack) > 1 else "")
         layers = set(resolve_indices(options.layers, depth, what="layer", where=where))
         for block in members:
             if block.layer not in layers:
@@ -159,7 +159,9 @@ def make_plan(blocks: list[AttentionBlock], options: ReinitOptions) -> Plan:
                 if heads:
                     plan.changes.append(Change(block, role, tuple(heads)))
     if not plan.changes:
-        raise SelectionError("the selection picks no projection: check --layers, --heads, --targets and --attention")
+        raise SelectionError(
+            f"the selection picks no projection: check {opt('layers')}, {opt('heads')}, {opt('targets')} and {opt('attention')}"
+        )
     return plan
 
 
@@ -174,8 +176,8 @@ def _kv_heads(block: AttentionBlock, q_heads: list[int], role: str) -> list[int]
             out.append(g)
         elif members & selected:
             raise SelectionError(
-                f"--heads {format_indices(sorted(selected))} splits key/value head {g} of {block.module}, which serves "
-                f"query heads {format_indices(sorted(members))}: select whole groups or use --targets q"
+                f"{opt('heads', format_indices(sorted(selected)))} splits key/value head {g} of {block.module}, which serves "
+                f"query heads {format_indices(sorted(members))}: select whole groups or use {opt('targets', 'q')}"
             )
     return out
 

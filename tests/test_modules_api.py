@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+
+from surgeon.cli import cli_spelling
 import torch
 
 import surgeon
@@ -146,8 +148,10 @@ def test_dispatch_and_errors(tmp_path):
 
 def test_hints_that_contradict_the_forward_are_refused():
     model = Stack(lambda: LucidAttention(24, heads=4, dim_head=6), 24)
-    with pytest.raises(surgeon.LayoutError, match=r"^layers.0.attn: its forward uses 4 query heads, not 3 \(--num-heads\)$"):
+    with pytest.raises(surgeon.LayoutError, match=r"^layers.0.attn: its forward uses 4 query heads, not 3 \(num_heads\)$") as err:
         surgeon.inspect(model, num_heads=3)
+    assert err.value.option == "num_heads"
+    assert err.value.describe(cli_spelling) == "layers.0.attn: its forward uses 4 query heads, not 3 (--num-heads)"
 
 
 @cuda

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import LayoutError
+from ..errors import LayoutError, opt
 
 HEADS_KEYS = ("num_attention_heads", "num_heads", "n_head", "n_heads", "attention_heads", "heads")
 KV_HEADS_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "kv_n_heads", "num_kv_heads_per_layer", "multi_query_group_num")
@@ -101,15 +101,15 @@ class ConfigView:
             kv_heads = None
         head_dim = _first(nested, HEAD_DIM_KEYS)
         hidden = _first(nested, HIDDEN_KEYS)
-        for flag, hint, said in (("--num-heads", self.hints.num_heads, heads), ("--num-kv-heads", self.hints.num_kv_heads, kv_heads),
-                                 ("--head-dim", self.hints.head_dim, head_dim)):
+        for flag, hint, said in (("num_heads", self.hints.num_heads, heads), ("num_kv_heads", self.hints.num_kv_heads, kv_heads),
+                                 ("head_dim", self.hints.head_dim, head_dim)):
             if hint is not None and said is not None and hint != said and not self.hints.force:
                 raise LayoutError(
-                    f"{flag} {hint} contradicts {source}, which says {said} for {stack or 'the model'}: leave {flag} out, "
-                    f"or pass --force-hints to override the config"
+                    f"{opt(flag, hint)} contradicts {source}, which says {said} for {stack or 'the model'}: leave {opt(flag)} out, "
+                    f"or pass {opt('force_hints', True)} to override the config"
                 )
         if self.hints.num_heads is not None:
-            heads, source = self.hints.num_heads, "--num-heads"
+            heads, source = self.hints.num_heads, opt("num_heads")
         if self.hints.num_kv_heads is not None:
             kv_heads = self.hints.num_kv_heads
         if self.hints.head_dim is not None:

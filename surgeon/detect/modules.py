@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..errors import LayoutError, NoAttentionFoundError, SurgeonError
+from ..errors import LayoutError, NoAttentionFoundError, SurgeonError, opt
 from ..formats.base import TensorInfo
 from ..spec import AttentionBlock, Projection, Rows, slot_offsets
 from .config import Hints
@@ -630,7 +630,7 @@ def _resolve(runs: dict[str, _Watch], i: int, targets: _Targets, hints: Hints) -
     if len(kv["k"]) != len(kv["v"]):
         raise _Unresolved(f"it has {len(kv['k'])} key heads but {len(kv['v'])} value heads")
     if hints.num_heads is not None and hints.num_heads != heads:
-        raise LayoutError(f"{cap.module or 'the model'}: its forward uses {heads} query heads, not {hints.num_heads} (--num-heads)")
+        raise LayoutError(f"{cap.module or 'the model'}: its forward uses {heads} query heads, not {hints.num_heads} ({opt('num_heads')})")
     return {"q": q_heads, "k": kv["k"], "v": kv["v"], "dims": {r: decoded[r][2].shape[1] for r in "qkv"}}
 
 

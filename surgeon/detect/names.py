@@ -12,7 +12,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..errors import LayoutError, NoAttentionFoundError, UnsupportedWeightsError
+from ..errors import LayoutError, NoAttentionFoundError, UnsupportedWeightsError, opt
 from ..formats.base import TensorInfo
 from ..spec import AttentionBlock, Projection, Rows, packed_size, slot_offsets
 from .config import ConfigView, Hints
@@ -233,7 +233,7 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
         raise LayoutError(
             f"cannot tell the number of heads of {where}: "
             f"{facts.source + ' does not say' if view.has_config else 'there is no config.json beside the weights'}; "
-            "pass --num-heads N (and --num-kv-heads for grouped-query attention), or --config PATH"
+            f"pass {opt('num_heads', 'N')} (and {opt('num_kv_heads')} for grouped-query attention), or {opt('config', 'PATH')}"
         )
     kv_hint = facts.pick(facts.kv_heads, stage)
     parts = [(p, tensors[_join(module, p.weight)]) for p in rule.parts]
@@ -288,7 +288,7 @@ def _packing(part: Part, view: ConfigView, stack: str, where: str) -> str:
             f"cannot tell how {_join(where, part.weight)} packs query/key/value: it is interleaved per head in "
             "GPT-NeoX/Bloom and grouped in Falcon, and "
             + ("config.json (model_type) does not say" if view.has_config else "there is no config.json beside the weights")
-            + "; pass --config PATH"
+            + f"; pass {opt('config', 'PATH')}"
         )
     return packing
 
@@ -313,7 +313,7 @@ def _solve(parts, packings, heads: int, kv_hint, head_dim_hint, hidden, where: s
     shapes = ", ".join(f"{info.name.rsplit('.', 2)[-2] if '.' in info.name else info.name} {list(info.shape)}" for _, info in parts)
     raise LayoutError(
         f"the shapes of {where} ({shapes}) do not fit {heads} heads from {source}"
-        f"{' (' + tried[0] + ')' if tried else ''}; check the config or pass --num-heads/--num-kv-heads/--head-dim"
+        f"{' (' + tried[0] + ')' if tried else ''}; check the config or pass {opt('num_heads')}/{opt('num_kv_heads')}/{opt('head_dim')}"
     )
 
 

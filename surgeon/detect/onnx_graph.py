@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from ..errors import LayoutError, NoAttentionFoundError, UnsupportedWeightsError
+from ..errors import LayoutError, NoAttentionFoundError, UnsupportedWeightsError, opt
 from ..spec import AttentionBlock, Projection, Rows
 from .config import ConfigView, Hints
 from .names import Detection
@@ -845,7 +845,7 @@ def _block(graph: Graph, core: _Core, module: str, stack: str, layer: int, view:
     if d is None:
         raise LayoutError(
             f"cannot tell the heads of {where}: no Reshape splits its {q.width} query features and the op has no "
-            "num_heads attribute; pass --num-heads N (and --num-kv-heads), or --config PATH"
+            f"num_heads attribute; pass {opt('num_heads', 'N')} (and {opt('num_kv_heads')}), or {opt('config', 'PATH')}"
         )
     for role, p in (("query", q), ("key", k), ("value", v)):
         if p.head_dim is not None and p.head_dim != d:
@@ -859,7 +859,7 @@ def _block(graph: Graph, core: _Core, module: str, stack: str, layer: int, view:
         raise LayoutError(f"{where}: num_heads={core.num_heads} but its {q.width} query features are {heads} heads of {d}")
     hinted = view.hints.num_heads
     if hinted and hinted != heads:
-        note = f"--num-heads {hinted} ignored for {module}: the graph splits it into {heads} heads of {d}"
+        note = f"{opt('num_heads', hinted)} ignored for {module}: the graph splits it into {heads} heads of {d}"
     projections = {}
     for role, p, count in (("q", q, heads), ("k", k, kv_heads), ("v", v, kv_heads)):
         offsets = tuple(p.base + h * d for h in range(count))

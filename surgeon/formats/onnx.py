@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 import torch
 
-from ..errors import CheckpointError, SelectionError
+from ..errors import CheckpointError, SharedInitializerError, opt
 from .base import TensorInfo, UpdatesFn, WeightSet
 from .fileio import copy_file_sparse, copy_range
 
@@ -58,10 +58,6 @@ _GRAPH_INITIALIZER = 5
 _TENSOR_NAME, _TENSOR_RAW, _TENSOR_FLOAT, _TENSOR_DOUBLE = 8, 9, 4, 10
 _TENSOR_DATA_FIELDS = {4, 5, 6, 7, 9, 10, 11}
 _LEN = 2  # wire type of length-delimited fields
-
-
-class SharedInitializerError(SelectionError):
-    """An initializer the plan would change is also read by nodes the plan leaves alone."""
 
 
 @dataclass(frozen=True)
@@ -220,7 +216,7 @@ class OnnxWeights(WeightSet):
             what = list(dict.fromkeys(what)) + (["a graph output"] if name in graph.outputs else [])
             shown = ", ".join(what[:3]) + (f" and {len(what) - 3} more" if len(what) > 3 else "")
             is_bias = any(c.projection.bias is not None and c.projection.bias.tensor == name for c in plan.changes)
-            fix = "select them too (--layers/--stack/--attention)" + (", or keep the biases (--bias keep)" if is_bias else "")
+            fix = f"select them too ({opt('layers')}/{opt('stack')}/{opt('attention')})" + (f", or keep the biases ({opt('bias', 'keep')})" if is_bias else "")
             raise SharedInitializerError(
                 f"initializer {name!r} is shared: besides the projections chosen, {shown} read{'s' if len(what) == 1 else ''} it, "
                 f"so changing it would change them too; {fix}, or leave those projections out"
