@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from . import hub
 from .detect.config import Hints
-from .detect.names import Detection, detect
+from .detect import detect_source
 from ._version import __version__
 from .errors import CheckpointError, OptionError, opt
 from .output import copy_extras, output_kind, resolve_output, staged, tree_size
@@ -44,13 +44,6 @@ def check_device(device: str | torch.device | None) -> None:
         raise OptionError(f"unknown device {text!r}: use auto, cpu, cuda or cuda:N")
 
 
-def _detect(source: Source, hints: Hints) -> Detection:
-    found = source.primary.detect(source.config, hints)
-    if found is not None:
-        return found
-    return detect(source.primary.tensors, source.config, hints, source=str(source.path))
-
-
 def inspect_checkpoint(
     model: str | Path,
     *,
@@ -74,7 +67,7 @@ def inspect_checkpoint(
     dev = resolve_device(device)
     start = time.perf_counter()
     source = load(model, config=config, revision=revision, progress=progress)
-    detection = _detect(source, Hints(num_heads, num_kv_heads, head_dim, force_hints))
+    detection = detect_source(source, Hints(num_heads, num_kv_heads, head_dim, force_hints))
     weights = source.primary
     with _progress(progress, len({p.weight.tensor for b in detection.blocks for p in b.projections}), "inspect") as bar:
         spectra = inspect_blocks(detection.blocks, weights.read, dev, progress=bar.update if bar else None, whole=full)
@@ -149,7 +142,7 @@ def reinit_checkpoint(
     if push_to_hub is not None and output_kind(source) != "folder":
         raise OptionError(f"{opt('push_to_hub')} uploads a model folder, and the output of {source.path.name} is a single file: give the model folder as MODEL")
     hints = Hints(num_heads, num_kv_heads, head_dim, force_hints)
-    detection = _detect(source, hints)
+    detection = detect_source(source, hints)
     plan = make_plan(detection.blocks, options)
     dest = resolve_output(source, output, in_place=in_place, overwrite=overwrite or dry_run)
     report = Report(
@@ -159,7 +152,7 @@ def reinit_checkpoint(
     if dry_run:
         return _plan_report(report, source, plan, dest, overwrite=overwrite, in_place=in_place, push_to_hub=push_to_hub)
     for weights in source.weights:
-        weights.check_plan(plan)
+        weights.check_plan(plan, detection)
     _check_secondary_sets(source, plan.tensors())
     run = _Run(plan, device, whole=full, progress=progress, total=len(plan.tensors()) * len(source.weights))
     try:

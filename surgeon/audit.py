@@ -126,6 +126,7 @@ def verify(
     """
     from . import api
     from .apply import Engine, resolve_device
+    from .detect import detect_source
     from .detect.config import Hints
     from .plan import ReinitOptions, make_plan
     from .source import open_source
@@ -152,7 +153,7 @@ def verify(
         options = ReinitOptions(**{k: v for k, v in opts.items() if k in known}).validated()
     except (TypeError, SurgeonError) as exc:
         raise CheckpointError(f"{output}: the surgeon record's options cannot be read ({exc})") from None
-    detection = api._detect(src, Hints(num_heads, num_kv_heads, head_dim, force_hints))
+    detection = detect_source(src, Hints(num_heads, num_kv_heads, head_dim, force_hints))
     plan = make_plan(detection.blocks, options)
     if plan.record()["blocks"] != record.get("blocks"):
         raise VerificationError(

@@ -35,8 +35,8 @@ from .errors import (  # noqa: F401  (the Hub errors are also importable from he
     opt,
 )
 from .redact import redact, remember
-from .formats.torchfile import SUFFIXES as PT_SUFFIXES
-from .source import NOT_WEIGHTS, TORCH_NAMES, Source, open_source
+from .formats.registry import OTHER_FORMAT_SUFFIXES, WEIGHT_SUFFIXES, is_weight, pick_weights
+from .source import Source, open_source
 
 HF_PREFIX = "hf://"
 
@@ -45,7 +45,7 @@ HF_PREFIX = "hf://"
 
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
 # `sub/model.safetensors` that does not exist is a mistyped path, not a Hub id.
-_PATH_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".json", ".onnx", ".h5", ".gguf", ".msgpack")
+_PATH_SUFFIXES = WEIGHT_SUFFIXES + (".json", ".h5", ".gguf", ".msgpack")
 
 
 def parse_repo_id(text: str) -> str | None:
@@ -156,7 +156,7 @@ def download(repo_id: str, *, revision: str | None = None, progress: bool = Fals
         else:
             files, complete = _cached_files(repo_id, resolved)
         wanted, skipped = pick_files(files)
-        if not any(_is_weight(f) for f in wanted):
+        if not any(is_weight(f) for f in wanted):
             if not complete:
                 raise LocalEntryNotFoundError(f"the cached snapshot of {repo_id} holds no weights")
             raise CheckpointError(
@@ -192,15 +192,10 @@ def _cached_files(repo_id: str, resolved) -> tuple[list[str], bool]:
     raise LocalEntryNotFoundError(f"no files of {repo_id} at {resolved.resolved} in the cache")
 
 
-def _is_weight(path: str) -> bool:
-    name = path.rsplit("/", 1)[-1]
-    return name.endswith((".safetensors", ".onnx")) or (Path(name).suffix in PT_SUFFIXES and name not in NOT_WEIGHTS)
-
-
 # Weights in formats surgeon does not rewrite. A top-level folder holding weights (onnx/, openvino/,
 # coreml/, checkpoint-500/) is another copy or export of the model and is left out whole, except the
 # numbered module folders of sentence-transformers (1_Pooling/, 2_Dense/): those belong to the model.
-_OTHER_WEIGHTS = (".h5", ".msgpack", ".ot", ".gguf", ".tflite", ".mlmodel", ".onnx_data", ".xml", ".npz", ".keras")
+_OTHER_WEIGHTS = OTHER_FORMAT_SUFFIXES + (".onnx_data", ".xml", ".npz", ".keras")
 _ST_MODULE = re.compile(r"\d+_\w+")
 _TOKENIZER_NAMES = {"vocab.txt", "vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json"}
 
@@ -214,10 +209,10 @@ def pick_files(files: list[str]) -> tuple[list[str], list[str]]:
     folders; never other formats of the weights or folders of exports and checkpoints.
     """
     top = [f for f in files if "/" not in f]
-    weights = _pick_weights(top)
+    weights = pick_weights(top)
     exports = {
         f.split("/", 1)[0] for f in files
-        if "/" in f and (_is_weight(f) or f.endswith(_OTHER_WEIGHTS) or ".mlpackage/" in f) and not _ST_MODULE.fullmatch(f.split("/", 1)[0])
+        if "/" in f and (is_weight(f) or f.endswith(_OTHER_WEIGHTS) or ".mlpackage/" in f) and not _ST_MODULE.fullmatch(f.split("/", 1)[0])
     }
     chosen = set(weights)
     for f in files:
@@ -230,29 +225,9 @@ def pick_files(files: list[str]) -> tuple[list[str], list[str]]:
             name.startswith("tokenizer") or name in _TOKENIZER_NAMES or name.endswith((".model", ".tiktoken", ".py", ".jinja")) or name == "README.md"
         ):
             chosen.add(f)
-    chosen -= {f for f in top if f.endswith(_OTHER_WEIGHTS + (".bin", ".pt", ".pth", ".ckpt", ".safetensors", ".onnx")) and f not in weights}
-    skipped = [f for f in top if (_is_weight(f) or f.endswith(".index.json")) and f not in chosen]
+    chosen -= {f for f in top if f.endswith(_OTHER_WEIGHTS + WEIGHT_SUFFIXES) and f not in weights}
+    skipped = [f for f in top if (is_weight(f) or f.endswith(".index.json")) and f not in chosen]
     return sorted(chosen), skipped
-
-
-def _pick_weights(top: list[str]) -> list[str]:
-    st = [n for n in top if n.endswith(".safetensors")]
-    st_index = sorted(n for n in top if n.endswith(".safetensors.index.json"))
-    if st_index or st:
-        return st_index[:1] + st
-    pt_index = sorted(n for n in top if n.endswith(".bin.index.json") or n.endswith(".pt.index.json"))
-    if pt_index:
-        return pt_index[:1] + [n for n in top if n.endswith(".bin") and n not in NOT_WEIGHTS]
-    named = [n for n in TORCH_NAMES if n in top]
-    if named:
-        return named[:1]
-    others = [n for n in top if Path(n).suffix in PT_SUFFIXES and n not in NOT_WEIGHTS and not n.startswith(("rng_state", "optimizer"))]
-    if len(others) == 1:
-        return others
-    onnx = sorted(n for n in top if n.endswith(".onnx"))
-    if onnx:  # with its external data file, when it has one
-        return onnx[:1] + [n for n in top if n.startswith(onnx[0] + "_data") or n.startswith(onnx[0] + ".data")]
-    return []
 
 
 # --- pushing -----------------------------------------------------------------------------------

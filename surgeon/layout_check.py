@@ -47,10 +47,11 @@ def verify_layout(
 ) -> LayoutCheck:
     """Raise LayoutError (one line) at the first disagreement; return the agreement otherwise."""
     from . import api
+    from .detect import detect_source
     from .detect.modules import checkpoint_names, probe_blocks
 
     source = api.load(model, config=config, revision=revision)
-    blocks = api._detect(source, Hints(num_heads, num_kv_heads, head_dim, force_hints)).blocks
+    blocks = detect_source(source, Hints(num_heads, num_kv_heads, head_dim, force_hints)).blocks
     if not source.config:
         raise OptionError(f"{opt('verify_layout', True)} builds the architecture from config.json, and {source.path} has none; pass {opt('config', 'PATH')}", path=source.path)
     arch = build_architecture(source.config)

@@ -11,30 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import LayoutError, opt
-
-HEADS_KEYS = ("num_attention_heads", "num_heads", "n_head", "n_heads", "attention_heads", "heads")
-KV_HEADS_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "kv_n_heads", "num_kv_heads_per_layer", "multi_query_group_num")
-HEAD_DIM_KEYS = ("head_dim", "d_kv", "attention_head_dim", "kv_channels", "head_size")
-HIDDEN_KEYS = ("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim", "width")
-# Where a tower's config is nested (CLIP, SigLIP, LLaVA, encoder-decoder wrappers): the words in a
-# stack's module path that select it.
-SUBCONFIG_WORDS = {
-    "text_config": ("text", "language", "llm"),
-    "vision_config": ("vision", "visual", "image"),
-    "audio_config": ("audio", "speech"),
-    "encoder": ("encoder",),
-    "decoder": ("decoder",),
-}
-# How a fused tensor packs q/k/v where a family departs from the default of its tensor name
-# (spec.PACKINGS); flag-dependent families (Falcon, ChatGLM, GPTBigCode) are in ConfigView.fused_packing.
-FUSED_PACKING_BY_MODEL_TYPE = {
-    ("query_key_value", "gpt_neox"): "interleaved",
-    ("query_key_value", "gpt_neox_japanese"): "interleaved",
-    ("query_key_value", "bloom"): "interleaved",
-    ("query_key_value", "persimmon"): "interleaved",
-    ("qkv_proj", "codegen"): "codegen",
-}
-
+from .families import FUSED_PACKING_BY_MODEL_TYPE, HEAD_DIM_KEYS, HEADS_KEYS, HIDDEN_KEYS, KV_HEADS_KEYS, SUBCONFIG_WORDS  # noqa: F401
 
 @dataclass(frozen=True)
 class Hints:

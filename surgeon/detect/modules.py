@@ -42,7 +42,8 @@ from ..errors import LayoutError, NoAttentionFoundError, SurgeonError, opt
 from ..formats.base import TensorInfo
 from ..spec import AttentionBlock, Projection, Rows, slot_offsets
 from .config import Hints
-from .names import _kind, _match_modules, _place, detect
+from .names import detect, match_modules, place_matches
+from .placement import join, kind
 
 PROBE_TOKENS = 8  # tokens of a generated probe input: enough for any mask code, small for any model
 
@@ -194,7 +195,7 @@ def _mha_block(path: str, mha: nn.MultiheadAttention) -> AttentionBlock:
             weight = Rows(join(f"{role}_proj_weight"), 0, slot_offsets(role, heads, heads, d)[role], d)
             width = tensor.shape[1]
         projs[role] = Projection(role, weight, Rows(bias, 0, qkv[role], d) if bias else None, width)  # type: ignore[arg-type]
-    cross = not mha._qkv_same_embed_dim or _kind(path) == "cross"
+    cross = not mha._qkv_same_embed_dim or kind(path) == "cross"
     layout = "fused in_proj" if mha._qkv_same_embed_dim else "separate in_proj"
     return AttentionBlock("", 0, "cross" if cross else "self", path, layout, heads, heads, d, projs["q"], projs["k"], projs["v"])
 
@@ -202,7 +203,7 @@ def _mha_block(path: str, mha: nn.MultiheadAttention) -> AttentionBlock:
 def _placed(blocks: list[AttentionBlock]) -> list[AttentionBlock]:
     """Stack and layer numbers from the module paths, as name-based detection gives them."""
     by_module = {b.module: b for b in blocks}
-    placed = _place(by_module)  # type: ignore[arg-type]
+    placed = place_matches(by_module)  # type: ignore[arg-type]
     return [replace(block, stack=stack, layer=layer) for _, block, stack, layer, _ in placed]
 
 
@@ -717,15 +718,11 @@ def probe_blocks(
                 except _Unresolved as exc:
                     if cap.via == "matmul" and not any(_decodes(runs, i, role, targets) for role in "qkv"):
                         continue  # products around a softmax that involve no projection: not attention
-                    where = _join(prefix, cap.module) or type(module).__name__
+                    where = join(prefix, cap.module) or type(module).__name__
                     raise LayoutError(f"cannot resolve the attention in {where}: {exc}") from None
                 if not (skip and _under(block.module, skip)):
                     blocks.setdefault(tuple((p.weight.tensor, p.weight.offsets) for p in block.projections), block)
     return [_prefixed(b, prefix) for b in _placed(list(blocks.values()))] if blocks else []
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def _call_sites(module, example_inputs, names, targets, skip) -> list[dict[str, _Watch]]:
@@ -772,7 +769,7 @@ def _try_calls(module: nn.Module, path: str, names, targets: _Targets, skip: lis
     """Call ``module`` on a float (1, tokens, width) probe; where it fails, try its children."""
     if _under(path, skip) and skip:
         return
-    own = [(n, p) for n, p in module.named_parameters() if p.dim() == 2 and p.is_floating_point() and not _under(_join(path, n), skip)]
+    own = [(n, p) for n, p in module.named_parameters() if p.dim() == 2 and p.is_floating_point() and not _under(join(path, n), skip)]
     if not own:
         return
     if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is not nn.Module.forward:
@@ -785,7 +782,7 @@ def _try_calls(module: nn.Module, path: str, names, targets: _Targets, skip: lis
                 sites.append(runs)
                 return
     for name, child in module.named_children():
-        _try_calls(child, _join(path, name), names, targets, skip, sites)
+        _try_calls(child, join(path, name), names, targets, skip, sites)
 
 
 def hf_inputs(model: nn.Module, *, tokens: int = PROBE_TOKENS) -> dict:
@@ -837,8 +834,8 @@ def _refuse_unseen(module: nn.Module, rest: list[str], probed: list[AttentionBlo
     """Parameters named like attention projections that no observed attention product used."""
     used = {r.tensor for b in probed for p in b.projections for r in (p.weight, p.bias) if r is not None}
     infos = {n: TensorInfo(n, (0, 0), "", None, "", 0) for n in rest if n not in used}
-    for owner, rule in _match_modules(infos).items():
-        weights = [_join(owner, part.weight) for part in rule.parts]
+    for owner, rule in match_modules(infos).items():
+        weights = [join(owner, part.weight) for part in rule.parts]
         if any(w in used for w in weights):
             continue
         hint = "pass example_inputs=... (the inputs of its usual forward)" if example_inputs is None else "its forward never used them on the example inputs"

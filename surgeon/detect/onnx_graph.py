@@ -35,7 +35,8 @@ import onnx
 from ..errors import LayoutError, NoAttentionFoundError, UnsupportedWeightsError, opt
 from ..spec import AttentionBlock, Projection, Rows
 from .config import ConfigView, Hints
-from .names import Detection
+from . import Detection
+from .placement import place
 
 MS = "com.microsoft"
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
@@ -793,9 +794,6 @@ def _same_data_source(g: Graph, tensor: str) -> str:
 
 
 # --- from resolved cores to blocks ----------------------------------------------------------------
-_NUMERIC = re.compile(r"^\d+$")
-
-
 def find_attention(model: onnx.ModelProto, const: Callable[[str], np.ndarray | None], config: dict | None = None,
                    hints: Hints | None = None, *, source: str = "the model") -> OnnxDetection:
     """Every attention block of an ONNX model, in graph order. Raises NoAttentionFoundError if none."""
@@ -812,7 +810,7 @@ def find_attention(model: onnx.ModelProto, const: Callable[[str], np.ndarray | N
     if not resolved:
         raise NoAttentionFoundError(_nothing_found(graph, cores, failures, source))
     fallback = [graph.nodes[c.node].name or f"{graph.nodes[c.node].op_type}_{c.node}" for c in resolved]
-    placed = _place(_scopes(graph, resolved), fallback)
+    placed = _place_cores(_scopes(graph, resolved), fallback)
     view = ConfigView(config, hints)
     blocks, notes = [], [f"skipped {f}" for f in failures]
     users: dict[tuple[str, str], dict[str, set[int]]] = {}
@@ -908,7 +906,7 @@ def _common_prefix(paths: list[list[str]]) -> list[str]:
     return prefix
 
 
-def _place(scopes: list[str | None], fallback: list[str]) -> list[tuple[str, int, str]]:
+def _place_cores(scopes: list[str | None], fallback: list[str]) -> list[tuple[str, int, str]]:
     """(stack, layer, module) for each block, in the order given.
 
     Module paths that differ only in numbers form a group (``encoder.layer.#.attention.self``); the
@@ -923,7 +921,7 @@ def _place(scopes: list[str | None], fallback: list[str]) -> list[tuple[str, int
             counts[s] += 1
     placed: dict[int, tuple[str, int, str]] = {}
     calls: dict[str, int] = defaultdict(int)
-    groups: dict[str, list[int]] = defaultdict(list)
+    grouped: list[int] = []
     unnamed, used = 0, set(s for s in scopes if s)
     for i, s in enumerate(scopes):
         if not s:
@@ -935,21 +933,11 @@ def _place(scopes: list[str | None], fallback: list[str]) -> list[tuple[str, int
             placed[i] = (s, calls[s], f"{s}[{calls[s]}]")
             calls[s] += 1
         else:
-            groups[".".join("#" if _NUMERIC.match(p) else p for p in s.split("."))].append(i)
-    keys: dict[str, list[tuple[int, ...]]] = defaultdict(list)
-    raw: dict[int, tuple[str, tuple[int, ...]]] = {}
-    for template, members in groups.items():
-        numeric = [j for j, p in enumerate(template.split(".")) if p == "#"]
-        split = {i: scopes[i].split(".") for i in members}  # type: ignore[union-attr]
-        varying = [j for j in numeric if len({s[j] for s in split.values()}) > 1] or numeric[:1]
-        for i, comps in split.items():
-            stack = ".".join(comps[: varying[0]]) if varying else ""
-            key = tuple(int(comps[j]) for j in varying)
-            raw[i] = (stack, key)
-            keys[stack].append(key)
-    order = {stack: sorted(set(ks)) for stack, ks in keys.items()}
-    for i, (stack, key) in raw.items():
-        placed[i] = (stack, order[stack].index(key), scopes[i])  # type: ignore[assignment]
+            grouped.append(i)
+    places = place((scopes[i] for i in grouped), lone="top")  # type: ignore[misc]
+    for i in grouped:
+        where = places[scopes[i]]  # type: ignore[index]
+        placed[i] = (where.stack, where.layer, scopes[i])  # type: ignore[assignment]
     return [placed[i] for i in range(len(scopes))]
 
 

@@ -112,7 +112,6 @@ class OnnxWeights(WeightSet):
             self._stored[t.name] = stored
             self._protos[t.name] = t
         self.files = [path.name] + external
-        self._detected = None
 
     # --- where the bytes are ---------------------------------------------------------------
     def _embedded(self, t: onnx.TensorProto, nbytes: int) -> _Stored:
@@ -184,21 +183,16 @@ class OnnxWeights(WeightSet):
         extra = len(self.files) - 1
         return f"onnx ({self.path.name}" + (f" + {extra} external data file{'s' if extra > 1 else ''})" if extra else ")")
 
-    def detect(self, config: dict | None, hints):
-        from ..detect.onnx_graph import find_attention
-
-        self._detected = find_attention(self.model, self._const, config, hints, source=str(self.path))
-        return self._detected.detection
-
-    def _const(self, name: str) -> np.ndarray | None:
+    def const(self, name: str) -> np.ndarray | None:
         info = self._infos.get(name)
         if info is None or info.nbytes > _SMALL * 8 or info.torch_dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
             return None
         return self.read(name).numpy()
 
-    def check_plan(self, plan) -> None:
-        """Refuse to change an initializer that nodes outside the plan read too."""
-        found = self._detected
+    def check_plan(self, plan, detection) -> None:
+        """Refuse to change an initializer that nodes outside the plan read too (``detection.graph``:
+        the graph facts of surgeon.detect.onnx_graph)."""
+        found = detection.graph
         if found is None:
             return
         allowed: dict[str, set[int]] = {}
