@@ -64,6 +64,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from .api import inspect_checkpoint, reinit_checkpoint
+    from .audit import Verification, verify
     from .errors import (
         CheckpointError,
         HubAccessError,
@@ -75,14 +76,13 @@ if TYPE_CHECKING:
         NoAttentionFoundError,
         OptionError,
         OutputError,
+        PushError,
         SelectionError,
         SurgeonError,
-        PushError,
         UnsupportedWeightsError,
         VerificationError,
     )
     from .hub import PushResult, push_folder
-    from .audit import Verification, verify
     from .journal import recover
     from .modules import inspect, inspect_module, reinit, reinit_
     from .plan import ReinitOptions

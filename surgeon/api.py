@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import hub
-from .detect.config import Hints
-from .detect import detect_source
 from ._version import __version__
+from .detect import detect_source
+from .detect.config import Hints
 from .errors import CheckpointError, OptionError, opt
 from .output import copy_extras, output_kind, resolve_output, staged, tree_size
 from .plan import Plan, ReinitOptions, make_plan

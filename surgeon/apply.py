@@ -13,10 +13,20 @@ from dataclasses import dataclass
 
 import torch
 
-from .conditioning import Spectrum, head_kappas, head_seed, polar, rescale_to, semi_orthogonal_batch, single_threaded, spectrum, value_identity
+from .conditioning import (
+    Spectrum,
+    head_kappas,
+    head_seed,
+    polar,
+    rescale_to,
+    semi_orthogonal_batch,
+    single_threaded,
+    spectrum,
+    value_identity,
+)
 from .errors import OptionError, UnsupportedWeightsError, opt
-from .selection import format_indices
 from .plan import Change, Plan
+from .selection import format_indices
 from .spec import AttentionBlock, Projection, Rows
 
 

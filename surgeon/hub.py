@@ -34,8 +34,8 @@ from .errors import (  # noqa: F401  (the Hub errors are also importable from he
     SurgeonError,
     opt,
 )
-from .redact import redact, remember
 from .formats.registry import OTHER_FORMAT_SUFFIXES, WEIGHT_SUFFIXES, is_weight, pick_weights
+from .redact import redact, remember
 from .source import Source, open_source
 
 HF_PREFIX = "hf://"

@@ -18,7 +18,6 @@ from pathlib import Path
 from .errors import OutputError, opt
 from .source import Source
 
-
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".onnx", ".h5", ".gguf", ".msgpack", ".json")
 
 

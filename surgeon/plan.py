@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
 from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
 
 from ._version import __version__
-from .spectrum import VALUE_IDENTITIES
 from .errors import OptionError, SelectionError, opt
 from .selection import IndexSpec, format_indices, parse_attention, parse_targets, resolve_indices
 from .spec import AttentionBlock, Projection
+from .spectrum import VALUE_IDENTITIES
 
 MODES = ("conditioned", "polar")
 BIAS_CHOICES = ("auto", "zero", "keep")

@@ -7,9 +7,9 @@ import math
 from dataclasses import dataclass, field
 
 from .errors import Spelling, opt, python_spelling, spell
-from .spectrum import Spectrum
 from .selection import format_indices
 from .spec import AttentionBlock
+from .spectrum import Spectrum
 
 
 def fmt_kappa(x: float | None) -> str:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import transformers
 
+from surgeon.detect.placement import Place, kind, place
+
 from _families import _build
 from _observe import observe
-from surgeon.detect.placement import Place, kind, place
 from test_families import match_blocks
 
 

@@ -8,14 +8,13 @@ import re
 import sys
 
 import pytest
-
-from surgeon.cli import cli_spelling
 import torch
 
-from _families import FAMILIES
+from surgeon.cli import cli_spelling
 from surgeon.errors import LayoutError, OptionError
 from surgeon.layout_check import verify_layout
 
+from _families import FAMILIES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

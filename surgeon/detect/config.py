@@ -11,7 +11,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import LayoutError, opt
-from .families import FUSED_PACKING_BY_MODEL_TYPE, HEAD_DIM_KEYS, HEADS_KEYS, HIDDEN_KEYS, KV_HEADS_KEYS, SUBCONFIG_WORDS  # noqa: F401
+from .families import (  # noqa: F401
+    FUSED_PACKING_BY_MODEL_TYPE,
+    HEAD_DIM_KEYS,
+    HEADS_KEYS,
+    HIDDEN_KEYS,
+    KV_HEADS_KEYS,
+    SUBCONFIG_WORDS,
+)
+
 
 @dataclass(frozen=True)
 class Hints:

@@ -158,7 +158,13 @@ def checkpoint_names(model: nn.Module) -> dict[str, str]:
     """
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import PrefixChange, WeightConverter, WeightRenaming, apply_converters, apply_renamings
+        from transformers.core_model_loading import (
+            PrefixChange,
+            WeightConverter,
+            WeightRenaming,
+            apply_converters,
+            apply_renamings,
+        )
     except ImportError:
         return {}
     try:

@@ -8,15 +8,14 @@ module) hold the projections and how each packs its (role, head) slots. Matching
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 from ..errors import LayoutError, NoAttentionFoundError, UnsupportedWeightsError, opt
 from ..formats.base import TensorInfo
-from . import Detection
 from ..spec import AttentionBlock, Projection, Rows, packed_size, slot_offsets
+from . import Detection
 from .config import ConfigView, Hints
+from .families import CROSS_WORDS, KV_SLOTS, QUANT_PARAMS, RULES, Part, Rule, projection_names  # noqa: F401
 from .placement import join, kind, place
-from .families import CROSS_WORDS, QUANT_PARAMS, RULES, KV_SLOTS, Part, Rule, projection_names  # noqa: F401
 
 
 def detect(tensors: Mapping[str, TensorInfo], config: dict | None = None, hints: Hints | None = None, *, source: str = "the checkpoint") -> Detection:
@@ -128,7 +127,7 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
         )
     kv_hint = facts.pick(facts.kv_heads, stage)
     parts = [(p, tensors[join(module, p.weight)]) for p in rule.parts]
-    for part, info in parts:
+    for _, info in parts:
         if not info.is_float:
             raise UnsupportedWeightsError(
                 f"{info.name} is {info.dtype}, not a float matrix: it looks quantized or integer; "
@@ -210,7 +209,7 @@ def _solve(parts, packings, heads: int, kv_hint, head_dim_hint, hidden, where: s
 
 def _orientation_choices(parts):
     choices = [[]]
-    for part, info in parts:
+    for part, _ in parts:
         axes = {"linear": [0], "conv1d": [1], "shape": [0, 1]}[part.orientation]
         choices = [c + [a] for c in choices for a in axes]
     return [tuple(c) for c in choices]

@@ -24,7 +24,6 @@ legacy exporter's node names ``/encoder/layer.0/attention/self/Softmax``, the dy
 from __future__ import annotations
 
 import ast
-import re
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,8 +33,8 @@ import onnx
 
 from ..errors import LayoutError, NoAttentionFoundError, UnsupportedWeightsError, opt
 from ..spec import AttentionBlock, Projection, Rows
-from .config import ConfigView, Hints
 from . import Detection
+from .config import ConfigView, Hints
 from .placement import place
 
 MS = "com.microsoft"
