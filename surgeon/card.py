@@ -198,10 +198,11 @@ def _blocks_table(plan: Plan) -> str:
 
 def _kappa_table(results: list[ProjectionResult]) -> str:
     measured = [r for r in results if r.before is not None and r.after is not None]
-    whole = any(r.before.kappa is not None for r in measured)
+    whole = any(r.before.kappa is not None for r in measured if r.before is not None)
     lines = ["| block | proj | " + ("kappa before | kappa after | " if whole else "") + "head kappa before (min/med/max) | head kappa after (min/med/max) |"]
     lines.append("| --- | --- | " + ("---: | ---: | " if whole else "") + "--- | --- |")
     for r in measured:
+        assert r.before is not None and r.after is not None
         heads = lambda s: "/".join(fmt_kappa(x) for x in (s.head_min, s.head_median, s.head_max))  # noqa: E731
         cells = f"{fmt_kappa(r.before.kappa)} | {fmt_kappa(r.after.kappa)} | " if whole else ""
         lines.append(f"| `{r.block.module}` | {r.role} | {cells}{heads(r.before)} | {heads(r.after)} |")

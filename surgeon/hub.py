@@ -399,7 +399,7 @@ def _ensure_repo(api, repo_id: str, *, private: bool) -> tuple[bool, list[str]]:
     return False, notes
 
 
-def _partial_error(exc, repo_id, token, folder, ops, failed_at, done, *, revision, create_pr, private) -> SurgeonError:
+def _partial_error(exc, repo_id, token, folder, ops, failed_at, done, *, revision, create_pr, private) -> Exception:
     """One line: what reached the Hub, what did not, and the command that finishes the job."""
     base = _write_error(exc, repo_id, token, "push")
     if not isinstance(base, HubError) or (isinstance(base, (HubAuthError, HubAccessError)) and not done):
@@ -496,9 +496,9 @@ def _cause(exc: Exception) -> Exception:
     """The HTTP or connection error under the client's wrappers ("Error while uploading 'x'" from ...)."""
     from huggingface_hub.errors import HfHubHTTPError
 
-    seen = exc
+    seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, HfHubHTTPError) or _is_connection_error(seen):
+        if isinstance(seen, Exception) and (isinstance(seen, HfHubHTTPError) or _is_connection_error(seen)):
             return seen
         seen = seen.__cause__
     return exc

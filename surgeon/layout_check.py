@@ -113,10 +113,11 @@ class _Names:
 def _renamed(block: AttentionBlock, names: _Names) -> AttentionBlock:
     from dataclasses import replace
 
-    def rows(r: Rows | None) -> Rows | None:
-        return None if r is None else replace(r, tensor=names(r.tensor))
+    def rows(r: Rows) -> Rows:
+        return replace(r, tensor=names(r.tensor))
 
-    return replace(block, **{p.role: replace(p, weight=rows(p.weight), bias=rows(p.bias)) for p in block.projections})
+    q, k, v = (replace(p, weight=rows(p.weight), bias=None if p.bias is None else rows(p.bias)) for p in block.projections)
+    return replace(block, q=q, k=k, v=v)
 
 
 def _describe(p: Projection) -> str:

@@ -26,7 +26,7 @@ def fmt_kappa(x: float | None) -> str:
     return f"{x:.2f}" if x < 10 else f"{x:.1f}"
 
 
-def fmt_bytes(n: int) -> str:
+def fmt_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -41,7 +41,7 @@ def _spec_cells(s: Spectrum | None) -> list[str]:
     return [fmt_kappa(s.kappa), "/".join(fmt_kappa(x) for x in (s.head_min, s.head_median, s.head_max)), norm]
 
 
-def table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:
+def table(headers: list[str], rows: list[list[str]], right: frozenset[int] | set[int] = frozenset()) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
 
     def line(cells):
@@ -175,7 +175,7 @@ class Report:
             return head
         o = self.options or {}
         what = "plan (dry run, nothing written)" if self.dry_run else "re-initialized"
-        mode = o.get("mode")
+        mode = str(o.get("mode"))
         if mode == "polar":
             mode += f", strength {o.get('strength')}"
         else:

@@ -27,12 +27,13 @@ identity. Anything that does not decode exactly is reported as unresolved, never
 
 from __future__ import annotations
 
+import functools
 import inspect as _inspect
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -131,18 +132,19 @@ def _prefixed(block: AttentionBlock, prefix: str) -> AttentionBlock:
     if not prefix:
         return block
 
-    def rows(r: Rows | None) -> Rows | None:
-        return None if r is None else replace(r, tensor=f"{prefix}.{r.tensor}")
+    def rows(r: Rows) -> Rows:
+        return replace(r, tensor=f"{prefix}.{r.tensor}")
 
-    projs = {p.role: replace(p, weight=rows(p.weight), bias=rows(p.bias)) for p in block.projections}
+    q, k, v = (replace(p, weight=rows(p.weight), bias=None if p.bias is None else rows(p.bias)) for p in block.projections)
     return replace(
-        block, stack=f"{prefix}.{block.stack}" if block.stack else prefix, module=f"{prefix}.{block.module}" if block.module else prefix, **projs
+        block, stack=f"{prefix}.{block.stack}" if block.stack else prefix, module=f"{prefix}.{block.module}" if block.module else prefix,
+        q=q, k=k, v=v,
     )
 
 
-def _hf_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
+def _hf_models(module: nn.Module) -> list[tuple[str, Any]]:
     """The outermost transformers ``PreTrainedModel`` submodules (the module itself included)."""
-    out: list[tuple[str, nn.Module]] = []
+    out: list[tuple[str, Any]] = []
     for path, m in module.named_modules():
         if any(c.__name__ == "PreTrainedModel" for c in type(m).__mro__) and hasattr(getattr(m, "config", None), "to_dict"):
             if not _under(path, [p for p, _ in out]):
@@ -170,7 +172,7 @@ def checkpoint_names(model: nn.Module) -> dict[str, str]:
     try:
         conversions = getattr(model, "_weight_conversions", None)
         if conversions is None:  # built from a config: mirror revert_weight_conversion (no prefix changes)
-            conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
+            conversions = [c for c in get_model_conversion_mapping(cast(Any, model), add_legacy=False) if not isinstance(c, PrefixChange)]
         reverse = [c.reverse_transform() for c in list(conversions)[::-1]]
     except Exception:  # a transformers version with another mapping API: keep the in-memory names
         return {}
@@ -209,7 +211,7 @@ def _mha_block(path: str, mha: nn.MultiheadAttention) -> AttentionBlock:
 def _placed(blocks: list[AttentionBlock]) -> list[AttentionBlock]:
     """Stack and layer numbers from the module paths, as name-based detection gives them."""
     by_module = {b.module: b for b in blocks}
-    placed = place_matches(by_module)  # type: ignore[arg-type]
+    placed = place_matches(by_module)
     return [replace(block, stack=stack, layer=layer) for _, block, stack, layer, _ in placed]
 
 
@@ -437,7 +439,7 @@ class _Watch(TorchFunctionMode):
         first = [t[..., 0, :].reshape(-1, t.shape[-1]).detach().to("cpu", torch.float64) for t in (q, k, v)]
         heads = q.shape[-3] if q.dim() >= 4 else None
         kv_heads = k.shape[-3] if k.dim() >= 4 else None
-        self.captures.append(_Capture(self.names.get(module, ""), *first, heads, kv_heads, list(self.ops), via))
+        self.captures.append(_Capture(self.names.get(module, ""), first[0], first[1], first[2], heads, kv_heads, list(self.ops), via))
 
 
 def _as_matmul(name: str, args, kwargs) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -783,7 +785,7 @@ def _try_calls(module: nn.Module, path: str, names, targets: _Targets, skip: lis
         widths = Counter(p.shape[1] for _, p in own).most_common(2) + Counter(p.shape[0] for _, p in own).most_common(1)
         for width in dict.fromkeys(w for w, _ in widths):
             x = torch.randn(1, PROBE_TOKENS, width, generator=torch.Generator().manual_seed(0)).to(device)
-            runs = _watch_all(module, lambda x=x: module(x), names, targets)
+            runs = _watch_all(module, functools.partial(module, x), names, targets)
             if runs is not None:
                 sites.append(runs)
                 return

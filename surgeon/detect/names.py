@@ -8,6 +8,7 @@ module) hold the projections and how each packs its (role, head) slots. Matching
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TypeVar
 
 from ..errors import LayoutError, NoAttentionFoundError, UnsupportedWeightsError, opt
 from ..formats.base import TensorInfo
@@ -16,6 +17,8 @@ from . import Detection
 from .config import ConfigView, Hints
 from .families import CROSS_WORDS, KV_SLOTS, QUANT_PARAMS, RULES, Part, Rule, projection_names  # noqa: F401
 from .placement import join, kind, place
+
+T = TypeVar("T")
 
 
 def detect(tensors: Mapping[str, TensorInfo], config: dict | None = None, hints: Hints | None = None, *, source: str = "the checkpoint") -> Detection:
@@ -103,7 +106,7 @@ def _partial_matches(tensors: Mapping[str, TensorInfo], matches: dict[str, Rule]
     return notes
 
 
-def place_matches(matches: dict[str, Rule]) -> list[tuple[str, Rule, str, int, int | None]]:
+def place_matches(matches: Mapping[str, T]) -> list[tuple[str, T, str, int, int | None]]:
     """(module, rule, stack, layer, stage) of each match (see surgeon.detect.placement), stacks in the
     order their tensors appear in the checkpoint, self- before cross-attention of a layer."""
     places = place(matches)
@@ -151,7 +154,7 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
         bias_offsets = slot_offsets(part.bias_packing or packing, heads, kv_heads, head_dim)
         for role, offs in offsets.items():
             bias = None
-            if bias_name in tensors and tensors[bias_name].shape == (packed_size(part.bias_packing or packing, heads, kv_heads, head_dim),):
+            if bias_name is not None and bias_name in tensors and tensors[bias_name].shape == (packed_size(part.bias_packing or packing, heads, kv_heads, head_dim),):
                 bias = Rows(bias_name, 0, bias_offsets[role], head_dim)
             projections[role] = Projection(role, Rows(info.name, axis, offs, head_dim), bias, in_features)  # type: ignore[arg-type]
     return AttentionBlock(

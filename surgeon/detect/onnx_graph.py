@@ -438,7 +438,8 @@ class Walker:
                 p.bias, p.bias_base, p.bias_nodes = bias, 0, {n, *bias_via}
             projs.append(p)
             base += size
-        return _Core(n, "com.microsoft.Attention", *projs, num_heads=heads, kv_heads=heads)
+        q, k, v = projs
+        return _Core(n, "com.microsoft.Attention", q, k, v, num_heads=heads, kv_heads=heads)
 
     # MultiHeadAttention / standard Attention: already-projected Q, K, V as inputs
     def _separate_inputs(self, n: int, label: str, packed_bias: int | None) -> _Core:
@@ -477,7 +478,8 @@ class Walker:
         for start, count in ((0, heads), (heads, kv), (heads + kv, kv)):
             part = _Proj(**{**p.__dict__, "base": p.base + start * d, "width": count * d, "head_dim": d, "heads": count})
             parts.append(part)
-        return _Core(n, "com.microsoft.GroupQueryAttention", *parts, num_heads=heads, kv_heads=kv)
+        q, k, v = parts
+        return _Core(n, "com.microsoft.GroupQueryAttention", q, k, v, num_heads=heads, kv_heads=kv)
 
     # --- from an operand of the core back to its projection ------------------------------------
     def _projection(self, tensor: str, role: str) -> _Proj:

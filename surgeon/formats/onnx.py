@@ -177,7 +177,7 @@ class OnnxWeights(WeightSet):
             f.seek(stored.offset)
             if f.readinto(buf) != len(buf):
                 raise CheckpointError(f"{stored.file} ended while reading initializer {name!r}: the file is truncated")
-        return torch.frombuffer(buf, dtype=info.torch_dtype).reshape(info.shape)
+        return torch.frombuffer(buf, dtype=_dtype(info)).reshape(info.shape)
 
     def describe(self) -> str:
         extra = len(self.files) - 1
@@ -306,11 +306,19 @@ def _to_torch(array: np.ndarray, info: TensorInfo) -> torch.Tensor:
     array = np.ascontiguousarray(array)
     if array.dtype.kind in "biuf" and array.dtype.name not in ("bfloat16",) and array.dtype.itemsize == torch.empty((), dtype=info.torch_dtype).element_size():
         try:
-            return torch.from_numpy(array.copy()).view(info.torch_dtype).reshape(info.shape)
+            return torch.from_numpy(array.copy()).view(_dtype(info)).reshape(info.shape)
         except TypeError:
             pass
     raw = array.view(np.uint8).copy()
-    return torch.from_numpy(raw).view(info.torch_dtype).reshape(info.shape)
+    return torch.from_numpy(raw).view(_dtype(info)).reshape(info.shape)
+
+
+def _dtype(info: TensorInfo) -> torch.dtype:
+    """The torch dtype of an initializer surgeon reads (one without an equivalent is never read)."""
+    dtype = info.torch_dtype
+    if dtype is None:
+        raise CheckpointError(f"initializer {info.name!r} has dtype {info.dtype}, which torch cannot hold")
+    return dtype
 
 
 class _Corrupt(Exception):

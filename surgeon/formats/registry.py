@@ -11,7 +11,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .base import WeightSet
@@ -73,7 +73,7 @@ class Format:
         """The weight set of files chosen by :attr:`pick` (or one file given by the user)."""
         if self.opener is not None:
             return _load(self.opener)(folder / picked[0])
-        cls = self.weight_set()
+        cls: Any = self.weight_set()
         if self.is_index(picked[0]):
             return cls.from_index(folder / picked[0])
         return cls(folder, picked)

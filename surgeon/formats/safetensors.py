@@ -16,7 +16,7 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 from ..errors import CheckpointError
 from .base import TensorInfo, UpdatesFn, WeightSet
@@ -172,7 +172,7 @@ def _validate(header: Header) -> None:
         )
 
 
-def _naturals(value) -> bool:
+def _naturals(value: object) -> TypeGuard[list[int]]:
     return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
 
 
