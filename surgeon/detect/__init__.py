@@ -49,7 +49,7 @@ def detect(what: Any, hints: Hints | None = None, **module_options: Any) -> Any:
 def detect_source(source: Source, hints: Hints | None = None) -> Detection:
     weights = source.primary
     if weights.format == "onnx":  # tensor names carry no structure: walk the graph
-        from .onnx_graph import find_attention
+        from .onnx import find_attention
 
         found = find_attention(weights.model, weights.const, source.config, hints, source=str(weights.path))  # type: ignore[attr-defined]
         found.detection.graph = found

@@ -191,7 +191,7 @@ class OnnxWeights(WeightSet):
 
     def check_plan(self, plan, detection) -> None:
         """Refuse to change an initializer that nodes outside the plan read too (``detection.graph``:
-        the graph facts of surgeon.detect.onnx_graph)."""
+        the graph facts of surgeon.detect.onnx)."""
         found = detection.graph
         if found is None:
             return
