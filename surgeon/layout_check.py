@@ -2,7 +2,7 @@
 
 ``surgeon inspect MODEL --verify-layout``: the architecture named by config.json is built with
 transformers (randomly initialized, nothing downloaded: only its structure matters), the module
-walker's forward route (:func:`surgeon.detect.modules.probe_blocks`) reads which rows of which
+walker's forward route (:func:`surgeon.detect.module.probe_blocks`) reads which rows of which
 tensor reach q, k and v per head, and the result is compared with name-based detection of the
 checkpoint, block by block.
 """
@@ -48,7 +48,7 @@ def verify_layout(
     """Raise LayoutError (one line) at the first disagreement; return the agreement otherwise."""
     from . import api
     from .detect import detect_source
-    from .detect.modules import checkpoint_names, probe_blocks
+    from .detect.module import checkpoint_names, probe_blocks
 
     source = api.load(model, config=config, revision=revision)
     blocks = detect_source(source, Hints(num_heads, num_kv_heads, head_dim, force_hints)).blocks

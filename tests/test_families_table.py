@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from surgeon.detect.by_name import detect
 from surgeon.detect.families import KV_SLOTS, RULES, projection_names
-from surgeon.detect.names import detect
 from surgeon.errors import NoAttentionFoundError
 from surgeon.formats.base import TensorInfo
 from surgeon.formats.registry import FORMATS, WEIGHT_SUFFIXES, format_of

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import surgeon
-from surgeon.detect.modules import detect_module, probe_blocks
+from surgeon.detect.module import detect_module, probe_blocks
 
 from _families import FAMILIES
 from _observe import observe

@@ -11,7 +11,7 @@ import sys
 
 TORCH_FREE = [
     "surgeon", "surgeon.cli", "surgeon.api", "surgeon.source", "surgeon.hub", "surgeon.plan", "surgeon.report",
-    "surgeon.output", "surgeon.journal", "surgeon.detect", "surgeon.detect.names", "surgeon.detect.config", "surgeon.detect.families", "surgeon.detect.placement", "surgeon.formats.registry", "surgeon.formats.safetensors",
+    "surgeon.output", "surgeon.journal", "surgeon.detect", "surgeon.detect.by_name", "surgeon.detect.config", "surgeon.detect.families", "surgeon.detect.placement", "surgeon.formats.registry", "surgeon.formats.safetensors",
     "surgeon.formats.torchfile",
 ]
 

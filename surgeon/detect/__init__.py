@@ -41,7 +41,7 @@ def detect(what: Any, hints: Hints | None = None, **module_options: Any) -> Any:
 
     if isinstance(what, Source):
         return detect_source(what, hints)
-    from .modules import detect_module
+    from .module import detect_module
 
     return detect_module(what, hints=hints, **module_options)
 
@@ -54,6 +54,6 @@ def detect_source(source: Source, hints: Hints | None = None) -> Detection:
         found = find_attention(weights.model, weights.const, source.config, hints, source=str(weights.path))  # type: ignore[attr-defined]
         found.detection.graph = found
         return found.detection
-    from .names import detect as by_name
+    from .by_name import detect as by_name
 
     return by_name(weights.tensors, source.config, hints, source=str(source.path))
