@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from ...spec import slot_offsets
 from .graph import CORES, MS, PROB_FORWARD, PRODUCTS, SCORE_BACK, Fail, Graph, data_inputs
 from .projection import Core, Proj, ProjectionWalk
 
@@ -135,10 +136,10 @@ class Walker(ProjectionWalk):
         if p.width % slots:
             raise Fail(f"its packed query has {p.width} features, not a multiple of num_heads + 2 * kv_num_heads = {slots}")
         d = p.width // slots
-        parts = []
-        for start, count in ((0, heads), (heads, kv), (heads + kv, kv)):
-            part = Proj(**{**p.__dict__, "base": p.base + start * d, "width": count * d, "head_dim": d, "heads": count})
-            parts.append(part)
-        q, k, v = parts
+        offsets = slot_offsets("qkv", heads, kv, d)  # the packed query is [Q | K | V] (spec.PACKINGS)
+        q, k, v = (
+            Proj(**{**p.__dict__, "base": p.base + offsets[r][0], "width": len(offsets[r]) * d, "head_dim": d, "heads": len(offsets[r])})
+            for r in "qkv"
+        )
         return Core(n, "com.microsoft.GroupQueryAttention", q, k, v, num_heads=heads, kv_heads=kv)
 
