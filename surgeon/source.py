@@ -8,12 +8,20 @@ from pathlib import Path
 
 from .errors import CheckpointError
 from .formats.base import WeightSet
-from .formats.registry import FORMATS, NOT_WEIGHTS, OTHER_FORMAT_SUFFIXES, TORCH_NAMES, TORCH_SUFFIXES, format_of  # noqa: F401
+from .formats.registry import (  # noqa: F401  (NOT_WEIGHTS, TORCH_NAMES: importable from here as before)
+    ALONE_SUFFIXES,
+    FORMATS,
+    NOT_WEIGHTS,
+    OTHER_FORMAT_SUFFIXES,
+    STATE_DICT_SUFFIXES,
+    TORCH_NAMES,
+    format_of,
+)
 
 SKIP_DIRS = {".git", ".cache"}
 # Copies of the weights in formats surgeon does not rewrite here. Carried over unchanged they would
 # still hold the old attention weights, so a folder output leaves them out and says so.
-STALE_WEIGHT_SUFFIXES = OTHER_FORMAT_SUFFIXES + (".onnx", ".onnx_data", ".onnx.data")
+STALE_WEIGHT_SUFFIXES = OTHER_FORMAT_SUFFIXES + ALONE_SUFFIXES
 STALE_WEIGHT_DIRS = {"onnx", "openvino", "coreml", "tflite", "gguf"}
 
 
@@ -91,7 +99,7 @@ def _other_weights(rel: Path) -> bool:
     """A top-level weight file outside the chosen set (e.g. Mistral's consolidated.safetensors)."""
     if len(rel.parts) > 1 or rel.name in NOT_WEIGHTS or rel.name.startswith(("rng_state", "optimizer", "scheduler")):
         return False
-    return rel.name.endswith((".safetensors", ".safetensors.index.json", ".bin.index.json")) or rel.suffix in TORCH_SUFFIXES
+    return rel.name.endswith(STATE_DICT_SUFFIXES)
 
 
 def _open_file(path: Path) -> Source:

@@ -45,12 +45,15 @@ def _pick_torch(top: list[str]) -> list[str]:
     return others if len(others) == 1 else []
 
 
+ONNX_DATA = ("_data", ".data")  # external data files are named after the model: model.onnx_data, model.onnx.data
+
+
 def _pick_onnx(top: list[str]) -> list[str]:
     onnx = sorted(n for n in top if n.endswith(".onnx"))
     if not onnx:
         return []
     # with its external data file, when it has one
-    return onnx[:1] + [n for n in top if n.startswith(onnx[0] + "_data") or n.startswith(onnx[0] + ".data")]
+    return onnx[:1] + [n for n in top if n.startswith(tuple(onnx[0] + d for d in ONNX_DATA))]
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class Format:
     pick: Callable[[list[str]], list[str]]  # a folder's top-level names -> this format's files, index first
     alone: bool = False  # read only when the folder holds no other format (ONNX: a graph, not a state dict)
     opener: str | None = None  # "module:function" that opens the set from its first file, when not the class
+    data: tuple[str, ...] = ()  # companion files named after a weight file (ONNX external data: model.onnx_data)
 
     def weight_set(self) -> type[WeightSet]:
         return _load(self.weights)
@@ -82,7 +86,7 @@ class Format:
 FORMATS: tuple[Format, ...] = (  # in order of preference
     Format("safetensors", ".safetensors:SafetensorsWeights", (".safetensors",), (".safetensors.index.json",), _pick_safetensors),
     Format("torch", ".torchfile:TorchWeights", TORCH_SUFFIXES, (".bin.index.json", ".pt.index.json"), _pick_torch),
-    Format("onnx", ".onnx:OnnxWeights", (".onnx",), (), _pick_onnx, alone=True, opener=".onnx:open_onnx"),
+    Format("onnx", ".onnx:OnnxWeights", (".onnx",), (), _pick_onnx, alone=True, opener=".onnx:open_onnx", data=ONNX_DATA),
 )
 
 
@@ -91,6 +95,13 @@ def _load(ref: str):
     return getattr(importlib.import_module(module, __package__), name)
 
 WEIGHT_SUFFIXES = tuple(s for f in FORMATS for s in f.suffixes)
+# Suffixes of companion data files (".onnx_data", ".onnx.data").
+DATA_SUFFIXES = tuple(s + d for f in FORMATS for s in f.suffixes for d in f.data)
+# A folder input reads the state-dict formats side by side (the same weights twice); a top-level file of
+# one of them that is not in the set read is another copy of the weights (Mistral's consolidated.safetensors).
+STATE_DICT_SUFFIXES = tuple(s for f in FORMATS if not f.alone for s in f.suffixes + f.index_suffixes)
+# The formats read only alone (ONNX): beside a state dict they are an export of the old weights.
+ALONE_SUFFIXES = tuple(s for f in FORMATS if f.alone for s in f.suffixes) + DATA_SUFFIXES
 
 
 def format_of(name: str) -> Format | None:
