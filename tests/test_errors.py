@@ -194,3 +194,18 @@ def test_errors_live_in_one_module_and_carry_fields(tmp_path):
     exc = surgeon.HubError("boom")
     exc.context = "wrote out, but the push failed: "
     assert str(exc) == "wrote out, but the push failed: boom" and exc.args == ("boom",)
+
+
+def test_errors_name_the_tensor_and_the_file(tmp_path):
+    """Fields beside the message: what a program needs without parsing the text."""
+    import struct
+
+    from surgeon.errors import CheckpointError
+    from surgeon.formats.safetensors import SafetensorsWeights
+
+    header = b'{"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 8]}}'
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
+    with pytest.raises(CheckpointError) as err:
+        SafetensorsWeights(tmp_path, ["bad.safetensors"])
+    assert err.value.path == str(bad) and err.value.tensor == "w"

@@ -60,7 +60,8 @@ def _refuse_quantized(tensors: Mapping[str, TensorInfo]) -> None:
         if param in QUANT_PARAMS and module.rpartition(".")[2] in leaves:
             raise UnsupportedWeightsError(
                 f"{module} is quantized ({param} {tensors[name].dtype}): surgeon rewrites float weights only; "
-                "re-initialize the float checkpoint, then quantize"
+                "re-initialize the float checkpoint, then quantize",
+                tensor=name,
             )
 
 
@@ -134,14 +135,16 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
         if not info.is_float:
             raise UnsupportedWeightsError(
                 f"{info.name} is {info.dtype}, not a float matrix: it looks quantized or integer; "
-                "surgeon rewrites float16/bfloat16/float32 projections only"
+                "surgeon rewrites float16/bfloat16/float32 projections only",
+                tensor=info.name,
             )
         if len(info.shape) != 2:
-            raise LayoutError(f"{info.name} has shape {list(info.shape)}; a projection weight must be 2-D")
+            raise LayoutError(f"{info.name} has shape {list(info.shape)}; a projection weight must be 2-D", tensor=info.name)
         if 0 in info.shape:
             raise LayoutError(
                 f"{info.name} has shape {list(info.shape)}: an empty projection has no heads to re-initialize; "
-                "the checkpoint is damaged or not a model surgeon can rewrite"
+                "the checkpoint is damaged or not a model surgeon can rewrite",
+                tensor=info.name,
             )
     packings = [_packing(p, view, stack, where) for p, _ in parts]
     layout = _solve(parts, packings, heads, kv_hint, facts.head_dim, facts.hidden, where, facts.source)
