@@ -163,7 +163,7 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
     return AttentionBlock(
         stack=stack,
         layer=layer,
-        kind=kind(module),  # type: ignore[arg-type]
+        kind=kind(module),
         module=module,
         layout=rule.name,
         heads=heads,

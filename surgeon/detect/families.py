@@ -69,12 +69,41 @@ RULES: tuple[Rule, ...] = (
     ),
 )
 
-CROSS_WORDS = ("encdecattention", "encoder_attn", "crossattention", "cross_attn", "cross_attention", "crossattn", "src_attn", "multihead_attn")
+CROSS_WORDS = (
+    "encdecattention",
+    "encoder_attn",
+    "crossattention",
+    "cross_attn",
+    "cross_attention",
+    "crossattn",
+    "src_attn",
+    "multihead_attn",
+)
 # Tensors that quantization libraries put beside (or instead of) a projection's float weight.
-QUANT_PARAMS = ("qweight", "qzeros", "scales", "g_idx", "SCB", "weight_format", "weight_scale", "weight_packed", "weight_zero_point", "absmax", "quant_map", "quant_state")
+QUANT_PARAMS = (
+    "qweight",
+    "qzeros",
+    "scales",
+    "g_idx",
+    "SCB",
+    "weight_format",
+    "weight_scale",
+    "weight_packed",
+    "weight_zero_point",
+    "absmax",
+    "quant_map",
+    "quant_state",
+)
 
 HEADS_KEYS = ("num_attention_heads", "num_heads", "n_head", "n_heads", "attention_heads", "heads")
-KV_HEADS_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "kv_n_heads", "num_kv_heads_per_layer", "multi_query_group_num")
+KV_HEADS_KEYS = (
+    "num_key_value_heads",
+    "num_kv_heads",
+    "n_head_kv",
+    "kv_n_heads",
+    "num_kv_heads_per_layer",
+    "multi_query_group_num",
+)
 HEAD_DIM_KEYS = ("head_dim", "d_kv", "attention_head_dim", "kv_channels", "head_size")
 HIDDEN_KEYS = ("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim", "width")
 # Where a tower's config is nested (CLIP, SigLIP, LLaVA, encoder-decoder wrappers): the words in a

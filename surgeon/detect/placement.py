@@ -13,6 +13,7 @@ import re
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 from .families import CROSS_WORDS
 
@@ -23,8 +24,8 @@ def join(module: str, leaf: str) -> str:
     return f"{module}.{leaf}" if module else leaf
 
 
-def kind(module: str) -> str:
-    """"cross" when one of the last two path components is a cross-attention word, else "self"."""
+def kind(module: str) -> Literal["self", "cross"]:
+    """ "cross" when one of the last two path components is a cross-attention word, else "self"."""
     leaf_words = [w.lower() for w in module.split(".")[-2:]]
     return "cross" if any(w in CROSS_WORDS for w in leaf_words) else "self"
 

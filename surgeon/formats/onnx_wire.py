@@ -23,7 +23,9 @@ class Layout:
 
     size: int
     graph: tuple[int, int, int]  # field start, payload start, payload end
-    tensors: dict[str, tuple[int, int, int | None, int, int, bool]]  # name -> field start/end, data field, data start/end, one piece
+    tensors: dict[
+        str, tuple[int, int, int | None, int, int, bool]
+    ]  # name -> field start/end, data field, data start/end, one piece
     metadata: list[tuple[int, int, str, str]]  # top-level metadata_props: field start/end, key, value
 
 
@@ -52,7 +54,9 @@ def scan_buffer(buf) -> Layout:
                 raise Corrupt("the model has its graph in two pieces")
             graph = (start, pstart, pend)
         elif number == MODEL_METADATA and wire == LEN:
-            entry = {n: bytes(buf[s:e]).decode("utf-8", "replace") for n, w, _, s, e in fields(buf, pstart, pend) if w == LEN}
+            entry = {
+                n: bytes(buf[s:e]).decode("utf-8", "replace") for n, w, _, s, e in fields(buf, pstart, pend) if w == LEN
+            }
             metadata.append((start, pend, entry.get(1, ""), entry.get(2, "")))
     if graph is None:
         raise Corrupt("no graph")
@@ -134,4 +138,3 @@ def field(number: int, payload: bytes) -> bytes:
 def copy(src, out, offset: int, count: int) -> None:
     """Append ``count`` bytes of ``src`` at ``offset`` to ``out``."""
     copy_range(src, out, offset, out.tell(), count)
-

@@ -25,7 +25,11 @@ OTHER_FORMAT_SUFFIXES = (".h5", ".msgpack", ".ot", ".gguf", ".tflite", ".mlmodel
 
 
 def _is_torch(name: str) -> bool:
-    return Path(name).suffix in TORCH_SUFFIXES and name not in NOT_WEIGHTS and not name.startswith(("rng_state", "optimizer"))
+    return (
+        Path(name).suffix in TORCH_SUFFIXES
+        and name not in NOT_WEIGHTS
+        and not name.startswith(("rng_state", "optimizer"))
+    )
 
 
 def _pick_safetensors(top: list[str]) -> list[str]:
@@ -84,15 +88,24 @@ class Format:
 
 
 FORMATS: tuple[Format, ...] = (  # in order of preference
-    Format("safetensors", ".safetensors:SafetensorsWeights", (".safetensors",), (".safetensors.index.json",), _pick_safetensors),
+    Format(
+        "safetensors",
+        ".safetensors:SafetensorsWeights",
+        (".safetensors",),
+        (".safetensors.index.json",),
+        _pick_safetensors,
+    ),
     Format("torch", ".torchfile:TorchWeights", TORCH_SUFFIXES, (".bin.index.json", ".pt.index.json"), _pick_torch),
-    Format("onnx", ".onnx:OnnxWeights", (".onnx",), (), _pick_onnx, alone=True, opener=".onnx:open_onnx", data=ONNX_DATA),
+    Format(
+        "onnx", ".onnx:OnnxWeights", (".onnx",), (), _pick_onnx, alone=True, opener=".onnx:open_onnx", data=ONNX_DATA
+    ),
 )
 
 
 def _load(ref: str):
     module, _, name = ref.partition(":")
     return getattr(importlib.import_module(module, __package__), name)
+
 
 WEIGHT_SUFFIXES = tuple(s for f in FORMATS for s in f.suffixes)
 # Suffixes of companion data files (".onnx_data", ".onnx.data").

@@ -20,6 +20,19 @@ from .push import PushResult, check_push, push_folder
 from .read import Snapshot, download, open_model, pick_files
 
 __all__ = [
-    "HF_PREFIX", "HubAccessError", "HubAuthError", "HubError", "HubNotFoundError", "HubOfflineError", "PushError",
-    "PushResult", "Snapshot", "check_push", "download", "open_model", "parse_repo_id", "pick_files", "push_folder",
+    "HF_PREFIX",
+    "HubAccessError",
+    "HubAuthError",
+    "HubError",
+    "HubNotFoundError",
+    "HubOfflineError",
+    "PushError",
+    "PushResult",
+    "Snapshot",
+    "check_push",
+    "download",
+    "open_model",
+    "parse_repo_id",
+    "pick_files",
+    "push_folder",
 ]

@@ -34,9 +34,10 @@ def parse_repo_id(text: str) -> str | None:
 def require_repo_id(text: str, what: str) -> str:
     repo_id = parse_repo_id(text if text.startswith(HF_PREFIX) else HF_PREFIX + text)
     if repo_id is None:
-        raise OptionError(f"{what} {text!r} is not a Hub repository id: write it as org/name (letters, digits, '-', '_', '.')")
+        raise OptionError(
+            f"{what} {text!r} is not a Hub repository id: write it as org/name (letters, digits, '-', '_', '.')"
+        )
     return repo_id
-
 
 
 @contextmanager

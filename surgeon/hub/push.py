@@ -46,9 +46,18 @@ class PushResult:
 
     def to_dict(self) -> dict:
         return {
-            "repo_id": self.repo_id, "repo_url": self.repo_url, "revision": self.revision, "created_repo": self.created_repo,
-            "commit": self.commit, "commit_url": self.commit_url, "pr_url": self.pr_url, "files": self.files,
-            "large_files": self.large_files, "unchanged": self.unchanged, "bytes": self.bytes, "notes": self.notes,
+            "repo_id": self.repo_id,
+            "repo_url": self.repo_url,
+            "revision": self.revision,
+            "created_repo": self.created_repo,
+            "commit": self.commit,
+            "commit_url": self.commit_url,
+            "pr_url": self.pr_url,
+            "files": self.files,
+            "large_files": self.large_files,
+            "unchanged": self.unchanged,
+            "bytes": self.bytes,
+            "notes": self.notes,
         }
 
     def summary(self) -> str:
@@ -72,9 +81,16 @@ def check_push(repo_id: str, *, revision: str | None = None, create_pr: bool = F
         raise OptionError(
             f"{opt('create_pr', True)} opens a pull request against main; leave out the branch ({opt('revision')} / {opt('push_revision')})"
         )
-    if revision is not None and (not revision or revision.startswith("/") or ".." in revision or " " in revision
-                                 or (revision.startswith("refs/") and not re.fullmatch(r"refs/pr/\d+", revision))):
-        raise OptionError(f"{revision!r} is not a branch to push to: give a branch name (or refs/pr/N to add to a pull request)")
+    if revision is not None and (
+        not revision
+        or revision.startswith("/")
+        or ".." in revision
+        or " " in revision
+        or (revision.startswith("refs/") and not re.fullmatch(r"refs/pr/\d+", revision))
+    ):
+        raise OptionError(
+            f"{revision!r} is not a branch to push to: give a branch name (or refs/pr/N to add to a pull request)"
+        )
     _push_token(token)
     return repo_id
 
@@ -130,20 +146,50 @@ def push_folder(
             try:
                 api.preupload_lfs_files(repo_id, additions=[op], revision=revision, create_pr=create_pr)
             except Exception as exc:
-                raise _partial_error(exc, repo_id, token, folder, ops, i, done, revision=revision, create_pr=create_pr, private=private) from None
+                raise _partial_error(
+                    exc, repo_id, token, folder, ops, i, done, revision=revision, create_pr=create_pr, private=private
+                ) from None
             if op._upload_mode == "lfs":
                 done.append(op.path_in_repo)
         message = commit_message or f"Upload {folder.resolve().name} with surgeon {__version__}"
         try:
-            info = api.create_commit(repo_id, ops, commit_message=message, commit_description=commit_description, revision=revision, create_pr=create_pr)
+            info = api.create_commit(
+                repo_id,
+                ops,
+                commit_message=message,
+                commit_description=commit_description,
+                revision=revision,
+                create_pr=create_pr,
+            )
         except Exception as exc:
-            raise _partial_error(exc, repo_id, token, folder, ops, len(ops), done, revision=revision, create_pr=create_pr, private=private) from None
+            raise _partial_error(
+                exc,
+                repo_id,
+                token,
+                folder,
+                ops,
+                len(ops),
+                done,
+                revision=revision,
+                create_pr=create_pr,
+                private=private,
+            ) from None
     unchanged = [op.path_in_repo for op in ops if op._remote_oid is not None and op._remote_oid == op._local_oid]
     large = [op.path_in_repo for op in ops if op._upload_mode == "lfs" and op.path_in_repo not in unchanged]
     sent = sum((folder / f).stat().st_size for f in files if f not in unchanged)
     return PushResult(
-        repo_id, f"{api.endpoint}/{repo_id}", branch, created, info.oid, info.commit_url, info.pr_url,
-        files, large, unchanged, sent, notes,
+        repo_id,
+        f"{api.endpoint}/{repo_id}",
+        branch,
+        created,
+        info.oid,
+        info.commit_url,
+        info.pr_url,
+        files,
+        large,
+        unchanged,
+        sent,
+        notes,
     )
 
 
@@ -171,7 +217,9 @@ def _check_card(folder: Path) -> None:
     try:
         ModelCard(readme.read_text(encoding="utf-8"))
     except Exception as exc:
-        raise CheckpointError(f"{readme}: the model card's metadata does not parse ({one_line(exc)}); fix or remove it before pushing") from None
+        raise CheckpointError(
+            f"{readme}: the model card's metadata does not parse ({one_line(exc)}); fix or remove it before pushing"
+        ) from None
 
 
 def _ensure_repo(api, repo_id: str, *, private: bool) -> tuple[bool, list[str]]:
@@ -186,7 +234,9 @@ def _ensure_repo(api, repo_id: str, *, private: bool) -> tuple[bool, list[str]]:
         return True, [f"created the {'private ' if private else ''}model repo {repo_id}"]
     notes = []
     if private and info.private is False:
-        notes.append(f"{repo_id} already exists and is public: {opt('private', True)} only applies to a repo surgeon creates")
+        notes.append(
+            f"{repo_id} already exists and is public: {opt('private', True)} only applies to a repo surgeon creates"
+        )
     return False, notes
 
 
@@ -196,17 +246,26 @@ def _partial_error(exc, repo_id, token, folder, ops, failed_at, done, *, revisio
     if not isinstance(base, HubError) or (isinstance(base, (HubAuthError, HubAccessError)) and not done):
         return base  # refused outright: nothing reached the Hub, the plain reason is the whole story
     # the file that failed and those after it first: they are what the re-run will send
-    pending = [op.path_in_repo for op in ops[failed_at:]] + [op.path_in_repo for op in ops[:failed_at] if op.path_in_repo not in done]
-    flags = (f" --revision {shlex.quote(revision)}" if revision else "") + (" --create-pr" if create_pr else "") + (" --private" if private else "")
+    pending = [op.path_in_repo for op in ops[failed_at:]] + [
+        op.path_in_repo for op in ops[:failed_at] if op.path_in_repo not in done
+    ]
+    flags = (
+        (f" --revision {shlex.quote(revision)}" if revision else "")
+        + (" --create-pr" if create_pr else "")
+        + (" --private" if private else "")
+    )
     rerun = f"surgeon push {shlex.quote(str(folder))} {repo_id}{flags}"
     if failed_at < len(ops):
-        before = f"uploaded before it: {few(done)} ({len(done)} large files)" if done else "no large file was uploaded before it"
+        before = (
+            f"uploaded before it: {few(done)} ({len(done)} large files)"
+            if done
+            else "no large file was uploaded before it"
+        )
         what = f"stopped at {ops[failed_at].path_in_repo} ({base}); {before}; not uploaded: {few(pending)}; nothing was committed"
     else:
         what = f"failed at the commit ({base}); all {len(done)} large files were uploaded, but nothing was committed"
     return PushError(
         f"push to {repo_id} {what}: run `{rerun}` to finish (the Hub keeps what was uploaded; it is not sent again)",
-        uploaded=list(done), not_uploaded=pending,
+        uploaded=list(done),
+        not_uploaded=pending,
     )
-
-

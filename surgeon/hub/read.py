@@ -37,7 +37,9 @@ class Snapshot:
     cache_only: str | None = None  # why the Hub was not asked, when it was not
 
 
-def open_model(model: str | Path, *, config: str | Path | None = None, revision: str | None = None, progress: bool = False) -> Source:
+def open_model(
+    model: str | Path, *, config: str | Path | None = None, revision: str | None = None, progress: bool = False
+) -> Source:
     """Open MODEL: a local path when one exists by that name, otherwise a Hub id (``org/name`` or ``hf://org/name``)."""
     text = str(model)
     explicit = isinstance(model, str) and text.startswith(HF_PREFIX)
@@ -47,11 +49,15 @@ def open_model(model: str | Path, *, config: str | Path | None = None, revision:
     if not explicit and (repo_id is None or Path(text).exists()):
         if revision is not None:
             hint = f"; for the Hub model of that name write hf://{repo_id}" if repo_id else ""
-            raise OptionError(f"{opt('revision')} applies to Hugging Face Hub ids only, and {text} is a local path{hint}")
+            raise OptionError(
+                f"{opt('revision')} applies to Hugging Face Hub ids only, and {text} is a local path{hint}"
+            )
         source = open_source(model, config=config)
         if repo_id is not None and _in_cache(repo_id):  # only where the Hub model of that name has been used here
             kind = "folder" if Path(text).is_dir() else "file"
-            source.notes.append(f"{text} is a local {kind}, so it was used (write hf://{repo_id} for the Hub model of that name)")
+            source.notes.append(
+                f"{text} is a local {kind}, so it was used (write hf://{repo_id} for the Hub model of that name)"
+            )
         return source
     assert repo_id is not None
     try:
@@ -121,13 +127,18 @@ def download(repo_id: str, *, revision: str | None = None, progress: bool = Fals
             )
         with hf_progress(progress):
             path = snapshot_download(
-                repo_id, revision=resolved, allow_patterns=[glob.escape(f) for f in wanted], local_files_only=not reachable,
+                repo_id,
+                revision=resolved,
+                allow_patterns=[glob.escape(f) for f in wanted],
+                local_files_only=not reachable,
             )
     except SurgeonError:
         raise
     except Exception as exc:  # every client error becomes one typed line; anything else is a bug
         raise read_error(exc, repo_id, revision, offline) from None
-    cache_only = "HF_HUB_OFFLINE is set" if offline else None if reachable else f"{constants.ENDPOINT} could not be reached"
+    cache_only = (
+        "HF_HUB_OFFLINE is set" if offline else None if reachable else f"{constants.ENDPOINT} could not be reached"
+    )
     return Snapshot(repo_id, str(resolved), resolved.resolved, Path(path), wanted, skipped, cache_only=cache_only)
 
 
@@ -142,7 +153,12 @@ def _cached_files(repo_id: str, resolved) -> tuple[list[str], bool]:
         return [f.path for f in get_cached_repo_tree(repo_id, revision=resolved)], True
     except CachedRepoTreeNotFoundError:
         pass
-    snapshot = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model") / "snapshots" / resolved.resolved
+    snapshot = (
+        Path(constants.HF_HUB_CACHE)
+        / repo_folder_name(repo_id=repo_id, repo_type="model")
+        / "snapshots"
+        / resolved.resolved
+    )
     if snapshot.is_dir():
         return sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file()), False
     raise LocalEntryNotFoundError(f"no files of {repo_id} at {resolved.resolved} in the cache")
@@ -167,8 +183,11 @@ def pick_files(files: list[str]) -> tuple[list[str], list[str]]:
     top = [f for f in files if "/" not in f]
     weights = pick_weights(top)
     exports = {
-        f.split("/", 1)[0] for f in files
-        if "/" in f and (is_weight(f) or f.endswith(_OTHER_WEIGHTS) or ".mlpackage/" in f) and not _ST_MODULE.fullmatch(f.split("/", 1)[0])
+        f.split("/", 1)[0]
+        for f in files
+        if "/" in f
+        and (is_weight(f) or f.endswith(_OTHER_WEIGHTS) or ".mlpackage/" in f)
+        and not _ST_MODULE.fullmatch(f.split("/", 1)[0])
     }
     chosen = set(weights)
     for f in files:
@@ -178,11 +197,12 @@ def pick_files(files: list[str]) -> tuple[list[str], list[str]]:
         if _ST_MODULE.fullmatch(folder) or name.endswith(".json"):
             chosen.add(f)
         elif not folder and (
-            name.startswith("tokenizer") or name in _TOKENIZER_NAMES or name.endswith((".model", ".tiktoken", ".py", ".jinja")) or name == "README.md"
+            name.startswith("tokenizer")
+            or name in _TOKENIZER_NAMES
+            or name.endswith((".model", ".tiktoken", ".py", ".jinja"))
+            or name == "README.md"
         ):
             chosen.add(f)
     chosen -= {f for f in top if f.endswith(_OTHER_WEIGHTS + WEIGHT_SUFFIXES) and f not in weights}
     skipped = [f for f in top if (is_weight(f) or f.endswith(".index.json")) and f not in chosen]
     return sorted(chosen), skipped
-
-

@@ -52,7 +52,9 @@ def read_error(exc: Exception, repo_id: str, revision: str | None, offline: bool
         return HubAccessError(f"{repo_id} has no revision {revision!r}: give a branch, tag or commit hash that exists")
     if isinstance(exc, RepositoryNotFoundError):
         if _has_token():
-            return HubNotFoundError(f"no model {repo_id} on {constants.ENDPOINT}, or the token in use has no access to it: check the id")
+            return HubNotFoundError(
+                f"no model {repo_id} on {constants.ENDPOINT}, or the token in use has no access to it: check the id"
+            )
         return HubNotFoundError(
             f"no model {repo_id} on {constants.ENDPOINT}, or it is private and no token was sent: check the id, "
             "or set HF_TOKEN / run `hf auth login`"
@@ -60,7 +62,9 @@ def read_error(exc: Exception, repo_id: str, revision: str | None, offline: bool
     if isinstance(exc, DisabledRepoError):
         return HubAccessError(f"access to {repo_id} has been disabled on the Hub")
     if isinstance(exc, HfHubHTTPError) and exc.response.status_code == 401:
-        return HubAuthError("the Hub rejected the token (HF_TOKEN or the saved login): check it, or run `hf auth login` again")
+        return HubAuthError(
+            "the Hub rejected the token (HF_TOKEN or the saved login): check it, or run `hf auth login` again"
+        )
     if isinstance(exc, HfHubHTTPError):
         return _http_error(exc, repo_id)
     return exc
@@ -77,10 +81,14 @@ def write_error(exc: Exception, repo_id: str, token: str, stage: str) -> Excepti
     if isinstance(exc, HfHubHTTPError):
         status = exc.response.status_code
         if status == 401:
-            return HubAuthError("the Hub rejected the token (HF_TOKEN or the saved login): check it, or run `hf auth login` again")
+            return HubAuthError(
+                "the Hub rejected the token (HF_TOKEN or the saved login): check it, or run `hf auth login` again"
+            )
         if status == 403 or isinstance(exc, RepositoryNotFoundError):
             owner = repo_id.split("/")[0]
-            return HubAccessError(f"the token in use cannot write to {repo_id}: it needs write access to {owner!r} (or push with {opt('create_pr', True)})")
+            return HubAccessError(
+                f"the token in use cannot write to {repo_id}: it needs write access to {owner!r} (or push with {opt('create_pr', True)})"
+            )
         return _http_error(exc, repo_id, token)
     if isinstance(exc, (ValueError, OSError)):  # the client's own checks, a file that vanished mid-push
         return HubError(_scrub(f"{stage} of {repo_id} failed: {one_line(exc)}", token))
@@ -144,5 +152,3 @@ def few(items: list[str], n: int = 3) -> str:
     if len(items) <= n:
         return ", ".join(items)
     return ", ".join(items[:n]) + f" and {len(items) - n} more"
-
-

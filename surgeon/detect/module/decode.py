@@ -7,7 +7,7 @@ import inspect as _inspect
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -31,10 +31,16 @@ def prefixed(block: AttentionBlock, prefix: str) -> AttentionBlock:
     def rows(r: Rows) -> Rows:
         return replace(r, tensor=f"{prefix}.{r.tensor}")
 
-    q, k, v = (replace(p, weight=rows(p.weight), bias=None if p.bias is None else rows(p.bias)) for p in block.projections)
+    q, k, v = (
+        replace(p, weight=rows(p.weight), bias=None if p.bias is None else rows(p.bias)) for p in block.projections
+    )
     return replace(
-        block, stack=f"{prefix}.{block.stack}" if block.stack else prefix, module=f"{prefix}.{block.module}" if block.module else prefix,
-        q=q, k=k, v=v,
+        block,
+        stack=f"{prefix}.{block.stack}" if block.stack else prefix,
+        module=f"{prefix}.{block.module}" if block.module else prefix,
+        q=q,
+        k=k,
+        v=v,
     )
 
 
@@ -48,7 +54,9 @@ def placed(blocks: list[AttentionBlock]) -> list[AttentionBlock]:
 # --- reading the codes back -----------------------------------------------------------------
 
 
-def _decode(runs: dict[str, Watch], i: int, role: str, targets: Targets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _decode(
+    runs: dict[str, Watch], i: int, role: str, targets: Targets
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(param number, axis, row) of every entry of one captured q/k/v at the first token."""
     ones, index, param, rand = (getattr(runs[f].captures[i], role) for f in FILLS)
     if ones.shape != index.shape or ones.shape != param.shape or ones.shape != rand.shape:
@@ -119,7 +127,9 @@ def _head_rows(pid, axis, row, heads: int | None, sequences: int | None, role: s
         if not (p == p[0]).all() or not (a == a[0]).all():
             raise Unresolved(f"{_ROLE[role]} head {h} mixes features of several tensors")
         if not torch.equal(r, r[0] + torch.arange(d)):
-            raise Unresolved(f"{_ROLE[role]} head {h} reads rows of {names[int(p[0])]} that are not consecutive; surgeon rewrites per-head blocks of consecutive rows")
+            raise Unresolved(
+                f"{_ROLE[role]} head {h} reads rows of {names[int(p[0])]} that are not consecutive; surgeon rewrites per-head blocks of consecutive rows"
+            )
         out.append((int(p[0]), int(a[0]), int(r[0])))
     return out
 
@@ -137,14 +147,18 @@ def _resolve(runs: dict[str, Watch], i: int, targets: Targets, hints: Hints) -> 
         if len(rows) == heads and len(unique) < heads:  # key/value heads repeated to the query heads
             group = heads // len(unique) if heads % len(unique) == 0 else 0
             if not group or any(unique.index(rows[h]) != h // group for h in range(heads)):
-                raise Unresolved(f"its {_ROLE[role]} heads are shared by query heads in an order other than consecutive groups")
+                raise Unresolved(
+                    f"its {_ROLE[role]} heads are shared by query heads in an order other than consecutive groups"
+                )
         elif len(unique) != len(rows) or heads % len(rows):
             raise Unresolved(f"it has {heads} query heads and {len(rows)} {_ROLE[role]} heads")
         kv[role] = unique
     if len(kv["k"]) != len(kv["v"]):
         raise Unresolved(f"it has {len(kv['k'])} key heads but {len(kv['v'])} value heads")
     if hints.num_heads is not None and hints.num_heads != heads:
-        raise LayoutError(f"{cap.module or 'the model'}: its forward uses {heads} query heads, not {hints.num_heads} ({opt('num_heads')})")
+        raise LayoutError(
+            f"{cap.module or 'the model'}: its forward uses {heads} query heads, not {hints.num_heads} ({opt('num_heads')})"
+        )
     return {"q": q_heads, "k": kv["k"], "v": kv["v"], "dims": {r: decoded[r][2].shape[1] for r in "qkv"}}
 
 
@@ -157,7 +171,9 @@ def _block_from(resolved: dict, cap: Capture, targets: Targets) -> AttentionBloc
         axes = {a for _, a, _ in heads}
         if len(pids) != 1 or len(axes) != 1:
             names = ", ".join(sorted(targets.names[p] for p in pids))
-            raise Unresolved(f"its {_ROLE[role]} heads live in several tensors ({names}); surgeon rewrites one tensor per projection")
+            raise Unresolved(
+                f"its {_ROLE[role]} heads live in several tensors ({names}); surgeon rewrites one tensor per projection"
+            )
         pid, axis = pids.pop(), axes.pop()
         name, size = targets.names[pid], resolved["dims"][role]
         offsets = tuple(r for _, _, r in heads)
@@ -176,9 +192,21 @@ def _block_from(resolved: dict, cap: Capture, targets: Targets) -> AttentionBloc
         layout = f"forward: fused {leaf(tensors[0]).removesuffix('.weight')}"
     else:
         layout = "forward: " + ", ".join(dict.fromkeys(leaf(t).removesuffix(".weight") for t in tensors))
-    kind = "self" if sources["q"] is not None and sources["q"] == sources["k"] else "cross"
+    kind: Literal["self", "cross"] = "self" if sources["q"] is not None and sources["q"] == sources["k"] else "cross"
     q = projections["q"]
-    return AttentionBlock("", 0, kind, module, layout, q.heads, projections["k"].heads, q.head_dim, projections["q"], projections["k"], projections["v"])  # type: ignore[arg-type]
+    return AttentionBlock(
+        "",
+        0,
+        kind,
+        module,
+        layout,
+        q.heads,
+        projections["k"].heads,
+        q.head_dim,
+        projections["q"],
+        projections["k"],
+        projections["v"],
+    )
 
 
 def _covering(ops: list[Op], pid: int, axis: int, row: int) -> Op | None:
@@ -207,7 +235,12 @@ def _common_module(start: str, owners: list[str]) -> str:
 
 
 def probe_blocks(
-    module: nn.Module, *, example_inputs: Any = None, hints: Hints | None = None, prefix: str = "", skip: list[str] | None = None
+    module: nn.Module,
+    *,
+    example_inputs: Any = None,
+    hints: Hints | None = None,
+    prefix: str = "",
+    skip: list[str] | None = None,
 ) -> list[AttentionBlock]:
     """Attention blocks of ``module`` read from its forward alone (no names, no config).
 
@@ -282,7 +315,11 @@ def _try_calls(module: nn.Module, path: str, names, targets: Targets, skip: list
     """Call ``module`` on a float (1, tokens, width) probe; where it fails, try its children."""
     if under(path, skip) and skip:
         return
-    own = [(n, p) for n, p in module.named_parameters() if p.dim() == 2 and p.is_floating_point() and not under(join(path, n), skip)]
+    own = [
+        (n, p)
+        for n, p in module.named_parameters()
+        if p.dim() == 2 and p.is_floating_point() and not under(join(path, n), skip)
+    ]
     if not own:
         return
     if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is not nn.Module.forward:
@@ -332,7 +369,9 @@ def hf_inputs(model: nn.Module, *, tokens: int = PROBE_TOKENS) -> dict:
         frames = 2 * (get("max_source_positions") or 1500)
         out["input_features"] = torch.randn(1, get("num_mel_bins") or 80, frames, generator=gen).to(dev, dtype)
     else:
-        raise LayoutError(f"cannot build a probe input for {type(model).__name__} (main input {main!r}); pass example_inputs=...")
+        raise LayoutError(
+            f"cannot build a probe input for {type(model).__name__} (main input {main!r}); pass example_inputs=..."
+        )
     vision = getattr(cfg, "vision_config", None)
     if main == "input_ids" and "pixel_values" in params and getattr(vision, "image_size", None):
         out["pixel_values"] = pixels(vision)  # two-tower models run both towers
@@ -341,5 +380,3 @@ def hf_inputs(model: nn.Module, *, tokens: int = PROBE_TOKENS) -> dict:
     if "use_cache" in params:
         out["use_cache"] = False
     return out
-
-

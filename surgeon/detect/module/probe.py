@@ -75,7 +75,9 @@ class Targets:
             rel = w.storage_offset() - p.storage_offset()
             for axis in (0, 1):
                 stride, other = p.stride(axis), p.stride(1 - axis)
-                if (w.stride(out_dim), w.stride(1 - out_dim)) != (stride, other) or w.shape[1 - out_dim] != p.shape[1 - axis]:
+                if (w.stride(out_dim), w.stride(1 - out_dim)) != (stride, other) or w.shape[1 - out_dim] != p.shape[
+                    1 - axis
+                ]:
                     continue
                 if rel >= 0 and rel % stride == 0 and rel // stride + w.shape[out_dim] <= p.shape[axis]:
                     if p.shape[1 - axis] == 1 and p.shape[axis] == 1:
@@ -176,13 +178,22 @@ class Watch(TorchFunctionMode):
 
     def _projection(self, name: str, args, kwargs) -> Op | None:
         if name == "linear":
-            x, w = kwargs.get("input", args[0] if args else None), kwargs.get("weight", args[1] if len(args) > 1 else None)
+            x, w = (
+                kwargs.get("input", args[0] if args else None),
+                kwargs.get("weight", args[1] if len(args) > 1 else None),
+            )
             b, out_dim = kwargs.get("bias", args[2] if len(args) > 2 else None), 0
         elif name == "addmm":
-            b, x = kwargs.get("input", args[0] if args else None), kwargs.get("mat1", args[1] if len(args) > 1 else None)
+            b, x = (
+                kwargs.get("input", args[0] if args else None),
+                kwargs.get("mat1", args[1] if len(args) > 1 else None),
+            )
             w, out_dim = kwargs.get("mat2", args[2] if len(args) > 2 else None), 1
         else:
-            x, w = kwargs.get("input", args[0] if args else None), kwargs.get("other", kwargs.get("mat2", args[1] if len(args) > 1 else None))
+            x, w = (
+                kwargs.get("input", args[0] if args else None),
+                kwargs.get("other", kwargs.get("mat2", args[1] if len(args) > 1 else None)),
+            )
             b, out_dim = None, 1
         where = self.targets.locate(w, out_dim)
         if where is None:
@@ -219,7 +230,13 @@ class Watch(TorchFunctionMode):
                 continue
             _, q, kt = events[before[-1]]
             _, p, v = events[after[0]]
-            if q.dim() >= 3 and kt.dim() >= 3 and v.dim() >= 3 and q.shape[-1] == kt.shape[-2] and kt.shape[-1] == v.shape[-2] == p.shape[-1]:
+            if (
+                q.dim() >= 3
+                and kt.dim() >= 3
+                and v.dim() >= 3
+                and q.shape[-1] == kt.shape[-2]
+                and kt.shape[-1] == v.shape[-2] == p.shape[-1]
+            ):
                 self._capture(q, kt.transpose(-1, -2), v, module=module, via="matmul")
                 done = after[0] + 1
 
@@ -230,17 +247,25 @@ class Watch(TorchFunctionMode):
         first = [t[..., 0, :].reshape(-1, t.shape[-1]).detach().to("cpu", torch.float64) for t in (q, k, v)]
         heads = q.shape[-3] if q.dim() >= 4 else None
         kv_heads = k.shape[-3] if k.dim() >= 4 else None
-        self.captures.append(Capture(self.names.get(module, ""), first[0], first[1], first[2], heads, kv_heads, list(self.ops), via))
+        self.captures.append(
+            Capture(self.names.get(module, ""), first[0], first[1], first[2], heads, kv_heads, list(self.ops), via)
+        )
 
 
 def _as_matmul(name: str, args, kwargs) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(a, b) with the op's result = a @ b, for matmul, bmm, baddbmm and two-operand einsum."""
     if name == "baddbmm":
-        a, b = kwargs.get("batch1", args[1] if len(args) > 1 else None), kwargs.get("batch2", args[2] if len(args) > 2 else None)
+        a, b = (
+            kwargs.get("batch1", args[1] if len(args) > 1 else None),
+            kwargs.get("batch2", args[2] if len(args) > 2 else None),
+        )
     elif name == "einsum":
         return _einsum_as_matmul(args)
     else:
-        a, b = kwargs.get("input", args[0] if args else None), kwargs.get("other", kwargs.get("mat2", args[1] if len(args) > 1 else None))
+        a, b = (
+            kwargs.get("input", args[0] if args else None),
+            kwargs.get("other", kwargs.get("mat2", args[1] if len(args) > 1 else None)),
+        )
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() >= 2 and b.dim() >= 2:
         return a, b
     return None
@@ -259,7 +284,13 @@ def _einsum_as_matmul(args) -> tuple[torch.Tensor, torch.Tensor] | None:
     contracted = [c for c in sa if c in sb and c not in out]
     batch = [c for c in out if c in sa and c in sb]
     free_a, free_b = [c for c in sa if c not in sb], [c for c in sb if c not in sa]
-    if len(contracted) != 1 or len(free_a) != 1 or len(free_b) != 1 or len(set(sa)) != len(sa) or len(set(sb)) != len(sb):
+    if (
+        len(contracted) != 1
+        or len(free_a) != 1
+        or len(free_b) != 1
+        or len(set(sa)) != len(sa)
+        or len(set(sb)) != len(sb)
+    ):
         return None
     if len(batch) + 2 != len(sa) or len(batch) + 2 != len(sb):
         return None
@@ -286,7 +317,9 @@ def probing(module: nn.Module) -> Iterator[None]:
     """
     training = {m: m.training for m in module.modules()}
     buffers = {b: b.detach().clone() for b in module.buffers()}  # caches a forward may write into
-    narrow = {t: t.dtype for t in [*module.parameters(), *module.buffers()] if t.dtype in (torch.float16, torch.bfloat16)}
+    narrow = {
+        t: t.dtype for t in [*module.parameters(), *module.buffers()] if t.dtype in (torch.float16, torch.bfloat16)
+    }
     module.eval()
     try:
         for t in narrow:
@@ -315,7 +348,9 @@ def _run(root: nn.Module, call: Callable[[], Any], fill: str, names: dict[nn.Mod
     return watch
 
 
-def watch_all(root: nn.Module, call: Callable[[], Any], names: dict[nn.Module, str], targets: Targets) -> dict[str, Watch] | None:
+def watch_all(
+    root: nn.Module, call: Callable[[], Any], names: dict[nn.Module, str], targets: Targets
+) -> dict[str, Watch] | None:
     """The four coded forwards; None when the call fails on the first (wrong inputs for this module)."""
     try:
         first = _run(root, call, "ones", names, targets)
@@ -327,7 +362,7 @@ def watch_all(root: nn.Module, call: Callable[[], Any], names: dict[nn.Module, s
     for fill in FILLS[1:]:
         runs[fill] = _run(root, call, fill, names, targets)
         if len(runs[fill].captures) != len(first.captures):
-            raise LayoutError(f"{type(root).__name__}: its forward is not deterministic (a different number of attention calls on a second run); surgeon cannot observe it")
+            raise LayoutError(
+                f"{type(root).__name__}: its forward is not deterministic (a different number of attention calls on a second run); surgeon cannot observe it"
+            )
     return runs
-
-

@@ -49,7 +49,9 @@ def detect_module(module: nn.Module, *, hints: Hints | None = None, example_inpu
             except SurgeonError as probe_exc:
                 raise LayoutError(f"{exc} (the forward did not settle it either: {probe_exc})") from None
             _add(found, blocks, "forward")
-            found.notes.append(f"{type(hf).__name__}: its names and config do not settle the layout, so it was read from the forward")
+            found.notes.append(
+                f"{type(hf).__name__}: its names and config do not settle the layout, so it was read from the forward"
+            )
             continue
         renames = checkpoint_names(hf)
         blocks = [prefixed(b, prefix) for b in detection.blocks]
@@ -78,7 +80,9 @@ def detect_module(module: nn.Module, *, hints: Hints | None = None, example_inpu
     return found
 
 
-def _add(found: ModuleDetection, blocks: list[AttentionBlock], route: str | None, routes: dict[str, str] | None = None) -> None:
+def _add(
+    found: ModuleDetection, blocks: list[AttentionBlock], route: str | None, routes: dict[str, str] | None = None
+) -> None:
     found.blocks += blocks
     for b in blocks:
         found.routes[b.module] = route or (routes or {}).get(b.module, "forward")
@@ -86,7 +90,14 @@ def _add(found: ModuleDetection, blocks: list[AttentionBlock], route: str | None
 
 def _tensor_infos(module: nn.Module) -> dict[str, TensorInfo]:
     return {
-        n: TensorInfo(n, tuple(p.shape), str(p.dtype).removeprefix("torch."), str(p.dtype).removeprefix("torch."), "", p.numel() * p.element_size())
+        n: TensorInfo(
+            n,
+            tuple(p.shape),
+            str(p.dtype).removeprefix("torch."),
+            str(p.dtype).removeprefix("torch."),
+            "",
+            p.numel() * p.element_size(),
+        )
         for n, p in module.named_parameters()
     }
 
@@ -95,7 +106,9 @@ def _hf_models(module: nn.Module) -> list[tuple[str, Any]]:
     """The outermost transformers ``PreTrainedModel`` submodules (the module itself included)."""
     out: list[tuple[str, Any]] = []
     for path, m in module.named_modules():
-        if any(c.__name__ == "PreTrainedModel" for c in type(m).__mro__) and hasattr(getattr(m, "config", None), "to_dict"):
+        if any(c.__name__ == "PreTrainedModel" for c in type(m).__mro__) and hasattr(
+            getattr(m, "config", None), "to_dict"
+        ):
             if not under(path, [p for p, _ in out]):
                 out.append((path, m))
     return out
@@ -121,7 +134,11 @@ def checkpoint_names(model: nn.Module) -> dict[str, str]:
     try:
         conversions = getattr(model, "_weight_conversions", None)
         if conversions is None:  # built from a config: mirror revert_weight_conversion (no prefix changes)
-            conversions = [c for c in get_model_conversion_mapping(cast(Any, model), add_legacy=False) if not isinstance(c, PrefixChange)]
+            conversions = [
+                c
+                for c in get_model_conversion_mapping(cast(Any, model), add_legacy=False)
+                if not isinstance(c, PrefixChange)
+            ]
         reverse = [c.reverse_transform() for c in list(conversions)[::-1]]
     except Exception:  # a transformers version with another mapping API: keep the in-memory names
         return {}
@@ -154,7 +171,9 @@ def _mha_block(path: str, mha: nn.MultiheadAttention) -> AttentionBlock:
         projs[role] = Projection(role, weight, Rows(bias, 0, qkv[role], d) if bias else None, width)  # type: ignore[arg-type]
     cross = not mha._qkv_same_embed_dim or kind(path) == "cross"
     layout = "fused in_proj" if mha._qkv_same_embed_dim else "separate in_proj"
-    return AttentionBlock("", 0, "cross" if cross else "self", path, layout, heads, heads, d, projs["q"], projs["k"], projs["v"])
+    return AttentionBlock(
+        "", 0, "cross" if cross else "self", path, layout, heads, heads, d, projs["q"], projs["k"], projs["v"]
+    )
 
 
 def _nothing(module: nn.Module) -> str:
@@ -166,7 +185,6 @@ def _nothing(module: nn.Module) -> str:
     )
 
 
-
 def _refuse_unseen(module: nn.Module, rest: list[str], probed: list[AttentionBlock], example_inputs: Any) -> None:
     """Parameters named like attention projections that no observed attention product used."""
     used = {r.tensor for b in probed for p in b.projections for r in (p.weight, p.bias) if r is not None}
@@ -175,9 +193,12 @@ def _refuse_unseen(module: nn.Module, rest: list[str], probed: list[AttentionBlo
         weights = [join(owner, part.weight) for part in rule.parts]
         if any(w in used for w in weights):
             continue
-        hint = "pass example_inputs=... (the inputs of its usual forward)" if example_inputs is None else "its forward never used them on the example inputs"
+        hint = (
+            "pass example_inputs=... (the inputs of its usual forward)"
+            if example_inputs is None
+            else "its forward never used them on the example inputs"
+        )
         raise LayoutError(
             f"{owner or type(module).__name__} looks like attention ({', '.join(w.removeprefix(owner + '.') for w in weights)}) "
             f"but surgeon did not see it compute an attention product; {hint}"
         )
-

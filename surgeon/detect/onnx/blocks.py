@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import onnx
@@ -30,8 +31,14 @@ class OnnxDetection:
 
 
 # --- from resolved cores to blocks ----------------------------------------------------------------
-def find_attention(model: onnx.ModelProto, const: Callable[[str], np.ndarray | None], config: dict | None = None,
-                   hints: Hints | None = None, *, source: str = "the model") -> OnnxDetection:
+def find_attention(
+    model: onnx.ModelProto,
+    const: Callable[[str], np.ndarray | None],
+    config: dict | None = None,
+    hints: Hints | None = None,
+    *,
+    source: str = "the model",
+) -> OnnxDetection:
     """Every attention block of an ONNX model, in graph order. Raises NoAttentionFoundError if none."""
     graph = Graph(model, const)
     walker = Walker(graph)
@@ -63,7 +70,9 @@ def find_attention(model: onnx.ModelProto, const: Callable[[str], np.ndarray | N
     return OnnxDetection(Detection(blocks, len(graph.inits), notes), graph, users, owners)
 
 
-def _block(graph: Graph, core: Core, module: str, stack: str, layer: int, view: ConfigView) -> tuple[AttentionBlock, str | None]:
+def _block(
+    graph: Graph, core: Core, module: str, stack: str, layer: int, view: ConfigView
+) -> tuple[AttentionBlock, str | None]:
     q, k, v = core.q, core.k, core.v
     where = f"{module} ({graph.describe(core.node)})"
     d = q.head_dim or k.head_dim
@@ -83,14 +92,22 @@ def _block(graph: Graph, core: Core, module: str, stack: str, layer: int, view: 
         )
     for role, p in (("query", q), ("key", k), ("value", v)):
         if p.head_dim is not None and p.head_dim != d:
-            raise LayoutError(f"{where}: the {role} heads are {p.head_dim} wide but the query heads {d}; surgeon needs one head size per block")
+            raise LayoutError(
+                f"{where}: the {role} heads are {p.head_dim} wide but the query heads {d}; surgeon needs one head size per block"
+            )
         if p.width % d:
-            raise LayoutError(f"{where}: the {role} projection has {p.width} features, not a multiple of the head size {d}")
+            raise LayoutError(
+                f"{where}: the {role} projection has {p.width} features, not a multiple of the head size {d}"
+            )
     heads, kv_heads = q.width // d, k.width // d
     if v.width // d != kv_heads or heads % kv_heads:
-        raise LayoutError(f"{where}: {heads} query, {kv_heads} key and {v.width // d} value heads of size {d} do not form grouped attention")
+        raise LayoutError(
+            f"{where}: {heads} query, {kv_heads} key and {v.width // d} value heads of size {d} do not form grouped attention"
+        )
     if core.num_heads and core.num_heads != heads:
-        raise LayoutError(f"{where}: num_heads={core.num_heads} but its {q.width} query features are {heads} heads of {d}")
+        raise LayoutError(
+            f"{where}: num_heads={core.num_heads} but its {q.width} query features are {heads} heads of {d}"
+        )
     hinted = view.hints.num_heads
     if hinted and hinted != heads:
         note = f"{opt('num_heads', hinted)} ignored for {module}: the graph splits it into {heads} heads of {d}"
@@ -102,8 +119,12 @@ def _block(graph: Graph, core: Core, module: str, stack: str, layer: int, view: 
     layout = _layout(q, k, v)
     if core.label:
         layout = f"{core.label}: {layout}"
-    kind = "self" if q.source == k.source or core.label in ("com.microsoft.Attention",) else "cross"
-    block = AttentionBlock(stack, layer, kind, module, layout, heads, kv_heads, d, projections["q"], projections["k"], projections["v"])  # type: ignore[arg-type]
+    kind: Literal["self", "cross"] = (
+        "self" if q.source == k.source or core.label in ("com.microsoft.Attention",) else "cross"
+    )
+    block = AttentionBlock(
+        stack, layer, kind, module, layout, heads, kv_heads, d, projections["q"], projections["k"], projections["v"]
+    )
     return block, note
 
 
@@ -157,7 +178,7 @@ def _place_cores(scopes: list[str | None], fallback: list[str]) -> list[tuple[st
             counts[s] += 1
     placed: dict[int, tuple[str, int, str]] = {}
     calls: dict[str, int] = defaultdict(int)
-    grouped: list[int] = []
+    grouped: list[tuple[int, str]] = []  # (index, scope) of the blocks placed by their numbered paths
     unnamed, used = 0, set(s for s in scopes if s)
     for i, s in enumerate(scopes):
         if not s:
@@ -169,11 +190,10 @@ def _place_cores(scopes: list[str | None], fallback: list[str]) -> list[tuple[st
             placed[i] = (s, calls[s], f"{s}[{calls[s]}]")
             calls[s] += 1
         else:
-            grouped.append(i)
-    places = place((scopes[i] for i in grouped), lone="top")  # type: ignore[misc]
-    for i in grouped:
-        where = places[scopes[i]]  # type: ignore[index]
-        placed[i] = (where.stack, where.layer, scopes[i])  # type: ignore[assignment]
+            grouped.append((i, s))
+    places = place((s for _, s in grouped), lone="top")
+    for i, s in grouped:
+        placed[i] = (places[s].stack, places[s].layer, s)
     return [placed[i] for i in range(len(scopes))]
 
 
@@ -185,4 +205,3 @@ def _nothing_found(graph: Graph, cores: list[int], failures: list[str], source: 
         )
     shown = "; ".join(failures[:4]) + (f"; and {len(failures) - 4} more" if len(failures) > 4 else "")
     return f"no attention found in {source}: looked at {len(cores)} Softmax/attention node{'s' if len(cores) > 1 else ''} and none led to Q/K/V projections ({shown})"
-

@@ -15,9 +15,30 @@ FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProt
 # Ops between a projection and the attention core, and which inputs carry the data
 # ("*": every input that is not a constant).
 PASS_BACK: dict[str, tuple[int, ...] | str] = {
-    **{op: (0,) for op in ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Expand", "Tile", "Flatten", "Cast", "CastLike",
-                           "Identity", "Dropout", "Slice", "Split", "Gather", "Neg", "RotaryEmbedding", "LayerNormalization",
-                           "SimplifiedLayerNormalization", "RMSNormalization")},
+    **{
+        op: (0,)
+        for op in (
+            "Reshape",
+            "Transpose",
+            "Squeeze",
+            "Unsqueeze",
+            "Expand",
+            "Tile",
+            "Flatten",
+            "Cast",
+            "CastLike",
+            "Identity",
+            "Dropout",
+            "Slice",
+            "Split",
+            "Gather",
+            "Neg",
+            "RotaryEmbedding",
+            "LayerNormalization",
+            "SimplifiedLayerNormalization",
+            "RMSNormalization",
+        )
+    },
     **{op: "*" for op in ("Concat", "Add", "Sub", "Mul", "Div")},
     "Where": (1, 2),
 }
@@ -31,7 +52,15 @@ SCORE_BACK: dict[str, tuple[int, ...] | str] = {
 PROB_FORWARD = {"Cast", "Identity", "Dropout", "Where", "Mul", "Div", "Reshape"}
 CORES = {"Softmax", "Attention", f"{MS}.Attention", f"{MS}.MultiHeadAttention", f"{MS}.GroupQueryAttention"}
 PRODUCTS = {"MatMul", "Einsum", "FusedMatMul"}  # data x data products (Q·Kᵀ, P·V)
-QUANTIZED = {"MatMulNBits", "MatMulInteger", "QLinearMatMul", "DynamicQuantizeMatMul", "MatMulIntegerToFloat", "QAttention", "QGemm"}
+QUANTIZED = {
+    "MatMulNBits",
+    "MatMulInteger",
+    "QLinearMatMul",
+    "DynamicQuantizeMatMul",
+    "MatMulIntegerToFloat",
+    "QAttention",
+    "QGemm",
+}
 # Ops a source tensor passes through unchanged in content (for self/cross: do Q and K read the same input?)
 SAME_DATA = {"Reshape", "Flatten", "Cast", "Identity", "Squeeze", "Unsqueeze"}
 
@@ -55,7 +84,9 @@ _FOLD: dict[str, Callable] = {
     "Neg": lambda g, n, a: -a,
     "Reshape": lambda g, n, x, shape: x.reshape([int(d) for d in shape]),
     "Unsqueeze": lambda g, n, x, *rest: np.expand_dims(x, tuple(_axes(g, n, (x, *rest)))),
-    "Squeeze": lambda g, n, x, *rest: np.squeeze(x, tuple(_axes(g, n, (x, *rest)))) if _axes(g, n, (x, *rest)) else np.squeeze(x),
+    "Squeeze": lambda g, n, x, *rest: (
+        np.squeeze(x, tuple(_axes(g, n, (x, *rest)))) if _axes(g, n, (x, *rest)) else np.squeeze(x)
+    ),
     "Concat": lambda g, n, *xs: np.concatenate([np.atleast_1d(x) for x in xs], axis=g.attr(n, "axis", 0)),
     "Gather": lambda g, n, x, i: np.take(x, i, axis=g.attr(n, "axis", 0)),
 }
@@ -132,7 +163,11 @@ class Graph:
             node = self.nodes[n]
             if node.op_type == "Constant" and node.attribute:
                 a = node.attribute[0]
-                out = onnx.numpy_helper.to_array(a.t) if a.name == "value" else np.array(onnx.helper.get_attribute_value(a))
+                out = (
+                    onnx.numpy_helper.to_array(a.t)
+                    if a.name == "value"
+                    else np.array(onnx.helper.get_attribute_value(a))
+                )
             elif node.op_type in _FOLD and node.domain in ("", "ai.onnx") and len(node.output) == 1:
                 args = [self.value(i) for i in node.input if i]
                 if all(a is not None for a in args):
@@ -178,7 +213,11 @@ class Graph:
         node = self.nodes[n]
         if node.op_type == "Unsqueeze":  # one computed entry (batch or sequence length)
             return [None]
-        if node.op_type == "Slice" and node.input[0] in self.producer and self.nodes[self.producer[node.input[0]]].op_type == "Shape":
+        if (
+            node.op_type == "Slice"
+            and node.input[0] in self.producer
+            and self.nodes[self.producer[node.input[0]]].op_type == "Shape"
+        ):
             rank = self.rank(self.nodes[self.producer[node.input[0]]].input[0])
             starts, ends = self.ints(node.input[1]), self.ints(node.input[2])
             if rank is None or not starts or not ends:
@@ -195,7 +234,12 @@ class Graph:
         """The initializer a tensor is, through Identity nodes (the legacy exporter's way of sharing
         one initializer between equal parameters), and those nodes; (None, []) if it is not one."""
         via: list[int] = []
-        while tensor and tensor not in self.inits and tensor in self.producer and self.nodes[self.producer[tensor]].op_type == "Identity":
+        while (
+            tensor
+            and tensor not in self.inits
+            and tensor in self.producer
+            and self.nodes[self.producer[tensor]].op_type == "Identity"
+        ):
             via.append(self.producer[tensor])
             tensor = self.nodes[self.producer[tensor]].input[0]
         return (tensor, via) if tensor in self.inits else (None, [])
@@ -214,7 +258,11 @@ class Graph:
             except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
                 value = None
             # a list of module paths; anything else (a number, a dict, a string) is ignored, not trusted
-            names = [s for s in value[:-1] if s] if isinstance(value, list) and all(isinstance(s, str) for s in value) else []
+            names = (
+                [s for s in value[:-1] if s]
+                if isinstance(value, list) and all(isinstance(s, str) for s in value)
+                else []
+            )
             if names:
                 return names[-1]
         namespace = meta.get("namespace")
@@ -232,7 +280,13 @@ def _subgraph_inputs(node: onnx.NodeProto) -> list[str]:
     """Outer-scope tensors read inside If/Loop/Scan bodies (they are users too)."""
     names: list[str] = []
     for a in node.attribute:
-        graphs = [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs) if a.type == onnx.AttributeProto.GRAPHS else []
+        graphs = (
+            [a.g]
+            if a.type == onnx.AttributeProto.GRAPH
+            else list(a.graphs)
+            if a.type == onnx.AttributeProto.GRAPHS
+            else []
+        )
         for sub in graphs:
             for inner in sub.node:
                 names += list(inner.input) + _subgraph_inputs(inner)
@@ -251,12 +305,16 @@ def _infer_ranks(model: onnx.ModelProto) -> dict[str, int]:
     inits = [t for t in stubs if isinstance(t, onnx.TensorProto)]
     listed = {i.name for i in g.input}
     extra_inputs = [t for t in stubs if not isinstance(t, onnx.TensorProto) and t.name not in listed]
-    lite = onnx.helper.make_graph(list(g.node), g.name or "g", list(g.input) + extra_inputs, list(g.output), inits, value_info=list(g.value_info))
+    lite = onnx.helper.make_graph(
+        list(g.node), g.name or "g", list(g.input) + extra_inputs, list(g.output), inits, value_info=list(g.value_info)
+    )
     lite_model = onnx.helper.make_model(lite, opset_imports=list(model.opset_import), functions=list(model.functions))
     lite_model.ir_version = model.ir_version
     ranks: dict[str, int] = {}
     try:
-        inferred = onnx.shape_inference.infer_shapes(lite_model, check_type=False, strict_mode=False, data_prop=True).graph
+        inferred = onnx.shape_inference.infer_shapes(
+            lite_model, check_type=False, strict_mode=False, data_prop=True
+        ).graph
         infos = list(inferred.value_info) + list(inferred.input) + list(inferred.output)
     except Exception:  # noqa: BLE001 - inference is a help, not a requirement
         infos = list(g.value_info) + list(g.input) + list(g.output)
@@ -285,4 +343,3 @@ def same_data_source(g: Graph, tensor: str) -> str:
             return tensor
         tensor = g.nodes[n].input[0]
     return tensor
-

@@ -52,7 +52,6 @@ class Core:
     kv_heads: int | None = None
 
 
-
 class ProjectionWalk:
     """Following one operand of a core back to the MatMul/Gemm that projects it (Walker's second half)."""
 
@@ -86,7 +85,11 @@ class ProjectionWalk:
                 if (n, t) not in found:
                     found.append((n, t))
                 continue
-            which = PASS_BACK.get(node.op_type) if node.domain in ("", "ai.onnx") or node.op_type == "RotaryEmbedding" else None
+            which = (
+                PASS_BACK.get(node.op_type)
+                if node.domain in ("", "ai.onnx") or node.op_type == "RotaryEmbedding"
+                else None
+            )
             if which is None:
                 dead.append(g.describe(n))
                 continue
@@ -100,7 +103,9 @@ class ProjectionWalk:
             stops = ", ".join(list(dict.fromkeys(dead))[:3]) or "nothing"
             raise Fail(f"{role} reaches no MatMul/Gemm with a constant weight (the walk stops at {stops})")
         if len(projections) > 1:
-            raise Fail(f"{role} comes from {len(projections)} projections ({', '.join(g.describe(p) for p in projections[:3])})")
+            raise Fail(
+                f"{role} comes from {len(projections)} projections ({', '.join(g.describe(p) for p in projections[:3])})"
+            )
         n, out = found[0]
         path = []  # (node, tensor entering it, tensor leaving it), from the projection toward the core
         t = out
@@ -125,7 +130,17 @@ class ProjectionWalk:
             raise Fail(f"{role} weight {weight} has shape {dims}; a projection weight must be 2-D")
         axis = (0 if transposed else 1) ^ int(flip)
         out_features, in_features = dims[axis], dims[1 - axis]
-        p = Proj(n, node.op_type, weight, axis, in_features, 0, out_features, same_data_source(g, node.input[0]), weight_nodes={n, *extra_nodes})
+        p = Proj(
+            n,
+            node.op_type,
+            weight,
+            axis,
+            in_features,
+            0,
+            out_features,
+            same_data_source(g, node.input[0]),
+            weight_nodes={n, *extra_nodes},
+        )
         bias, via = g.initializer(node.input[2] if node.op_type == "Gemm" and len(node.input) > 2 else "")
         if bias is not None and list(g.inits[bias].dims) == [out_features]:
             p.bias, p.bias_nodes = bias, {n, *via}
@@ -141,7 +156,9 @@ class ProjectionWalk:
             n = g.producer[tensor]
             node = g.nodes[n]
             flips = node.op_type == "Transpose" and g.attr(n, "perm") in (None, [1, 0])
-            if node.op_type != "Identity" and not (transpose and flips and not any(g.nodes[m].op_type == "Transpose" for m in via)):
+            if node.op_type != "Identity" and not (
+                transpose and flips and not any(g.nodes[m].op_type == "Transpose" for m in via)
+            ):
                 break
             via.append(n)
             tensor = node.input[0]
@@ -172,14 +189,18 @@ class ProjectionWalk:
             )
         elif tensor in g.producer and g.nodes[g.producer[tensor]].op_type == "Constant":
             origin = f"the Constant node {g.nodes[g.producer[tensor]].name or tensor}"
-            fix = "turn Constant nodes into initializers (e.g. onnxscript's optimizer or onnxsim) and run surgeon on that"
+            fix = (
+                "turn Constant nodes into initializers (e.g. onnxscript's optimizer or onnxsim) and run surgeon on that"
+            )
         elif tensor in g.producer:
             origin = f"computed by {g.describe(g.producer[tensor])}"
             fix = "fold it into an initializer first (e.g. onnxscript's optimizer or onnxsim), or re-initialize the source model"
         else:
             origin = "not produced by any node"
             fix = "check that the model is valid (onnx.checker)"
-        raise UnsupportedWeightsError(f"{where} reads weight {tensor}, which is {origin}, not a constant initializer; {fix}")
+        raise UnsupportedWeightsError(
+            f"{where} reads weight {tensor}, which is {origin}, not a constant initializer; {fix}"
+        )
 
     def _window(self, p: Proj, path, role: str) -> None:
         """Walk forward from the projection to the core and read what the ops say about its output.
@@ -200,7 +221,9 @@ class ProjectionWalk:
             if heads_shape is not None:
                 # after the head split, only the head_dim axis may be cut (rotary halves)
                 if op in ("Split", "Slice", "Gather") and not self._cuts_last_axis(n, t_in):
-                    raise Fail(f"{role} is cut by {g.describe(n)} after its head split, a QKV packing surgeon does not follow")
+                    raise Fail(
+                        f"{role} is cut by {g.describe(n)} after its head split, a QKV packing surgeon does not follow"
+                    )
                 continue
             if pending is not None:
                 if op == "Reshape":
@@ -319,7 +342,11 @@ class ProjectionWalk:
             count = g.attr(n, "num_outputs") or len(node.output)
             sizes = [p.width // count] * count if p.width % count == 0 else None
         rank = g.rank(t_in)
-        on_features = axis == -1 or (rank is not None and axis == rank - 1) or (rank is None and sizes is not None and sum(sizes) == p.width)
+        on_features = (
+            axis == -1
+            or (rank is not None and axis == rank - 1)
+            or (rank is None and sizes is not None and sum(sizes) == p.width)
+        )
         if not on_features:
             raise Fail(f"{role} goes through {g.describe(n)}, which splits an axis other than the features")
         if not sizes or sum(sizes) != p.width:
@@ -351,4 +378,3 @@ class ProjectionWalk:
         end = min(p.width, end + p.width if end < 0 else end)
         p.base += start
         p.width = end - start
-

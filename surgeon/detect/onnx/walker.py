@@ -70,7 +70,12 @@ class Walker(ProjectionWalk):
             t = queue.popleft()
             for m in g.consumers.get(t, []):
                 node = g.nodes[m]
-                if node.op_type in PRODUCTS and node.input[0] == t and len(node.input) > 1 and not g.is_const(node.input[1]):
+                if (
+                    node.op_type in PRODUCTS
+                    and node.input[0] == t
+                    and len(node.input) > 1
+                    and not g.is_const(node.input[1])
+                ):
                     return m
                 if node.op_type in PROB_FORWARD and node.domain in ("", "ai.onnx"):
                     for out in node.output:
@@ -84,7 +89,9 @@ class Walker(ProjectionWalk):
         g = self.g
         node = g.nodes[n]
         heads = g.attr(n, "num_heads")
-        weight, via = self._weight_initializer(node.input[1] if len(node.input) > 1 else "", n, "Q/K/V", transpose=False)
+        weight, via = self._weight_initializer(
+            node.input[1] if len(node.input) > 1 else "", n, "Q/K/V", transpose=False
+        )
         dims = list(g.inits[weight].dims)
         if len(dims) != 2:
             raise Fail(f"its packed weight {weight} has shape {dims}, expected (in, 3*out)")
@@ -113,7 +120,9 @@ class Walker(ProjectionWalk):
         if packed_bias is not None and (g.rank(ins[0]) == 5 or g.rank(ins[1]) == 5):
             raise Fail("packed QKV/KV inputs (5-D query or key) are not supported")
         q, k, v = (self._projection(ins[i], role) for i, role in enumerate("QKV"))
-        bias, via = g.initializer(node.input[packed_bias] if packed_bias is not None and len(node.input) > packed_bias else "")
+        bias, via = g.initializer(
+            node.input[packed_bias] if packed_bias is not None and len(node.input) > packed_bias else ""
+        )
         if bias is not None and list(g.inits[bias].dims) == [q.width + k.width + v.width]:
             for p, start in ((q, 0), (k, q.width), (v, q.width + k.width)):
                 if p.bias is None:  # the packed bias of MultiHeadAttention: [q | k | v]
@@ -134,12 +143,21 @@ class Walker(ProjectionWalk):
         p = self._projection(node.input[0], "packed QKV")
         slots = heads + 2 * kv
         if p.width % slots:
-            raise Fail(f"its packed query has {p.width} features, not a multiple of num_heads + 2 * kv_num_heads = {slots}")
+            raise Fail(
+                f"its packed query has {p.width} features, not a multiple of num_heads + 2 * kv_num_heads = {slots}"
+            )
         d = p.width // slots
         offsets = slot_offsets("qkv", heads, kv, d)  # the packed query is [Q | K | V] (spec.PACKINGS)
         q, k, v = (
-            Proj(**{**p.__dict__, "base": p.base + offsets[r][0], "width": len(offsets[r]) * d, "head_dim": d, "heads": len(offsets[r])})
+            Proj(
+                **{
+                    **p.__dict__,
+                    "base": p.base + offsets[r][0],
+                    "width": len(offsets[r]) * d,
+                    "head_dim": d,
+                    "heads": len(offsets[r]),
+                }
+            )
             for r in "qkv"
         )
         return Core(n, "com.microsoft.GroupQueryAttention", q, k, v, num_heads=heads, kv_heads=kv)
-
