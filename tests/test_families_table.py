@@ -38,3 +38,38 @@ def test_every_format_is_found_by_its_suffixes():
             assert format_of(f"model{suffix}") is fmt and suffix in WEIGHT_SUFFIXES
         for suffix in fmt.index_suffixes:
             assert format_of(f"model{suffix}") is fmt
+
+
+def test_detect_routes_by_input_kind():
+    import torch
+
+    from surgeon.detect import Detection, detect
+    from surgeon.detect.module import ModuleDetection
+    from surgeon.source import open_source
+
+    found = detect(open_source("examples/tiny-bert"))
+    assert isinstance(found, Detection) and found.blocks
+    module = torch.nn.Sequential(torch.nn.MultiheadAttention(8, 2))
+    assert isinstance(detect(module), ModuleDetection)
+
+
+def test_options_are_spelt_once():
+    """Every ReinitOptions field is a `surgeon reinit` flag and part of the card's reproduce command."""
+    from click.testing import CliRunner
+
+    from surgeon.card import reproduce_command
+    from surgeon.cli import main
+    from surgeon.detect.config import Hints
+    from surgeon.plan import ReinitOptions, option_infos
+
+    help_text = CliRunner().invoke(main, ["reinit", "--help"]).output
+    for name, _ in option_infos():
+        assert f"--{name.replace('_', '-')}" in help_text, name
+    polar = ReinitOptions.build(mode="polar", strength=0.5, keep_scale=True, stack="encoder", seed=3).validated()
+    command = reproduce_command("m", revision=None, options=polar.to_dict(), hints=Hints(), output="out")
+    for flag in ("--layers=all", "--targets q,k,v", "--heads=all", "--attention all", "--stack encoder", "--mode polar",
+                 "--strength 0.5", "--keep-scale", "--bias keep", "--seed 3"):
+        assert flag in command, flag
+    assert "--value-identity" not in command  # not part of a polar run
+    with pytest.raises(TypeError, match="unexpected keyword argument 'sed'"):
+        ReinitOptions.build(sed=3)
