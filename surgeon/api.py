@@ -136,11 +136,7 @@ def reinit_checkpoint(
     check_device(device)
     start = time.perf_counter()
     source = load(model, config=config, revision=revision, progress=progress)
-    if push is not None and output_kind(source) != "folder":
-        raise OptionError(
-            f"{opt('push_to_hub')} uploads a model folder, and the output of {source.path.name} is a single file: "
-            "give the model folder as MODEL"
-        )
+    _check_push_output(push, source)
     hints = Hints(num_heads, num_kv_heads, head_dim, force_hints)
     detection = detect_source(source, hints)
     plan = make_plan(detection.blocks, opts)
@@ -173,6 +169,14 @@ def _push_target(repo_id: str | None, private: bool, revision: str | None, creat
         raise OptionError(f"{opt('push_to_hub')} pushes a new output folder; it cannot be combined with {opt('in_place', True)}")
     repo_id = hub.check_push(repo_id, revision=revision, create_pr=create_pr, token=token)
     return PushTarget(repo_id, private, revision, create_pr, commit_message, token)
+
+
+def _check_push_output(push: PushTarget | None, source: Source) -> None:
+    if push is not None and output_kind(source) != "folder":
+        raise OptionError(
+            f"{opt('push_to_hub')} uploads a model folder, and the output of {source.path.name} is a single file: "
+            "give the model folder as MODEL"
+        )
 
 
 def _run_and_write(report: Report, source: Source, detection: Detection, plan: Plan, dest: Path, *, device, full: bool,

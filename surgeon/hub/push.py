@@ -140,57 +140,35 @@ def push_folder(
     except Exception as exc:
         raise write_error(exc, repo_id, token, "prepare") from None
     ops = [CommitOperationAdd(path_in_repo=f, path_or_fileobj=str(folder / f)) for f in files]
-    done: list[str] = []
+    where = {"revision": revision, "create_pr": create_pr, "private": private}  # for messages about a partial push
     with hf_progress(progress):
-        for i, op in enumerate(ops):
-            try:
-                api.preupload_lfs_files(repo_id, additions=[op], revision=revision, create_pr=create_pr)
-            except Exception as exc:
-                raise _partial_error(
-                    exc, repo_id, token, folder, ops, i, done, revision=revision, create_pr=create_pr, private=private
-                ) from None
-            if op._upload_mode == "lfs":
-                done.append(op.path_in_repo)
+        done = _preupload(api, repo_id, token, folder, ops, **where)
         message = commit_message or f"Upload {folder.resolve().name} with surgeon {__version__}"
         try:
             info = api.create_commit(
-                repo_id,
-                ops,
-                commit_message=message,
-                commit_description=commit_description,
-                revision=revision,
+                repo_id, ops, commit_message=message, commit_description=commit_description, revision=revision,
                 create_pr=create_pr,
             )
         except Exception as exc:
-            raise _partial_error(
-                exc,
-                repo_id,
-                token,
-                folder,
-                ops,
-                len(ops),
-                done,
-                revision=revision,
-                create_pr=create_pr,
-                private=private,
-            ) from None
+            raise _partial_error(exc, repo_id, token, folder, ops, len(ops), done, **where) from None
     unchanged = [op.path_in_repo for op in ops if op._remote_oid is not None and op._remote_oid == op._local_oid]
     large = [op.path_in_repo for op in ops if op._upload_mode == "lfs" and op.path_in_repo not in unchanged]
     sent = sum((folder / f).stat().st_size for f in files if f not in unchanged)
-    return PushResult(
-        repo_id,
-        f"{api.endpoint}/{repo_id}",
-        branch,
-        created,
-        info.oid,
-        info.commit_url,
-        info.pr_url,
-        files,
-        large,
-        unchanged,
-        sent,
-        notes,
-    )
+    url = f"{api.endpoint}/{repo_id}"
+    return PushResult(repo_id, url, branch, created, info.oid, info.commit_url, info.pr_url, files, large, unchanged, sent, notes)
+
+
+def _preupload(api, repo_id: str, token: str, folder: Path, ops: list, **where) -> list[str]:
+    """Upload the large files one at a time before the commit; returns those sent through the large-file path."""
+    done: list[str] = []
+    for i, op in enumerate(ops):
+        try:
+            api.preupload_lfs_files(repo_id, additions=[op], revision=where["revision"], create_pr=where["create_pr"])
+        except Exception as exc:
+            raise _partial_error(exc, repo_id, token, folder, ops, i, done, **where) from None
+        if op._upload_mode == "lfs":
+            done.append(op.path_in_repo)
+    return done
 
 
 def _folder_files(folder: Path) -> list[str]:

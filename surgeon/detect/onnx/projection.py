@@ -257,15 +257,7 @@ class ProjectionWalk:
         if pending is not None:
             heads_shape = pending.shape
         if heads_shape is not None:
-            shape = heads_shape
-            d = shape[-1] if shape and isinstance(shape[-1], int) and shape[-1] > 0 else None
-            h = shape[-2] if len(shape) > 1 and isinstance(shape[-2], int) and shape[-2] > 0 else None
-            if d and p.width % d == 0:
-                p.head_dim, p.heads = d, p.width // d
-                if h and h != p.heads:
-                    raise Fail(f"{role} has {p.width} features but is reshaped to (..., {h}, {d})")
-            elif h and p.width % h == 0 and not d:
-                p.heads, p.head_dim = h, p.width // h
+            _read_head_split(p, heads_shape, role)
 
     def _pending_step(self, pending: Pending, p: Proj, n: int, t_in: str, t_out: str, role: str) -> bool:
         """Follow the first axis of a feature split through one op; True when it picked one chunk."""
@@ -378,3 +370,15 @@ class ProjectionWalk:
         end = min(p.width, end + p.width if end < 0 else end)
         p.base += start
         p.width = end - start
+
+
+def _read_head_split(p: Proj, shape: list[int | None], role: str) -> None:
+    """(heads, head_dim) of a projection from the shape of the Reshape that splits its features."""
+    d = shape[-1] if shape and isinstance(shape[-1], int) and shape[-1] > 0 else None
+    h = shape[-2] if len(shape) > 1 and isinstance(shape[-2], int) and shape[-2] > 0 else None
+    if d and p.width % d == 0:
+        p.head_dim, p.heads = d, p.width // d
+        if h and h != p.heads:
+            raise Fail(f"{role} has {p.width} features but is reshaped to (..., {h}, {d})")
+    elif h and p.width % h == 0 and not d:
+        p.heads, p.head_dim = h, p.width // h
