@@ -67,8 +67,18 @@ def test_options_are_spelt_once():
         assert f"--{name.replace('_', '-')}" in help_text, name
     polar = ReinitOptions.build(mode="polar", strength=0.5, keep_scale=True, stack="encoder", seed=3).validated()
     command = reproduce_command("m", revision=None, options=polar.to_dict(), hints=Hints(), output="out")
-    for flag in ("--layers=all", "--targets q,k,v", "--heads=all", "--attention all", "--stack encoder", "--mode polar",
-                 "--strength 0.5", "--keep-scale", "--bias keep", "--seed 3"):
+    for flag in (
+        "--layers=all",
+        "--targets q,k,v",
+        "--heads=all",
+        "--attention all",
+        "--stack encoder",
+        "--mode polar",
+        "--strength 0.5",
+        "--keep-scale",
+        "--bias keep",
+        "--seed 3",
+    ):
         assert flag in command, flag
     assert "--value-identity" not in command  # not part of a polar run
     with pytest.raises(TypeError, match="unexpected keyword argument 'sed'"):

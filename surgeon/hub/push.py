@@ -146,7 +146,11 @@ def push_folder(
         message = commit_message or f"Upload {folder.resolve().name} with surgeon {__version__}"
         try:
             info = api.create_commit(
-                repo_id, ops, commit_message=message, commit_description=commit_description, revision=revision,
+                repo_id,
+                ops,
+                commit_message=message,
+                commit_description=commit_description,
+                revision=revision,
                 create_pr=create_pr,
             )
         except Exception as exc:
@@ -155,7 +159,9 @@ def push_folder(
     large = [op.path_in_repo for op in ops if op._upload_mode == "lfs" and op.path_in_repo not in unchanged]
     sent = sum((folder / f).stat().st_size for f in files if f not in unchanged)
     url = f"{api.endpoint}/{repo_id}"
-    return PushResult(repo_id, url, branch, created, info.oid, info.commit_url, info.pr_url, files, large, unchanged, sent, notes)
+    return PushResult(
+        repo_id, url, branch, created, info.oid, info.commit_url, info.pr_url, files, large, unchanged, sent, notes
+    )
 
 
 def _preupload(api, repo_id: str, token: str, folder: Path, ops: list, **where) -> list[str]:
