@@ -23,7 +23,7 @@ _EXPORTS = {
     "recover": "journal",
     "verify": "audit",
     "Verification": "audit",
-    "VerificationError": "audit",
+    "VerificationError": "errors",
     "CheckpointError": "errors",
     "LayoutError": "errors",
     "NoAttentionFoundError": "errors",
@@ -32,12 +32,12 @@ _EXPORTS = {
     "SelectionError": "errors",
     "SurgeonError": "errors",
     "UnsupportedWeightsError": "errors",
-    "HubAccessError": "hub",
-    "HubAuthError": "hub",
-    "HubError": "hub",
-    "HubNotFoundError": "hub",
-    "HubOfflineError": "hub",
-    "PushError": "hub",
+    "HubAccessError": "errors",
+    "HubAuthError": "errors",
+    "HubError": "errors",
+    "HubNotFoundError": "errors",
+    "HubOfflineError": "errors",
+    "PushError": "errors",
     "PushResult": "hub",
     "push_folder": "hub",
     "ReinitOptions": "plan",
@@ -65,20 +65,27 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from .api import inspect_checkpoint, reinit_checkpoint
+    from .audit import Verification, verify
     from .errors import (
         CheckpointError,
+        HubAccessError,
+        HubAuthError,
+        HubError,
+        HubNotFoundError,
+        HubOfflineError,
         LayoutError,
         NoAttentionFoundError,
         OptionError,
         OutputError,
+        PushError,
         SelectionError,
         SurgeonError,
         UnsupportedWeightsError,
+        VerificationError,
     )
-    from .hub import HubAccessError, HubAuthError, HubError, HubNotFoundError, HubOfflineError, PushError, PushResult, push_folder
-    from .audit import Verification, VerificationError, verify
-    from .journal import recover
+    from .hub import PushResult, push_folder
     from .init_hooks import conditioned_init_
+    from .journal import recover
     from .modules import inspect, inspect_module, reinit, reinit_
     from .plan import ReinitOptions
     from .report import Report

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import hub
-from .detect.config import Hints
-from .detect.names import Detection, detect
 from ._version import __version__
-from .errors import CheckpointError, OptionError
+from .detect import Detection, detect_source
+from .detect.config import Hints
+from .errors import CheckpointError, HubError, OptionError, opt
 from .output import copy_extras, output_kind, resolve_output, staged, tree_size
 from .plan import Plan, ReinitOptions, make_plan
 from .report import ProjectionRow, Report
-from .selection import IndexSpec
 from .source import Source
 
 if TYPE_CHECKING:  # torch is imported when tensors are first touched, so that opening, planning and
@@ -44,13 +44,6 @@ def check_device(device: str | torch.device | None) -> None:
         raise OptionError(f"unknown device {text!r}: use auto, cpu, cuda or cuda:N")
 
 
-def _detect(source: Source, hints: Hints) -> Detection:
-    found = source.primary.detect(source.config, hints)
-    if found is not None:
-        return found
-    return detect(source.primary.tensors, source.config, hints, source=str(source.path))
-
-
 def inspect_checkpoint(
     model: str | Path,
     *,
@@ -74,7 +67,7 @@ def inspect_checkpoint(
     dev = resolve_device(device)
     start = time.perf_counter()
     source = load(model, config=config, revision=revision, progress=progress)
-    detection = _detect(source, Hints(num_heads, num_kv_heads, head_dim, force_hints))
+    detection = detect_source(source, Hints(num_heads, num_kv_heads, head_dim, force_hints))
     weights = source.primary
     with _progress(progress, len({p.weight.tensor for b in detection.blocks for p in b.projections}), "inspect") as bar:
         spectra = inspect_blocks(detection.blocks, weights.read, dev, progress=bar.update if bar else None, whole=full)
@@ -89,25 +82,27 @@ def inspect_checkpoint(
     )
 
 
+@dataclass(frozen=True)
+class PushTarget:
+    """Where and how a reinit's output folder is pushed (``push_to_hub`` and its companions)."""
+
+    repo_id: str
+    private: bool = False
+    revision: str | None = None
+    create_pr: bool = False
+    commit_message: str | None = None
+    token: str | None = None
+
+
 def reinit_checkpoint(
     model: str | Path,
     *,
+    options: ReinitOptions | None = None,
     revision: str | None = None,
     output: str | Path | None = None,
     in_place: bool = False,
     overwrite: bool = False,
     dry_run: bool = False,
-    layers: IndexSpec = "all",
-    targets: str | Iterable[str] = ("q", "k", "v"),
-    heads: IndexSpec = "all",
-    attention: str = "all",
-    stack: str | Iterable[str] | None = None,
-    mode: str = "conditioned",
-    strength: float | None = None,
-    value_identity: str = "block",
-    keep_scale: bool = False,
-    bias: str = "auto",
-    seed: int = 0,
     device: str | torch.device = "auto",
     config: str | Path | None = None,
     num_heads: int | None = None,
@@ -122,42 +117,73 @@ def reinit_checkpoint(
     create_pr: bool = False,
     commit_message: str | None = None,
     token: str | None = None,
+    **option_keywords: Any,
 ) -> Report:
     """Re-initialize the chosen Q/K/V projections of a checkpoint and write a new one beside it.
 
+    How: ``options`` (a :class:`~surgeon.plan.ReinitOptions`), or its fields as keywords (``layers``,
+    ``targets``, ``heads``, ``attention``, ``stack``, ``mode``, ``strength``, ``value_identity``,
+    ``keep_scale``, ``bias``, ``seed``), which replace those of ``options``.
     ``model`` is a path or a Hugging Face Hub id (``org/name``, at ``revision``). A folder output gets a
     model card (README.md). ``push_to_hub="org/name"`` then uploads the output folder in one commit
     (see :func:`surgeon.hub.push_folder` for ``private``, ``push_revision``, ``create_pr``, ``token``).
     ``in_place=True`` on safetensors patches only the changed byte ranges, journaled (see
     :mod:`surgeon.journal`). ``full=True`` also measures each whole projection's kappa and spectral norm.
     """
-    if push_to_hub is None and (private or push_revision or create_pr or commit_message):
-        raise OptionError("--private, --push-revision, --create-pr and --commit-message go with --push-to-hub org/name")
-    if push_to_hub is not None:
-        if in_place:
-            raise OptionError("--push-to-hub pushes a new output folder; it cannot be combined with --in-place")
-        push_to_hub = hub.check_push(push_to_hub, revision=push_revision, create_pr=create_pr, token=token)
-    options = ReinitOptions(
-        layers=layers, targets=targets, heads=heads, attention=attention, stack=stack, mode=mode,
-        strength=strength, value_identity=value_identity, keep_scale=keep_scale, bias=bias, seed=seed,
-    ).validated()
+    opts = ReinitOptions.build(options, **option_keywords)
+    push = _push_target(push_to_hub, private, push_revision, create_pr, commit_message, token, in_place=in_place)
+    opts = opts.validated()
     check_device(device)
     start = time.perf_counter()
     source = load(model, config=config, revision=revision, progress=progress)
-    if push_to_hub is not None and output_kind(source) != "folder":
-        raise OptionError(f"--push-to-hub uploads a model folder, and the output of {source.path.name} is a single file: give the model folder as MODEL")
+    _check_push_output(push, source)
     hints = Hints(num_heads, num_kv_heads, head_dim, force_hints)
-    detection = _detect(source, hints)
-    plan = make_plan(detection.blocks, options)
+    detection = detect_source(source, hints)
+    plan = make_plan(detection.blocks, opts)
     dest = resolve_output(source, output, in_place=in_place, overwrite=overwrite or dry_run)
     report = Report(
-        "reinit", _label(source), source.describe(), detection.blocks, options=options.to_dict(),
+        "reinit", _label(source), source.describe(), detection.blocks, options=opts.to_dict(),
         output=str(dest), dry_run=dry_run, device=str(device), notes=source.notes + detection.notes[:5],
     )
     if dry_run:
-        return _plan_report(report, source, plan, dest, overwrite=overwrite, in_place=in_place, push_to_hub=push_to_hub)
+        return _plan_report(report, source, plan, dest, overwrite=overwrite, in_place=in_place, push=push)
+    _run_and_write(report, source, detection, plan, dest, device=device, full=full, progress=progress, in_place=in_place,
+                   push=push, command=lambda: _reproduce(model, source, opts, hints, dest))
+    report.seconds = time.perf_counter() - start
+    if push is not None:
+        _push(report, dest, push, source, plan, progress=progress)
+    return report
+
+
+def _push_target(repo_id: str | None, private: bool, revision: str | None, create_pr: bool, commit_message: str | None,
+                 token: str | None, *, in_place: bool) -> PushTarget | None:
+    """The push a reinit asks for, checked before anything is opened; None without ``push_to_hub``."""
+    if repo_id is None:
+        if private or revision or create_pr or commit_message:
+            raise OptionError(
+                f"{opt('private')}, {opt('push_revision')}, {opt('create_pr')} and {opt('commit_message')} "
+                f"go with {opt('push_to_hub', 'org/name')}"
+            )
+        return None
+    if in_place:
+        raise OptionError(f"{opt('push_to_hub')} pushes a new output folder; it cannot be combined with {opt('in_place', True)}")
+    repo_id = hub.check_push(repo_id, revision=revision, create_pr=create_pr, token=token)
+    return PushTarget(repo_id, private, revision, create_pr, commit_message, token)
+
+
+def _check_push_output(push: PushTarget | None, source: Source) -> None:
+    if push is not None and output_kind(source) != "folder":
+        raise OptionError(
+            f"{opt('push_to_hub')} uploads a model folder, and the output of {source.path.name} is a single file: "
+            "give the model folder as MODEL"
+        )
+
+
+def _run_and_write(report: Report, source: Source, detection: Detection, plan: Plan, dest: Path, *, device, full: bool,
+                   progress: bool, in_place: bool, push: PushTarget | None, command) -> None:
+    """Compute the new values and write them (a patch in place, or a copy); fill in the report's rows."""
     for weights in source.weights:
-        weights.check_plan(plan)
+        weights.check_plan(plan, detection)
     _check_secondary_sets(source, plan.tensors())
     run = _Run(plan, device, whole=full, progress=progress, total=len(plan.tensors()) * len(source.weights))
     try:
@@ -167,45 +193,49 @@ def reinit_checkpoint(
             report.notes += patch_in_place(source, run.updates_for(source.primary, record=True), plan.record())
             kind = "patch"
         else:
-            kind = _write_copy(
-                source, plan, run, dest, in_place=in_place, title=push_to_hub or dest.name, notes=report.notes,
-                command=lambda: _reproduce(model, source, options, hints, dest),
-            )
+            title = push.repo_id if push is not None else dest.name
+            kind = _write_copy(source, plan, run, dest, in_place=in_place, title=title, notes=report.notes, command=command)
     finally:
         run.close()
-    report.device = str(run.engine.device) if run.started else report.device
-    report.rows = [
-        ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed) for r in run.engine.ordered_results()
-    ] if run.started else []
-    report.seconds = time.perf_counter() - start
+    if run.started:
+        report.device = str(run.engine.device)
+        report.rows = [
+            ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed) for r in run.engine.ordered_results()
+        ]
+    else:
+        report.rows = []
     if kind == "patch":
         report.bytes_written = run.bytes_changed
+    elif kind == "merge":
+        report.bytes_written = sum((dest / f).stat().st_size for w in source.weights for f in w.all_files)
     else:
-        report.bytes_written = tree_size(dest) if kind != "merge" else sum((dest / f).stat().st_size for w in source.weights for f in w.all_files)
-    if push_to_hub is not None:
-        try:
-            pushed = hub.push_folder(
-                dest, push_to_hub, private=private, revision=push_revision, create_pr=create_pr,
-                commit_message=commit_message or _commit_message(source, plan), token=token, progress=progress,
-            )
-        except hub.HubError as exc:  # the output is on disk: say so, and keep the error's type
-            exc.args = (f"wrote {dest}, but the push failed: {exc}",)
-            raise
-        report.notes += pushed.notes + [pushed.summary()]
-    return report
+        report.bytes_written = tree_size(dest)
 
 
-def _plan_report(report: Report, source: Source, plan: Plan, dest: Path, *, overwrite: bool, in_place: bool, push_to_hub: str | None) -> Report:
+def _push(report: Report, dest: Path, push: PushTarget, source: Source, plan: Plan, *, progress: bool) -> None:
+    try:
+        pushed = hub.push_folder(
+            dest, push.repo_id, private=push.private, revision=push.revision, create_pr=push.create_pr,
+            commit_message=push.commit_message or _commit_message(source, plan), token=push.token, progress=progress,
+        )
+    except HubError as exc:  # the output is on disk: say so, and keep the error's type
+        exc.context = f"wrote {dest}, but the push failed: "
+        raise
+    report.notes += pushed.notes + [pushed.summary()]
+
+
+def _plan_report(report: Report, source: Source, plan: Plan, dest: Path, *, overwrite: bool, in_place: bool,
+                 push: PushTarget | None) -> Report:
     """A dry run: the plan as rows, nothing computed or written."""
     if dest.exists() and not overwrite and not in_place:
-        report.notes.append(f"{dest} exists: the real run needs --overwrite or another -o")
+        report.notes.append(f"{dest} exists: the real run needs {opt('overwrite', True)} or another {opt('output')}")
     report.rows = [
         ProjectionRow(c.block, c.role, None, heads_changed=c.heads, bias_zeroed=plan.options.zero_bias and c.projection.bias is not None,
                       dtype=source.primary.tensors[c.projection.weight.tensor].element or "")
         for c in plan.changes
     ]
-    if push_to_hub is not None:
-        report.notes.append(f"the real run pushes {dest.name} to {push_to_hub}")
+    if push is not None:
+        report.notes.append(f"the real run pushes {dest.name} to {push.repo_id}")
     return report
 
 

@@ -13,10 +13,20 @@ from dataclasses import dataclass
 
 import torch
 
-from .conditioning import Spectrum, head_kappas, head_seed, polar, rescale_to, semi_orthogonal_batch, single_threaded, spectrum, value_identity
-from .errors import OptionError, UnsupportedWeightsError
-from .selection import format_indices
+from .conditioning import (
+    Spectrum,
+    head_kappas,
+    head_seed,
+    polar,
+    rescale_to,
+    semi_orthogonal_batch,
+    single_threaded,
+    spectrum,
+    value_identity,
+)
+from .errors import OptionError, UnsupportedWeightsError, opt
 from .plan import Change, Plan
+from .selection import format_indices
 from .spec import AttentionBlock, Projection, Rows
 
 
@@ -30,9 +40,9 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         raise OptionError(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise OptionError(f"--device {device}: no CUDA device is available here; use --device cpu or auto")
+            raise OptionError(f"{opt('device', device)}: no CUDA device is available here; use {opt('device', 'cpu')} or auto")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise OptionError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+            raise OptionError(f"{opt('device', device)}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     elif dev.type != "cpu":
         raise OptionError(f"unsupported device {device!r}: use auto, cpu, cuda or cuda:N")
     return dev
@@ -45,9 +55,9 @@ def _row_index(rows: Rows, heads, device) -> torch.Tensor:
 
 def head_matrices(tensor: torch.Tensor, rows: Rows, heads: list[int] | tuple[int, ...] | None = None) -> torch.Tensor:
     """The per-head matrices ``(H, d, in)`` of a projection, in PyTorch (out, in) orientation (a copy)."""
-    heads = range(len(rows.offsets)) if heads is None else heads
+    chosen = range(len(rows.offsets)) if heads is None else heads
     mat = tensor if rows.axis == 0 else tensor.transpose(0, 1)
-    return mat.index_select(0, _row_index(rows, heads, tensor.device)).reshape(len(heads), rows.size, mat.shape[1])
+    return mat.index_select(0, _row_index(rows, chosen, tensor.device)).reshape(len(chosen), rows.size, mat.shape[1])
 
 
 def _set_heads(tensor: torch.Tensor, rows: Rows, heads: tuple[int, ...], values: torch.Tensor) -> None:
@@ -71,13 +81,17 @@ def new_heads(change: Change, old: torch.Tensor | None, plan: Plan, *, seed_name
     d, n_in = proj.head_dim, proj.in_features
     device = old.device if old is not None else (device or "cpu")
     if opts.mode == "polar":
+        assert old is not None  # needs_old_values: polar mode reads the old values
         new = polar(old, opts.effective_strength)
     elif change.role == "v":
         new = torch.stack([value_identity(h, d, n_in, opts.value_identity, device=device) for h in change.heads])
     else:
         key = seed_name or proj.weight.tensor
         new = semi_orthogonal_batch(d, n_in, [head_seed(opts.seed, key, change.role, h) for h in change.heads], device=device)
-    return rescale_to(new, old) if opts.keep_scale else new
+    if opts.keep_scale:
+        assert old is not None  # needs_old_values: keep_scale reads the old values
+        return rescale_to(new, old)
+    return new
 
 
 def needs_old_values(plan: Plan) -> bool:
@@ -138,6 +152,7 @@ class Engine:
         for change, what in edits:
             proj = change.projection
             if what == "bias":
+                assert proj.bias is not None  # a bias edit is planned only for a projection with one
                 _zero_heads(stored, proj.bias, change.heads)
                 continue
             if record:
@@ -167,7 +182,7 @@ class Engine:
     def refuse_nonfinite(self, name: str, change: Change, old: torch.Tensor) -> None:
         bad = [h for h, ok in zip(change.heads, torch.isfinite(old).flatten(1).all(1).tolist()) if not ok]
         if bad:
-            how = "polar mode" if self.plan.options.mode == "polar" else "--keep-scale"
+            how = "polar mode" if self.plan.options.mode == "polar" else opt("keep_scale", True)
             raise UnsupportedWeightsError(
                 f"{name}: {change.role} head{'s' if len(bad) > 1 else ''} {format_indices(bad)} hold{'' if len(bad) > 1 else 's'} "
                 f"NaN or Inf, and {how} needs the old values; re-initialize them with the conditioned reset "

@@ -24,15 +24,10 @@ from pathlib import Path
 
 import torch
 
-from .errors import CheckpointError, SurgeonError
+from .errors import CheckpointError, SurgeonError, VerificationError  # noqa: F401  (re-exported)
+from .plan import ReinitOptions
 
 CARD_RECORD = re.compile(r"<!-- surgeon-record (\{.*?\}) -->")
-
-
-class VerificationError(SurgeonError):
-    """OUTPUT is not what its record says surgeon made from ORIGINAL; the message names the first mismatch."""
-
-    exit_code = 3
 
 
 @dataclass
@@ -132,8 +127,9 @@ def verify(
     """
     from . import api
     from .apply import Engine, resolve_device
+    from .detect import detect_source
     from .detect.config import Hints
-    from .plan import ReinitOptions, make_plan
+    from .plan import make_plan
     from .source import open_source
 
     dev = resolve_device(device)
@@ -152,13 +148,8 @@ def verify(
     record = history[-1]
     if not isinstance(record, dict) or not isinstance(record.get("options"), dict):
         raise CheckpointError(f"{output}: the last surgeon record in {where} has no options: it was not written by this surgeon")
-    opts = dict(record["options"])
-    known = set(ReinitOptions.__dataclass_fields__)
-    try:
-        options = ReinitOptions(**{k: v for k, v in opts.items() if k in known}).validated()
-    except (TypeError, SurgeonError) as exc:
-        raise CheckpointError(f"{output}: the surgeon record's options cannot be read ({exc})") from None
-    detection = api._detect(src, Hints(num_heads, num_kv_heads, head_dim, force_hints))
+    options = _recorded_options(record, output)
+    detection = detect_source(src, Hints(num_heads, num_kv_heads, head_dim, force_hints))
     plan = make_plan(detection.blocks, options)
     if plan.record()["blocks"] != record.get("blocks"):
         raise VerificationError(
@@ -173,6 +164,22 @@ def verify(
         raise VerificationError(f"{output} and {original} do not hold the same tensors (first difference: {missing[0] if missing else 'their order'})")
     engine = Engine(plan, dev)
     changed = set(engine.tensor_names)
+    identical = _check_untouched(a, b, changed, output, original)
+    _check_changed(a, b, engine, options, output)
+    return Verification(str(original), str(output), record, sorted(changed), identical, options.mode)
+
+
+def _recorded_options(record: dict, output: str | Path) -> ReinitOptions:
+    opts = dict(record["options"])
+    known = set(ReinitOptions.__dataclass_fields__)
+    try:
+        return ReinitOptions(**{k: v for k, v in opts.items() if k in known}).validated()
+    except (TypeError, SurgeonError) as exc:
+        raise CheckpointError(f"{output}: the surgeon record's options cannot be read ({exc})") from None
+
+
+def _check_untouched(a, b, changed: set[str], output: str | Path, original: str | Path) -> int:
+    """Every tensor outside the recorded selection is byte-identical; returns how many there are."""
     identical = 0
     for name, info in a.tensors.items():
         theirs = b.tensors[name]
@@ -183,6 +190,11 @@ def verify(
         if _raw(a, name) != _raw(b, name):
             raise VerificationError(f"{output}: tensor {name!r} is not in the recorded selection, but its bytes differ from {original}'s")
         identical += 1
+    return identical
+
+
+def _check_changed(a, b, engine, options: ReinitOptions, output: str | Path) -> None:
+    """Every re-initialized tensor is what the recorded recipe gives (byte for byte where it is exact)."""
     for name in engine.tensor_names:
         expected = engine.update(name, a.read(name), record=False)
         found = b.read(name)
@@ -191,7 +203,6 @@ def verify(
                 raise VerificationError(f"{output}: tensor {name!r}: {_first_difference(expected, found)}; the recipe re-derived from the record's seed gives other values")
         else:
             _check_polar(name, engine, a.read(name), expected, found, options, output)
-    return Verification(str(original), str(output), record, sorted(changed), identical, options.mode)
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:

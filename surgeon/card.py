@@ -60,7 +60,14 @@ class SourceCard:
 
 
 def reproduce_command(model: str, *, revision: str | None, options: dict, hints: Hints, output: str) -> str:
-    """The ``surgeon reinit`` command line that makes the same weights again (every option spelled out)."""
+    """The ``surgeon reinit`` command line that makes the same weights again (every option spelled out).
+
+    Made from the fields of ReinitOptions (``options``: as recorded by ``ReinitOptions.to_dict``),
+    spelt as the CLI spells them.
+    """
+    from .cli import cli_spelling as flag
+    from .plan import option_infos
+
     q = shlex.quote
 
     def spec(value) -> str:
@@ -68,26 +75,23 @@ def reproduce_command(model: str, *, revision: str | None, options: dict, hints:
 
     args = ["surgeon", "reinit", q(model)]
     if revision:
-        args += ["--revision", q(revision)]
-    # `--layers=-2-`: with "=", a spec that starts with "-" cannot be read as an option
-    args += [f"--layers={q(spec(options['layers']))}", "--targets", ",".join(options["targets"]), f"--heads={q(spec(options['heads']))}"]
-    args += ["--attention", options["attention"]]
-    if options.get("stack"):
-        args += ["--stack", q(",".join(options["stack"]))]
-    args += ["--mode", options["mode"]]
-    if options["mode"] == "polar":
-        args += ["--strength", str(options["strength"])]
-    else:
-        args += ["--value-identity", options["value_identity"]]
-    args += ["--bias", options["bias"], "--seed", str(options["seed"])]
-    if options.get("keep_scale"):
-        args.append("--keep-scale")
-    for flag, value in (("--num-heads", hints.num_heads), ("--num-kv-heads", hints.num_kv_heads), ("--head-dim", hints.head_dim)):
+        args.append(flag("revision", q(revision)))
+    for name, info in option_infos():
+        value = options.get(name)
+        if (info.recorded is not None and not info.recorded(options)) or value is None or value == []:
+            continue
+        if info.switch:
+            args += [flag(name, None)] if value else []
+        elif info.spec:  # `--layers=-2-`: with "=", a spec that starts with "-" cannot be read as an option
+            args.append(f"{flag(name, None)}={q(spec(value))}")
+        else:
+            args.append(flag(name, q(",".join(value) if isinstance(value, list) else str(value))))
+    for name, value in (("num_heads", hints.num_heads), ("num_kv_heads", hints.num_kv_heads), ("head_dim", hints.head_dim)):
         if value is not None:
-            args += [flag, str(value)]
+            args.append(flag(name, str(value)))
     if hints.force:
-        args.append("--force-hints")
-    return " ".join(args + ["-o", q(output)])
+        args.append(flag("force_hints", None))
+    return " ".join(args + [flag("output", q(output))])
 
 
 def build_card(*, source: Source, plan: Plan, results: list[ProjectionResult], command: str, title: str):
@@ -198,10 +202,11 @@ def _blocks_table(plan: Plan) -> str:
 
 def _kappa_table(results: list[ProjectionResult]) -> str:
     measured = [r for r in results if r.before is not None and r.after is not None]
-    whole = any(r.before.kappa is not None for r in measured)
+    whole = any(r.before.kappa is not None for r in measured if r.before is not None)
     lines = ["| block | proj | " + ("kappa before | kappa after | " if whole else "") + "head kappa before (min/med/max) | head kappa after (min/med/max) |"]
     lines.append("| --- | --- | " + ("---: | ---: | " if whole else "") + "--- | --- |")
     for r in measured:
+        assert r.before is not None and r.after is not None
         heads = lambda s: "/".join(fmt_kappa(x) for x in (s.head_min, s.head_median, s.head_max))  # noqa: E731
         cells = f"{fmt_kappa(r.before.kappa)} | {fmt_kappa(r.after.kappa)} | " if whole else ""
         lines.append(f"| `{r.block.module}` | {r.role} | {cells}{heads(r.before)} | {heads(r.after)} |")

@@ -9,12 +9,27 @@ import sys
 import click
 
 from ._version import __version__
-from .errors import SurgeonError
+from .errors import SurgeonError, spell
+
+# How the CLI spells an option the core names by its Python keyword (surgeon.errors.opt); the rest
+# are --keyword-with-dashes.
+FLAGS = {"output": "-o/--output"}
+WITH_VALUE = {"output": "-o"}  # "-o out/" reads best
 
 # The commands import surgeon.api (and through it torch) when they run, so that --help and
 # --version answer at once.
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+def cli_spelling(name: str, value: str | None) -> str:
+    """``--num-heads``, ``--num-heads 4``, ``--force-hints`` (a flag given as True), ``-o PATH``."""
+    if value is None:
+        return FLAGS.get(name, "--" + name.replace("_", "-"))
+    flag = WITH_VALUE.get(name, "--" + name.replace("_", "-"))
+    if value == "True":
+        return flag
+    return f"{flag}={value}" if value.startswith("-") else f"{flag} {value}"
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -28,7 +43,7 @@ def _out(text: str) -> None:
     """Reports and notes on stdout, never with a token in them."""
     from .redact import redact
 
-    click.echo(redact(text))
+    click.echo(redact(spell(text, cli_spelling)))
 
 
 def handle_errors(fn):
@@ -39,7 +54,7 @@ def handle_errors(fn):
         try:
             return fn(*args, **kwargs)
         except SurgeonError as exc:
-            _fail(str(exc), exc.exit_code)
+            _fail(exc.describe(cli_spelling), exc.exit_code)
         except OSError as exc:  # disk full, permission denied, ... while reading or writing
             where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
             _fail(f"{exc.strerror or exc}{where}")
@@ -71,6 +86,27 @@ def model_options(fn):
         ]
     ):
         fn = decorator(fn)
+    return fn
+
+
+def reinit_options(fn):
+    """The options of surgeon.plan.ReinitOptions as --flags, made from its fields (one spelling)."""
+    from .plan import AS_FIELD, ReinitOptions, option_infos
+
+    defaults = ReinitOptions()
+    for name, info in reversed(option_infos()):
+        default = getattr(defaults, name) if info.shell_default == AS_FIELD else info.shell_default
+        kwargs: dict = {"help": info.help}
+        if info.switch:
+            kwargs["is_flag"] = True
+        else:
+            kwargs["default"] = default
+            kwargs["show_default"] = default is not None
+            if info.choices:
+                kwargs["type"] = click.Choice(list(info.choices))
+            elif info.kind is not None:
+                kwargs["type"] = info.kind
+        fn = click.option(cli_spelling(name, None), name, **kwargs)(fn)
     return fn
 
 
@@ -146,7 +182,7 @@ def inspect(model, verify_layout, revision, config, num_heads, num_kv_heads, hea
         check = check_layout(model, revision=revision, config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                              force_hints=force_hints)
         report.notes.append(check.summary())
-    _out(report.to_json() if as_json else report.render())
+    _out(report.to_json(cli_spelling) if as_json else report.render(cli_spelling))
 
 
 @main.command(context_settings=CONTEXT, epilog="""\b
@@ -166,20 +202,7 @@ negative numbers count from the end (-1 is the last). Each stack of layers is nu
 """)
 @click.argument("model")
 @click.option("-o", "--output", type=click.Path(), help="Output file (file input) or folder (folder input). Default: beside the input.")
-@click.option("--layers", default="all", show_default=True, help="Layers to re-initialize, per stack.")
-@click.option("--targets", default="q,k,v", show_default=True, help="Projections to re-initialize: any of q,k,v.")
-@click.option("--heads", default="all", show_default=True, help="Query heads to re-initialize (K/V: the key/value heads they use).")
-@click.option("--attention", type=click.Choice(["self", "cross", "all"]), default="all", show_default=True, help="Self-attention, cross-attention or both.")
-@click.option("--stack", help="Only these stacks, by path or name part (e.g. encoder, decoder); comma-separated.")
-@click.option("--mode", type=click.Choice(["conditioned", "polar"]), default="conditioned", show_default=True,
-              help="conditioned: the paper's fresh reset. polar: keep each head's singular vectors, move its singular values to 1.")
-@click.option("--strength", type=float, help="Polar mode: sigma -> sigma^(1-t) for t in (0, 1] (kappa -> kappa^(1-t)). Default 1.")
-@click.option("--value-identity", type=click.Choice(["block", "per-head"]), default="block", show_default=True,
-              help="block: the whole value projection is the rectangular identity; per-head: every head is I.")
-@click.option("--keep-scale", is_flag=True, help="Rescale each new head matrix to the original's Frobenius norm.")
-@click.option("--bias", type=click.Choice(["zero", "keep"]), default=None,
-              help="Biases of re-initialized heads. Default: zero for conditioned, keep for polar.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Random seed; each head's draw depends only on (seed, tensor, head).")
+@reinit_options
 @click.option("--overwrite", is_flag=True, help="Replace an existing output.")
 @click.option("--in-place", is_flag=True,
               help="Change the input itself. safetensors: only the changed bytes are rewritten, after their old bytes are "
@@ -194,9 +217,8 @@ negative numbers count from the end (-1 is the last). Each stack of layers is nu
 @model_options
 @full_option
 @handle_errors
-def reinit(model, output, layers, targets, heads, attention, stack, mode, strength, value_identity, keep_scale, bias,
-           seed, overwrite, in_place, dry_run, push_to_hub, private, push_revision, create_pr, commit_message,
-           revision, config, num_heads, num_kv_heads, head_dim, force_hints, device, full, as_json):
+def reinit(model, output, overwrite, in_place, dry_run, push_to_hub, private, push_revision, create_pr, commit_message,
+           revision, config, num_heads, num_kv_heads, head_dim, force_hints, device, full, as_json, **options):
     """Re-initialize query/key/value projections of MODEL with conditioned initialization.
 
     Writes a new checkpoint in the same format and layout; every tensor that is not
@@ -208,16 +230,16 @@ def reinit(model, output, layers, targets, heads, attention, stack, mode, streng
     branch, tag or commit). The Hub token comes from HF_TOKEN or `hf auth login`.
     """
     from . import api
+    from .plan import ReinitOptions
 
     report = api.reinit_checkpoint(
-        model, revision=revision, output=output, in_place=in_place, overwrite=overwrite, dry_run=dry_run, layers=layers,
-        targets=targets, heads=heads, attention=attention, stack=stack, mode=mode, strength=strength,
-        value_identity=value_identity, keep_scale=keep_scale, bias=bias or "auto", seed=seed, device=device,
+        model, options=ReinitOptions.build(**{k: v for k, v in options.items() if v is not None}),
+        revision=revision, output=output, in_place=in_place, overwrite=overwrite, dry_run=dry_run, device=device,
         config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, force_hints=force_hints, full=full,
         progress=not as_json and sys.stderr.isatty(), push_to_hub=push_to_hub, private=private,
         push_revision=push_revision, create_pr=create_pr, commit_message=commit_message,
     )
-    _out(report.to_json() if as_json else report.render())
+    _out(report.to_json(cli_spelling) if as_json else report.render(cli_spelling))
 
 
 @main.command(context_settings=CONTEXT, epilog="""\b

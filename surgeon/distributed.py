@@ -36,13 +36,16 @@ def unwrap(module: nn.Module) -> nn.Module:
     """The model inside DDP / DataParallel, ``torch.compile`` and PEFT wrappers (any nesting)."""
     while True:
         if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            module = module.module
-        elif type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None), nn.Module):
-            module = module._orig_mod
+            inner = module.module
+        elif type(module).__name__ == "OptimizedModule":
+            inner = getattr(module, "_orig_mod", None)
         elif _is_peft_model(module):
-            module = module.get_base_model()
+            inner = getattr(module, "get_base_model")()  # noqa: B009  (peft is optional: no static type)
         else:
             return module
+        if not isinstance(inner, nn.Module):
+            return module
+        module = inner
 
 
 def _is_peft_model(module: nn.Module) -> bool:
@@ -55,7 +58,7 @@ def _tuner_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
         return []
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    return [(path, m) for path, m in module.named_modules() if isinstance(m, BaseTunerLayer)]
+    return [(path, m) for path, m in module.named_modules() if isinstance(m, BaseTunerLayer) and isinstance(m, nn.Module)]
 
 
 def _quantized(layer: nn.Module) -> str | None:
@@ -84,7 +87,7 @@ def unwrapped(module: nn.Module) -> Iterator[nn.Module]:
                 f"{path}: adapter(s) {', '.join(getattr(layer, 'merged_adapters', []))} are merged into the base weights; "
                 "call model.unmerge_adapter() before surgeon.reinit_, or re-initialize the base model before merging"
             )
-        kind = _quantized(layer.get_base_layer())
+        kind = _quantized(getattr(layer, "get_base_layer")())  # noqa: B009  (a peft BaseTunerLayer)
         if kind:
             raise UnsupportedWeightsError(
                 f"{path}: the adapter's base layer is quantized ({kind}); surgeon rewrites float weights only: "
@@ -215,6 +218,7 @@ def write_sharded(engine: Engine, params: Mapping[str, torch.Tensor]) -> None:
                 proj = change.projection
                 key = (change.block.module, change.role)
                 if what == "bias":
+                    assert proj.bias is not None  # Engine edits a bias only where the projection has one
                     _zero_rows(param, proj.bias, change.heads)
                     prev = engine.results.get(key)
                     if prev is not None:

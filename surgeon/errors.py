@@ -1,10 +1,37 @@
-"""One error type for everything a user can get wrong, with a subclass per cause.
+"""Every error surgeon raises, with a subclass per cause and the facts as fields.
 
-Every message is a single line that says what is wrong and what to do about it; the CLI prints it
-as ``surgeon: error: <message>`` and exits non-zero, without a traceback.
+A message is one line that says what is wrong and what to do about it. Options are named in it with
+:func:`opt`, never spelt: the Python API shows ``num_heads=4`` (``str(exc)``), the CLI shows
+``--num-heads 4`` (``surgeon.cli`` spells them from :attr:`SurgeonError.options`), and prints the
+result as ``surgeon: error: <message>`` without a traceback. Fields: ``tensor`` (the tensor at
+fault), ``path`` (the file or folder), ``options`` (the options the message names), ``context``
+(what had already happened, put before the message, e.g. "wrote OUT, but the push failed: ").
 """
 
 from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+# «name» or «name=value»: an option named in a message (see opt)
+_OPTION = re.compile(r"«(\w+)(?:=([^»]*))?»")
+
+Spelling = Callable[[str, "str | None"], str]
+
+
+def opt(name: str, value: object = None) -> str:
+    """An option (by its Python keyword) in a message, optionally with a value: spelt when shown."""
+    return f"«{name}»" if value is None else f"«{name}={value}»"
+
+
+def python_spelling(name: str, value: str | None) -> str:
+    """How the Python API names an option: ``num_heads`` or ``num_heads=4``."""
+    return name if value is None else f"{name}={value}"
+
+
+def spell(text: str, spelling: Spelling = python_spelling) -> str:
+    """``text`` with every option marker spelt by ``spelling``."""
+    return _OPTION.sub(lambda m: spelling(m[1], m[2]), text)
 
 
 class SurgeonError(Exception):
@@ -12,10 +39,30 @@ class SurgeonError(Exception):
 
     exit_code = 1
 
-    def __str__(self) -> str:  # a token echoed by a server never reaches a message
+    def __init__(
+        self, message: str = "", *, tensor: str | None = None, path: object = None, context: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.tensor = tensor
+        self.path = None if path is None else str(path)
+        self.context = context
+        self.options: tuple[str, ...] = tuple(dict.fromkeys(m[1] for m in _OPTION.finditer(message)))
+
+    @property
+    def option(self) -> str | None:
+        """The first option the message names (its Python keyword), if any."""
+        return self.options[0] if self.options else None
+
+    def describe(self, spelling: Spelling = python_spelling) -> str:
+        """The one-line message, options spelt by ``spelling``; a token echoed by a server never appears."""
         from .redact import redact
 
-        return redact(super().__str__())
+        text = spell(self.message, spelling)
+        return redact(f"{self.context}{text}" if self.context else text)
+
+    def __str__(self) -> str:
+        return self.describe()
 
 
 class CheckpointError(SurgeonError):
@@ -35,7 +82,11 @@ class LayoutError(SurgeonError):
 
 
 class SelectionError(SurgeonError):
-    """A --layers / --heads / --targets / --attention / --stack selection is malformed or out of range."""
+    """A layers / heads / targets / attention / stack selection is malformed or out of range."""
+
+
+class SharedInitializerError(SelectionError):
+    """An ONNX initializer the plan would change is also read by nodes the plan leaves alone."""
 
 
 class OptionError(SurgeonError):
@@ -44,3 +95,37 @@ class OptionError(SurgeonError):
 
 class OutputError(SurgeonError):
     """The output cannot be written where asked (exists, is the input, wrong kind of path)."""
+
+
+class HubError(SurgeonError):
+    """The Hugging Face Hub could not serve or accept a request."""
+
+
+class HubOfflineError(HubError):
+    """The model is not in the local HF cache and the Hub cannot be asked (offline mode, no connection)."""
+
+
+class HubAccessError(HubError):
+    """Repository or revision not found, private without access, gated, or no write access."""
+
+
+class HubNotFoundError(HubAccessError):
+    """No such model repo, or it is private and the token in use (if any) has no access to it."""
+
+
+class HubAuthError(HubError):
+    """No token for an operation that needs one, or the Hub rejected the token."""
+
+
+class PushError(HubError):
+    """A push stopped part-way; the message says what reached the Hub and what did not."""
+
+    def __init__(self, message: str, *, uploaded: list[str], not_uploaded: list[str], **fields) -> None:
+        super().__init__(message, **fields)
+        self.uploaded, self.not_uploaded = uploaded, not_uploaded
+
+
+class VerificationError(SurgeonError):
+    """OUTPUT is not what its record says surgeon made from ORIGINAL; the message names the first mismatch."""
+
+    exit_code = 3

@@ -23,17 +23,16 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import replace
-from typing import Any
 
 import torch
 from torch import nn
 
 from .apply import Engine
 from .detect.config import Hints
-from .detect.modules import detect_module
+from .detect.module import detect_module
 from .plan import ReinitOptions, make_plan
 
-_PLANS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+_PLANS: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
 def conditioned_init_(module: nn.Module, *, model: nn.Module | None = None, seed: int = 0, layers="all", targets=("q", "k", "v"),

@@ -27,10 +27,10 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
-from .errors import CheckpointError, OutputError
-from .formats.safetensors import Header, add_record, encode_header, patch, with_metadata
+from .errors import CheckpointError, OutputError, opt
+from .formats.safetensors import Header, SafetensorsWeights, add_record, encode_header, patch, with_metadata
 
 if TYPE_CHECKING:
     from .formats.base import UpdatesFn
@@ -176,7 +176,7 @@ def recover(path: str | Path) -> list[str]:
 
 def patch_in_place(source: Source, updates: UpdatesFn, record: dict) -> list[str]:
     """Patch the changed tensors of a safetensors checkpoint in place, journaled; returns notes."""
-    weights = source.primary
+    weights = cast(SafetensorsWeights, source.primary)  # --in-place is for safetensors only (api)
     folder = weights.folder
     key = weights.index or weights.files[0]
     changed = _changed_files(weights, updates)
@@ -216,7 +216,7 @@ def patch_in_place(source: Source, updates: UpdatesFn, record: dict) -> list[str
     if skipped:
         notes.append(
             f"surgeon's record was not added to the header of {', '.join(skipped)}: it does not fit without moving every "
-            "tensor, and --in-place rewrites only the changed bytes (write a copy with -o to get the record)"
+            f"tensor, and {opt('in_place', True)} rewrites only the changed bytes (write a copy with {opt('output')} to get the record)"
         )
     return notes
 
@@ -235,8 +235,9 @@ def _patch_files(weights, changed: dict[str, list[str]], headers: dict[str, byte
             raise AssertionError(f"in-place patch of {file} is missing {sorted(set(changed[file]) - set(written))[:3]}")
         with open(path, "r+b") as out:
             durable.result()
-            if headers[file] is not None:
-                os.pwrite(out.fileno(), headers[file], 0)
+            new_header = headers[file]
+            if new_header is not None:
+                os.pwrite(out.fileno(), new_header, 0)
             os.fsync(out.fileno())
 
 

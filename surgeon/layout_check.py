@@ -2,7 +2,7 @@
 
 ``surgeon inspect MODEL --verify-layout``: the architecture named by config.json is built with
 transformers (randomly initialized, nothing downloaded: only its structure matters), the module
-walker's forward route (:func:`surgeon.detect.modules.probe_blocks`) reads which rows of which
+walker's forward route (:func:`surgeon.detect.module.probe_blocks`) reads which rows of which
 tensor reach q, k and v per head, and the result is compared with name-based detection of the
 checkpoint, block by block.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .detect.config import Hints
-from .errors import LayoutError, OptionError
+from .errors import LayoutError, OptionError, opt
 from .spec import AttentionBlock, Projection, Rows
 
 
@@ -47,12 +47,13 @@ def verify_layout(
 ) -> LayoutCheck:
     """Raise LayoutError (one line) at the first disagreement; return the agreement otherwise."""
     from . import api
-    from .detect.modules import checkpoint_names, probe_blocks
+    from .detect import detect_source
+    from .detect.module import checkpoint_names, probe_blocks
 
     source = api.load(model, config=config, revision=revision)
-    blocks = api._detect(source, Hints(num_heads, num_kv_heads, head_dim, force_hints)).blocks
+    blocks = detect_source(source, Hints(num_heads, num_kv_heads, head_dim, force_hints)).blocks
     if not source.config:
-        raise OptionError(f"--verify-layout builds the architecture from config.json, and {source.path} has none; pass --config PATH")
+        raise OptionError(f"{opt('verify_layout', True)} builds the architecture from config.json, and {source.path} has none; pass {opt('config', 'PATH')}", path=source.path)
     arch = build_architecture(source.config)
     try:
         probed = probe_blocks(arch)
@@ -69,15 +70,15 @@ def build_architecture(config: dict) -> torch.nn.Module:
     try:
         import transformers
     except ImportError:
-        raise OptionError("--verify-layout needs transformers to build the architecture: pip install transformers") from None
+        raise OptionError(f"{opt('verify_layout', True)} needs transformers to build the architecture: pip install transformers") from None
     model_type = config.get("model_type")
     if not model_type:
-        raise OptionError("--verify-layout needs config.json to name its model_type (a transformers architecture)")
+        raise OptionError(f"{opt('verify_layout', True)} needs config.json to name its model_type (a transformers architecture)")
     settings = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
     try:
         cfg = transformers.AutoConfig.for_model(model_type, **settings)
     except (ValueError, KeyError) as exc:
-        raise OptionError(f"--verify-layout: transformers {transformers.__version__} does not know model_type {model_type!r} ({exc})") from None
+        raise OptionError(f"{opt('verify_layout', True)}: transformers {transformers.__version__} does not know model_type {model_type!r} ({exc})") from None
     names = config.get("architectures") or []
     cls = getattr(transformers, names[0], None) if names else None
     if cls is None:
@@ -90,7 +91,7 @@ def build_architecture(config: dict) -> torch.nn.Module:
         with torch.device("cpu"):
             model = build()
     except Exception as exc:  # an architecture transformers cannot build from this config
-        raise OptionError(f"--verify-layout: cannot build {names[0] if names else model_type} from config.json: {type(exc).__name__}: {str(exc)[:200]}") from None
+        raise OptionError(f"{opt('verify_layout', True)}: cannot build {names[0] if names else model_type} from config.json: {type(exc).__name__}: {str(exc)[:200]}") from None
     return model.float().eval()
 
 
@@ -112,10 +113,11 @@ class _Names:
 def _renamed(block: AttentionBlock, names: _Names) -> AttentionBlock:
     from dataclasses import replace
 
-    def rows(r: Rows | None) -> Rows | None:
-        return None if r is None else replace(r, tensor=names(r.tensor))
+    def rows(r: Rows) -> Rows:
+        return replace(r, tensor=names(r.tensor))
 
-    return replace(block, **{p.role: replace(p, weight=rows(p.weight), bias=rows(p.bias)) for p in block.projections})
+    q, k, v = (replace(p, weight=rows(p.weight), bias=None if p.bias is None else rows(p.bias)) for p in block.projections)
+    return replace(block, q=q, k=k, v=v)
 
 
 def _describe(p: Projection) -> str:

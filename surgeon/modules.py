@@ -18,7 +18,7 @@ from torch import nn
 
 from .apply import Engine, inspect_blocks
 from .detect.config import Hints
-from .detect.modules import ModuleDetection, detect_module
+from .detect.module import ModuleDetection, detect_module
 from .distributed import any_sharded, inspect_sharded, refuse_meta, unwrapped, write_sharded
 from .errors import OptionError
 from .plan import ReinitOptions, make_plan

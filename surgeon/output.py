@@ -15,9 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import OutputError
+from .errors import OutputError, opt
 from .source import Source
-
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".onnx", ".h5", ".gguf", ".msgpack", ".json")
 
@@ -41,9 +40,9 @@ def resolve_output(source: Source, output: str | Path | None, *, in_place: bool,
     """The destination path, after every check that can fail before anything is written."""
     if in_place:
         if output is not None:
-            raise OutputError("use either -o/--output or --in-place, not both")
+            raise OutputError(f"use either {opt('output')} or {opt('in_place', True)}, not both")
         if source.hub_id is not None:
-            raise OutputError("--in-place cannot write into the Hugging Face cache; use -o to choose an output folder")
+            raise OutputError(f"{opt('in_place', True)} cannot write into the Hugging Face cache; use {opt('output')} to choose an output folder")
         return source.path if source.kind == "file" else source.folder
     dest = Path(output) if output is not None else default_output(source)
     kind = output_kind(source)
@@ -51,20 +50,20 @@ def resolve_output(source: Source, output: str | Path | None, *, in_place: bool,
         dest = dest / source.path.name  # like cp: a folder given for a file output receives the file
     if kind == "folder" and not dest.is_dir() and dest.suffix.lower() in _WEIGHT_SUFFIXES:
         raise OutputError(
-            f"-o {output} names a {dest.suffix} file, but the output of a {source.kind} input is a folder: "
-            f"give a folder path (e.g. -o {dest.with_suffix('')}), or give the weight file itself as MODEL"
+            f"{opt('output', output)} names a {dest.suffix} file, but the output of a {source.kind} input is a folder: "
+            f"give a folder path (e.g. {opt('output', dest.with_suffix(''))}), or give the weight file itself as MODEL"
         )
     if kind == "folder" and dest.is_file():
-        raise OutputError(f"{dest} is a file, but the output of a {source.kind} input is a folder; choose a folder path with -o")
+        raise OutputError(f"{dest} is a file, but the output of a {source.kind} input is a folder; choose a folder path with {opt('output')}", path=dest)
     inputs = {source.path.resolve(), source.folder.resolve()} if kind == "folder" else {source.path.resolve()}
     if dest.resolve() in inputs:
-        raise OutputError(f"{dest} is the input; surgeon writes a new copy unless you pass --in-place")
+        raise OutputError(f"{dest} is the input; surgeon writes a new copy unless you pass {opt('in_place', True)}", path=dest)
     if kind == "folder" and source.folder.resolve() in dest.resolve().parents:
         raise OutputError(f"{dest} is inside the input folder {source.folder}; choose an output outside it")
     if dest.resolve() in source.path.resolve().parents:
         raise OutputError(f"{dest} holds the input {source.path}; choose an output that does not contain it")
     if dest.exists() and not overwrite:
-        raise OutputError(f"{dest} already exists; pass --overwrite to replace it, or choose another path with -o")
+        raise OutputError(f"{dest} already exists; pass {opt('overwrite', True)} to replace it, or choose another path with {opt('output')}", path=dest)
     return dest
 
 

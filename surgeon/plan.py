@@ -2,43 +2,101 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
 
 from ._version import __version__
-from .spectrum import VALUE_IDENTITIES
-from .errors import OptionError, SelectionError
+from .errors import OptionError, SelectionError, opt
 from .selection import IndexSpec, format_indices, parse_attention, parse_targets, resolve_indices
 from .spec import AttentionBlock, Projection
+from .spectrum import VALUE_IDENTITIES
 
 MODES = ("conditioned", "polar")
 BIAS_CHOICES = ("auto", "zero", "keep")
 
 
+AS_FIELD = "(the field's default)"  # OptionInfo.shell_default when a shell shows the field's own default
+
+
+@dataclass(frozen=True)
+class OptionInfo:
+    """What a user-facing shell needs to know about one option of :class:`ReinitOptions`.
+
+    The CLI makes its ``--flags`` from these (surgeon.cli), the model card its reproduce command
+    (surgeon.card): the options are spelt once, as the fields of ReinitOptions.
+    """
+
+    help: str
+    choices: tuple[str, ...] | None = None  # the values a shell offers (None: any)
+    kind: type | None = None  # int / float where the value is a number
+    switch: bool = False  # a bool field: given or not (--keep-scale)
+    shell_default: Any = AS_FIELD  # the default a shell shows, where it differs from the field's
+    spec: bool = False  # an index spec (may start with "-": a command line writes --layers=SPEC)
+    recorded: Callable[[dict], bool] | None = None  # recorded options -> whether a reproduce command needs it
+
+
+def _option(default: Any, help: str, **info: Any) -> Any:
+    return field(default=default, metadata={"shell": OptionInfo(help, **info)})
+
+
+def option_infos() -> list[tuple[str, OptionInfo]]:
+    """(field name, OptionInfo) of every option, in field order."""
+    return [(f.name, f.metadata["shell"]) for f in fields(ReinitOptions)]
+
+
 @dataclass(frozen=True)
 class ReinitOptions:
-    """How to re-initialize; the defaults are the paper's conditioned reset of every layer."""
+    """How to re-initialize; the defaults are the paper's conditioned reset of every layer.
 
-    layers: IndexSpec = "all"
-    targets: str | Iterable[str] = ("q", "k", "v")
-    heads: IndexSpec = "all"
-    attention: str = "all"
-    stack: str | Iterable[str] | None = None
-    mode: str = "conditioned"
-    strength: float | None = None
-    value_identity: str = "block"
-    keep_scale: bool = False
-    bias: str = "auto"
-    seed: int = 0
+    The one spelling of the options: the Python API takes a ReinitOptions or keywords that build one
+    (:meth:`build`), the CLI and the model card's reproduce command are made from its fields.
+    """
+
+    layers: IndexSpec = _option("all", "Layers to re-initialize, per stack.", spec=True)
+    targets: str | Iterable[str] = _option(("q", "k", "v"), "Projections to re-initialize: any of q,k,v.", shell_default="q,k,v")
+    heads: IndexSpec = _option("all", "Query heads to re-initialize (K/V: the key/value heads they use).", spec=True)
+    attention: str = _option("all", "Self-attention, cross-attention or both.", choices=("self", "cross", "all"))
+    stack: str | Iterable[str] | None = _option(
+        None, "Only these stacks, by path or name part (e.g. encoder, decoder); comma-separated."
+    )
+    mode: str = _option(
+        "conditioned",
+        "conditioned: the paper's fresh reset. polar: keep each head's singular vectors, move its singular values to 1.",
+        choices=MODES,
+    )
+    strength: float | None = _option(
+        None, "Polar mode: sigma -> sigma^(1-t) for t in (0, 1] (kappa -> kappa^(1-t)). Default 1.", kind=float,
+        recorded=lambda o: o["mode"] == "polar",
+    )
+    value_identity: str = _option(
+        "block", "block: the whole value projection is the rectangular identity; per-head: every head is I.",
+        choices=("block", "per-head"), recorded=lambda o: o["mode"] != "polar",
+    )
+    keep_scale: bool = _option(False, "Rescale each new head matrix to the original's Frobenius norm.", switch=True)
+    bias: str = _option(
+        "auto", "Biases of re-initialized heads. Default: zero for conditioned, keep for polar.",
+        choices=("zero", "keep"), shell_default=None,
+    )
+    seed: int = _option(0, "Random seed; each head's draw depends only on (seed, tensor, head).", kind=int)
+
+    @classmethod
+    def build(cls, options: ReinitOptions | None = None, /, **keywords: Any) -> ReinitOptions:
+        """``options`` (default: the defaults) with the options given as keywords replaced."""
+        names = {f.name for f in fields(cls)}
+        for key in keywords:
+            if key not in names:
+                raise TypeError(f"unexpected keyword argument {key!r}; the options are {', '.join(sorted(names))}")
+        return replace(options if options is not None else cls(), **keywords)
 
     def validated(self) -> ReinitOptions:
         if self.mode not in MODES:
             raise OptionError(f"unknown mode {self.mode!r}: use conditioned (the paper's reset) or polar (condition the existing weights)")
         if self.strength is not None:
             if self.mode != "polar":
-                raise OptionError("--strength applies to --mode polar only (the conditioned reset always reaches kappa = 1)")
+                raise OptionError(f"{opt('strength')} applies to {opt('mode', 'polar')} only (the conditioned reset always reaches kappa = 1)")
             if not 0.0 < float(self.strength) <= 1.0:
-                raise OptionError(f"--strength must be in (0, 1], not {self.strength}")
+                raise OptionError(f"{opt('strength')} must be in (0, 1], not {self.strength}")
         if self.value_identity not in VALUE_IDENTITIES:
             raise OptionError(f"unknown value identity {self.value_identity!r}: use block or per-head")
         if self.bias not in BIAS_CHOICES:
@@ -148,7 +206,7 @@ def make_plan(blocks: list[AttentionBlock], options: ReinitOptions) -> Plan:
         by_stack.setdefault(b.stack, []).append(b)
     for stack, members in by_stack.items():
         depth = max(b.layer for b in blocks if b.stack == stack) + 1
-        where = f"{stack or 'the model'}" + (" (pick a stack with --stack)" if len(by_stack) > 1 else "")
+        where = f"{stack or 'the model'}" + (f" (pick a stack with {opt('stack')})" if len(by_stack) > 1 else "")
         layers = set(resolve_indices(options.layers, depth, what="layer", where=where))
         for block in members:
             if block.layer not in layers:
@@ -159,7 +217,9 @@ def make_plan(blocks: list[AttentionBlock], options: ReinitOptions) -> Plan:
                 if heads:
                     plan.changes.append(Change(block, role, tuple(heads)))
     if not plan.changes:
-        raise SelectionError("the selection picks no projection: check --layers, --heads, --targets and --attention")
+        raise SelectionError(
+            f"the selection picks no projection: check {opt('layers')}, {opt('heads')}, {opt('targets')} and {opt('attention')}"
+        )
     return plan
 
 
@@ -174,8 +234,8 @@ def _kv_heads(block: AttentionBlock, q_heads: list[int], role: str) -> list[int]
             out.append(g)
         elif members & selected:
             raise SelectionError(
-                f"--heads {format_indices(sorted(selected))} splits key/value head {g} of {block.module}, which serves "
-                f"query heads {format_indices(sorted(members))}: select whole groups or use --targets q"
+                f"{opt('heads', format_indices(sorted(selected)))} splits key/value head {g} of {block.module}, which serves "
+                f"query heads {format_indices(sorted(members))}: select whole groups or use {opt('targets', 'q')}"
             )
     return out
 

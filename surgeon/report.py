@@ -6,9 +6,10 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from .spectrum import Spectrum
+from .errors import Spelling, opt, python_spelling, spell
 from .selection import format_indices
 from .spec import AttentionBlock
+from .spectrum import Spectrum
 
 
 def fmt_kappa(x: float | None) -> str:
@@ -25,7 +26,7 @@ def fmt_kappa(x: float | None) -> str:
     return f"{x:.2f}" if x < 10 else f"{x:.1f}"
 
 
-def fmt_bytes(n: int) -> str:
+def fmt_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -40,7 +41,7 @@ def _spec_cells(s: Spectrum | None) -> list[str]:
     return [fmt_kappa(s.kappa), "/".join(fmt_kappa(x) for x in (s.head_min, s.head_median, s.head_max)), norm]
 
 
-def table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:
+def table(headers: list[str], rows: list[list[str]], right: frozenset[int] | set[int] = frozenset()) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
 
     def line(cells):
@@ -101,7 +102,7 @@ class Report:
     notes: list[str] = field(default_factory=list)
 
     # --- machines ------------------------------------------------------------------------
-    def to_dict(self) -> dict:
+    def to_dict(self, spelling: Spelling = python_spelling) -> dict:
         return {
             "command": self.command,
             "source": self.source,
@@ -114,17 +115,18 @@ class Report:
             "options": self.options,
             "blocks": [b.to_dict() for b in self.blocks],
             "projections": [r.to_dict() for r in self.rows],
-            "notes": self.notes,
+            "notes": [spell(n, spelling) for n in self.notes],
         }
 
-    def to_json(self, **kwargs) -> str:
-        return json.dumps(self.to_dict(), indent=kwargs.pop("indent", 2), **kwargs)
+    def to_json(self, spelling: Spelling = python_spelling, **kwargs) -> str:
+        """The report as JSON; ``spelling`` spells the options named in notes (the CLI passes its own)."""
+        return json.dumps(self.to_dict(spelling), indent=kwargs.pop("indent", 2), **kwargs)
 
     # --- people --------------------------------------------------------------------------
     def __str__(self) -> str:
         return self.render()
 
-    def render(self) -> str:
+    def render(self, spelling: Spelling = python_spelling) -> str:
         parts = [self._summary()]
         if self.command == "inspect":
             parts.append(self._stacks_table())
@@ -134,8 +136,8 @@ class Report:
         else:
             parts.append(self._reinit_table())
         if self.command == "reinit" and not self.dry_run and self.rows:
-            parts.append(self._legend())
-        parts += [f"note: {n}" for n in self.nonfinite_notes() + self.notes]
+            parts.append(spell(self._legend(), spelling))
+        parts += [f"note: {spell(n, spelling)}" for n in self.nonfinite_notes() + self.notes]
         if self.command == "reinit" and not self.dry_run and self.output:
             parts.append(f"wrote {self.output} ({fmt_bytes(self.bytes_written)}) in {self.seconds:.2f} s on {self.device}")
         return "\n\n".join(p for p in parts if p)
@@ -156,7 +158,7 @@ class Report:
     def _legend(self) -> str:
         o = self.options or {}
         text = "head kappa: condition number of each head's own matrix, min/median/max over the heads" + (
-            "; kappa: of the whole projection, all heads stacked." if self._whole_measured() else " (--full adds the whole projection's)."
+            "; kappa: of the whole projection, all heads stacked." if self._whole_measured() else f" ({opt('full', True)} adds the whole projection's)."
         )
         if o.get("mode") == "conditioned":
             text += (
@@ -173,7 +175,7 @@ class Report:
             return head
         o = self.options or {}
         what = "plan (dry run, nothing written)" if self.dry_run else "re-initialized"
-        mode = o.get("mode")
+        mode = str(o.get("mode"))
         if mode == "polar":
             mode += f", strength {o.get('strength')}"
         else:

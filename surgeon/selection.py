@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
-from .errors import SelectionError
+from .errors import SelectionError, opt
 
 IndexSpec = str | int | Iterable[int] | None
 
@@ -97,7 +97,7 @@ def parse_targets(spec: str | Iterable[str] | None) -> tuple[str, ...]:
     else:
         items = [str(s).strip().lower() for s in spec]
     if not items:
-        raise SelectionError("no targets given: use any of q,k,v (e.g. --targets q,k)")
+        raise SelectionError(f"no targets given: use any of q,k,v (e.g. {opt('targets', 'q,k')})")
     chosen = set()
     for item in items:
         if item not in TARGETS:
@@ -106,7 +106,7 @@ def parse_targets(spec: str | Iterable[str] | None) -> tuple[str, ...]:
             elif item and set(item) <= set(TARGETS):
                 hint = f"write {','.join(item)}, comma-separated"
             else:
-                hint = "use any of q,k,v, comma-separated (e.g. --targets q,k)"
+                hint = f"use any of q,k,v, comma-separated (e.g. {opt('targets', 'q,k')})"
             raise SelectionError(f"unknown target {item!r}: {hint}")
         chosen.add(item)
     return tuple(t for t in TARGETS if t in chosen)

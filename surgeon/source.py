@@ -8,20 +8,21 @@ from pathlib import Path
 
 from .errors import CheckpointError
 from .formats.base import WeightSet
-from .formats.safetensors import INDEX_SUFFIX as ST_INDEX
-from .formats.safetensors import SafetensorsWeights
-from .formats.torchfile import INDEX_SUFFIX as PT_INDEX
-from .formats.torchfile import SUFFIXES as PT_SUFFIXES
-from .formats.torchfile import TorchWeights
+from .formats.registry import (  # noqa: F401  (NOT_WEIGHTS, TORCH_NAMES: importable from here as before)
+    ALONE_SUFFIXES,
+    FORMATS,
+    NOT_WEIGHTS,
+    OTHER_FORMAT_SUFFIXES,
+    STATE_DICT_SUFFIXES,
+    TORCH_NAMES,
+    format_of,
+)
 
-# Files a training run leaves in a model folder that are pickles but not weights.
-NOT_WEIGHTS = {"training_args.bin", "optimizer.pt", "optimizer.bin", "scheduler.pt", "scaler.pt"}
 SKIP_DIRS = {".git", ".cache"}
 # Copies of the weights in formats surgeon does not rewrite here. Carried over unchanged they would
 # still hold the old attention weights, so a folder output leaves them out and says so.
-STALE_WEIGHT_SUFFIXES = (".h5", ".msgpack", ".ot", ".gguf", ".tflite", ".mlmodel", ".onnx", ".onnx_data", ".onnx.data")
+STALE_WEIGHT_SUFFIXES = OTHER_FORMAT_SUFFIXES + ALONE_SUFFIXES
 STALE_WEIGHT_DIRS = {"onnx", "openvino", "coreml", "tflite", "gguf"}
-TORCH_NAMES = ("pytorch_model.bin", "model.bin", "model.pt", "model.pth", "model.ckpt")
 
 
 @dataclass
@@ -98,63 +99,44 @@ def _other_weights(rel: Path) -> bool:
     """A top-level weight file outside the chosen set (e.g. Mistral's consolidated.safetensors)."""
     if len(rel.parts) > 1 or rel.name in NOT_WEIGHTS or rel.name.startswith(("rng_state", "optimizer", "scheduler")):
         return False
-    return rel.name.endswith((".safetensors", ".safetensors.index.json", ".bin.index.json")) or rel.suffix in PT_SUFFIXES
+    return rel.name.endswith(STATE_DICT_SUFFIXES)
 
 
 def _open_file(path: Path) -> Source:
-    name = path.name
-    if name.endswith(ST_INDEX):
-        return Source(path, "index", [SafetensorsWeights.from_index(path)])
-    if name.endswith(PT_INDEX):
-        return Source(path, "index", [TorchWeights.from_index(path)])
-    if path.suffix == ".safetensors":
-        return Source(path, "file", [SafetensorsWeights(path.parent, [name])])
-    if path.suffix in PT_SUFFIXES:
-        return Source(path, "file", [TorchWeights(path.parent, [name])])
-    if path.suffix == ".onnx":
-        from .formats.onnx import open_onnx  # optional module, built on the core
-
-        weights = open_onnx(path)
-        # With external data the .onnx is like an index over its data files: the output is a folder.
-        return Source(path, "index" if len(weights.files) > 1 else "file", [weights])
-    raise CheckpointError(
-        f"{path}: unknown checkpoint type {path.suffix or '(no suffix)'}; surgeon reads .safetensors, "
-        ".bin/.pt/.pth/.ckpt, their .index.json, .onnx files and model folders"
-    )
+    fmt = format_of(path.name)
+    if fmt is None:
+        raise CheckpointError(
+            f"{path}: unknown checkpoint type {path.suffix or '(no suffix)'}; surgeon reads .safetensors, "
+            ".bin/.pt/.pth/.ckpt, their .index.json, .onnx files and model folders",
+            path=path,
+        )
+    weights = fmt.open(path.parent, [path.name])
+    # An index file, or an .onnx with external data (like an index over its data files): the output is a folder.
+    return Source(path, "index" if fmt.is_index(path.name) or len(weights.files) > 1 else "file", [weights])
 
 
 def _open_folder(folder: Path) -> Source:
-    sets: list[WeightSet] = []
     top = sorted(p.name for p in folder.iterdir() if p.is_file())
-    st_index = [n for n in top if n.endswith(ST_INDEX)]
-    if st_index:
-        sets.append(SafetensorsWeights.from_index(folder / st_index[0]))
-    elif any(n.endswith(".safetensors") for n in top):
-        sets.append(SafetensorsWeights(folder, [n for n in top if n.endswith(".safetensors")]))
-    pt_index = [n for n in top if n.endswith(PT_INDEX)]
-    if pt_index:
-        sets.append(TorchWeights.from_index(folder / pt_index[0]))
-    else:
-        named = [n for n in TORCH_NAMES if n in top]
-        others = [n for n in top if Path(n).suffix in PT_SUFFIXES and n not in NOT_WEIGHTS and not n.startswith(("rng_state", "optimizer"))]
-        picked = named[:1] or (others if len(others) == 1 else [])
-        if picked:
-            sets.append(TorchWeights(folder, picked))
-    if not sets:
-        onnx_files = [n for n in top if n.endswith(".onnx")]
-        if len(onnx_files) > 1:
+    sets: list[WeightSet] = []
+    for fmt in FORMATS:  # the same weights may be there twice (safetensors and .bin): the preferred first
+        if fmt.alone and sets:
+            continue
+        picked = fmt.pick(top)
+        if not picked:
+            continue
+        if fmt.alone and sum(n.endswith(fmt.suffixes) for n in top) > 1:
+            many = [n for n in top if n.endswith(fmt.suffixes)]
             raise CheckpointError(
-                f"folder {folder} holds {len(onnx_files)} ONNX models ({', '.join(onnx_files[:3])}{', ...' if len(onnx_files) > 3 else ''}); "
-                "point surgeon at one .onnx file"
+                f"folder {folder} holds {len(many)} {fmt.name.upper() if fmt.name == 'onnx' else fmt.name} models "
+                f"({', '.join(many[:3])}{', ...' if len(many) > 3 else ''}); point surgeon at one {fmt.suffixes[0]} file",
+                path=folder,
             )
-        if onnx_files:
-            from .formats.onnx import open_onnx
-
-            sets.append(open_onnx(folder / onnx_files[0]))
+        sets.append(fmt.open(folder, picked if not fmt.alone else picked[:1]))
     if not sets:
         raise CheckpointError(
             f"no weights in folder {folder}: expected model.safetensors, model.safetensors.index.json, "
-            "pytorch_model.bin(.index.json) or a .onnx file"
+            "pytorch_model.bin(.index.json) or a .onnx file",
+            path=folder,
         )
     weight_files = {f for s in sets for f in s.all_files}
     extras, stale = [], []

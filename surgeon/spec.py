@@ -8,8 +8,9 @@ single entry of :data:`PACKINGS`; every other part of surgeon works on :class:`P
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 Role = Literal["q", "k", "v"]
 ROLES: tuple[Role, ...] = ("q", "k", "v")

@@ -90,9 +90,10 @@ def report_rows(report) -> list:
 
 def fsdp_worker(rank: int, world: int, out: str, families: list[str]) -> None:
     """FSDP2 fully_shard per layer and at the root, then reinit_, a forward, and inspect."""
-    import surgeon
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    import surgeon
 
     mesh = init_device_mesh("cpu", (world,))
     for family in families:
@@ -110,9 +111,10 @@ def fsdp_worker(rank: int, world: int, out: str, families: list[str]) -> None:
 
 def dtensor_worker(rank: int, world: int, out: str, families: list[str]) -> None:
     """Plain DTensor parameters from a device mesh: 2-D weights sharded on their columns (dim 1), 1-D replicated."""
-    import surgeon
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import surgeon
 
     mesh = init_device_mesh("cpu", (world,))
     for family in families:
@@ -128,8 +130,9 @@ def dtensor_worker(rank: int, world: int, out: str, families: list[str]) -> None
 
 def ddp_worker(rank: int, world: int, out: str, families: list[str]) -> None:
     """DDP: reinit_ on the wrapper on every rank; no broadcast. Then one real training step."""
-    import surgeon
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import surgeon
 
     for family in families:
         model = make(family)

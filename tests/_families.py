@@ -31,8 +31,8 @@ is left out.  Notes on the ones that needed care:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -56,12 +56,12 @@ VOCAB = 96
 @dataclass(frozen=True)
 class Family:
     name: str
-    make: Callable[[], "transformers.PreTrainedModel"]
+    make: Callable[[], transformers.PreTrainedModel]
     encoder_decoder: bool = False
     # ``AutoModel*`` class used to reload a saved checkpoint of this family.
     auto_class: type = field(default=AutoModel, repr=False)
 
-    def load(self, path) -> "transformers.PreTrainedModel":
+    def load(self, path) -> transformers.PreTrainedModel:
         """Reload a model of this family saved with ``save_pretrained(path)``."""
         model = self.auto_class.from_pretrained(str(path), local_files_only=True)
         return model.float().eval()

@@ -26,7 +26,6 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-
 # --------------------------------------------------------------------------- timm-style ViT
 
 

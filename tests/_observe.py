@@ -169,7 +169,7 @@ class ObservedBlock:
 
 # ----------------------------------------------------------------------------- state
 
-_ACTIVE: "_Recorder | None" = None
+_ACTIVE: _Recorder | None = None
 
 
 class _Call:

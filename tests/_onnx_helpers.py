@@ -18,7 +18,6 @@ import numpy as np
 import onnx
 import torch
 
-
 SEQ, DEC_SEQ = 7, 5
 ROLE_LEAVES = {"query": "q", "key": "k", "value": "v", "q_lin": "q", "k_lin": "k", "v_lin": "v",
                "q_proj": "q", "k_proj": "k", "v_proj": "v", "q": "q", "k": "k", "v": "v"}

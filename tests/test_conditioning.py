@@ -5,7 +5,15 @@ import math
 import pytest
 import torch
 
-from surgeon.conditioning import head_seed, polar, rescale_to, semi_orthogonal, singular_values, spectrum, value_identity
+from surgeon.conditioning import (
+    head_seed,
+    polar,
+    rescale_to,
+    semi_orthogonal,
+    singular_values,
+    spectrum,
+    value_identity,
+)
 
 
 @pytest.mark.parametrize("rows,cols", [(16, 64), (64, 64), (64, 16), (1, 8)])

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_llama, tree_digest
 from surgeon.output import _owner_prefix
+
+from conftest import tiny_llama, tree_digest
 
 pytestmark = pytest.mark.slow
 

@@ -12,10 +12,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _distributed import (
+    SEED,
+    ddp_worker,
+    dtensor_worker,
+    fsdp_worker,
+    full_state,
+    large_config,
+    make,
+    memory_worker,
+    report_rows,
+    spawn,
+    tokens,
+)
 from safetensors.torch import load_file
 
 import surgeon
-from _distributed import SEED, ddp_worker, dtensor_worker, fsdp_worker, full_state, large_config, make, memory_worker, report_rows, spawn, tokens
 
 FAMILIES = ["llama", "gpt2"]
 

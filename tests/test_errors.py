@@ -10,9 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import expect_cli_error as expect_error, tiny_llama
-
-
+from conftest import expect_cli_error as expect_error
+from conftest import tiny_llama
 
 
 def test_no_attention_found(cli, tmp_path):
@@ -177,3 +176,36 @@ def test_malformed_header_entries(cli, tmp_path, entry):
     header = json.dumps({"x.weight": entry}).encode()
     (tmp_path / "bad.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(64))
     expect_error(cli, tmp_path, "inspect", tmp_path / "bad.safetensors", match="corrupt header entry for tensor 'x.weight'")
+
+
+def test_errors_live_in_one_module_and_carry_fields(tmp_path):
+    """Every public error is defined in surgeon.errors; options are named by field, spelt by who shows them."""
+    import surgeon
+    from surgeon.cli import cli_spelling
+    from surgeon.errors import SurgeonError
+
+    errors = [getattr(surgeon, n) for n in surgeon.__all__ if n.endswith("Error")]
+    assert errors and all(e.__module__ == "surgeon.errors" and issubclass(e, SurgeonError) for e in errors)
+    with pytest.raises(surgeon.OptionError) as err:  # a Python caller is told about the keyword, not --strength
+        surgeon.ReinitOptions(strength=0.5).validated()
+    assert str(err.value) == "strength applies to mode=polar only (the conditioned reset always reaches kappa = 1)"
+    assert err.value.options == ("strength", "mode") and err.value.option == "strength"
+    assert err.value.describe(cli_spelling) == "--strength applies to --mode polar only (the conditioned reset always reaches kappa = 1)"
+    exc = surgeon.HubError("boom")
+    exc.context = "wrote out, but the push failed: "
+    assert str(exc) == "wrote out, but the push failed: boom" and exc.args == ("boom",)
+
+
+def test_errors_name_the_tensor_and_the_file(tmp_path):
+    """Fields beside the message: what a program needs without parsing the text."""
+    import struct
+
+    from surgeon.errors import CheckpointError
+    from surgeon.formats.safetensors import SafetensorsWeights
+
+    header = b'{"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 8]}}'
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
+    with pytest.raises(CheckpointError) as err:
+        SafetensorsWeights(tmp_path, ["bad.safetensors"])
+    assert err.value.path == str(bad) and err.value.tensor == "w"

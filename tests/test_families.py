@@ -16,11 +16,12 @@ import struct
 import pytest
 import torch
 
-from _families import FAMILIES
-from _observe import observe
 from surgeon import reinit_checkpoint
 from surgeon.apply import head_matrices
 from surgeon.formats.safetensors import SafetensorsWeights
+
+from _families import FAMILIES
+from _observe import observe
 
 ATOL = 2e-5  # float32 storage
 

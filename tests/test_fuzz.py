@@ -12,15 +12,15 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from conftest import tree_digest
 from surgeon.errors import SelectionError, SurgeonError
 from surgeon.formats.safetensors import DTYPES, read_header
 from surgeon.selection import resolve_indices
+
+from conftest import tree_digest
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 

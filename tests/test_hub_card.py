@@ -7,9 +7,10 @@ import shlex
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from conftest import sha256, tiny_llama, tree_digest
 from surgeon import __version__, reinit_checkpoint
 from surgeon.report import fmt_kappa
+
+from conftest import sha256, tiny_llama, tree_digest
 
 
 def reproduce(card: ModelCard) -> list[str]:

@@ -9,12 +9,12 @@ import re
 import shlex
 
 import pytest
-
 from huggingface_hub import ModelCard
+
+from surgeon import __version__, reinit_checkpoint
 
 from _hub import OTHER_TOKEN, SOURCE_BODY, TOKEN, Surgeon, all_text_under, digest, make_source
 from _hub_server import HubServer
-from surgeon import __version__, reinit_checkpoint
 
 
 @pytest.fixture(scope="module")

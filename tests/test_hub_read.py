@@ -11,9 +11,10 @@ import shutil
 
 import pytest
 
+from surgeon import inspect_checkpoint, reinit_checkpoint
+
 from _hub import OTHER_TOKEN, TOKEN, Surgeon, build_cache, closed_port_url, digest, make_source
 from _hub_server import HubServer
-from surgeon import inspect_checkpoint, reinit_checkpoint
 
 FETCHED = ["README.md", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 

@@ -19,10 +19,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import expect_cli_error, sha256, tiny_llama
 from surgeon import reinit_checkpoint
 from surgeon.formats.safetensors import read_header, records
 from surgeon.journal import SUFFIX, journal_path
+
+from conftest import expect_cli_error, sha256, tiny_llama
 
 ATTN = ("q_proj", "k_proj", "v_proj")
 

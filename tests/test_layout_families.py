@@ -1,7 +1,7 @@
 """Families whose fused layout depends on model_type or config flags, and multi-tower configs.
 
 Each is checked against the model's own forward with --verify-layout's machinery (the forward probe
-of surgeon.detect.modules, independent of name-based detection), then re-initialized end to end.
+of surgeon.detect.module, independent of name-based detection), then re-initialized end to end.
 """
 
 from __future__ import annotations

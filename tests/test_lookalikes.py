@@ -8,8 +8,9 @@ import struct
 import torch
 from safetensors.torch import save_file
 
-from _families import FAMILIES
 from surgeon import reinit_checkpoint
+
+from _families import FAMILIES
 
 
 def raw(path):

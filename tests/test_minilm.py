@@ -42,7 +42,7 @@ def test_reinit_top_layers_and_encode(cli, minilm_dir, tmp_path):
     result = cli("reinit", minilm_dir, "--layers", "-2-", "-o", out, "--json")
     assert tree_digest(minilm_dir) == source_files
     report = json.loads(result.stdout)
-    assert {(p["layer"], p["role"]) for p in report["projections"]} == {(l, r) for l in (4, 5) for r in "qkv"}
+    assert {(p["layer"], p["role"]) for p in report["projections"]} == {(layer, r) for layer in (4, 5) for r in "qkv"}
     for p in report["projections"]:
         assert p["after"]["head_kappa"]["max"] < 1 + 1e-5
         assert p["before"]["head_kappa"]["max"] > 2

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 import surgeon
+from surgeon.cli import cli_spelling
+from surgeon.errors import NoAttentionFoundError, OptionError, SelectionError
+
 from _families import FAMILIES
 from _modules import LucidAttention, Stack
 from conftest import tiny_llama
-from surgeon.errors import NoAttentionFoundError, OptionError, SelectionError
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -48,7 +50,7 @@ def test_real_minilm_in_memory_matches_the_checkpoint_path(minilm, tmp_path):
     got = model.get_submodule(prefix[:-1]).state_dict()
     for name, tensor in got.items():
         assert torch.equal(tensor, expected[name]), name
-    assert {(r.block.layer, r.role) for r in report.rows} == {(l, r) for l in (4, 5) for r in "qkv"}
+    assert {(r.block.layer, r.role) for r in report.rows} == {(layer, r) for layer in (4, 5) for r in "qkv"}
     emb = model.encode(["surgery on attention"], convert_to_tensor=True)
     assert emb.shape == (1, 384) and torch.isfinite(emb).all()
 
@@ -146,8 +148,10 @@ def test_dispatch_and_errors(tmp_path):
 
 def test_hints_that_contradict_the_forward_are_refused():
     model = Stack(lambda: LucidAttention(24, heads=4, dim_head=6), 24)
-    with pytest.raises(surgeon.LayoutError, match=r"^layers.0.attn: its forward uses 4 query heads, not 3 \(--num-heads\)$"):
+    with pytest.raises(surgeon.LayoutError, match=r"^layers.0.attn: its forward uses 4 query heads, not 3 \(num_heads\)$") as err:
         surgeon.inspect(model, num_heads=3)
+    assert err.value.option == "num_heads"
+    assert err.value.describe(cli_spelling) == "layers.0.attn: its forward uses 4 query heads, not 3 (--num-heads)"
 
 
 @cuda

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 import surgeon
+from surgeon.errors import LayoutError, NoAttentionFoundError
+
 from _modules import (
     FusedEinsumAttention,
     InterleavedQKV,
@@ -26,8 +28,6 @@ from _modules import (
     observe_mha,
     randomize_biases,
 )
-from surgeon.errors import LayoutError, NoAttentionFoundError
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -149,12 +149,12 @@ def test_transformer_encoder(batch_first):
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(32, 4, 48, dropout=0.0, batch_first=batch_first)
     enc = randomize_biases(nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)).eval()
-    before = [observe_mha(l.self_attn) for l in enc.layers]
+    before = [observe_mha(m.self_attn) for m in enc.layers]
     state = snapshot(enc)
     report = surgeon.reinit_(enc, layers="1", seed=8)
     assert [(b.module, b.layout) for b in report.blocks] == [(f"layers.{i}.self_attn", "fused in_proj") for i in range(3)]
-    for i, l in enumerate(enc.layers):
-        got = observe_mha(l.self_attn)
+    for i, m in enumerate(enc.layers):
+        got = observe_mha(m.self_attn)
         assert_conditioned(got) if i == 1 else assert_same(got, before[i])
     assert_only_changed(enc, state, ["layers.1.self_attn.in_proj_"])
 
@@ -319,10 +319,10 @@ def test_hugging_face_layout_the_config_does_not_settle_is_read_from_the_forward
     import sys
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    import transformers
+
     from _families import FAMILIES
     from _observe import observe as observe_hf
-
-    import transformers
 
     class ForkConfig(transformers.GPTNeoXConfig):  # what a remote-code copy of GPT-NeoX looks like
         model_type = "my_neox_fork"

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import surgeon
+from surgeon.detect.module import detect_module, probe_blocks
+
 from _families import FAMILIES
 from _observe import observe
-from surgeon.detect.modules import detect_module, probe_blocks
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from _onnx_helpers import check_against_pytorch, initializers, locate, ort_run, torch_blocks
 from surgeon import inspect_checkpoint, reinit_checkpoint
 from surgeon.apply import head_matrices
 from surgeon.formats.onnx import open_onnx
+
+from _onnx_helpers import check_against_pytorch, initializers, locate, ort_run, torch_blocks
 
 
 class SelfAttention2d(torch.nn.Module):

@@ -8,11 +8,12 @@ import numpy as np
 import onnx
 import pytest
 
+from surgeon import reinit_checkpoint
+from surgeon.errors import NoAttentionFoundError
+
 from _onnx_graphs import mlp_only, tiny_attention
 from _onnx_helpers import initializers, ort_run
 from conftest import expect_cli_error
-from surgeon import reinit_checkpoint
-from surgeon.errors import NoAttentionFoundError
 
 
 def _save(model: onnx.ModelProto, folder, name: str = "model.onnx", **kwargs):

@@ -17,6 +17,10 @@ import onnx
 import pytest
 import torch
 
+from surgeon import inspect_checkpoint, reinit_checkpoint
+from surgeon.apply import head_matrices
+from surgeon.formats.onnx import open_onnx, surgeon_records
+
 from _families import FAMILIES
 from _onnx_helpers import (
     assert_only_changed_bytes_differ,
@@ -28,9 +32,6 @@ from _onnx_helpers import (
     torch_blocks,
     torch_forward,
 )
-from surgeon import inspect_checkpoint, reinit_checkpoint
-from surgeon.apply import head_matrices
-from surgeon.formats.onnx import open_onnx, surgeon_records
 
 FAMILY_NAMES = ("bert", "distilbert", "gpt2", "llama", "vit", "t5", "bart")
 CASES = [(f, e) for f in FAMILY_NAMES for e in ("legacy", "dynamo")] + [("llama", "dynamo-opset23")]

@@ -16,6 +16,9 @@ import pytest
 import torch
 from onnx import helper, numpy_helper
 
+from surgeon import inspect_checkpoint, reinit_checkpoint
+from surgeon.formats.onnx import open_onnx, surgeon_records
+
 from _families import FAMILIES
 from _onnx_graphs import tiny_attention
 from _onnx_helpers import (
@@ -28,8 +31,6 @@ from _onnx_helpers import (
     tensor_ranges,
 )
 from conftest import sha256, tree_digest
-from surgeon import inspect_checkpoint, reinit_checkpoint
-from surgeon.formats.onnx import open_onnx, surgeon_records
 
 VARIANTS = ("embedded", "one-file", "split", "per-tensor")
 

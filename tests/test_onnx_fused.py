@@ -16,13 +16,14 @@ import onnx
 import pytest
 import torch
 
+from surgeon import inspect_checkpoint, reinit_checkpoint
+from surgeon.apply import head_matrices
+from surgeon.formats.onnx import open_onnx
+
 from _families import FAMILIES
 from _onnx_graphs import bert_fused, llama_group_query
 from _onnx_helpers import assert_semi_orthogonal, assert_value_identity, initializers, ort_run
 from conftest import tiny_llama
-from surgeon import inspect_checkpoint, reinit_checkpoint
-from surgeon.apply import head_matrices
-from surgeon.formats.onnx import open_onnx
 
 SEQ = 7
 OPS = ("Attention", "MultiHeadAttention", "GroupQueryAttention")

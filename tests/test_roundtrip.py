@@ -8,10 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import sha256, tiny_llama, tree_digest
 from surgeon import reinit_checkpoint
 from surgeon.formats.safetensors import SafetensorsWeights
 from surgeon.formats.torchfile import TorchWeights
+
+from conftest import sha256, tiny_llama, tree_digest
 
 LAYER0 = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight")
 

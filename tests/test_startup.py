@@ -10,9 +10,11 @@ import subprocess
 import sys
 
 TORCH_FREE = [
-    "surgeon", "surgeon.cli", "surgeon.api", "surgeon.source", "surgeon.hub", "surgeon.plan", "surgeon.report",
-    "surgeon.output", "surgeon.journal", "surgeon.detect.names", "surgeon.detect.config", "surgeon.formats.safetensors",
-    "surgeon.formats.torchfile",
+    "surgeon", "surgeon.cli", "surgeon.api", "surgeon.source", "surgeon.plan", "surgeon.report", "surgeon.output",
+    "surgeon.journal", "surgeon.errors",
+    "surgeon.hub", "surgeon.hub.ids", "surgeon.hub.read", "surgeon.hub.push", "surgeon.hub.translate",
+    "surgeon.detect", "surgeon.detect.by_name", "surgeon.detect.config", "surgeon.detect.families", "surgeon.detect.placement",
+    "surgeon.formats.registry", "surgeon.formats.safetensors", "surgeon.formats.torchfile",
 ]
 
 

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _modules import KernelCapture as CaptureSDPA
-
 from surgeon import reinit_checkpoint
 from surgeon.api import inspect_checkpoint
+
+from _modules import KernelCapture as CaptureSDPA
 
 
 def solve_heads(x, states):

@@ -7,11 +7,12 @@ import json
 
 import pytest
 
-from _hub import TOKEN, Surgeon, all_text_under, make_source
-from _hub_server import HubServer
 from surgeon import reinit_checkpoint
 from surgeon.plan import Plan, ReinitOptions
 from surgeon.redact import redact
+
+from _hub import TOKEN, Surgeon, all_text_under, make_source
+from _hub_server import HubServer
 
 STRANGER_TOKEN = "hf_QWxsIHlvdXIgYmFzZSBhcmUgYmVsb25n"  # shaped like a token, known to no one
 

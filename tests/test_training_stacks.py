@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import surgeon
-from _families import FAMILIES
 from surgeon.errors import OptionError, UnsupportedWeightsError
+
+from _families import FAMILIES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _families import FAMILIES
-from _observe import observe
 from surgeon import reinit_checkpoint
 
+from _families import FAMILIES
+from _observe import observe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

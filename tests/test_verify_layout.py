@@ -4,15 +4,17 @@ architecture its config.json names (built with transformers, randomly initialize
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
 import torch
 
-from _families import FAMILIES
+from surgeon.cli import cli_spelling
 from surgeon.errors import LayoutError, OptionError
 from surgeon.layout_check import verify_layout
 
+from _families import FAMILIES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -29,8 +31,10 @@ def test_names_agree_with_the_forward(name, tmp_path):
 def test_wrong_head_count_is_caught(tmp_path):
     """Interleaved GPT-NeoX rows fit 2 heads of 24 as well as 4 heads of 12: only the forward tells."""
     FAMILIES["gpt_neox"].make().save_pretrained(tmp_path)
-    with pytest.raises(LayoutError, match="--num-heads 2 contradicts config.json, which says 4"):
+    with pytest.raises(LayoutError, match="num_heads=2 contradicts config.json, which says 4") as err:
         verify_layout(tmp_path, num_heads=2)
+    assert err.value.options == ("num_heads", "force_hints")
+    assert "--num-heads 2 contradicts config.json, which says 4" in err.value.describe(cli_spelling)
     with pytest.raises(LayoutError) as err:
         verify_layout(tmp_path, num_heads=2, force_hints=True)
     assert str(err.value) == (
@@ -52,12 +56,15 @@ def test_cli_prints_the_agreement_or_one_line_error(cli, tmp_path):
 
 def test_needs_a_config(tmp_path):
     torch.save(FAMILIES["llama"].make().state_dict(), tmp_path / "model.pt")
-    with pytest.raises(OptionError, match=r"--verify-layout builds the architecture from config.json, and .*model.pt has none; pass --config PATH"):
+    with pytest.raises(OptionError, match=r"verify_layout=True builds the architecture from config.json, and .*model.pt has none; pass config=PATH") as err:
         verify_layout(tmp_path / "model.pt", num_heads=8, num_kv_heads=2)
+    assert err.value.path == str(tmp_path / "model.pt")
+    assert re.search(r"--verify-layout builds the architecture from config.json, and .*model.pt has none; pass --config PATH", err.value.describe(cli_spelling))
 
 
 def test_needs_transformers(tmp_path, monkeypatch):
     FAMILIES["bert"].make().save_pretrained(tmp_path)
     monkeypatch.setitem(sys.modules, "transformers", None)  # what an environment without it raises
-    with pytest.raises(OptionError, match=r"^--verify-layout needs transformers to build the architecture: pip install transformers$"):
+    with pytest.raises(OptionError, match=r"^verify_layout=True needs transformers to build the architecture: pip install transformers$") as err:
         verify_layout(tmp_path)
+    assert err.value.describe(cli_spelling) == "--verify-layout needs transformers to build the architecture: pip install transformers"

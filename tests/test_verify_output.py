@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import surgeon
+from surgeon.formats.safetensors import encode_header, read_header, with_metadata
+
 from _onnx_graphs import tiny_attention
 from conftest import expect_cli_error, tiny_llama
-from surgeon.formats.safetensors import encode_header, read_header, with_metadata
 
 
 def _flip_byte(path, offset):
@@ -46,7 +47,9 @@ def llama_out(tmp_path, llama_dir, cli):
 
 
 def test_verifies_a_conditioned_output_byte_for_byte(cli, llama_out, tmp_path):
-    from surgeon.layout_check import verify_layout  # the --verify-layout module: importing it must not hide surgeon.verify()
+    from surgeon.layout_check import (
+        verify_layout,  # the --verify-layout module: importing it must not hide surgeon.verify()
+    )
 
     assert callable(surgeon.verify) and callable(verify_layout)
     src, out = llama_out

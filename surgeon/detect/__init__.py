@@ -1,1 +1,59 @@
-"""Finding attention blocks: by tensor names (checkpoints), ONNX graphs and nn.Module graphs."""
+"""Finding attention blocks: by tensor names (checkpoints), ONNX graphs and nn.Module graphs.
+
+The one entry is :func:`detect`, routed by what it is given: a checkpoint (:class:`surgeon.source.Source`)
+by its format (ONNX by its graph, every other format by tensor names), an ``nn.Module`` by its
+modules and forward. Family facts are data in :mod:`.families`; placement is :mod:`.placement`.
+Importing this package does not import torch, numpy or onnx.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..spec import AttentionBlock
+
+if TYPE_CHECKING:
+    from ..source import Source
+    from .config import Hints
+
+
+@dataclass
+class Detection:
+    blocks: list[AttentionBlock]
+    tensors_seen: int
+    notes: list[str] = field(default_factory=list)  # why candidates were rejected, for "nothing found"
+    graph: Any = None  # what a route knows beyond the blocks (ONNX: which nodes read each initializer)
+
+    def stacks(self) -> list[str]:
+        seen: list[str] = []
+        for b in self.blocks:
+            if b.stack not in seen:
+                seen.append(b.stack)
+        return seen
+
+
+def detect(what: Any, hints: Hints | None = None, **module_options: Any) -> Any:
+    """Every attention block of ``what``: a :class:`~surgeon.source.Source` (returns a
+    :class:`Detection`) or an ``nn.Module`` (returns a ``ModuleDetection``; ``example_inputs=``).
+    Raises NoAttentionFoundError if there is none."""
+    from ..source import Source
+
+    if isinstance(what, Source):
+        return detect_source(what, hints)
+    from .module import detect_module
+
+    return detect_module(what, hints=hints, **module_options)
+
+
+def detect_source(source: Source, hints: Hints | None = None) -> Detection:
+    weights = source.primary
+    if weights.format == "onnx":  # tensor names carry no structure: walk the graph
+        from .onnx import find_attention
+
+        found = find_attention(weights.model, weights.const, source.config, hints, source=str(weights.path))  # type: ignore[attr-defined]
+        found.detection.graph = found
+        return found.detection
+    from .by_name import detect as by_name
+
+    return by_name(weights.tensors, source.config, hints, source=str(source.path))

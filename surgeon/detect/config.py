@@ -10,30 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import LayoutError
-
-HEADS_KEYS = ("num_attention_heads", "num_heads", "n_head", "n_heads", "attention_heads", "heads")
-KV_HEADS_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "kv_n_heads", "num_kv_heads_per_layer", "multi_query_group_num")
-HEAD_DIM_KEYS = ("head_dim", "d_kv", "attention_head_dim", "kv_channels", "head_size")
-HIDDEN_KEYS = ("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim", "width")
-# Where a tower's config is nested (CLIP, SigLIP, LLaVA, encoder-decoder wrappers): the words in a
-# stack's module path that select it.
-SUBCONFIG_WORDS = {
-    "text_config": ("text", "language", "llm"),
-    "vision_config": ("vision", "visual", "image"),
-    "audio_config": ("audio", "speech"),
-    "encoder": ("encoder",),
-    "decoder": ("decoder",),
-}
-# How a fused tensor packs q/k/v where a family departs from the default of its tensor name
-# (spec.PACKINGS); flag-dependent families (Falcon, ChatGLM, GPTBigCode) are in ConfigView.fused_packing.
-FUSED_PACKING_BY_MODEL_TYPE = {
-    ("query_key_value", "gpt_neox"): "interleaved",
-    ("query_key_value", "gpt_neox_japanese"): "interleaved",
-    ("query_key_value", "bloom"): "interleaved",
-    ("query_key_value", "persimmon"): "interleaved",
-    ("qkv_proj", "codegen"): "codegen",
-}
+from ..errors import LayoutError, opt
+from .families import (  # noqa: F401
+    FUSED_PACKING_BY_MODEL_TYPE,
+    HEAD_DIM_KEYS,
+    HEADS_KEYS,
+    HIDDEN_KEYS,
+    KV_HEADS_KEYS,
+    SUBCONFIG_WORDS,
+)
 
 
 @dataclass(frozen=True)
@@ -101,15 +86,15 @@ class ConfigView:
             kv_heads = None
         head_dim = _first(nested, HEAD_DIM_KEYS)
         hidden = _first(nested, HIDDEN_KEYS)
-        for flag, hint, said in (("--num-heads", self.hints.num_heads, heads), ("--num-kv-heads", self.hints.num_kv_heads, kv_heads),
-                                 ("--head-dim", self.hints.head_dim, head_dim)):
+        for flag, hint, said in (("num_heads", self.hints.num_heads, heads), ("num_kv_heads", self.hints.num_kv_heads, kv_heads),
+                                 ("head_dim", self.hints.head_dim, head_dim)):
             if hint is not None and said is not None and hint != said and not self.hints.force:
                 raise LayoutError(
-                    f"{flag} {hint} contradicts {source}, which says {said} for {stack or 'the model'}: leave {flag} out, "
-                    f"or pass --force-hints to override the config"
+                    f"{opt(flag, hint)} contradicts {source}, which says {said} for {stack or 'the model'}: leave {opt(flag)} out, "
+                    f"or pass {opt('force_hints', True)} to override the config"
                 )
         if self.hints.num_heads is not None:
-            heads, source = self.hints.num_heads, "--num-heads"
+            heads, source = self.hints.num_heads, opt("num_heads")
         if self.hints.num_kv_heads is not None:
             kv_heads = self.hints.num_kv_heads
         if self.hints.head_dim is not None:

@@ -14,8 +14,6 @@ from ..errors import CheckpointError
 if TYPE_CHECKING:
     import torch
 
-    from ..detect.names import Detection
-
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
@@ -96,16 +94,10 @@ class WeightSet(ABC):
         into the file's metadata where the format has a place for it.
         """
 
-    def detect(self, config: dict | None, hints) -> "Detection | None":
-        """Formats whose tensor names carry no structure (ONNX) find attention themselves.
-
-        Returns None to use name-based detection (surgeon.detect.names).
-        """
-        return None
-
-    def check_plan(self, plan) -> None:
+    def check_plan(self, plan, detection) -> None:
         """Refuse a plan this format cannot carry out safely (e.g. an ONNX initializer shared with
-        nodes outside the plan). Raise a SurgeonError with a one-line reason."""
+        nodes outside the plan), given the detection the plan was made from. Raise a SurgeonError."""
+        return None  # most formats can carry out any plan
 
     def nbytes(self) -> int:
         return sum((self.folder / f).stat().st_size for f in self.all_files)

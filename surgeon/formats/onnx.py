@@ -12,13 +12,12 @@ own, so models over 2 GB work. Writing patches bytes instead of re-serializing t
 * external data files are copied with only the changed tensors' byte ranges rewritten, at the
   same offsets, so the graph's ``external_data`` entries stay valid.
 
-The protobuf wire format is walked directly (``_scan``) to find where each initializer's bytes are.
+The protobuf wire format is walked directly (``wire.scan``) to find where each initializer's bytes are.
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -26,9 +25,10 @@ import numpy as np
 import onnx
 import torch
 
-from ..errors import CheckpointError, SelectionError
+from ..errors import CheckpointError, SharedInitializerError, opt
+from . import onnx_wire as wire
 from .base import TensorInfo, UpdatesFn, WeightSet
-from .fileio import copy_file_sparse, copy_range
+from .fileio import copy_file_sparse
 
 METADATA_KEY = "surgeon"
 
@@ -52,17 +52,6 @@ DTYPES: dict[int, tuple[torch.dtype, int]] = {
 }
 _SMALL = 4096  # constants the graph walker may read (shapes, axes, split sizes)
 
-# Field numbers of onnx.proto that the byte-level scan needs.
-_MODEL_GRAPH, _MODEL_METADATA = 7, 14
-_GRAPH_INITIALIZER = 5
-_TENSOR_NAME, _TENSOR_RAW, _TENSOR_FLOAT, _TENSOR_DOUBLE = 8, 9, 4, 10
-_TENSOR_DATA_FIELDS = {4, 5, 6, 7, 9, 10, 11}
-_LEN = 2  # wire type of length-delimited fields
-
-
-class SharedInitializerError(SelectionError):
-    """An initializer the plan would change is also read by nodes the plan leaves alone."""
-
 
 @dataclass(frozen=True)
 class _Stored:
@@ -74,15 +63,6 @@ class _Stored:
     in_place: bool  # the bytes are the tensor's little-endian values and can be overwritten as they are
     field: tuple[int, int] | None = None  # embedded: the initializer's whole field in the .onnx
 
-
-@dataclass
-class _Layout:
-    """Byte positions in the .onnx found by scanning its protobuf encoding."""
-
-    size: int
-    graph: tuple[int, int, int]  # field start, payload start, payload end
-    tensors: dict[str, tuple[int, int, int | None, int, int, bool]]  # name -> field start/end, data field, data start/end, one piece
-    metadata: list[tuple[int, int, str, str]]  # top-level metadata_props: field start/end, key, value
 
 
 def open_onnx(path: str | Path) -> OnnxWeights:
@@ -96,7 +76,7 @@ class OnnxWeights(WeightSet):
         super().__init__(path.parent, [path.name], None)
         self.path = path
         self.model = _load(path)
-        self.layout = _scan(path)
+        self.layout = wire.scan(path)
         self._stored: dict[str, _Stored] = {}
         self._protos: dict[str, onnx.TensorProto] = {}
         external: list[str] = []
@@ -116,7 +96,6 @@ class OnnxWeights(WeightSet):
             self._stored[t.name] = stored
             self._protos[t.name] = t
         self.files = [path.name] + external
-        self._detected = None
 
     # --- where the bytes are ---------------------------------------------------------------
     def _embedded(self, t: onnx.TensorProto, nbytes: int) -> _Stored:
@@ -124,8 +103,8 @@ class OnnxWeights(WeightSet):
         if entry is None:
             raise CheckpointError(f"{self.path}: initializer {t.name!r} could not be located in the file; re-save the model with onnx.save")
         fstart, fend, data_field, dstart, dend, one_piece = entry
-        raw = data_field == _TENSOR_RAW or (data_field == _TENSOR_FLOAT and t.data_type == onnx.TensorProto.FLOAT) or (
-            data_field == _TENSOR_DOUBLE and t.data_type == onnx.TensorProto.DOUBLE
+        raw = data_field == wire.TENSOR_RAW or (data_field == wire.TENSOR_FLOAT and t.data_type == onnx.TensorProto.FLOAT) or (
+            data_field == wire.TENSOR_DOUBLE and t.data_type == onnx.TensorProto.DOUBLE
         )
         if data_field is None and nbytes == 0:
             raw = True
@@ -182,27 +161,22 @@ class OnnxWeights(WeightSet):
             f.seek(stored.offset)
             if f.readinto(buf) != len(buf):
                 raise CheckpointError(f"{stored.file} ended while reading initializer {name!r}: the file is truncated")
-        return torch.frombuffer(buf, dtype=info.torch_dtype).reshape(info.shape)
+        return torch.frombuffer(buf, dtype=_dtype(info)).reshape(info.shape)
 
     def describe(self) -> str:
         extra = len(self.files) - 1
         return f"onnx ({self.path.name}" + (f" + {extra} external data file{'s' if extra > 1 else ''})" if extra else ")")
 
-    def detect(self, config: dict | None, hints):
-        from ..detect.onnx_graph import find_attention
-
-        self._detected = find_attention(self.model, self._const, config, hints, source=str(self.path))
-        return self._detected.detection
-
-    def _const(self, name: str) -> np.ndarray | None:
+    def const(self, name: str) -> np.ndarray | None:
         info = self._infos.get(name)
         if info is None or info.nbytes > _SMALL * 8 or info.torch_dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
             return None
         return self.read(name).numpy()
 
-    def check_plan(self, plan) -> None:
-        """Refuse to change an initializer that nodes outside the plan read too."""
-        found = self._detected
+    def check_plan(self, plan, detection) -> None:
+        """Refuse to change an initializer that nodes outside the plan read too (``detection.graph``:
+        the graph facts of surgeon.detect.onnx)."""
+        found = detection.graph
         if found is None:
             return
         allowed: dict[str, set[int]] = {}
@@ -220,7 +194,7 @@ class OnnxWeights(WeightSet):
             what = list(dict.fromkeys(what)) + (["a graph output"] if name in graph.outputs else [])
             shown = ", ".join(what[:3]) + (f" and {len(what) - 3} more" if len(what) > 3 else "")
             is_bias = any(c.projection.bias is not None and c.projection.bias.tensor == name for c in plan.changes)
-            fix = "select them too (--layers/--stack/--attention)" + (", or keep the biases (--bias keep)" if is_bias else "")
+            fix = f"select them too ({opt('layers')}/{opt('stack')}/{opt('attention')})" + (f", or keep the biases ({opt('bias', 'keep')})" if is_bias else "")
             raise SharedInitializerError(
                 f"initializer {name!r} is shared: besides the projections chosen, {shown} read{'s' if len(what) == 1 else ''} it, "
                 f"so changing it would change them too; {fix}, or leave those projections out"
@@ -257,12 +231,12 @@ class OnnxWeights(WeightSet):
                 proto.ClearField(f)
             proto.raw_data = data
             start, end = stored.field  # type: ignore[misc]
-            new = _field(_GRAPH_INITIALIZER, proto.SerializeToString())
+            new = wire.field(wire.GRAPH_INITIALIZER, proto.SerializeToString())
             edits.append((start, end, new))
             graph_growth += len(new) - (end - start)
         if graph_growth:
             gstart, pstart, pend = layout.graph
-            edits.append((gstart, pstart, _key(_MODEL_GRAPH) + _varint(pend - pstart + graph_growth)))
+            edits.append((gstart, pstart, wire.key(wire.MODEL_GRAPH) + wire.varint(pend - pstart + graph_growth)))
         history: list = []
         for start, end, key, value in layout.metadata:
             if key == METADATA_KEY:
@@ -272,15 +246,15 @@ class OnnxWeights(WeightSet):
                     history += old if isinstance(old, list) else [old]
                 except ValueError:
                     history.append(value)
-        entry = _field(1, METADATA_KEY.encode()) + _field(2, json.dumps(history + [record], separators=(",", ":"), sort_keys=True).encode())
+        entry = wire.field(1, METADATA_KEY.encode()) + wire.field(2, json.dumps(history + [record], separators=(",", ":"), sort_keys=True).encode())
         with open(self.path, "rb") as src, open(target, "wb") as out:
             pos = 0
             for start, end, data in sorted(edits):
-                _copy(src, out, pos, start - pos)
+                wire.copy(src, out, pos, start - pos)
                 out.write(data)
                 pos = end
-            _copy(src, out, pos, layout.size - pos)
-            out.write(_field(_MODEL_METADATA, entry))
+            wire.copy(src, out, pos, layout.size - pos)
+            out.write(wire.field(wire.MODEL_METADATA, entry))
 
     def _bytes(self, name: str, tensor: torch.Tensor) -> bytes:
         info = self._infos[name]
@@ -316,117 +290,18 @@ def _to_torch(array: np.ndarray, info: TensorInfo) -> torch.Tensor:
     array = np.ascontiguousarray(array)
     if array.dtype.kind in "biuf" and array.dtype.name not in ("bfloat16",) and array.dtype.itemsize == torch.empty((), dtype=info.torch_dtype).element_size():
         try:
-            return torch.from_numpy(array.copy()).view(info.torch_dtype).reshape(info.shape)
+            return torch.from_numpy(array.copy()).view(_dtype(info)).reshape(info.shape)
         except TypeError:
             pass
     raw = array.view(np.uint8).copy()
-    return torch.from_numpy(raw).view(info.torch_dtype).reshape(info.shape)
+    return torch.from_numpy(raw).view(_dtype(info)).reshape(info.shape)
 
 
-class _Corrupt(Exception):
-    pass
+def _dtype(info: TensorInfo) -> torch.dtype:
+    """The torch dtype of an initializer surgeon reads (one without an equivalent is never read)."""
+    dtype = info.torch_dtype
+    if dtype is None:
+        raise CheckpointError(f"initializer {info.name!r} has dtype {info.dtype}, which torch cannot hold")
+    return dtype
 
 
-def _scan(path: Path) -> _Layout:
-    """Find the graph, each initializer's data and surgeon's metadata entries in the .onnx bytes."""
-    try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return _scan_buffer(buf)
-    except _Corrupt as exc:
-        raise CheckpointError(f"{path} has a corrupt protobuf encoding ({exc}); re-export or re-download it") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from None
-
-
-def _scan_buffer(buf) -> _Layout:
-    size = len(buf)
-    graph = None
-    metadata = []
-    for number, wire, start, pstart, pend in _fields(buf, 0, size):
-        if number == _MODEL_GRAPH and wire == _LEN:
-            if graph is not None:
-                raise _Corrupt("the model has its graph in two pieces")
-            graph = (start, pstart, pend)
-        elif number == _MODEL_METADATA and wire == _LEN:
-            entry = {n: bytes(buf[s:e]).decode("utf-8", "replace") for n, w, _, s, e in _fields(buf, pstart, pend) if w == _LEN}
-            metadata.append((start, pend, entry.get(1, ""), entry.get(2, "")))
-    if graph is None:
-        raise _Corrupt("no graph")
-    tensors = {}
-    for number, wire, start, pstart, pend in _fields(buf, graph[1], graph[2]):
-        if number != _GRAPH_INITIALIZER or wire != _LEN:
-            continue
-        name, data_field, span, pieces = "", None, (pend, pend), 0
-        for n, w, _, s, e in _fields(buf, pstart, pend):
-            if n == _TENSOR_NAME and w == _LEN:
-                name = bytes(buf[s:e]).decode("utf-8")
-            elif n in _TENSOR_DATA_FIELDS:
-                # an unpacked repeated field (one element per field) cannot be patched in place
-                pieces += 1 if w == _LEN else 2
-                data_field, span = n, (s, e)
-        tensors[name] = (start, pend, data_field, span[0], span[1], pieces <= 1)
-    return _Layout(size, graph, tensors, metadata)
-
-
-def _fields(buf, start: int, end: int):
-    """(field number, wire type, field start, payload start, payload end) of each field in buf[start:end]."""
-    pos = start
-    while pos < end:
-        fstart = pos
-        key, pos = _read_varint(buf, pos, end)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            pstart = pos
-            _, pos = _read_varint(buf, pos, end)
-        elif wire == 1:
-            pstart, pos = pos, pos + 8
-        elif wire == _LEN:
-            length, pos = _read_varint(buf, pos, end)
-            pstart, pos = pos, pos + length
-        elif wire == 5:
-            pstart, pos = pos, pos + 4
-        else:
-            raise _Corrupt(f"unknown wire type {wire} at byte {fstart}")
-        if pos > end or number == 0:
-            raise _Corrupt(f"a field at byte {fstart} runs past its message")
-        yield number, wire, fstart, pstart, pos
-
-
-def _read_varint(buf, pos: int, end: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        if pos >= end:
-            raise _Corrupt(f"truncated varint at byte {pos}")
-        b = buf[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if b < 0x80:
-            return result, pos
-        shift += 7
-        if shift > 63:
-            raise _Corrupt(f"overlong varint at byte {pos}")
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-def _key(number: int) -> bytes:
-    return _varint(number << 3 | _LEN)
-
-
-def _field(number: int, payload: bytes) -> bytes:
-    return _key(number) + _varint(len(payload)) + payload
-
-
-def _copy(src, out, offset: int, count: int) -> None:
-    """Append ``count`` bytes of ``src`` at ``offset`` to ``out``."""
-    copy_range(src, out, offset, out.tell(), count)

@@ -16,7 +16,7 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 from ..errors import CheckpointError
 from .base import TensorInfo, UpdatesFn, WeightSet
@@ -87,7 +87,7 @@ def read_header(path: Path) -> Header:
         with open(path, "rb") as f:
             prefix = f.read(8)
             if len(prefix) < 8:
-                raise CheckpointError(f"{path} is not a safetensors file: it is only {size} bytes long")
+                raise CheckpointError(f"{path} is not a safetensors file: it is only {size} bytes long", path=path)
             (length,) = struct.unpack("<Q", prefix)
             if length > _MAX_HEADER or 8 + length > size:
                 raise CheckpointError(
@@ -104,11 +104,11 @@ def read_header(path: Path) -> Header:
             f"{path} has a corrupt safetensors header: {exc.args[0]!r} is listed twice; re-download or re-save it"
         ) from None
     except RecursionError:
-        raise CheckpointError(f"{path} has a corrupt safetensors header (JSON nested too deeply); re-download or re-save it") from None
+        raise CheckpointError(f"{path} has a corrupt safetensors header (JSON nested too deeply); re-download or re-save it", path=path) from None
     except (UnicodeDecodeError, ValueError):
-        raise CheckpointError(f"{path} has a corrupt safetensors header (not valid JSON); re-download or re-save it") from None
+        raise CheckpointError(f"{path} has a corrupt safetensors header (not valid JSON); re-download or re-save it", path=path) from None
     if not isinstance(entries, dict):
-        raise CheckpointError(f"{path} has a corrupt safetensors header (not a JSON object)")
+        raise CheckpointError(f"{path} has a corrupt safetensors header (not a JSON object)", path=path)
     header = Header(path=path, length=length, entries=entries, file_size=size)
     _validate(header)
     return header
@@ -134,12 +134,12 @@ def _validate(header: Header) -> None:
     path, data_size = header.path, header.file_size - header.data_start
     meta = header.entries.get("__metadata__")
     if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
-        raise CheckpointError(f"{path} has corrupt __metadata__ (must map strings to strings)")
+        raise CheckpointError(f"{path} has corrupt __metadata__ (must map strings to strings)", path=path)
     spans = []
     for name, entry in header.tensor_entries().items():
         dtype, shape, offsets = (entry.get(k) for k in ("dtype", "shape", "data_offsets")) if isinstance(entry, dict) else (None,) * 3
         if not (isinstance(dtype, str) and _naturals(shape) and _naturals(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]):
-            raise CheckpointError(f"{path} has a corrupt header entry for tensor {name!r}: {json.dumps(entry)[:120]}")
+            raise CheckpointError(f"{path} has a corrupt header entry for tensor {name!r}: {json.dumps(entry)[:120]}", path=path, tensor=name)
         begin, end = offsets
         if dtype not in DTYPES:
             raise CheckpointError(
@@ -147,7 +147,7 @@ def _validate(header: Header) -> None:
             )
         bits = math.prod(shape) * DTYPES[dtype][1]
         if bits % 8 or end - begin != bits // 8:
-            raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {shape} {dtype}: corrupt header")
+            raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {shape} {dtype}: corrupt header", path=path, tensor=name)
         if end > data_size:
             raise CheckpointError(
                 f"{path} is truncated: tensor {name!r} ends at data byte {end} but the file holds only "
@@ -158,7 +158,7 @@ def _validate(header: Header) -> None:
     cursor = 0
     for begin, end, name in spans:
         if begin < cursor:
-            raise CheckpointError(f"{path}: tensor {name!r} overlaps another tensor's bytes: corrupt header")
+            raise CheckpointError(f"{path}: tensor {name!r} overlaps another tensor's bytes: corrupt header", path=path, tensor=name)
         if begin > cursor:
             raise CheckpointError(
                 f"{path}: data bytes {cursor}-{begin - 1} before tensor {name!r} belong to no tensor (a hole in the data "
@@ -172,7 +172,7 @@ def _validate(header: Header) -> None:
         )
 
 
-def _naturals(value) -> bool:
+def _naturals(value: object) -> TypeGuard[list[int]]:
     return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
 
 
@@ -190,7 +190,7 @@ def read_tensor(header: Header, name: str) -> torch.Tensor:
     element, _ = DTYPES.get(entry["dtype"], (None, None))
     dtype = getattr(torch, element, None) if element else None
     if dtype is None:
-        raise CheckpointError(f"{header.path}: tensor {name!r} has dtype {entry['dtype']}, which this torch cannot decode")
+        raise CheckpointError(f"{header.path}: tensor {name!r} has dtype {entry['dtype']}, which this torch cannot decode", path=header.path, tensor=name)
     begin, end = entry["data_offsets"]
     shape = tuple(entry["shape"])
     if end == begin:
@@ -199,7 +199,7 @@ def read_tensor(header: Header, name: str) -> torch.Tensor:
     with open(header.path, "rb") as f:
         f.seek(header.data_start + begin)
         if f.readinto(buf) != len(buf):
-            raise CheckpointError(f"{header.path} ended while reading tensor {name!r}: the file is truncated")
+            raise CheckpointError(f"{header.path} ended while reading tensor {name!r}: the file is truncated", path=header.path, tensor=name)
     return torch.frombuffer(buf, dtype=dtype).reshape(shape)
 
 

@@ -12,7 +12,7 @@ import pickle
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -87,7 +87,7 @@ class TorchWeights(WeightSet):
         import torch
 
         super().__init__(folder, files, index)
-        self._loaded: dict[str, tuple[object, str | None, Mapping]] = {}
+        self._loaded: dict[str, tuple[Any, str | None, Any]] = {}  # file -> (object, state-dict key, state dict)
         found: dict[str, str] = {}
         for file in files:
             if not (folder / file).is_file():

@@ -1,0 +1,144 @@
+"""Every family fact surgeon knows, as data: adding a model family or a fused layout happens here.
+
+* :data:`RULES`: tensor names (relative to the attention module) that hold the projections, and how
+  each packs its (role, head) slots (a key of :data:`surgeon.spec.PACKINGS`).
+* :data:`CROSS_WORDS`: module-path words that mark cross-attention.
+* ``*_KEYS`` / :data:`SUBCONFIG_WORDS`: how config.json spells heads, head size, width, per tower.
+* :data:`FUSED_PACKING_BY_MODEL_TYPE`: where a family packs a fused tensor differently from its rule.
+* :data:`KV_SLOTS`: for each packing, how many key/value heads a tensor of ``slots`` head-sized
+  blocks holds (used to infer grouped-query attention from shapes).
+
+Nothing here imports torch, numpy or onnx.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Part:
+    """One tensor of a layout: its weight (and bias) name under the attention module."""
+
+    weight: str
+    bias: str | None
+    packing: str  # a key of spec.PACKINGS, or "auto" (query_key_value: decided by the config)
+    orientation: str = "linear"  # "linear" (out, in), "conv1d" (in, out), or "shape" (decide from shapes)
+    bias_packing: str | None = None  # when the bias is packed differently (nn.MultiheadAttention)
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    parts: tuple[Part, ...]
+
+
+def _separate(q: str, k: str, v: str) -> Rule:
+    return Rule("separate", tuple(Part(f"{m}.weight", f"{m}.bias", r) for m, r in ((q, "q"), (k, "k"), (v, "v"))))
+
+
+def _fused(module: str, packing: str, orientation: str = "linear") -> Rule:
+    return Rule(f"fused {module}", (Part(f"{module}.weight", f"{module}.bias", packing, orientation),))
+
+
+# Tried in order at every module; rules with more tensors come first so that GPT-2's cross-attention
+# (q_attn + c_attn) is not taken for a self-attention c_attn.
+RULES: tuple[Rule, ...] = (
+    _separate("q_proj", "k_proj", "v_proj"),  # Llama, Mistral, Qwen2, Gemma, Phi, OPT, GPT-J, BART, Whisper, CLIP
+    _separate("query", "key", "value"),  # BERT, RoBERTa, ELECTRA, ViT, DeiT, Swin
+    _separate("q_lin", "k_lin", "v_lin"),  # DistilBERT
+    _separate("query_proj", "key_proj", "value_proj"),  # DeBERTa-v2
+    _separate("wq", "wk", "wv"),  # Meta Llama reference code
+    _separate("to_q", "to_k", "to_v"),  # diffusers and lucidrains-style modules
+    _separate("q", "k", "v"),  # T5
+    Rule(
+        "fused cross c_attn",  # GPT-2 cross-attention: Conv1D q_attn, Conv1D c_attn holding [K | V]
+        (Part("q_attn.weight", "q_attn.bias", "q", "conv1d"), Part("c_attn.weight", "c_attn.bias", "kv", "conv1d")),
+    ),
+    _fused("c_attn", "qkv", "shape"),  # GPT-2 (Conv1D), nanoGPT and GPTBigCode (Linear)
+    _fused("query_key_value", "auto"),  # GPT-NeoX, Bloom (interleaved), Falcon (three layouts)
+    _fused("Wqkv", "qkv"),  # MPT, ModernBERT
+    _fused("qkv_proj", "qkv"),  # Phi-3
+    _fused("qkv", "qkv"),  # timm ViT, nanoGPT-style
+    _fused("to_qkv", "qkv"),
+    Rule("fused in_proj", (Part("in_proj_weight", "in_proj_bias", "qkv"),)),  # nn.MultiheadAttention
+    Rule(  # nn.MultiheadAttention with kdim/vdim != embed_dim: separate weights, one packed bias
+        "separate in_proj",
+        tuple(Part(f"{r}_proj_weight", "in_proj_bias", r, bias_packing="qkv") for r in "qkv"),
+    ),
+)
+
+CROSS_WORDS = (
+    "encdecattention",
+    "encoder_attn",
+    "crossattention",
+    "cross_attn",
+    "cross_attention",
+    "crossattn",
+    "src_attn",
+    "multihead_attn",
+)
+# Tensors that quantization libraries put beside (or instead of) a projection's float weight.
+QUANT_PARAMS = (
+    "qweight",
+    "qzeros",
+    "scales",
+    "g_idx",
+    "SCB",
+    "weight_format",
+    "weight_scale",
+    "weight_packed",
+    "weight_zero_point",
+    "absmax",
+    "quant_map",
+    "quant_state",
+)
+
+HEADS_KEYS = ("num_attention_heads", "num_heads", "n_head", "n_heads", "attention_heads", "heads")
+KV_HEADS_KEYS = (
+    "num_key_value_heads",
+    "num_kv_heads",
+    "n_head_kv",
+    "kv_n_heads",
+    "num_kv_heads_per_layer",
+    "multi_query_group_num",
+)
+HEAD_DIM_KEYS = ("head_dim", "d_kv", "attention_head_dim", "kv_channels", "head_size")
+HIDDEN_KEYS = ("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim", "width")
+# Where a tower's config is nested (CLIP, SigLIP, LLaVA, encoder-decoder wrappers): the words in a
+# stack's module path that select it.
+SUBCONFIG_WORDS = {
+    "text_config": ("text", "language", "llm"),
+    "vision_config": ("vision", "visual", "image"),
+    "audio_config": ("audio", "speech"),
+    "encoder": ("encoder",),
+    "decoder": ("decoder",),
+}
+# How a fused tensor packs q/k/v where a family departs from the default of its tensor name
+# (spec.PACKINGS); flag-dependent families (Falcon, ChatGLM, GPTBigCode) are in ConfigView.fused_packing.
+FUSED_PACKING_BY_MODEL_TYPE = {
+    ("query_key_value", "gpt_neox"): "interleaved",
+    ("query_key_value", "gpt_neox_japanese"): "interleaved",
+    ("query_key_value", "bloom"): "interleaved",
+    ("query_key_value", "persimmon"): "interleaved",
+    ("qkv_proj", "codegen"): "codegen",
+}
+
+# packing -> (slots in the tensor, query heads) -> key/value heads it implies, or None when the
+# packing cannot say. Every entry of spec.PACKINGS has one (tests/test_families_table.py).
+KV_SLOTS: dict[str, Callable[[int, int], int | None]] = {
+    "q": lambda slots, heads: None,
+    "k": lambda slots, heads: slots,
+    "v": lambda slots, heads: slots,
+    "qkv": lambda slots, heads: (slots - heads) // 2 if slots > heads and (slots - heads) % 2 == 0 else None,
+    "grouped": lambda slots, heads: (slots - heads) // 2 if slots > heads and (slots - heads) % 2 == 0 else None,
+    "kv": lambda slots, heads: slots // 2 if slots % 2 == 0 else None,
+    "interleaved": lambda slots, heads: None,  # as many key/value heads as query heads
+    "codegen": lambda slots, heads: None,  # as many key/value heads as query heads
+}
+
+
+def projection_names() -> list[str]:
+    """Each rule's projection tensors ("q_proj/k_proj/v_proj", "c_attn"), for "no attention found" messages."""
+    return list(dict.fromkeys("/".join(p.weight.removesuffix(".weight") for p in rule.parts) for rule in RULES))

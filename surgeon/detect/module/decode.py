@@ -1,0 +1,382 @@
+"""Reading the codes back into rows and heads, and running the probe over a module (probe_blocks)."""
+
+from __future__ import annotations
+
+import functools
+import inspect as _inspect
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from ...errors import LayoutError, opt
+from ...spec import AttentionBlock, Projection, Rows
+from ..by_name import place_matches
+from ..config import Hints
+from ..placement import join
+from .probe import FILLS, PROBE_TOKENS, Capture, Op, Targets, Unresolved, Watch, probing, watch_all
+
+
+def under(path: str, prefixes: list[str]) -> bool:
+    return any(p == "" or path == p or path.startswith(p + ".") for p in prefixes)
+
+
+def prefixed(block: AttentionBlock, prefix: str) -> AttentionBlock:
+    if not prefix:
+        return block
+
+    def rows(r: Rows) -> Rows:
+        return replace(r, tensor=f"{prefix}.{r.tensor}")
+
+    q, k, v = (
+        replace(p, weight=rows(p.weight), bias=None if p.bias is None else rows(p.bias)) for p in block.projections
+    )
+    return replace(
+        block,
+        stack=f"{prefix}.{block.stack}" if block.stack else prefix,
+        module=f"{prefix}.{block.module}" if block.module else prefix,
+        q=q,
+        k=k,
+        v=v,
+    )
+
+
+def placed(blocks: list[AttentionBlock]) -> list[AttentionBlock]:
+    """Stack and layer numbers from the module paths, as name-based detection gives them."""
+    by_module = {b.module: b for b in blocks}
+    placed = place_matches(by_module)
+    return [replace(block, stack=stack, layer=layer) for _, block, stack, layer, _ in placed]
+
+
+# --- reading the codes back -----------------------------------------------------------------
+
+
+def _decode(
+    runs: dict[str, Watch], i: int, role: str, targets: Targets
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(param number, axis, row) of every entry of one captured q/k/v at the first token."""
+    ones, index, param, rand = (getattr(runs[f].captures[i], role) for f in FILLS)
+    if ones.shape != index.shape or ones.shape != param.shape or ones.shape != rand.shape:
+        raise Unresolved(f"its {_ROLE[role]} changes shape between forwards")
+    if not torch.isfinite(ones).all() or (ones.abs() < 1e-30).any():
+        raise Unresolved(
+            f"its {_ROLE[role]} is not a plain selection of projection outputs (zero or not finite where every projection "
+            "output was 1): a normalization such as QK-norm, or values from outside the module's parameters"
+        )
+    rows, pids = index / ones, param / ones
+    for ratio, what in ((rows, "row"), (pids, "parameter")):
+        if ((ratio - ratio.round()).abs() > 1e-3 + 2e-7 * ratio.abs()).any() or (ratio.round() < 1).any():
+            raise Unresolved(
+                f"its {_ROLE[role]} is not a plain selection of projection outputs (the {what} codes do not come through): "
+                "something mixes features between the projection and the attention product (QK-norm? a bias or position "
+                "term added after the projection?)"
+            )
+    code = pids.round().long() - 1
+    pid, axis, row = code // 2, code % 2, rows.round().long() - 1
+    if (pid >= len(targets.params)).any():
+        raise Unresolved(f"its {_ROLE[role]} holds codes of no parameter")
+    for p in pid.unique().tolist():
+        for a in (0, 1):
+            mask = (pid == p) & (axis == a)
+            if not mask.any():
+                continue
+            size = targets.params[p].shape[a]
+            if (row[mask] >= size).any():
+                raise Unresolved(f"its {_ROLE[role]} holds row codes past the end of {targets.names[p]}")
+            expected = ones[mask] * targets.random(p, a).double()[row[mask]]
+            if not torch.allclose(rand[mask], expected, rtol=1e-4, atol=0.0):
+                raise Unresolved(
+                    f"its {_ROLE[role]} is not a linear selection of projection outputs (a random coding does not come through "
+                    "unchanged): a non-linearity such as QK-norm or a clamp sits between the projection and the attention product"
+                )
+    return pid, axis, row
+
+
+_ROLE = {"q": "query", "k": "key", "v": "value"}
+
+
+def _decodes(runs: dict[str, Watch], i: int, role: str, targets: Targets) -> bool:
+    try:
+        _decode(runs, i, role, targets)
+    except Unresolved:
+        return False
+    return True
+
+
+def _head_rows(pid, axis, row, heads: int | None, sequences: int | None, role: str, names: list[str]):
+    """Per head: (param number, axis, first row), given the decoded entries (N, d) of one role."""
+    n, d = row.shape
+    if heads is None and sequences:
+        if n % sequences:
+            raise Unresolved(f"its {_ROLE[role]} has {n} head rows, not a multiple of {sequences} sequences")
+        heads = n // sequences
+    if heads is None:  # (batch * heads, L, d): the smallest period of the rows
+        key = torch.stack([pid, axis, row], dim=-1)
+        heads = next(p for p in range(1, n + 1) if n % p == 0 and torch.equal(key, key[:p].repeat(n // p, 1, 1)))
+    if n % heads:
+        raise Unresolved(f"its {_ROLE[role]} has {n} rows at the first token, not a multiple of {heads} heads")
+    key = torch.stack([pid, axis, row], dim=-1)
+    if not torch.equal(key, key[:heads].repeat(n // heads, 1, 1)):
+        raise Unresolved(f"the {_ROLE[role]} heads of its batch entries come from different rows")
+    out = []
+    for h in range(heads):
+        p, a, r = pid[h], axis[h], row[h]
+        if not (p == p[0]).all() or not (a == a[0]).all():
+            raise Unresolved(f"{_ROLE[role]} head {h} mixes features of several tensors")
+        if not torch.equal(r, r[0] + torch.arange(d)):
+            raise Unresolved(
+                f"{_ROLE[role]} head {h} reads rows of {names[int(p[0])]} that are not consecutive; surgeon rewrites per-head blocks of consecutive rows"
+            )
+        out.append((int(p[0]), int(a[0]), int(r[0])))
+    return out
+
+
+def _resolve(runs: dict[str, Watch], i: int, targets: Targets, hints: Hints) -> dict:
+    cap = runs["ones"].captures[i]
+    decoded = {role: _decode(runs, i, role, targets) for role in "qkv"}
+    q_heads = _head_rows(*decoded["q"], cap.heads, None, "q", targets.names)
+    heads = len(q_heads)
+    sequences = cap.q.shape[0] // heads
+    kv = {}
+    for role, hint in (("k", cap.kv_heads), ("v", cap.kv_heads)):
+        rows = _head_rows(*decoded[role], hint, sequences, role, targets.names)
+        unique = list(dict.fromkeys(rows))
+        if len(rows) == heads and len(unique) < heads:  # key/value heads repeated to the query heads
+            group = heads // len(unique) if heads % len(unique) == 0 else 0
+            if not group or any(unique.index(rows[h]) != h // group for h in range(heads)):
+                raise Unresolved(
+                    f"its {_ROLE[role]} heads are shared by query heads in an order other than consecutive groups"
+                )
+        elif len(unique) != len(rows) or heads % len(rows):
+            raise Unresolved(f"it has {heads} query heads and {len(rows)} {_ROLE[role]} heads")
+        kv[role] = unique
+    if len(kv["k"]) != len(kv["v"]):
+        raise Unresolved(f"it has {len(kv['k'])} key heads but {len(kv['v'])} value heads")
+    if hints.num_heads is not None and hints.num_heads != heads:
+        raise LayoutError(
+            f"{cap.module or 'the model'}: its forward uses {heads} query heads, not {hints.num_heads} ({opt('num_heads')})"
+        )
+    return {"q": q_heads, "k": kv["k"], "v": kv["v"], "dims": {r: decoded[r][2].shape[1] for r in "qkv"}}
+
+
+def _block_from(resolved: dict, cap: Capture, targets: Targets) -> AttentionBlock:
+    projections = {}
+    sources = {}
+    for role in "qkv":
+        heads = resolved[role]
+        pids = {p for p, _, _ in heads}
+        axes = {a for _, a, _ in heads}
+        if len(pids) != 1 or len(axes) != 1:
+            names = ", ".join(sorted(targets.names[p] for p in pids))
+            raise Unresolved(
+                f"its {_ROLE[role]} heads live in several tensors ({names}); surgeon rewrites one tensor per projection"
+            )
+        pid, axis = pids.pop(), axes.pop()
+        name, size = targets.names[pid], resolved["dims"][role]
+        offsets = tuple(r for _, _, r in heads)
+        op = _covering(cap.ops, pid, axis, offsets[0])
+        bias = None
+        if op is not None and op.bias is not None and all(_covering(cap.ops, pid, axis, o) is op for o in offsets):
+            bias = Rows(op.bias[0], 0, tuple(op.bias[1] + o - op.start for o in offsets), size)
+        sources[role] = op.source if op is not None else None
+        in_features = targets.params[pid].shape[1 - axis]
+        projections[role] = Projection(role, Rows(name, axis, offsets, size), bias, in_features)  # type: ignore[arg-type]
+    _check_disjoint(projections)
+    module = _common_module(cap.module, [projections[r].weight.tensor.rpartition(".")[0] for r in "qkv"])
+    tensors = [projections[r].weight.tensor for r in "qkv"]
+    leaf = lambda t: t.removeprefix(module + ".") if module else t  # noqa: E731
+    if len(set(tensors)) == 1:
+        layout = f"forward: fused {leaf(tensors[0]).removesuffix('.weight')}"
+    else:
+        layout = "forward: " + ", ".join(dict.fromkeys(leaf(t).removesuffix(".weight") for t in tensors))
+    kind: Literal["self", "cross"] = "self" if sources["q"] is not None and sources["q"] == sources["k"] else "cross"
+    q = projections["q"]
+    return AttentionBlock(
+        "",
+        0,
+        kind,
+        module,
+        layout,
+        q.heads,
+        projections["k"].heads,
+        q.head_dim,
+        projections["q"],
+        projections["k"],
+        projections["v"],
+    )
+
+
+def _covering(ops: list[Op], pid: int, axis: int, row: int) -> Op | None:
+    for op in reversed(ops):
+        if op.pid == pid and op.axis == axis and op.start <= row < op.start + op.size:
+            return op
+    return None
+
+
+def _check_disjoint(projs: dict[str, Projection]) -> None:
+    seen: dict[str, set[int]] = {}
+    for role, p in projs.items():
+        rows = {o + i for o in p.weight.offsets for i in range(p.weight.size)}
+        key = f"{p.weight.tensor}@{p.weight.axis}"
+        if seen.get(key, set()) & rows:
+            raise Unresolved(f"its {_ROLE[role]} shares rows of {p.weight.tensor} with another projection")
+        seen.setdefault(key, set()).update(rows)
+
+
+def _common_module(start: str, owners: list[str]) -> str:
+    """The innermost module at the attention call, widened until it holds every projection."""
+    module = start
+    while module and not all(o == module or o.startswith(module + ".") for o in owners):
+        module = module.rpartition(".")[0]
+    return module
+
+
+def probe_blocks(
+    module: nn.Module,
+    *,
+    example_inputs: Any = None,
+    hints: Hints | None = None,
+    prefix: str = "",
+    skip: list[str] | None = None,
+) -> list[AttentionBlock]:
+    """Attention blocks of ``module`` read from its forward alone (no names, no config).
+
+    ``example_inputs`` (a tensor, a tuple of positional arguments or a dict of keyword arguments) is
+    what the module is called with; without it, a Hugging Face model gets token ids / pixels / audio
+    features built from its config, anything else a float tensor (1, tokens, width) tried on the
+    module and then on its submodules. ``prefix`` is prepended to every name (``module`` sits there
+    inside a larger model); modules under ``skip`` (paths inside ``module``) are ignored.
+    """
+    hints = hints or Hints()
+    with probing(module):
+        targets = Targets(module)
+        names = {m: n for n, m in module.named_modules()}
+        blocks: dict[tuple, AttentionBlock] = {}
+        for runs in _call_sites(module, example_inputs, names, targets, skip or []):
+            for i, cap in enumerate(runs["ones"].captures):
+                if skip and under(cap.module, skip):
+                    continue
+                try:
+                    block = _block_from(_resolve(runs, i, targets, hints), cap, targets)
+                except Unresolved as exc:
+                    if cap.via == "matmul" and not any(_decodes(runs, i, role, targets) for role in "qkv"):
+                        continue  # products around a softmax that involve no projection: not attention
+                    where = join(prefix, cap.module) or type(module).__name__
+                    raise LayoutError(f"cannot resolve the attention in {where}: {exc}") from None
+                if not (skip and under(block.module, skip)):
+                    blocks.setdefault(tuple((p.weight.tensor, p.weight.offsets) for p in block.projections), block)
+    return [prefixed(b, prefix) for b in placed(list(blocks.values()))] if blocks else []
+
+
+def _call_sites(module, example_inputs, names, targets, skip) -> list[dict[str, Watch]]:
+    """Run the coded forwards where the module can be called; one entry per successful call."""
+    if example_inputs is not None:
+        call = _caller(module, example_inputs)
+        runs = watch_all(module, call, names, targets)
+        if runs is None:
+            try:
+                call()
+            except Exception as exc:
+                raise LayoutError(f"{type(module).__name__} fails on the example inputs given: {_short(exc)}") from None
+        return [runs] if runs else []
+    if any(c.__name__ == "PreTrainedModel" for c in type(module).__mro__):
+        inputs = hf_inputs(module)
+        runs = watch_all(module, lambda: module(**inputs), names, targets)
+        if runs is None:
+            try:
+                module(**inputs)
+            except Exception as exc:
+                raise LayoutError(
+                    f"cannot run {type(module).__name__} on a probe input ({_short(exc)}); pass example_inputs=... to observe its forward"
+                ) from None
+        return [runs] if runs else []
+    sites: list[dict[str, Watch]] = []
+    _try_calls(module, "", names, targets, skip, sites)
+    return sites
+
+
+def _caller(module: nn.Module, example_inputs: Any) -> Callable[[], Any]:
+    if isinstance(example_inputs, Mapping):
+        return lambda: module(**example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return lambda: module(*example_inputs)
+    return lambda: module(example_inputs)
+
+
+def _short(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text[:160]}" if text else type(exc).__name__
+
+
+def _try_calls(module: nn.Module, path: str, names, targets: Targets, skip: list[str], sites: list) -> None:
+    """Call ``module`` on a float (1, tokens, width) probe; where it fails, try its children."""
+    if under(path, skip) and skip:
+        return
+    own = [
+        (n, p)
+        for n, p in module.named_parameters()
+        if p.dim() == 2 and p.is_floating_point() and not under(join(path, n), skip)
+    ]
+    if not own:
+        return
+    if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is not nn.Module.forward:
+        device = own[0][1].device
+        widths = Counter(p.shape[1] for _, p in own).most_common(2) + Counter(p.shape[0] for _, p in own).most_common(1)
+        for width in dict.fromkeys(w for w, _ in widths):
+            x = torch.randn(1, PROBE_TOKENS, width, generator=torch.Generator().manual_seed(0)).to(device)
+            runs = watch_all(module, functools.partial(module, x), names, targets)
+            if runs is not None:
+                sites.append(runs)
+                return
+    for name, child in module.named_children():
+        _try_calls(child, join(path, name), names, targets, skip, sites)
+
+
+def hf_inputs(model: nn.Module, *, tokens: int = PROBE_TOKENS) -> dict:
+    """Small inputs for a transformers model, built from its config (token ids, pixels or audio features)."""
+    cfg = model.config
+    params = _inspect.signature(model.forward).parameters
+    first = next(model.parameters())
+    dev, dtype = first.device, first.dtype if first.is_floating_point() else torch.float32
+    gen = torch.Generator().manual_seed(0)
+
+    def get(*keys, scope=None):
+        # multimodal configs (CLIP, SigLIP) keep the text tower's numbers in text_config
+        for c in (scope,) if scope is not None else (cfg, getattr(cfg, "text_config", None)):
+            for k in keys:
+                v = getattr(c, k, None)
+                if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                    return v
+        return None
+
+    def pixels(c):
+        size = c.image_size if isinstance(c.image_size, int) else c.image_size[0]
+        return torch.randn(1, get("num_channels", scope=c) or 3, size, size, generator=gen).to(dev, dtype)
+
+    main = getattr(model, "main_input_name", "input_ids")
+    cap = get("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx")
+    length = max(1, min(tokens, cap - 2)) if cap and cap > 2 else tokens
+    vocab = get("vocab_size") or 8
+    out: dict[str, Any] = {}
+    if main == "input_ids":
+        out["input_ids"] = torch.randint(min(3, vocab - 1), vocab, (1, length), generator=gen).to(dev)
+    elif main == "pixel_values":
+        out["pixel_values"] = pixels(cfg)
+    elif main == "input_features":
+        frames = 2 * (get("max_source_positions") or 1500)
+        out["input_features"] = torch.randn(1, get("num_mel_bins") or 80, frames, generator=gen).to(dev, dtype)
+    else:
+        raise LayoutError(
+            f"cannot build a probe input for {type(model).__name__} (main input {main!r}); pass example_inputs=..."
+        )
+    vision = getattr(cfg, "vision_config", None)
+    if main == "input_ids" and "pixel_values" in params and getattr(vision, "image_size", None):
+        out["pixel_values"] = pixels(vision)  # two-tower models run both towers
+    if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+        out["decoder_input_ids"] = torch.randint(min(3, vocab - 1), vocab, (1, length), generator=gen).to(dev)
+    if "use_cache" in params:
+        out["use_cache"] = False
+    return out

@@ -1,0 +1,368 @@
+"""The forward probe: every projection-like op's output replaced by a coding, products around the softmax captured."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ...errors import LayoutError
+
+PROBE_TOKENS = 8  # tokens of a generated probe input: enough for any mask code, small for any model
+
+# --- the probe ---------------------------------------------------------------------------------
+
+
+class Unresolved(Exception):
+    """One attention product whose q/k/v cannot be traced exactly to parameter rows."""
+
+
+@dataclass
+class Op:
+    """One projection-like op: output feature j is row ``start + j`` of ``param`` along ``axis``."""
+
+    pid: int
+    axis: int
+    start: int
+    size: int
+    bias: tuple[str, int] | None  # bias parameter and the index of output feature 0
+    source: tuple  # identity of the op's input tensor (self- vs cross-attention)
+
+
+@dataclass
+class Capture:
+    module: str  # innermost module running when the attention product was called
+    q: torch.Tensor  # (N, d) at the first token, float64 on the CPU
+    k: torch.Tensor
+    v: torch.Tensor
+    heads: int | None  # q.shape[-3] when q is (..., H, L, d)
+    kv_heads: int | None
+    ops: list[Op]  # projection ops seen before the capture
+    via: str = "sdpa"  # or "matmul": softmax(Q Kᵀ) V recognised from the products around a softmax
+
+
+class Targets:
+    """The parameters a projection op may read, found by storage."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.names: list[str] = []
+        self.params: list[torch.Tensor] = []
+        self.weights: dict[int, list[int]] = {}
+        self.biases: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        for name, p in module.named_parameters():
+            if not p.is_floating_point():
+                continue
+            key = p.untyped_storage().data_ptr()
+            if p.dim() == 2:
+                self.weights.setdefault(key, []).append(len(self.params))
+                self.names.append(name)
+                self.params.append(p)
+            elif p.dim() == 1:
+                self.biases.setdefault(key, []).append((name, p))
+        self._random: dict[tuple[int, int], torch.Tensor] = {}
+
+    def locate(self, w: Any, out_dim: int) -> tuple[int, int, int] | None:
+        """(param number, axis, first row) of a 2-D view ``w`` whose ``out_dim`` indexes output features."""
+        if not isinstance(w, torch.Tensor) or w.dim() != 2:
+            return None
+        for pid in self.weights.get(w.untyped_storage().data_ptr(), ()):
+            p = self.params[pid]
+            rel = w.storage_offset() - p.storage_offset()
+            for axis in (0, 1):
+                stride, other = p.stride(axis), p.stride(1 - axis)
+                if (w.stride(out_dim), w.stride(1 - out_dim)) != (stride, other) or w.shape[1 - out_dim] != p.shape[
+                    1 - axis
+                ]:
+                    continue
+                if rel >= 0 and rel % stride == 0 and rel // stride + w.shape[out_dim] <= p.shape[axis]:
+                    if p.shape[1 - axis] == 1 and p.shape[axis] == 1:
+                        continue
+                    return pid, axis, rel // stride
+        return None
+
+    def locate_bias(self, b: Any, size: int) -> tuple[str, int] | None:
+        if not isinstance(b, torch.Tensor) or b.dim() != 1 or b.shape[0] != size:
+            return None
+        for name, p in self.biases.get(b.untyped_storage().data_ptr(), ()):
+            rel = b.storage_offset() - p.storage_offset()
+            if b.stride(0) == p.stride(0) and rel >= 0 and rel % p.stride(0) == 0:
+                return name, rel // p.stride(0)
+        return None
+
+    def random(self, pid: int, axis: int) -> torch.Tensor:
+        """A fixed random value per row, bounded away from zero (float32, on the CPU)."""
+        key = (pid, axis)
+        if key not in self._random:
+            gen = torch.Generator().manual_seed(7919 * pid + axis + 1)
+            n = self.params[pid].shape[axis]
+            sign = torch.randint(0, 2, (n,), generator=gen) * 2 - 1
+            self._random[key] = ((torch.rand(n, generator=gen, dtype=torch.float64) + 0.5) * sign).float()
+        return self._random[key]
+
+
+_PROJ_OPS = {"linear", "addmm", "matmul", "__matmul__", "mm"}
+_PROD_OPS = {"matmul", "__matmul__", "bmm", "baddbmm", "einsum"}
+_ADD_OPS = {"add", "__add__", "__radd__", "add_", "__iadd__"}
+FILLS = ("ones", "index", "param", "random")
+
+
+def _source_key(x: Any) -> tuple:
+    if not isinstance(x, torch.Tensor):
+        return ("?",)
+    return (x.untyped_storage().data_ptr(), x.storage_offset(), x.numel())
+
+
+class Watch(TorchFunctionMode):
+    """Replaces projection outputs with codes and records what reaches each attention product."""
+
+    def __init__(self, targets: Targets, fill: str, names: dict[nn.Module, str]) -> None:
+        super().__init__()
+        self.targets, self.fill, self.names = targets, fill, names
+        self.frames: list[tuple[nn.Module, list]] = []
+        self.ops: list[Op] = []
+        self.captures: list[Capture] = []
+        self.produced: dict[int, tuple[torch.Tensor, Op]] = {}  # coded outputs, for a bias added afterwards
+
+    # module stack: which module's own forward an op runs in
+    def pre_hook(self, module, args):
+        self.frames.append((module, []))
+
+    def post_hook(self, module, args, output):
+        if not self.frames or self.frames[-1][0] is not module:
+            return
+        _, events = self.frames.pop()
+        self._match(module, events)
+        if self.frames and not any(True for _ in module.children()):
+            # a leaf module such as nn.Softmax: its events belong to its caller's pattern
+            self.frames[-1][1].extend(e for e in events if e[0] == "softmax")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in _PROJ_OPS:
+            op = self._projection(name, args, kwargs)
+            if op is not None:
+                out = func(*args, **kwargs)
+                if isinstance(out, torch.Tensor) and out.dim() >= 1 and out.shape[-1] == op.size:
+                    self.ops.append(op)
+                    return self._coded(op, out)
+                return out
+        if name in _ADD_OPS and len(args) >= 2 and id(args[0]) in self.produced:
+            # ``x @ W.T + b`` (FalconLinear and hand-written projections): the bias joins the op
+            coded, op = self.produced[id(args[0])]
+            bias = self.targets.locate_bias(args[1], op.size) if coded is args[0] and op.bias is None else None
+            if bias is not None:
+                op.bias = bias
+                out = func(*args, **kwargs)
+                if out is args[0]:  # in place
+                    out.copy_(self._codes(op, out))
+                    return out
+                return self._coded(op, out)
+        if name == "scaled_dot_product_attention":
+            q = kwargs.get("query", args[0] if args else None)
+            k = kwargs.get("key", args[1] if len(args) > 1 else None)
+            v = kwargs.get("value", args[2] if len(args) > 2 else None)
+            self._capture(q, k, v)
+        elif name in ("softmax", "_softmax") and self.frames:
+            self.frames[-1][1].append(("softmax",))
+        elif name in _PROD_OPS and self.frames:
+            prod = _as_matmul(name, args, kwargs)
+            if prod is not None:
+                self.frames[-1][1].append(("prod", *prod))
+        return func(*args, **kwargs)
+
+    def _projection(self, name: str, args, kwargs) -> Op | None:
+        if name == "linear":
+            x, w = (
+                kwargs.get("input", args[0] if args else None),
+                kwargs.get("weight", args[1] if len(args) > 1 else None),
+            )
+            b, out_dim = kwargs.get("bias", args[2] if len(args) > 2 else None), 0
+        elif name == "addmm":
+            b, x = (
+                kwargs.get("input", args[0] if args else None),
+                kwargs.get("mat1", args[1] if len(args) > 1 else None),
+            )
+            w, out_dim = kwargs.get("mat2", args[2] if len(args) > 2 else None), 1
+        else:
+            x, w = (
+                kwargs.get("input", args[0] if args else None),
+                kwargs.get("other", kwargs.get("mat2", args[1] if len(args) > 1 else None)),
+            )
+            b, out_dim = None, 1
+        where = self.targets.locate(w, out_dim)
+        if where is None:
+            return None
+        pid, axis, start = where
+        size = w.shape[out_dim]
+        return Op(pid, axis, start, size, self.targets.locate_bias(b, size), _source_key(x))
+
+    def _coded(self, op: Op, out: torch.Tensor) -> torch.Tensor:
+        coded = self._codes(op, out)
+        self.produced[id(coded)] = (coded, op)
+        return coded
+
+    def _codes(self, op: Op, out: torch.Tensor) -> torch.Tensor:
+        if self.fill == "ones":
+            codes = torch.ones(op.size, dtype=torch.float64)
+        elif self.fill == "index":
+            codes = torch.arange(op.start + 1, op.start + op.size + 1, dtype=torch.float64)
+        elif self.fill == "param":
+            codes = torch.full((op.size,), 2.0 * op.pid + op.axis + 1, dtype=torch.float64)
+        else:
+            codes = self.targets.random(op.pid, op.axis)[op.start : op.start + op.size]
+        return codes.to(out.device, out.dtype).expand(out.shape).contiguous()
+
+    def _match(self, module, events) -> None:
+        """softmax(Q Kᵀ) V written out: the last product before a softmax and the first after it."""
+        done = 0
+        for i, event in enumerate(events):
+            if event[0] != "softmax" or i < done:
+                continue
+            before = [j for j in range(done, i) if events[j][0] == "prod"]
+            after = [j for j in range(i + 1, len(events)) if events[j][0] == "prod"]
+            if not before or not after:
+                continue
+            _, q, kt = events[before[-1]]
+            _, p, v = events[after[0]]
+            if (
+                q.dim() >= 3
+                and kt.dim() >= 3
+                and v.dim() >= 3
+                and q.shape[-1] == kt.shape[-2]
+                and kt.shape[-1] == v.shape[-2] == p.shape[-1]
+            ):
+                self._capture(q, kt.transpose(-1, -2), v, module=module, via="matmul")
+                done = after[0] + 1
+
+    def _capture(self, q, k, v, module=None, via="sdpa") -> None:
+        if not all(isinstance(t, torch.Tensor) and t.dim() >= 3 for t in (q, k, v)):
+            return
+        module = module if module is not None else (self.frames[-1][0] if self.frames else None)
+        first = [t[..., 0, :].reshape(-1, t.shape[-1]).detach().to("cpu", torch.float64) for t in (q, k, v)]
+        heads = q.shape[-3] if q.dim() >= 4 else None
+        kv_heads = k.shape[-3] if k.dim() >= 4 else None
+        self.captures.append(
+            Capture(self.names.get(module, ""), first[0], first[1], first[2], heads, kv_heads, list(self.ops), via)
+        )
+
+
+def _as_matmul(name: str, args, kwargs) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(a, b) with the op's result = a @ b, for matmul, bmm, baddbmm and two-operand einsum."""
+    if name == "baddbmm":
+        a, b = (
+            kwargs.get("batch1", args[1] if len(args) > 1 else None),
+            kwargs.get("batch2", args[2] if len(args) > 2 else None),
+        )
+    elif name == "einsum":
+        return _einsum_as_matmul(args)
+    else:
+        a, b = (
+            kwargs.get("input", args[0] if args else None),
+            kwargs.get("other", kwargs.get("mat2", args[1] if len(args) > 1 else None)),
+        )
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() >= 2 and b.dim() >= 2:
+        return a, b
+    return None
+
+
+def _einsum_as_matmul(args) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if len(args) == 2 and isinstance(args[1], (list, tuple)):
+        args = (args[0], *args[1])
+    if len(args) != 3 or not isinstance(args[0], str) or "..." in args[0] or "->" not in args[0]:
+        return None
+    spec, a, b = args[0].replace(" ", ""), args[1], args[2]
+    ins, out = spec.split("->")
+    if ins.count(",") != 1 or not all(isinstance(t, torch.Tensor) for t in (a, b)):
+        return None
+    sa, sb = ins.split(",")
+    contracted = [c for c in sa if c in sb and c not in out]
+    batch = [c for c in out if c in sa and c in sb]
+    free_a, free_b = [c for c in sa if c not in sb], [c for c in sb if c not in sa]
+    if (
+        len(contracted) != 1
+        or len(free_a) != 1
+        or len(free_b) != 1
+        or len(set(sa)) != len(sa)
+        or len(set(sb)) != len(sb)
+    ):
+        return None
+    if len(batch) + 2 != len(sa) or len(batch) + 2 != len(sb):
+        return None
+    c = contracted[0]
+    a2 = a.permute([sa.index(x) for x in batch + free_a + [c]])
+    b2 = b.permute([sb.index(x) for x in batch + [c] + free_b])
+    return a2, b2
+
+
+def _hooks(module: nn.Module, watch: Watch) -> list:
+    handles = []
+    for m in module.modules():
+        handles.append(m.register_forward_pre_hook(watch.pre_hook))
+        handles.append(m.register_forward_hook(watch.post_hook, always_call=True))
+    return handles
+
+
+@contextmanager
+def probing(module: nn.Module) -> Iterator[None]:
+    """Eval mode and float32 for the probe's forwards; modes, dtypes and buffers restored afterwards.
+
+    Half-precision models are widened to float32 in place (exact both ways) because the row codes
+    must survive the forward as exact integers.
+    """
+    training = {m: m.training for m in module.modules()}
+    buffers = {b: b.detach().clone() for b in module.buffers()}  # caches a forward may write into
+    narrow = {
+        t: t.dtype for t in [*module.parameters(), *module.buffers()] if t.dtype in (torch.float16, torch.bfloat16)
+    }
+    module.eval()
+    try:
+        for t in narrow:
+            t.data = t.data.float()
+        yield
+    finally:
+        for t, dtype in narrow.items():
+            t.data = t.data.to(dtype)
+        with torch.no_grad():
+            for b, saved in buffers.items():
+                if b.shape == saved.shape:
+                    b.copy_(saved)
+        for m, flag in training.items():
+            m.training = flag
+
+
+def _run(root: nn.Module, call: Callable[[], Any], fill: str, names: dict[nn.Module, str], targets: Targets) -> Watch:
+    watch = Watch(targets, fill, names)
+    handles = _hooks(root, watch)
+    try:
+        with torch.no_grad(), watch:
+            call()
+    finally:
+        for h in handles:
+            h.remove()
+    return watch
+
+
+def watch_all(
+    root: nn.Module, call: Callable[[], Any], names: dict[nn.Module, str], targets: Targets
+) -> dict[str, Watch] | None:
+    """The four coded forwards; None when the call fails on the first (wrong inputs for this module)."""
+    try:
+        first = _run(root, call, "ones", names, targets)
+    except Exception:
+        return None
+    runs = {"ones": first}
+    if not first.captures:
+        return runs
+    for fill in FILLS[1:]:
+        runs[fill] = _run(root, call, fill, names, targets)
+        if len(runs[fill].captures) != len(first.captures):
+            raise LayoutError(
+                f"{type(root).__name__}: its forward is not deterministic (a different number of attention calls on a second run); surgeon cannot observe it"
+            )
+    return runs

@@ -1,0 +1,204 @@
+"""The routes of module detection: transformers names + config, nn.MultiheadAttention, the forward probe."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from torch import nn
+
+from ...errors import LayoutError, NoAttentionFoundError, SurgeonError
+from ...formats.base import TensorInfo
+from ...spec import AttentionBlock, Projection, Rows, slot_offsets
+from ..by_name import detect, match_modules
+from ..config import Hints
+from ..placement import join, kind
+from .decode import placed, prefixed, probe_blocks, under
+
+
+@dataclass
+class ModuleDetection:
+    """Attention blocks of a module, with the parameters their tensor names refer to."""
+
+    blocks: list[AttentionBlock]
+    params: dict[str, nn.Parameter]  # tensor name used in blocks -> the parameter
+    seed_names: dict[str, str] = field(default_factory=dict)  # tensor -> checkpoint name (draw key)
+    routes: dict[str, str] = field(default_factory=dict)  # block module -> "names", "class" or "forward"
+    notes: list[str] = field(default_factory=list)
+
+
+def detect_module(module: nn.Module, *, hints: Hints | None = None, example_inputs: Any = None) -> ModuleDetection:
+    """Every attention block of ``module``; raises a SurgeonError when some cannot be resolved."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"expected a torch.nn.Module, not {type(module).__name__}")
+    hints = hints or Hints()
+    params = dict(module.named_parameters())
+    found = ModuleDetection([], params)
+    handled: list[str] = []  # module paths whose subtree is settled
+    for prefix, hf in _hf_models(module):
+        handled.append(prefix)
+        try:
+            detection = detect(_tensor_infos(hf), hf.config.to_dict(), hints, source=f"{type(hf).__name__} (in memory)")
+        except NoAttentionFoundError:
+            continue  # e.g. a vision tower without attention; nothing to do there
+        except LayoutError as exc:
+            if hints.num_heads is not None:  # the user said how many heads: the names were the way
+                raise
+            try:  # names and config do not settle it: ask the forward
+                blocks = probe_blocks(hf, example_inputs=example_inputs, hints=hints, prefix=prefix)
+            except SurgeonError as probe_exc:
+                raise LayoutError(f"{exc} (the forward did not settle it either: {probe_exc})") from None
+            _add(found, blocks, "forward")
+            found.notes.append(
+                f"{type(hf).__name__}: its names and config do not settle the layout, so it was read from the forward"
+            )
+            continue
+        renames = checkpoint_names(hf)
+        blocks = [prefixed(b, prefix) for b in detection.blocks]
+        _add(found, blocks, "names")
+        for block in blocks:
+            for name in block.tensors():
+                rel = name[len(prefix) + 1 :] if prefix else name
+                found.seed_names[name] = renames.get(rel, rel)
+        found.notes += detection.notes[:5]
+    own: list[AttentionBlock] = []
+    for path, mha in module.named_modules():
+        if isinstance(mha, nn.MultiheadAttention) and not under(path, handled):
+            own.append(_mha_block(path, mha))
+            handled.append(path)
+    routes = {b.module: "class" for b in own}
+    rest = [n for n in params if params[n].dim() == 2 and params[n].is_floating_point() and not under(n, handled)]
+    if rest:
+        probed = probe_blocks(module, example_inputs=example_inputs, hints=hints, skip=handled)
+        own += probed
+        routes.update({b.module: "forward" for b in probed})
+        _refuse_unseen(module, rest, probed, example_inputs)
+    if own:
+        _add(found, placed(own), None, routes)
+    if not found.blocks:
+        raise NoAttentionFoundError(_nothing(module))
+    return found
+
+
+def _add(
+    found: ModuleDetection, blocks: list[AttentionBlock], route: str | None, routes: dict[str, str] | None = None
+) -> None:
+    found.blocks += blocks
+    for b in blocks:
+        found.routes[b.module] = route or (routes or {}).get(b.module, "forward")
+
+
+def _tensor_infos(module: nn.Module) -> dict[str, TensorInfo]:
+    return {
+        n: TensorInfo(
+            n,
+            tuple(p.shape),
+            str(p.dtype).removeprefix("torch."),
+            str(p.dtype).removeprefix("torch."),
+            "",
+            p.numel() * p.element_size(),
+        )
+        for n, p in module.named_parameters()
+    }
+
+
+def _hf_models(module: nn.Module) -> list[tuple[str, Any]]:
+    """The outermost transformers ``PreTrainedModel`` submodules (the module itself included)."""
+    out: list[tuple[str, Any]] = []
+    for path, m in module.named_modules():
+        if any(c.__name__ == "PreTrainedModel" for c in type(m).__mro__) and hasattr(
+            getattr(m, "config", None), "to_dict"
+        ):
+            if not under(path, [p for p, _ in out]):
+                out.append((path, m))
+    return out
+
+
+def checkpoint_names(model: nn.Module) -> dict[str, str]:
+    """In-memory parameter name -> the name ``save_pretrained`` writes (transformers' renamings undone).
+
+    Only pure renamings are followed; a parameter that a converter splits or merges keeps its name.
+    Returns {} when transformers has no conversion mapping (older versions: names are the same).
+    """
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            PrefixChange,
+            WeightConverter,
+            WeightRenaming,
+            apply_converters,
+            apply_renamings,
+        )
+    except ImportError:
+        return {}
+    try:
+        conversions = getattr(model, "_weight_conversions", None)
+        if conversions is None:  # built from a config: mirror revert_weight_conversion (no prefix changes)
+            conversions = [
+                c
+                for c in get_model_conversion_mapping(cast(Any, model), add_legacy=False)
+                if not isinstance(c, PrefixChange)
+            ]
+        reverse = [c.reverse_transform() for c in list(conversions)[::-1]]
+    except Exception:  # a transformers version with another mapping API: keep the in-memory names
+        return {}
+    renamings = [r for r in reverse if isinstance(r, WeightRenaming)]
+    converters = [r for r in reverse if isinstance(r, WeightConverter)]
+    out = {}
+    for name, _ in model.named_parameters():
+        _, pattern = apply_converters(name, converters)
+        out[name] = name if pattern is not None else apply_renamings(name, renamings)
+    return out
+
+
+# --- torch.nn.MultiheadAttention -------------------------------------------------------------
+
+
+def _mha_block(path: str, mha: nn.MultiheadAttention) -> AttentionBlock:
+    heads, d = mha.num_heads, mha.head_dim
+    join = (lambda leaf: f"{path}.{leaf}") if path else (lambda leaf: leaf)
+    qkv = slot_offsets("qkv", heads, heads, d)
+    bias = join("in_proj_bias") if mha.in_proj_bias is not None else None
+    projs = {}
+    for role in "qkv":
+        if mha._qkv_same_embed_dim:
+            weight = Rows(join("in_proj_weight"), 0, qkv[role], d)
+            width = mha.embed_dim
+        else:
+            tensor = getattr(mha, f"{role}_proj_weight")
+            weight = Rows(join(f"{role}_proj_weight"), 0, slot_offsets(role, heads, heads, d)[role], d)
+            width = tensor.shape[1]
+        projs[role] = Projection(role, weight, Rows(bias, 0, qkv[role], d) if bias else None, width)  # type: ignore[arg-type]
+    cross = not mha._qkv_same_embed_dim or kind(path) == "cross"
+    layout = "fused in_proj" if mha._qkv_same_embed_dim else "separate in_proj"
+    return AttentionBlock(
+        "", 0, "cross" if cross else "self", path, layout, heads, heads, d, projs["q"], projs["k"], projs["v"]
+    )
+
+
+def _nothing(module: nn.Module) -> str:
+    names = [n for n, _ in module.named_parameters()]
+    sample = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return (
+        f"no attention found in {type(module).__name__}: looked at {len(names)} parameters ({sample}); its forward "
+        "hands nothing to scaled_dot_product_attention or softmax(Q K^T) V computed from its own parameters"
+    )
+
+
+def _refuse_unseen(module: nn.Module, rest: list[str], probed: list[AttentionBlock], example_inputs: Any) -> None:
+    """Parameters named like attention projections that no observed attention product used."""
+    used = {r.tensor for b in probed for p in b.projections for r in (p.weight, p.bias) if r is not None}
+    infos = {n: TensorInfo(n, (0, 0), "", None, "", 0) for n in rest if n not in used}
+    for owner, rule in match_modules(infos).items():
+        weights = [join(owner, part.weight) for part in rule.parts]
+        if any(w in used for w in weights):
+            continue
+        hint = (
+            "pass example_inputs=... (the inputs of its usual forward)"
+            if example_inputs is None
+            else "its forward never used them on the example inputs"
+        )
+        raise LayoutError(
+            f"{owner or type(module).__name__} looks like attention ({', '.join(w.removeprefix(owner + '.') for w in weights)}) "
+            f"but surgeon did not see it compute an attention product; {hint}"
+        )

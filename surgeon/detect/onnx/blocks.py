@@ -1,0 +1,207 @@
+"""From resolved attention cores to AttentionBlocks: heads, placement, the shared-initializer facts."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import onnx
+
+from ...errors import LayoutError, NoAttentionFoundError, opt
+from ...spec import AttentionBlock, Projection, Rows
+from .. import Detection
+from ..config import ConfigView, Hints
+from ..placement import place
+from .graph import Fail, Graph
+from .projection import Core, Proj
+from .walker import Walker
+
+
+@dataclass
+class OnnxDetection:
+    detection: Detection
+    graph: Graph
+    # (module, role) -> {"weight": node indices, "bias": node indices} that read its initializers
+    users: dict[tuple[str, str], dict[str, set[int]]]
+    # node index -> (block label, role) for every projection node, to name other users in messages
+    owners: dict[int, tuple[str, str]]
+
+
+# --- from resolved cores to blocks ----------------------------------------------------------------
+def find_attention(
+    model: onnx.ModelProto,
+    const: Callable[[str], np.ndarray | None],
+    config: dict | None = None,
+    hints: Hints | None = None,
+    *,
+    source: str = "the model",
+) -> OnnxDetection:
+    """Every attention block of an ONNX model, in graph order. Raises NoAttentionFoundError if none."""
+    graph = Graph(model, const)
+    walker = Walker(graph)
+    resolved: list[Core] = []
+    failures: list[str] = []
+    cores = walker.cores()
+    for n in cores:
+        try:
+            resolved.append(walker.resolve(n))
+        except Fail as exc:
+            failures.append(f"{graph.describe(n)}: {exc}")
+    if not resolved:
+        raise NoAttentionFoundError(_nothing_found(graph, cores, failures, source))
+    fallback = [graph.nodes[c.node].name or f"{graph.nodes[c.node].op_type}_{c.node}" for c in resolved]
+    placed = _place_cores(_scopes(graph, resolved), fallback)
+    view = ConfigView(config, hints)
+    blocks, notes = [], [f"skipped {f}" for f in failures]
+    users: dict[tuple[str, str], dict[str, set[int]]] = {}
+    owners: dict[int, tuple[str, str]] = {}
+    for core, (stack, layer, module) in zip(resolved, placed):
+        block, note = _block(graph, core, module, stack, layer, view)
+        if note:
+            notes.append(note)
+        blocks.append(block)
+        for role, p in zip("qkv", (core.q, core.k, core.v)):
+            users[(module, role)] = {"weight": set(p.weight_nodes), "bias": set(p.bias_nodes)}
+            for m in p.weight_nodes | p.bias_nodes:
+                owners.setdefault(m, (block.label, role))
+    return OnnxDetection(Detection(blocks, len(graph.inits), notes), graph, users, owners)
+
+
+def _block(
+    graph: Graph, core: Core, module: str, stack: str, layer: int, view: ConfigView
+) -> tuple[AttentionBlock, str | None]:
+    q, k, v = core.q, core.k, core.v
+    where = f"{module} ({graph.describe(core.node)})"
+    d = q.head_dim or k.head_dim
+    note = None
+    if d is None and core.num_heads:
+        d = q.width // core.num_heads if q.width % core.num_heads == 0 else None
+    if d is None:
+        facts = view.facts(stack)
+        if facts.head_dim:
+            d = facts.head_dim
+        elif isinstance(facts.heads, int) and q.width % facts.heads == 0:
+            d = q.width // facts.heads
+    if d is None:
+        raise LayoutError(
+            f"cannot tell the heads of {where}: no Reshape splits its {q.width} query features and the op has no "
+            f"num_heads attribute; pass {opt('num_heads', 'N')} (and {opt('num_kv_heads')}), or {opt('config', 'PATH')}"
+        )
+    for role, p in (("query", q), ("key", k), ("value", v)):
+        if p.head_dim is not None and p.head_dim != d:
+            raise LayoutError(
+                f"{where}: the {role} heads are {p.head_dim} wide but the query heads {d}; surgeon needs one head size per block"
+            )
+        if p.width % d:
+            raise LayoutError(
+                f"{where}: the {role} projection has {p.width} features, not a multiple of the head size {d}"
+            )
+    heads, kv_heads = q.width // d, k.width // d
+    if v.width // d != kv_heads or heads % kv_heads:
+        raise LayoutError(
+            f"{where}: {heads} query, {kv_heads} key and {v.width // d} value heads of size {d} do not form grouped attention"
+        )
+    if core.num_heads and core.num_heads != heads:
+        raise LayoutError(
+            f"{where}: num_heads={core.num_heads} but its {q.width} query features are {heads} heads of {d}"
+        )
+    hinted = view.hints.num_heads
+    if hinted and hinted != heads:
+        note = f"{opt('num_heads', hinted)} ignored for {module}: the graph splits it into {heads} heads of {d}"
+    projections = {}
+    for role, p, count in (("q", q, heads), ("k", k, kv_heads), ("v", v, kv_heads)):
+        offsets = tuple(p.base + h * d for h in range(count))
+        bias = Rows(p.bias, 0, tuple(o - p.bias_base for o in offsets), d) if p.bias else None
+        projections[role] = Projection(role, Rows(p.weight, p.axis, offsets, d), bias, p.in_features)  # type: ignore[arg-type]
+    layout = _layout(q, k, v)
+    if core.label:
+        layout = f"{core.label}: {layout}"
+    kind: Literal["self", "cross"] = (
+        "self" if q.source == k.source or core.label in ("com.microsoft.Attention",) else "cross"
+    )
+    block = AttentionBlock(
+        stack, layer, kind, module, layout, heads, kv_heads, d, projections["q"], projections["k"], projections["v"]
+    )
+    return block, note
+
+
+def _layout(q: Proj, k: Proj, v: Proj) -> str:
+    op = q.op if q.op == k.op == v.op else "/".join(dict.fromkeys((q.op, k.op, v.op)))
+    if q.weight == k.weight == v.weight:
+        return "packed qkv" if op == "packed" else f"{op} qkv (fused)"
+    if k.weight == v.weight:
+        return f"{op} q + kv (fused)"
+    return f"{op} q/k/v"
+
+
+def _scopes(graph: Graph, cores: list[Core]) -> list[str | None]:
+    """The module path of each core: its own scope, else the common scope of its projections."""
+    out: list[str | None] = []
+    for core in cores:
+        scope = graph.scope(core.node)
+        if not scope:
+            parents = []
+            for p in (core.q, core.k, core.v):
+                s = graph.scope(p.node)
+                parents.append(s.rsplit(".", 1)[0] if s and "." in s else None)
+            if all(parents):
+                common = _common_prefix([s.split(".") for s in parents])  # type: ignore[union-attr]
+                scope = ".".join(common) or None
+        out.append(scope)
+    return out
+
+
+def _common_prefix(paths: list[list[str]]) -> list[str]:
+    prefix = []
+    for parts in zip(*paths):
+        if len(set(parts)) != 1:
+            break
+        prefix.append(parts[0])
+    return prefix
+
+
+def _place_cores(scopes: list[str | None], fallback: list[str]) -> list[tuple[str, int, str]]:
+    """(stack, layer, module) for each block, in the order given.
+
+    Module paths that differ only in numbers form a group (``encoder.layer.#.attention.self``); the
+    numbers that vary inside a group index the layers and the stack is the path before the first of
+    them, as for named checkpoints. A module called several times (shared weights) becomes its own
+    stack, numbered by call; blocks without any scope are numbered in graph order at the top level
+    and named after their core node.
+    """
+    counts: dict[str, int] = defaultdict(int)
+    for s in scopes:
+        if s:
+            counts[s] += 1
+    placed: dict[int, tuple[str, int, str]] = {}
+    calls: dict[str, int] = defaultdict(int)
+    grouped: list[tuple[int, str]] = []  # (index, scope) of the blocks placed by their numbered paths
+    unnamed, used = 0, set(s for s in scopes if s)
+    for i, s in enumerate(scopes):
+        if not s:
+            name = fallback[i] if fallback[i] not in used else f"{fallback[i]}.{i}"
+            used.add(name)
+            placed[i] = ("", unnamed, name)
+            unnamed += 1
+        elif counts[s] > 1:
+            placed[i] = (s, calls[s], f"{s}[{calls[s]}]")
+            calls[s] += 1
+        else:
+            grouped.append((i, s))
+    places = place((s for _, s in grouped), lone="top")
+    for i, s in grouped:
+        placed[i] = (places[s].stack, places[s].layer, s)
+    return [placed[i] for i in range(len(scopes))]
+
+
+def _nothing_found(graph: Graph, cores: list[int], failures: list[str], source: str) -> str:
+    if not cores:
+        return (
+            f"no attention found in {source}: its graph ({len(graph.nodes)} nodes) has no Softmax and no Attention, "
+            "MultiHeadAttention or GroupQueryAttention node, which is where surgeon starts looking"
+        )
+    shown = "; ".join(failures[:4]) + (f"; and {len(failures) - 4} more" if len(failures) > 4 else "")
+    return f"no attention found in {source}: looked at {len(cores)} Softmax/attention node{'s' if len(cores) > 1 else ''} and none led to Q/K/V projections ({shown})"

@@ -1,0 +1,71 @@
+"""Where each attention module sits: its stack, its layer in the stack, its stage and its kind.
+
+One rule for every route (tensor names, ONNX scopes, nn.Module paths): module paths that differ
+only in numbers form a group (``model.layers.#.self_attn``); the numbers that vary inside a group
+index the layers, and the stack is the path before the first of them. Layers are numbered by rank
+over the stack, so self- and cross-attention of one decoder share layer numbers. The stage (Swin's
+per-stage head counts) is read from the path itself: the first number of a path that has several.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from .families import CROSS_WORDS
+
+NUMERIC = re.compile(r"^\d+$")
+
+
+def join(module: str, leaf: str) -> str:
+    return f"{module}.{leaf}" if module else leaf
+
+
+def kind(module: str) -> Literal["self", "cross"]:
+    """ "cross" when one of the last two path components is a cross-attention word, else "self"."""
+    leaf_words = [w.lower() for w in module.split(".")[-2:]]
+    return "cross" if any(w in CROSS_WORDS for w in leaf_words) else "self"
+
+
+@dataclass(frozen=True)
+class Place:
+    stack: str
+    layer: int
+    stage: int | None
+
+
+def place(modules: Iterable[str], *, lone: str = "module") -> dict[str, Place]:
+    """The place of each module path, keyed by path.
+
+    ``lone``: the stack of a path without any number (SigLIP's pooling head): "module" makes it a
+    stack of its own, "top" puts it in the top-level stack "".
+    """
+    modules = list(dict.fromkeys(modules))
+    groups: dict[str, list[str]] = defaultdict(list)
+    for module in modules:
+        groups[_template(module)].append(module)
+    raw: dict[str, tuple[str, int, tuple[int, ...], int | None]] = {}
+    for template, members in groups.items():
+        numeric = [i for i, p in enumerate(template.split(".") if template else []) if p == "#"]
+        split = [m.split(".") for m in members]
+        varying = [i for i in numeric if len({s[i] for s in split}) > 1] or numeric[:1]
+        for module, comps in zip(members, split):
+            if varying:
+                stack = ".".join(comps[: varying[0]])
+            else:
+                stack = module if lone == "module" else ""
+            key = tuple(int(comps[i]) for i in varying)
+            stage = int(comps[numeric[0]]) if len(numeric) > 1 else None
+            raw[module] = (stack, len(varying), key, stage)
+    ranks: dict[tuple[str, int], set[tuple[int, ...]]] = defaultdict(set)
+    for stack, depth, key, _ in raw.values():
+        ranks[(stack, depth)].add(key)
+    order = {k: sorted(v) for k, v in ranks.items()}
+    return {m: Place(stack, order[(stack, depth)].index(key), stage) for m, (stack, depth, key, stage) in raw.items()}
+
+
+def _template(module: str) -> str:
+    return ".".join("#" if NUMERIC.match(p) else p for p in module.split(".")) if module else ""
