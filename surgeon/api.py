@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import hub
+from .baselines import with_model_defaults
 from .detect.config import Hints
 from .detect.names import Detection, detect
 from ._version import __version__
@@ -108,6 +109,8 @@ def reinit_checkpoint(
     keep_scale: bool = False,
     bias: str = "auto",
     seed: int = 0,
+    gain: float | None = None,
+    std: float | None = None,
     device: str | torch.device = "auto",
     config: str | Path | None = None,
     num_heads: int | None = None,
@@ -139,7 +142,7 @@ def reinit_checkpoint(
         push_to_hub = hub.check_push(push_to_hub, revision=push_revision, create_pr=create_pr, token=token)
     options = ReinitOptions(
         layers=layers, targets=targets, heads=heads, attention=attention, stack=stack, mode=mode,
-        strength=strength, value_identity=value_identity, keep_scale=keep_scale, bias=bias, seed=seed,
+        strength=strength, value_identity=value_identity, keep_scale=keep_scale, bias=bias, seed=seed, gain=gain, std=std,
     ).validated()
     check_device(device)
     start = time.perf_counter()
@@ -148,6 +151,7 @@ def reinit_checkpoint(
         raise OptionError(f"--push-to-hub uploads a model folder, and the output of {source.path.name} is a single file: give the model folder as MODEL")
     hints = Hints(num_heads, num_kv_heads, head_dim, force_hints)
     detection = _detect(source, hints)
+    options = with_model_defaults(options, source.config)  # redraw: the std of the family's own init
     plan = make_plan(detection.blocks, options)
     dest = resolve_output(source, output, in_place=in_place, overwrite=overwrite or dry_run)
     report = Report(

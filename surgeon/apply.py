@@ -72,11 +72,17 @@ def new_heads(change: Change, old: torch.Tensor | None, plan: Plan, *, seed_name
     device = old.device if old is not None else (device or "cpu")
     if opts.mode == "polar":
         new = polar(old, opts.effective_strength)
+    elif opts.mode == "redraw":
+        from .baselines import redraw_heads
+
+        new = redraw_heads(change, seed_name or proj.weight.tensor, opts, device=device)
     elif change.role == "v":
         new = torch.stack([value_identity(h, d, n_in, opts.value_identity, device=device) for h in change.heads])
     else:
         key = seed_name or proj.weight.tensor
         new = semi_orthogonal_batch(d, n_in, [head_seed(opts.seed, key, change.role, h) for h in change.heads], device=device)
+        if opts.gain is not None and opts.gain != 1:
+            new = new * float(opts.gain)
     return rescale_to(new, old) if opts.keep_scale else new
 
 

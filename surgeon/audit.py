@@ -46,7 +46,7 @@ class Verification:
 
     def summary(self) -> str:
         o = self.record.get("options", {})
-        how = "re-derived byte for byte from the seed" if self.mode == "conditioned" else "semi-orthogonal/polar within the dtype's rounding"
+        how = "re-derived byte for byte from the seed" if self.mode in ("conditioned", "redraw") else "semi-orthogonal/polar within the dtype's rounding"
         n = len(self.record.get("blocks", []))
         return (
             f"verified: {self.output} is {self.original} with {n} attention block{'s' if n != 1 else ''} re-initialized as recorded "
@@ -186,7 +186,7 @@ def verify(
     for name in engine.tensor_names:
         expected = engine.update(name, a.read(name), record=False)
         found = b.read(name)
-        if options.mode == "conditioned" or not any(what == "weight" for _, what in engine.edits[name]):
+        if options.mode in ("conditioned", "redraw") or not any(what == "weight" for _, what in engine.edits[name]):
             if _raw(b, name) != _tensor_bytes(expected):
                 raise VerificationError(f"{output}: tensor {name!r}: {_first_difference(expected, found)}; the recipe re-derived from the record's seed gives other values")
         else:

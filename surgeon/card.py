@@ -79,6 +79,9 @@ def reproduce_command(model: str, *, revision: str | None, options: dict, hints:
         args += ["--strength", str(options["strength"])]
     else:
         args += ["--value-identity", options["value_identity"]]
+    for key in ("gain", "std"):
+        if options.get(key) is not None:
+            args += [f"--{key}", repr(float(options[key]))]
     args += ["--bias", options["bias"], "--seed", str(options["seed"])]
     if options.get("keep_scale"):
         args.append("--keep-scale")

@@ -171,14 +171,19 @@ negative numbers count from the end (-1 is the last). Each stack of layers is nu
 @click.option("--heads", default="all", show_default=True, help="Query heads to re-initialize (K/V: the key/value heads they use).")
 @click.option("--attention", type=click.Choice(["self", "cross", "all"]), default="all", show_default=True, help="Self-attention, cross-attention or both.")
 @click.option("--stack", help="Only these stacks, by path or name part (e.g. encoder, decoder); comma-separated.")
-@click.option("--mode", type=click.Choice(["conditioned", "polar"]), default="conditioned", show_default=True,
-              help="conditioned: the paper's fresh reset. polar: keep each head's singular vectors, move its singular values to 1.")
+@click.option("--mode", type=click.Choice(["conditioned", "polar", "redraw"]), default="conditioned", show_default=True,
+              help="conditioned: the paper's fresh reset. polar: keep each head's singular vectors, move its singular values to 1. "
+                   "redraw: the family's own default init drawn again (the control for experiments).")
+@click.option("--gain", type=float, help="Conditioned mode: scale of the semi-orthogonal query/key heads (default 1; "
+                                         "std-s init matched: s * sqrt(width)). The value identity is not scaled.")
+@click.option("--std", type=float, help="Redraw mode: std of the normal draws (default: config.json's initializer_range, else 0.02; "
+                                        "nn.MultiheadAttention tensors use xavier_uniform).")
 @click.option("--strength", type=float, help="Polar mode: sigma -> sigma^(1-t) for t in (0, 1] (kappa -> kappa^(1-t)). Default 1.")
 @click.option("--value-identity", type=click.Choice(["block", "per-head"]), default="block", show_default=True,
               help="block: the whole value projection is the rectangular identity; per-head: every head is I.")
 @click.option("--keep-scale", is_flag=True, help="Rescale each new head matrix to the original's Frobenius norm.")
 @click.option("--bias", type=click.Choice(["zero", "keep"]), default=None,
-              help="Biases of re-initialized heads. Default: zero for conditioned, keep for polar.")
+              help="Biases of re-initialized heads. Default: zero for conditioned and redraw, keep for polar.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Random seed; each head's draw depends only on (seed, tensor, head).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output.")
 @click.option("--in-place", is_flag=True,
@@ -194,7 +199,7 @@ negative numbers count from the end (-1 is the last). Each stack of layers is nu
 @model_options
 @full_option
 @handle_errors
-def reinit(model, output, layers, targets, heads, attention, stack, mode, strength, value_identity, keep_scale, bias,
+def reinit(model, output, layers, targets, heads, attention, stack, mode, gain, std, strength, value_identity, keep_scale, bias,
            seed, overwrite, in_place, dry_run, push_to_hub, private, push_revision, create_pr, commit_message,
            revision, config, num_heads, num_kv_heads, head_dim, force_hints, device, full, as_json):
     """Re-initialize query/key/value projections of MODEL with conditioned initialization.
@@ -212,7 +217,7 @@ def reinit(model, output, layers, targets, heads, attention, stack, mode, streng
     report = api.reinit_checkpoint(
         model, revision=revision, output=output, in_place=in_place, overwrite=overwrite, dry_run=dry_run, layers=layers,
         targets=targets, heads=heads, attention=attention, stack=stack, mode=mode, strength=strength,
-        value_identity=value_identity, keep_scale=keep_scale, bias=bias or "auto", seed=seed, device=device,
+        value_identity=value_identity, keep_scale=keep_scale, bias=bias or "auto", seed=seed, gain=gain, std=std, device=device,
         config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, force_hints=force_hints, full=full,
         progress=not as_json and sys.stderr.isatty(), push_to_hub=push_to_hub, private=private,
         push_revision=push_revision, create_pr=create_pr, commit_message=commit_message,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from collections.abc import Iterable
 
@@ -11,7 +12,8 @@ from .errors import OptionError, SelectionError
 from .selection import IndexSpec, format_indices, parse_attention, parse_targets, resolve_indices
 from .spec import AttentionBlock, Projection
 
-MODES = ("conditioned", "polar")
+MODES = ("conditioned", "polar", "redraw")
+FRESH_MODES = ("conditioned", "redraw")  # modes that never read the old values: a fresh start, biases zeroed by default
 BIAS_CHOICES = ("auto", "zero", "keep")
 
 
@@ -30,10 +32,22 @@ class ReinitOptions:
     keep_scale: bool = False
     bias: str = "auto"
     seed: int = 0
+    gain: float | None = None  # conditioned: scale of the semi-orthogonal q/k heads (default 1)
+    std: float | None = None  # redraw: std of the normal draws (default: the config's initializer_range, else 0.02)
 
     def validated(self) -> ReinitOptions:
         if self.mode not in MODES:
-            raise OptionError(f"unknown mode {self.mode!r}: use conditioned (the paper's reset) or polar (condition the existing weights)")
+            raise OptionError(f"unknown mode {self.mode!r}: use conditioned (the paper's reset), polar (condition the existing weights) "
+                              "or redraw (the family's default init, drawn again)")
+        for name, value, mode in (("gain", self.gain, "conditioned"), ("std", self.std, "redraw")):
+            if value is None:
+                continue
+            if self.mode != mode:
+                raise OptionError(f"--{name} applies to --mode {mode} only")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise OptionError(f"--{name} must be a finite number above 0, not {value!r}")
+        if self.gain is not None and self.keep_scale:
+            raise OptionError("--gain and --keep-scale both set the scale of the new heads: use one of them")
         if self.strength is not None:
             if self.mode != "polar":
                 raise OptionError("--strength applies to --mode polar only (the conditioned reset always reaches kappa = 1)")
@@ -54,7 +68,7 @@ class ReinitOptions:
     @property
     def zero_bias(self) -> bool:
         # A fresh reset starts from zero biases; conditioning pretrained weights keeps them.
-        return self.bias == "zero" or (self.bias == "auto" and self.mode == "conditioned")
+        return self.bias == "zero" or (self.bias == "auto" and self.mode in FRESH_MODES)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -65,6 +79,9 @@ class ReinitOptions:
         out["stack"] = None if self.stack is None else _stacks(self.stack)
         out["strength"] = self.effective_strength if self.mode == "polar" else None
         out["bias"] = "zero" if self.zero_bias else "keep"
+        for key in ("gain", "std"):  # only where set: records of the other modes stay as they were
+            if out[key] is None:
+                del out[key]
         return out
 
 

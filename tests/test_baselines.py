@@ -1,0 +1,144 @@
+"""Baseline modes: redraw (the family's own default init, drawn again) and the conditioned gain.
+
+Each is checked through the model's own forward: the expected weights are computed here
+independently (numpy SFC64 generators keyed like surgeon's draws, or an SVD), put into a copy of the
+model by hand, and both models must give the same outputs on the same tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import surgeon
+from conftest import expect_cli_error, tiny_bert, tiny_llama
+from surgeon.conditioning import head_seed
+
+TOKENS = torch.tensor([[1, 5, 9, 33, 2, 70, 11, 4, 60, 8]])
+
+
+def _expected_redraw(weight: torch.Tensor, key: str, role: str, heads: int, std: float, seed: int = 0) -> torch.Tensor:
+    """normal(0, std) per head from SFC64(head_seed(seed, tensor, role/redraw, head)), written out here."""
+    d = weight.shape[0] // heads
+    rows = []
+    for h in range(heads):
+        rng = np.random.Generator(np.random.SFC64(head_seed(seed, key, f"{role}/redraw", h)))
+        rows.append(rng.standard_normal((d, weight.shape[1])) * std)
+    return torch.from_numpy(np.concatenate(rows)).to(weight.dtype)
+
+
+def _attn(model, layer):
+    return model.model.layers[layer].self_attn
+
+
+def test_redraw_llama_is_the_config_normal_through_the_forward(one_thread):
+    model = tiny_llama(initializer_range=0.05)
+    expected = copy.deepcopy(model)
+    report = surgeon.reinit_(model, mode="redraw", seed=3)
+    assert report.options["std"] == 0.05 and report.options["bias"] == "zero"
+    cfg = model.config
+    for i in range(cfg.num_hidden_layers):
+        for role, proj, heads in (("q", "q_proj", 8), ("k", "k_proj", 2), ("v", "v_proj", 2)):
+            name = f"model.layers.{i}.self_attn.{proj}.weight"
+            w = _expected_redraw(getattr(_attn(expected, i), proj).weight, name, role, heads, 0.05, seed=3)
+            getattr(_attn(expected, i), proj).weight.data.copy_(w)
+    with torch.no_grad():
+        got, want = model(TOKENS).logits, expected(TOKENS).logits
+    assert torch.equal(got, want)
+    # the draws are the family's distribution: std of all q/k/v weights within 3% of 0.05, mean ~ 0
+    flat = torch.cat([getattr(_attn(model, i), p).weight.flatten() for i in range(3) for p in ("q_proj", "k_proj", "v_proj")])
+    assert abs(flat.std().item() / 0.05 - 1) < 0.03 and abs(flat.mean().item()) < 0.05 * 4 / math.sqrt(flat.numel())
+
+
+def test_redraw_default_std_std_option_and_seeds(one_thread):
+    model = tiny_llama(initializer_range=0.3)
+    assert surgeon.reinit_(model, mode="redraw", std=0.02).options["std"] == 0.02  # --std wins over the config
+    a = _attn(model, 0).q_proj.weight.detach().clone()
+    other = tiny_llama()
+    surgeon.reinit_(other, mode="redraw", std=0.02)
+    assert torch.equal(_attn(other, 0).q_proj.weight, a)  # same (seed, tensor, role, head): same bits
+    surgeon.reinit_(other, mode="redraw", std=0.02, seed=1)
+    assert not torch.equal(_attn(other, 0).q_proj.weight, a)
+    # a head's draw does not depend on which other heads are selected
+    part = tiny_llama()
+    surgeon.reinit_(part, mode="redraw", std=0.02, heads="4-7", targets="q")
+    assert torch.equal(_attn(part, 0).q_proj.weight[32:], a[32:])
+    assert torch.equal(_attn(part, 0).q_proj.weight[:32], _attn(tiny_llama(), 0).q_proj.weight[:32])
+
+
+def test_redraw_checkpoint_equals_in_memory_and_verifies(cli, llama_dir, tmp_path):
+    out = tmp_path / "out"
+    cli("reinit", llama_dir, "--mode", "redraw", "--seed", "2", "-o", out)
+    assert "verified" in cli("verify", llama_dir, out).stdout
+    model = tiny_llama()
+    surgeon.reinit_(model, mode="redraw", seed=2)
+    saved = load_file(out / "model.safetensors")
+    for name, p in model.state_dict().items():
+        assert torch.equal(saved[name], p), name
+    card = (out / "README.md").read_text()
+    assert "--mode redraw" in card and "--std 0.02" in card
+
+
+def test_redraw_multihead_attention_is_xavier_uniform(one_thread):
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(64, 4, batch_first=True)
+    with torch.no_grad():
+        mha.in_proj_bias.normal_()
+    x = torch.randn(1, 7, 64)
+    before = mha.out_proj.weight.detach().clone()
+    report = surgeon.reinit_(mha, mode="redraw", example_inputs=(x, x, x))
+    assert report.options["std"] == 0.02  # no config: the documented default (unused by xavier tensors)
+    assert "xavier_uniform for nn.MultiheadAttention" in report.render()
+    w = mha.in_proj_weight.detach()
+    bound = math.sqrt(6 / (64 + 192))  # torch's xavier_uniform_ on the (192, 64) in_proj_weight
+    assert w.abs().max() <= bound and w.abs().max() > 0.99 * bound
+    assert abs(w.std().item() / (bound / math.sqrt(3)) - 1) < 0.03
+    assert torch.count_nonzero(mha.in_proj_bias) == 0 and torch.equal(mha.out_proj.weight, before)
+    out, _ = mha(x, x, x)
+    assert torch.isfinite(out).all()
+
+
+def _sv(m: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.svdvals(m.double())
+
+
+def test_conditioned_gain_scales_query_key_not_value(one_thread):
+    plain, scaled = tiny_bert(), tiny_bert()
+    surgeon.reinit_(plain)
+    report = surgeon.reinit_(scaled, gain=0.25)
+    assert report.options["gain"] == 0.25 and "gain" not in surgeon.reinit_(tiny_bert()).options
+    for i in range(2):
+        a, b = plain.encoder.layer[i].attention.self, scaled.encoder.layer[i].attention.self
+        for h in range(4):
+            rows = slice(12 * h, 12 * (h + 1))
+            for proj in ("query", "key"):
+                assert torch.allclose(_sv(getattr(b, proj).weight[rows]), torch.full((12,), 0.25, dtype=torch.float64), atol=1e-6)
+                assert torch.allclose(getattr(b, proj).weight, 0.25 * getattr(a, proj).weight)
+        assert torch.equal(b.value.weight, a.value.weight)
+    # through the forward: the gain-0.25 model equals the plain reset with q/k scaled by hand
+    by_hand = copy.deepcopy(plain)
+    with torch.no_grad():
+        for layer in by_hand.encoder.layer:
+            layer.attention.self.query.weight.mul_(0.25)
+            layer.attention.self.key.weight.mul_(0.25)
+        assert torch.allclose(scaled(TOKENS).last_hidden_state, by_hand(TOKENS).last_hidden_state, atol=1e-6)
+    # gain 1 is the plain reset, bit for bit
+    one = tiny_bert()
+    surgeon.reinit_(one, gain=1.0)
+    assert all(torch.equal(p, q) for p, q in zip(one.state_dict().values(), plain.state_dict().values()))
+
+
+@pytest.mark.parametrize(("args", "match"), [
+    (("--mode", "polar", "--gain", "0.5"), "--gain applies to --mode conditioned only"),
+    (("--std", "0.1"), "--std applies to --mode redraw only"),
+    (("--gain", "0"), "--gain must be a finite number above 0"),
+    (("--mode", "redraw", "--std", "nan"), "--std must be a finite number above 0"),
+    (("--gain", "2", "--keep-scale"), "--gain and --keep-scale"),
+])
+def test_baseline_option_errors_are_one_line(cli, llama_dir, tmp_path, args, match):
+    expect_cli_error(cli, llama_dir, "reinit", llama_dir, *args, "-o", tmp_path / "o", match=match)
