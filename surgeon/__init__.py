@@ -42,6 +42,8 @@ _EXPORTS = {
     "push_folder": "hub",
     "ReinitOptions": "plan",
     "Report": "report",
+    "jacobian_report": "jacobian",
+    "JacobianReport": "jacobian",
     "AttentionBlock": "spec",
     "Projection": "spec",
     "Rows": "spec",
@@ -82,4 +84,5 @@ if TYPE_CHECKING:
     from .modules import inspect, inspect_module, reinit, reinit_
     from .plan import ReinitOptions
     from .report import Report
+    from .jacobian import JacobianReport, jacobian_report
     from .spec import AttentionBlock, Projection, Rows

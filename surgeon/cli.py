@@ -9,7 +9,7 @@ import sys
 import click
 
 from ._version import __version__
-from .errors import SurgeonError
+from .errors import OptionError, SurgeonError
 
 # The commands import surgeon.api (and through it torch) when they run, so that --help and
 # --version answer at once.
@@ -125,10 +125,16 @@ Examples:
 @click.option("--verify-layout", is_flag=True,
               help="Build the architecture from config.json with transformers (random init, no download) and check "
                    "that its forward uses the q/k/v rows that names say.")
+@click.option("--jacobian", is_flag=True,
+              help="Build the architecture from config.json, load these weights, run real inputs and report, per layer, "
+                   "the terms of the paper's Theorem 3.1 bound on the attention Jacobian's kappa (exact kappa(J) when small).")
+@click.option("--inputs", type=click.Path(dir_okay=False, exists=True),
+              help="With --jacobian: text lines (tokenized with the model's tokenizer) or a .pt tensor of token ids. "
+                   "Default: a built-in English sample.")
 @model_options
 @full_option
 @handle_errors
-def inspect(model, verify_layout, revision, config, num_heads, num_kv_heads, head_dim, force_hints, device, full, as_json):
+def inspect(model, verify_layout, jacobian, inputs, revision, config, num_heads, num_kv_heads, head_dim, force_hints, device, full, as_json):
     """List the attention blocks of MODEL and the condition numbers of their projections.
 
     MODEL is a .safetensors/.bin/.pt file, a sharded *.index.json, a model folder, or a Hugging
@@ -146,7 +152,17 @@ def inspect(model, verify_layout, revision, config, num_heads, num_kv_heads, hea
         check = check_layout(model, revision=revision, config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                              force_hints=force_hints)
         report.notes.append(check.summary())
-    _out(report.to_json() if as_json else report.render())
+    if inputs is not None and not jacobian:
+        raise OptionError("--inputs goes with --jacobian")
+    jac = None
+    if jacobian:
+        from .jacobian import checkpoint_jacobian
+
+        jac = checkpoint_jacobian(model, inputs=inputs, config=config, revision=revision)
+    if as_json:
+        _out(report.to_json() if jac is None else json.dumps({**json.loads(report.to_json()), "jacobian": jac.to_dict()}, indent=2))
+    else:
+        _out(report.render() if jac is None else report.render() + "\n\n" + jac.render())
 
 
 @main.command(context_settings=CONTEXT, epilog="""\b
