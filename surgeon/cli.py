@@ -56,6 +56,12 @@ full_option = click.option(
 )
 
 
+plot_option = click.option(
+    "--plot", type=click.Path(dir_okay=False), metavar="FILE.png",
+    help="Also draw, per layer, each head's kappa of q/k/v (before and after, for reinit) into FILE.png (needs matplotlib).",
+)
+
+
 def model_options(fn):
     """Options that tell surgeon about the checkpoint when its config.json does not."""
     for decorator in reversed(
@@ -131,10 +137,11 @@ Examples:
 @click.option("--inputs", type=click.Path(dir_okay=False, exists=True),
               help="With --jacobian: text lines (tokenized with the model's tokenizer) or a .pt tensor of token ids. "
                    "Default: a built-in English sample.")
+@plot_option
 @model_options
 @full_option
 @handle_errors
-def inspect(model, verify_layout, jacobian, inputs, revision, config, num_heads, num_kv_heads, head_dim, force_hints, device, full, as_json):
+def inspect(model, verify_layout, jacobian, inputs, plot, revision, config, num_heads, num_kv_heads, head_dim, force_hints, device, full, as_json):
     """List the attention blocks of MODEL and the condition numbers of their projections.
 
     MODEL is a .safetensors/.bin/.pt file, a sharded *.index.json, a model folder, or a Hugging
@@ -154,6 +161,10 @@ def inspect(model, verify_layout, jacobian, inputs, revision, config, num_heads,
         report.notes.append(check.summary())
     if inputs is not None and not jacobian:
         raise OptionError("--inputs goes with --jacobian")
+    if plot:
+        from .plot import plot_kappas
+
+        report.notes.append(f"wrote {plot_kappas(report, plot)}")
     jac = None
     if jacobian:
         from .jacobian import checkpoint_jacobian
@@ -207,6 +218,7 @@ negative numbers count from the end (-1 is the last). Each stack of layers is nu
                    "saved to a journal (an interrupted run is rolled back by the next command, or `surgeon recover`); "
                    "other formats: the files are replaced atomically.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
+@plot_option
 @click.option("--push-to-hub", "push_to_hub", metavar="ORG/NAME", help="Upload the output folder to this Hub model repo (created if needed) in one commit.")
 @click.option("--private", is_flag=True, help="With --push-to-hub: create the repo as private.")
 @click.option("--push-revision", metavar="BRANCH", help="With --push-to-hub: commit to this branch (created from main if missing).")
@@ -216,7 +228,7 @@ negative numbers count from the end (-1 is the last). Each stack of layers is nu
 @full_option
 @handle_errors
 def reinit(model, output, layers, targets, heads, attention, stack, mode, gain, std, strength, value_identity, keep_scale, bias,
-           seed, overwrite, in_place, dry_run, push_to_hub, private, push_revision, create_pr, commit_message,
+           seed, overwrite, in_place, dry_run, plot, push_to_hub, private, push_revision, create_pr, commit_message,
            revision, config, num_heads, num_kv_heads, head_dim, force_hints, device, full, as_json):
     """Re-initialize query/key/value projections of MODEL with conditioned initialization.
 
@@ -230,6 +242,8 @@ def reinit(model, output, layers, targets, heads, attention, stack, mode, gain, 
     """
     from . import api
 
+    if plot and dry_run:
+        raise OptionError("--plot draws the condition numbers before and after, and a --dry-run computes none")
     report = api.reinit_checkpoint(
         model, revision=revision, output=output, in_place=in_place, overwrite=overwrite, dry_run=dry_run, layers=layers,
         targets=targets, heads=heads, attention=attention, stack=stack, mode=mode, strength=strength,
@@ -238,6 +252,10 @@ def reinit(model, output, layers, targets, heads, attention, stack, mode, gain, 
         progress=not as_json and sys.stderr.isatty(), push_to_hub=push_to_hub, private=private,
         push_revision=push_revision, create_pr=create_pr, commit_message=commit_message,
     )
+    if plot:
+        from .plot import plot_kappas
+
+        report.notes.append(f"wrote {plot_kappas(report, plot)}")
     _out(report.to_json() if as_json else report.render())
 
 
