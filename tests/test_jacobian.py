@@ -104,3 +104,19 @@ def test_cli_jacobian_inputs_file_and_refusals(cli, llama_dir, tmp_path):
     bad = tmp_path / "bad.pt"
     torch.save(torch.randn(3), bad)
     expect_cli_error(cli, llama_dir, "inspect", llama_dir, "--jacobian", "--inputs", bad, match="integer tensor of token ids")
+
+
+def test_a_custom_module_with_example_inputs(one_thread):
+    """nn.MultiheadAttention (sequence-first): X is the query it is called with; weights from in_proj_weight."""
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(16, 2)  # batch_first=False: inputs are (N, batch, D)
+    x = torch.randn(5, 1, 16)
+    report = surgeon.jacobian_report(mha, (x, x, x))
+    assert len(report.rows) == 2
+    w = mha.in_proj_weight.detach().double()
+    for r in report.rows:
+        rows = [slice(16 * i + 8 * r.head, 16 * i + 8 * (r.head + 1)) for i in range(3)]
+        want = _expected(x[:, 0].double().numpy(), *(w[s].T.numpy() for s in rows))
+        for key, value in want.items():
+            assert getattr(r, key) == pytest.approx(value, rel=1e-6), key
+        assert r.exact <= r.bound
