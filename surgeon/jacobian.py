@@ -209,11 +209,9 @@ def _calls(inputs) -> list:
 
     if isinstance(inputs, torch.Tensor):
         return [inputs[None] if inputs.dim() == 1 else inputs]
-    if isinstance(inputs, (list, tuple)) and inputs and all(isinstance(t, torch.Tensor) for t in inputs) and isinstance(inputs, list):
-        return [t[None] if t.dim() == 1 else t for t in inputs]
-    if isinstance(inputs, list):
-        return list(inputs)
-    return [inputs]
+    if isinstance(inputs, list):  # several inputs: token-id tensors, or argument tuples / keyword dicts
+        return [t[None] if isinstance(t, torch.Tensor) and t.dim() == 1 else t for t in inputs]
+    return [inputs]  # one tuple of positional arguments or one dict of keyword arguments
 
 
 def _capture(store: list, module):

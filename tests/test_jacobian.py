@@ -95,6 +95,19 @@ def test_cli_jacobian_on_the_real_minilm(cli, minilm_dir):
     assert "Theorem 3.1" in text and "encoder.layer.5.attention.self" in text
 
 
+def test_cli_jacobian_text_lines_are_tokenized(cli, minilm_dir, tmp_path):
+    lines = tmp_path / "text.txt"
+    lines.write_text("Short one.\n\nA second, slightly longer line of text.\n")
+    out = json.loads(cli("inspect", minilm_dir, "--jacobian", "--inputs", lines, "--json").stdout)["jacobian"]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(minilm_dir))
+    lengths = [len(tok(t)["input_ids"]) for t in ("Short one.", "A second, slightly longer line of text.")]
+    assert sorted({(r["input"], r["tokens"]) for r in out["rows"]}) == list(enumerate(lengths))
+    assert len(out["rows"]) == 2 * 6 * 12
+    assert f"2 inputs of {lengths[0]}, {lengths[1]} tokens" in out["notes"][0]
+
+
 def test_cli_jacobian_inputs_file_and_refusals(cli, llama_dir, tmp_path):
     ids = tmp_path / "ids.pt"
     torch.save(torch.tensor([[1, 5, 9, 33, 2]]), ids)
