@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import hub
-from .baselines import with_model_defaults
+from .baselines import attach_out_projections, with_model_defaults
 from .detect.config import Hints
 from .detect.names import Detection, detect
 from ._version import __version__
@@ -153,6 +153,7 @@ def reinit_checkpoint(
     detection = _detect(source, hints)
     options = with_model_defaults(options, source.config)  # redraw: the std of the family's own init
     plan = make_plan(detection.blocks, options)
+    attach_out_projections(plan, {n: t.shape for n, t in source.primary.tensors.items()}, fmt=source.format)  # mimetic: W_O
     dest = resolve_output(source, output, in_place=in_place, overwrite=overwrite or dry_run)
     report = Report(
         "reinit", _label(source), source.describe(), detection.blocks, options=options.to_dict(),

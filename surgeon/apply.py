@@ -76,6 +76,10 @@ def new_heads(change: Change, old: torch.Tensor | None, plan: Plan, *, seed_name
         from .baselines import redraw_heads
 
         new = redraw_heads(change, seed_name or proj.weight.tensor, opts, device=device)
+    elif opts.mode == "mimetic":
+        from .baselines import mimetic_heads, module_key
+
+        new = mimetic_heads(change, module_key(change.block, proj.weight.tensor, seed_name), opts, device=device)
     elif change.role == "v":
         new = torch.stack([value_identity(h, d, n_in, opts.value_identity, device=device) for h in change.heads])
     else:
@@ -122,6 +126,8 @@ class Engine:
             self.edits[proj.weight.tensor].append((change, "weight"))
             if plan.options.zero_bias and proj.bias is not None:
                 self.edits[proj.bias.tensor].append((change, "bias"))
+            if change.role == "v" and change.block.module in plan.outputs:  # mimetic: W_O too
+                self.edits[plan.outputs[change.block.module][0]].append((change, "out"))
         self.results: dict[tuple[str, str], ProjectionResult] = {}
 
     @property
@@ -145,6 +151,13 @@ class Engine:
             proj = change.projection
             if what == "bias":
                 _zero_heads(stored, proj.bias, change.heads)
+                continue
+            if what == "out":
+                from .baselines import mimetic_out, module_key
+
+                v = proj.weight.tensor
+                key = module_key(change.block, v, self.seed_names.get(v))
+                stored.copy_(mimetic_out(change.block, key, self.plan.options, self.plan.outputs[change.block.module][1]).to(stored.device, stored.dtype))
                 continue
             if record:
                 before[(change.block.module, change.role)] = self._spectrum(head_matrices(original, proj.weight))
@@ -187,6 +200,8 @@ class Engine:
         for change, what in edits:
             key = (change.block.module, change.role)
             proj = change.projection
+            if what == "out":  # W_O is not a q/k/v projection: the report lists it in a note
+                continue
             if what == "weight":
                 # Heads that did not change keep their bytes, so their kappas are the ones just measured.
                 kappas = list(before[key].head_kappas)

@@ -46,7 +46,7 @@ class Verification:
 
     def summary(self) -> str:
         o = self.record.get("options", {})
-        how = "re-derived byte for byte from the seed" if self.mode in ("conditioned", "redraw") else "semi-orthogonal/polar within the dtype's rounding"
+        how = "re-derived byte for byte from the seed" if self.mode in ("conditioned", "redraw", "mimetic") else "semi-orthogonal/polar within the dtype's rounding"
         n = len(self.record.get("blocks", []))
         return (
             f"verified: {self.output} is {self.original} with {n} attention block{'s' if n != 1 else ''} re-initialized as recorded "
@@ -160,6 +160,9 @@ def verify(
         raise CheckpointError(f"{output}: the surgeon record's options cannot be read ({exc})") from None
     detection = api._detect(src, Hints(num_heads, num_kv_heads, head_dim, force_hints))
     plan = make_plan(detection.blocks, options)
+    from .baselines import attach_out_projections
+
+    attach_out_projections(plan, {n: t.shape for n, t in src.primary.tensors.items()}, fmt=src.format)
     if plan.record()["blocks"] != record.get("blocks"):
         raise VerificationError(
             f"{output}: its record lists re-initialized blocks that the recorded options do not select in {original}; "
@@ -186,7 +189,7 @@ def verify(
     for name in engine.tensor_names:
         expected = engine.update(name, a.read(name), record=False)
         found = b.read(name)
-        if options.mode in ("conditioned", "redraw") or not any(what == "weight" for _, what in engine.edits[name]):
+        if options.mode in ("conditioned", "redraw", "mimetic") or not any(what == "weight" for _, what in engine.edits[name]):
             if _raw(b, name) != _tensor_bytes(expected):
                 raise VerificationError(f"{output}: tensor {name!r}: {_first_difference(expected, found)}; the recipe re-derived from the record's seed gives other values")
         else:

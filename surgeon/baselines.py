@@ -79,3 +79,109 @@ def redraw_heads(change, key: str, options, *, device=None):
             rng.standard_normal(out=out[i])
         out *= std
     return torch.from_numpy(out).to(device or "cpu")
+
+
+# --- mimetic initialization (Trockman & Kolter, "Mimetic Initialization of Self-Attention Layers", ICML 2023) ---
+#
+# Per head, W_Q W_K^T ~ a1 Z + b1 I (D x D), factored by SVD A = U S V^T into W_Q = U_d S_d^1/2 and
+# W_K = V_d S_d^1/2 (the rank-d truncation: the best rank-d approximation of A). Per layer,
+# W_V W_O ~ a2 Z - b2 I, factored the same way into W_V = U S^1/2 (D x H*d) and W_O = S^1/2 V^T
+# (H*d x D). Z has entries uniform on +-sqrt(3/D) (variance 1/D). Defaults a1 = b1 = 0.7,
+# a2 = b2 = 0.4 (the paper's). This mode writes W_O as well; Z is drawn per (seed, module, head) on
+# the CPU like every other draw, the SVDs run in float64 numpy (LAPACK).
+
+MIMETIC = {"a1": 0.7, "b1": 0.7, "a2": 0.4, "b2": 0.4}
+OUT_NAMES = ("o_proj", "out_proj", "c_proj", "o", "wo", "dense", "proj", "to_out.0")
+
+
+def find_out_projection(block, shapes) -> tuple[str, bool] | None:
+    """W_O of ``block`` among tensor ``shapes`` (name -> shape): (tensor, stored as (D, H*d) i.e. nn.Linear)."""
+    width, inner = block.q.in_features, block.heads * block.head_dim
+    linear = block.q.weight.axis == 0  # Conv1D-style (in, out) families store W_O that way too
+    parent = block.module.rsplit(".", 1)[0] if "." in block.module else ""
+    names = [f"{block.module}.{n}.weight" for n in OUT_NAMES] + ([f"{parent}.output.dense.weight"] if parent else [])
+    want = (width, inner) if linear else (inner, width)
+    hits = [n for n in names if n in shapes and tuple(shapes[n]) == want]
+    return (hits[0], linear) if len(hits) == 1 else None
+
+
+def attach_out_projections(plan, shapes, *, fmt: str = "") -> None:
+    """For --mode mimetic: find every touched block's W_O (plan.outputs), or refuse in one line."""
+    from .errors import LayoutError, OptionError
+
+    if plan.options.mode != "mimetic":
+        return
+    if fmt == "onnx":
+        raise OptionError("--mode mimetic writes W_O, which surgeon does not rewrite in ONNX graphs: use a safetensors/PyTorch checkpoint")
+    for block in plan.touched_blocks:
+        roles = {c.role: c for c in plan.changes if c.block.module == block.module}
+        if set(roles) != {"q", "k", "v"} or any(len(c.heads) != c.projection.heads for c in roles.values()):
+            raise OptionError(f"--mode mimetic sets W_Q W_K^T per head and W_V W_O per layer: select all heads and --targets q,k,v ({block.module})")
+        if block.kv_heads != block.heads:
+            raise OptionError(f"--mode mimetic needs one key/value head per query head, and {block.module} has {block.heads} query and {block.kv_heads} key/value heads")
+        if block.heads * block.head_dim > block.q.in_features:
+            raise OptionError(f"--mode mimetic: {block.module} has more head features ({block.heads * block.head_dim}) than its width ({block.q.in_features})")
+        found = find_out_projection(block, shapes)
+        if found is None:
+            raise LayoutError(f"--mode mimetic writes W_O, and no single output projection of {block.module} was found (looked for {', '.join(OUT_NAMES)} and the BERT-style output.dense)")
+        plan.outputs[block.module] = found
+
+
+def module_key(block, tensor: str, seed_name: str | None) -> str:
+    """The name the mimetic draws of ``block`` are keyed by: its module path as the checkpoint spells it."""
+    name = seed_name or tensor
+    suffix = tensor[len(block.module):] if tensor.startswith(block.module + ".") else None
+    return name[: -len(suffix)] if suffix and name.endswith(suffix) else block.module
+
+
+def _mimetic_z(seed: int, key: str, tag: str, head: int, width: int):
+    import numpy as np
+
+    from .conditioning import head_seed
+
+    bound = math.sqrt(3.0 / width)
+    return np.random.Generator(np.random.SFC64(head_seed(seed, key, tag, head))).uniform(-bound, bound, size=(width, width))
+
+
+def mimetic_qk(seed: int, key: str, head: int, width: int, d: int):
+    """(W_Q, W_K), each D x d, with W_Q W_K^T the best rank-d approximation of a1 Z + b1 I."""
+    import numpy as np
+
+    a = MIMETIC["a1"] * _mimetic_z(seed, key, "qk/mimetic", head, width) + MIMETIC["b1"] * np.eye(width)
+    u, s, vt = np.linalg.svd(a)
+    root = np.sqrt(s[:d])
+    return u[:, :d] * root, vt[:d].T * root
+
+
+def mimetic_vo(seed: int, key: str, width: int, inner: int):
+    """(W_V, W_O): D x H*d and H*d x D, with W_V W_O the best rank-(H*d) approximation of a2 Z - b2 I."""
+    import numpy as np
+
+    a = MIMETIC["a2"] * _mimetic_z(seed, key, "vo/mimetic", 0, width) - MIMETIC["b2"] * np.eye(width)
+    u, s, vt = np.linalg.svd(a)
+    root = np.sqrt(s[:inner])
+    return u[:, :inner] * root, root[:, None] * vt[:inner]
+
+
+def mimetic_heads(change, key: str, options, *, device=None):
+    """Per-head matrices ``(len(heads), d, D)`` (PyTorch orientation) of q, k or v, float64."""
+    import numpy as np
+    import torch
+
+    block, d = change.block, change.projection.head_dim
+    width = block.q.in_features
+    if change.role == "v":
+        wv = mimetic_vo(options.seed, key, width, block.heads * d)[0].T  # (H*d, D)
+        out = np.stack([wv[h * d : (h + 1) * d] for h in change.heads])
+    else:
+        pick = 0 if change.role == "q" else 1
+        out = np.stack([mimetic_qk(options.seed, key, h, width, d)[pick].T for h in change.heads])
+    return torch.from_numpy(np.ascontiguousarray(out)).to(device or "cpu")
+
+
+def mimetic_out(block, key: str, options, linear: bool):
+    """The whole W_O tensor as stored (float64): (D, H*d) for nn.Linear, (H*d, D) for Conv1D."""
+    import torch
+
+    wo = mimetic_vo(options.seed, key, block.q.in_features, block.heads * block.head_dim)[1]
+    return torch.from_numpy(wo.T.copy() if linear else wo.copy())

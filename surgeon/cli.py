@@ -198,9 +198,10 @@ negative numbers count from the end (-1 is the last). Each stack of layers is nu
 @click.option("--heads", default="all", show_default=True, help="Query heads to re-initialize (K/V: the key/value heads they use).")
 @click.option("--attention", type=click.Choice(["self", "cross", "all"]), default="all", show_default=True, help="Self-attention, cross-attention or both.")
 @click.option("--stack", help="Only these stacks, by path or name part (e.g. encoder, decoder); comma-separated.")
-@click.option("--mode", type=click.Choice(["conditioned", "polar", "redraw"]), default="conditioned", show_default=True,
+@click.option("--mode", type=click.Choice(["conditioned", "polar", "redraw", "mimetic"]), default="conditioned", show_default=True,
               help="conditioned: the paper's fresh reset. polar: keep each head's singular vectors, move its singular values to 1. "
-                   "redraw: the family's own default init drawn again (the control for experiments).")
+                   "redraw: the family's own default init drawn again (the control for experiments). "
+                   "mimetic: Trockman & Kolter's W_Q W_K^T ~ 0.7 Z + 0.7 I, W_V W_O ~ 0.4 Z - 0.4 I (writes W_O too).")
 @click.option("--gain", type=float, help="Conditioned mode: scale of the semi-orthogonal query/key heads (default 1; "
                                          "std-s init matched: s * sqrt(width)). The value identity is not scaled.")
 @click.option("--std", type=float, help="Redraw mode: std of the normal draws (default: config.json's initializer_range, else 0.02; "

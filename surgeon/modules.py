@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .apply import Engine, inspect_blocks
-from .baselines import with_model_defaults
+from .baselines import attach_out_projections, with_model_defaults
 from .detect.config import Hints
 from .detect.modules import ModuleDetection, detect_module
 from .distributed import any_sharded, inspect_sharded, refuse_meta, unwrapped, write_sharded
@@ -67,9 +67,12 @@ def reinit_(
     with unwrapped(module) as inner:  # DDP, torch.compile, PEFT: the model inside, LoRA bases in place
         found = detect_module(inner, hints=Hints(num_heads, num_kv_heads, head_dim), example_inputs=example_inputs)
         plan = make_plan(found.blocks, options)
+        attach_out_projections(plan, {n: tuple(p.shape) for n, p in found.params.items()})  # mimetic: W_O
         device = found.params[plan.changes[0].projection.weight.tensor].device
         engine = Engine(plan, device, seed_names=found.seed_names, whole=full)
         if any_sharded(found.params, engine.tensor_names):  # FSDP2 / DTensor: each rank writes its own rows
+            if plan.outputs:
+                raise OptionError("--mode mimetic on sharded (FSDP2/DTensor) parameters is not supported: reinit before sharding")
             write_sharded(engine, found.params)
         else:
             with torch.no_grad():

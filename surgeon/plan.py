@@ -12,8 +12,8 @@ from .errors import OptionError, SelectionError
 from .selection import IndexSpec, format_indices, parse_attention, parse_targets, resolve_indices
 from .spec import AttentionBlock, Projection
 
-MODES = ("conditioned", "polar", "redraw")
-FRESH_MODES = ("conditioned", "redraw")  # modes that never read the old values: a fresh start, biases zeroed by default
+MODES = ("conditioned", "polar", "redraw", "mimetic")
+FRESH_MODES = ("conditioned", "redraw", "mimetic")  # modes that never read the old values: a fresh start, biases zeroed by default
 BIAS_CHOICES = ("auto", "zero", "keep")
 
 
@@ -38,7 +38,7 @@ class ReinitOptions:
     def validated(self) -> ReinitOptions:
         if self.mode not in MODES:
             raise OptionError(f"unknown mode {self.mode!r}: use conditioned (the paper's reset), polar (condition the existing weights) "
-                              "or redraw (the family's default init, drawn again)")
+                              "redraw (the family's default init, drawn again) or mimetic (Trockman & Kolter 2023; writes W_O too)")
         for name, value, mode in (("gain", self.gain, "conditioned"), ("std", self.std, "redraw")):
             if value is None:
                 continue
@@ -103,6 +103,7 @@ class Plan:
     options: ReinitOptions
     blocks: list[AttentionBlock]  # everything detected
     changes: list[Change] = field(default_factory=list)
+    outputs: dict[str, tuple[str, bool]] = field(default_factory=dict)  # mimetic: block module -> (W_O tensor, nn.Linear layout)
 
     @property
     def touched_blocks(self) -> list[AttentionBlock]:
@@ -118,6 +119,7 @@ class Plan:
             for rows in (p.weight, p.bias if self.options.zero_bias else None):
                 if rows is not None and rows.tensor not in names:
                     names.append(rows.tensor)
+        names += [t for t, _ in self.outputs.values() if t not in names]
         return names
 
     def record(self) -> dict:

@@ -176,6 +176,8 @@ class Report:
         mode = o.get("mode")
         if mode == "polar":
             mode += f", strength {o.get('strength')}"
+        elif mode == "mimetic":
+            mode += " (W_Q W_K^T ~ 0.7 Z + 0.7 I per head, W_V W_O ~ 0.4 Z - 0.4 I per layer; the output projections W_O are rewritten too)"
         elif mode == "redraw":
             from .baselines import is_xavier
 

@@ -142,3 +142,93 @@ def test_conditioned_gain_scales_query_key_not_value(one_thread):
 ])
 def test_baseline_option_errors_are_one_line(cli, llama_dir, tmp_path, args, match):
     expect_cli_error(cli, llama_dir, "reinit", llama_dir, *args, "-o", tmp_path / "o", match=match)
+
+
+# --- mimetic (Trockman & Kolter 2023) --------------------------------------------------------------
+
+
+def _z(seed, key, tag, head, width):
+    rng = np.random.Generator(np.random.SFC64(head_seed(seed, key, tag, head)))
+    return rng.uniform(-math.sqrt(3 / width), math.sqrt(3 / width), size=(width, width))
+
+
+def _rank(a, r):
+    u, s, vt = np.linalg.svd(a)
+    return (u[:, :r] * s[:r]) @ vt[:r]
+
+
+def test_mimetic_bert_products_through_the_forward(one_thread):
+    model = tiny_bert()
+    report = surgeon.reinit_(model, mode="mimetic", seed=4)
+    assert "output projections W_O are rewritten too" in report.render()
+    x = torch.tensor([[1, 5, 9, 33, 2, 70]])
+    for i, layer in enumerate(model.encoder.layer):
+        att, key = layer.attention.self, f"encoder.layer.{i}.attention.self"
+        wq, wk, wv = (getattr(att, n).weight.detach().double().T.numpy() for n in ("query", "key", "value"))  # D x H*d
+        wo = layer.attention.output.dense.weight.detach().double().T.numpy()  # H*d x D
+        for h in range(4):
+            s = slice(12 * h, 12 * (h + 1))
+            want = _rank(0.7 * _z(4, key, "qk/mimetic", h, 48) + 0.7 * np.eye(48), 12)
+            assert np.allclose(wq[:, s] @ wk[:, s].T, want, atol=1e-5)
+        assert np.allclose(wv @ wo, 0.4 * _z(4, key, "vo/mimetic", 0, 48) - 0.4 * np.eye(48), atol=1e-5)  # full rank: exact
+        assert torch.count_nonzero(att.query.bias) == 0
+        # through the forward: attention scores of head 0 are X (0.7 Z + 0.7 I)_rank12 X^T / sqrt(12)
+        with torch.no_grad():
+            hidden = model(x, output_hidden_states=True).hidden_states[i][0].double().numpy()
+        scores = (hidden @ wq[:, :12]) @ (hidden @ wk[:, :12]).T
+        assert np.allclose(scores, hidden @ _rank(0.7 * _z(4, key, "qk/mimetic", 0, 48) + 0.7 * np.eye(48), 12) @ hidden.T, atol=1e-4)
+
+
+def test_mimetic_gpt2_checkpoint_equals_in_memory_and_verifies(cli, tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def make():
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)).eval()
+
+    src, out = tmp_path / "gpt2", tmp_path / "out"
+    make().save_pretrained(src)
+    result = cli("reinit", src, "--mode", "mimetic", "-o", out)
+    assert "W_O are rewritten too" in result.stdout
+    assert "verified" in cli("verify", src, out).stdout
+    model = make()
+    before = model.transformer.h[0].attn.c_proj.weight.detach().clone()
+    surgeon.reinit_(model, mode="mimetic")
+    saved = load_file(out / "model.safetensors")
+    for name, p in model.state_dict().items():
+        if name in saved:
+            assert torch.equal(saved[name], p), name
+    wo = model.transformer.h[0].attn.c_proj.weight.detach().double()  # Conv1D: stored (H*d, D) = W_O
+    wv = model.transformer.h[0].attn.c_attn.weight.detach().double()[:, 64:]  # Conv1D (D, 3*H*d): the value block
+    assert not torch.equal(wo.float(), before)
+    assert torch.allclose(wv @ wo, torch.from_numpy(0.4 * _z(0, "transformer.h.0.attn", "vo/mimetic", 0, 32) - 0.4 * np.eye(32)), atol=1e-5)
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 2, 3, 4]])).logits).all()
+
+
+def test_mimetic_refusals(cli, llama_dir, tmp_path):
+    expect_cli_error(cli, llama_dir, "reinit", llama_dir, "--mode", "mimetic", "-o", tmp_path / "o",
+                     match="needs one key/value head per query head")
+    model = tiny_bert()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(surgeon.OptionError, match="select all heads and --targets q,k,v"):
+        surgeon.reinit_(model, mode="mimetic", targets="q,k")
+    with pytest.raises(surgeon.OptionError, match="select all heads"):
+        surgeon.reinit_(model, mode="mimetic", heads="0-1")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # refused before anything changed
+
+
+def test_mimetic_without_an_output_projection_is_refused():
+    class Attn(torch.nn.Module):  # q/k/v but no recognisable W_O
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(16, 16) for _ in range(3))
+            self.mix = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            b, n, _ = x.shape
+            q, k, v = (p(x).view(b, n, 2, 8).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+            return self.mix(torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, 16))
+
+    with pytest.raises(surgeon.LayoutError, match="no single output projection"):
+        surgeon.reinit_(Attn(), mode="mimetic", num_heads=2)
