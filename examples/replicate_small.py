@@ -14,6 +14,8 @@ same default-initialized model (torch.manual_seed(seed)), with the same batches 
   conditioned         surgeon.reinit_(model): the paper's recipe (semi-orthogonal Q/K, identity V)
   conditioned-matched surgeon.reinit_(model, gain=0.02 * sqrt(width)): the same, with Q/K scaled to
                       the default init's Frobenius norm ("is it the conditioning or the scale?")
+  mimetic             (opt-in, --variants default,mimetic) surgeon.reinit_(model, mode="mimetic"):
+                      Trockman & Kolter's init of Q/K/V and W_O
 
 Reported per start, over seeds (mean and min-max): the final validation loss, the step at which the
 validation loss first reaches the default's final value (same seed), and the mean over training of
@@ -41,12 +43,16 @@ import surgeon  # noqa: E402
 import _compare  # noqa: E402
 import pretrain_gpt  # noqa: E402  (corpus, model and batches)
 
-VARIANTS = ("default", "redraw", "conditioned", "conditioned-matched")
+VARIANTS = ("default", "redraw", "conditioned", "conditioned-matched", "mimetic")
+DEFAULT_VARIANTS = VARIANTS[:4]  # mimetic is opt-in: --variants default,mimetic
 
 
 def reset(model, variant: str, seed: int, args) -> str:
     if variant == "default":
         return "GPT-2 default init (normal, std 0.02)"
+    if variant == "mimetic":
+        surgeon.reinit_(model, mode="mimetic", seed=seed)
+        return "surgeon mimetic: W_Q W_K^T ~ 0.7 Z + 0.7 I, W_V W_O ~ 0.4 Z - 0.4 I (W_O written too)"
     if variant == "redraw":
         surgeon.reinit_(model, mode="redraw", seed=seed)
         return "surgeon redraw: q/k/v normal(0, 0.02) drawn again, biases zeroed"
@@ -152,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--probe-tokens", type=int, default=16, help="tokens of the sequence the Jacobian is measured on")
     parser.add_argument("--text-bytes", type=int, default=2_000_000)
     _compare.add_options(parser, variants=VARIANTS, plot_name="replicate_small.png", quick="5 steps, 1 seed, a tiny model")
-    parser.set_defaults(seeds=3)
+    parser.set_defaults(seeds=3, variants=",".join(DEFAULT_VARIANTS))
     args = _compare.parse(parser, argv, VARIANTS)
     if args.quick:
         args.steps, args.seeds, args.batch, args.context, args.width, args.layers = 5, 1, 4, 32, 32, 2
@@ -183,7 +189,7 @@ def plot_runs(results: list[dict], args) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed (pip install 'surgeon[examples]'): no plot"
-    colors = {"default": "tab:gray", "redraw": "tab:orange", "conditioned": "tab:blue", "conditioned-matched": "tab:green"}
+    colors = {"default": "tab:gray", "redraw": "tab:orange", "conditioned": "tab:blue", "conditioned-matched": "tab:green", "mimetic": "tab:red"}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for r in results:
         steps = [s for s, _, _ in r["evals"]]

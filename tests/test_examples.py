@@ -87,3 +87,10 @@ def test_replicate_small_quick(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "steps to default final" in printed and f"plot: {out}" in printed
     assert out.stat().st_size > 10_000 and len(json.loads(out.with_suffix(".json").read_text())["results"]) == 4
+
+
+def test_replicate_small_mimetic_is_opt_in(tmp_path):
+    result = load("replicate_small").main(["--quick", "--threads", "1", "--variants", "default,mimetic", "--out", str(tmp_path / "m.png")])
+    runs = {r["variant"]: r for r in result["results"]}
+    assert set(runs) == {"default", "mimetic"} and "W_O written too" in runs["mimetic"]["init"]
+    assert all(math.isfinite(loss) for _, loss, _ in runs["mimetic"]["evals"])
