@@ -42,6 +42,8 @@ _EXPORTS = {
     "push_folder": "hub",
     "ReinitOptions": "plan",
     "Report": "report",
+    "jacobian_report": "jacobian",
+    "JacobianReport": "jacobian",
     "AttentionBlock": "spec",
     "Projection": "spec",
     "Rows": "spec",
@@ -85,6 +87,7 @@ if TYPE_CHECKING:
     )
     from .hub import PushResult, push_folder
     from .init_hooks import conditioned_init_
+    from .jacobian import JacobianReport, jacobian_report
     from .journal import recover
     from .modules import inspect, inspect_module, reinit, reinit_
     from .plan import ReinitOptions

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import hub
 from ._version import __version__
+from .baselines import attach_out_projections, with_model_defaults
 from .detect import Detection, detect_source
 from .detect.config import Hints
 from .errors import CheckpointError, HubError, OptionError, opt
@@ -123,7 +124,7 @@ def reinit_checkpoint(
 
     How: ``options`` (a :class:`~surgeon.plan.ReinitOptions`), or its fields as keywords (``layers``,
     ``targets``, ``heads``, ``attention``, ``stack``, ``mode``, ``strength``, ``value_identity``,
-    ``keep_scale``, ``bias``, ``seed``), which replace those of ``options``.
+    ``keep_scale``, ``bias``, ``seed``, ``gain``, ``std``), which replace those of ``options``.
     ``model`` is a path or a Hugging Face Hub id (``org/name``, at ``revision``). A folder output gets a
     model card (README.md). ``push_to_hub="org/name"`` then uploads the output folder in one commit
     (see :func:`surgeon.hub.push_folder` for ``private``, ``push_revision``, ``create_pr``, ``token``).
@@ -139,7 +140,9 @@ def reinit_checkpoint(
     _check_push_output(push, source)
     hints = Hints(num_heads, num_kv_heads, head_dim, force_hints)
     detection = detect_source(source, hints)
+    opts = with_model_defaults(opts, source.config)  # redraw: the std of the family's own init
     plan = make_plan(detection.blocks, opts)
+    attach_out_projections(plan, {n: t.shape for n, t in source.primary.tensors.items()}, fmt=source.format)  # mimetic: W_O
     dest = resolve_output(source, output, in_place=in_place, overwrite=overwrite or dry_run)
     report = Report(
         "reinit", _label(source), source.describe(), detection.blocks, options=opts.to_dict(),

@@ -83,11 +83,21 @@ def new_heads(change: Change, old: torch.Tensor | None, plan: Plan, *, seed_name
     if opts.mode == "polar":
         assert old is not None  # needs_old_values: polar mode reads the old values
         new = polar(old, opts.effective_strength)
+    elif opts.mode == "redraw":
+        from .baselines import redraw_heads
+
+        new = redraw_heads(change, seed_name or proj.weight.tensor, opts, device=device)
+    elif opts.mode == "mimetic":
+        from .baselines import mimetic_heads, module_key
+
+        new = mimetic_heads(change, module_key(change.block, proj.weight.tensor, seed_name), opts, device=device)
     elif change.role == "v":
         new = torch.stack([value_identity(h, d, n_in, opts.value_identity, device=device) for h in change.heads])
     else:
         key = seed_name or proj.weight.tensor
         new = semi_orthogonal_batch(d, n_in, [head_seed(opts.seed, key, change.role, h) for h in change.heads], device=device)
+        if opts.gain is not None and opts.gain != 1:
+            new = new * float(opts.gain)
     if opts.keep_scale:
         assert old is not None  # needs_old_values: keep_scale reads the old values
         return rescale_to(new, old)
@@ -130,6 +140,8 @@ class Engine:
             self.edits[proj.weight.tensor].append((change, "weight"))
             if plan.options.zero_bias and proj.bias is not None:
                 self.edits[proj.bias.tensor].append((change, "bias"))
+            if change.role == "v" and change.block.module in plan.outputs:  # mimetic: W_O too
+                self.edits[plan.outputs[change.block.module][0]].append((change, "out"))
         self.results: dict[tuple[str, str], ProjectionResult] = {}
 
     @property
@@ -154,6 +166,13 @@ class Engine:
             if what == "bias":
                 assert proj.bias is not None  # a bias edit is planned only for a projection with one
                 _zero_heads(stored, proj.bias, change.heads)
+                continue
+            if what == "out":
+                from .baselines import mimetic_out, module_key
+
+                v = proj.weight.tensor
+                key = module_key(change.block, v, self.seed_names.get(v))
+                stored.copy_(mimetic_out(change.block, key, self.plan.options, self.plan.outputs[change.block.module][1]).to(stored.device, stored.dtype))
                 continue
             if record:
                 before[(change.block.module, change.role)] = self._spectrum(head_matrices(original, proj.weight))
@@ -196,6 +215,8 @@ class Engine:
         for change, what in edits:
             key = (change.block.module, change.role)
             proj = change.projection
+            if what == "out":  # W_O is not a q/k/v projection: the report lists it in a note
+                continue
             if what == "weight":
                 # Heads that did not change keep their bytes, so their kappas are the ones just measured.
                 kappas = list(before[key].head_kappas)

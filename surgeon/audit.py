@@ -41,7 +41,7 @@ class Verification:
 
     def summary(self) -> str:
         o = self.record.get("options", {})
-        how = "re-derived byte for byte from the seed" if self.mode == "conditioned" else "semi-orthogonal/polar within the dtype's rounding"
+        how = "re-derived byte for byte from the seed" if self.mode in ("conditioned", "redraw", "mimetic") else "semi-orthogonal/polar within the dtype's rounding"
         n = len(self.record.get("blocks", []))
         return (
             f"verified: {self.output} is {self.original} with {n} attention block{'s' if n != 1 else ''} re-initialized as recorded "
@@ -151,6 +151,9 @@ def verify(
     options = _recorded_options(record, output)
     detection = detect_source(src, Hints(num_heads, num_kv_heads, head_dim, force_hints))
     plan = make_plan(detection.blocks, options)
+    from .baselines import attach_out_projections
+
+    attach_out_projections(plan, {n: t.shape for n, t in src.primary.tensors.items()}, fmt=src.format)
     if plan.record()["blocks"] != record.get("blocks"):
         raise VerificationError(
             f"{output}: its record lists re-initialized blocks that the recorded options do not select in {original}; "
@@ -198,7 +201,7 @@ def _check_changed(a, b, engine, options: ReinitOptions, output: str | Path) -> 
     for name in engine.tensor_names:
         expected = engine.update(name, a.read(name), record=False)
         found = b.read(name)
-        if options.mode == "conditioned" or not any(what == "weight" for _, what in engine.edits[name]):
+        if options.mode in ("conditioned", "redraw", "mimetic") or not any(what == "weight" for _, what in engine.edits[name]):
             if _raw(b, name) != _tensor_bytes(expected):
                 raise VerificationError(f"{output}: tensor {name!r}: {_first_difference(expected, found)}; the recipe re-derived from the record's seed gives other values")
         else:

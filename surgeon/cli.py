@@ -9,7 +9,7 @@ import sys
 import click
 
 from ._version import __version__
-from .errors import SurgeonError, spell
+from .errors import OptionError, SurgeonError, spell
 
 # How the CLI spells an option the core names by its Python keyword (surgeon.errors.opt); the rest
 # are --keyword-with-dashes.
@@ -68,6 +68,12 @@ full_option = click.option(
     "--full", is_flag=True,
     help="Also the kappa and spectral norm of each whole projection (one D x D eigensolve each: "
          "~15 s for D = 4096 on a CPU). Per-head kappas are always computed.",
+)
+
+
+plot_option = click.option(
+    "--plot", type=click.Path(dir_okay=False), metavar="FILE.png",
+    help="Also draw, per layer, each head's kappa of q/k/v (before and after, for reinit) into FILE.png (needs matplotlib).",
 )
 
 
@@ -161,10 +167,17 @@ Examples:
 @click.option("--verify-layout", is_flag=True,
               help="Build the architecture from config.json with transformers (random init, no download) and check "
                    "that its forward uses the q/k/v rows that names say.")
+@click.option("--jacobian", is_flag=True,
+              help="Build the architecture from config.json, load these weights, run real inputs and report, per layer, "
+                   "the terms of the paper's Theorem 3.1 bound on the attention Jacobian's kappa (exact kappa(J) when small).")
+@click.option("--inputs", type=click.Path(dir_okay=False, exists=True),
+              help="With --jacobian: text lines (tokenized with the model's tokenizer) or a .pt tensor of token ids. "
+                   "Default: a built-in English sample.")
+@plot_option
 @model_options
 @full_option
 @handle_errors
-def inspect(model, verify_layout, revision, config, num_heads, num_kv_heads, head_dim, force_hints, device, full, as_json):
+def inspect(model, verify_layout, jacobian, inputs, plot, revision, config, num_heads, num_kv_heads, head_dim, force_hints, device, full, as_json):
     """List the attention blocks of MODEL and the condition numbers of their projections.
 
     MODEL is a .safetensors/.bin/.pt file, a sharded *.index.json, a model folder, or a Hugging
@@ -182,7 +195,22 @@ def inspect(model, verify_layout, revision, config, num_heads, num_kv_heads, hea
         check = check_layout(model, revision=revision, config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                              force_hints=force_hints)
         report.notes.append(check.summary())
-    _out(report.to_json(cli_spelling) if as_json else report.render(cli_spelling))
+    if inputs is not None and not jacobian:
+        raise OptionError("--inputs goes with --jacobian")
+    if plot:
+        from .plot import plot_kappas
+
+        report.notes.append(f"wrote {plot_kappas(report, plot)}")
+    jac = None
+    if jacobian:
+        from .jacobian import checkpoint_jacobian
+
+        jac = checkpoint_jacobian(model, inputs=inputs, config=config, revision=revision)
+    if as_json:
+        data = json.loads(report.to_json(cli_spelling))
+        _out(json.dumps(data if jac is None else {**data, "jacobian": jac.to_dict()}, indent=2))
+    else:
+        _out(report.render(cli_spelling) + ("" if jac is None else "\n\n" + jac.render()))
 
 
 @main.command(context_settings=CONTEXT, epilog="""\b
@@ -209,6 +237,7 @@ negative numbers count from the end (-1 is the last). Each stack of layers is nu
                    "saved to a journal (an interrupted run is rolled back by the next command, or `surgeon recover`); "
                    "other formats: the files are replaced atomically.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
+@plot_option
 @click.option("--push-to-hub", "push_to_hub", metavar="ORG/NAME", help="Upload the output folder to this Hub model repo (created if needed) in one commit.")
 @click.option("--private", is_flag=True, help="With --push-to-hub: create the repo as private.")
 @click.option("--push-revision", metavar="BRANCH", help="With --push-to-hub: commit to this branch (created from main if missing).")
@@ -217,7 +246,7 @@ negative numbers count from the end (-1 is the last). Each stack of layers is nu
 @model_options
 @full_option
 @handle_errors
-def reinit(model, output, overwrite, in_place, dry_run, push_to_hub, private, push_revision, create_pr, commit_message,
+def reinit(model, output, overwrite, in_place, dry_run, plot, push_to_hub, private, push_revision, create_pr, commit_message,
            revision, config, num_heads, num_kv_heads, head_dim, force_hints, device, full, as_json, **options):
     """Re-initialize query/key/value projections of MODEL with conditioned initialization.
 
@@ -232,6 +261,8 @@ def reinit(model, output, overwrite, in_place, dry_run, push_to_hub, private, pu
     from . import api
     from .plan import ReinitOptions
 
+    if plot and dry_run:
+        raise OptionError("--plot draws the condition numbers before and after, and a --dry-run computes none")
     report = api.reinit_checkpoint(
         model, options=ReinitOptions.build(**{k: v for k, v in options.items() if v is not None}),
         revision=revision, output=output, in_place=in_place, overwrite=overwrite, dry_run=dry_run, device=device,
@@ -239,6 +270,10 @@ def reinit(model, output, overwrite, in_place, dry_run, push_to_hub, private, pu
         progress=not as_json and sys.stderr.isatty(), push_to_hub=push_to_hub, private=private,
         push_revision=push_revision, create_pr=create_pr, commit_message=commit_message,
     )
+    if plot:
+        from .plot import plot_kappas
+
+        report.notes.append(f"wrote {plot_kappas(report, plot)}")
     _out(report.to_json(cli_spelling) if as_json else report.render(cli_spelling))
 
 

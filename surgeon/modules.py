@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .apply import Engine, inspect_blocks
+from .baselines import attach_out_projections, with_model_defaults
 from .detect.config import Hints
 from .detect.module import ModuleDetection, detect_module
 from .distributed import any_sharded, inspect_sharded, refuse_meta, unwrapped, write_sharded
@@ -40,6 +41,8 @@ def reinit_(
     keep_scale: bool = False,
     bias: str = "auto",
     seed: int = 0,
+    gain: float | None = None,
+    std: float | None = None,
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
@@ -57,15 +60,19 @@ def reinit_(
     _check(module, "reinit_")
     options = ReinitOptions(
         layers=_fixed(layers), targets=targets, heads=_fixed(heads), attention=attention, stack=stack, mode=mode,
-        strength=strength, value_identity=value_identity, keep_scale=keep_scale, bias=bias, seed=seed,
+        strength=strength, value_identity=value_identity, keep_scale=keep_scale, bias=bias, seed=seed, gain=gain, std=std,
     ).validated()
+    options = with_model_defaults(options, getattr(module, "config", None))  # redraw: the std of the family's own init
     start = time.perf_counter()
     with unwrapped(module) as inner:  # DDP, torch.compile, PEFT: the model inside, LoRA bases in place
         found = detect_module(inner, hints=Hints(num_heads, num_kv_heads, head_dim), example_inputs=example_inputs)
         plan = make_plan(found.blocks, options)
+        attach_out_projections(plan, {n: tuple(p.shape) for n, p in found.params.items()})  # mimetic: W_O
         device = found.params[plan.changes[0].projection.weight.tensor].device
         engine = Engine(plan, device, seed_names=found.seed_names, whole=full)
         if any_sharded(found.params, engine.tensor_names):  # FSDP2 / DTensor: each rank writes its own rows
+            if plan.outputs:
+                raise OptionError("--mode mimetic on sharded (FSDP2/DTensor) parameters is not supported: reinit before sharding")
             write_sharded(engine, found.params)
         else:
             with torch.no_grad():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
@@ -12,7 +13,8 @@ from .selection import IndexSpec, format_indices, parse_attention, parse_targets
 from .spec import AttentionBlock, Projection
 from .spectrum import VALUE_IDENTITIES
 
-MODES = ("conditioned", "polar")
+MODES = ("conditioned", "polar", "redraw", "mimetic")
+FRESH_MODES = ("conditioned", "redraw", "mimetic")  # modes that never read the old values: a fresh start, biases zeroed by default
 BIAS_CHOICES = ("auto", "zero", "keep")
 
 
@@ -62,7 +64,8 @@ class ReinitOptions:
     )
     mode: str = _option(
         "conditioned",
-        "conditioned: the paper's fresh reset. polar: keep each head's singular vectors, move its singular values to 1.",
+        "conditioned: the paper's fresh reset. polar: keep each head's singular vectors, move its singular values to 1. "
+        "redraw: the family's own default init, drawn again (the control). mimetic: Trockman & Kolter 2023 (writes W_O too).",
         choices=MODES,
     )
     strength: float | None = _option(
@@ -75,10 +78,19 @@ class ReinitOptions:
     )
     keep_scale: bool = _option(False, "Rescale each new head matrix to the original's Frobenius norm.", switch=True)
     bias: str = _option(
-        "auto", "Biases of re-initialized heads. Default: zero for conditioned, keep for polar.",
+        "auto", "Biases of re-initialized heads. Default: zero for the fresh modes (conditioned, redraw, mimetic), keep for polar.",
         choices=("zero", "keep"), shell_default=None,
     )
     seed: int = _option(0, "Random seed; each head's draw depends only on (seed, tensor, head).", kind=int)
+    gain: float | None = _option(
+        None, "Conditioned mode: scale of the semi-orthogonal q/k heads (default 1; 0.02 * sqrt(width) matches a "
+        "normal(0, 0.02) init's scale).", kind=float, recorded=lambda o: o.get("gain") is not None,
+    )
+    std: float | None = _option(
+        None, "Redraw mode: std of the normal draws (default: config.json's initializer_range, else 0.02; "
+        "nn.MultiheadAttention tensors use xavier_uniform).",
+        kind=float, recorded=lambda o: o.get("std") is not None,
+    )
 
     @classmethod
     def build(cls, options: ReinitOptions | None = None, /, **keywords: Any) -> ReinitOptions:
@@ -91,7 +103,19 @@ class ReinitOptions:
 
     def validated(self) -> ReinitOptions:
         if self.mode not in MODES:
-            raise OptionError(f"unknown mode {self.mode!r}: use conditioned (the paper's reset) or polar (condition the existing weights)")
+            raise OptionError(
+                f"unknown mode {self.mode!r}: use conditioned (the paper's reset), polar (condition the existing weights), "
+                "redraw (the family's default init, drawn again) or mimetic (Trockman & Kolter 2023; writes W_O too)"
+            )
+        for name, value, mode in (("gain", self.gain, "conditioned"), ("std", self.std, "redraw")):
+            if value is None:
+                continue
+            if self.mode != mode:
+                raise OptionError(f"{opt(name)} applies to {opt('mode', mode)} only")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise OptionError(f"{opt(name)} must be a finite number above 0, not {value!r}")
+        if self.gain is not None and self.keep_scale:
+            raise OptionError(f"{opt('gain')} and {opt('keep_scale', True)} both set the scale of the new heads: use one of them")
         if self.strength is not None:
             if self.mode != "polar":
                 raise OptionError(f"{opt('strength')} applies to {opt('mode', 'polar')} only (the conditioned reset always reaches kappa = 1)")
@@ -112,7 +136,7 @@ class ReinitOptions:
     @property
     def zero_bias(self) -> bool:
         # A fresh reset starts from zero biases; conditioning pretrained weights keeps them.
-        return self.bias == "zero" or (self.bias == "auto" and self.mode == "conditioned")
+        return self.bias == "zero" or (self.bias == "auto" and self.mode in FRESH_MODES)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -123,6 +147,9 @@ class ReinitOptions:
         out["stack"] = None if self.stack is None else _stacks(self.stack)
         out["strength"] = self.effective_strength if self.mode == "polar" else None
         out["bias"] = "zero" if self.zero_bias else "keep"
+        for key in ("gain", "std"):  # only where set: records of the other modes stay as they were
+            if out[key] is None:
+                del out[key]
         return out
 
 
@@ -144,6 +171,7 @@ class Plan:
     options: ReinitOptions
     blocks: list[AttentionBlock]  # everything detected
     changes: list[Change] = field(default_factory=list)
+    outputs: dict[str, tuple[str, bool]] = field(default_factory=dict)  # mimetic: block module -> (W_O tensor, nn.Linear layout)
 
     @property
     def touched_blocks(self) -> list[AttentionBlock]:
@@ -159,6 +187,7 @@ class Plan:
             for rows in (p.weight, p.bias if self.options.zero_bias else None):
                 if rows is not None and rows.tensor not in names:
                     names.append(rows.tensor)
+        names += [t for t, _ in self.outputs.values() if t not in names]
         return names
 
     def record(self) -> dict:

@@ -178,8 +178,14 @@ class Report:
         mode = str(o.get("mode"))
         if mode == "polar":
             mode += f", strength {o.get('strength')}"
+        elif mode == "mimetic":
+            mode += " (W_Q W_K^T ~ 0.7 Z + 0.7 I per head, W_V W_O ~ 0.4 Z - 0.4 I per layer; the output projections W_O are rewritten too)"
+        elif mode == "redraw":
+            from .baselines import is_xavier
+
+            mode += f", normal std {o.get('std')}" + (", xavier_uniform for nn.MultiheadAttention" if any(is_xavier(b.q.weight.tensor) for b in self.blocks) else "")
         else:
-            mode += f", value identity {o.get('value_identity')}"
+            mode += f", value identity {o.get('value_identity')}" + (f", q/k gain {o['gain']}" if o.get("gain") is not None else "")
         extras = f"mode {mode}, bias {o.get('bias')}, seed {o.get('seed')}" + (", keep scale" if o.get("keep_scale") else "")
         touched = len({r.block.module for r in self.rows})
         return f"{head}\n{what}: {_count(len(self.rows), 'projection')} in {_count(touched, 'block')}; {extras}"
