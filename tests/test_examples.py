@@ -94,3 +94,23 @@ def test_replicate_small_mimetic_is_opt_in(tmp_path):
     runs = {r["variant"]: r for r in result["results"]}
     assert set(runs) == {"default", "mimetic"} and "W_O written too" in runs["mimetic"]["init"]
     assert all(math.isfinite(loss) for _, loss, _ in runs["mimetic"]["evals"])
+
+
+def test_replicate_vit_quick(tmp_path, capsys):
+    module = load("replicate_vit")
+    images, labels = module.bars(64, __import__("torch").Generator().manual_seed(0))
+    assert images.shape == (64, 1, 12, 12) and set(labels.tolist()) <= {0, 1, 2, 3}
+    # each image holds one bar brighter than the noise, along its class's direction: a horizontal bar
+    # makes one row's sum stand out, a vertical one a column's
+    row_max, col_max = images[:, 0].sum(2).max(1).values, images[:, 0].sum(1).max(1).values
+    assert float((row_max > col_max)[labels == 0].float().mean()) > 0.9
+    assert float((col_max > row_max)[labels == 1].float().mean()) > 0.9
+    out = tmp_path / "vit.png"
+    result = module.main(["--quick", "--threads", "1", "--out", str(out)])
+    runs = {r["variant"]: r for r in result["results"]}
+    assert set(runs) == {"default", "redraw", "conditioned", "conditioned-matched"} and "ViT default" in runs["default"]["init"]
+    for r in runs.values():
+        assert [s for s, _, _ in r["evals"]] == [0, 5] and all(math.isfinite(x) for _, x, _ in r["evals"])
+        assert all(k >= 1 for k in r["kappa_j"])
+    assert runs["conditioned"]["kappa_j"][0] < runs["default"]["kappa_j"][0]  # same model, conditioned heads
+    assert "kappa(J) start -> end" in capsys.readouterr().out and out.stat().st_size > 5_000
