@@ -81,21 +81,28 @@ def run(variant: str, seed: int, args, train: torch.Tensor, val: torch.Tensor) -
         report = surgeon.reinit_(model, seed=seed)
         before = statistics.median(r.before.head_median for r in report.rows)
         how = f"surgeon.reinit_: {len(report.rows)} projections, median per-head kappa {before:.2f} -> {max(r.after.head_max for r in report.rows):.4f}"
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
     stream = batches(train, args, random.Random(seed))
     val_rng = random.Random(10_000 + seed)
     val_batches = [next(batches(val, args, val_rng)) for _ in range(args.val_batches)]
 
-    def evaluate() -> float:
+    def evaluate(step: int) -> tuple[int, float]:
         model.eval()
         with torch.no_grad():
             losses = [float(model(input_ids=b, labels=b).loss) for b in val_batches]
         model.train()
-        return statistics.mean(losses)
+        return step, statistics.mean(losses)
 
-    curve, evals = [], [(0, evaluate())]
+    curve, evals = train_loop(model, args, stream, evaluate)
+    return {"variant": variant, "seed": seed, "init": how, "train_loss": curve, "evals": evals}
+
+
+def train_loop(model, args, stream, evaluate) -> tuple[list[float], list]:
+    """AdamW (lr warmup, gradient clipping) on ``stream``'s batches; ``evaluate(step)`` at 0, every
+    ``args.eval_every`` steps and at the end. Returns the training losses and the evaluations."""
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
+    curve, evals = [], [evaluate(0)]
     for step in range(1, args.steps + 1):
         x = next(stream)
         loss = model(input_ids=x, labels=x).loss
@@ -106,8 +113,8 @@ def run(variant: str, seed: int, args, train: torch.Tensor, val: torch.Tensor) -
         schedule.step()
         curve.append(loss.item())
         if step % args.eval_every == 0 or step == args.steps:
-            evals.append((step, evaluate()))
-    return {"variant": variant, "seed": seed, "init": how, "train_loss": curve, "evals": evals}
+            evals.append(evaluate(step))
+    return curve, evals
 
 
 def bits(nats: float) -> float:
@@ -137,19 +144,24 @@ def summarize(results: list[dict], args) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=400, help="training steps per run (default 400)")
+def add_model_options(parser, *, steps: int, context: int, width: int, layers: int, val_batches: int, text_bytes: int) -> None:
+    """The model, data and loop options shared by the GPT examples (their defaults differ)."""
+    parser.add_argument("--steps", type=int, default=steps, help=f"training steps per run (default {steps})")
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--context", type=int, default=128)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--context", type=int, default=context)
+    parser.add_argument("--width", type=int, default=width)
+    parser.add_argument("--layers", type=int, default=layers)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--eval-every", type=int, default=25)
-    parser.add_argument("--val-batches", type=int, default=8)
-    parser.add_argument("--text-bytes", type=int, default=4_000_000, help="bytes of stdlib source to read (default 4 MB)")
+    parser.add_argument("--val-batches", type=int, default=val_batches)
+    parser.add_argument("--text-bytes", type=int, default=text_bytes, help=f"bytes of stdlib source to read (default {text_bytes:,})")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_options(parser, steps=400, context=128, width=128, layers=4, val_batches=8, text_bytes=4_000_000)
     _compare.add_options(parser, variants=VARIANTS, plot_name="pretrain_gpt.png", quick="6 steps, 1 seed, a tiny model")
     args = _compare.parse(parser, argv, VARIANTS)
     if args.quick:

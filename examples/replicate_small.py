@@ -72,9 +72,6 @@ def run(variant: str, seed: int, args, train, val) -> dict:
     torch.manual_seed(seed)
     model = pretrain_gpt.build(args)
     how = reset(model, variant, seed, args)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
     stream = pretrain_gpt.batches(train, args, random.Random(seed))
     val_rng = random.Random(10_000 + seed)
     val_batches = [next(pretrain_gpt.batches(val, args, val_rng)) for _ in range(args.val_batches)]
@@ -88,23 +85,11 @@ def run(variant: str, seed: int, args, train, val) -> dict:
         model.train()
         return step, loss, kj
 
-    curve, evals = [], [evaluate(0)]
-    for step in range(1, args.steps + 1):
-        x = next(stream)
-        loss = model(input_ids=x, labels=x).loss
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        schedule.step()
-        curve.append(loss.item())
-        if step % args.eval_every == 0 or step == args.steps:
-            evals.append(evaluate(step))
+    curve, evals = pretrain_gpt.train_loop(model, args, stream, evaluate)
     return {"variant": variant, "seed": seed, "init": how, "train_loss": curve, "evals": evals}
 
 
-def bits(nats: float) -> float:
-    return nats / math.log(2)
+bits = pretrain_gpt.bits
 
 
 def spread(values: list[float], fmt: str) -> str:
@@ -145,18 +130,8 @@ def summarize(results: list[dict], args) -> tuple[list[str], dict]:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--eval-every", type=int, default=25)
-    parser.add_argument("--val-batches", type=int, default=4)
+    pretrain_gpt.add_model_options(parser, steps=300, context=64, width=64, layers=2, val_batches=4, text_bytes=2_000_000)
     parser.add_argument("--probe-tokens", type=int, default=16, help="tokens of the sequence the Jacobian is measured on")
-    parser.add_argument("--text-bytes", type=int, default=2_000_000)
     _compare.add_options(parser, variants=VARIANTS, plot_name="replicate_small.png", quick="5 steps, 1 seed, a tiny model")
     parser.set_defaults(seeds=3, variants=",".join(DEFAULT_VARIANTS))
     args = _compare.parse(parser, argv, VARIANTS)

@@ -335,13 +335,13 @@ def _vit():
     return _build(transformers.ViTModel, cfg)
 
 
-def _swin():
+def _swin(depths=(2, 1)):
     cfg = transformers.SwinConfig(
         image_size=32,
         patch_size=2,
         num_channels=3,
         embed_dim=16,
-        depths=[2, 1],
+        depths=list(depths),
         num_heads=[2, 4],
         window_size=4,
         mlp_ratio=2.0,

@@ -6,7 +6,7 @@ import transformers
 
 from surgeon.detect.placement import Place, kind, place
 
-from _families import _build
+from _families import _swin
 from _observe import observe
 from test_families import match_blocks
 
@@ -34,17 +34,7 @@ def test_layers_vary_stages_come_from_the_path():
 
 def test_swin_with_one_block_per_stage(tmp_path):
     """depths [1, 1]: each stage's head count (num_heads [2, 4]) is read from its own stage."""
-    cfg = transformers.SwinConfig(
-        image_size=32,
-        patch_size=2,
-        num_channels=3,
-        embed_dim=16,
-        depths=[1, 1],
-        num_heads=[2, 4],
-        window_size=4,
-        mlp_ratio=2.0,
-    )
-    model = _build(transformers.SwinModel, cfg)
+    model = _swin(depths=(1, 1))
     model.save_pretrained(tmp_path)
     report, pairs = match_blocks(tmp_path, observe(transformers.SwinModel.from_pretrained(tmp_path)))
     assert [b.heads for b in report.blocks] == [2, 4]
