@@ -13,7 +13,7 @@ from ._version import __version__
 from .detect import Detection, detect_source
 from .detect.config import Hints
 from .errors import CheckpointError, HubError, OptionError, opt
-from .output import copy_extras, output_kind, resolve_output, staged, tree_size
+from .output import companion_files, copy_extras, output_kind, resolve_output, staged, tree_size
 from .plan import Plan, ReinitOptions, make_plan
 from .report import ProjectionRow, Report
 from .source import Source
@@ -140,7 +140,7 @@ def reinit_checkpoint(
     hints = Hints(num_heads, num_kv_heads, head_dim, force_hints)
     detection = detect_source(source, hints)
     plan = make_plan(detection.blocks, opts)
-    dest = resolve_output(source, output, in_place=in_place, overwrite=overwrite or dry_run)
+    dest = resolve_output(source, output, in_place=in_place, overwrite=overwrite or dry_run, folder=push is not None)
     report = Report(
         "reinit", _label(source), source.describe(), detection.blocks, options=opts.to_dict(),
         output=str(dest), dry_run=dry_run, device=str(device), notes=source.notes + detection.notes[:5],
@@ -172,7 +172,7 @@ def _push_target(repo_id: str | None, private: bool, revision: str | None, creat
 
 
 def _check_push_output(push: PushTarget | None, source: Source) -> None:
-    if push is not None and output_kind(source) != "folder":
+    if push is not None and output_kind(source) == "file":
         raise OptionError(
             f"{opt('push_to_hub')} uploads a model folder, and the output of {source.path.name} is a single file: "
             "give the model folder as MODEL"
@@ -208,6 +208,8 @@ def _run_and_write(report: Report, source: Source, detection: Detection, plan: P
         report.bytes_written = run.bytes_changed
     elif kind == "merge":
         report.bytes_written = sum((dest / f).stat().st_size for w in source.weights for f in w.all_files)
+    elif kind == "files":
+        report.bytes_written = sum(p.stat().st_size for p in [dest, *companion_files(source, dest)])
     else:
         report.bytes_written = tree_size(dest)
 
@@ -245,7 +247,11 @@ def _write_copy(source: Source, plan: Plan, run: _Run, dest: Path, *, in_place: 
     ``command()`` gives the model card's reproduce command; it is made after the weights, so that
     nothing delays the start of the byte copies.
     """
-    kind = "merge" if in_place and source.kind != "file" else output_kind(source)
+    kind = "merge" if in_place and source.kind != "file" else output_kind(source, dest)
+    if kind == "files":  # an .onnx with external data, written as the file dest with its data beside it
+        with staged(dest, kind, file_name=dest.name, notes=notes) as tmp:
+            source.primary.save_as(tmp, dest.name, run.updates_for(source.primary, record=True), plan.record())
+        return kind
     with staged(dest, kind, file_name=source.path.name, notes=notes) as tmp:
         for i, weights in enumerate(source.weights):
             weights.save(tmp, run.updates_for(weights, record=i == 0), plan.record())

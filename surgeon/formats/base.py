@@ -94,6 +94,12 @@ class WeightSet(ABC):
         into the file's metadata where the format has a place for it.
         """
 
+    def save_as(self, dest: Path, name: str, updates: UpdatesFn, record: dict) -> list[str]:
+        """Write this set into the folder ``dest`` as the single file ``name`` and the files that go
+        with it (an .onnx and its external data); returns the names written. Formats whose files
+        cannot be renamed do not have it."""
+        raise NotImplementedError(f"{self.format} weights cannot be written under another name")
+
     def check_plan(self, plan, detection) -> None:
         """Refuse a plan this format cannot carry out safely (e.g. an ONNX initializer shared with
         nodes outside the plan), given the detection the plan was made from. Raise a SurgeonError."""

@@ -203,22 +203,43 @@ class OnnxWeights(WeightSet):
     def save(self, dest: Path, updates: UpdatesFn, record: dict) -> None:
         self._write_model(dest / self.path.name, dict(updates(self.path.name)), record)
         for file in self.files[1:]:
-            changed = dict(updates(file))
-            target = dest / file
-            target.parent.mkdir(parents=True, exist_ok=True)
-            copy_file_sparse(self.folder / file, target)
-            if changed:
-                with open(target, "r+b") as out:
-                    for name, tensor in changed.items():
-                        data = self._bytes(name, tensor)
-                        out.seek(self._stored[name].offset)
-                        out.write(data)
+            self._write_data(file, dest / file, dict(updates(file)))
+
+    def save_as(self, dest: Path, name: str, updates: UpdatesFn, record: dict) -> list[str]:
+        """The model as ``dest/name``, its external data files renamed beside it
+        (``wire.renamed_data_files``) and the graph's ``location`` entries rewritten to match."""
+        names = wire.renamed_data_files(self.files[1:], self.path.name, name)
+        self._write_model(dest / name, dict(updates(self.path.name)), record, names)
+        for file in self.files[1:]:
+            self._write_data(file, dest / names[file], dict(updates(file)))
+        return [name, *names.values()]
+
+    def _write_data(self, file: str, target: Path, changed: dict[str, torch.Tensor]) -> None:
+        """An external data file copied with only the changed tensors' byte ranges rewritten."""
+        target.parent.mkdir(parents=True, exist_ok=True)
+        copy_file_sparse(self.folder / file, target)
+        if changed:
+            with open(target, "r+b") as out:
+                for name, tensor in changed.items():
+                    data = self._bytes(name, tensor)
+                    out.seek(self._stored[name].offset)
+                    out.write(data)
 
     # --- writing the .onnx ----------------------------------------------------------------------
-    def _write_model(self, target: Path, changed: dict[str, torch.Tensor], record: dict) -> None:
+    def _write_model(self, target: Path, changed: dict[str, torch.Tensor], record: dict, renamed: dict[str, str] | None = None) -> None:
         layout = self.layout
         edits: list[tuple[int, int, bytes]] = []
         graph_growth = 0
+        for t in self.model.graph.initializer if renamed else ():
+            moved = _relocated(t, renamed or {})
+            if moved is None:
+                continue
+            span = layout.tensors.get(t.name)
+            if span is None:
+                raise CheckpointError(f"{self.path}: initializer {t.name!r} could not be located in the file; re-save the model with onnx.save")
+            new = wire.field(wire.GRAPH_INITIALIZER, moved.SerializeToString())
+            edits.append((span[0], span[1], new))
+            graph_growth += len(new) - (span[1] - span[0])
         for name, tensor in changed.items():
             data = self._bytes(name, tensor)
             stored = self._stored[name]
@@ -270,6 +291,20 @@ def surgeon_records(model: onnx.ModelProto) -> list[dict]:
             value = json.loads(p.value)
             return value if isinstance(value, list) else [value]
     return []
+
+
+def _relocated(t: onnx.TensorProto, renamed: dict[str, str]) -> onnx.TensorProto | None:
+    """``t`` with its external data ``location`` renamed, or None where it does not move."""
+    if t.data_location != onnx.TensorProto.EXTERNAL:
+        return None
+    proto = onnx.TensorProto()
+    proto.CopyFrom(t)
+    moved = False
+    for e in proto.external_data:
+        new = renamed.get(str(PurePosixPath(e.value.replace("\\", "/")))) if e.key == "location" else None
+        if new is not None:
+            e.value, moved = new, True
+    return proto if moved else None
 
 
 # --- reading the model ---------------------------------------------------------------------------

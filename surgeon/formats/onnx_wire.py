@@ -29,6 +29,21 @@ class Layout:
     metadata: list[tuple[int, int, str, str]]  # top-level metadata_props: field start/end, key, value
 
 
+def renamed_data_files(files: list[str], model_name: str, new_name: str) -> dict[str, str]:
+    """New names for an .onnx's external data files when the model is written as ``new_name``: flat
+    names beside the new file, each starting with ``new_name`` (``model.onnx.data`` -> ``out.onnx.data``;
+    ``weights/part0.bin`` -> ``out.onnx.weights_part0.bin``), so none can be the input's own files."""
+    out = {}
+    for rel in files:
+        if "/" not in rel and rel.startswith(model_name) and rel != model_name:
+            out[rel] = new_name + rel[len(model_name):]
+        else:
+            out[rel] = f"{new_name}.{rel.replace('/', '_')}"
+    if len(set(out.values())) < len(out) or new_name in out.values():
+        out = {rel: f"{new_name}.{i}.data" for i, rel in enumerate(files)}
+    return out
+
+
 class Corrupt(Exception):
     pass
 
