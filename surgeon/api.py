@@ -183,7 +183,7 @@ def _run_and_write(report: Report, source: Source, detection: Detection, plan: P
                    progress: bool, in_place: bool, push: PushTarget | None, command) -> None:
     """Compute the new values and write them (a patch in place, or a copy); fill in the report's rows."""
     for weights in source.weights:
-        weights.check_plan(plan, detection)
+        report.notes += weights.check_plan(plan, detection)
     _check_secondary_sets(source, plan.tensors())
     run = _Run(plan, device, whole=full, progress=progress, total=len(plan.tensors()) * len(source.weights))
     try:

@@ -173,12 +173,16 @@ class OnnxWeights(WeightSet):
             return None
         return self.read(name).numpy()
 
-    def check_plan(self, plan, detection) -> None:
+    def check_plan(self, plan, detection) -> list[str]:
         """Refuse to change an initializer that nodes outside the plan read too (``detection.graph``:
-        the graph facts of surgeon.detect.onnx)."""
+        the graph facts of surgeon.detect.onnx). Zeroing a bias that is all zero bytes already (an
+        untrained model's biases, which exporters merge into one initializer with every other zero
+        vector of that size) leaves it as it is: no change, so no conflict."""
         found = detection.graph
         if found is None:
-            return
+            return []
+        weights = {c.projection.weight.tensor for c in plan.changes}
+        unchanged: list[str] = []
         allowed: dict[str, set[int]] = {}
         for change in plan.changes:
             proj, users = change.projection, found.users[(change.block.module, change.role)]
@@ -190,6 +194,9 @@ class OnnxWeights(WeightSet):
             others = [n for n in graph.consumers.get(name, []) if n not in allowed.get(name, set())]
             if not others and name not in graph.outputs:
                 continue
+            if name not in weights and self._all_zero_bytes(name):
+                unchanged.append(name)
+                continue
             what = [f"block {found.owners[n][0]} ({found.owners[n][1]})" if n in found.owners else graph.describe(n) for n in others]
             what = list(dict.fromkeys(what)) + (["a graph output"] if name in graph.outputs else [])
             shown = ", ".join(what[:3]) + (f" and {len(what) - 3} more" if len(what) > 3 else "")
@@ -199,6 +206,18 @@ class OnnxWeights(WeightSet):
                 f"initializer {name!r} is shared: besides the projections chosen, {shown} read{'s' if len(what) == 1 else ''} it, "
                 f"so changing it would change them too; {fix}, or leave those projections out"
             )
+        if not unchanged:
+            return []
+        shown = ", ".join(unchanged[:3]) + (f" and {len(unchanged) - 3} more" if len(unchanged) > 3 else "")
+        return [f"bias initializer{'s' if len(unchanged) > 1 else ''} {shown}, shared with other nodes, "
+                f"{'are' if len(unchanged) > 1 else 'is'} zero already: zeroing the chosen heads' biases leaves {'them' if len(unchanged) > 1 else 'it'} as {'they were' if len(unchanged) > 1 else 'it was'}"]
+
+    def _all_zero_bytes(self, name: str) -> bool:
+        """Every byte of the initializer is 0 (+0.0; -0.0 is not, as zeroing would change its bytes)."""
+        info = self._infos.get(name)
+        if info is None or info.torch_dtype is None:
+            return False
+        return not bool(self.read(name).reshape(-1).view(torch.uint8).any())
 
     def save(self, dest: Path, updates: UpdatesFn, record: dict) -> None:
         self._write_model(dest / self.path.name, dict(updates(self.path.name)), record)
