@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,10 +53,11 @@ def find_attention(
             failures.append(f"{graph.describe(n)}: {exc}")
     if not resolved:
         raise NoAttentionFoundError(_nothing_found(graph, cores, failures, source))
+    resolved, scopes, repeats = _one_per_weight_set(resolved, _scopes(graph, resolved))
     fallback = [graph.nodes[c.node].name or f"{graph.nodes[c.node].op_type}_{c.node}" for c in resolved]
-    placed = _place_cores(_scopes(graph, resolved), fallback)
+    placed = _place_cores(scopes, fallback)
     view = ConfigView(config, hints)
-    blocks, notes = [], [f"skipped {f}" for f in failures]
+    blocks, notes = [], [f"skipped {f}" for f in failures] + repeats
     users: dict[tuple[str, str], dict[str, set[int]]] = {}
     owners: dict[int, tuple[str, str]] = {}
     for core, (stack, layer, module) in zip(resolved, placed):
@@ -68,6 +70,42 @@ def find_attention(
             for m in p.weight_nodes | p.bias_nodes:
                 owners.setdefault(m, (block.label, role))
     return OnnxDetection(Detection(blocks, len(graph.inits), notes), graph, users, owners)
+
+
+def _weight_set(core: Core) -> tuple:
+    return tuple((p.weight, p.axis, p.base, p.width, p.bias, p.bias_base) for p in (core.q, core.k, core.v))
+
+
+def _one_per_weight_set(cores: list[Core], scopes: list[str | None]) -> tuple[list[Core], list[str | None], list[str]]:
+    """One core per module called several times with its Q/K/V weights (ALBERT's shared layers):
+    one block, changed once, as in its PyTorch checkpoint; the nodes of every call are that block's
+    users. The calls are told by their weights and their scope: the same module path (the legacy
+    exporter numbers repeated calls ``attention_1``, ``attention_2``), or none. Layers of their own
+    whose equal weights the exporter stored once (deep copies) stay blocks of their own."""
+    first: dict[tuple, int] = {}
+    uses: dict[tuple, int] = defaultdict(int)
+    kept_cores: list[Core] = []
+    kept_scopes: list[str | None] = []
+    for core, scope in zip(cores, scopes):
+        key = (_weight_set(core), re.sub(r"_\d+$", "", scope) if scope else None)
+        uses[key] += 1
+        if key not in first:
+            first[key] = len(kept_cores)
+            kept_cores.append(core)
+            kept_scopes.append(scope)
+            continue
+        kept = kept_cores[first[key]]
+        for mine, other in ((kept.q, core.q), (kept.k, core.k), (kept.v, core.v)):
+            mine.weight_nodes |= other.weight_nodes
+            mine.bias_nodes |= other.bias_nodes
+    repeated = [n for n in uses.values() if n > 1]
+    notes = []
+    if repeated:
+        notes.append(
+            f"{len(repeated)} set{'s' if len(repeated) > 1 else ''} of attention weights {'are' if len(repeated) > 1 else 'is'} "
+            f"used by {sum(repeated)} attention calls (weights shared across layers): one block for each set, changed once"
+        )
+    return kept_cores, kept_scopes, notes
 
 
 def _block(
