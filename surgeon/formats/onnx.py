@@ -50,6 +50,11 @@ DTYPES: dict[int, tuple[torch.dtype, int]] = {
     onnx.TensorProto.FLOAT8E4M3FN: (torch.float8_e4m3fn, 1),
     onnx.TensorProto.FLOAT8E5M2: (torch.float8_e5m2, 1),
 }
+# nodes that pass an initializer's values on to others (a copy read through them must reach only the chosen projections)
+_PASS_ON = frozenset(
+    ("Identity", "Transpose", "Cast", "CastLike", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Split", "Slice", "Gather",
+     "Concat", "Expand", "Tile", "DequantizeLinear")
+)
 _SMALL = 4096  # constants the graph walker may read (shapes, axes, split sizes)
 
 
@@ -79,6 +84,9 @@ class OnnxWeights(WeightSet):
         self.layout = wire.scan(path)
         self._stored: dict[str, _Stored] = {}
         self._protos: dict[str, onnx.TensorProto] = {}
+        # shared initializers the plan changes for some of their readers: name -> (the copy's name,
+        # the nodes that read the copy instead); see check_plan
+        self.copies: dict[str, tuple[str, list[int]]] = {}
         external: list[str] = []
         for t in self.model.graph.initializer:
             if t.data_type not in DTYPES:
@@ -190,27 +198,75 @@ class OnnxWeights(WeightSet):
             if plan.options.zero_bias and proj.bias is not None:
                 allowed.setdefault(proj.bias.tensor, set()).update(users["bias"])
         graph = found.graph
+        self.copies = {}
+        notes: list[str] = []
+        behind = _unchosen_readers(plan, detection)
         for name in plan.tensors():
             others = [n for n in graph.consumers.get(name, []) if n not in allowed.get(name, set())]
-            if not others and name not in graph.outputs:
+            # a node on the way to a chosen projection (an Identity the exporter put there) that feeds another too
+            through = [label for label, nodes in behind.get(name, {}).items() if nodes & allowed.get(name, set())]
+            if not others and not through and name not in graph.outputs:
                 continue
             if name not in weights and self._all_zero_bytes(name):
                 unchanged.append(name)
                 continue
-            what = [f"block {found.owners[n][0]} ({found.owners[n][1]})" if n in found.owners else graph.describe(n) for n in others]
+            what = through + [f"block {found.owners[n][0]} ({found.owners[n][1]})" if n in found.owners else graph.describe(n) for n in others]
             what = list(dict.fromkeys(what)) + (["a graph output"] if name in graph.outputs else [])
             shown = ", ".join(what[:3]) + (f" and {len(what) - 3} more" if len(what) > 3 else "")
+            why = self._copy(name, allowed.get(name, set()), graph)
+            if why is None:
+                copy = self.copies[name][0]
+                notes.append(f"initializer {name!r} is shared with {shown}: the chosen projections read a new copy of it, {copy!r}, and the others keep the original")
+                continue
             is_bias = any(c.projection.bias is not None and c.projection.bias.tensor == name for c in plan.changes)
             fix = f"select them too ({opt('layers')}/{opt('stack')}/{opt('attention')})" + (f", or keep the biases ({opt('bias', 'keep')})" if is_bias else "")
             raise SharedInitializerError(
                 f"initializer {name!r} is shared: besides the projections chosen, {shown} read{'s' if len(what) == 1 else ''} it, "
-                f"so changing it would change them too; {fix}, or leave those projections out"
+                f"so changing it would change them too, and the chosen ones cannot have a copy of their own ({why}); {fix}, or leave those projections out"
             )
         if not unchanged:
-            return []
+            return notes
         shown = ", ".join(unchanged[:3]) + (f" and {len(unchanged) - 3} more" if len(unchanged) > 3 else "")
-        return [f"bias initializer{'s' if len(unchanged) > 1 else ''} {shown}, shared with other nodes, "
+        return notes + [f"bias initializer{'s' if len(unchanged) > 1 else ''} {shown}, shared with other nodes, "
                 f"{'are' if len(unchanged) > 1 else 'is'} zero already: zeroing the chosen heads' biases leaves {'them' if len(unchanged) > 1 else 'it'} as {'they were' if len(unchanged) > 1 else 'it was'}"]
+
+    def _copy(self, name: str, readers: set[int], graph) -> str | None:
+        """Give the chosen projections' nodes (``readers``) their own copy of initializer ``name``:
+        None when that is exact (recorded in ``self.copies``), else why not. Exact: the nodes that read
+        ``name`` directly are renamed, and whatever passes its value on (Identity, Transpose, Split, ...)
+        feeds only the chosen projections."""
+        direct = [n for n in graph.consumers.get(name, []) if n in readers]
+        if len(self.layout.nodes) != len(graph.nodes):
+            return "its nodes could not be located in the file"
+        if not direct:
+            return "no node of theirs reads it directly"
+        for n in direct:
+            if name not in graph.nodes[n].input:
+                return f"{graph.describe(n)} reads it inside a subgraph"
+        todo, seen = list(direct), set(direct)
+        while todo:
+            n = todo.pop()
+            if graph.nodes[n].op_type not in _PASS_ON:
+                continue
+            for out in graph.nodes[n].output:
+                for c in graph.consumers.get(out, []):
+                    if c not in readers:
+                        return f"{graph.describe(n)} passes it on to {graph.describe(c)} too"
+                    if c not in seen:
+                        seen.add(c)
+                        todo.append(c)
+                if out in graph.outputs:
+                    return f"{graph.describe(n)} passes it on to a graph output"
+        extra = sum(self._infos[n].nbytes for n in self.copies) + self._infos[name].nbytes
+        if self.layout.size + extra >= 2**31 - 2**20:
+            return "the copy would take the .onnx past protobuf's 2 GiB"
+        taken = set(graph.inits) | set(graph.producer) | set(graph.consumers) | {c for c, _ in self.copies.values()}
+        copy, i = f"{name}.surgeon_copy", 1
+        while copy in taken:
+            i += 1
+            copy = f"{name}.surgeon_copy{i}"
+        self.copies[name] = (copy, direct)
+        return None
 
     def _all_zero_bytes(self, name: str) -> bool:
         """Every byte of the initializer is 0 (+0.0; -0.0 is not, as zeroing would change its bytes)."""
@@ -220,18 +276,27 @@ class OnnxWeights(WeightSet):
         return not bool(self.read(name).reshape(-1).view(torch.uint8).any())
 
     def save(self, dest: Path, updates: UpdatesFn, record: dict) -> None:
-        self._write_model(dest / self.path.name, dict(updates(self.path.name)), record)
-        for file in self.files[1:]:
-            self._write_data(file, dest / file, dict(updates(file)))
+        self._save(dest, self.path.name, {f: f for f in self.files[1:]}, updates, record, None)
 
     def save_as(self, dest: Path, name: str, updates: UpdatesFn, record: dict) -> list[str]:
         """The model as ``dest/name``, its external data files renamed beside it
         (``wire.renamed_data_files``) and the graph's ``location`` entries rewritten to match."""
         names = wire.renamed_data_files(self.files[1:], self.path.name, name)
-        self._write_model(dest / name, dict(updates(self.path.name)), record, names)
-        for file in self.files[1:]:
-            self._write_data(file, dest / names[file], dict(updates(file)))
+        self._save(dest, name, names, updates, record, names)
         return [name, *names.values()]
+
+    def _save(self, dest: Path, name: str, names: dict[str, str], updates: UpdatesFn, record: dict, renamed: dict[str, str] | None) -> None:
+        if not self.copies:  # each file's new values computed while the one before is written
+            self._write_model(dest / name, dict(updates(self.path.name)), record, renamed)
+            for file in self.files[1:]:
+                self._write_data(file, dest / names[file], dict(updates(file)))
+            return
+        # shared initializers with a copy: their new values go into the .onnx as new initializers
+        changed = {file: dict(updates(file)) for file in self.files}
+        copies = {n: changed[f].pop(n) for f in changed for n in list(changed[f]) if n in self.copies}
+        self._write_model(dest / name, changed[self.path.name], record, renamed, copies)
+        for file in self.files[1:]:
+            self._write_data(file, dest / names[file], changed[file])
 
     def _write_data(self, file: str, target: Path, changed: dict[str, torch.Tensor]) -> None:
         """An external data file copied with only the changed tensors' byte ranges rewritten."""
@@ -245,10 +310,31 @@ class OnnxWeights(WeightSet):
                     out.write(data)
 
     # --- writing the .onnx ----------------------------------------------------------------------
-    def _write_model(self, target: Path, changed: dict[str, torch.Tensor], record: dict, renamed: dict[str, str] | None = None) -> None:
+    def _write_model(
+        self, target: Path, changed: dict[str, torch.Tensor], record: dict, renamed: dict[str, str] | None = None,
+        copies: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         layout = self.layout
         edits: list[tuple[int, int, bytes]] = []
         graph_growth = 0
+        inputs: dict[int, dict[str, str]] = {}
+        for name, tensor in (copies or {}).items():  # a new initializer, read by the chosen projections' nodes
+            copy, readers = self.copies[name]
+            proto = onnx.TensorProto(name=copy, dims=self._protos[name].dims, data_type=self._protos[name].data_type, raw_data=self._bytes(name, tensor))
+            new = wire.field(wire.GRAPH_INITIALIZER, proto.SerializeToString())
+            edits.append((layout.graph[2], layout.graph[2], new))
+            graph_growth += len(new)
+            for n in readers:
+                inputs.setdefault(n, {})[name] = copy
+        for n, renames in inputs.items():
+            node = onnx.NodeProto()
+            node.CopyFrom(self.model.graph.node[n])
+            for i, x in enumerate(node.input):
+                node.input[i] = renames.get(x, x)
+            start, end = layout.nodes[n]
+            new = wire.field(wire.GRAPH_NODE, node.SerializeToString())
+            edits.append((start, end, new))
+            graph_growth += len(new) - (end - start)
         for t in self.model.graph.initializer if renamed else ():
             moved = _relocated(t, renamed or {})
             if moved is None:
@@ -310,6 +396,22 @@ def surgeon_records(model: onnx.ModelProto) -> list[dict]:
             value = json.loads(p.value)
             return value if isinstance(value, list) else [value]
     return []
+
+
+def _unchosen_readers(plan, detection) -> dict[str, dict[str, set[int]]]:
+    """initializer -> {"block X (role)": the nodes through which that unchosen projection reads it}."""
+    chosen = {(c.block.module, c.role) for c in plan.changes}
+    out: dict[str, dict[str, set[int]]] = {}
+    for block in detection.blocks:
+        for proj in block.projections:
+            users = detection.graph.users.get((block.module, proj.role))
+            if (block.module, proj.role) in chosen or users is None:
+                continue
+            label = f"block {block.label} ({proj.role})"
+            out.setdefault(proj.weight.tensor, {}).setdefault(label, set()).update(users["weight"])
+            if proj.bias is not None:
+                out.setdefault(proj.bias.tensor, {}).setdefault(label, set()).update(users["bias"])
+    return out
 
 
 def _relocated(t: onnx.TensorProto, renamed: dict[str, str]) -> onnx.TensorProto | None:

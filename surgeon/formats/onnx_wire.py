@@ -11,7 +11,7 @@ from .fileio import copy_range
 
 # Field numbers of onnx.proto that the byte-level scan needs.
 MODEL_GRAPH, MODEL_METADATA = 7, 14
-GRAPH_INITIALIZER = 5
+GRAPH_NODE, GRAPH_INITIALIZER = 1, 5
 TENSOR_NAME, TENSOR_RAW, TENSOR_FLOAT, TENSOR_DOUBLE = 8, 9, 4, 10
 TENSOR_DATA_FIELDS = {4, 5, 6, 7, 9, 10, 11}
 LEN = 2  # wire type of length-delimited fields
@@ -27,6 +27,7 @@ class Layout:
         str, tuple[int, int, int | None, int, int, bool]
     ]  # name -> field start/end, data field, data start/end, one piece
     metadata: list[tuple[int, int, str, str]]  # top-level metadata_props: field start/end, key, value
+    nodes: list[tuple[int, int]]  # the graph's nodes in order: field start/end
 
 
 def renamed_data_files(files: list[str], model_name: str, new_name: str) -> dict[str, str]:
@@ -76,7 +77,10 @@ def scan_buffer(buf) -> Layout:
     if graph is None:
         raise Corrupt("no graph")
     tensors = {}
+    nodes = []
     for number, wire, start, pstart, pend in fields(buf, graph[1], graph[2]):
+        if number == GRAPH_NODE and wire == LEN:
+            nodes.append((start, pend))
         if number != GRAPH_INITIALIZER or wire != LEN:
             continue
         name, data_field, span, pieces = "", None, (pend, pend), 0
@@ -88,7 +92,7 @@ def scan_buffer(buf) -> Layout:
                 pieces += 1 if w == LEN else 2
                 data_field, span = n, (s, e)
         tensors[name] = (start, pend, data_field, span[0], span[1], pieces <= 1)
-    return Layout(size, graph, tensors, metadata)
+    return Layout(size, graph, tensors, metadata, nodes)
 
 
 def fields(buf, start: int, end: int):
