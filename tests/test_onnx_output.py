@@ -103,3 +103,12 @@ def test_existing_data_file_is_refused_and_nothing_written(bert, tmp_path):
     reinit_checkpoint(src, output=dest / "out.onnx", layers="0", device="cpu", overwrite=True)
     assert files_under(dest) == {"out.onnx", "out.onnx.data"}
     ort_run(dest / "out.onnx", bert[2])
+
+
+def test_help_and_docstrings_name_onnx(cli):
+    from surgeon import api
+
+    for args in ([], ["reinit"], ["inspect"]):
+        assert "onnx" in cli(*args, "--help").output.lower(), args
+    assert "out.onnx.data" in cli("reinit", "--help").output
+    assert "ONNX" in (api.reinit_checkpoint.__doc__ or "") and "ONNX" in (api.inspect_checkpoint.__doc__ or "")
