@@ -116,6 +116,7 @@ def test_shared_initializer_gets_a_copy_for_the_chosen_projections(cli, tmp_path
     expected = _save(by_onnx, tmp_path / "by-onnx")
     np.testing.assert_allclose(ort_run(out, feeds), ort_run(expected, feeds), atol=1e-6)
     assert not np.allclose(ort_run(out, feeds), ort_run(path, feeds), atol=1e-4)
+    assert "verified" in cli("verify", path, out).output  # surgeon verify knows the copy
     # the same with external data: the copy is embedded in the new .onnx, the data file patched as before
     ext = _save(tiny_attention(layers=2, share_q=True), tmp_path / "ext", save_as_external_data=True, location="model.onnx.data", size_threshold=256)
     reinit_checkpoint(ext, output=tmp_path / "ext-out.onnx", layers="0", device="cpu")

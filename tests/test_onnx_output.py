@@ -48,7 +48,7 @@ def files_under(folder: Path) -> set[str]:
 
 
 @pytest.mark.parametrize("kind", ["one-file", "split"])
-def test_onnx_output_with_external_data_is_a_file_with_its_data_beside_it(bert, tmp_path, kind):
+def test_onnx_output_with_external_data_is_a_file_with_its_data_beside_it(bert, cli, tmp_path, kind):
     model, embedded, feeds, params, inits = bert
     src = external(embedded, tmp_path / "src", kind)
     before = tree_digest(src.parent)
@@ -67,6 +67,7 @@ def test_onnx_output_with_external_data_is_a_file_with_its_data_beside_it(bert, 
     got = ort_run(out, feeds)
     np.testing.assert_allclose(got, torch_forward(reference, feeds), atol=1e-4, rtol=1e-4)
     assert not np.allclose(got, torch_forward(model, feeds), atol=1e-4)
+    assert "verified" in cli("verify", src, out).output
 
 
 def test_onnx_output_beside_the_input_and_the_default(bert, tmp_path):

@@ -326,6 +326,8 @@ class OnnxWeights(WeightSet):
             graph_growth += len(new)
             for n in readers:
                 inputs.setdefault(n, {})[name] = copy
+        if copies:  # surgeon verify reads the copies' values under their new names
+            record = {**record, "copies": {name: self.copies[name][0] for name in copies}}
         for n, renames in inputs.items():
             node = onnx.NodeProto()
             node.CopyFrom(self.model.graph.node[n])
