@@ -1,0 +1,96 @@
+"""timm/ViT-style fused QKV: ``qkv(x).reshape(B, N, 3, H, D).permute(2, 0, 3, 1, 4)``, then
+``qkv[0], qkv[1], qkv[2]`` (Gather on axis 0) or ``unbind(0)`` (Split, or Slices from the dynamo
+exporter), from both exporters: every block found with its heads, one layer re-initialized, and
+onnxruntime computes what PyTorch computes with the same new weights."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from surgeon import inspect_checkpoint, reinit_checkpoint
+from surgeon.apply import head_matrices
+from surgeon.formats.onnx import open_onnx
+
+from _modules import TimmAttention
+from _onnx_helpers import as_param, assert_semi_orthogonal, assert_value_identity, initializers, locate, ort_run
+
+DIM, HEADS = 32, 4
+
+
+class GatherAttention(TimmAttention):
+    """The same module, q/k/v taken as ``qkv[0], qkv[1], qkv[2]`` (older timm, many ViT ports)."""
+
+    def forward(self, x, attn_mask=None, is_causal=False):
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        attn = ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+        return self.proj((attn @ v).transpose(1, 2).reshape(B, N, C))
+
+
+class Vit(torch.nn.Module):
+    def __init__(self, cls):
+        super().__init__()
+        self.norms = torch.nn.ModuleList([torch.nn.LayerNorm(DIM) for _ in range(2)])
+        self.blocks = torch.nn.ModuleList([cls(DIM, num_heads=HEADS, qkv_bias=True, fused_attn=False) for _ in range(2)])
+
+    def forward(self, x):
+        for norm, block in zip(self.norms, self.blocks):
+            x = x + block(norm(x))
+        return x
+
+
+@pytest.mark.parametrize("exporter", ["legacy", "dynamo"])
+@pytest.mark.parametrize("pick", ["gather", "unbind"])
+def test_timm_fused_qkv(tmp_path, pick, exporter):
+    torch.manual_seed(0)
+    model = Vit(GatherAttention if pick == "gather" else TimmAttention).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.05 if p.ndim == 1 else 0.2)
+    x = torch.randn(1, 5, DIM)
+    path = tmp_path / "model.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (x,), str(path), input_names=["x"], dynamo=exporter == "dynamo", opset_version=18 if exporter == "legacy" else None)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    inits = initializers(path)
+    blocks = inspect_checkpoint(path, device="cpu").blocks
+    weights = open_onnx(path)
+    assert [b.layer for b in blocks] == [0, 1]
+    for i, block in enumerate(blocks):
+        assert (block.heads, block.kv_heads, block.head_dim) == (HEADS, HEADS, DIM // HEADS) and "fused" in block.layout
+        w = params[f"blocks.{i}.qkv.weight"]
+        for j, role in enumerate("qkv"):
+            proj = block.projection(role)
+            assert proj.weight.tensor == locate(params, inits, f"blocks.{i}.qkv.weight")[0]
+            heads = head_matrices(weights.read(proj.weight.tensor).double(), proj.weight)
+            assert torch.equal(heads.reshape(-1, DIM), w[j * DIM:(j + 1) * DIM].double()), (i, role)
+            assert proj.bias is not None and proj.bias.tensor == locate(params, inits, f"blocks.{i}.qkv.bias")[0]
+    out = tmp_path / "out.onnx"
+    reinit_checkpoint(path, output=out, layers="1", device="cpu")
+    after = initializers(out)
+    reference = copy.deepcopy(model)
+    changed = set()
+    for leaf in ("weight", "bias"):
+        where = locate(params, inits, f"blocks.1.qkv.{leaf}")
+        changed.add(where[0])
+        with torch.no_grad():
+            reference.get_parameter(f"blocks.1.qkv.{leaf}").copy_(as_param(after, where))
+    new_w = reference.get_parameter("blocks.1.qkv.weight").detach()
+    assert_semi_orthogonal(new_w[:DIM], DIM // HEADS, "q")
+    assert_semi_orthogonal(new_w[DIM:2 * DIM], DIM // HEADS, "k")
+    assert_value_identity(new_w[2 * DIM:], "v")
+    assert not reference.get_parameter("blocks.1.qkv.bias").any()
+    assert all(after[n].tobytes() == v.tobytes() for n, v in inits.items() if n not in changed)
+    with torch.no_grad():
+        want = reference(x).numpy()
+        old = model(x).numpy()
+    got = ort_run(out, {"x": x.numpy()})
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert not np.allclose(got, old, atol=1e-4)
