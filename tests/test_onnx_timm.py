@@ -94,3 +94,54 @@ def test_timm_fused_qkv(tmp_path, pick, exporter):
     got = ort_run(out, {"x": x.numpy()})
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     assert not np.allclose(got, old, atol=1e-4)
+
+
+class SliceAttention(torch.nn.Module):
+    """q, k, v sliced out of one fused projection at bounds computed from its shape
+    (``qkv.shape[-1] // 3``): Shape -> Gather -> Div -> Slice in the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(DIM, 3 * DIM), torch.nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        B, N, _ = x.shape
+        qkv = self.qkv(x)
+        d = qkv.shape[-1] // 3
+        q, k, v = qkv[..., :d], qkv[..., d:2 * d], qkv[..., 2 * d:]
+        hd = d // HEADS
+        q, k, v = (t.reshape(B, N, HEADS, hd).transpose(1, 2) for t in (q, k, v))
+        a = (q @ k.transpose(-1, -2) / hd**0.5).softmax(-1)
+        return self.out((a @ v).transpose(1, 2).reshape(B, N, d))
+
+
+@pytest.mark.parametrize("exporter", ["legacy", "dynamo"])
+def test_slice_bounds_computed_from_shapes(tmp_path, exporter):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(SliceAttention(), SliceAttention()).eval()
+    x = torch.randn(1, 5, DIM)
+    path = tmp_path / "model.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if exporter == "legacy":  # batch and sequence dynamic: only the feature axis is static
+            torch.onnx.export(model, (x,), str(path), input_names=["x"], dynamo=False, opset_version=18, dynamic_axes={"x": {0: "b", 1: "n"}})
+        else:
+            torch.onnx.export(model, (x,), str(path), input_names=["x"], dynamo=True,
+                              dynamic_shapes=({0: torch.export.Dim("b"), 1: torch.export.Dim("n")},))
+    blocks = inspect_checkpoint(path, device="cpu").blocks
+    assert [(b.layer, b.heads, b.head_dim) for b in blocks] == [(0, HEADS, DIM // HEADS), (1, HEADS, DIM // HEADS)]
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    inits = initializers(path)
+    assert [blocks[1].projection(r).weight.offsets[0] for r in "qkv"] == [0, DIM, 2 * DIM]
+    out = tmp_path / "out.onnx"
+    reinit_checkpoint(path, output=out, layers="1", device="cpu")
+    after = initializers(out)
+    reference = copy.deepcopy(model)
+    for leaf in ("weight", "bias"):
+        with torch.no_grad():
+            reference.get_parameter(f"1.qkv.{leaf}").copy_(as_param(after, locate(params, inits, f"1.qkv.{leaf}")))
+    assert_value_identity(reference.get_parameter("1.qkv.weight").detach()[2 * DIM:], "v")
+    x2 = torch.randn(2, 6, DIM)  # other batch and sequence sizes: the bounds are computed at run time
+    with torch.no_grad():
+        want = reference(x2).numpy()
+    np.testing.assert_allclose(ort_run(out, {"x": x2.numpy()}), want, atol=1e-5, rtol=1e-5)
