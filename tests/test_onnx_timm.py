@@ -145,3 +145,36 @@ def test_slice_bounds_computed_from_shapes(tmp_path, exporter):
     with torch.no_grad():
         want = reference(x2).numpy()
     np.testing.assert_allclose(ort_run(out, {"x": x2.numpy()}), want, atol=1e-5, rtol=1e-5)
+
+
+def test_weights_in_constant_nodes(tmp_path):
+    """The same export with every 2-D weight moved into a Constant node (as some optimizers leave
+    them): read and patched in place like initializers, the same values as from initializers."""
+    import onnx
+
+    from _families import FAMILIES
+    from _onnx_helpers import changed_byte_ranges, export
+
+    path = tmp_path / "model.onnx"
+    feeds = export(FAMILIES["bert"].make(), "bert", path, dynamo=False)
+    model = onnx.load(str(path))
+    moved = [t for t in model.graph.initializer if len(t.dims) == 2]
+    for t in moved:
+        model.graph.initializer.remove(t)
+    nodes = [onnx.helper.make_node("Constant", [], [t.name], value=t, name=f"const_{i}") for i, t in enumerate(moved)] + list(model.graph.node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    consts = tmp_path / "consts.onnx"
+    onnx.save_model(model, str(consts))
+    blocks = inspect_checkpoint(consts, device="cpu").blocks
+    assert [b.q.weight.tensor for b in blocks] == [b.q.weight.tensor for b in inspect_checkpoint(path, device="cpu").blocks]
+    reinit_checkpoint(path, output=tmp_path / "a.onnx", layers="1", device="cpu")
+    reinit_checkpoint(consts, output=tmp_path / "b.onnx", layers="1", device="cpu")
+    a = initializers(tmp_path / "a.onnx")
+    b = onnx.load(str(tmp_path / "b.onnx"))
+    values = {n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t) for n in b.graph.node if n.op_type == "Constant"}
+    values |= {t.name: onnx.numpy_helper.to_array(t) for t in b.graph.initializer}
+    assert all(values[n].tobytes() == v.tobytes() for n, v in a.items())
+    old, new = consts.read_bytes(), (tmp_path / "b.onnx").read_bytes()
+    assert changed_byte_ranges(old, new[: len(old)])  # patched in place: the same length up to surgeon's record
+    np.testing.assert_array_equal(ort_run(tmp_path / "b.onnx", feeds), ort_run(tmp_path / "a.onnx", feeds))

@@ -55,6 +55,7 @@ _PASS_ON = frozenset(
     ("Identity", "Transpose", "Cast", "CastLike", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Split", "Slice", "Gather",
      "Concat", "Expand", "Tile", "DequantizeLinear")
 )
+_FLOATS = frozenset((onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE))
 _SMALL = 4096  # constants the graph walker may read (shapes, axes, split sizes)
 
 
@@ -104,6 +105,27 @@ class OnnxWeights(WeightSet):
             self._stored[t.name] = stored
             self._protos[t.name] = t
         self.files = [path.name] + external
+        # 2-D float weights kept in Constant nodes: read and patched in place like embedded initializers
+        self.constants: dict[str, onnx.TensorProto] = {}
+        for node in self.model.graph.node:
+            found = self.layout.constants.get(node.output[0]) if node.op_type == "Constant" and len(node.output) == 1 else None
+            value = next((a.t for a in node.attribute if a.name == "value" and a.HasField("t")), None)
+            name = node.output[0] if found else ""
+            if found is None or value is None or len(value.dims) != 2 or name in self._infos or value.data_type not in _FLOATS:
+                continue
+            data_field, dstart, dend, one_piece = found
+            dtype, itemsize = DTYPES[value.data_type]
+            nbytes = int(np.prod(value.dims, dtype=np.int64)) * itemsize
+            if data_field != wire.TENSOR_RAW or not one_piece or dend - dstart != nbytes:
+                continue  # only raw bytes are patched in place; others stay unsupported (see the walker's message)
+            proto = onnx.TensorProto()
+            proto.CopyFrom(value)
+            proto.name = name
+            self._infos[name] = TensorInfo(name, tuple(int(d) for d in value.dims), onnx.TensorProto.DataType.Name(value.data_type),
+                                           str(dtype).removeprefix("torch."), path.name, nbytes)
+            self._stored[name] = _Stored(path.name, dstart, nbytes, True)
+            self._protos[name] = proto
+            self.constants[name] = proto
 
     # --- where the bytes are ---------------------------------------------------------------
     def _embedded(self, t: onnx.TensorProto, nbytes: int) -> _Stored:

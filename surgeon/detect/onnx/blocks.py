@@ -39,9 +39,11 @@ def find_attention(
     hints: Hints | None = None,
     *,
     source: str = "the model",
+    constants: dict[str, onnx.TensorProto] | None = None,
 ) -> OnnxDetection:
-    """Every attention block of an ONNX model, in graph order. Raises NoAttentionFoundError if none."""
-    graph = Graph(model, const)
+    """Every attention block of an ONNX model, in graph order. Raises NoAttentionFoundError if none.
+    ``constants``: weights kept in Constant nodes, by output name (read like initializers)."""
+    graph = Graph(model, const, constants)
     walker = Walker(graph)
     resolved: list[Core] = []
     failures: list[str] = []

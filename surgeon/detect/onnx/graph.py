@@ -100,11 +100,15 @@ class Fail(Exception):
 class Graph:
     """Nodes by index, who produces and who consumes each tensor, small constant values."""
 
-    def __init__(self, model: onnx.ModelProto, const: Callable[[str], np.ndarray | None]) -> None:
+    def __init__(
+        self, model: onnx.ModelProto, const: Callable[[str], np.ndarray | None], constants: dict[str, onnx.TensorProto] | None = None
+    ) -> None:
         g = model.graph
         self.nodes = list(g.node)
         self.const = const
         self.inits: dict[str, onnx.TensorProto] = {t.name: t for t in g.initializer}
+        for name, t in (constants or {}).items():  # weights in Constant nodes: their output is the weight's name
+            self.inits.setdefault(name, t)
         self.inputs = {i.name for i in g.input} - set(self.inits)
         self.outputs = {o.name for o in g.output}
         self.producer: dict[str, int] = {}
