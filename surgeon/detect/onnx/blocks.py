@@ -209,8 +209,8 @@ def _place_cores(scopes: list[str | None], fallback: list[str]) -> list[tuple[st
     Module paths that differ only in numbers form a group (``encoder.layer.#.attention.self``); the
     numbers that vary inside a group index the layers and the stack is the path before the first of
     them, as for named checkpoints. A module called several times (shared weights) becomes its own
-    stack, numbered by call; blocks without any scope are numbered in graph order at the top level
-    and named after their core node.
+    stack, numbered by call; blocks without any scope are numbered in graph order and named after
+    their core node, grouped by that name's prefix (``_unscoped_stacks``).
     """
     counts: dict[str, int] = defaultdict(int)
     for s in scopes:
@@ -219,14 +219,18 @@ def _place_cores(scopes: list[str | None], fallback: list[str]) -> list[tuple[st
     placed: dict[int, tuple[str, int, str]] = {}
     calls: dict[str, int] = defaultdict(int)
     grouped: list[tuple[int, str]] = []  # (index, scope) of the blocks placed by their numbered paths
-    unnamed, used = 0, set(s for s in scopes if s)
+    used = set(s for s in scopes if s)
+    unscoped = [i for i, s in enumerate(scopes) if not s]
+    numbers: dict[str, int] = defaultdict(int)
+    for i, stack in zip(unscoped, _unscoped_stacks([fallback[i] for i in unscoped])):
+        name = fallback[i] if fallback[i] not in used else f"{fallback[i]}.{i}"
+        used.add(name)
+        placed[i] = (stack, numbers[stack], name)
+        numbers[stack] += 1
     for i, s in enumerate(scopes):
         if not s:
-            name = fallback[i] if fallback[i] not in used else f"{fallback[i]}.{i}"
-            used.add(name)
-            placed[i] = ("", unnamed, name)
-            unnamed += 1
-        elif counts[s] > 1:
+            continue
+        if counts[s] > 1:
             placed[i] = (s, calls[s], f"{s}[{calls[s]}]")
             calls[s] += 1
         else:
@@ -235,6 +239,23 @@ def _place_cores(scopes: list[str | None], fallback: list[str]) -> list[tuple[st
     for i, s in grouped:
         placed[i] = (places[s].stack, places[s].layer, s)
     return [placed[i] for i in range(len(scopes))]
+
+
+def _unscoped_stacks(names: list[str]) -> list[str]:
+    """The stack of each block the exporter left without a scope, from its core node's name: names
+    that differ only in numbers (``Softmax_12``, ``Softmax_57``; ``node_softmax``, ``node_softmax_1``)
+    form one group, numbered in graph order. One group is the top-level stack ""; several (an
+    encoder's and a decoder's names) are stacks named by the text before the first number."""
+    keys = [re.sub(r"[_./:-]*#$", "", re.sub(r"\d+", "#", n)) for n in names]
+    groups = list(dict.fromkeys(keys))
+    if len(groups) <= 1:
+        return [""] * len(names)
+    short = {k: re.sub(r"[_./:-]*#.*$", "", k).strip("_./:-") or k for k in groups}
+    if len(set(short.values())) < len(groups):
+        short = {k: k.replace("#", "").strip("_./:-") or k for k in groups}
+    if len(set(short.values())) < len(groups):
+        short = {k: k for k in groups}
+    return [short[k] for k in keys]
 
 
 def _nothing_found(graph: Graph, cores: list[int], failures: list[str], source: str) -> str:
