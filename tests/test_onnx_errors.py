@@ -193,3 +193,23 @@ def test_heads_from_the_user_when_the_graph_does_not_say(cli, tmp_path):
     out = tmp_path / "out.onnx"
     cli("reinit", path, "--num-heads", "2", "-o", out)
     ort_run(out, feeds)
+
+
+def test_weight_passed_on_to_another_op_is_refused(cli, tmp_path):
+    """An Identity between a query weight and its MatMul also feeds another op: changing the weight
+    would change that op's output too, and a copy behind the Identity would as well."""
+    model = tiny_attention(layers=2)
+    model.graph.node.insert(0, onnx.helper.make_node("Identity", ["onnx::MatMul_0q"], ["q0_id"], name="q0_identity"))
+    model.graph.node.append(onnx.helper.make_node("ReduceSum", ["q0_id"], ["q0_sum"], name="q0_sum", keepdims=0))
+    model.graph.output.append(onnx.helper.make_tensor_value_info("q0_sum", onnx.TensorProto.FLOAT, []))
+    for node in model.graph.node:
+        if node.name == "/layers.0/attn/q_proj/MatMul":
+            node.input[1] = "q0_id"
+    path = _save(model, tmp_path / "m")
+    expect_cli_error(
+        cli, tmp_path, "reinit", path, "--layers", "0",
+        match="initializer 'onnx::MatMul_0q' is read through nodes that feed more than the projections chosen "
+              "(Identity q0_identity passes it on to ReduceSum q0_sum too)",
+    )
+    cli("reinit", path, "--layers", "0", "--targets", "k,v", "-o", tmp_path / "kv.onnx")
+    ort_run(tmp_path / "kv.onnx", {"x": np.ones((1, 5, 8), np.float32)})

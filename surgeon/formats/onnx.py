@@ -227,13 +227,16 @@ class OnnxWeights(WeightSet):
             others = [n for n in graph.consumers.get(name, []) if n not in allowed.get(name, set())]
             # a node on the way to a chosen projection (an Identity the exporter put there) that feeds another too
             through = [label for label, nodes in behind.get(name, {}).items() if nodes & allowed.get(name, set())]
-            if not others and not through and name not in graph.outputs:
+            leak = None if others or through else _passed_on(name, allowed.get(name, set()), graph)
+            if not others and not through and not leak and name not in graph.outputs:
                 continue
             if name not in weights and self._all_zero_bytes(name):
                 unchanged.append(name)
                 continue
             what = through + [f"block {found.owners[n][0]} ({found.owners[n][1]})" if n in found.owners else graph.describe(n) for n in others]
             what = list(dict.fromkeys(what)) + (["a graph output"] if name in graph.outputs else [])
+            if leak:  # read only by the chosen projections' nodes, but one of those passes it on to others
+                raise SharedInitializerError(f"initializer {name!r} is read through nodes that feed more than the projections chosen ({leak}), so changing it would change those too")
             shown = ", ".join(what[:3]) + (f" and {len(what) - 3} more" if len(what) > 3 else "")
             why = self._copy(name, allowed.get(name, set()), graph)
             if why is None:
@@ -265,20 +268,9 @@ class OnnxWeights(WeightSet):
         for n in direct:
             if name not in graph.nodes[n].input:
                 return f"{graph.describe(n)} reads it inside a subgraph"
-        todo, seen = list(direct), set(direct)
-        while todo:
-            n = todo.pop()
-            if graph.nodes[n].op_type not in _PASS_ON:
-                continue
-            for out in graph.nodes[n].output:
-                for c in graph.consumers.get(out, []):
-                    if c not in readers:
-                        return f"{graph.describe(n)} passes it on to {graph.describe(c)} too"
-                    if c not in seen:
-                        seen.add(c)
-                        todo.append(c)
-                if out in graph.outputs:
-                    return f"{graph.describe(n)} passes it on to a graph output"
+        leak = _passed_on(name, readers, graph)
+        if leak:
+            return leak
         extra = sum(self._infos[n].nbytes for n in self.copies) + self._infos[name].nbytes
         if self.layout.size + extra >= 2**31 - 2**20:
             return "the copy would take the .onnx past protobuf's 2 GiB"
@@ -420,6 +412,28 @@ def surgeon_records(model: onnx.ModelProto) -> list[dict]:
             value = json.loads(p.value)
             return value if isinstance(value, list) else [value]
     return []
+
+
+def _passed_on(name: str, readers: set[int], graph) -> str | None:
+    """Where a node among ``readers`` that passes initializer ``name`` on (Identity, Transpose,
+    Split, ...) feeds a node outside them or a graph output, so that changing what it reads changes
+    more than the chosen projections; None where it does not."""
+    todo = [n for n in graph.consumers.get(name, []) if n in readers]
+    seen = set(todo)
+    while todo:
+        n = todo.pop()
+        if graph.nodes[n].op_type not in _PASS_ON:
+            continue
+        for out in graph.nodes[n].output:
+            if out in graph.outputs:
+                return f"{graph.describe(n)} passes it on to a graph output"
+            for c in graph.consumers.get(out, []):
+                if c not in readers:
+                    return f"{graph.describe(n)} passes it on to {graph.describe(c)} too"
+                if c not in seen:
+                    seen.add(c)
+                    todo.append(c)
+    return None
 
 
 def _unchosen_readers(plan, detection) -> dict[str, dict[str, set[int]]]:
