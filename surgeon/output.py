@@ -67,6 +67,11 @@ def resolve_output(source: Source, output: str | Path | None, *, in_place: bool,
         return source.path if source.kind == "file" else source.folder
     dest = Path(output) if output is not None else default_output(source, folder=folder)
     kind = output_kind(source, dest)
+    if kind == "files" and folder:
+        raise OutputError(
+            f"{opt('push_to_hub')} uploads a model folder, and {opt('output', output)} names an .onnx file: "
+            f"give a folder path (e.g. {opt('output', dest.with_suffix(''))})"
+        )
     if kind == "files":
         _check_companions(source, dest, overwrite=overwrite)
     if kind == "file" and dest.is_dir():

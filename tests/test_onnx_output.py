@@ -113,3 +113,14 @@ def test_help_and_docstrings_name_onnx(cli):
         assert "onnx" in cli(*args, "--help").output.lower(), args
     assert "out.onnx.data" in cli("reinit", "--help").output
     assert "ONNX" in (api.reinit_checkpoint.__doc__ or "") and "ONNX" in (api.inspect_checkpoint.__doc__ or "")
+
+
+def test_a_push_needs_a_folder(bert, tmp_path):
+    from surgeon.output import resolve_output
+    from surgeon.source import open_source
+
+    source = open_source(external(bert[1], tmp_path / "src", "one-file"))
+    with pytest.raises(OutputError, match="uploads a model folder"):
+        resolve_output(source, tmp_path / "out.onnx", in_place=False, overwrite=False, folder=True)
+    assert resolve_output(source, None, in_place=False, overwrite=False, folder=True) == tmp_path / "src-reinit"
+    assert resolve_output(source, None, in_place=False, overwrite=False) == tmp_path / "src" / "model.reinit.onnx"
