@@ -123,13 +123,11 @@ def reinit_checkpoint(
 
     How: ``options`` (a :class:`~surgeon.plan.ReinitOptions`), or its fields as keywords (``layers``,
     ``targets``, ``heads``, ``attention``, ``stack``, ``mode``, ``strength``, ``value_identity``,
-    ``keep_scale``, ``bias``, ``seed``), which replace those of ``options``.
-    ``model`` is a path (safetensors, PyTorch, ONNX file or folder) or a Hugging Face Hub id (``org/name``,
-    at ``revision``). A folder output gets a model card (README.md). ONNX: ``output="out.onnx"`` for an
-    .onnx with external data writes out.onnx with its data files beside it (``out.onnx.data``); a path
-    without the .onnx suffix gives a folder. A shared initializer that must change is given to the
-    chosen projections as a new copy (see the report's notes). ``push_to_hub="org/name"`` then uploads the output folder in one commit
-    (see :func:`surgeon.hub.push_folder` for ``private``, ``push_revision``, ``create_pr``, ``token``).
+    ``keep_scale``, ``bias``, ``seed``), which replace those of ``options``. ``model``: a path (safetensors, PyTorch, ONNX file or folder) or a Hub id (``org/name``, at ``revision``).
+    A folder output gets a model card. ONNX: ``output="out.onnx"`` for an .onnx with external data writes
+    out.onnx with its data beside it (``out.onnx.data``), a path without .onnx a folder; a shared initializer
+    that must change becomes a copy for the chosen projections. ``push_to_hub="org/name"`` uploads the output
+    folder in one commit (see :func:`surgeon.hub.push_folder`: ``private``, ``push_revision``, ``create_pr``, ``token``).
     ``in_place=True`` on safetensors patches only the changed byte ranges, journaled (see
     :mod:`surgeon.journal`). ``full=True`` also measures each whole projection's kappa and spectral norm.
     """

@@ -142,7 +142,7 @@ def verify(
         raise VerificationError(f"{output} is {out.format} and {original} is {src.format}: surgeon writes the input's format")
     history, where = _records(out)
     if not history:
-        hint = " (a folder output carries it in its README.md; a single .bin/.pt file has none)" if out.format == "torch" else ""
+        hint = " (a folder output carries it in its README.md; a single .bin/.pt file has none)" * (out.format == "torch")
         raise CheckpointError(f"{output} holds no surgeon record in {where}{hint}: there is nothing to verify it against")
     before, _ = _records(src) if src.format != "torch" else ([], "")
     record = history[-1]
@@ -159,8 +159,7 @@ def verify(
     if src.format != "torch" and before != history[:-1]:
         raise VerificationError(f"{output}: its earlier surgeon records differ from {original}'s; is ORIGINAL the model it was made from?")
     a, b = src.primary, out.primary
-    found_copies = record.get("copies")
-    copies: dict[str, str] = found_copies if out.format == "onnx" and isinstance(found_copies, dict) else {}
+    copies: dict[str, str] = record["copies"] if out.format == "onnx" and isinstance(record.get("copies"), dict) else {}
     if list(a.tensors) + [copies[n] for n in a.tensors if n in copies] != list(b.tensors):
         missing = [n for n in a.tensors if n not in b.tensors] + [n for n in b.tensors if n not in a.tensors]
         raise VerificationError(f"{output} and {original} do not hold the same tensors (first difference: {missing[0] if missing else 'their order'})")

@@ -236,7 +236,10 @@ class OnnxWeights(WeightSet):
             what = through + [f"block {found.owners[n][0]} ({found.owners[n][1]})" if n in found.owners else graph.describe(n) for n in others]
             what = list(dict.fromkeys(what)) + (["a graph output"] if name in graph.outputs else [])
             if leak:  # read only by the chosen projections' nodes, but one of those passes it on to others
-                raise SharedInitializerError(f"initializer {name!r} is read through nodes that feed more than the projections chosen ({leak}), so changing it would change those too")
+                raise SharedInitializerError(
+                    f"initializer {name!r} is read through nodes that feed more than the projections chosen ({leak}), "
+                    "so changing it would change those too; leave those projections out"
+                )
             shown = ", ".join(what[:3]) + (f" and {len(what) - 3} more" if len(what) > 3 else "")
             why = self._copy(name, allowed.get(name, set()), graph)
             if why is None:
@@ -329,38 +332,10 @@ class OnnxWeights(WeightSet):
         copies: dict[str, torch.Tensor] | None = None,
     ) -> None:
         layout = self.layout
-        edits: list[tuple[int, int, bytes]] = []
-        graph_growth = 0
-        inputs: dict[int, dict[str, str]] = {}
-        for name, tensor in (copies or {}).items():  # a new initializer, read by the chosen projections' nodes
-            copy, readers = self.copies[name]
-            proto = onnx.TensorProto(name=copy, dims=self._protos[name].dims, data_type=self._protos[name].data_type, raw_data=self._bytes(name, tensor))
-            new = wire.field(wire.GRAPH_INITIALIZER, proto.SerializeToString())
-            edits.append((layout.graph[2], layout.graph[2], new))
-            graph_growth += len(new)
-            for n in readers:
-                inputs.setdefault(n, {})[name] = copy
+        edits = self._copy_edits(copies or {}) + self._relocation_edits(renamed or {})
+        graph_growth = sum(len(new) - (end - start) for start, end, new in edits)
         if copies:  # surgeon verify reads the copies' values under their new names
             record = {**record, "copies": {name: self.copies[name][0] for name in copies}}
-        for n, renames in inputs.items():
-            node = onnx.NodeProto()
-            node.CopyFrom(self.model.graph.node[n])
-            for i, x in enumerate(node.input):
-                node.input[i] = renames.get(x, x)
-            start, end = layout.nodes[n]
-            new = wire.field(wire.GRAPH_NODE, node.SerializeToString())
-            edits.append((start, end, new))
-            graph_growth += len(new) - (end - start)
-        for t in self.model.graph.initializer if renamed else ():
-            moved = _relocated(t, renamed or {})
-            if moved is None:
-                continue
-            span = layout.tensors.get(t.name)
-            if span is None:
-                raise CheckpointError(f"{self.path}: initializer {t.name!r} could not be located in the file; re-save the model with onnx.save")
-            new = wire.field(wire.GRAPH_INITIALIZER, moved.SerializeToString())
-            edits.append((span[0], span[1], new))
-            graph_growth += len(new) - (span[1] - span[0])
         for name, tensor in changed.items():
             data = self._bytes(name, tensor)
             stored = self._stored[name]
@@ -397,6 +372,39 @@ class OnnxWeights(WeightSet):
                 pos = end
             wire.copy(src, out, pos, layout.size - pos)
             out.write(wire.field(wire.MODEL_METADATA, entry))
+
+    def _copy_edits(self, copies: dict[str, torch.Tensor]) -> list[tuple[int, int, bytes]]:
+        """New initializers for the copies of shared ones (at the end of the graph), and the chosen
+        projections' nodes re-encoded to read them."""
+        layout, edits = self.layout, []
+        inputs: dict[int, dict[str, str]] = {}
+        for name, tensor in copies.items():
+            copy, readers = self.copies[name]
+            proto = onnx.TensorProto(name=copy, dims=self._protos[name].dims, data_type=self._protos[name].data_type, raw_data=self._bytes(name, tensor))
+            edits.append((layout.graph[2], layout.graph[2], wire.field(wire.GRAPH_INITIALIZER, proto.SerializeToString())))
+            for n in readers:
+                inputs.setdefault(n, {})[name] = copy
+        for n, renames in inputs.items():
+            node = onnx.NodeProto()
+            node.CopyFrom(self.model.graph.node[n])
+            for i, x in enumerate(node.input):
+                node.input[i] = renames.get(x, x)
+            start, end = layout.nodes[n]
+            edits.append((start, end, wire.field(wire.GRAPH_NODE, node.SerializeToString())))
+        return edits
+
+    def _relocation_edits(self, renamed: dict[str, str]) -> list[tuple[int, int, bytes]]:
+        """External initializers re-encoded with their data files' new names."""
+        edits = []
+        for t in self.model.graph.initializer if renamed else ():
+            moved = _relocated(t, renamed)
+            if moved is None:
+                continue
+            span = self.layout.tensors.get(t.name)
+            if span is None:
+                raise CheckpointError(f"{self.path}: initializer {t.name!r} could not be located in the file; re-save the model with onnx.save")
+            edits.append((span[0], span[1], wire.field(wire.GRAPH_INITIALIZER, moved.SerializeToString())))
+        return edits
 
     def _bytes(self, name: str, tensor: torch.Tensor) -> bytes:
         info = self._infos[name]

@@ -250,13 +250,7 @@ class ProjectionWalk:
                 shape, complete = found if found else ([], False)
                 if shape and shape[-1] == p.width:
                     continue  # merges or splits leading axes only
-                rank = len(shape) if complete else g.rank(t_out)
-                last3 = shape[-3:] if len(shape) >= 3 else []
-                if len(last3) == 3 and all(isinstance(x, int) and x > 1 for x in last3) and last3[0] * last3[1] * last3[2] == p.width:  # type: ignore[operator]
-                    # (..., 3, heads, head_dim) at once (timm's fused qkv): a chunk of 3 is picked later, its heads split already
-                    pending = Pending([*shape[:-3], last3[0], last3[1] * last3[2]], rank - 3 if rank else None, rank, last3[1:])  # type: ignore[operator]
-                else:
-                    pending = Pending(shape, rank - 2 if rank else None, rank)
+                pending = _feature_split(shape, len(shape) if complete else g.rank(t_out), p.width)
             elif op == "Transpose":
                 perm = g.attr(n, "perm")
                 if perm is None or perm[-1] != len(perm) - 1:
@@ -393,6 +387,15 @@ class ProjectionWalk:
         end = min(p.width, end + p.width if end < 0 else end)
         p.base += start
         p.width = end - start
+
+
+def _feature_split(shape: list[int | None], rank: int | None, width: int) -> Pending:
+    """The Reshape that splits a projection's ``width`` features into (..., a, b), or at once into
+    (..., 3, heads, head_dim) (timm's fused qkv: a chunk of 3 is picked later, its heads split already)."""
+    last3 = shape[-3:] if len(shape) >= 3 else []
+    if len(last3) == 3 and all(isinstance(x, int) and x > 1 for x in last3) and last3[0] * last3[1] * last3[2] == width:  # type: ignore[operator]
+        return Pending([*shape[:-3], last3[0], last3[1] * last3[2]], rank - 3 if rank else None, rank, last3[1:])  # type: ignore[operator]
+    return Pending(shape, rank - 2 if rank else None, rank)
 
 
 def _read_head_split(p: Proj, shape: list[int | None], role: str) -> None:
