@@ -178,3 +178,40 @@ def test_weights_in_constant_nodes(tmp_path):
     old, new = consts.read_bytes(), (tmp_path / "b.onnx").read_bytes()
     assert changed_byte_ranges(old, new[: len(old)])  # patched in place: the same length up to surgeon's record
     np.testing.assert_array_equal(ort_run(tmp_path / "b.onnx", feeds), ort_run(tmp_path / "a.onnx", feeds))
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.attn = torch.nn.LayerNorm(DIM), TimmAttention(DIM, num_heads=HEADS, fused_attn=False)
+
+    def forward(self, x):
+        return x + self.attn(self.norm(x))
+
+
+class SequentialVit(torch.nn.Module):
+    """timm's VisionTransformer: ``self.blocks = nn.Sequential(*blocks)``, called as one module."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.Sequential(Block(), Block())
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
+@pytest.mark.parametrize("exporter", ["legacy", "dynamo"])
+def test_module_paths_inside_a_called_sequential(tmp_path, exporter):
+    """The legacy exporter names the nodes /blocks/blocks.0/attn/...: the module is blocks.0.attn,
+    as the dynamo exporter and the PyTorch model say, so --stack blocks works with both."""
+    torch.manual_seed(0)
+    model = SequentialVit().eval()
+    path = tmp_path / "model.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (torch.randn(1, 5, DIM),), str(path), input_names=["x"], dynamo=exporter == "dynamo",
+                          opset_version=18 if exporter == "legacy" else None)
+    blocks = inspect_checkpoint(path, device="cpu").blocks
+    assert [(b.stack, b.layer, b.module) for b in blocks] == [("blocks", 0, "blocks.0.attn"), ("blocks", 1, "blocks.1.attn")]
+    report = reinit_checkpoint(path, output=tmp_path / "out.onnx", stack="blocks", layers="-1", device="cpu")
+    assert {r.block.module for r in report.rows} == {"blocks.1.attn"}

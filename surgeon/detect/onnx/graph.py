@@ -307,7 +307,9 @@ class Graph:
             if paths:
                 return paths[-1]
         if node.name.startswith("/") and node.name.count("/") >= 2:
-            return ".".join(p for p in node.name.strip("/").split("/")[:-1] if p)
+            parts = [p for p in node.name.strip("/").split("/")[:-1] if p]
+            # a called container and its child: /blocks/blocks.0/attn is the module blocks.0.attn
+            return ".".join(p for p, after in zip(parts, parts[1:] + [""]) if not after.startswith(p + "."))
         return None
 
 
