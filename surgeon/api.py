@@ -14,7 +14,7 @@ from .baselines import attach_out_projections, with_model_defaults
 from .detect import Detection, detect_source
 from .detect.config import Hints
 from .errors import CheckpointError, HubError, OptionError, opt
-from .output import copy_extras, output_kind, resolve_output, staged, tree_size
+from .output import companion_files, copy_extras, output_kind, resolve_output, staged, tree_size
 from .plan import Plan, ReinitOptions, make_plan
 from .report import ProjectionRow, Report
 from .source import Source
@@ -60,8 +60,8 @@ def inspect_checkpoint(
 ) -> Report:
     """Find the attention blocks of a checkpoint and the condition numbers of their projections.
 
-    ``model`` is a path or a Hugging Face Hub id (``org/name``, at ``revision``). Per-head condition
-    numbers are always computed; the whole-projection kappa and spectral norm with ``full=True``.
+    ``model`` is a path (safetensors, PyTorch, ONNX file or folder) or a Hugging Face Hub id (``org/name``,
+    at ``revision``); ONNX blocks are found by walking the graph. Per-head condition numbers are always computed; the whole-projection kappa and spectral norm with ``full=True``.
     """
     from .apply import inspect_blocks, resolve_device
 
@@ -124,10 +124,11 @@ def reinit_checkpoint(
 
     How: ``options`` (a :class:`~surgeon.plan.ReinitOptions`), or its fields as keywords (``layers``,
     ``targets``, ``heads``, ``attention``, ``stack``, ``mode``, ``strength``, ``value_identity``,
-    ``keep_scale``, ``bias``, ``seed``, ``gain``, ``std``), which replace those of ``options``.
-    ``model`` is a path or a Hugging Face Hub id (``org/name``, at ``revision``). A folder output gets a
-    model card (README.md). ``push_to_hub="org/name"`` then uploads the output folder in one commit
-    (see :func:`surgeon.hub.push_folder` for ``private``, ``push_revision``, ``create_pr``, ``token``).
+    ``keep_scale``, ``bias``, ``seed``, ``gain``, ``std``), which replace those of ``options``. ``model``: a path (safetensors, PyTorch, ONNX file or folder) or a Hub id (``org/name``, at ``revision``).
+    A folder output gets a model card. ONNX: ``output="out.onnx"`` for an .onnx with external data writes
+    out.onnx with its data beside it (``out.onnx.data``), a path without .onnx a folder; a shared initializer
+    that must change becomes a copy for the chosen projections. ``push_to_hub="org/name"`` uploads the output
+    folder in one commit (see :func:`surgeon.hub.push_folder`: ``private``, ``push_revision``, ``create_pr``, ``token``).
     ``in_place=True`` on safetensors patches only the changed byte ranges, journaled (see
     :mod:`surgeon.journal`). ``full=True`` also measures each whole projection's kappa and spectral norm.
     """
@@ -143,7 +144,7 @@ def reinit_checkpoint(
     opts = with_model_defaults(opts, source.config)  # redraw: the std of the family's own init
     plan = make_plan(detection.blocks, opts)
     attach_out_projections(plan, {n: t.shape for n, t in source.primary.tensors.items()}, fmt=source.format)  # mimetic: W_O
-    dest = resolve_output(source, output, in_place=in_place, overwrite=overwrite or dry_run)
+    dest = resolve_output(source, output, in_place=in_place, overwrite=overwrite or dry_run, folder=push is not None)
     report = Report(
         "reinit", _label(source), source.describe(), detection.blocks, options=opts.to_dict(),
         output=str(dest), dry_run=dry_run, device=str(device), notes=source.notes + detection.notes[:5],
@@ -175,7 +176,7 @@ def _push_target(repo_id: str | None, private: bool, revision: str | None, creat
 
 
 def _check_push_output(push: PushTarget | None, source: Source) -> None:
-    if push is not None and output_kind(source) != "folder":
+    if push is not None and output_kind(source) == "file":
         raise OptionError(
             f"{opt('push_to_hub')} uploads a model folder, and the output of {source.path.name} is a single file: "
             "give the model folder as MODEL"
@@ -186,7 +187,7 @@ def _run_and_write(report: Report, source: Source, detection: Detection, plan: P
                    progress: bool, in_place: bool, push: PushTarget | None, command) -> None:
     """Compute the new values and write them (a patch in place, or a copy); fill in the report's rows."""
     for weights in source.weights:
-        weights.check_plan(plan, detection)
+        report.notes += weights.check_plan(plan, detection)
     _check_secondary_sets(source, plan.tensors())
     run = _Run(plan, device, whole=full, progress=progress, total=len(plan.tensors()) * len(source.weights))
     try:
@@ -211,6 +212,8 @@ def _run_and_write(report: Report, source: Source, detection: Detection, plan: P
         report.bytes_written = run.bytes_changed
     elif kind == "merge":
         report.bytes_written = sum((dest / f).stat().st_size for w in source.weights for f in w.all_files)
+    elif kind == "files":
+        report.bytes_written = sum(p.stat().st_size for p in [dest, *companion_files(source, dest)])
     else:
         report.bytes_written = tree_size(dest)
 
@@ -248,7 +251,11 @@ def _write_copy(source: Source, plan: Plan, run: _Run, dest: Path, *, in_place: 
     ``command()`` gives the model card's reproduce command; it is made after the weights, so that
     nothing delays the start of the byte copies.
     """
-    kind = "merge" if in_place and source.kind != "file" else output_kind(source)
+    kind = "merge" if in_place and source.kind != "file" else output_kind(source, dest)
+    if kind == "files":  # an .onnx with external data, written as the file dest with its data beside it
+        with staged(dest, kind, file_name=dest.name, notes=notes) as tmp:
+            source.primary.save_as(tmp, dest.name, run.updates_for(source.primary, record=True), plan.record())
+        return kind
     with staged(dest, kind, file_name=source.path.name, notes=notes) as tmp:
         for i, weights in enumerate(source.weights):
             weights.save(tmp, run.updates_for(weights, record=i == 0), plan.record())

@@ -142,7 +142,7 @@ def verify(
         raise VerificationError(f"{output} is {out.format} and {original} is {src.format}: surgeon writes the input's format")
     history, where = _records(out)
     if not history:
-        hint = " (a folder output carries it in its README.md; a single .bin/.pt file has none)" if out.format == "torch" else ""
+        hint = " (a folder output carries it in its README.md; a single .bin/.pt file has none)" * (out.format == "torch")
         raise CheckpointError(f"{output} holds no surgeon record in {where}{hint}: there is nothing to verify it against")
     before, _ = _records(src) if src.format != "torch" else ([], "")
     record = history[-1]
@@ -162,13 +162,14 @@ def verify(
     if src.format != "torch" and before != history[:-1]:
         raise VerificationError(f"{output}: its earlier surgeon records differ from {original}'s; is ORIGINAL the model it was made from?")
     a, b = src.primary, out.primary
-    if list(a.tensors) != list(b.tensors):
+    copies: dict[str, str] = record["copies"] if out.format == "onnx" and isinstance(record.get("copies"), dict) else {}
+    if list(a.tensors) + [copies[n] for n in a.tensors if n in copies] != list(b.tensors):
         missing = [n for n in a.tensors if n not in b.tensors] + [n for n in b.tensors if n not in a.tensors]
         raise VerificationError(f"{output} and {original} do not hold the same tensors (first difference: {missing[0] if missing else 'their order'})")
     engine = Engine(plan, dev)
     changed = set(engine.tensor_names)
-    identical = _check_untouched(a, b, changed, output, original)
-    _check_changed(a, b, engine, options, output)
+    identical = _check_untouched(a, b, changed - set(copies), output, original)
+    _check_changed(a, b, engine, options, output, copies)
     return Verification(str(original), str(output), record, sorted(changed), identical, options.mode)
 
 
@@ -196,13 +197,15 @@ def _check_untouched(a, b, changed: set[str], output: str | Path, original: str 
     return identical
 
 
-def _check_changed(a, b, engine, options: ReinitOptions, output: str | Path) -> None:
-    """Every re-initialized tensor is what the recorded recipe gives (byte for byte where it is exact)."""
+def _check_changed(a, b, engine, options: ReinitOptions, output: str | Path, copies: dict | None = None) -> None:
+    """Every re-initialized tensor is what the recorded recipe gives (byte for byte where it is exact);
+    for a shared ONNX initializer the chosen projections got a copy of (``copies``), the copy is."""
     for name in engine.tensor_names:
         expected = engine.update(name, a.read(name), record=False)
-        found = b.read(name)
+        new_name = (copies or {}).get(name, name)
+        found = b.read(new_name)
         if options.mode in ("conditioned", "redraw", "mimetic") or not any(what == "weight" for _, what in engine.edits[name]):
-            if _raw(b, name) != _tensor_bytes(expected):
+            if _raw(b, new_name) != _tensor_bytes(expected):
                 raise VerificationError(f"{output}: tensor {name!r}: {_first_difference(expected, found)}; the recipe re-derived from the record's seed gives other values")
         else:
             _check_polar(name, engine, a.read(name), expected, found, options, output)

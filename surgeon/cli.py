@@ -149,7 +149,8 @@ def main() -> None:
 
     Per head: semi-orthogonal query and key, rectangular-identity value, so every condition
     number is 1 (Saratchandran & Lucey, "Conditioned Initialization for Attention").
-    Reads and writes safetensors (single or sharded), PyTorch state dicts and model folders;
+    Reads and writes safetensors (single or sharded), PyTorch state dicts, ONNX models (.onnx,
+    embedded or with external data; attention found by walking the graph) and model folders;
     every tensor it does not re-initialize is left byte for byte as it was.
     """
 
@@ -159,6 +160,7 @@ Examples:
   surgeon inspect model.safetensors
   surgeon inspect ./my-model --json > report.json
   surgeon inspect encoder.pt --num-heads 8
+  surgeon inspect model.onnx                                       # an ONNX export (graph walked)
   surgeon inspect sentence-transformers/all-MiniLM-L6-v2           # a Hugging Face Hub model
   surgeon inspect org/model --revision v1.0                        # at a branch, tag or commit
   surgeon inspect ./my-model --verify-layout                       # names vs the real forward
@@ -180,8 +182,9 @@ Examples:
 def inspect(model, verify_layout, jacobian, inputs, plot, revision, config, num_heads, num_kv_heads, head_dim, force_hints, device, full, as_json):
     """List the attention blocks of MODEL and the condition numbers of their projections.
 
-    MODEL is a .safetensors/.bin/.pt file, a sharded *.index.json, a model folder, or a Hugging
+    MODEL is a .safetensors/.bin/.pt/.onnx file, a sharded *.index.json, a model folder, or a Hugging
     Face Hub id org/name (a local path of the same name wins; write hf://org/name for the Hub).
+    ONNX: blocks are found by walking the graph; stacks and layers come from the exporter's scopes.
     """
     from . import api
 
@@ -219,6 +222,7 @@ Examples:
   surgeon reinit ./bert --layers -2- -o ./bert-top2-reset          # the last two layers
   surgeon reinit ./llama --targets q,k --heads 0-7 --seed 1
   surgeon reinit ./t5 --attention cross --stack decoder
+  surgeon reinit model.onnx --layers -2- -o out.onnx               # ONNX: out.onnx (+ out.onnx.data)
   surgeon reinit ./model --mode polar --strength 0.5 --keep-scale   # halve log-kappa, keep scale
   surgeon reinit model.safetensors --dry-run                        # print the plan only
   surgeon reinit org/model --revision v1.0 -o ./model-reset         # read a Hub model at a tag
@@ -229,7 +233,8 @@ Layer and head specs: all, N, A-B (inclusive), A- (to the last), lists like 0,3,
 negative numbers count from the end (-1 is the last). Each stack of layers is numbered from 0.
 """)
 @click.argument("model")
-@click.option("-o", "--output", type=click.Path(), help="Output file (file input) or folder (folder input). Default: beside the input.")
+@click.option("-o", "--output", type=click.Path(), help="Output file (file input; an .onnx with external data writes its data files beside it) or folder "
+                   "(folder input, or a path without .onnx for an .onnx with external data). Default: beside the input.")
 @reinit_options
 @click.option("--overwrite", is_flag=True, help="Replace an existing output.")
 @click.option("--in-place", is_flag=True,
@@ -255,8 +260,10 @@ def reinit(model, output, overwrite, in_place, dry_run, plot, push_to_hub, priva
     output also gets a model card (README.md): what was done, the condition numbers, the
     command to reproduce it, and the source's own card below.
 
-    MODEL is a file, an *.index.json, a model folder or a Hub id org/name (--revision picks its
-    branch, tag or commit). The Hub token comes from HF_TOKEN or `hf auth login`.
+    MODEL is a file (.safetensors, .bin/.pt, .onnx), an *.index.json, a model folder or a Hub id
+    org/name (--revision picks its branch, tag or commit). The Hub token comes from HF_TOKEN or
+    `hf auth login`. ONNX: only initializer bytes change; a shared initializer that must change is
+    given to the chosen projections as a copy of their own (the report says so).
     """
     from . import api
     from .plan import ReinitOptions

@@ -21,31 +21,59 @@ from .source import Source
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".onnx", ".h5", ".gguf", ".msgpack", ".json")
 
 
-def default_output(source: Source) -> Path:
-    """Beside the input: ``model.reinit.safetensors`` for a file, ``<folder>-reinit`` for a folder."""
-    if source.kind == "file":
+def default_output(source: Source, *, folder: bool = False) -> Path:
+    """Beside the input: ``model.reinit.safetensors`` for a file (and an .onnx with external data,
+    unless ``folder``), ``<folder>-reinit`` for a folder."""
+    if source.kind == "file" or (_onnx_with_data(source) and not folder):
         p = source.path
         return p.with_name(f"{p.stem}.reinit{p.suffix}")
     if source.hub_id is not None:
         return Path.cwd() / f"{source.hub_id.rsplit('/', 1)[-1]}-reinit"
-    folder = source.path if source.kind == "folder" else source.path.parent
-    return folder.with_name(f"{folder.name}-reinit")
+    parent = source.path if source.kind == "folder" else source.path.parent
+    return parent.with_name(f"{parent.name}-reinit")
 
 
-def output_kind(source: Source) -> str:
-    return "file" if source.kind == "file" else "folder"
+def _onnx_with_data(source: Source) -> bool:
+    return source.kind == "index" and source.format == "onnx"
 
 
-def resolve_output(source: Source, output: str | Path | None, *, in_place: bool, overwrite: bool) -> Path:
-    """The destination path, after every check that can fail before anything is written."""
+def output_kind(source: Source, dest: Path | None = None) -> str:
+    """"file", "folder", or "files": an .onnx with external data written as the file ``dest`` with its
+    data files beside it (a folder only when the user names one: a path without the .onnx suffix)."""
+    if source.kind == "file":
+        return "file"
+    if _onnx_with_data(source) and dest is not None and dest.suffix.lower() == ".onnx" and not dest.is_dir():
+        return "files"
+    return "folder"
+
+
+def companion_files(source: Source, dest: Path) -> list[Path]:
+    """The files written beside ``dest`` when the output kind is "files" (an .onnx's renamed data files)."""
+    from .formats.onnx_wire import renamed_data_files
+
+    primary = source.primary
+    return [dest.parent / n for n in renamed_data_files(primary.files[1:], source.path.name, dest.name).values()]
+
+
+def resolve_output(source: Source, output: str | Path | None, *, in_place: bool, overwrite: bool, folder: bool = False) -> Path:
+    """The destination path, after every check that can fail before anything is written.
+
+    ``folder``: the output must be a folder (a push), even for an .onnx with external data."""
     if in_place:
         if output is not None:
             raise OutputError(f"use either {opt('output')} or {opt('in_place', True)}, not both")
         if source.hub_id is not None:
             raise OutputError(f"{opt('in_place', True)} cannot write into the Hugging Face cache; use {opt('output')} to choose an output folder")
         return source.path if source.kind == "file" else source.folder
-    dest = Path(output) if output is not None else default_output(source)
-    kind = output_kind(source)
+    dest = Path(output) if output is not None else default_output(source, folder=folder)
+    kind = output_kind(source, dest)
+    if kind == "files" and folder:
+        raise OutputError(
+            f"{opt('push_to_hub')} uploads a model folder, and {opt('output', output)} names an .onnx file: "
+            f"give a folder path (e.g. {opt('output', dest.with_suffix(''))})"
+        )
+    if kind == "files":
+        _check_companions(source, dest, overwrite=overwrite)
     if kind == "file" and dest.is_dir():
         dest = dest / source.path.name  # like cp: a folder given for a file output receives the file
     if kind == "folder" and not dest.is_dir() and dest.suffix.lower() in _WEIGHT_SUFFIXES:
@@ -67,11 +95,24 @@ def resolve_output(source: Source, output: str | Path | None, *, in_place: bool,
     return dest
 
 
+def _check_companions(source: Source, dest: Path, *, overwrite: bool) -> None:
+    inputs = {(source.folder / f).resolve() for f in source.primary.all_files}
+    for path in companion_files(source, dest):
+        if path.resolve() in inputs:
+            raise OutputError(f"{dest} would write its data file {path.name} over the input's; choose another name with {opt('output')}", path=path)
+        if path.exists() and not overwrite:
+            raise OutputError(f"{path} already exists; pass {opt('overwrite', True)} to replace it, or choose another path with {opt('output')}", path=path)
+        if path.is_dir():
+            raise OutputError(f"{path} is a folder, and the data file of {dest.name} goes there; choose another path with {opt('output')}", path=path)
+
+
 @contextmanager
 def staged(dest: Path, kind: str, file_name: str | None = None, notes: list[str] | None = None) -> Iterator[Path]:
     """Yield a temporary folder to write into; on success move its content to ``dest``.
 
     ``kind`` "file": the folder must end up holding ``file_name``, which becomes ``dest``.
+    ``kind`` "files": each file in the folder goes beside ``dest`` (its name is kept), ``file_name``
+    last, becoming ``dest``: an .onnx whose data files are there before it is.
     ``kind`` "folder": the folder itself becomes ``dest`` (replacing an existing one).
     ``kind`` "merge": each file in the folder replaces its namesake in the existing folder ``dest``
     (in-place runs on a folder: every file is replaced atomically, nothing else is touched).
@@ -97,6 +138,13 @@ def staged(dest: Path, kind: str, file_name: str | None = None, notes: list[str]
             shutil.rmtree(tmp)
         elif kind == "file":
             os.replace(tmp / (file_name or dest.name), dest)
+            shutil.rmtree(tmp)
+        elif kind == "files":
+            main = tmp / (file_name or dest.name)
+            for p in sorted(tmp.iterdir()):
+                if p != main:
+                    os.replace(p, dest.parent / p.name)
+            os.replace(main, dest)
             shutil.rmtree(tmp)
         else:
             os.chmod(tmp, 0o777 & ~_umask())

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import numpy as np
@@ -14,7 +15,16 @@ from surgeon import inspect_checkpoint, reinit_checkpoint
 from surgeon.apply import head_matrices
 from surgeon.formats.onnx import open_onnx
 
-from _onnx_helpers import check_against_pytorch, initializers, locate, ort_run, torch_blocks
+from _onnx_helpers import (
+    as_param,
+    assert_semi_orthogonal,
+    assert_value_identity,
+    check_against_pytorch,
+    initializers,
+    locate,
+    ort_run,
+    torch_blocks,
+)
 
 
 class SelfAttention2d(torch.nn.Module):
@@ -99,9 +109,8 @@ def test_custom_modules_detected_and_reinitialized(exported, tmp_path):
 
 def test_identical_layers_share_one_initializer(cli, tmp_path):
     """nn.TransformerEncoder deep-copies its layer: the exporter stores the equal weights once
-    (behind Identity nodes), so one layer alone cannot be re-initialized, both together can."""
-    from conftest import expect_cli_error
-
+    (behind Identity nodes). One layer alone gets its own copy of the shared weight in the output;
+    the other layer keeps the original, and onnxruntime computes what PyTorch computes."""
     torch.manual_seed(0)
     model = Encoder().eval()
     x = torch.randn(1, 6, 32)
@@ -111,12 +120,32 @@ def test_identical_layers_share_one_initializer(cli, tmp_path):
         warnings.simplefilter("ignore")
         torch.onnx.export(model, (x,), str(path), input_names=["x"], dynamo=False, opset_version=18)
     blocks = inspect_checkpoint(path, device="cpu").blocks
-    assert blocks[0].q.weight.tensor == blocks[1].q.weight.tensor
-    expect_cli_error(cli, tmp_path, "reinit", path, "--layers", "1", match="is shared: besides the projections chosen, block encoder.layers.0 (q) reads it")
-    out = tmp_path / "both.onnx"
-    cli("reinit", path, "-o", out)
+    assert len(blocks) == 2 and blocks[0].q.weight.tensor == blocks[1].q.weight.tensor
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    before = initializers(path)
+    name, transposed = locate(params, before, "encoder.layers.1.self_attn.in_proj_weight")
+    out = tmp_path / "one.onnx"
+    report = reinit_checkpoint(path, output=out, layers="1", device="cpu")
+    assert any(f"the chosen projections read a new copy of it, '{name}.surgeon_copy'" in n for n in report.notes)
+    after = initializers(out)
+    assert after.keys() == before.keys() | {f"{name}.surgeon_copy"}
+    assert all(after[n].tobytes() == v.tobytes() for n, v in before.items())  # every original as it was
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        reference.get_parameter("encoder.layers.1.self_attn.in_proj_weight").copy_(as_param(after, (f"{name}.surgeon_copy", transposed)))
+    new = reference.get_parameter("encoder.layers.1.self_attn.in_proj_weight").detach()
+    assert_semi_orthogonal(new[:32], 8, "q")
+    assert_value_identity(new[64:], "v")
+    with torch.no_grad():
+        want = reference(x).numpy()
     got = ort_run(out, {"x": x.numpy()})
-    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        assert not np.allclose(got, model(x).numpy(), atol=1e-4)
+    both = tmp_path / "both.onnx"
+    cli("reinit", path, "-o", both)
+    assert initializers(both).keys() == before.keys()
+    assert np.isfinite(ort_run(both, {"x": x.numpy()})).all()
 
 
 @pytest.mark.parametrize("cut", ["split", "slice"])

@@ -86,26 +86,71 @@ def test_missing_and_truncated_external_data(cli, tmp_path):
     expect_cli_error(cli, tmp_path, "inspect", tmp_path / "m", match="missing external data file weights.bin")
 
 
-def test_shared_initializer_is_changed_only_with_all_its_users(cli, tmp_path):
+def test_shared_initializer_gets_a_copy_for_the_chosen_projections(cli, tmp_path):
     path = _save(tiny_attention(layers=2, share_q=True), tmp_path / "m")
-    expect_cli_error(
-        cli, tmp_path, "reinit", path, "--layers", "0",
-        match="initializer 'q_shared' is shared: besides the projections chosen, block layers.1 (q) reads it, so changing it would change them too",
-    )
-    expect_cli_error(cli, tmp_path, "reinit", path, "--layers", "1", "--targets", "q", match="block layers.0 (q) reads it")
-    # keys and values are not shared: fine on their own
-    out = tmp_path / "kv.onnx"
-    cli("reinit", path, "--layers", "0", "--targets", "k,v", "-o", out)
-    # every user chosen: the shared weight changes once, for both layers
+    feeds = {"x": np.linspace(-1, 1, 40, dtype=np.float32).reshape(1, 5, 8)}
+    before = initializers(path)
+    out = tmp_path / "one.onnx"
+    report = reinit_checkpoint(path, output=out, layers="0", device="cpu")
+    assert any("'q_shared' is shared with block layers.1 (q): the chosen projections read a new copy of it, 'q_shared.surgeon_copy'" in n
+               for n in report.notes)
+    after = initializers(out)
+    assert after.keys() == before.keys() | {"q_shared.surgeon_copy"}
+    changed = {"onnx::MatMul_0k", "onnx::MatMul_0v"} | {f"layers.0.attn.{r}_proj.bias" for r in "qkv"}
+    assert all(after[n].tobytes() == v.tobytes() for n, v in before.items() if n not in changed)  # q_shared as it was
+    w = after["q_shared.surgeon_copy"].T.astype(np.float64)
+    assert np.allclose(w[:4] @ w[:4].T, np.eye(4), atol=1e-6)
+    model = onnx.load(str(out))
+    readers = [n.name for n in model.graph.node if "q_shared.surgeon_copy" in n.input]
+    assert readers and all(r.startswith("/layers.0/") for r in readers)
+    assert all(n.name.startswith("/layers.1/") for n in model.graph.node if "q_shared" in n.input)
+    # the same model written by onnx itself: layer 0 reads its own copy, layer 1 the original
+    by_onnx = onnx.load(str(path))
+    by_onnx.graph.initializer.append(onnx.numpy_helper.from_array(after["q_shared.surgeon_copy"], "q_shared.surgeon_copy"))
+    for t in by_onnx.graph.initializer:
+        if t.name in changed:
+            t.CopyFrom(onnx.numpy_helper.from_array(after[t.name], t.name))
+    for node in by_onnx.graph.node:
+        if node.name in readers:
+            node.input[:] = ["q_shared.surgeon_copy" if i == "q_shared" else i for i in node.input]
+    expected = _save(by_onnx, tmp_path / "by-onnx")
+    np.testing.assert_allclose(ort_run(out, feeds), ort_run(expected, feeds), atol=1e-6)
+    assert not np.allclose(ort_run(out, feeds), ort_run(path, feeds), atol=1e-4)
+    assert "verified" in cli("verify", path, out).output  # surgeon verify knows the copy
+    # the same with external data: the copy is embedded in the new .onnx, the data file patched as before
+    ext = _save(tiny_attention(layers=2, share_q=True), tmp_path / "ext", save_as_external_data=True, location="model.onnx.data", size_threshold=256)
+    reinit_checkpoint(ext, output=tmp_path / "ext-out.onnx", layers="0", device="cpu")
+    again = initializers(tmp_path / "ext-out.onnx")
+    assert again.keys() == after.keys() and all(again[n].tobytes() == v.tobytes() for n, v in after.items())
+    np.testing.assert_array_equal(ort_run(tmp_path / "ext-out.onnx", feeds), ort_run(out, feeds))
+    # every user chosen: the shared weight changes once, for both layers, and needs no copy
     both = tmp_path / "both.onnx"
     cli("reinit", path, "-o", both)
     after = initializers(both)
+    assert "q_shared.surgeon_copy" not in after
     w = after["q_shared"].T.astype(np.float64)
     assert np.allclose(w[:4] @ w[:4].T, np.eye(4), atol=1e-6)
-    ort_run(both, {"x": np.ones((1, 5, 8), np.float32)})
+    ort_run(both, feeds)
 
 
-def test_shared_bias_names_the_bias_option(cli, tmp_path):
+def test_shared_initializer_passed_on_to_others_is_refused(cli, tmp_path):
+    """One Identity node passes the shared weight to both layers: a copy behind it would reach
+    layer 1 too, so only both layers together can change it."""
+    model = tiny_attention(layers=2, share_q=True)
+    model.graph.node.insert(0, onnx.helper.make_node("Identity", ["q_shared"], ["q_shared_id"], name="shared_identity"))
+    for node in model.graph.node[1:]:
+        node.input[:] = ["q_shared_id" if i == "q_shared" else i for i in node.input]
+    path = _save(model, tmp_path / "m")
+    expect_cli_error(
+        cli, tmp_path, "reinit", path, "--layers", "0",
+        match="initializer 'q_shared' is shared: besides the projections chosen, block layers.1 (q) reads it, so changing it would change them too, "
+              "and the chosen ones cannot have a copy of their own (Identity shared_identity passes it on to",
+    )
+    cli("reinit", path, "-o", tmp_path / "both.onnx")
+    ort_run(tmp_path / "both.onnx", {"x": np.ones((1, 5, 8), np.float32)})
+
+
+def test_shared_bias_gets_a_copy(cli, tmp_path):
     model = tiny_attention(layers=2)
     # the dynamo exporter merges equal initializers: two layers' query biases become one
     for node in model.graph.node:
@@ -113,9 +158,12 @@ def test_shared_bias_names_the_bias_option(cli, tmp_path):
             node.input[0] = "layers.0.attn.q_proj.bias"
     model.graph.initializer.remove(next(t for t in model.graph.initializer if t.name == "layers.1.attn.q_proj.bias"))
     path = _save(model, tmp_path / "m")
-    msg = expect_cli_error(cli, tmp_path, "reinit", path, "--layers", "0", match="initializer 'layers.0.attn.q_proj.bias' is shared")
-    assert "or keep the biases (--bias keep)" in msg
-    cli("reinit", path, "--layers", "0", "--bias", "keep", "-o", tmp_path / "ok.onnx")
+    out = tmp_path / "out.onnx"
+    cli("reinit", path, "--layers", "0", "-o", out)
+    before, after = initializers(path), initializers(out)
+    assert not after["layers.0.attn.q_proj.bias.surgeon_copy"].any()
+    assert after["layers.0.attn.q_proj.bias"].tobytes() == before["layers.0.attn.q_proj.bias"].tobytes()
+    ort_run(out, {"x": np.ones((1, 5, 8), np.float32)})
 
 
 def test_output_errors_leave_nothing_behind(cli, tmp_path):
@@ -145,3 +193,23 @@ def test_heads_from_the_user_when_the_graph_does_not_say(cli, tmp_path):
     out = tmp_path / "out.onnx"
     cli("reinit", path, "--num-heads", "2", "-o", out)
     ort_run(out, feeds)
+
+
+def test_weight_passed_on_to_another_op_is_refused(cli, tmp_path):
+    """An Identity between a query weight and its MatMul also feeds another op: changing the weight
+    would change that op's output too, and a copy behind the Identity would as well."""
+    model = tiny_attention(layers=2)
+    model.graph.node.insert(0, onnx.helper.make_node("Identity", ["onnx::MatMul_0q"], ["q0_id"], name="q0_identity"))
+    model.graph.node.append(onnx.helper.make_node("ReduceSum", ["q0_id"], ["q0_sum"], name="q0_sum", keepdims=0))
+    model.graph.output.append(onnx.helper.make_tensor_value_info("q0_sum", onnx.TensorProto.FLOAT, []))
+    for node in model.graph.node:
+        if node.name == "/layers.0/attn/q_proj/MatMul":
+            node.input[1] = "q0_id"
+    path = _save(model, tmp_path / "m")
+    expect_cli_error(
+        cli, tmp_path, "reinit", path, "--layers", "0",
+        match="initializer 'onnx::MatMul_0q' is read through nodes that feed more than the projections chosen "
+              "(Identity q0_identity passes it on to ReduceSum q0_sum too)",
+    )
+    cli("reinit", path, "--layers", "0", "--targets", "k,v", "-o", tmp_path / "kv.onnx")
+    ort_run(tmp_path / "kv.onnx", {"x": np.ones((1, 5, 8), np.float32)})

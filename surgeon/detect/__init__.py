@@ -51,7 +51,7 @@ def detect_source(source: Source, hints: Hints | None = None) -> Detection:
     if weights.format == "onnx":  # tensor names carry no structure: walk the graph
         from .onnx import find_attention
 
-        found = find_attention(weights.model, weights.const, source.config, hints, source=str(weights.path))  # type: ignore[attr-defined]
+        found = find_attention(weights.model, weights.const, source.config, hints, source=str(weights.path), constants=weights.constants)  # type: ignore[attr-defined]
         found.detection.graph = found
         return found.detection
     from .by_name import detect as by_name

@@ -94,10 +94,17 @@ class WeightSet(ABC):
         into the file's metadata where the format has a place for it.
         """
 
-    def check_plan(self, plan, detection) -> None:
+    def save_as(self, dest: Path, name: str, updates: UpdatesFn, record: dict) -> list[str]:
+        """Write this set into the folder ``dest`` as the single file ``name`` and the files that go
+        with it (an .onnx and its external data); returns the names written. Formats whose files
+        cannot be renamed do not have it."""
+        raise NotImplementedError(f"{self.format} weights cannot be written under another name")
+
+    def check_plan(self, plan, detection) -> list[str]:
         """Refuse a plan this format cannot carry out safely (e.g. an ONNX initializer shared with
-        nodes outside the plan), given the detection the plan was made from. Raise a SurgeonError."""
-        return None  # most formats can carry out any plan
+        nodes outside the plan), given the detection the plan was made from: raise a SurgeonError.
+        Returns notes for the report on how the plan will be carried out."""
+        return []  # most formats can carry out any plan
 
     def nbytes(self) -> int:
         return sum((self.folder / f).stat().st_size for f in self.all_files)

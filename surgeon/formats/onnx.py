@@ -50,6 +50,12 @@ DTYPES: dict[int, tuple[torch.dtype, int]] = {
     onnx.TensorProto.FLOAT8E4M3FN: (torch.float8_e4m3fn, 1),
     onnx.TensorProto.FLOAT8E5M2: (torch.float8_e5m2, 1),
 }
+# nodes that pass an initializer's values on to others (a copy read through them must reach only the chosen projections)
+_PASS_ON = frozenset(
+    ("Identity", "Transpose", "Cast", "CastLike", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Split", "Slice", "Gather",
+     "Concat", "Expand", "Tile", "DequantizeLinear")
+)
+_FLOATS = frozenset((onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE))
 _SMALL = 4096  # constants the graph walker may read (shapes, axes, split sizes)
 
 
@@ -79,6 +85,9 @@ class OnnxWeights(WeightSet):
         self.layout = wire.scan(path)
         self._stored: dict[str, _Stored] = {}
         self._protos: dict[str, onnx.TensorProto] = {}
+        # shared initializers the plan changes for some of their readers: name -> (the copy's name,
+        # the nodes that read the copy instead); see check_plan
+        self.copies: dict[str, tuple[str, list[int]]] = {}
         external: list[str] = []
         for t in self.model.graph.initializer:
             if t.data_type not in DTYPES:
@@ -96,6 +105,27 @@ class OnnxWeights(WeightSet):
             self._stored[t.name] = stored
             self._protos[t.name] = t
         self.files = [path.name] + external
+        # 2-D float weights kept in Constant nodes: read and patched in place like embedded initializers
+        self.constants: dict[str, onnx.TensorProto] = {}
+        for node in self.model.graph.node:
+            found = self.layout.constants.get(node.output[0]) if node.op_type == "Constant" and len(node.output) == 1 else None
+            value = next((a.t for a in node.attribute if a.name == "value" and a.HasField("t")), None)
+            name = node.output[0] if found else ""
+            if found is None or value is None or len(value.dims) != 2 or name in self._infos or value.data_type not in _FLOATS:
+                continue
+            data_field, dstart, dend, one_piece = found
+            dtype, itemsize = DTYPES[value.data_type]
+            nbytes = int(np.prod(value.dims, dtype=np.int64)) * itemsize
+            if data_field != wire.TENSOR_RAW or not one_piece or dend - dstart != nbytes:
+                continue  # only raw bytes are patched in place; others stay unsupported (see the walker's message)
+            proto = onnx.TensorProto()
+            proto.CopyFrom(value)
+            proto.name = name
+            self._infos[name] = TensorInfo(name, tuple(int(d) for d in value.dims), onnx.TensorProto.DataType.Name(value.data_type),
+                                           str(dtype).removeprefix("torch."), path.name, nbytes)
+            self._stored[name] = _Stored(path.name, dstart, nbytes, True)
+            self._protos[name] = proto
+            self.constants[name] = proto
 
     # --- where the bytes are ---------------------------------------------------------------
     def _embedded(self, t: onnx.TensorProto, nbytes: int) -> _Stored:
@@ -173,12 +203,16 @@ class OnnxWeights(WeightSet):
             return None
         return self.read(name).numpy()
 
-    def check_plan(self, plan, detection) -> None:
+    def check_plan(self, plan, detection) -> list[str]:
         """Refuse to change an initializer that nodes outside the plan read too (``detection.graph``:
-        the graph facts of surgeon.detect.onnx)."""
+        the graph facts of surgeon.detect.onnx). Zeroing a bias that is all zero bytes already (an
+        untrained model's biases, which exporters merge into one initializer with every other zero
+        vector of that size) leaves it as it is: no change, so no conflict."""
         found = detection.graph
         if found is None:
-            return
+            return []
+        weights = {c.projection.weight.tensor for c in plan.changes}
+        unchanged: list[str] = []
         allowed: dict[str, set[int]] = {}
         for change in plan.changes:
             proj, users = change.projection, found.users[(change.block.module, change.role)]
@@ -186,39 +220,122 @@ class OnnxWeights(WeightSet):
             if plan.options.zero_bias and proj.bias is not None:
                 allowed.setdefault(proj.bias.tensor, set()).update(users["bias"])
         graph = found.graph
+        self.copies = {}
+        notes: list[str] = []
+        behind = _unchosen_readers(plan, detection)
         for name in plan.tensors():
             others = [n for n in graph.consumers.get(name, []) if n not in allowed.get(name, set())]
-            if not others and name not in graph.outputs:
+            # a node on the way to a chosen projection (an Identity the exporter put there) that feeds another too
+            through = [label for label, nodes in behind.get(name, {}).items() if nodes & allowed.get(name, set())]
+            leak = None if others or through else _passed_on(name, allowed.get(name, set()), graph)
+            if not others and not through and not leak and name not in graph.outputs:
                 continue
-            what = [f"block {found.owners[n][0]} ({found.owners[n][1]})" if n in found.owners else graph.describe(n) for n in others]
+            if name not in weights and self._all_zero_bytes(name):
+                unchanged.append(name)
+                continue
+            what = through + [f"block {found.owners[n][0]} ({found.owners[n][1]})" if n in found.owners else graph.describe(n) for n in others]
             what = list(dict.fromkeys(what)) + (["a graph output"] if name in graph.outputs else [])
+            if leak:  # read only by the chosen projections' nodes, but one of those passes it on to others
+                raise SharedInitializerError(
+                    f"initializer {name!r} is read through nodes that feed more than the projections chosen ({leak}), "
+                    "so changing it would change those too; leave those projections out"
+                )
             shown = ", ".join(what[:3]) + (f" and {len(what) - 3} more" if len(what) > 3 else "")
+            why = self._copy(name, allowed.get(name, set()), graph)
+            if why is None:
+                copy = self.copies[name][0]
+                notes.append(f"initializer {name!r} is shared with {shown}: the chosen projections read a new copy of it, {copy!r}, and the others keep the original")
+                continue
             is_bias = any(c.projection.bias is not None and c.projection.bias.tensor == name for c in plan.changes)
             fix = f"select them too ({opt('layers')}/{opt('stack')}/{opt('attention')})" + (f", or keep the biases ({opt('bias', 'keep')})" if is_bias else "")
             raise SharedInitializerError(
                 f"initializer {name!r} is shared: besides the projections chosen, {shown} read{'s' if len(what) == 1 else ''} it, "
-                f"so changing it would change them too; {fix}, or leave those projections out"
+                f"so changing it would change them too, and the chosen ones cannot have a copy of their own ({why}); {fix}, or leave those projections out"
             )
+        if not unchanged:
+            return notes
+        shown = ", ".join(unchanged[:3]) + (f" and {len(unchanged) - 3} more" if len(unchanged) > 3 else "")
+        return notes + [f"bias initializer{'s' if len(unchanged) > 1 else ''} {shown}, shared with other nodes, "
+                f"{'are' if len(unchanged) > 1 else 'is'} zero already: zeroing the chosen heads' biases leaves {'them' if len(unchanged) > 1 else 'it'} as {'they were' if len(unchanged) > 1 else 'it was'}"]
+
+    def _copy(self, name: str, readers: set[int], graph) -> str | None:
+        """Give the chosen projections' nodes (``readers``) their own copy of initializer ``name``:
+        None when that is exact (recorded in ``self.copies``), else why not. Exact: the nodes that read
+        ``name`` directly are renamed, and whatever passes its value on (Identity, Transpose, Split, ...)
+        feeds only the chosen projections."""
+        direct = [n for n in graph.consumers.get(name, []) if n in readers]
+        if len(self.layout.nodes) != len(graph.nodes):
+            return "its nodes could not be located in the file"
+        if not direct:
+            return "no node of theirs reads it directly"
+        for n in direct:
+            if name not in graph.nodes[n].input:
+                return f"{graph.describe(n)} reads it inside a subgraph"
+        leak = _passed_on(name, readers, graph)
+        if leak:
+            return leak
+        extra = sum(self._infos[n].nbytes for n in self.copies) + self._infos[name].nbytes
+        if self.layout.size + extra >= 2**31 - 2**20:
+            return "the copy would take the .onnx past protobuf's 2 GiB"
+        taken = set(graph.inits) | set(graph.producer) | set(graph.consumers) | {c for c, _ in self.copies.values()}
+        copy, i = f"{name}.surgeon_copy", 1
+        while copy in taken:
+            i += 1
+            copy = f"{name}.surgeon_copy{i}"
+        self.copies[name] = (copy, direct)
+        return None
+
+    def _all_zero_bytes(self, name: str) -> bool:
+        """Every byte of the initializer is 0 (+0.0; -0.0 is not, as zeroing would change its bytes)."""
+        info = self._infos.get(name)
+        if info is None or info.torch_dtype is None:
+            return False
+        return not bool(self.read(name).reshape(-1).view(torch.uint8).any())
 
     def save(self, dest: Path, updates: UpdatesFn, record: dict) -> None:
-        self._write_model(dest / self.path.name, dict(updates(self.path.name)), record)
+        self._save(dest, self.path.name, {f: f for f in self.files[1:]}, updates, record, None)
+
+    def save_as(self, dest: Path, name: str, updates: UpdatesFn, record: dict) -> list[str]:
+        """The model as ``dest/name``, its external data files renamed beside it
+        (``wire.renamed_data_files``) and the graph's ``location`` entries rewritten to match."""
+        names = wire.renamed_data_files(self.files[1:], self.path.name, name)
+        self._save(dest, name, names, updates, record, names)
+        return [name, *names.values()]
+
+    def _save(self, dest: Path, name: str, names: dict[str, str], updates: UpdatesFn, record: dict, renamed: dict[str, str] | None) -> None:
+        if not self.copies:  # each file's new values computed while the one before is written
+            self._write_model(dest / name, dict(updates(self.path.name)), record, renamed)
+            for file in self.files[1:]:
+                self._write_data(file, dest / names[file], dict(updates(file)))
+            return
+        # shared initializers with a copy: their new values go into the .onnx as new initializers
+        changed = {file: dict(updates(file)) for file in self.files}
+        copies = {n: changed[f].pop(n) for f in changed for n in list(changed[f]) if n in self.copies}
+        self._write_model(dest / name, changed[self.path.name], record, renamed, copies)
         for file in self.files[1:]:
-            changed = dict(updates(file))
-            target = dest / file
-            target.parent.mkdir(parents=True, exist_ok=True)
-            copy_file_sparse(self.folder / file, target)
-            if changed:
-                with open(target, "r+b") as out:
-                    for name, tensor in changed.items():
-                        data = self._bytes(name, tensor)
-                        out.seek(self._stored[name].offset)
-                        out.write(data)
+            self._write_data(file, dest / names[file], changed[file])
+
+    def _write_data(self, file: str, target: Path, changed: dict[str, torch.Tensor]) -> None:
+        """An external data file copied with only the changed tensors' byte ranges rewritten."""
+        target.parent.mkdir(parents=True, exist_ok=True)
+        copy_file_sparse(self.folder / file, target)
+        if changed:
+            with open(target, "r+b") as out:
+                for name, tensor in changed.items():
+                    data = self._bytes(name, tensor)
+                    out.seek(self._stored[name].offset)
+                    out.write(data)
 
     # --- writing the .onnx ----------------------------------------------------------------------
-    def _write_model(self, target: Path, changed: dict[str, torch.Tensor], record: dict) -> None:
+    def _write_model(
+        self, target: Path, changed: dict[str, torch.Tensor], record: dict, renamed: dict[str, str] | None = None,
+        copies: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         layout = self.layout
-        edits: list[tuple[int, int, bytes]] = []
-        graph_growth = 0
+        edits = self._copy_edits(copies or {}) + self._relocation_edits(renamed or {})
+        graph_growth = sum(len(new) - (end - start) for start, end, new in edits)
+        if copies:  # surgeon verify reads the copies' values under their new names
+            record = {**record, "copies": {name: self.copies[name][0] for name in copies}}
         for name, tensor in changed.items():
             data = self._bytes(name, tensor)
             stored = self._stored[name]
@@ -256,6 +373,39 @@ class OnnxWeights(WeightSet):
             wire.copy(src, out, pos, layout.size - pos)
             out.write(wire.field(wire.MODEL_METADATA, entry))
 
+    def _copy_edits(self, copies: dict[str, torch.Tensor]) -> list[tuple[int, int, bytes]]:
+        """New initializers for the copies of shared ones (at the end of the graph), and the chosen
+        projections' nodes re-encoded to read them."""
+        layout, edits = self.layout, []
+        inputs: dict[int, dict[str, str]] = {}
+        for name, tensor in copies.items():
+            copy, readers = self.copies[name]
+            proto = onnx.TensorProto(name=copy, dims=self._protos[name].dims, data_type=self._protos[name].data_type, raw_data=self._bytes(name, tensor))
+            edits.append((layout.graph[2], layout.graph[2], wire.field(wire.GRAPH_INITIALIZER, proto.SerializeToString())))
+            for n in readers:
+                inputs.setdefault(n, {})[name] = copy
+        for n, renames in inputs.items():
+            node = onnx.NodeProto()
+            node.CopyFrom(self.model.graph.node[n])
+            for i, x in enumerate(node.input):
+                node.input[i] = renames.get(x, x)
+            start, end = layout.nodes[n]
+            edits.append((start, end, wire.field(wire.GRAPH_NODE, node.SerializeToString())))
+        return edits
+
+    def _relocation_edits(self, renamed: dict[str, str]) -> list[tuple[int, int, bytes]]:
+        """External initializers re-encoded with their data files' new names."""
+        edits = []
+        for t in self.model.graph.initializer if renamed else ():
+            moved = _relocated(t, renamed)
+            if moved is None:
+                continue
+            span = self.layout.tensors.get(t.name)
+            if span is None:
+                raise CheckpointError(f"{self.path}: initializer {t.name!r} could not be located in the file; re-save the model with onnx.save")
+            edits.append((span[0], span[1], wire.field(wire.GRAPH_INITIALIZER, moved.SerializeToString())))
+        return edits
+
     def _bytes(self, name: str, tensor: torch.Tensor) -> bytes:
         info = self._infos[name]
         if tuple(tensor.shape) != info.shape or tensor.dtype != info.torch_dtype:
@@ -270,6 +420,58 @@ def surgeon_records(model: onnx.ModelProto) -> list[dict]:
             value = json.loads(p.value)
             return value if isinstance(value, list) else [value]
     return []
+
+
+def _passed_on(name: str, readers: set[int], graph) -> str | None:
+    """Where a node among ``readers`` that passes initializer ``name`` on (Identity, Transpose,
+    Split, ...) feeds a node outside them or a graph output, so that changing what it reads changes
+    more than the chosen projections; None where it does not."""
+    todo = [n for n in graph.consumers.get(name, []) if n in readers]
+    seen = set(todo)
+    while todo:
+        n = todo.pop()
+        if graph.nodes[n].op_type not in _PASS_ON:
+            continue
+        for out in graph.nodes[n].output:
+            if out in graph.outputs:
+                return f"{graph.describe(n)} passes it on to a graph output"
+            for c in graph.consumers.get(out, []):
+                if c not in readers:
+                    return f"{graph.describe(n)} passes it on to {graph.describe(c)} too"
+                if c not in seen:
+                    seen.add(c)
+                    todo.append(c)
+    return None
+
+
+def _unchosen_readers(plan, detection) -> dict[str, dict[str, set[int]]]:
+    """initializer -> {"block X (role)": the nodes through which that unchosen projection reads it}."""
+    chosen = {(c.block.module, c.role) for c in plan.changes}
+    out: dict[str, dict[str, set[int]]] = {}
+    for block in detection.blocks:
+        for proj in block.projections:
+            users = detection.graph.users.get((block.module, proj.role))
+            if (block.module, proj.role) in chosen or users is None:
+                continue
+            label = f"block {block.label} ({proj.role})"
+            out.setdefault(proj.weight.tensor, {}).setdefault(label, set()).update(users["weight"])
+            if proj.bias is not None:
+                out.setdefault(proj.bias.tensor, {}).setdefault(label, set()).update(users["bias"])
+    return out
+
+
+def _relocated(t: onnx.TensorProto, renamed: dict[str, str]) -> onnx.TensorProto | None:
+    """``t`` with its external data ``location`` renamed, or None where it does not move."""
+    if t.data_location != onnx.TensorProto.EXTERNAL:
+        return None
+    proto = onnx.TensorProto()
+    proto.CopyFrom(t)
+    moved = False
+    for e in proto.external_data:
+        new = renamed.get(str(PurePosixPath(e.value.replace("\\", "/")))) if e.key == "location" else None
+        if new is not None:
+            e.value, moved = new, True
+    return proto if moved else None
 
 
 # --- reading the model ---------------------------------------------------------------------------

@@ -11,7 +11,9 @@ from .fileio import copy_range
 
 # Field numbers of onnx.proto that the byte-level scan needs.
 MODEL_GRAPH, MODEL_METADATA = 7, 14
-GRAPH_INITIALIZER = 5
+GRAPH_NODE, GRAPH_INITIALIZER = 1, 5
+NODE_OUTPUT, NODE_OP_TYPE, NODE_ATTRIBUTE = 2, 4, 5
+ATTR_NAME, ATTR_TENSOR = 1, 5
 TENSOR_NAME, TENSOR_RAW, TENSOR_FLOAT, TENSOR_DOUBLE = 8, 9, 4, 10
 TENSOR_DATA_FIELDS = {4, 5, 6, 7, 9, 10, 11}
 LEN = 2  # wire type of length-delimited fields
@@ -27,6 +29,23 @@ class Layout:
         str, tuple[int, int, int | None, int, int, bool]
     ]  # name -> field start/end, data field, data start/end, one piece
     metadata: list[tuple[int, int, str, str]]  # top-level metadata_props: field start/end, key, value
+    nodes: list[tuple[int, int]]  # the graph's nodes in order: field start/end
+    constants: dict[str, tuple[int | None, int, int, bool]]  # Constant node output -> data field, data start/end, one piece
+
+
+def renamed_data_files(files: list[str], model_name: str, new_name: str) -> dict[str, str]:
+    """New names for an .onnx's external data files when the model is written as ``new_name``: flat
+    names beside the new file, each starting with ``new_name`` (``model.onnx.data`` -> ``out.onnx.data``;
+    ``weights/part0.bin`` -> ``out.onnx.weights_part0.bin``), so none can be the input's own files."""
+    out = {}
+    for rel in files:
+        if "/" not in rel and rel.startswith(model_name) and rel != model_name:
+            out[rel] = new_name + rel[len(model_name):]
+        else:
+            out[rel] = f"{new_name}.{rel.replace('/', '_')}"
+    if len(set(out.values())) < len(out) or new_name in out.values():
+        out = {rel: f"{new_name}.{i}.data" for i, rel in enumerate(files)}
+    return out
 
 
 class Corrupt(Exception):
@@ -61,7 +80,12 @@ def scan_buffer(buf) -> Layout:
     if graph is None:
         raise Corrupt("no graph")
     tensors = {}
+    nodes = []
+    constants: dict[str, tuple[int | None, int, int, bool]] = {}
     for number, wire, start, pstart, pend in fields(buf, graph[1], graph[2]):
+        if number == GRAPH_NODE and wire == LEN:
+            nodes.append((start, pend))
+            _constant(buf, pstart, pend, constants)
         if number != GRAPH_INITIALIZER or wire != LEN:
             continue
         name, data_field, span, pieces = "", None, (pend, pend), 0
@@ -73,7 +97,30 @@ def scan_buffer(buf) -> Layout:
                 pieces += 1 if w == LEN else 2
                 data_field, span = n, (s, e)
         tensors[name] = (start, pend, data_field, span[0], span[1], pieces <= 1)
-    return Layout(size, graph, tensors, metadata)
+    return Layout(size, graph, tensors, metadata, nodes, constants)
+
+
+def _constant(buf, start: int, end: int, out: dict) -> None:
+    """Where a Constant node's ``value`` tensor keeps its data (weights that exporters or optimizers
+    put in Constant nodes instead of initializers)."""
+    op, outputs, value = "", [], None
+    for n, w, _, s, e in fields(buf, start, end):
+        if n == NODE_OP_TYPE and w == LEN:
+            op = bytes(buf[s:e]).decode("utf-8", "replace")
+        elif n == NODE_OUTPUT and w == LEN:
+            outputs.append(bytes(buf[s:e]).decode("utf-8", "replace"))
+        elif n == NODE_ATTRIBUTE and w == LEN:
+            attr = {an: (as_, ae) for an, aw, _, as_, ae in fields(buf, s, e) if aw == LEN}
+            if ATTR_NAME in attr and bytes(buf[slice(*attr[ATTR_NAME])]) == b"value" and ATTR_TENSOR in attr:
+                value = attr[ATTR_TENSOR]
+    if op != "Constant" or len(outputs) != 1 or value is None:
+        return
+    data_field, span, pieces = None, (value[1], value[1]), 0
+    for n, w, _, s, e in fields(buf, value[0], value[1]):
+        if n in TENSOR_DATA_FIELDS:
+            pieces += 1 if w == LEN else 2
+            data_field, span = n, (s, e)
+    out[outputs[0]] = (data_field, span[0], span[1], pieces <= 1)
 
 
 def fields(buf, start: int, end: int):

@@ -12,13 +12,16 @@ pattern:
   probabilities·V product after the Softmax (fused ops name them as inputs).
 * each of them is followed back to the first ``MatMul``/``Gemm`` with a constant weight. On the
   way from that projection to the core, a ``Split``/``Slice`` of the feature axis, or a ``Gather``
-  of an unflattened (3, E) axis, selects the columns that belong to the role (fused QKV), an
+  (``Split``, one-index ``Slice``) of an unflattened (3, E) or (3, H, D) axis (timm's fused qkv),
+  selects the columns that belong to the role (fused QKV), an
   ``Add`` of a 1-D initializer is the bias, and the ``Reshape`` that splits the feature axis
   gives (heads, head_dim).
 
 Blocks are numbered in graph order; their module path comes from the exporter's scopes (the
 legacy exporter's node names ``/encoder/layer.0/attention/self/Softmax``, the dynamo exporter's
-``pkg.torch.onnx.name_scopes`` / ``namespace`` metadata), which also gives stacks and layer numbers.
+``pkg.torch.onnx.name_scopes`` / ``namespace`` metadata), which also gives stacks and layer numbers;
+without scopes, the core nodes' name prefixes group them. A module called several times with the
+same weights (ALBERT) is one block. Weights in ``Constant`` nodes count as initializers.
 """
 
 from .blocks import OnnxDetection, find_attention

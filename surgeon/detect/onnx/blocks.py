@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,9 +39,11 @@ def find_attention(
     hints: Hints | None = None,
     *,
     source: str = "the model",
+    constants: dict[str, onnx.TensorProto] | None = None,
 ) -> OnnxDetection:
-    """Every attention block of an ONNX model, in graph order. Raises NoAttentionFoundError if none."""
-    graph = Graph(model, const)
+    """Every attention block of an ONNX model, in graph order. Raises NoAttentionFoundError if none.
+    ``constants``: weights kept in Constant nodes, by output name (read like initializers)."""
+    graph = Graph(model, const, constants)
     walker = Walker(graph)
     resolved: list[Core] = []
     failures: list[str] = []
@@ -52,10 +55,11 @@ def find_attention(
             failures.append(f"{graph.describe(n)}: {exc}")
     if not resolved:
         raise NoAttentionFoundError(_nothing_found(graph, cores, failures, source))
+    resolved, scopes, repeats = _one_per_weight_set(resolved, _scopes(graph, resolved))
     fallback = [graph.nodes[c.node].name or f"{graph.nodes[c.node].op_type}_{c.node}" for c in resolved]
-    placed = _place_cores(_scopes(graph, resolved), fallback)
+    placed = _place_cores(scopes, fallback)
     view = ConfigView(config, hints)
-    blocks, notes = [], [f"skipped {f}" for f in failures]
+    blocks, notes = [], [f"skipped {f}" for f in failures] + repeats
     users: dict[tuple[str, str], dict[str, set[int]]] = {}
     owners: dict[int, tuple[str, str]] = {}
     for core, (stack, layer, module) in zip(resolved, placed):
@@ -68,6 +72,42 @@ def find_attention(
             for m in p.weight_nodes | p.bias_nodes:
                 owners.setdefault(m, (block.label, role))
     return OnnxDetection(Detection(blocks, len(graph.inits), notes), graph, users, owners)
+
+
+def _weight_set(core: Core) -> tuple:
+    return tuple((p.weight, p.axis, p.base, p.width, p.bias, p.bias_base) for p in (core.q, core.k, core.v))
+
+
+def _one_per_weight_set(cores: list[Core], scopes: list[str | None]) -> tuple[list[Core], list[str | None], list[str]]:
+    """One core per module called several times with its Q/K/V weights (ALBERT's shared layers):
+    one block, changed once, as in its PyTorch checkpoint; the nodes of every call are that block's
+    users. The calls are told by their weights and their scope: the same module path (the legacy
+    exporter numbers repeated calls ``attention_1``, ``attention_2``), or none. Layers of their own
+    whose equal weights the exporter stored once (deep copies) stay blocks of their own."""
+    first: dict[tuple, int] = {}
+    uses: dict[tuple, int] = defaultdict(int)
+    kept_cores: list[Core] = []
+    kept_scopes: list[str | None] = []
+    for core, scope in zip(cores, scopes):
+        key = (_weight_set(core), re.sub(r"_\d+$", "", scope) if scope else None)
+        uses[key] += 1
+        if key not in first:
+            first[key] = len(kept_cores)
+            kept_cores.append(core)
+            kept_scopes.append(scope)
+            continue
+        kept = kept_cores[first[key]]
+        for mine, other in ((kept.q, core.q), (kept.k, core.k), (kept.v, core.v)):
+            mine.weight_nodes |= other.weight_nodes
+            mine.bias_nodes |= other.bias_nodes
+    repeated = [n for n in uses.values() if n > 1]
+    notes = []
+    if repeated:
+        notes.append(
+            f"{len(repeated)} set{'s' if len(repeated) > 1 else ''} of attention weights {'are' if len(repeated) > 1 else 'is'} "
+            f"used by {sum(repeated)} attention calls (weights shared across layers): one block for each set, changed once"
+        )
+    return kept_cores, kept_scopes, notes
 
 
 def _block(
@@ -169,8 +209,8 @@ def _place_cores(scopes: list[str | None], fallback: list[str]) -> list[tuple[st
     Module paths that differ only in numbers form a group (``encoder.layer.#.attention.self``); the
     numbers that vary inside a group index the layers and the stack is the path before the first of
     them, as for named checkpoints. A module called several times (shared weights) becomes its own
-    stack, numbered by call; blocks without any scope are numbered in graph order at the top level
-    and named after their core node.
+    stack, numbered by call; blocks without any scope are numbered in graph order and named after
+    their core node, grouped by that name's prefix (``_unscoped_stacks``).
     """
     counts: dict[str, int] = defaultdict(int)
     for s in scopes:
@@ -179,14 +219,18 @@ def _place_cores(scopes: list[str | None], fallback: list[str]) -> list[tuple[st
     placed: dict[int, tuple[str, int, str]] = {}
     calls: dict[str, int] = defaultdict(int)
     grouped: list[tuple[int, str]] = []  # (index, scope) of the blocks placed by their numbered paths
-    unnamed, used = 0, set(s for s in scopes if s)
+    used = set(s for s in scopes if s)
+    unscoped = [i for i, s in enumerate(scopes) if not s]
+    numbers: dict[str, int] = defaultdict(int)
+    for i, stack in zip(unscoped, _unscoped_stacks([fallback[i] for i in unscoped])):
+        name = fallback[i] if fallback[i] not in used else f"{fallback[i]}.{i}"
+        used.add(name)
+        placed[i] = (stack, numbers[stack], name)
+        numbers[stack] += 1
     for i, s in enumerate(scopes):
         if not s:
-            name = fallback[i] if fallback[i] not in used else f"{fallback[i]}.{i}"
-            used.add(name)
-            placed[i] = ("", unnamed, name)
-            unnamed += 1
-        elif counts[s] > 1:
+            continue
+        if counts[s] > 1:
             placed[i] = (s, calls[s], f"{s}[{calls[s]}]")
             calls[s] += 1
         else:
@@ -195,6 +239,23 @@ def _place_cores(scopes: list[str | None], fallback: list[str]) -> list[tuple[st
     for i, s in grouped:
         placed[i] = (places[s].stack, places[s].layer, s)
     return [placed[i] for i in range(len(scopes))]
+
+
+def _unscoped_stacks(names: list[str]) -> list[str]:
+    """The stack of each block the exporter left without a scope, from its core node's name: names
+    that differ only in numbers (``Softmax_12``, ``Softmax_57``; ``node_softmax``, ``node_softmax_1``)
+    form one group, numbered in graph order. One group is the top-level stack ""; several (an
+    encoder's and a decoder's names) are stacks named by the text before the first number."""
+    keys = [re.sub(r"[_./:-]*#$", "", re.sub(r"\d+", "#", n)) for n in names]
+    groups = list(dict.fromkeys(keys))
+    if len(groups) <= 1:
+        return [""] * len(names)
+    short = {k: re.sub(r"[_./:-]*#.*$", "", k).strip("_./:-") or k for k in groups}
+    if len(set(short.values())) < len(groups):
+        short = {k: k.replace("#", "").strip("_./:-") or k for k in groups}
+    if len(set(short.values())) < len(groups):
+        short = {k: k for k in groups}
+    return [short[k] for k in keys]
 
 
 def _nothing_found(graph: Graph, cores: list[int], failures: list[str], source: str) -> str:

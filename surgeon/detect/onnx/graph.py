@@ -100,11 +100,15 @@ class Fail(Exception):
 class Graph:
     """Nodes by index, who produces and who consumes each tensor, small constant values."""
 
-    def __init__(self, model: onnx.ModelProto, const: Callable[[str], np.ndarray | None]) -> None:
+    def __init__(
+        self, model: onnx.ModelProto, const: Callable[[str], np.ndarray | None], constants: dict[str, onnx.TensorProto] | None = None
+    ) -> None:
         g = model.graph
         self.nodes = list(g.node)
         self.const = const
         self.inits: dict[str, onnx.TensorProto] = {t.name: t for t in g.initializer}
+        for name, t in (constants or {}).items():  # weights in Constant nodes: their output is the weight's name
+            self.inits.setdefault(name, t)
         self.inputs = {i.name for i in g.input} - set(self.inits)
         self.outputs = {o.name for o in g.output}
         self.producer: dict[str, int] = {}
@@ -116,7 +120,8 @@ class Graph:
             for name in dict.fromkeys(list(node.input) + _subgraph_inputs(node)):
                 if name:
                     self.consumers[name].append(i)
-        self.ranks = _infer_ranks(model)
+        self.dims: dict[str, list[int | None]] = {}  # static shapes from shape inference (None: computed at run time)
+        self.ranks = _infer_ranks(model, self.dims)
         self._values: dict[str, np.ndarray | None] = {}
         self._const_memo: dict[str, bool] = {}
 
@@ -168,7 +173,9 @@ class Graph:
                     if a.name == "value"
                     else np.array(onnx.helper.get_attribute_value(a))
                 )
-            elif node.op_type in _FOLD and node.domain in ("", "ai.onnx") and len(node.output) == 1:
+            elif node.op_type in ("Shape", "Gather") and node.domain in ("", "ai.onnx"):
+                out = self._static_shape_entries(n)
+            if out is None and node.op_type in _FOLD and node.domain in ("", "ai.onnx") and len(node.output) == 1:
                 args = [self.value(i) for i in node.input if i]
                 if all(a is not None for a in args):
                     try:
@@ -177,6 +184,34 @@ class Graph:
                         out = None
         self._values[tensor] = out
         return out
+
+    def _static_shape_entries(self, n: int) -> np.ndarray | None:
+        """Shape of a tensor whose static shape is known, or a Gather of such entries from a Shape
+        (``x.shape[-1] // 3``: a slice bound computed in the graph); None where any is computed at run time."""
+        node = self.nodes[n]
+        shape_node = n if node.op_type == "Shape" else self.producer.get(node.input[0])
+        if shape_node is None or self.nodes[shape_node].op_type != "Shape":
+            return None
+        dims = self.dims.get(self.nodes[shape_node].input[0])
+        if dims is None:
+            return None
+        start, end = self.attr(shape_node, "start", 0), self.attr(shape_node, "end", None)
+        dims = dims[start:end] if end is not None else dims[start:]
+        if node.op_type == "Gather":
+            index = self.value(node.input[1]) if len(node.input) > 1 else None
+            if index is None or index.dtype.kind not in "iu":
+                return None
+            try:
+                picked = np.take(np.arange(len(dims)), index)
+            except IndexError:
+                return None
+            values = [dims[int(i)] for i in np.atleast_1d(picked)]
+            if any(v is None for v in values):
+                return None
+            return np.asarray(values, dtype=np.int64).reshape(np.shape(picked))
+        if any(d is None for d in dims):
+            return None
+        return np.asarray(dims, dtype=np.int64)
 
     def ints(self, tensor: str) -> list[int] | None:
         v = self.value(tensor) if tensor else None
@@ -272,7 +307,9 @@ class Graph:
             if paths:
                 return paths[-1]
         if node.name.startswith("/") and node.name.count("/") >= 2:
-            return ".".join(p for p in node.name.strip("/").split("/")[:-1] if p)
+            parts = [p for p in node.name.strip("/").split("/")[:-1] if p]
+            # a called container and its child: /blocks/blocks.0/attn is the module blocks.0.attn
+            return ".".join(p for p, after in zip(parts, parts[1:] + [""]) if not after.startswith(p + "."))
         return None
 
 
@@ -293,8 +330,9 @@ def _subgraph_inputs(node: onnx.NodeProto) -> list[str]:
     return names
 
 
-def _infer_ranks(model: onnx.ModelProto) -> dict[str, int]:
-    """Tensor ranks from ONNX shape inference on a copy of the graph without the weights' data."""
+def _infer_ranks(model: onnx.ModelProto, dims: dict[str, list[int | None]] | None = None) -> dict[str, int]:
+    """Tensor ranks from ONNX shape inference on a copy of the graph without the weights' data;
+    ``dims`` gets each tensor's static shape (None where an axis is only known at run time)."""
     g = model.graph
     stubs = []
     for t in g.initializer:
@@ -322,6 +360,8 @@ def _infer_ranks(model: onnx.ModelProto) -> dict[str, int]:
         t = vi.type.tensor_type
         if t.HasField("shape"):
             ranks[vi.name] = len(t.shape.dim)
+            if dims is not None:
+                dims[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
     for t in g.initializer:
         ranks[t.name] = len(t.dims)
     return ranks

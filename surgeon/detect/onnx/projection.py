@@ -39,6 +39,7 @@ class Pending:
     shape: list[int | None]  # its target shape, as far as known
     axis: int | None  # where the ``a`` axis is now (None: lost track)
     rank: int | None
+    heads: list[int | None] | None = None  # (heads, head_dim) when the Reshape split (a, heads, head_dim) at once
 
 
 @dataclass
@@ -229,7 +230,8 @@ class ProjectionWalk:
                 if op == "Reshape":
                     heads_shape = pending.shape
                 elif self._pending_step(pending, p, n, t_in, t_out, role):
-                    pending = None  # a chunk was chosen: the last axis holds features again
+                    # a chunk was chosen: the last axis holds features again, or (timm) the chunk's heads
+                    heads_shape, pending = pending.heads, None
                 continue
             if op == "Add" and p.bias is None:
                 other = [i for i in node.input if i != t_in]
@@ -248,8 +250,7 @@ class ProjectionWalk:
                 shape, complete = found if found else ([], False)
                 if shape and shape[-1] == p.width:
                     continue  # merges or splits leading axes only
-                rank = len(shape) if complete else g.rank(t_out)
-                pending = Pending(shape, rank - 2 if rank else None, rank)
+                pending = _feature_split(shape, len(shape) if complete else g.rank(t_out), p.width)
             elif op == "Transpose":
                 perm = g.attr(n, "perm")
                 if perm is None or perm[-1] != len(perm) - 1:
@@ -290,7 +291,7 @@ class ProjectionWalk:
             else:
                 cut = [g.attr(n, "axis", 0)]
             on_pending = axis is not None and rank is not None and cut is not None and axis in [a % rank for a in cut]
-            if on_pending and op != "Slice":
+            if on_pending:
                 return self._pick_chunk(pending, p, n, t_out, role)
             if on_pending or (op != "Slice" and not self._cuts_last_axis(n, t_in)):
                 raise Fail(f"{role} is cut by {g.describe(n)}, a QKV packing surgeon does not follow")
@@ -304,6 +305,8 @@ class ProjectionWalk:
         if node.op_type == "Gather":
             index = g.value(node.input[1])
             picked = int(index) if index is not None and index.ndim == 0 else None
+        elif node.op_type == "Slice":  # one index of the chunk axis, [i, i + 1) (unbind by the dynamo exporter)
+            picked = self._slice_one(pending, n, count)
         else:
             sizes = g.ints(node.input[1]) if len(node.input) > 1 and node.input[1] else g.attr(n, "split")
             picked = list(node.output).index(t_out) if not sizes or set(sizes) == {1} else None
@@ -312,6 +315,20 @@ class ProjectionWalk:
         p.base += (picked % count) * size
         p.width = size
         return True
+
+    def _slice_one(self, pending: Pending, n: int, count: int | None) -> int | None:
+        g = self.g
+        node = g.nodes[n]
+        starts, ends, axes = g.ints(node.input[1]), g.ints(node.input[2]), g.ints(node.input[3])
+        steps = g.ints(node.input[4]) if len(node.input) > 4 and node.input[4] else None
+        if starts is None or ends is None or axes is None or pending.rank is None or pending.axis is None or not isinstance(count, int):
+            return None
+        i = [a % pending.rank for a in axes].index(pending.axis)
+        if steps and steps[i] != 1:
+            return None
+        start = starts[i] + count if starts[i] < 0 else starts[i]
+        end = min(count, ends[i] + count if ends[i] < 0 else ends[i])
+        return start if 0 <= start and end - start == 1 else None
 
     def _cuts_last_axis(self, n: int, t_in: str) -> bool:
         g = self.g
@@ -370,6 +387,15 @@ class ProjectionWalk:
         end = min(p.width, end + p.width if end < 0 else end)
         p.base += start
         p.width = end - start
+
+
+def _feature_split(shape: list[int | None], rank: int | None, width: int) -> Pending:
+    """The Reshape that splits a projection's ``width`` features into (..., a, b), or at once into
+    (..., 3, heads, head_dim) (timm's fused qkv: a chunk of 3 is picked later, its heads split already)."""
+    last3 = shape[-3:] if len(shape) >= 3 else []
+    if len(last3) == 3 and all(isinstance(x, int) and x > 1 for x in last3) and last3[0] * last3[1] * last3[2] == width:  # type: ignore[operator]
+        return Pending([*shape[:-3], last3[0], last3[1] * last3[2]], rank - 3 if rank else None, rank, last3[1:])  # type: ignore[operator]
+    return Pending(shape, rank - 2 if rank else None, rank)
 
 
 def _read_head_split(p: Proj, shape: list[int | None], role: str) -> None:
