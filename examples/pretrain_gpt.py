@@ -144,6 +144,22 @@ def summarize(results: list[dict], args) -> list[str]:
     return lines
 
 
+def run_starts(args, run) -> tuple[list[dict], float]:
+    """Read the corpus, say what runs, then ``run(variant, seed, args, train, val)`` for every start of every seed."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    train, val, files = corpus(args.text_bytes)
+    print(f"text: {len(train):,} training and {len(val):,} validation bytes from the first of {files} stdlib .py files; "
+          f"model: GPT-2, {args.layers} layers, width {args.width}, {args.heads} heads, context {args.context}")
+    started = time.perf_counter()
+    results = _compare.run_all(
+        args, lambda variant, seed: run(variant, seed, args, train, val),
+        lambda r, secs: f"validation {bits(r['evals'][-1][1]):.3f} bits/byte after {args.steps} steps ({secs:.0f} s; {r['init']})",
+    )
+    return results, started
+
+
 def add_model_options(parser, *, steps: int, context: int, width: int, layers: int, val_batches: int, text_bytes: int) -> None:
     """The model, data and loop options shared by the GPT examples (their defaults differ)."""
     parser.add_argument("--steps", type=int, default=steps, help=f"training steps per run (default {steps})")
@@ -167,17 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.steps, args.seeds, args.batch, args.context, args.width, args.layers = 6, 1, 4, 32, 32, 2
         args.eval_every, args.val_batches, args.text_bytes, args.warmup = 3, 2, 200_000, 2
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    train, val, files = corpus(args.text_bytes)
-    print(f"text: {len(train):,} training and {len(val):,} validation bytes from the first of {files} stdlib .py files; "
-          f"model: GPT-2, {args.layers} layers, width {args.width}, {args.heads} heads, context {args.context}")
-    started = time.perf_counter()
-    results = _compare.run_all(
-        args, lambda variant, seed: run(variant, seed, args, train, val),
-        lambda r, secs: f"validation {bits(r['evals'][-1][1]):.3f} bits/byte after {args.steps} steps ({secs:.0f} s; {r['init']})",
-    )
+    results, started = run_starts(args, run)
     plot = lambda: _compare.plot_curves(  # noqa: E731
         results, args, colors={"default": "tab:gray", "conditioned": "tab:blue"}, window=25,
         train=lambda r: [bits(x) for x in r["train_loss"]], evals=lambda r: [(s, bits(v)) for s, v in r["evals"]],

@@ -31,7 +31,6 @@ import math
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -138,17 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.steps, args.seeds, args.batch, args.context, args.width, args.layers = 5, 1, 4, 32, 32, 2
         args.eval_every, args.val_batches, args.text_bytes, args.warmup, args.probe_tokens = 5, 1, 200_000, 2, 8
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    train, val, files = pretrain_gpt.corpus(args.text_bytes)
-    print(f"text: {len(train):,} training and {len(val):,} validation bytes from the first of {files} stdlib .py files; "
-          f"model: GPT-2, {args.layers} layers, width {args.width}, {args.heads} heads, context {args.context}")
-    started = time.perf_counter()
-    results = _compare.run_all(
-        args, lambda variant, seed: run(variant, seed, args, train, val),
-        lambda r, secs: f"validation {bits(r['evals'][-1][1]):.3f} bits/byte after {args.steps} steps ({secs:.0f} s; {r['init']})",
-    )
+    results, started = pretrain_gpt.run_starts(args, run)
     lines, table = summarize(results, args)
     plot = lambda: plot_runs(results, args)  # noqa: E731
     out = _compare.finish(results, lines, args, plot, started)

@@ -19,7 +19,7 @@ import torch
 
 from .spectrum import VALUE_IDENTITIES, Spectrum, kappa_from
 
-__all__ = ["VALUE_IDENTITIES", "Spectrum", "head_seed", "semi_orthogonal", "semi_orthogonal_batch", "gaussians", "orthonormal_columns", "value_identity",
+__all__ = ["VALUE_IDENTITIES", "Spectrum", "head_seed", "semi_orthogonal", "semi_orthogonal_batch", "orthonormal_columns", "value_identity",
            "polar", "rescale_to", "kappa", "singular_values", "head_kappas", "spectrum", "in_parallel", "single_threaded"]
 
 _POOL: ThreadPoolExecutor | None = None
@@ -106,14 +106,6 @@ def semi_orthogonal_batch(rows: int, cols: int, seeds: list[int], *, device: tor
 
     in_parallel(orthonormalize, heads, device=device)
     return out
-
-
-def gaussians(rows: int, cols: int, seeds: list[int]) -> torch.Tensor:
-    """Standard normal ``(len(seeds), rows, cols)`` float64 matrices, one generator per seed (CPU)."""
-    out = np.empty((len(seeds), rows, cols), dtype=np.float64)
-    for i, seed in enumerate(seeds):
-        np.random.Generator(np.random.SFC64(seed)).standard_normal(out=out[i])
-    return torch.from_numpy(out)
 
 
 # Cholesky QR (Q = X R^-1 with R^T R = X^T X) is two GEMMs, about 2x faster than

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from test_onnx_format import save_variant
 
 from surgeon import reinit_checkpoint
 from surgeon.errors import OutputError
@@ -28,21 +29,6 @@ def bert(tmp_path_factory):
     return model, path, feeds, params, initializers(path)
 
 
-def external(source: Path, folder: Path, kind: str) -> Path:
-    model = onnx.load(str(source))
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "model.onnx"
-    if kind == "one-file":
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=0)
-    else:  # over two files in a subfolder
-        (folder / "weights").mkdir()
-        big = [t for t in model.graph.initializer if len(t.raw_data) >= 256]
-        for i, t in enumerate(big):
-            onnx.external_data_helper.set_external_data(t, location=f"weights/part{i % 2}.bin")
-        onnx.save_model(model, str(path))
-    return path
-
-
 def files_under(folder: Path) -> set[str]:
     return {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
 
@@ -50,12 +36,12 @@ def files_under(folder: Path) -> set[str]:
 @pytest.mark.parametrize("kind", ["one-file", "split"])
 def test_onnx_output_with_external_data_is_a_file_with_its_data_beside_it(bert, cli, tmp_path, kind):
     model, embedded, feeds, params, inits = bert
-    src = external(embedded, tmp_path / "src", kind)
+    src = save_variant(embedded, tmp_path / "src", kind)
     before = tree_digest(src.parent)
     out = tmp_path / "dest" / "out.onnx"
     reinit_checkpoint(src, output=out, layers="1", device="cpu")
     assert tree_digest(src.parent) == before
-    expected = {"out.onnx.data"} if kind == "one-file" else {"out.onnx.weights_part0.bin", "out.onnx.weights_part1.bin"}
+    expected = {"out.onnx.data"} if kind == "one-file" else {f"out.onnx.weights_part{i}.bin" for i in range(3)}
     assert files_under(tmp_path / "dest") == {"out.onnx", *expected}  # nothing else, no folder named out.onnx
     assert out.is_file()
     # locations are relative to the new file
@@ -72,7 +58,7 @@ def test_onnx_output_with_external_data_is_a_file_with_its_data_beside_it(bert, 
 
 def test_onnx_output_beside_the_input_and_the_default(bert, tmp_path):
     model, embedded, feeds, params, inits = bert
-    src = external(embedded, tmp_path / "src", "one-file")
+    src = save_variant(embedded, tmp_path / "src", "one-file")
     before = tree_digest(src.parent)
     reinit_checkpoint(src, output=src.parent / "out.onnx", layers="0", device="cpu")
     reinit_checkpoint(src, layers="0", device="cpu")  # default: model.reinit.onnx beside the input
@@ -86,7 +72,7 @@ def test_onnx_output_beside_the_input_and_the_default(bert, tmp_path):
 
 
 def test_a_named_folder_is_a_folder(bert, tmp_path):
-    src = external(bert[1], tmp_path / "src", "one-file")
+    src = save_variant(bert[1], tmp_path / "src", "one-file")
     out = tmp_path / "folder-out"
     reinit_checkpoint(src, output=out, layers="0", device="cpu")
     assert out.is_dir() and {"model.onnx", "model.onnx.data"} <= files_under(out)
@@ -94,7 +80,7 @@ def test_a_named_folder_is_a_folder(bert, tmp_path):
 
 
 def test_existing_data_file_is_refused_and_nothing_written(bert, tmp_path):
-    src = external(bert[1], tmp_path / "src", "one-file")
+    src = save_variant(bert[1], tmp_path / "src", "one-file")
     dest = tmp_path / "dest"
     dest.mkdir()
     (dest / "out.onnx.data").write_bytes(b"someone else's")
@@ -119,7 +105,7 @@ def test_a_push_needs_a_folder(bert, tmp_path):
     from surgeon.output import resolve_output
     from surgeon.source import open_source
 
-    source = open_source(external(bert[1], tmp_path / "src", "one-file"))
+    source = open_source(save_variant(bert[1], tmp_path / "src", "one-file"))
     with pytest.raises(OutputError, match="uploads a model folder"):
         resolve_output(source, tmp_path / "out.onnx", in_place=False, overwrite=False, folder=True)
     assert resolve_output(source, None, in_place=False, overwrite=False, folder=True) == tmp_path / "src-reinit"
