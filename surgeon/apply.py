@@ -16,15 +16,12 @@ import torch
 from .conditioning import (
     Spectrum,
     head_kappas,
-    head_seed,
-    polar,
     rescale_to,
-    semi_orthogonal_batch,
     single_threaded,
     spectrum,
-    value_identity,
 )
 from .errors import OptionError, UnsupportedWeightsError, opt
+from .modes import get_mode
 from .plan import Change, Plan
 from .selection import format_indices
 from .spec import AttentionBlock, Projection, Rows
@@ -78,26 +75,8 @@ def new_heads(change: Change, old: torch.Tensor | None, plan: Plan, *, seed_name
     differ from its checkpoint's can draw exactly what the checkpoint path draws.
     """
     opts, proj = plan.options, change.projection
-    d, n_in = proj.head_dim, proj.in_features
     device = old.device if old is not None else (device or "cpu")
-    if opts.mode == "polar":
-        assert old is not None  # needs_old_values: polar mode reads the old values
-        new = polar(old, opts.effective_strength)
-    elif opts.mode == "redraw":
-        from .baselines import redraw_heads
-
-        new = redraw_heads(change, seed_name or proj.weight.tensor, opts, device=device)
-    elif opts.mode == "mimetic":
-        from .baselines import mimetic_heads, module_key
-
-        new = mimetic_heads(change, module_key(change.block, proj.weight.tensor, seed_name), opts, device=device)
-    elif change.role == "v":
-        new = torch.stack([value_identity(h, d, n_in, opts.value_identity, device=device) for h in change.heads])
-    else:
-        key = seed_name or proj.weight.tensor
-        new = semi_orthogonal_batch(d, n_in, [head_seed(opts.seed, key, change.role, h) for h in change.heads], device=device)
-        if opts.gain is not None and opts.gain != 1:
-            new = new * float(opts.gain)
+    new = get_mode(opts.mode).draw(change, old, opts, key=seed_name or proj.weight.tensor, device=device)
     if opts.keep_scale:
         assert old is not None  # needs_old_values: keep_scale reads the old values
         return rescale_to(new, old)
@@ -105,7 +84,7 @@ def new_heads(change: Change, old: torch.Tensor | None, plan: Plan, *, seed_name
 
 
 def needs_old_values(plan: Plan) -> bool:
-    return plan.options.mode == "polar" or plan.options.keep_scale
+    return not get_mode(plan.options.mode).fresh or plan.options.keep_scale
 
 
 @dataclass
@@ -201,7 +180,8 @@ class Engine:
     def refuse_nonfinite(self, name: str, change: Change, old: torch.Tensor) -> None:
         bad = [h for h, ok in zip(change.heads, torch.isfinite(old).flatten(1).all(1).tolist()) if not ok]
         if bad:
-            how = "polar mode" if self.plan.options.mode == "polar" else opt("keep_scale", True)
+            mode = get_mode(self.plan.options.mode)
+            how = f"{mode.name} mode" if not mode.fresh else opt("keep_scale", True)
             raise UnsupportedWeightsError(
                 f"{name}: {change.role} head{'s' if len(bad) > 1 else ''} {format_indices(bad)} hold{'' if len(bad) > 1 else 's'} "
                 f"NaN or Inf, and {how} needs the old values; re-initialize them with the conditioned reset "

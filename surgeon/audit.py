@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from .errors import CheckpointError, SurgeonError, VerificationError  # noqa: F401  (re-exported)
+from .modes import get_mode
 from .plan import ReinitOptions
 
 CARD_RECORD = re.compile(r"<!-- surgeon-record (\{.*?\}) -->")
@@ -41,7 +42,7 @@ class Verification:
 
     def summary(self) -> str:
         o = self.record.get("options", {})
-        how = "re-derived byte for byte from the seed" if self.mode in ("conditioned", "redraw", "mimetic") else "semi-orthogonal/polar within the dtype's rounding"
+        how = get_mode(self.mode).verify_bound
         n = len(self.record.get("blocks", []))
         return (
             f"verified: {self.output} is {self.original} with {n} attention block{'s' if n != 1 else ''} re-initialized as recorded "
@@ -204,7 +205,7 @@ def _check_changed(a, b, engine, options: ReinitOptions, output: str | Path, cop
         expected = engine.update(name, a.read(name), record=False)
         new_name = (copies or {}).get(name, name)
         found = b.read(new_name)
-        if options.mode in ("conditioned", "redraw", "mimetic") or not any(what == "weight" for _, what in engine.edits[name]):
+        if get_mode(options.mode).exact or not any(what == "weight" for _, what in engine.edits[name]):
             if _raw(b, new_name) != _tensor_bytes(expected):
                 raise VerificationError(f"{output}: tensor {name!r}: {_first_difference(expected, found)}; the recipe re-derived from the record's seed gives other values")
         else:

@@ -27,7 +27,6 @@ This module is torch-free at import (the planning path imports it).
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Any
 
 DEFAULT_STD = 0.02
@@ -46,10 +45,10 @@ def config_std(config: Any) -> tuple[float, str]:
 
 
 def with_model_defaults(options, config: Any):
-    """``options`` with the redraw std filled in from the model's config (unchanged for other modes)."""
-    if options.mode != "redraw" or options.std is not None:
-        return options
-    return replace(options, std=config_std(config)[0])
+    """``options`` with what the mode takes from the model's config filled in (redraw: its std)."""
+    from .modes import get_mode
+
+    return get_mode(options.mode).with_defaults(options, config)
 
 
 def is_xavier(tensor: str) -> bool:
@@ -108,8 +107,9 @@ def find_out_projection(block, shapes) -> tuple[str, bool] | None:
 def attach_out_projections(plan, shapes, *, fmt: str = "") -> None:
     """For --mode mimetic: find every touched block's W_O (plan.outputs), or refuse in one line."""
     from .errors import LayoutError, OptionError
+    from .modes import get_mode
 
-    if plan.options.mode != "mimetic":
+    if not get_mode(plan.options.mode).writes_outputs:
         return
     if fmt == "onnx":
         raise OptionError("--mode mimetic writes W_O, which surgeon does not rewrite in ONNX graphs: use a safetensors/PyTorch checkpoint")

@@ -16,21 +16,13 @@ from pathlib import Path
 from ._version import __version__
 from .apply import ProjectionResult
 from .detect.config import Hints
+from .modes import get_mode
 from .plan import Plan
 from .report import fmt_kappa
 from .selection import format_indices
 from .source import Source
 
-TAGS = ["surgeon", "conditioned-initialization"]
-PAPER_URL = "https://openreview.net/forum?id=cKNOCYPo2W"
-BIBTEX = """\
-@inproceedings{saratchandran2026conditioned,
-  title     = {Conditioned Initialization for Attention},
-  author    = {Saratchandran, Hemanth and Lucey, Simon},
-  booktitle = {Submitted to The Fourteenth International Conference on Learning Representations (ICLR)},
-  year      = {2026},
-  url       = {https://openreview.net/forum?id=cKNOCYPo2W}
-}"""
+TAG = "surgeon"  # every card; the mode adds its own (conditioned-initialization, default-init-redraw, ...)
 # Source metadata that still describes the re-initialized model. Evaluation results (model-index),
 # datasets, metrics and the source's own base_model describe the source only, so they are dropped.
 KEPT_METADATA = ("license", "license_name", "license_link", "language", "pipeline_tag", "library_name")
@@ -104,7 +96,8 @@ def build_card(*, source: Source, plan: Plan, results: list[ProjectionResult], c
     if "library_name" not in kept and isinstance(source.config, dict) and source.config.get("model_type"):
         kept["library_name"] = "transformers"  # a config.json with a model_type is a transformers model
     source_tags = meta.get("tags") or []
-    tags = list(dict.fromkeys(TAGS + [str(t) for t in (source_tags if isinstance(source_tags, list) else [source_tags])]))
+    mode, options = get_mode(plan.options.mode), plan.options.to_dict()
+    tags = list(dict.fromkeys([TAG, mode.tag] + [str(t) for t in (source_tags if isinstance(source_tags, list) else [source_tags])]))
     data = ModelCardData(base_model=source.hub_id, tags=tags, **kept)
 
     endpoint = constants.ENDPOINT.rstrip("/")
@@ -117,10 +110,10 @@ def build_card(*, source: Source, plan: Plan, results: list[ProjectionResult], c
         f"# {title}",
         f"This is {origin} with the attention query/key/value projections of {len(plan.touched_blocks)} of its "
         f"{len(plan.blocks)} attention block{'s' if len(plan.blocks) != 1 else ''} re-initialized by surgeon {__version__} "
-        f"with conditioned initialization ([Saratchandran & Lucey]({PAPER_URL})). Every other tensor is byte for byte "
-        "the source's.",
-        "The re-initialized projections no longer hold what the source model learned there: this is a starting "
-        "point for fine-tuning or further training, not a drop-in replacement for the source.",
+        f"{mode.card_intro(options)}. Every other tensor"
+        + (" (except the output projections W_O of those blocks, rewritten by this mode)" if mode.writes_outputs else "")
+        + " is byte for byte the source's.",
+        mode.card_caveat(),
         "## What was done",
         _options_table(plan),
         _blocks_table(plan),
@@ -132,11 +125,14 @@ def build_card(*, source: Source, plan: Plan, results: list[ProjectionResult], c
         f"With surgeon {__version__}:",
         f"```bash\n{command}\n```",
         _record_comment(plan),
-        "Each head's random draw depends only on (seed, tensor name, role, head), not on the order of processing, "
-        "the sharding or the other heads selected.",
-        "## Citation",
-        f"```bibtex\n{BIBTEX}\n```",
     ]
+    if mode.fresh:
+        parts.append(
+            "Each head's random draw depends only on (seed, tensor name, role, head), not on the order of processing, "
+            "the sharding or the other heads selected."
+        )
+    if mode.citation:
+        parts += ["## Citation", f"```bibtex\n{mode.citation}\n```"]
     if original and original.body.strip():
         name = f"`{source.hub_id}`" if source.hub_id else "the source model"
         parts += ["## Source model card", f"The card of {name}, as it came with the source, follows unchanged.", original.body.strip()]
@@ -163,15 +159,8 @@ def write_card(folder: Path, **kwargs) -> Path:
 
 def _options_table(plan: Plan) -> str:
     o = plan.options.to_dict()
-    if o["mode"] == "polar":
-        mode = f"polar, strength {o['strength']}: each head's singular values sigma -> sigma^(1 - strength), singular vectors kept"
-    else:
-        mode = (
-            "conditioned: independent semi-orthogonal query and key per head, value = rectangular identity "
-            f"({o['value_identity']})"
-        )
     rows = [
-        ("mode", mode),
+        ("mode", get_mode(o["mode"]).card_row(o)),
         ("projections", ", ".join(o["targets"])),
         ("layers", str(o["layers"]) if not isinstance(o["layers"], list) else format_indices(o["layers"])),
         ("heads", str(o["heads"]) if not isinstance(o["heads"], list) else format_indices(o["heads"])),

@@ -21,7 +21,8 @@ from .baselines import attach_out_projections, with_model_defaults
 from .detect.config import Hints
 from .detect.module import ModuleDetection, detect_module
 from .distributed import any_sharded, inspect_sharded, refuse_meta, unwrapped, write_sharded
-from .errors import OptionError
+from .errors import OptionError, opt
+from .modes import get_mode
 from .plan import ReinitOptions, make_plan
 from .report import ProjectionRow, Report
 from .selection import IndexSpec
@@ -71,8 +72,8 @@ def reinit_(
         device = found.params[plan.changes[0].projection.weight.tensor].device
         engine = Engine(plan, device, seed_names=found.seed_names, whole=full)
         if any_sharded(found.params, engine.tensor_names):  # FSDP2 / DTensor: each rank writes its own rows
-            if plan.outputs:
-                raise OptionError("--mode mimetic on sharded (FSDP2/DTensor) parameters is not supported: reinit before sharding")
+            if not get_mode(options.mode).sharded:
+                raise OptionError(f"{opt('mode', options.mode)} on sharded (FSDP2/DTensor) parameters is not supported: reinit before sharding")
             write_sharded(engine, found.params)
         else:
             with torch.no_grad():

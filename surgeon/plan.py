@@ -9,12 +9,12 @@ from typing import Any
 
 from ._version import __version__
 from .errors import OptionError, SelectionError, opt
+from .modes import NAMES as MODES
+from .modes import all_modes, get_mode, owner_of
 from .selection import IndexSpec, format_indices, parse_attention, parse_targets, resolve_indices
 from .spec import AttentionBlock, Projection
 from .spectrum import VALUE_IDENTITIES
 
-MODES = ("conditioned", "polar", "redraw", "mimetic")
-FRESH_MODES = ("conditioned", "redraw", "mimetic")  # modes that never read the old values: a fresh start, biases zeroed by default
 BIAS_CHOICES = ("auto", "zero", "keep")
 
 
@@ -62,23 +62,20 @@ class ReinitOptions:
     stack: str | Iterable[str] | None = _option(
         None, "Only these stacks, by path or name part (e.g. encoder, decoder); comma-separated."
     )
-    mode: str = _option(
-        "conditioned",
-        "conditioned: the paper's fresh reset. polar: keep each head's singular vectors, move its singular values to 1. "
-        "redraw: the family's own default init, drawn again (the control). mimetic: Trockman & Kolter 2023 (writes W_O too).",
-        choices=MODES,
-    )
+    mode: str = _option("conditioned", " ".join(f"{m.name}: {m.help}." for m in all_modes()), choices=MODES)
     strength: float | None = _option(
         None, "Polar mode: sigma -> sigma^(1-t) for t in (0, 1] (kappa -> kappa^(1-t)). Default 1.", kind=float,
-        recorded=lambda o: o["mode"] == "polar",
+        recorded=lambda o: o.get("strength") is not None,
     )
     value_identity: str = _option(
         "block", "block: the whole value projection is the rectangular identity; per-head: every head is I.",
-        choices=("block", "per-head"), recorded=lambda o: o["mode"] != "polar",
+        choices=("block", "per-head"), recorded=lambda o: get_mode(o["mode"]).fresh,
     )
     keep_scale: bool = _option(False, "Rescale each new head matrix to the original's Frobenius norm.", switch=True)
     bias: str = _option(
-        "auto", "Biases of re-initialized heads. Default: zero for the fresh modes (conditioned, redraw, mimetic), keep for polar.",
+        "auto", "Biases of re-initialized heads. Default: zero for the fresh modes ("
+        + ", ".join(m.name for m in all_modes() if m.fresh) + "), keep for "
+        + ", ".join(m.name for m in all_modes() if not m.fresh) + ".",
         choices=("zero", "keep"), shell_default=None,
     )
     seed: int = _option(0, "Random seed; each head's draw depends only on (seed, tensor, head).", kind=int)
@@ -103,22 +100,21 @@ class ReinitOptions:
 
     def validated(self) -> ReinitOptions:
         if self.mode not in MODES:
-            raise OptionError(
-                f"unknown mode {self.mode!r}: use conditioned (the paper's reset), polar (condition the existing weights), "
-                "redraw (the family's default init, drawn again) or mimetic (Trockman & Kolter 2023; writes W_O too)"
-            )
-        for name, value, mode in (("gain", self.gain, "conditioned"), ("std", self.std, "redraw")):
+            raise OptionError(f"unknown mode {self.mode!r}: use " + "; ".join(f"{m.name} ({m.help})" for m in all_modes()))
+        for name, value in (("gain", self.gain), ("std", self.std)):
             if value is None:
                 continue
-            if self.mode != mode:
-                raise OptionError(f"{opt(name)} applies to {opt('mode', mode)} only")
+            owner = owner_of(name)
+            if owner is not None and self.mode != owner.name:
+                raise OptionError(f"{opt(name)} applies to {opt('mode', owner.name)} only")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise OptionError(f"{opt(name)} must be a finite number above 0, not {value!r}")
         if self.gain is not None and self.keep_scale:
             raise OptionError(f"{opt('gain')} and {opt('keep_scale', True)} both set the scale of the new heads: use one of them")
         if self.strength is not None:
-            if self.mode != "polar":
-                raise OptionError(f"{opt('strength')} applies to {opt('mode', 'polar')} only (the conditioned reset always reaches kappa = 1)")
+            if get_mode(self.mode).option != "strength":
+                owner = owner_of("strength")
+                raise OptionError(f"{opt('strength')} applies to {opt('mode', owner.name if owner else None)} only (the conditioned reset always reaches kappa = 1)")
             if not 0.0 < float(self.strength) <= 1.0:
                 raise OptionError(f"{opt('strength')} must be in (0, 1], not {self.strength}")
         if self.value_identity not in VALUE_IDENTITIES:
@@ -136,7 +132,7 @@ class ReinitOptions:
     @property
     def zero_bias(self) -> bool:
         # A fresh reset starts from zero biases; conditioning pretrained weights keeps them.
-        return self.bias == "zero" or (self.bias == "auto" and self.mode in FRESH_MODES)
+        return self.bias == "zero" or (self.bias == "auto" and get_mode(self.mode).fresh)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -145,7 +141,7 @@ class ReinitOptions:
             out[key] = value if value is None or isinstance(value, (str, int)) else list(value)
         out["targets"] = list(parse_targets(self.targets))
         out["stack"] = None if self.stack is None else _stacks(self.stack)
-        out["strength"] = self.effective_strength if self.mode == "polar" else None
+        out["strength"] = self.effective_strength if get_mode(self.mode).option == "strength" else None
         out["bias"] = "zero" if self.zero_bias else "keep"
         for key in ("gain", "std"):  # only where set: records of the other modes stay as they were
             if out[key] is None:
@@ -201,7 +197,7 @@ class Plan:
             blocks.append(entry)
         from .redact import redact_obj
 
-        record = {"tool": "surgeon", "version": __version__, "method": "conditioned-initialization", "options": self.options.to_dict(), "blocks": blocks}
+        record = {"tool": "surgeon", "version": __version__, "method": get_mode(self.options.mode).method, "options": self.options.to_dict(), "blocks": blocks}
         return redact_obj(record)  # never a token, even one typed into an option
 
 

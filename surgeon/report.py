@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 
 from .errors import Spelling, opt, python_spelling, spell
+from .modes import NAMES as MODES
+from .modes import get_mode
 from .selection import format_indices
 from .spec import AttentionBlock
 from .spectrum import Spectrum
@@ -160,12 +162,9 @@ class Report:
         text = "head kappa: condition number of each head's own matrix, min/median/max over the heads" + (
             "; kappa: of the whole projection, all heads stacked." if self._whole_measured() else f" ({opt('full', True)} adds the whole projection's)."
         )
-        if o.get("mode") == "conditioned":
-            text += (
-                "\nEach query/key head is drawn independently (as in the paper), so heads are not mutually orthogonal"
-                " and the whole q/k matrix keeps a kappa above 1"
-                + ("; the block value identity is kappa 1 as a whole." if o.get("value_identity") == "block" else ".")
-            )
+        legend = get_mode(str(o["mode"])).legend(o) if o.get("mode") in MODES else ""
+        if legend:
+            text += "\n" + legend
         return text
 
     def _summary(self) -> str:
@@ -175,17 +174,7 @@ class Report:
             return head
         o = self.options or {}
         what = "plan (dry run, nothing written)" if self.dry_run else "re-initialized"
-        mode = str(o.get("mode"))
-        if mode == "polar":
-            mode += f", strength {o.get('strength')}"
-        elif mode == "mimetic":
-            mode += " (W_Q W_K^T ~ 0.7 Z + 0.7 I per head, W_V W_O ~ 0.4 Z - 0.4 I per layer; the output projections W_O are rewritten too)"
-        elif mode == "redraw":
-            from .baselines import is_xavier
-
-            mode += f", normal std {o.get('std')}" + (", xavier_uniform for nn.MultiheadAttention" if any(is_xavier(b.q.weight.tensor) for b in self.blocks) else "")
-        else:
-            mode += f", value identity {o.get('value_identity')}" + (f", q/k gain {o['gain']}" if o.get("gain") is not None else "")
+        mode = get_mode(str(o["mode"])).summary(o, self.blocks) if o.get("mode") in MODES else str(o.get("mode"))
         extras = f"mode {mode}, bias {o.get('bias')}, seed {o.get('seed')}" + (", keep scale" if o.get("keep_scale") else "")
         touched = len({r.block.module for r in self.rows})
         return f"{head}\n{what}: {_count(len(self.rows), 'projection')} in {_count(touched, 'block')}; {extras}"

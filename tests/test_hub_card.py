@@ -65,7 +65,7 @@ def test_card_of_a_plain_folder_polar_selection(tmp_path, monkeypatch, cli):
     card = ModelCard.load(tmp_path / "out" / "README.md")
     data = card.data.to_dict()
     # no source card: no license to carry; a config.json with a model_type is a transformers model
-    assert data == {"library_name": "transformers", "tags": ["surgeon", "conditioned-initialization"]}
+    assert data == {"library_name": "transformers", "tags": ["surgeon", "polar-conditioning"]}  # the tag says what was done
     assert "## Source model card" not in card.text
     assert "| mode | polar, strength 0.5:" in card.text and "| keep scale | yes" in card.text
     assert "| `model.layers.1.self_attn` | self | heads 0-3 of 8 | key/value heads" not in card.text

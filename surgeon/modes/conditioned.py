@@ -1,0 +1,59 @@
+"""The paper's conditioned reset: semi-orthogonal query/key heads, rectangular-identity values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from . import CONDITIONED_BIBTEX, CONDITIONED_PAPER, Mode
+
+
+@dataclass(frozen=True)
+class Conditioned(Mode):
+    name = "conditioned"
+    help = "the paper's fresh reset (semi-orthogonal q/k heads, value = rectangular identity; every head kappa 1)"
+    fresh = True
+    option = "gain"
+    method = "conditioned-initialization"
+    tag = "conditioned-initialization"
+    exact = True
+    verify_bound = "re-derived byte for byte from the seed"
+    writes_outputs = False
+    onnx = True
+    sharded = True
+    citation = CONDITIONED_BIBTEX
+
+    def draw(self, change, old, options, *, key: str, device: Any):
+        import torch
+
+        from ..conditioning import head_seed, semi_orthogonal_batch, value_identity
+
+        proj = change.projection
+        d, n_in = proj.head_dim, proj.in_features
+        if change.role == "v":
+            return torch.stack([value_identity(h, d, n_in, options.value_identity, device=device) for h in change.heads])
+        new = semi_orthogonal_batch(d, n_in, [head_seed(options.seed, key, change.role, h) for h in change.heads], device=device)
+        if options.gain is not None and options.gain != 1:
+            new = new * float(options.gain)
+        return new
+
+    def summary(self, options: dict, blocks: list) -> str:
+        gain = f", q/k gain {options['gain']}" if options.get("gain") is not None else ""
+        return f"conditioned, value identity {options.get('value_identity')}{gain}"
+
+    def legend(self, options: dict) -> str:
+        return (
+            "Each query/key head is drawn independently (as in the paper), so heads are not mutually orthogonal"
+            " and the whole q/k matrix keeps a kappa above 1"
+            + ("; the block value identity is kappa 1 as a whole." if options.get("value_identity") == "block" else ".")
+        )
+
+    def card_intro(self, options: dict) -> str:
+        return f"with conditioned initialization ({CONDITIONED_PAPER})"
+
+    def card_row(self, options: dict) -> str:
+        gain = f"; q/k gain {options['gain']}" if options.get("gain") is not None else ""
+        return (
+            "conditioned: independent semi-orthogonal query and key per head, value = rectangular identity "
+            f"({options.get('value_identity')}){gain}"
+        )

@@ -1,0 +1,53 @@
+"""Mimetic initialization (Trockman & Kolter, ICML 2023); writes the output projections W_O too."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from . import Mode
+
+MIMETIC_BIBTEX = """\
+@inproceedings{trockman2023mimetic,
+  title     = {Mimetic Initialization of Self-Attention Layers},
+  author    = {Trockman, Asher and Kolter, J. Zico},
+  booktitle = {Proceedings of the 40th International Conference on Machine Learning (ICML)},
+  year      = {2023}
+}"""
+
+
+@dataclass(frozen=True)
+class Mimetic(Mode):
+    name = "mimetic"
+    help = "Trockman & Kolter 2023 (writes W_O too)"
+    fresh = True
+    option = None
+    method = "mimetic-initialization"
+    tag = "mimetic-initialization"
+    exact = True
+    verify_bound = "re-derived byte for byte from the seed"
+    writes_outputs = True
+    onnx = False  # W_O is not rewritten in ONNX graphs
+    sharded = False
+    citation = MIMETIC_BIBTEX
+
+    def draw(self, change, old, options, *, key: str, device: Any):
+        from ..baselines import mimetic_heads, module_key
+
+        proj = change.projection
+        return mimetic_heads(change, module_key(change.block, proj.weight.tensor, key), options, device=device)
+
+    def summary(self, options: dict, blocks: list) -> str:
+        return (
+            "mimetic (W_Q W_K^T ~ 0.7 Z + 0.7 I per head, W_V W_O ~ 0.4 Z - 0.4 I per layer; "
+            "the output projections W_O are rewritten too)"
+        )
+
+    def card_intro(self, options: dict) -> str:
+        return (
+            "with mimetic initialization (Trockman & Kolter, ICML 2023: W_Q W_K^T ~ 0.7 Z + 0.7 I per head, "
+            "W_V W_O ~ 0.4 Z - 0.4 I per layer), the output projections W_O included"
+        )
+
+    def card_row(self, options: dict) -> str:
+        return "mimetic: W_Q W_K^T ~ 0.7 Z + 0.7 I per head, W_V W_O ~ 0.4 Z - 0.4 I per layer (W_O rewritten)"

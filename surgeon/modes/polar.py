@@ -1,0 +1,51 @@
+"""Polar conditioning of the existing weights: singular vectors kept, singular values moved toward 1."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from . import CONDITIONED_BIBTEX, CONDITIONED_PAPER, Mode
+
+
+@dataclass(frozen=True)
+class Polar(Mode):
+    name = "polar"
+    help = "condition the existing weights (keep each head's singular vectors, move its singular values to 1)"
+    fresh = False
+    option = "strength"
+    method = "polar-conditioning"
+    tag = "polar-conditioning"
+    exact = False
+    verify_bound = "semi-orthogonal/polar within the dtype's rounding"
+    writes_outputs = False
+    onnx = True
+    sharded = True
+    citation = CONDITIONED_BIBTEX
+
+    def draw(self, change, old, options, *, key: str, device: Any):
+        from ..conditioning import polar
+
+        assert old is not None  # not fresh: the engine passes the old values
+        return polar(old, options.effective_strength)
+
+    def summary(self, options: dict, blocks: list) -> str:
+        return f"polar, strength {options.get('strength')}"
+
+    def card_intro(self, options: dict) -> str:
+        return (
+            f"by polar conditioning of the existing weights (strength {options.get('strength')}): each head keeps its "
+            f"singular vectors and its singular values move toward 1, the condition of {CONDITIONED_PAPER}"
+        )
+
+    def card_row(self, options: dict) -> str:
+        return (
+            f"polar, strength {options.get('strength')}: each head's singular values sigma -> sigma^(1 - strength), "
+            "singular vectors kept"
+        )
+
+    def card_caveat(self) -> str:
+        return (
+            "The conditioned projections keep their singular vectors (the directions the source model learned) but "
+            "not their singular values: evaluate or fine-tune before relying on them."
+        )

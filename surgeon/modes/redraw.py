@@ -1,0 +1,50 @@
+"""The control: the family's own default init, drawn again (see surgeon.baselines for the sources)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from . import Mode
+
+
+@dataclass(frozen=True)
+class Redraw(Mode):
+    name = "redraw"
+    help = "the family's own default init, drawn again (the control)"
+    fresh = True
+    option = "std"
+    method = "default-init-redraw"
+    tag = "default-init-redraw"
+    exact = True
+    verify_bound = "re-derived byte for byte from the seed"
+    writes_outputs = False
+    onnx = True
+    sharded = True
+    citation = None
+
+    def draw(self, change, old, options, *, key: str, device: Any):
+        from ..baselines import redraw_heads
+
+        return redraw_heads(change, key, options, device=device)
+
+    def with_defaults(self, options, config: Any):
+        from ..baselines import config_std
+
+        return options if options.std is not None else replace(options, std=config_std(config)[0])
+
+    def summary(self, options: dict, blocks: list) -> str:
+        from ..baselines import is_xavier
+
+        xavier = any(is_xavier(b.q.weight.tensor) for b in blocks)
+        return f"redraw, normal std {options.get('std')}" + (", xavier_uniform for nn.MultiheadAttention" if xavier else "")
+
+    def card_intro(self, options: dict) -> str:
+        return (
+            f"with a fresh draw of the family's own default initialization (normal(0, {options.get('std')}); "
+            "xavier_uniform for nn.MultiheadAttention tensors). This is the control of a comparison, "
+            "not conditioned initialization"
+        )
+
+    def card_row(self, options: dict) -> str:
+        return f"redraw: the family's default init drawn again, normal std {options.get('std')} (xavier_uniform for nn.MultiheadAttention)"

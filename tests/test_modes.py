@@ -1,0 +1,93 @@
+"""Init modes: every mode fills every slot of the registry, and cards and records say what each mode did."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+
+import pytest
+from huggingface_hub import ModelCard
+from safetensors import safe_open
+
+from surgeon import reinit_checkpoint
+from surgeon.modes import Mode, all_modes, get_mode, owner_of
+from surgeon.plan import MODES, ReinitOptions
+
+from conftest import tiny_bert
+
+SLOTS = ("name", "help", "fresh", "option", "method", "tag", "exact", "verify_bound", "writes_outputs", "onnx", "sharded", "citation")
+METHODS = ("draw", "summary", "card_intro", "card_row")  # a mode must say these itself; the others have honest defaults
+
+
+@pytest.mark.parametrize("mode", all_modes(), ids=lambda m: m.name)
+def test_every_mode_fills_every_slot(mode):
+    for slot in SLOTS:
+        assert hasattr(type(mode), slot), f"{type(mode).__name__} leaves {slot} empty"
+    for name in ("name", "help", "method", "tag", "verify_bound"):
+        assert isinstance(getattr(mode, name), str) and getattr(mode, name), name
+    for name in ("fresh", "exact", "writes_outputs", "onnx", "sharded"):
+        assert isinstance(getattr(mode, name), bool), name
+    assert mode.option is None or mode.option in {f.name for f in dataclasses.fields(ReinitOptions)}
+    for name in METHODS:
+        assert getattr(type(mode), name) is not getattr(Mode, name), f"{type(mode).__name__} does not define {name}"
+    assert get_mode(mode.name) is mode and mode.name in MODES
+
+
+def test_names_methods_and_tags_are_distinct_and_options_have_one_owner():
+    modes = all_modes()
+    for attr in ("name", "method", "tag"):
+        values = [getattr(m, attr) for m in modes]
+        assert len(set(values)) == len(values), attr
+    for option in ("gain", "strength", "std"):
+        owners = [m.name for m in modes if m.option == option]
+        assert len(owners) == 1 and owner_of(option).name == owners[0]
+
+
+def test_no_module_outside_modes_compares_mode_names():
+    """Plan, engine, verify, report, card and the sharded path ask the mode instead."""
+    import surgeon
+
+    root = inspect.getfile(surgeon).rsplit("/", 1)[0]
+    import pathlib
+
+    offenders = []
+    for path in pathlib.Path(root).rglob("*.py"):
+        if "modes" in path.parts:
+            continue
+        text = path.read_text()
+        for name in MODES:
+            for pattern in (f'mode == "{name}"', f'mode != "{name}"', f'"{name}" mode', f'.mode in ("'):
+                if pattern in text:
+                    offenders.append(f"{path.name}: {pattern}")
+    assert not offenders
+
+
+@pytest.fixture
+def bert_dir(tmp_path):
+    path = tmp_path / "bert"
+    tiny_bert().save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_card_and_record_say_what_was_done(bert_dir, tmp_path, mode, cli):
+    out = tmp_path / f"out-{mode}"
+    reinit_checkpoint(bert_dir, output=out, mode=mode)
+    with safe_open(out / "model.safetensors", "np") as f:
+        (record,) = json.loads(f.metadata()["surgeon"])
+    assert record["method"] == get_mode(mode).method and record["options"]["mode"] == mode
+
+    card = ModelCard.load(out / "README.md")
+    text = card.text.split("## Reproduce")[0]
+    assert card.data.to_dict()["tags"] == ["surgeon", get_mode(mode).tag]
+    claims_conditioned = "with conditioned initialization" in text or "semi-orthogonal" in text
+    assert claims_conditioned == (mode == "conditioned"), text
+    words = {"conditioned": "rectangular identity", "polar": "singular vectors kept", "redraw": "default init", "mimetic": "W_O"}
+    assert words[mode] in text
+    if mode == "redraw":
+        assert "not conditioned initialization" in text and "normal(0, 0.02)" in text  # BertConfig's initializer_range
+    if mode == "mimetic":
+        assert "Trockman" in card.text and "@inproceedings{trockman2023mimetic" in card.text
+    assert ("no longer hold what the source model learned" in text) == get_mode(mode).fresh
+    cli("verify", bert_dir, out)  # what the card and record describe is what the weights hold
