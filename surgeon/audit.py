@@ -77,6 +77,8 @@ def _records(source) -> tuple[list[dict], str]:
             from .formats.onnx import surgeon_records
 
             return surgeon_records(weights.model), "its ONNX metadata_props"
+    except SurgeonError:
+        raise  # already one line (errors are ValueErrors too)
     except (ValueError, TypeError) as exc:
         raise CheckpointError(f"{source.path}: surgeon's record in the file's metadata is not valid JSON ({exc})") from None
     card = source.folder / "README.md"

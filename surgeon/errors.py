@@ -1,5 +1,9 @@
 """Every error surgeon raises, with a subclass per cause and the facts as fields.
 
+Each class also subclasses the builtin it corresponds to (bad input: ``ValueError``; nothing found:
+``LookupError``; where to write and the Hub: ``OSError`` and its kin), so ``except ValueError`` works,
+and every error pickles with its fields.
+
 A message is one line that says what is wrong and what to do about it. Options are named in it with
 :func:`opt`, never spelt: the Python API shows ``num_heads=4`` (``str(exc)``), the CLI shows
 ``--num-heads 4`` (``surgeon.cli`` spells them from :attr:`SurgeonError.options`), and prints the
@@ -64,24 +68,29 @@ class SurgeonError(Exception):
     def __str__(self) -> str:
         return self.describe()
 
+    def __reduce__(self):
+        # (class, (message,), fields): pickles across processes (multiprocessing, DDP workers) with every field,
+        # whatever the builtin base (OSError's own reduce would pass errno-style arguments).
+        return (type(self), (self.message,), dict(self.__dict__))
 
-class CheckpointError(SurgeonError):
+
+class CheckpointError(SurgeonError, ValueError):
     """The checkpoint cannot be read: missing file or shard, corrupt header, unsafe pickle."""
 
 
-class UnsupportedWeightsError(SurgeonError):
+class UnsupportedWeightsError(SurgeonError, ValueError):
     """A projection is quantized, integer or otherwise not a float matrix surgeon can rewrite."""
 
 
-class NoAttentionFoundError(SurgeonError):
+class NoAttentionFoundError(SurgeonError, LookupError):
     """Detection found no attention block; the message says what was looked at."""
 
 
-class LayoutError(SurgeonError):
+class LayoutError(SurgeonError, ValueError):
     """Attention was found but its heads or layout cannot be settled (missing or conflicting config)."""
 
 
-class SelectionError(SurgeonError):
+class SelectionError(SurgeonError, ValueError):
     """A layers / heads / targets / attention / stack selection is malformed or out of range."""
 
 
@@ -89,43 +98,43 @@ class SharedInitializerError(SelectionError):
     """An ONNX initializer the plan would change is also read by nodes the plan leaves alone."""
 
 
-class OptionError(SurgeonError):
+class OptionError(SurgeonError, ValueError):
     """Options that are invalid on their own or do not go together."""
 
 
-class OutputError(SurgeonError):
+class OutputError(SurgeonError, OSError):
     """The output cannot be written where asked (exists, is the input, wrong kind of path)."""
 
 
-class HubError(SurgeonError):
+class HubError(SurgeonError, OSError):
     """The Hugging Face Hub could not serve or accept a request."""
 
 
-class HubOfflineError(HubError):
+class HubOfflineError(HubError, ConnectionError):
     """The model is not in the local HF cache and the Hub cannot be asked (offline mode, no connection)."""
 
 
-class HubAccessError(HubError):
+class HubAccessError(HubError, PermissionError):
     """Repository or revision not found, private without access, gated, or no write access."""
 
 
-class HubNotFoundError(HubAccessError):
+class HubNotFoundError(HubAccessError, FileNotFoundError):
     """No such model repo, or it is private and the token in use (if any) has no access to it."""
 
 
-class HubAuthError(HubError):
+class HubAuthError(HubError, PermissionError):
     """No token for an operation that needs one, or the Hub rejected the token."""
 
 
 class PushError(HubError):
     """A push stopped part-way; the message says what reached the Hub and what did not."""
 
-    def __init__(self, message: str, *, uploaded: list[str], not_uploaded: list[str], **fields) -> None:
+    def __init__(self, message: str = "", *, uploaded: list[str] | None = None, not_uploaded: list[str] | None = None, **fields) -> None:
         super().__init__(message, **fields)
-        self.uploaded, self.not_uploaded = uploaded, not_uploaded
+        self.uploaded, self.not_uploaded = list(uploaded or []), list(not_uploaded or [])
 
 
-class VerificationError(SurgeonError):
+class VerificationError(SurgeonError, ValueError):
     """OUTPUT is not what its record says surgeon made from ORIGINAL; the message names the first mismatch."""
 
     exit_code = 3

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+from pathlib import Path
 
 import pytest
 from huggingface_hub import ModelCard
@@ -48,16 +49,13 @@ def test_no_module_outside_modes_compares_mode_names():
     """Plan, engine, verify, report, card and the sharded path ask the mode instead."""
     import surgeon
 
-    root = inspect.getfile(surgeon).rsplit("/", 1)[0]
-    import pathlib
-
     offenders = []
-    for path in pathlib.Path(root).rglob("*.py"):
+    for path in Path(inspect.getfile(surgeon)).parent.rglob("*.py"):
         if "modes" in path.parts:
             continue
         text = path.read_text()
         for name in MODES:
-            for pattern in (f'mode == "{name}"', f'mode != "{name}"', f'"{name}" mode', f'.mode in ("'):
+            for pattern in (f'mode == "{name}"', f'mode != "{name}"', f'"{name}" mode', '.mode in ("'):
                 if pattern in text:
                     offenders.append(f"{path.name}: {pattern}")
     assert not offenders
