@@ -57,7 +57,7 @@ def reproduce_command(model: str, *, revision: str | None, options: dict, hints:
     Made from the fields of ReinitOptions (``options``: as recorded by ``ReinitOptions.to_dict``),
     spelt as the CLI spells them.
     """
-    from .cli import cli_spelling as flag
+    from .errors import shell_spelling as flag
     from .plan import option_infos
 
     q = shlex.quote

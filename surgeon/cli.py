@@ -10,26 +10,12 @@ import click
 
 from ._version import __version__
 from .errors import OptionError, SurgeonError, spell
-
-# How the CLI spells an option the core names by its Python keyword (surgeon.errors.opt); the rest
-# are --keyword-with-dashes.
-FLAGS = {"output": "-o/--output"}
-WITH_VALUE = {"output": "-o"}  # "-o out/" reads best
+from .errors import shell_spelling as cli_spelling  # how the shell names an option the core names by keyword
 
 # The commands import surgeon.api (and through it torch) when they run, so that --help and
 # --version answer at once.
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
-
-
-def cli_spelling(name: str, value: str | None) -> str:
-    """``--num-heads``, ``--num-heads 4``, ``--force-hints`` (a flag given as True), ``-o PATH``."""
-    if value is None:
-        return FLAGS.get(name, "--" + name.replace("_", "-"))
-    flag = WITH_VALUE.get(name, "--" + name.replace("_", "-"))
-    if value == "True":
-        return flag
-    return f"{flag}={value}" if value.startswith("-") else f"{flag} {value}"
 
 
 def _fail(message: str, code: int = 1) -> None:

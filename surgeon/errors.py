@@ -33,6 +33,21 @@ def python_spelling(name: str, value: str | None) -> str:
     return name if value is None else f"{name}={value}"
 
 
+# How a shell spells an option the core names by its Python keyword: --keyword-with-dashes, except these.
+SHELL_FLAGS = {"output": "-o/--output"}
+SHELL_WITH_VALUE = {"output": "-o"}  # "-o out/" reads best
+
+
+def shell_spelling(name: str, value: str | None) -> str:
+    """How the CLI names an option: ``--num-heads``, ``--num-heads 4``, ``--force-hints`` (True), ``-o PATH``."""
+    if value is None:
+        return SHELL_FLAGS.get(name, "--" + name.replace("_", "-"))
+    flag = SHELL_WITH_VALUE.get(name, "--" + name.replace("_", "-"))
+    if value == "True":
+        return flag
+    return f"{flag}={value}" if value.startswith("-") else f"{flag} {value}"
+
+
 def spell(text: str, spelling: Spelling = python_spelling) -> str:
     """``text`` with every option marker spelt by ``spelling``."""
     return _OPTION.sub(lambda m: spelling(m[1], m[2]), text)
