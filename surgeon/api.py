@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 from . import hub
 from ._version import __version__
-from .baselines import attach_out_projections, with_model_defaults
 from .detect import Detection, detect_source
 from .detect.config import Hints
 from .errors import CheckpointError, HubError, OptionError, opt
+from .modes import get_mode
 from .output import companion_files, copy_extras, output_kind, resolve_output, staged, tree_size
-from .plan import Plan, ReinitOptions, make_plan
+from .plan import Plan, ReinitOptions, prepare
 from .report import ProjectionRow, Report
 from .source import Source
 
@@ -141,9 +141,8 @@ def reinit_checkpoint(
     _check_push_output(push, source)
     hints = Hints(num_heads, num_kv_heads, head_dim, force_hints)
     detection = detect_source(source, hints)
-    opts = with_model_defaults(opts, source.config)  # redraw: the std of the family's own init
-    plan = make_plan(detection.blocks, opts)
-    attach_out_projections(plan, {n: t.shape for n, t in source.primary.tensors.items()}, fmt=source.format)  # mimetic: W_O
+    plan = prepare(detection.blocks, opts, config=source.config, shapes={n: t.shape for n, t in source.primary.tensors.items()}, fmt=source.format)
+    opts = plan.options  # with the mode's defaults from config (redraw: the family's std)
     dest = resolve_output(source, output, in_place=in_place, overwrite=overwrite or dry_run, folder=push is not None)
     report = Report(
         "reinit", _label(source), source.describe(), detection.blocks, options=opts.to_dict(),
@@ -335,7 +334,7 @@ def _commit_message(source: Source, plan: Plan) -> str:
     targets = ",".join(plan.options.to_dict()["targets"])
     of = f" of {source.hub_id}" if source.hub_id else ""
     n = len(plan.touched_blocks)
-    return f"Conditioned re-initialization of {targets} in {n} attention block{'s' if n != 1 else ''}{of} (surgeon {__version__})"
+    return f"{get_mode(plan.options.mode).label} of {targets} in {n} attention block{'s' if n != 1 else ''}{of} (surgeon {__version__})"
 
 
 def _check_secondary_sets(source: Source, tensors: list[str]) -> None:

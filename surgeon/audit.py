@@ -132,7 +132,7 @@ def verify(
     from .apply import Engine, resolve_device
     from .detect import detect_source
     from .detect.config import Hints
-    from .plan import make_plan
+    from .plan import prepare
     from .source import open_source
 
     dev = resolve_device(device)
@@ -153,10 +153,7 @@ def verify(
         raise CheckpointError(f"{output}: the last surgeon record in {where} has no options: it was not written by this surgeon")
     options = _recorded_options(record, output)
     detection = detect_source(src, Hints(num_heads, num_kv_heads, head_dim, force_hints))
-    plan = make_plan(detection.blocks, options)
-    from .baselines import attach_out_projections
-
-    attach_out_projections(plan, {n: t.shape for n, t in src.primary.tensors.items()}, fmt=src.format)
+    plan = prepare(detection.blocks, options, config=src.config, shapes={n: t.shape for n, t in src.primary.tensors.items()}, fmt=src.format)
     if plan.record()["blocks"] != record.get("blocks"):
         raise VerificationError(
             f"{output}: its record lists re-initialized blocks that the recorded options do not select in {original}; "

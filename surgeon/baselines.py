@@ -44,13 +44,6 @@ def config_std(config: Any) -> tuple[float, str]:
     return DEFAULT_STD, "default"
 
 
-def with_model_defaults(options, config: Any):
-    """``options`` with what the mode takes from the model's config filled in (redraw: its std)."""
-    from .modes import get_mode
-
-    return get_mode(options.mode).with_defaults(options, config)
-
-
 def is_xavier(tensor: str) -> bool:
     return tensor.rsplit(".", 1)[-1] in XAVIER_TENSORS
 
@@ -104,15 +97,10 @@ def find_out_projection(block, shapes) -> tuple[str, bool] | None:
     return (hits[0], linear) if len(hits) == 1 else None
 
 
-def attach_out_projections(plan, shapes, *, fmt: str = "") -> None:
+def attach_out_projections(plan, shapes) -> None:
     """For --mode mimetic: find every touched block's W_O (plan.outputs), or refuse in one line."""
     from .errors import LayoutError, OptionError
-    from .modes import get_mode
 
-    if not get_mode(plan.options.mode).writes_outputs:
-        return
-    if fmt == "onnx":
-        raise OptionError("--mode mimetic writes W_O, which surgeon does not rewrite in ONNX graphs: use a safetensors/PyTorch checkpoint")
     for block in plan.touched_blocks:
         roles = {c.role: c for c in plan.changes if c.block.module == block.module}
         if set(roles) != {"q", "k", "v"} or any(len(c.heads) != c.projection.heads for c in roles.values()):

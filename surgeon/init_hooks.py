@@ -30,7 +30,7 @@ from torch import nn
 from .apply import Engine
 from .detect.config import Hints
 from .detect.module import detect_module
-from .plan import ReinitOptions, make_plan
+from .plan import ReinitOptions, prepare
 
 _PLANS: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
@@ -53,7 +53,7 @@ def conditioned_init_(module: nn.Module, *, model: nn.Module | None = None, seed
     if key not in cache:
         options = ReinitOptions(layers=layers, targets=targets, heads=heads, value_identity=value_identity, bias=bias, seed=seed).validated()
         found = detect_module(model, hints=Hints(num_heads, num_kv_heads, head_dim))
-        plan = make_plan(found.blocks, options)
+        plan = prepare(found.blocks, options)
         paths = {id(m): p for p, m in model.named_modules()}
         cache[key] = (found, plan, paths, set())
     found, plan, paths, done = cache[key]

@@ -17,13 +17,12 @@ import torch
 from torch import nn
 
 from .apply import Engine, inspect_blocks
-from .baselines import attach_out_projections, with_model_defaults
 from .detect.config import Hints
 from .detect.module import ModuleDetection, detect_module
 from .distributed import any_sharded, inspect_sharded, refuse_meta, unwrapped, write_sharded
 from .errors import OptionError, opt
 from .modes import get_mode
-from .plan import ReinitOptions, make_plan
+from .plan import ReinitOptions, prepare
 from .report import ProjectionRow, Report
 from .selection import IndexSpec
 
@@ -63,12 +62,11 @@ def reinit_(
         layers=_fixed(layers), targets=targets, heads=_fixed(heads), attention=attention, stack=stack, mode=mode,
         strength=strength, value_identity=value_identity, keep_scale=keep_scale, bias=bias, seed=seed, gain=gain, std=std,
     ).validated()
-    options = with_model_defaults(options, getattr(module, "config", None))  # redraw: the std of the family's own init
     start = time.perf_counter()
     with unwrapped(module) as inner:  # DDP, torch.compile, PEFT: the model inside, LoRA bases in place
         found = detect_module(inner, hints=Hints(num_heads, num_kv_heads, head_dim), example_inputs=example_inputs)
-        plan = make_plan(found.blocks, options)
-        attach_out_projections(plan, {n: tuple(p.shape) for n, p in found.params.items()})  # mimetic: W_O
+        plan = prepare(found.blocks, options, config=getattr(inner, "config", None), shapes={n: tuple(p.shape) for n, p in found.params.items()})
+        options = plan.options
         device = found.params[plan.changes[0].projection.weight.tensor].device
         engine = Engine(plan, device, seed_names=found.seed_names, whole=full)
         if any_sharded(found.params, engine.tensor_names):  # FSDP2 / DTensor: each rank writes its own rows

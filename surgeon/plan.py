@@ -201,6 +201,25 @@ class Plan:
         return redact_obj(record)  # never a token, even one typed into an option
 
 
+def prepare(
+    blocks: list[AttentionBlock], options: ReinitOptions, *, config: Any = None, shapes: dict[str, tuple[int, ...]] | None = None,
+    fmt: str = "",
+) -> Plan:
+    """The one planning step of every entry point (checkpoints, verify, models in memory, init hooks).
+
+    Checks the options, fills in what the mode takes from the model's ``config``, makes the plan and
+    adds the extra tensors the mode writes (W_O, found among ``shapes``: tensor name -> shape).
+    ``fmt``: the weights' format, for the mode's support check.
+    """
+    options = options.validated()
+    mode = get_mode(options.mode)
+    if fmt == "onnx" and not mode.onnx:
+        raise OptionError(f"{opt('mode', mode.name)} is not supported on ONNX graphs: use a safetensors/PyTorch checkpoint")
+    plan = make_plan(blocks, mode.with_defaults(options, config))
+    mode.add_outputs(plan, shapes or {})
+    return plan
+
+
 def _stacks(spec: str | Iterable[str]) -> list[str]:
     items = spec.split(",") if isinstance(spec, str) else list(spec)
     return [s.strip() for s in items if s.strip()]

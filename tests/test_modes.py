@@ -17,7 +17,7 @@ from surgeon.plan import MODES, ReinitOptions
 
 from conftest import tiny_bert
 
-SLOTS = ("name", "help", "fresh", "option", "method", "tag", "exact", "verify_bound", "writes_outputs", "onnx", "sharded", "citation")
+SLOTS = ("name", "help", "fresh", "option", "method", "label", "tag", "exact", "verify_bound", "writes_outputs", "onnx", "sharded", "citation")
 METHODS = ("draw", "summary", "card_intro", "card_row")  # a mode must say these itself; the others have honest defaults
 
 
@@ -25,7 +25,7 @@ METHODS = ("draw", "summary", "card_intro", "card_row")  # a mode must say these
 def test_every_mode_fills_every_slot(mode):
     for slot in SLOTS:
         assert hasattr(type(mode), slot), f"{type(mode).__name__} leaves {slot} empty"
-    for name in ("name", "help", "method", "tag", "verify_bound"):
+    for name in ("name", "help", "method", "label", "tag", "verify_bound"):
         assert isinstance(getattr(mode, name), str) and getattr(mode, name), name
     for name in ("fresh", "exact", "writes_outputs", "onnx", "sharded"):
         assert isinstance(getattr(mode, name), bool), name
@@ -37,7 +37,7 @@ def test_every_mode_fills_every_slot(mode):
 
 def test_names_methods_and_tags_are_distinct_and_options_have_one_owner():
     modes = all_modes()
-    for attr in ("name", "method", "tag"):
+    for attr in ("name", "method", "label", "tag"):
         values = [getattr(m, attr) for m in modes]
         assert len(set(values)) == len(values), attr
     for option in ("gain", "strength", "std"):
@@ -89,3 +89,18 @@ def test_card_and_record_say_what_was_done(bert_dir, tmp_path, mode, cli):
         assert "Trockman" in card.text and "@inproceedings{trockman2023mimetic" in card.text
     assert ("no longer hold what the source model learned" in text) == get_mode(mode).fresh
     cli("verify", bert_dir, out)  # what the card and record describe is what the weights hold
+
+
+def test_a_mode_says_where_it_is_not_supported(tmp_path, cli):
+    """mimetic writes W_O, which is not rewritten in ONNX graphs: refused in one line by the mode's own slot."""
+    from _onnx_helpers import export
+
+    from conftest import expect_cli_error
+
+    folder = tmp_path / "onnx"
+    folder.mkdir()
+    export(tiny_bert(), "bert", folder / "model.onnx", dynamo=False)
+    assert not get_mode("mimetic").onnx
+    expect_cli_error(cli, folder, "reinit", folder / "model.onnx", "--mode", "mimetic", "-o", tmp_path / "out.onnx",
+                     match="--mode mimetic is not supported on ONNX graphs")
+    assert not (tmp_path / "out.onnx").exists()

@@ -43,6 +43,7 @@ class Mode:
     fresh: ClassVar[bool]  # draws new values without reading the old ones: biases are zeroed by default
     option: ClassVar[str | None]  # the ReinitOptions field only this mode takes (None: none)
     method: ClassVar[str]  # the record's "method": what was done, by name
+    label: ClassVar[str]  # what was done, as a Hub commit message starts ("Conditioned re-initialization")
     tag: ClassVar[str]  # the model card's Hub tag
     exact: ClassVar[bool]  # verify re-derives the bytes exactly (else within verify_bound)
     verify_bound: ClassVar[str]  # how verify checks it, in words (for its report and the README)
@@ -62,6 +63,9 @@ class Mode:
     def with_defaults(self, options: ReinitOptions, config: Any) -> ReinitOptions:
         """``options`` with what this mode takes from the model's config filled in."""
         return options
+
+    def add_outputs(self, plan: Any, shapes: dict) -> None:
+        """Add to ``plan.outputs`` the tensors this mode writes besides Q/K/V (found among ``shapes``), or refuse."""
 
     def summary(self, options: dict, blocks: list) -> str:
         """The report's one-line description (``options``: as recorded)."""

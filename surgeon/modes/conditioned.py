@@ -15,6 +15,7 @@ class Conditioned(Mode):
     fresh = True
     option = "gain"
     method = "conditioned-initialization"
+    label = "Conditioned re-initialization"
     tag = "conditioned-initialization"
     exact = True
     verify_bound = "re-derived byte for byte from the seed"

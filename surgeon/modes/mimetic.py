@@ -23,6 +23,7 @@ class Mimetic(Mode):
     fresh = True
     option = None
     method = "mimetic-initialization"
+    label = "Mimetic initialization"
     tag = "mimetic-initialization"
     exact = True
     verify_bound = "re-derived byte for byte from the seed"
@@ -36,6 +37,11 @@ class Mimetic(Mode):
 
         proj = change.projection
         return mimetic_heads(change, module_key(change.block, proj.weight.tensor, key), options, device=device)
+
+    def add_outputs(self, plan, shapes: dict) -> None:
+        from ..baselines import attach_out_projections
+
+        attach_out_projections(plan, shapes)
 
     def summary(self, options: dict, blocks: list) -> str:
         return (

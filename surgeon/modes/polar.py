@@ -15,6 +15,7 @@ class Polar(Mode):
     fresh = False
     option = "strength"
     method = "polar-conditioning"
+    label = "Polar conditioning"
     tag = "polar-conditioning"
     exact = False
     verify_bound = "semi-orthogonal/polar within the dtype's rounding"

@@ -15,6 +15,7 @@ class Redraw(Mode):
     fresh = True
     option = "std"
     method = "default-init-redraw"
+    label = "Default-init redraw"
     tag = "default-init-redraw"
     exact = True
     verify_bound = "re-derived byte for byte from the seed"
