@@ -94,7 +94,6 @@ def test_card_and_record_say_what_was_done(bert_dir, tmp_path, mode, cli):
 def test_a_mode_says_where_it_is_not_supported(tmp_path, cli):
     """mimetic writes W_O, which is not rewritten in ONNX graphs: refused in one line by the mode's own slot."""
     from _onnx_helpers import export
-
     from conftest import expect_cli_error
 
     folder = tmp_path / "onnx"
