@@ -99,19 +99,19 @@ def find_out_projection(block, shapes) -> tuple[str, bool] | None:
 
 def attach_out_projections(plan, shapes) -> None:
     """For --mode mimetic: find every touched block's W_O (plan.outputs), or refuse in one line."""
-    from .errors import LayoutError, OptionError
+    from .errors import LayoutError, OptionError, opt
 
     for block in plan.touched_blocks:
         roles = {c.role: c for c in plan.changes if c.block.module == block.module}
         if set(roles) != {"q", "k", "v"} or any(len(c.heads) != c.projection.heads for c in roles.values()):
-            raise OptionError(f"--mode mimetic sets W_Q W_K^T per head and W_V W_O per layer: select all heads and --targets q,k,v ({block.module})")
+            raise OptionError(f"{opt('mode', 'mimetic')} sets W_Q W_K^T per head and W_V W_O per layer: select all heads and {opt('targets', 'q,k,v')} ({block.module})")
         if block.kv_heads != block.heads:
-            raise OptionError(f"--mode mimetic needs one key/value head per query head, and {block.module} has {block.heads} query and {block.kv_heads} key/value heads")
+            raise OptionError(f"{opt('mode', 'mimetic')} needs one key/value head per query head, and {block.module} has {block.heads} query and {block.kv_heads} key/value heads")
         if block.heads * block.head_dim > block.q.in_features:
-            raise OptionError(f"--mode mimetic: {block.module} has more head features ({block.heads * block.head_dim}) than its width ({block.q.in_features})")
+            raise OptionError(f"{opt('mode', 'mimetic')}: {block.module} has more head features ({block.heads * block.head_dim}) than its width ({block.q.in_features})")
         found = find_out_projection(block, shapes)
         if found is None:
-            raise LayoutError(f"--mode mimetic writes W_O, and no single output projection of {block.module} was found (looked for {', '.join(OUT_NAMES)} and the BERT-style output.dense)")
+            raise LayoutError(f"{opt('mode', 'mimetic')} writes W_O, and no single output projection of {block.module} was found (looked for {', '.join(OUT_NAMES)} and the BERT-style output.dense)")
         plan.outputs[block.module] = found
 
 

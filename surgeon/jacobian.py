@@ -239,12 +239,12 @@ def checkpoint_jacobian(model: str | Path, *, inputs: str | Path | None = None, 
 
     from . import api
     from .detect.module import checkpoint_names
-    from .errors import CheckpointError, OptionError
+    from .errors import CheckpointError, OptionError, opt
     from .layout_check import _Names, build_architecture
 
     source = api.load(model, config=config, revision=revision)
     if not source.config:
-        raise OptionError(f"--jacobian builds the architecture from config.json, and {source.path} has none; pass --config PATH")
+        raise OptionError(f"{opt('jacobian', True)} builds the architecture from config.json, and {source.path} has none; pass {opt('config', 'PATH')}")
     arch = build_architecture(source.config)
     names = _Names(checkpoint_names(arch), set(source.primary.tensors))
     state = arch.state_dict()
@@ -256,7 +256,7 @@ def checkpoint_jacobian(model: str | Path, *, inputs: str | Path | None = None, 
                 value.copy_(source.primary.read(tensor).to(value.dtype))
                 loaded += 1
     if loaded == 0:
-        raise CheckpointError(f"--jacobian: none of {type(arch).__name__}'s parameters are in {source.path}; is config.json this checkpoint's?")
+        raise CheckpointError(f"{opt('jacobian', True)}: none of {type(arch).__name__}'s parameters are in {source.path}; is config.json this checkpoint's?")
     ids = _token_ids(source, inputs)
     report = jacobian_report(arch, ids, exact=exact)
     report.notes.insert(0, f"{type(arch).__name__} built from config.json, {loaded} of its {len(state)} tensors loaded from the checkpoint; "
@@ -267,17 +267,17 @@ def checkpoint_jacobian(model: str | Path, *, inputs: str | Path | None = None, 
 def _token_ids(source, inputs):
     import torch
 
-    from .errors import OptionError
+    from .errors import OptionError, opt
 
     if inputs is not None and str(inputs).endswith(".pt"):
         ids = torch.load(inputs, weights_only=True)
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32) or ids.dim() not in (1, 2):
-            raise OptionError(f"--inputs {inputs}: a .pt file must hold a 1-D or 2-D integer tensor of token ids")
+            raise OptionError(f"{opt('inputs', inputs)}: a .pt file must hold a 1-D or 2-D integer tensor of token ids")
         return [t[None].long() for t in (ids if ids.dim() == 2 else ids[None])]
     if inputs is not None:
         text = [line.strip() for line in Path(inputs).read_text().splitlines() if line.strip()]
         if not text:
-            raise OptionError(f"--inputs {inputs} holds no text lines")
+            raise OptionError(f"{opt('inputs', inputs)} holds no text lines")
     else:
         text = SAMPLE_TEXT
     folder = source.folder if source.kind == "folder" else None
@@ -288,5 +288,5 @@ def _token_ids(source, inputs):
     except Exception:  # no tokenizer files, or ones this transformers cannot read
         tok = None
     if tok is None:
-        raise OptionError("--jacobian needs token ids: this model has no tokenizer beside it; pass --inputs FILE.pt (a tensor of token ids)")
+        raise OptionError(f"{opt('jacobian', True)} needs token ids: this model has no tokenizer beside it; pass {opt('inputs', 'FILE.pt')} (a tensor of token ids)")
     return [tok(t, return_tensors="pt")["input_ids"] for t in text]

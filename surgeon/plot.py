@@ -30,7 +30,7 @@ def plot_kappas(report, path: str | Path, *, title: str | None = None) -> Path:
     Inspect reports show the heads as they are; reinit reports show each projection before (grey)
     and after (colour); projections the reinit did not touch keep their before values only.
     """
-    from .errors import OptionError
+    from .errors import OptionError, opt
 
     try:
         import matplotlib
@@ -39,10 +39,10 @@ def plot_kappas(report, path: str | Path, *, title: str | None = None) -> Path:
         import matplotlib.pyplot as plt
         import matplotlib.ticker
     except ImportError:
-        raise OptionError("--plot needs matplotlib: pip install 'surgeon[plot]'") from None
+        raise OptionError(f"{opt('plot')} needs matplotlib: pip install 'surgeon[plot]'") from None
     path = Path(path)
     if path.suffix.lower() != ".png":
-        raise OptionError(f"--plot writes a PNG: give a FILE.png, not {path.name}")
+        raise OptionError(f"{opt('plot')} writes a PNG: give a FILE.png, not {path.name}")
     blocks = list(dict.fromkeys(r.block.module for r in report.rows))
     label = {r.block.module: r.block.label + (' cross' if r.block.kind == 'cross' else '') for r in report.rows}
     fig, axes = plt.subplots(1, 3, figsize=(max(9.0, 1.0 + 0.55 * len(blocks) * 3), 3.6), sharey=True, squeeze=False)

@@ -212,7 +212,7 @@ def test_mimetic_refusals(cli, llama_dir, tmp_path):
                      match="needs one key/value head per query head")
     model = tiny_bert()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(surgeon.OptionError, match="select all heads and --targets q,k,v"):
+    with pytest.raises(surgeon.OptionError, match="select all heads and targets=q,k,v"):
         surgeon.reinit_(model, mode="mimetic", targets="q,k")
     with pytest.raises(surgeon.OptionError, match="select all heads"):
         surgeon.reinit_(model, mode="mimetic", heads="0-1")
