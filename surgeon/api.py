@@ -57,12 +57,21 @@ def inspect_checkpoint(
     device: str | torch.device = "auto",
     full: bool = False,
     progress: bool = False,
+    verify_layout: bool = False,
+    jacobian: bool = False,
+    inputs: str | Path | None = None,
 ) -> Report:
     """Find the attention blocks of a checkpoint and the condition numbers of their projections.
 
     ``model`` is a path (safetensors, PyTorch, ONNX file or folder) or a Hugging Face Hub id (``org/name``,
     at ``revision``); ONNX blocks are found by walking the graph. Per-head condition numbers are always computed; the whole-projection kappa and spectral norm with ``full=True``.
+    ``verify_layout=True`` also checks the blocks against the forward of the architecture config.json names
+    (:func:`surgeon.layout_check.verify_layout`; a note, or a LayoutError); ``jacobian=True`` adds the attention
+    Jacobian report (``report.jacobian``; ``inputs``: text lines or a .pt of token ids). The checkpoint is
+    opened and detected once for all of them.
     """
+    if inputs is not None and not jacobian:
+        raise OptionError(f"{opt('inputs')} goes with {opt('jacobian', True)}")
     from .apply import inspect_blocks, resolve_device
 
     dev = resolve_device(device)
@@ -77,10 +86,19 @@ def inspect_checkpoint(
         for block in detection.blocks
         for proj in block.projections
     ]
-    return Report(
+    report = Report(
         "inspect", _label(source), weights.describe(), detection.blocks, rows,
         seconds=time.perf_counter() - start, device=str(dev), notes=source.notes + detection.notes[:5],
     )
+    if verify_layout:
+        from .layout_check import check_layout
+
+        report.notes.append(check_layout(source, detection.blocks).summary())
+    if jacobian:
+        from .jacobian import source_jacobian
+
+        report.jacobian = source_jacobian(source, inputs=inputs)
+    return report
 
 
 @dataclass(frozen=True)

@@ -177,29 +177,13 @@ def inspect(model, verify_layout, jacobian, inputs, plot, revision, config, num_
     report = api.inspect_checkpoint(
         model, revision=revision, config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         force_hints=force_hints, device=device, full=full, progress=not as_json and sys.stderr.isatty(),
+        verify_layout=verify_layout, jacobian=jacobian, inputs=inputs,
     )
-    if verify_layout:
-        from .layout_check import verify_layout as check_layout
-
-        check = check_layout(model, revision=revision, config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                             force_hints=force_hints)
-        report.notes.append(check.summary())
-    if inputs is not None and not jacobian:
-        raise OptionError("--inputs goes with --jacobian")
     if plot:
         from .plot import plot_kappas
 
         report.notes.append(f"wrote {plot_kappas(report, plot)}")
-    jac = None
-    if jacobian:
-        from .jacobian import checkpoint_jacobian
-
-        jac = checkpoint_jacobian(model, inputs=inputs, config=config, revision=revision)
-    if as_json:
-        data = json.loads(report.to_json(cli_spelling))
-        _out(json.dumps(data if jac is None else {**data, "jacobian": jac.to_dict()}, indent=2))
-    else:
-        _out(report.render(cli_spelling) + ("" if jac is None else "\n\n" + jac.render()))
+    _out(report.to_json(cli_spelling) if as_json else report.render(cli_spelling))
 
 
 @main.command(context_settings=CONTEXT, epilog="""\b

@@ -235,18 +235,23 @@ def checkpoint_jacobian(model: str | Path, *, inputs: str | Path | None = None, 
     ``inputs``: a file of text lines (needs a tokenizer in the model folder) or a ``.pt`` tensor of token
     ids; default: a small built-in English sample, tokenized with the folder's tokenizer.
     """
+    from .hub import open_model
+
+    return source_jacobian(open_model(model, config=config, revision=revision), inputs=inputs, exact=exact)
+
+
+def source_jacobian(source, *, inputs: str | Path | None = None, exact: bool | None = None) -> JacobianReport:
+    """:func:`checkpoint_jacobian` on a checkpoint already opened (a :class:`surgeon.source.Source`)."""
     import torch
 
-    from . import api
+    from .architecture import CheckpointNames, build_architecture
     from .detect.module import checkpoint_names
     from .errors import CheckpointError, OptionError, opt
-    from .layout_check import _Names, build_architecture
 
-    source = api.load(model, config=config, revision=revision)
     if not source.config:
         raise OptionError(f"{opt('jacobian', True)} builds the architecture from config.json, and {source.path} has none; pass {opt('config', 'PATH')}")
-    arch = build_architecture(source.config)
-    names = _Names(checkpoint_names(arch), set(source.primary.tensors))
+    arch = build_architecture(source.config, purpose=opt("jacobian", True))
+    names = CheckpointNames(checkpoint_names(arch), set(source.primary.tensors))
     state = arch.state_dict()
     loaded = 0
     with torch.no_grad():

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .detect.config import Hints
 from .errors import LayoutError, OptionError, opt
 from .spec import AttentionBlock, Projection, Rows
+
+if TYPE_CHECKING:
+    from .architecture import CheckpointNames
+    from .source import Source
 
 
 @dataclass
@@ -46,71 +49,33 @@ def verify_layout(
     force_hints: bool = False,
 ) -> LayoutCheck:
     """Raise LayoutError (one line) at the first disagreement; return the agreement otherwise."""
-    from . import api
     from .detect import detect_source
+    from .hub import open_model
+
+    source = open_model(model, config=config, revision=revision)
+    return check_layout(source, detect_source(source, Hints(num_heads, num_kv_heads, head_dim, force_hints)).blocks)
+
+
+def check_layout(source: Source, blocks: list[AttentionBlock]) -> LayoutCheck:
+    """:func:`verify_layout` on a checkpoint already opened and detected (``blocks``)."""
+    from .architecture import CheckpointNames, build_architecture
     from .detect.module import checkpoint_names, probe_blocks
 
-    source = api.load(model, config=config, revision=revision)
-    blocks = detect_source(source, Hints(num_heads, num_kv_heads, head_dim, force_hints)).blocks
+    purpose = opt("verify_layout", True)
     if not source.config:
-        raise OptionError(f"{opt('verify_layout', True)} builds the architecture from config.json, and {source.path} has none; pass {opt('config', 'PATH')}", path=source.path)
-    arch = build_architecture(source.config)
+        raise OptionError(f"{purpose} builds the architecture from config.json, and {source.path} has none; pass {opt('config', 'PATH')}", path=source.path)
+    arch = build_architecture(source.config, purpose=purpose)
     try:
         probed = probe_blocks(arch)
     except LayoutError as exc:
         raise LayoutError(f"cannot verify the layout: the forward of {type(arch).__name__} does not settle it ({exc})") from None
-    names = _Names(checkpoint_names(arch), set(source.primary.tensors))
+    names = CheckpointNames(checkpoint_names(arch), set(source.primary.tensors))
     probed = [_renamed(b, names) for b in probed]
     _compare(blocks, probed, type(arch).__name__)
     return LayoutCheck(str(source.path), type(arch).__name__, len(blocks))
 
 
-def build_architecture(config: dict) -> torch.nn.Module:
-    """The transformers model that config.json describes, randomly initialized in float32, in eval mode."""
-    try:
-        import transformers
-    except ImportError:
-        raise OptionError(f"{opt('verify_layout', True)} needs transformers to build the architecture: pip install transformers") from None
-    model_type = config.get("model_type")
-    if not model_type:
-        raise OptionError(f"{opt('verify_layout', True)} needs config.json to name its model_type (a transformers architecture)")
-    settings = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
-    try:
-        cfg = transformers.AutoConfig.for_model(model_type, **settings)
-    except (ValueError, KeyError) as exc:
-        raise OptionError(f"{opt('verify_layout', True)}: transformers {transformers.__version__} does not know model_type {model_type!r} ({exc})") from None
-    names = config.get("architectures") or []
-    cls = getattr(transformers, names[0], None) if names else None
-    if cls is None:
-        cls = transformers.AutoModel
-        build = lambda: cls.from_config(cfg, dtype=torch.float32)  # noqa: E731
-    else:
-        build = lambda: cls._from_config(cfg, dtype=torch.float32)  # noqa: E731
-    transformers.logging.set_verbosity_error()
-    try:
-        with torch.device("cpu"):
-            model = build()
-    except Exception as exc:  # an architecture transformers cannot build from this config
-        raise OptionError(f"{opt('verify_layout', True)}: cannot build {names[0] if names else model_type} from config.json: {type(exc).__name__}: {str(exc)[:200]}") from None
-    return model.float().eval()
-
-
-class _Names:
-    """In-memory parameter names of the built model -> tensor names of the checkpoint."""
-
-    def __init__(self, renames: dict[str, str], tensors: set[str]) -> None:
-        self.renames, self.tensors = renames, tensors
-
-    def __call__(self, name: str) -> str:
-        name = self.renames.get(name, name)
-        if name in self.tensors:
-            return name
-        # the checkpoint of a base model under a head model's class, or the other way round
-        hits = [t for t in self.tensors if t.endswith("." + name) or name.endswith("." + t)]
-        return hits[0] if len(hits) == 1 else name
-
-
-def _renamed(block: AttentionBlock, names: _Names) -> AttentionBlock:
+def _renamed(block: AttentionBlock, names: CheckpointNames) -> AttentionBlock:
     from dataclasses import replace
 
     def rows(r: Rows) -> Rows:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from .errors import Spelling, opt, python_spelling, spell
 from .modes import NAMES as MODES
@@ -102,10 +103,11 @@ class Report:
     bytes_written: int = 0
     device: str = "cpu"
     notes: list[str] = field(default_factory=list)
+    jacobian: Any = None  # inspect with jacobian=True: a surgeon.jacobian.JacobianReport
 
     # --- machines ------------------------------------------------------------------------
     def to_dict(self, spelling: Spelling = python_spelling) -> dict:
-        return {
+        out = {
             "command": self.command,
             "source": self.source,
             "format": self.format,
@@ -119,6 +121,9 @@ class Report:
             "projections": [r.to_dict() for r in self.rows],
             "notes": [spell(n, spelling) for n in self.notes],
         }
+        if self.jacobian is not None:
+            out["jacobian"] = self.jacobian.to_dict()
+        return out
 
     def to_json(self, spelling: Spelling = python_spelling, **kwargs) -> str:
         """The report as JSON; ``spelling`` spells the options named in notes (the CLI passes its own)."""
@@ -142,6 +147,8 @@ class Report:
         parts += [f"note: {spell(n, spelling)}" for n in self.nonfinite_notes() + self.notes]
         if self.command == "reinit" and not self.dry_run and self.output:
             parts.append(f"wrote {self.output} ({fmt_bytes(self.bytes_written)}) in {self.seconds:.2f} s on {self.device}")
+        if self.jacobian is not None:
+            parts.append(self.jacobian.render())
         return "\n\n".join(p for p in parts if p)
 
     def nonfinite_notes(self) -> list[str]:

@@ -103,3 +103,35 @@ def test_a_mode_says_where_it_is_not_supported(tmp_path, cli):
     expect_cli_error(cli, folder, "reinit", folder / "model.onnx", "--mode", "mimetic", "-o", tmp_path / "out.onnx",
                      match="--mode mimetic is not supported on ONNX graphs")
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_inspect_with_layout_check_and_jacobian_opens_and_detects_once(tmp_path, monkeypatch, cli):
+    """`inspect --verify-layout --jacobian` reads the checkpoint once: one open, one detection, both checks on it."""
+    import surgeon.api
+    import surgeon.detect
+    import surgeon.hub
+
+    folder = tmp_path / "bert"
+    tiny_bert().save_pretrained(folder)
+    ids = tmp_path / "ids.pt"
+    import torch
+
+    torch.save(torch.tensor([[1, 5, 7, 9, 2]]), ids)
+    calls = {"open": 0, "detect": 0}
+    real_open, real_detect = surgeon.hub.open_model, surgeon.detect.detect_source
+
+    def counting_open(*a, **k):
+        calls["open"] += 1
+        return real_open(*a, **k)
+
+    def counting_detect(*a, **k):
+        calls["detect"] += 1
+        return real_detect(*a, **k)
+
+    monkeypatch.setattr(surgeon.hub, "open_model", counting_open)
+    monkeypatch.setattr(surgeon.api, "detect_source", counting_detect)
+    monkeypatch.setattr(surgeon.detect, "detect_source", counting_detect)
+    result = cli("inspect", folder, "--verify-layout", "--jacobian", "--inputs", ids, "--json")
+    data = json.loads(result.output)
+    assert any(n.startswith("layout verified") for n in data["notes"]) and data["jacobian"]["layers"]
+    assert calls == {"open": 1, "detect": 1}
