@@ -17,18 +17,15 @@ detection against the real forward of the architecture.)
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .card import card_record
 from .errors import CheckpointError, SurgeonError, VerificationError  # noqa: F401  (re-exported)
 from .modes import get_mode
 from .plan import ReinitOptions
-
-CARD_RECORD = re.compile(r"<!-- surgeon-record (\{.*?\}) -->")
 
 
 @dataclass
@@ -53,16 +50,6 @@ class Verification:
     def to_dict(self) -> dict:
         return {"ok": True, "original": self.original, "output": self.output, "record": self.record,
                 "changed": self.changed, "identical": self.identical, "summary": self.summary()}
-
-
-def card_record(text: str) -> dict | None:
-    found = CARD_RECORD.findall(text)
-    return json.loads(found[-1]) if found else None
-
-
-def card_comment(record: dict) -> str:
-    """The record as an HTML comment for the model card (invisible when rendered)."""
-    return "<!-- surgeon-record " + json.dumps(record, sort_keys=True, separators=(",", ":")).replace(">", "\\u003e") + " -->"
 
 
 def _records(source) -> tuple[list[dict], str]:
@@ -128,15 +115,15 @@ def verify(
     Returns a :class:`Verification` (``.summary()`` is a one-line verdict); raises
     :class:`VerificationError` at the first mismatch, and a :class:`SurgeonError` when there is no record.
     """
-    from . import api
     from .apply import Engine, resolve_device
     from .detect import detect_source
     from .detect.config import Hints
+    from .hub import open_model
     from .plan import prepare
     from .source import open_source
 
     dev = resolve_device(device)
-    src = api.load(original, config=config, revision=revision)
+    src = open_model(original, config=config, revision=revision)
     out_path = Path(output)
     if not out_path.exists():
         raise CheckpointError(f"no such file or folder {output}: give the output of surgeon reinit as OUTPUT")

@@ -8,6 +8,7 @@ absolute path: the same run gives the same card.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from dataclasses import dataclass
@@ -142,9 +143,21 @@ def build_card(*, source: Source, plan: Plan, results: list[ProjectionResult], c
 
 def _record_comment(plan: Plan) -> str:
     """surgeon's record, for `surgeon verify` (PyTorch files have no metadata slot for it)."""
-    from .audit import card_comment
-
     return card_comment(plan.record())
+
+
+# surgeon's record in a card: an HTML comment, invisible when rendered; `surgeon verify` reads the last one
+CARD_RECORD = re.compile(r"<!-- surgeon-record (\{.*?\}) -->")
+
+
+def card_record(text: str) -> dict | None:
+    found = CARD_RECORD.findall(text)
+    return json.loads(found[-1]) if found else None
+
+
+def card_comment(record: dict) -> str:
+    """The record as an HTML comment for the model card (invisible when rendered)."""
+    return "<!-- surgeon-record " + json.dumps(record, sort_keys=True, separators=(",", ":")).replace(">", "\\u003e") + " -->"
 
 
 def write_card(folder: Path, **kwargs) -> Path:

@@ -8,29 +8,13 @@ Importing this package does not import torch, numpy or onnx.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..spec import AttentionBlock
+from .result import Detection
 
 if TYPE_CHECKING:
     from ..source import Source
     from .config import Hints
-
-
-@dataclass
-class Detection:
-    blocks: list[AttentionBlock]
-    tensors_seen: int
-    notes: list[str] = field(default_factory=list)  # why candidates were rejected, for "nothing found"
-    graph: Any = None  # what a route knows beyond the blocks (ONNX: which nodes read each initializer)
-
-    def stacks(self) -> list[str]:
-        seen: list[str] = []
-        for b in self.blocks:
-            if b.stack not in seen:
-                seen.append(b.stack)
-        return seen
 
 
 def detect(what: Any, hints: Hints | None = None, **module_options: Any) -> Any:

@@ -13,10 +13,10 @@ from typing import TypeVar
 from ..errors import LayoutError, NoAttentionFoundError, UnsupportedWeightsError, opt
 from ..formats.base import TensorInfo
 from ..spec import AttentionBlock, Projection, Rows, packed_size, slot_offsets
-from . import Detection
 from .config import ConfigView, Hints
 from .families import CROSS_WORDS, KV_SLOTS, QUANT_PARAMS, RULES, Part, Rule, projection_names  # noqa: F401
 from .placement import join, kind, place
+from .result import Detection
 
 T = TypeVar("T")
 

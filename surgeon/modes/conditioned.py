@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import CONDITIONED_BIBTEX, CONDITIONED_PAPER, Mode
+from .base import CONDITIONED_BIBTEX, CONDITIONED_PAPER, Mode
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import Mode
+from .base import Mode
 
 MIMETIC_BIBTEX = """\
 @inproceedings{trockman2023mimetic,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from . import Mode
+from .base import Mode
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ import onnx
 
 from ...errors import LayoutError, NoAttentionFoundError, opt
 from ...spec import AttentionBlock, Projection, Rows
-from .. import Detection
 from ..config import ConfigView, Hints
 from ..placement import place
+from ..result import Detection
 from .graph import Fail, Graph
 from .projection import Core, Proj
 from .walker import Walker

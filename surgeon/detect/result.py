@@ -1,0 +1,23 @@
+"""What detection finds in a checkpoint: the blocks, and what the route knows beyond them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..spec import AttentionBlock
+
+
+@dataclass
+class Detection:
+    blocks: list[AttentionBlock]
+    tensors_seen: int
+    notes: list[str] = field(default_factory=list)  # why candidates were rejected, for "nothing found"
+    graph: Any = None  # what a route knows beyond the blocks (ONNX: which nodes read each initializer)
+
+    def stacks(self) -> list[str]:
+        seen: list[str] = []
+        for b in self.blocks:
+            if b.stack not in seen:
+                seen.append(b.stack)
+        return seen
