@@ -8,8 +8,9 @@ from the original and from the stored result, so the "after" column is what the 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -50,17 +51,19 @@ def _row_index(rows: Rows, heads, device) -> torch.Tensor:
     return (starts[:, None] + torch.arange(rows.size)).reshape(-1).to(device)
 
 
-def head_matrices(tensor: torch.Tensor, rows: Rows, heads: list[int] | tuple[int, ...] | None = None) -> torch.Tensor:
+def head_matrices(tensor: torch.Tensor, rows: Rows, heads: Sequence[int] | None = None) -> torch.Tensor:
     """The per-head matrices ``(H, d, in)`` of a projection, in PyTorch (out, in) orientation (a copy)."""
     chosen = range(len(rows.offsets)) if heads is None else heads
     mat = tensor if rows.axis == 0 else tensor.transpose(0, 1)
     return mat.index_select(0, _row_index(rows, chosen, tensor.device)).reshape(len(chosen), rows.size, mat.shape[1])
 
 
-def _set_heads(tensor: torch.Tensor, rows: Rows, heads: tuple[int, ...], values: torch.Tensor) -> None:
+def _set_heads(tensor: torch.Tensor, rows: Rows, heads: tuple[int, ...], values: torch.Tensor) -> torch.Tensor:
+    """Store ``values`` (len(heads), d, in) into ``heads``; returns them as stored (rounded to the tensor's dtype)."""
     mat = tensor if rows.axis == 0 else tensor.transpose(0, 1)  # a view: writes land in tensor
     values = values.to(tensor.device, tensor.dtype)  # round first: the reshape below then copies (if at all) 2-4x fewer bytes
     mat.index_copy_(0, _row_index(rows, heads, tensor.device), values.reshape(-1, mat.shape[1]))
+    return values
 
 
 def _zero_heads(tensor: torch.Tensor, rows: Rows, heads: tuple[int, ...]) -> None:
@@ -85,6 +88,42 @@ def new_heads(change: Change, old: torch.Tensor | None, plan: Plan, *, seed_name
 
 def needs_old_values(plan: Plan) -> bool:
     return not get_mode(plan.options.mode).fresh or plan.options.keep_scale
+
+
+@runtime_checkable
+class TensorStore(Protocol):
+    """Where the engine reads and writes one tensor's heads: a copy in memory, a DTensor's local shards, ...
+
+    ``heads`` returns the values as stored (``head_matrices``' layout); ``set_heads`` stores float64
+    values rounded to the tensor's dtype and returns them as stored.
+    """
+
+    def heads(self, rows: Rows, heads: Sequence[int] | None = None) -> torch.Tensor: ...
+
+    def set_heads(self, rows: Rows, heads: tuple[int, ...], values: torch.Tensor) -> torch.Tensor: ...
+
+    def zero_heads(self, rows: Rows, heads: tuple[int, ...]) -> None: ...
+
+    def fill(self, values: torch.Tensor) -> None: ...
+
+
+class TensorCopy:
+    """A tensor in memory: a copy of ``original`` (``copy=False``: the tensor itself) that the edits change."""
+
+    def __init__(self, original: torch.Tensor, *, copy: bool = True) -> None:
+        self.tensor = original.clone() if copy else original
+
+    def heads(self, rows: Rows, heads: Sequence[int] | None = None) -> torch.Tensor:
+        return head_matrices(self.tensor, rows, heads)
+
+    def set_heads(self, rows: Rows, heads: tuple[int, ...], values: torch.Tensor) -> torch.Tensor:
+        return _set_heads(self.tensor, rows, heads, values)
+
+    def zero_heads(self, rows: Rows, heads: tuple[int, ...]) -> None:
+        _zero_heads(self.tensor, rows, heads)
+
+    def fill(self, values: torch.Tensor) -> None:
+        self.tensor.copy_(values.to(self.tensor.device, self.tensor.dtype))
 
 
 @dataclass
@@ -122,6 +161,7 @@ class Engine:
             if change.role == "v" and change.block.module in plan.outputs:  # mimetic: W_O too
                 self.edits[plan.outputs[change.block.module][0]].append((change, "out"))
         self.results: dict[tuple[str, str], ProjectionResult] = {}
+        self._zeroed: set[tuple[str, str]] = set()  # projections whose bias heads were zeroed
 
     @property
     def tensor_names(self) -> list[str]:
@@ -133,49 +173,54 @@ class Engine:
         Only the re-initialized rows are computed (in float64 on the engine's device) and rounded to
         the tensor's dtype; every other element keeps its exact bits.
         """
+        store = TensorCopy(original.detach())
+        self.update_store(name, store, record=record)
+        return store.tensor
+
+    def update_store(self, name: str, store: TensorStore, *, record: bool = True) -> None:
+        """Carry out the edits of tensor ``name`` through ``store`` (a copy in memory, a DTensor's shards, ...)."""
         with single_threaded():
-            return self._update(name, original.detach(), record)
+            for change, what in self.edits[name]:
+                proj = change.projection
+                if what == "bias":
+                    assert proj.bias is not None  # a bias edit is planned only for a projection with one
+                    store.zero_heads(proj.bias, change.heads)
+                    self._bias_zeroed(change)
+                elif what == "out":
+                    from .baselines import mimetic_out, module_key
 
-    def _update(self, name: str, original: torch.Tensor, record: bool) -> torch.Tensor:
-        stored = original.clone()
-        edits = self.edits[name]
-        before: dict[tuple[str, str], Spectrum] = {}
-        for change, what in edits:
-            proj = change.projection
-            if what == "bias":
-                assert proj.bias is not None  # a bias edit is planned only for a projection with one
-                _zero_heads(stored, proj.bias, change.heads)
-                continue
-            if what == "out":
-                from .baselines import mimetic_out, module_key
+                    v = proj.weight.tensor
+                    key = module_key(change.block, v, self.seed_names.get(v))
+                    store.fill(mimetic_out(change.block, key, self.plan.options, self.plan.outputs[change.block.module][1]))
+                else:
+                    self._update_weight(name, change, store, record)
 
-                v = proj.weight.tensor
-                key = module_key(change.block, v, self.seed_names.get(v))
-                stored.copy_(mimetic_out(change.block, key, self.plan.options, self.plan.outputs[change.block.module][1]).to(stored.device, stored.dtype))
-                continue
-            if record:
-                before[(change.block.module, change.role)] = self._spectrum(head_matrices(original, proj.weight))
-            old = None
-            if needs_old_values(self.plan):
-                old = head_matrices(original, proj.weight, change.heads).to(self.device, torch.float64)
-                self.refuse_nonfinite(name, change, old)
-            new = new_heads(change, old, self.plan, seed_name=self.seed_names.get(name), device=self.device)
-            _set_heads(stored, proj.weight, change.heads, new)
-        if record:
-            self._record(stored, edits, before)
-        return stored
+    def _update_weight(self, name: str, change: Change, store: TensorStore, record: bool) -> None:
+        rows = change.projection.weight
+        # Rows of one projection are read before they are written: within a fused tensor, the edits of
+        # the other projections touch other rows, so these are the original values.
+        current = store.heads(rows) if record else None  # every head: the report's spectra
+        old = None
+        if needs_old_values(self.plan):
+            old = (current[list(change.heads)] if current is not None else store.heads(rows, change.heads)).to(self.device, torch.float64)
+            self.refuse_nonfinite(name, change, old)
+        new = new_heads(change, old, self.plan, seed_name=self.seed_names.get(name), device=self.device)
+        rounded = store.set_heads(rows, change.heads, new)
+        if current is not None:
+            self._record(change, current, rounded)
 
-    def check_values(self, name: str, tensor: torch.Tensor) -> None:
+    def check_values(self, name: str, tensor: torch.Tensor | TensorStore) -> None:
         """Refuse, before anything changes, heads whose old values the plan reads but that hold NaN/Inf.
 
-        For callers that change tensors one by one in place (a module in memory), so that a refusal
-        in a later layer does not leave earlier layers changed.
+        For callers that change tensors one by one in place (a module in memory, sharded parameters),
+        so that a refusal in a later layer does not leave earlier layers changed.
         """
         if not needs_old_values(self.plan):
             return
+        store = tensor if isinstance(tensor, TensorStore) else TensorCopy(tensor.detach(), copy=False)
         for change, what in self.edits[name]:
             if what == "weight":
-                self.refuse_nonfinite(name, change, head_matrices(tensor.detach(), change.projection.weight, change.heads))
+                self.refuse_nonfinite(name, change, store.heads(change.projection.weight, change.heads))
 
     def refuse_nonfinite(self, name: str, change: Change, old: torch.Tensor) -> None:
         bad = [h for h, ok in zip(change.heads, torch.isfinite(old).flatten(1).all(1).tolist()) if not ok]
@@ -191,25 +236,29 @@ class Engine:
     def _spectrum(self, heads: torch.Tensor, kappas: tuple[float, ...] | None = None) -> Spectrum:
         return spectrum(heads.to(self.device), whole=self.whole, kappas=kappas)
 
-    def _record(self, stored: torch.Tensor, edits, before: dict[tuple[str, str], Spectrum]) -> None:
-        for change, what in edits:
-            key = (change.block.module, change.role)
-            proj = change.projection
-            if what == "out":  # W_O is not a q/k/v projection: the report lists it in a note
-                continue
-            if what == "weight":
-                # Heads that did not change keep their bytes, so their kappas are the ones just measured.
-                kappas = list(before[key].head_kappas)
-                if change.heads:
-                    for h, k in zip(change.heads, head_kappas(head_matrices(stored, proj.weight, change.heads).to(self.device))):
-                        kappas[h] = k
-                after = self._spectrum(head_matrices(stored, proj.weight), tuple(kappas)) if before[key].kappa is not None else Spectrum(None, tuple(kappas), None)
-                prev = self.results.get(key)
-                self.results[key] = ProjectionResult(change.block, change.role, change.heads, str(stored.dtype).removeprefix("torch."), before[key], after, prev.bias_zeroed if prev else False)
-            elif key in self.results:
-                self.results[key].bias_zeroed = True
-            else:  # bias stored before its weight (another shard): mark it for when the weight comes
-                self.results[key] = ProjectionResult(change.block, change.role, change.heads, "", None, None, True)  # type: ignore[arg-type]
+    def _record(self, change: Change, current: torch.Tensor, rounded: torch.Tensor) -> None:
+        """Before/after spectra of one projection: ``current`` (every head, as it was), ``rounded`` (the new heads as stored)."""
+        key = (change.block.module, change.role)
+        before = self._spectrum(current)
+        # Heads that did not change keep their bytes, so their kappas are the ones just measured.
+        kappas = list(before.head_kappas)
+        if change.heads:
+            for h, k in zip(change.heads, head_kappas(rounded.to(self.device))):
+                kappas[h] = k
+        if before.kappa is not None:  # the whole projection, as stored now
+            stored = current.clone()
+            stored[list(change.heads)] = rounded.to(stored.device)
+            after = self._spectrum(stored, tuple(kappas))
+        else:
+            after = Spectrum(None, tuple(kappas), None)
+        dtype = str(current.dtype).removeprefix("torch.")
+        self.results[key] = ProjectionResult(change.block, change.role, change.heads, dtype, before, after, key in self._zeroed)
+
+    def _bias_zeroed(self, change: Change) -> None:
+        key = (change.block.module, change.role)
+        self._zeroed.add(key)  # the bias may be stored before its weight (another tensor, another shard)
+        if key in self.results:
+            self.results[key].bias_zeroed = True
 
     def ordered_results(self) -> list[ProjectionResult]:
         return [self.results[(c.block.module, c.role)] for c in self.plan.changes if (c.block.module, c.role) in self.results]

@@ -21,8 +21,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .apply import Engine, ProjectionResult, _row_index, head_matrices, needs_old_values, new_heads
-from .conditioning import Spectrum, head_kappas, single_threaded
+from .apply import Engine, TensorCopy, TensorStore, _row_index, head_matrices
+from .conditioning import Spectrum, single_threaded
 from .errors import OptionError, UnsupportedWeightsError
 from .spec import AttentionBlock, Rows
 
@@ -195,63 +195,42 @@ def _zero_rows(param, rows: Rows, heads) -> None:
         local.index_fill_(0, mine.to(local.device), 0)
 
 
-def write_sharded(engine: Engine, params: Mapping[str, torch.Tensor]) -> None:
-    """What ``param.copy_(engine.update(name, param))`` does for every tensor, on DTensor (or plain) parameters.
+class ShardedTensor:
+    """A DTensor parameter as the engine's tensor store: heads gathered exactly, each rank writing the rows it owns."""
 
-    Each rank writes its own rows; ``engine.results`` gets the same spectra on every rank.
+    def __init__(self, param) -> None:
+        self.param = param
+
+    def heads(self, rows: Rows, heads=None) -> torch.Tensor:
+        return gather_heads(self.param, rows, heads)
+
+    def set_heads(self, rows: Rows, heads, values: torch.Tensor) -> torch.Tensor:
+        rounded = values.to(self.param.dtype)  # as apply._set_heads: round first
+        if heads:
+            _write_rows(self.param, rows, heads, rounded)
+        return rounded
+
+    def zero_heads(self, rows: Rows, heads) -> None:
+        _zero_rows(self.param, rows, heads)
+
+    def fill(self, values: torch.Tensor) -> None:  # only modes that write whole tensors (W_O) need it; they refuse sharding
+        raise UnsupportedWeightsError("surgeon does not rewrite a whole sharded (DTensor) parameter: reinit before sharding")
+
+
+def write_params(engine: Engine, params: Mapping[str, torch.Tensor]) -> None:
+    """Carry out the engine's plan on parameters in memory, in place: plain tensors and DTensors alike.
+
+    Every refusal comes before the first write. A DTensor is written through :class:`ShardedTensor`
+    (each rank its own rows; ``engine.results`` gets the same spectra on every rank).
     """
+    def store(param) -> TensorStore:
+        return ShardedTensor(param) if is_dtensor(param) else TensorCopy(param.detach(), copy=False)
+
     with single_threaded(), torch.no_grad():
-        if needs_old_values(engine.plan):  # refusals first (one projection gathered at a time): nothing changes unless everything can
-            for name in engine.tensor_names:
-                param = params[name]
-                for change, what in engine.edits[name]:
-                    if what == "weight":
-                        rows = change.projection.weight
-                        heads = gather_heads(param, rows) if is_dtensor(param) else head_matrices(param.detach(), rows)
-                        engine.refuse_nonfinite(name, change, heads[list(change.heads)])
+        for name in engine.tensor_names:  # refusals first (one projection gathered at a time): nothing changes unless everything can
+            engine.check_values(name, store(params[name]))
         for name in engine.tensor_names:
-            param = params[name]
-            if not is_dtensor(param):
-                param.copy_(engine.update(name, param.detach()))
-                continue
-            for change, what in engine.edits[name]:
-                proj = change.projection
-                key = (change.block.module, change.role)
-                if what == "bias":
-                    assert proj.bias is not None  # Engine edits a bias only where the projection has one
-                    _zero_rows(param, proj.bias, change.heads)
-                    prev = engine.results.get(key)
-                    if prev is not None:
-                        prev.bias_zeroed = True
-                    else:  # the weight comes later (another tensor): mark it for then
-                        engine.results[key] = ProjectionResult(change.block, change.role, change.heads, "", None, None, True)  # type: ignore[arg-type]
-                    continue
-                original = gather_heads(param, proj.weight)  # the report's spectra need every head whole
-                old = None
-                if needs_old_values(engine.plan):
-                    old = original[list(change.heads)].to(engine.device, torch.float64)
-                new = new_heads(change, old, engine.plan, seed_name=engine.seed_names.get(name), device=engine.device)
-                rounded = new.to(original.dtype)
-                if change.heads:
-                    _write_rows(param, proj.weight, change.heads, rounded)
-                _record(engine, change, original, rounded)
-
-
-def _record(engine: Engine, change, original: torch.Tensor, rounded: torch.Tensor) -> None:
-    """The spectra Engine._record computes, from the gathered projection and the rounded new heads."""
-    key = (change.block.module, change.role)
-    before = engine._spectrum(original)
-    kappas = list(before.head_kappas)
-    stored = original.clone()
-    if change.heads:
-        stored[list(change.heads)] = rounded.to(stored.device)
-        for h, k in zip(change.heads, head_kappas(rounded.to(engine.device))):
-            kappas[h] = k
-    after = engine._spectrum(stored, tuple(kappas)) if before.kappa is not None else Spectrum(None, tuple(kappas), None)
-    prev = engine.results.get(key)
-    engine.results[key] = ProjectionResult(
-        change.block, change.role, change.heads, str(original.dtype).removeprefix("torch."), before, after, prev.bias_zeroed if prev else False
-    )
+            engine.update_store(name, store(params[name]))
 
 
 def inspect_sharded(blocks: list[AttentionBlock], params: Mapping[str, torch.Tensor], device: torch.device, *, whole: bool = False) -> dict[tuple[str, str], Spectrum]:

@@ -19,7 +19,7 @@ from torch import nn
 from .apply import Engine, inspect_blocks
 from .detect.config import Hints
 from .detect.module import ModuleDetection, detect_module
-from .distributed import any_sharded, inspect_sharded, refuse_meta, unwrapped, write_sharded
+from .distributed import any_sharded, inspect_sharded, refuse_meta, unwrapped, write_params
 from .errors import OptionError, opt
 from .modes import get_mode
 from .plan import ReinitOptions, prepare
@@ -69,17 +69,9 @@ def reinit_(
         options = plan.options
         device = found.params[plan.changes[0].projection.weight.tensor].device
         engine = Engine(plan, device, seed_names=found.seed_names, whole=full)
-        if any_sharded(found.params, engine.tensor_names):  # FSDP2 / DTensor: each rank writes its own rows
-            if not get_mode(options.mode).sharded:
-                raise OptionError(f"{opt('mode', options.mode)} on sharded (FSDP2/DTensor) parameters is not supported: reinit before sharding")
-            write_sharded(engine, found.params)
-        else:
-            with torch.no_grad():
-                for name in engine.tensor_names:  # refusals first: nothing changes unless everything can
-                    engine.check_values(name, found.params[name])
-                for name in engine.tensor_names:
-                    param = found.params[name]
-                    param.copy_(engine.update(name, param.detach()))
+        if any_sharded(found.params, engine.tensor_names) and not get_mode(options.mode).sharded:  # FSDP2 / DTensor
+            raise OptionError(f"{opt('mode', options.mode)} on sharded (FSDP2/DTensor) parameters is not supported: reinit before sharding")
+        write_params(engine, found.params)
     rows = [ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed) for r in engine.ordered_results()]
     seconds = time.perf_counter() - start
     notes = _notes(found) + [f"changed {len(engine.tensor_names)} parameters in place in {seconds:.2f} s on {device}"]
