@@ -361,9 +361,9 @@ def test_observed_maps_equal_weight_layout(family, built):
 
 @pytest.mark.parametrize("family", ["llama", "falcon_new", "bloom", "t5", "whisper", "swin"])
 def test_observe_work_is_bounded(family, built):
-    """Two whole-model forwards, a batch of one then the smallest batch that fits the probe rows
-    (< 3*D + 8 rows per module, so at most that many sequences): a bound on the work done, not on time.
-    Wall times are printed by benchmarks/bench_observe.py."""
+    """Two whole-model forwards: a batch of one, then a capture batch of at most 3*D + 8 sequences (a fit
+    needs 3*D + 8 probe rows and every sequence gives at least one). A bound on the work done, not on
+    time: wall times are printed by benchmarks/bench_observe.py."""
     model = built(family)
     batches = []
 
