@@ -98,9 +98,17 @@ def test_a_valid_file_with_empty_tensors_is_still_accepted(cli, tmp_path):
     tensors = {f"layers.0.attn.{p}_proj.weight": torch.randn(32, 32) for p in "qkv"}
     tensors["layers.0.attn.empty"] = torch.zeros(0, 4)
     save_file(tensors, tmp_path / "m.safetensors")
-    load_file(tmp_path / "m.safetensors")
+    before = load_file(tmp_path / "m.safetensors")
     cli("reinit", tmp_path / "m.safetensors", "--num-heads", 4, "-o", tmp_path / "out.safetensors")
-    load_file(tmp_path / "out.safetensors")
+    after = load_file(tmp_path / "out.safetensors")  # the reference reader takes it
+    assert after.keys() == before.keys()
+    assert after["layers.0.attn.empty"].shape == (0, 4) and after["layers.0.attn.empty"].dtype == torch.float32
+    assert torch.equal(load_file(tmp_path / "m.safetensors")["layers.0.attn.q_proj.weight"], tensors["layers.0.attn.q_proj.weight"])
+    for role in "qk":  # 4 heads of 8 rows each, drawn head by head
+        heads = after[f"layers.0.attn.{role}_proj.weight"].double().view(4, 8, 32)
+        assert torch.allclose(heads @ heads.mT, torch.eye(8, dtype=torch.float64).expand(4, 8, 8), atol=1e-5), f"{role}: heads of 8 rows not semi-orthogonal"
+        assert (heads[0] @ heads[1].T).abs().max() > 1e-3, role
+    assert torch.equal(after["layers.0.attn.v_proj.weight"], torch.eye(32))
 
 
 # --- usage errors ---------------------------------------------------------------------------------

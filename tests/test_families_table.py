@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from surgeon.detect.by_name import detect
@@ -47,7 +49,7 @@ def test_detect_routes_by_input_kind():
     from surgeon.detect.module import ModuleDetection
     from surgeon.source import open_source
 
-    found = detect(open_source("examples/tiny-bert"))
+    found = detect(open_source(Path(__file__).resolve().parents[1] / "examples" / "tiny-bert"))
     assert isinstance(found, Detection) and found.blocks
     module = torch.nn.Sequential(torch.nn.MultiheadAttention(8, 2))
     assert isinstance(detect(module), ModuleDetection)

@@ -14,6 +14,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -126,32 +127,70 @@ def test_kill_9_rolled_back_by_recover_on_a_sharded_folder(tmp_path, cli):
     assert cli("recover", folder).output.startswith("nothing to recover")
 
 
+def _run_in_place(src, *, kill_at: float | None = None, kill_after_first_write: float | None = None) -> dict:
+    """`surgeon reinit SRC --in-place` in a child process, watched from here: when its journal appears, when the
+    checkpoint is first and last written (its mtime moves: copytree kept the old one), when the journal goes.
+    SIGKILLed ``kill_at`` seconds after the start, or ``kill_after_first_write`` seconds after the first write
+    is seen; returns the times (seconds from the start) and whether it was killed before it exited."""
+    journal, mtime = journal_path(src.parent, src.name), src.stat().st_mtime_ns
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "surgeon", "reinit", str(src), "--in-place"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    seen: dict = {"journal": None, "first_write": None, "last_write": None, "journal_gone": None, "killed": False}
+    while proc.poll() is None:
+        now = time.monotonic() - start
+        if seen["journal"] is None and journal.exists():
+            seen["journal"] = now
+        if src.stat().st_mtime_ns != mtime:
+            mtime, seen["last_write"] = src.stat().st_mtime_ns, now
+            seen["first_write"] = seen["first_write"] or now
+        if seen["journal"] is not None and seen["journal_gone"] is None and not journal.exists():
+            seen["journal_gone"] = now
+        due = kill_at if kill_after_first_write is None or seen["first_write"] is None else seen["first_write"] + kill_after_first_write
+        if due is not None and now >= due:
+            proc.send_signal(signal.SIGKILL)
+            seen["killed"] = proc.wait() == -signal.SIGKILL
+            break
+        time.sleep(0.0005)
+    proc.wait()
+    return seen
+
+
 @pytest.mark.slow
 def test_kill_9_at_random_points_leaves_the_input_or_the_finished_patch(tmp_path, cli):
-    """Real kills at spread-out times: afterwards the file is the original or the complete result, never between."""
+    """Real kills while patching: afterwards the file is the original or the complete result, never between.
+
+    A calibration run, watched from outside, says when patching starts and how long it lasts on this machine;
+    the kills land before it and at fractions of that window after the first write is seen. At least one must
+    have caught a checkpoint half patched, with its journal, and `surgeon recover` must have restored it."""
     src_dir = tmp_path / "src"
     tiny_llama(hidden_size=256, intermediate_size=256, num_attention_heads=8, num_key_value_heads=8, num_hidden_layers=6).save_pretrained(src_dir)
     done = tmp_path / "done"
     shutil.copytree(src_dir, done)
     reinit_checkpoint(done / "model.safetensors", in_place=True)
     original, finished = sha256(src_dir / "model.safetensors"), sha256(done / "model.safetensors")
-    seen = set()
-    for delay in (0.2, 0.5, 0.8, 1.1, 1.4, 1.8, 2.2, 3.0):
-        work = tmp_path / f"work-{delay}"
+
+    shutil.copytree(src_dir, tmp_path / "calibration")
+    calibration = _run_in_place(tmp_path / "calibration" / "model.safetensors")
+    assert sha256(tmp_path / "calibration" / "model.safetensors") == finished and not calibration["killed"]
+    assert None not in (calibration["journal"], calibration["first_write"], calibration["journal_gone"]), calibration
+    assert calibration["journal"] <= calibration["first_write"] <= calibration["journal_gone"], calibration  # journal first
+    window = calibration["journal_gone"] - calibration["first_write"]
+
+    kills = [dict(kill_at=calibration["first_write"] / 2)] + [dict(kill_after_first_write=f * window) for f in (0.0, 0.2, 0.4, 0.6)]
+    restored_mid_patch = 0
+    for i, kill in enumerate(kills):
+        work = tmp_path / f"work-{i}"
         shutil.copytree(src_dir, work)
-        proc = subprocess.Popen([sys.executable, "-m", "surgeon", "reinit", str(work / "model.safetensors"), "--in-place"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            proc.wait(timeout=delay)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-        cli("recover", work / "model.safetensors")
+        run = _run_in_place(work / "model.safetensors", **kill)
+        journal = journal_path(work, "model.safetensors").exists()
         state = sha256(work / "model.safetensors")
-        assert state in (original, finished), delay
-        seen.add(state)
+        assert journal or state in (original, finished), (kill, run)  # no journal: untouched or wholly patched
+        cli("recover", work / "model.safetensors")
+        after = sha256(work / "model.safetensors")
+        assert after == (original if journal else state), (kill, run)  # a journal rolls back to the exact original
         assert not list(work.glob(f".*{SUFFIX}*"))
-    assert seen  # which states were hit depends on the machine's speed; both are allowed
+        restored_mid_patch += journal and state not in (original, finished)
+    assert restored_mid_patch >= 1, f"no kill landed while patching (calibration: {calibration})"
 
 
 def test_a_running_in_place_job_is_neither_joined_nor_rolled_back(llama_dir, cli):

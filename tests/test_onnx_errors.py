@@ -23,6 +23,35 @@ def _save(model: onnx.ModelProto, folder, name: str = "model.onnx", **kwargs):
     return path
 
 
+def _rows(inits: dict[str, np.ndarray], name: str) -> np.ndarray:
+    """A MatMul weight (in, out) of tiny_attention as PyTorch-style rows (out, in), float64."""
+    return inits[name].T.astype(np.float64)
+
+
+def _assert_heads_semi_orthogonal(rows: np.ndarray, head_dim: int, what: str) -> None:
+    """Each head (head_dim rows) has orthonormal rows, and two heads are not orthogonal to each other:
+    the heads were drawn one by one at this size, not as one orthogonal matrix (a wrong head count)."""
+    heads = rows.reshape(-1, head_dim, rows.shape[1])
+    for h, head in enumerate(heads):
+        assert np.allclose(head @ head.T, np.eye(head_dim), atol=1e-5), f"{what} head {h} of {head_dim} rows is not semi-orthogonal"
+    assert np.abs(heads[0] @ heads[1].T).max() > 1e-3, f"{what}: the heads are orthogonal to each other, as one head of {rows.shape[0]} rows"
+
+
+def _forward(inits: dict[str, np.ndarray], x: np.ndarray, *, layers: int, heads: int = 2, q_names: list[str] | None = None) -> np.ndarray:
+    """tiny_attention's forward written out in numpy from initializer values (by the names the test graph gives them)."""
+    for i in range(layers):
+        proj = {}
+        for role in "qkv":
+            w = (q_names[i] if q_names and role == "q" else f"onnx::MatMul_{i}{role}")
+            h = x @ inits[w] + inits[f"layers.{i}.attn.{role}_proj.bias"]
+            proj[role] = h.reshape(x.shape[0], x.shape[1], heads, -1).transpose(0, 2, 1, 3)
+        scores = proj["q"] @ proj["k"].transpose(0, 1, 3, 2) / np.sqrt(proj["q"].shape[-1])
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        o = (p / p.sum(-1, keepdims=True)) @ proj["v"]
+        x = x + o.transpose(0, 2, 1, 3).reshape(x.shape) @ inits[f"onnx::MatMul_{i}o"]
+    return x
+
+
 def test_no_attention_in_an_mlp(cli, tmp_path):
     path = _save(mlp_only(), tmp_path / "m")
     expect_cli_error(cli, tmp_path, "inspect", path, match="no attention found")
@@ -147,7 +176,17 @@ def test_shared_initializer_passed_on_to_others_is_refused(cli, tmp_path):
               "and the chosen ones cannot have a copy of their own (Identity shared_identity passes it on to",
     )
     cli("reinit", path, "-o", tmp_path / "both.onnx")
-    ort_run(tmp_path / "both.onnx", {"x": np.ones((1, 5, 8), np.float32)})
+    before, after = initializers(path), initializers(tmp_path / "both.onnx")
+    assert after.keys() == before.keys()  # changed once, for both layers: no copy
+    for name in ("q_shared", "onnx::MatMul_0k", "onnx::MatMul_1k"):
+        _assert_heads_semi_orthogonal(_rows(after, name), 4, name)
+    assert all(np.array_equal(_rows(after, f"onnx::MatMul_{i}v"), np.eye(8)) for i in range(2))
+    assert all(after[f"onnx::MatMul_{i}o"].tobytes() == before[f"onnx::MatMul_{i}o"].tobytes() for i in range(2))
+    assert [n.name for n in onnx.load(str(tmp_path / "both.onnx")).graph.node if "q_shared" in n.input] == ["shared_identity"]
+    x = np.random.default_rng(1).standard_normal((1, 5, 8)).astype(np.float32)
+    shared = dict(layers=2, q_names=["q_shared"] * 2)
+    np.testing.assert_allclose(ort_run(path, {"x": x}), _forward(before, x.astype(np.float64), **shared), atol=1e-5)  # the oracle
+    np.testing.assert_allclose(ort_run(tmp_path / "both.onnx", {"x": x}), _forward(after, x.astype(np.float64), **shared), atol=1e-5)
 
 
 def test_shared_bias_gets_a_copy(cli, tmp_path):
@@ -192,7 +231,16 @@ def test_heads_from_the_user_when_the_graph_does_not_say(cli, tmp_path):
     feeds = {"x": np.ones((1, 5, 8), np.float32), "split_shape": np.array([1, 5, 2, 4], np.int64)}
     out = tmp_path / "out.onnx"
     cli("reinit", path, "--num-heads", "2", "-o", out)
-    ort_run(out, feeds)
+    before, after = initializers(path), initializers(out)
+    for role in "qk":  # heads of the size given (2 heads of 4 features), read back by the graph's own names
+        _assert_heads_semi_orthogonal(_rows(after, f"onnx::MatMul_0{role}"), 4, role)
+    assert np.array_equal(_rows(after, "onnx::MatMul_0v"), np.eye(8))
+    assert not any(after[f"layers.0.attn.{r}_proj.bias"].any() for r in "qkv")
+    reset = {f"onnx::MatMul_0{r}" for r in "qkv"} | {f"layers.0.attn.{r}_proj.bias" for r in "qkv"}
+    assert after.keys() == before.keys() and all(after[n].tobytes() == v.tobytes() for n, v in before.items() if n not in reset)
+    x = np.random.default_rng(1).standard_normal((1, 5, 8)).astype(np.float32)
+    np.testing.assert_allclose(ort_run(path, {**feeds, "x": x}), _forward(before, x.astype(np.float64), layers=1), atol=1e-5)  # the oracle
+    np.testing.assert_allclose(ort_run(out, {**feeds, "x": x}), _forward(after, x.astype(np.float64), layers=1), atol=1e-5)
 
 
 def test_weight_passed_on_to_another_op_is_refused(cli, tmp_path):
@@ -212,4 +260,12 @@ def test_weight_passed_on_to_another_op_is_refused(cli, tmp_path):
               "(Identity q0_identity passes it on to ReduceSum q0_sum too)",
     )
     cli("reinit", path, "--layers", "0", "--targets", "k,v", "-o", tmp_path / "kv.onnx")
-    ort_run(tmp_path / "kv.onnx", {"x": np.ones((1, 5, 8), np.float32)})
+    before, after = initializers(path), initializers(tmp_path / "kv.onnx")
+    reset = {"onnx::MatMul_0k", "onnx::MatMul_0v", "layers.0.attn.k_proj.bias", "layers.0.attn.v_proj.bias"}
+    assert after.keys() == before.keys()
+    moved = {n for n, v in before.items() if after[n].tobytes() != v.tobytes()}
+    assert moved == reset, f"changed {sorted(moved)}, not k and v of layer 0"  # q and layer 1 as they were
+    _assert_heads_semi_orthogonal(_rows(after, "onnx::MatMul_0k"), 4, "k")
+    assert np.array_equal(_rows(after, "onnx::MatMul_0v"), np.eye(8))
+    x = np.random.default_rng(1).standard_normal((1, 5, 8)).astype(np.float32)
+    np.testing.assert_allclose(ort_run(tmp_path / "kv.onnx", {"x": x}), _forward(after, x.astype(np.float64), layers=2), atol=1e-5)

@@ -137,14 +137,28 @@ def test_slice_bounds_computed_from_shapes(tmp_path, exporter):
     reinit_checkpoint(path, output=out, layers="1", device="cpu")
     after = initializers(out)
     reference = copy.deepcopy(model)
+    changed = set()
     for leaf in ("weight", "bias"):
+        where = locate(params, inits, f"1.qkv.{leaf}")  # found by value in the export, not by surgeon
+        changed.add(where[0])
         with torch.no_grad():
-            reference.get_parameter(f"1.qkv.{leaf}").copy_(as_param(after, locate(params, inits, f"1.qkv.{leaf}")))
-    assert_value_identity(reference.get_parameter("1.qkv.weight").detach()[2 * DIM:], "v")
+            reference.get_parameter(f"1.qkv.{leaf}").copy_(as_param(after, where))
+    new_w = reference.get_parameter("1.qkv.weight").detach()
+    hd = DIM // HEADS
+    for j, role in enumerate("qk"):
+        rows = new_w[j * DIM:(j + 1) * DIM].double()
+        assert_semi_orthogonal(rows, hd, role)
+        assert (rows[:hd] @ rows[hd:2 * hd].T).abs().max() > 1e-3, f"{role}: heads of {hd} rows orthogonal to each other (a wrong head size)"
+    assert_value_identity(new_w[2 * DIM:], "v")
+    assert not reference.get_parameter("1.qkv.bias").any()
+    assert after.keys() == inits.keys()
+    assert [n for n, v in inits.items() if n not in changed and after[n].tobytes() != v.tobytes()] == []  # layer 0 and the rest as they were
     x2 = torch.randn(2, 6, DIM)  # other batch and sequence sizes: the bounds are computed at run time
     with torch.no_grad():
-        want = reference(x2).numpy()
-    np.testing.assert_allclose(ort_run(out, {"x": x2.numpy()}), want, atol=1e-5, rtol=1e-5)
+        want, old = reference(x2).numpy(), model(x2).numpy()
+    got = ort_run(out, {"x": x2.numpy()})
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert not np.allclose(got, old, atol=1e-4)
 
 
 def test_weights_in_constant_nodes(tmp_path):
