@@ -1,0 +1,114 @@
+"""A folder output against its original, file by file.
+
+surgeon writes into a folder output: the weight files of every weight set of the original (rewritten:
+their tensors are checked one by one elsewhere), the files it carries over (byte for byte: config.json,
+tokenizer, code, ...) and its model card README.md. Anything else is not surgeon's: a file that is
+missing, added (a ``model.safetensors`` beside the shards, a ``.bin`` beside the ``.safetensors``, a
+Python file an ``auto_map`` points to) or changed is a mismatch. ``.git`` and ``.cache`` (bookkeeping no
+loader reads, that a download may add) are not compared, as surgeon does not read them in an input.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import stat
+from pathlib import Path
+
+from ..errors import VerificationError
+from ..source import SKIP_DIRS
+from .record import Record, read_card
+
+CARD = "README.md"
+# files git or the Hub adds to a repository: loaders never read them
+HOSTING = {".gitattributes"}
+
+
+def output_files(folder: Path) -> dict[str, Path]:
+    """Every file under ``folder`` (relative posix path -> path), links not followed into other folders."""
+    found: dict[str, Path] = {}
+    for root, dirs, files in os.walk(folder, followlinks=False):
+        here = Path(root)
+        if here == folder:
+            dirs[:] = [d for d in dirs if d not in SKIP_DIRS]
+        for d in dirs:
+            if (here / d).is_symlink():
+                raise VerificationError(f"{folder}: {(here / d).relative_to(folder).as_posix()} is a link to a folder; surgeon writes no links")
+        for f in files:
+            found[(here / f).relative_to(folder).as_posix()] = here / f
+    return found
+
+
+def expected_files(src) -> tuple[set[str], set[str]]:
+    """(weight files surgeon rewrites, files it copies byte for byte) in a folder output of ``src``."""
+    weights = {f for w in src.weights for f in w.all_files}
+    carried = set(src.extra_files) if src.kind == "folder" else set()
+    return weights, carried - {CARD}
+
+
+def check_folder(src, out, output) -> int:
+    """Every file of the folder output ``out`` is one surgeon writes, and the carried ones are byte-identical;
+    returns how many files were compared byte for byte."""
+    weights, carried = expected_files(src)
+    found = output_files(out.folder)
+    for rel, path in found.items():
+        _regular(path, rel, output)
+    for rel in sorted(set(found) - weights - carried - {CARD} - HOSTING):
+        raise VerificationError(f"{output}: {rel} {_what_added(rel, src)}, which surgeon does not write: the output was changed after surgeon made it")
+    for rel in sorted((weights | carried) - set(found)):
+        raise VerificationError(f"{output}: {rel} of {src.path} is missing from it; surgeon writes every file of its original")
+    for rel in sorted(carried):
+        if not filecmp.cmp(src.folder / rel, found[rel], shallow=False):
+            raise VerificationError(f"{output}: {rel} differs from {src.path}'s; surgeon carries it over byte for byte")
+    return len(carried)
+
+
+def _regular(path: Path, rel: str, output) -> None:
+    try:
+        mode = os.stat(path).st_mode  # a link to a regular file (a Hub cache snapshot) is read through
+    except OSError:
+        raise VerificationError(f"{output}: {rel} is a link to nothing; surgeon writes regular files") from None
+    if not stat.S_ISREG(mode):
+        raise VerificationError(f"{output}: {rel} is not a regular file; surgeon writes regular files")
+
+
+def _what_added(rel: str, src) -> str:
+    from ..formats.registry import format_of
+    from ..source import STALE_WEIGHT_SUFFIXES, STATE_DICT_SUFFIXES
+
+    if (src.folder / rel).is_file():
+        return f"is there, a file of {src.path} that surgeon leaves out of its outputs (another copy of the weights, not rewritten)"
+    if format_of(rel.rsplit("/", 1)[-1]) is not None or rel.endswith(STATE_DICT_SUFFIXES + STALE_WEIGHT_SUFFIXES):
+        return "was added: weights a loader may read instead of the re-initialized ones"
+    return "was added"
+
+
+def check_card(src, out, record: Record, output) -> None:
+    """README.md: surgeon's card with this record, or (an in-place output) the original's, unchanged."""
+    theirs = src.folder / CARD if src.kind == "folder" else None
+    card = out.folder / CARD if (out.folder / CARD).is_file() else None
+    if card is None:
+        if theirs is not None and theirs.is_file():
+            raise VerificationError(f"{output}: {CARD} of {src.path} is missing from it, and surgeon writes a model card there")
+        return
+    if theirs is not None and theirs.is_file() and filecmp.cmp(theirs, card, shallow=False):
+        return
+    own = read_card(card)[:1]
+    if not own:
+        raise VerificationError(f"{output}: its {CARD} is neither surgeon's model card nor {src.path}'s")
+    if own[0] != record.raw:
+        raise VerificationError(f"{output}: the record in its {CARD} is not the record of its weights: the card was changed after surgeon wrote it")
+
+
+def check_headers(a, b, output) -> None:
+    """safetensors: each file's metadata is the original's but for surgeon's record, and a file's record is
+    the first file's (or, where an in-place run could not fit it in, the original's)."""
+    from .record import METADATA_KEY
+
+    first = b.metadata().get(METADATA_KEY)
+    for file in a.files:
+        mine, theirs = a.metadata(file), b.metadata(file)
+        if {k: v for k, v in theirs.items() if k != METADATA_KEY} != {k: v for k, v in mine.items() if k != METADATA_KEY}:
+            raise VerificationError(f"{output}: the metadata of {file} differs from the original's beyond surgeon's record")
+        if theirs.get(METADATA_KEY) not in (first, mine.get(METADATA_KEY)):
+            raise VerificationError(f"{output}: {file} holds another surgeon record than {b.files[0]}")
