@@ -110,6 +110,9 @@ def verify(
         from .files import check_folder
 
         files = check_folder(src, out, output)
+    if [w.format for w in src.weights] != [w.format for w in out.weights]:
+        raise VerificationError(f"{output} holds the weights in {', '.join(w.describe() for w in out.weights)}, {original} in "
+                                f"{', '.join(w.describe() for w in src.weights)}: surgeon rewrites each set its original has, and adds none")
     try:
         changed, identical = _check_weights(src, out, record, earlier, Hints(num_heads, num_kv_heads, head_dim, force_hints), device, output, original)
     except DerivedMismatch as exc:
@@ -128,9 +131,6 @@ def _check_kind(src, out, original, output) -> None:
         raise VerificationError(f"{output} is {out.format} and {original} is {src.format}: surgeon writes the input's format")
     if (src.kind == "file") != (out.kind == "file") or (src.kind == "folder" and out.kind != "folder"):
         raise VerificationError(f"{output} is a {out.kind} and {original} a {src.kind}: surgeon writes a {'file' if src.kind == 'file' else 'folder'} for it")
-    if [w.format for w in src.weights] != [w.format for w in out.weights]:
-        raise VerificationError(f"{output} holds the weights in {', '.join(w.describe() for w in out.weights)}, {original} in "
-                                f"{', '.join(w.describe() for w in src.weights)}: surgeon rewrites each set its original has, and adds none")
 
 
 def _read_record(out, output) -> tuple[Record, list | None, str]:
@@ -164,8 +164,13 @@ def _check_weights(src, out, record: Record, earlier, hints, device, output, ori
     copies = _copies(src, out, plan, detection, record, output) if src.format == "onnx" else {}
     engine = Engine(plan, resolve_device(device))
     changed, identical = set(engine.tensor_names), 0
-    for a, b in zip(src.weights, out.weights):
-        identical += _check_set(a, b, engine, record, copies, output, original)
+    for i, (a, b) in enumerate(zip(src.weights, out.weights)):
+        try:
+            identical += _check_set(a, b, engine, record, copies, output, original)
+        except VerificationError as exc:
+            if i:  # the same weights in a second format (a .bin beside the .safetensors): say which
+                exc.context = f"in its {b.describe()}: "
+            raise
     return changed, identical
 
 
