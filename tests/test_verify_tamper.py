@@ -232,6 +232,16 @@ def test_onnx_shared_initializer_copies(cli, tmp_path):
                 p.value = json.dumps(records)
     _edit_onnx(out, rename)
     _fails(cli, src, out, "its record lists the copies {'q_shared': 'x'}, and the recorded plan needs")
+    # a folder output with external data: the card carries the record without the copies the writer added
+    ext = tmp_path / "ext"
+    ext.mkdir()
+    onnx.save_model(tiny_attention(layers=2, share_q=True), str(ext / "model.onnx"), save_as_external_data=True,
+                    location="model.onnx.data", size_threshold=256)
+    cli("reinit", ext, "--layers", "0", "-o", tmp_path / "ext-out")
+    assert cli("verify", ext, tmp_path / "ext-out").stdout.startswith("verified:")
+    cli("reinit", ext / "model.onnx", "--layers", "0", "-o", tmp_path / "ext-out.onnx")  # data files renamed beside it
+    assert (tmp_path / "ext-out.onnx.data").is_file()
+    assert cli("verify", ext / "model.onnx", tmp_path / "ext-out.onnx").stdout.startswith("verified:")
 
 
 # --- polar: one ulp of the dtype ----------------------------------------------------------------
