@@ -104,6 +104,10 @@ def test_extra_weights_a_loader_would_read(cli, tmp_path):
     out = tmp_path / "out"
     cli("reinit", src, "--layers", "0", "-o", out)
     assert cli("verify", src, out).stdout.startswith("verified:")
+    index = (out / "model.safetensors.index.json").read_bytes()
+    (out / "model.safetensors.index.json").write_bytes(index.replace(b"{", b"{ ", 1))  # the same JSON, other bytes
+    _fails(cli, src, out, "model.safetensors.index.json differs from")
+    (out / "model.safetensors.index.json").write_bytes(index)
     # transformers loads a model.safetensors beside the shards
     tiny_llama().save_pretrained(tmp_path / "single")
     shutil.copy(tmp_path / "single" / "model.safetensors", out / "model.safetensors")
@@ -135,6 +139,26 @@ def test_dual_format_folder(cli, tmp_path):
     assert not (out / "onnx").exists()
     shutil.copytree(src / "onnx", out / "onnx")
     _fails(cli, src, out, "onnx/model.onnx is there, a file of")
+
+
+def test_torch_shards_none_of_whose_tensors_change_are_copied_as_they_are(cli, tmp_path):
+    src = tmp_path / "bin"
+    src.mkdir()
+    model = tiny_llama()
+    model.config.save_pretrained(src)
+    state = model.state_dict()
+    shards = {"pytorch_model-00001-of-00002.bin": {k: v for k, v in state.items() if ".layers.2." not in k}}
+    shards["pytorch_model-00002-of-00002.bin"] = {k: v for k, v in state.items() if ".layers.2." in k}
+    for name, part in shards.items():
+        torch.save(part, src / name)
+    weight_map = {k: name for name, part in shards.items() for k in part}
+    (src / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    out = tmp_path / "out"
+    cli("reinit", src, "--layers", "2", "-o", out)
+    assert cli("verify", src, out).stdout.startswith("verified:")
+    first = "pytorch_model-00001-of-00002.bin"
+    torch.save(torch.load(out / first, weights_only=True), out / first, _use_new_zipfile_serialization=False)  # same tensors, other file
+    _fails(cli, src, out, f"{first} differs from the original's, and surgeon copies it as it is")
 
 
 # --- ONNX: the graph node for node, the copies' tensors ------------------------------------------

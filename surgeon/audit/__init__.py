@@ -102,6 +102,8 @@ def verify(
     out_path = Path(output)
     if not out_path.exists():
         raise CheckpointError(f"no such file or folder {output}: give the output of surgeon reinit as OUTPUT")
+    if not out_path.is_dir() and not out_path.is_file():  # a FIFO or a device would hang the readers
+        raise CheckpointError(f"{output} is not a regular file or folder: give the output of surgeon reinit as OUTPUT")
     out = open_source(out_path, config=config)
     _check_kind(src, out, original, output)
     record, earlier, where = _read_record(out, output)
@@ -202,11 +204,15 @@ def _check_set(a, b, engine, record: Record, copies: dict[str, str], output, ori
     if expected != list(b.tensors):
         missing = [n for n in expected if n not in b.tensors] + [n for n in b.tensors if n not in expected]
         raise VerificationError(f"{output} and {original} do not hold the same tensors (first difference: {missing[0] if missing else 'their order'})")
+    changed = set(engine.tensor_names) & set(a.tensors)
     if a.format == "safetensors":
         from .files import check_headers
 
         check_headers(a, b, output)
-    changed = set(engine.tensor_names) & set(a.tensors)
+    if a.format == "torch":
+        from .files import check_unchanged_files
+
+        check_unchanged_files(a, b, changed, output)
     untouched = [n for n in a.tensors if n not in changed or n in copies]  # a shared initializer keeps its bytes; its copy changes
     identical = check_untouched(a, b, untouched, output, original)
     check_changed(a, b, engine, [n for n in engine.tensor_names if n in changed], record.options, output, copies)

@@ -40,10 +40,12 @@ def output_files(folder: Path) -> dict[str, Path]:
 
 
 def expected_files(src) -> tuple[set[str], set[str]]:
-    """(weight files surgeon rewrites, files it copies byte for byte) in a folder output of ``src``."""
-    weights = {f for w in src.weights for f in w.all_files}
+    """(weight files surgeon rewrites, files it copies byte for byte: index files and, from a folder, the
+    non-weight files) in a folder output of ``src``."""
+    weights = {f for w in src.weights for f in w.files}
+    indexes = {w.index for w in src.weights if w.index}  # copied as they are
     carried = set(src.extra_files) if src.kind == "folder" else set()
-    return weights, carried - {CARD}
+    return weights, (carried | indexes) - {CARD}
 
 
 def check_folder(src, out, output) -> int:
@@ -117,3 +119,10 @@ def check_headers(a, b, output) -> None:
 def _without_copies(record: dict) -> dict:
     """The record as the card carries it: an ONNX model's record adds the copies its writer made."""
     return {k: v for k, v in record.items() if k != "copies"}
+
+
+def check_unchanged_files(a, b, changed: set[str], output) -> None:
+    """PyTorch files none of whose tensors change are copied as they are: byte for byte."""
+    for mine, theirs in zip(a.files, b.files):
+        if not any(a.tensors[n].file == mine for n in changed) and not filecmp.cmp(a.folder / mine, b.folder / theirs, shallow=False):
+            raise VerificationError(f"{output}: {theirs} differs from the original's, and surgeon copies it as it is (none of its tensors change)")
