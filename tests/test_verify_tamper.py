@@ -361,6 +361,7 @@ MALFORMED = [
     (_last(lambda r: r["options"].update(strength=7.0)), "option strength is 7.0"),
     (_last(lambda r: r["options"].update(heads=[1, "2"])), "option heads is [1, '2']"),
     (_last(lambda r: r["options"].update(layers=2**40)), "option layers is"),
+    (_last(lambda r: r["options"].update(layers="9" * 5000)), "option layers is '99999"),
     (_last(lambda r: r["options"].pop("mode")), "has no 'mode'"),
     (_last(lambda r: r.update(options=[1])), "has 'options' as a list, not dict"),
     (_last(lambda r: r.update(blocks={"a": 1})), "has 'blocks' as an object, not list"),

@@ -152,7 +152,10 @@ def _check_weights(src, out, record: Record, earlier, hints, device, output, ori
     from ..plan import make_plan
 
     detection = detect_source(src, hints)
-    plan = make_plan(detection.blocks, record.options)
+    try:
+        plan = make_plan(detection.blocks, record.options)
+    except SurgeonError as exc:
+        raise DerivedMismatch(f"{output}: its recorded options do not fit {original} ({exc}); is ORIGINAL the model it was made from?") from None
     attach_out_projections(plan, {n: t.shape for n, t in src.primary.tensors.items()}, fmt=src.format)
     if plan.record()["blocks"] != record.blocks:
         raise DerivedMismatch(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,7 +140,9 @@ def _text(s: str) -> bool:
 
 def _spec(v: Any) -> bool:
     """A layer or head selection as ReinitOptions.to_dict writes it: a spec string, one number or a list of numbers."""
-    if v is None or (isinstance(v, str) and len(v) <= MAX_TEXT):
+    if isinstance(v, str):  # a number of 19 digits or more is no layer or head (and int() of thousands of digits raises)
+        return len(v) <= MAX_TEXT and not re.search(r"\d{19}", v)
+    if v is None:
         return True
     if isinstance(v, int) and not isinstance(v, bool):
         return abs(v) < 2**31
