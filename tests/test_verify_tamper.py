@@ -104,6 +104,16 @@ def test_extra_weights_a_loader_would_read(cli, tmp_path):
     out = tmp_path / "out"
     cli("reinit", src, "--layers", "0", "-o", out)
     assert cli("verify", src, out).stdout.startswith("verified:")
+    shard = sorted(out.glob("model-*.safetensors"))[1]
+    good = shard.read_bytes()
+    _rewrite_record(shard, _last(lambda r: r["options"].update(seed=9)))
+    _fails(cli, src, out, f"{shard.name} holds other surgeon records than the ones verified")
+    shard.write_bytes(good)
+    header = read_header(shard)
+    raw = encode_header(with_metadata(header.entries, {**header.metadata, "format": "tf"}))
+    shard.write_bytes(struct.pack("<Q", len(raw)) + raw + good[header.data_start:])
+    _fails(cli, src, out, f"the metadata of {shard.name} differs from the original's beyond surgeon's record")
+    shard.write_bytes(good)
     index = (out / "model.safetensors.index.json").read_bytes()
     (out / "model.safetensors.index.json").write_bytes(index.replace(b"{", b"{ ", 1))  # the same JSON, other bytes
     _fails(cli, src, out, "model.safetensors.index.json differs from")

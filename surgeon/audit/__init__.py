@@ -171,7 +171,7 @@ def _check_weights(src, out, record: Record, earlier, hints, device, output, ori
     changed, identical = set(engine.tensor_names), 0
     for i, (a, b) in enumerate(zip(src.weights, out.weights)):
         try:
-            identical += _check_set(a, b, engine, record, copies, output, original)
+            identical += _check_set(a, b, engine, record, earlier, copies, output, original)
         except VerificationError as exc:
             if i:  # the same weights in a second format (a .bin beside the .safetensors): say which
                 exc.context = f"in its {b.describe()}: "
@@ -199,7 +199,7 @@ def _copies(src, out, plan, detection, record: Record, output) -> dict[str, str]
     return expected
 
 
-def _check_set(a, b, engine, record: Record, copies: dict[str, str], output, original) -> int:
+def _check_set(a, b, engine, record: Record, earlier, copies: dict[str, str], output, original) -> int:
     """One weight set: the same tensors, in order (an ONNX output adds the copies after the initializers),
     the untouched ones byte-identical, the changed ones re-derived. Returns how many were byte-identical."""
     consts = getattr(a, "constants", {})
@@ -211,7 +211,7 @@ def _check_set(a, b, engine, record: Record, copies: dict[str, str], output, ori
     if a.format == "safetensors":
         from .files import check_headers
 
-        check_headers(a, b, output)
+        check_headers(a, b, (earlier or []) + [record.raw], output)
     if a.format == "torch":
         from .files import check_unchanged_files
 

@@ -102,23 +102,24 @@ def check_card(src, out, record: Record, output) -> None:
         raise VerificationError(f"{output}: the record in its {CARD} is not the record of its weights: the card was changed after surgeon wrote it")
 
 
-def check_headers(a, b, output) -> None:
-    """safetensors: each file's metadata is the original's but for surgeon's record, and a file's record is
-    the first file's (or, where an in-place run could not fit it in, the original's)."""
+def check_headers(a, b, verified: list, output) -> None:
+    """safetensors: each file's metadata is the original's but for surgeon's record, and a file's records are
+    the ``verified`` history (or, where an in-place run could not fit its record in, the original's)."""
+    import json
+
     from .record import METADATA_KEY
 
-    first = b.metadata().get(METADATA_KEY)
     for file in a.files:
         mine, theirs = a.metadata(file), b.metadata(file)
         if {k: v for k, v in theirs.items() if k != METADATA_KEY} != {k: v for k, v in mine.items() if k != METADATA_KEY}:
             raise VerificationError(f"{output}: the metadata of {file} differs from the original's beyond surgeon's record")
-        if theirs.get(METADATA_KEY) not in (first, mine.get(METADATA_KEY)):
-            raise VerificationError(f"{output}: {file} holds another surgeon record than {b.files[0]}")
+        text = theirs.get(METADATA_KEY)
+        if text != mine.get(METADATA_KEY) and (text is None or _history(json.loads(text)) != verified):
+            raise VerificationError(f"{output}: {file} holds other surgeon records than the ones verified")
 
 
-def _without_copies(record: dict) -> dict:
-    """The record as the card carries it: an ONNX model's record adds the copies its writer made."""
-    return {k: v for k, v in record.items() if k != "copies"}
+def _history(value) -> list:
+    return value if isinstance(value, list) else [value]
 
 
 def check_unchanged_files(a, b, changed: set[str], output) -> None:
@@ -126,3 +127,8 @@ def check_unchanged_files(a, b, changed: set[str], output) -> None:
     for mine, theirs in zip(a.files, b.files):
         if not any(a.tensors[n].file == mine for n in changed) and not filecmp.cmp(a.folder / mine, b.folder / theirs, shallow=False):
             raise VerificationError(f"{output}: {theirs} differs from the original's, and surgeon copies it as it is (none of its tensors change)")
+
+
+def _without_copies(record: dict) -> dict:
+    """The record as the card carries it: an ONNX model's record adds the copies its writer made."""
+    return {k: v for k, v in record.items() if k != "copies"}

@@ -227,13 +227,18 @@ def _short(exc: BaseException) -> str:
 def stored_history(source) -> tuple[list | None, str]:
     """surgeon's records stored in an opened checkpoint (oldest first; None: none stored), and where they are.
 
-    safetensors: ``__metadata__["surgeon"]`` of its first file; ONNX: the ``metadata_props`` entry
+    safetensors: ``__metadata__["surgeon"]`` of its files (the longest history: the last run's); ONNX: the ``metadata_props`` entry
     ``surgeon`` (one at most); PyTorch files: the model card README.md of a folder, its own record."""
     weights = source.primary
     if weights.format == "safetensors":
         where = "its safetensors metadata"
-        text = weights.metadata().get(METADATA_KEY)
-        return (None if text is None else history(parse_json(text, f"{source.path} ({where})"), f"{source.path} ({where})")), where
+        found: list | None = None
+        for file in weights.files:  # an in-place run adds its record to the shards whose header has room for it
+            text = weights.metadata(file).get(METADATA_KEY)
+            records = None if text is None else history(parse_json(text, f"{weights.folder / file} ({where})"), f"{weights.folder / file} ({where})")
+            if records is not None and (found is None or len(records) > len(found)):
+                found = records
+        return found, where
     if weights.format == "onnx":
         where = "its ONNX metadata_props"
         texts = [p.value for p in weights.model.metadata_props if p.key == METADATA_KEY]
