@@ -209,6 +209,12 @@ def test_onnx_graph_is_compared_node_for_node(cli, tmp_path):
     _edit_onnx(out, lambda m: m.graph.output.append(onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, None)))
     _fails(cli, src, out, "graph output 1 ('x') differs")
     out.write_bytes(good)
+
+    def half_input(m):
+        m.graph.input[0].type.tensor_type.elem_type = onnx.TensorProto.FLOAT16
+    _edit_onnx(out, half_input)
+    _fails(cli, src, out, "graph input 0 ('x') differs")
+    out.write_bytes(good)
     def opset(m):
         m.opset_import[0].version -= 1
     _edit_onnx(out, opset)
@@ -224,6 +230,34 @@ def test_onnx_graph_is_compared_node_for_node(cli, tmp_path):
         node.attribute.append(onnx.helper.make_attribute("axis", 1))
     _edit_onnx(out, attribute)
     _fails(cli, src, out, "has another attribute 'axis'")
+
+
+def test_onnx_weights_in_constant_nodes(cli, tmp_path):
+    """2-D weights kept in Constant nodes are patched in place: the re-initialized ones verify as tensors,
+    every other Constant node must be the original's."""
+    from _families import FAMILIES
+    from _onnx_helpers import export
+
+    path = tmp_path / "model.onnx"
+    export(FAMILIES["bert"].make(), "bert", path, dynamo=False)
+    model = onnx.load(str(path))
+    moved = [t for t in model.graph.initializer if len(t.dims) == 2]
+    for t in moved:
+        model.graph.initializer.remove(t)
+    nodes = [onnx.helper.make_node("Constant", [], [t.name], value=t, name=f"const_{i}") for i, t in enumerate(moved)] + list(model.graph.node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    src, out = tmp_path / "consts.onnx", tmp_path / "out.onnx"
+    onnx.save_model(model, str(src))
+    cli("reinit", src, "--layers", "1", "-o", out)
+    assert cli("verify", src, out).stdout.startswith("verified:")
+
+    def nudge(m):  # a Constant outside the selection: its value is compared as a tensor
+        node = next(n for n in m.graph.node if n.name == "const_0")
+        value = onnx.numpy_helper.to_array(node.attribute[0].t)
+        node.attribute[0].t.CopyFrom(onnx.numpy_helper.from_array(value + np.float32(1e-3), node.output[0]))
+    _edit_onnx(out, nudge)
+    _fails(cli, src, out, "is not in the recorded selection, but its bytes differ")
 
 
 def test_onnx_shared_initializer_copies(cli, tmp_path):
