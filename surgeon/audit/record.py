@@ -109,7 +109,7 @@ def parse_record(value: Any, where: str) -> Record:
     except CheckpointError as exc:
         if version == __version__:
             raise
-        raise CheckpointError(f"{where}: {other_version_note(version)} (this version cannot read its record: {exc.args[0]})") from None
+        raise CheckpointError(f"{where}: {other_version_note(version)} (this version cannot read its record: {str(exc.args[0]).removeprefix(where + ': ')})") from None
 
 
 _TOP: dict[str, type] = {"tool": str, "version": str, "method": str, "options": dict, "blocks": list, "copies": dict}
@@ -149,6 +149,10 @@ def _spec(v: Any) -> bool:
     return isinstance(v, list) and len(v) <= MAX_LIST and all(isinstance(i, int) and not isinstance(i, bool) and abs(i) < 2**31 for i in v)
 
 
+def _choice(v: Any, choices: tuple[str, ...]) -> bool:
+    return isinstance(v, str) and v in choices
+
+
 def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -156,14 +160,14 @@ def _number(v: Any) -> bool:
 _OPTIONS: dict[str, Any] = {
     "layers": _spec,
     "heads": _spec,
-    "targets": lambda v: isinstance(v, list) and 0 < len(v) <= 3 and len(set(map(str, v))) == len(v) and all(t in ("q", "k", "v") for t in v),
-    "attention": lambda v: v in ("self", "cross", "all"),
+    "targets": lambda v: isinstance(v, list) and 0 < len(v) <= 3 and all(_choice(t, ("q", "k", "v")) for t in v) and len(set(v)) == len(v),
+    "attention": lambda v: _choice(v, ("self", "cross", "all")),
     "stack": lambda v: v is None or (isinstance(v, list) and len(v) <= MAX_LIST and all(isinstance(s, str) and _text(s) for s in v)),
-    "mode": lambda v: v in MODES,
+    "mode": lambda v: _choice(v, MODES),
     "strength": lambda v: v is None or (_number(v) and 0 < v <= 1),
-    "value_identity": lambda v: v in VALUE_IDENTITIES,
+    "value_identity": lambda v: _choice(v, VALUE_IDENTITIES),
     "keep_scale": lambda v: isinstance(v, bool),
-    "bias": lambda v: v in BIAS_CHOICES,
+    "bias": lambda v: _choice(v, BIAS_CHOICES),
     "seed": lambda v: isinstance(v, int) and not isinstance(v, bool),
     "gain": lambda v: _number(v) and v > 0,
     "std": lambda v: _number(v) and v > 0,
@@ -205,7 +209,7 @@ def _block_problem(block: Any) -> str | None:
     layer = block["layer"]
     if layer is not None and (not isinstance(layer, int) or isinstance(layer, bool) or abs(layer) >= 2**31):
         return f"has layer {_show(layer)}"
-    if not all(r in ("q", "k", "v") and isinstance(h, str) and _text(h) for r, h in block["targets"].items()):
+    if not all(_choice(r, ("q", "k", "v")) and isinstance(h, str) and _text(h) for r, h in block["targets"].items()):
         return "has targets surgeon never records"
     return None
 
