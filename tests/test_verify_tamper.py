@@ -351,6 +351,16 @@ def test_polar_bound_is_one_ulp(cli, tmp_path, dtype):
     _fails(cli, src, out, "ulps of")
 
 
+@pytest.mark.parametrize("family", ["gpt2", "bloom", "t5"])  # Conv1D (transposed), fused interleaved, cross-attention
+def test_genuine_polar_outputs_of_other_layouts_verify(cli, saved_family, tmp_path, family):
+    src, _ = saved_family(family)
+    out = tmp_path / "polar"
+    cli("reinit", src, "--mode", "polar", "--strength", "0.5", "--heads", "0", "-o", out)
+    assert cli("verify", src, out).stdout.startswith("verified:")
+    cli("reinit", src, "--mode", "polar", "-o", out, "--overwrite")
+    assert cli("verify", src, out).stdout.startswith("verified:")
+
+
 # --- chains and versions --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", ["safetensors", "torch"])
