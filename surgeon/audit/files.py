@@ -10,7 +10,6 @@ loader reads, that a download may add) are not compared, as surgeon does not rea
 
 from __future__ import annotations
 
-import filecmp
 import os
 import stat
 from pathlib import Path
@@ -60,9 +59,23 @@ def check_folder(src, out, output) -> int:
     for rel in sorted((weights | carried) - set(found)):
         raise VerificationError(f"{output}: {rel} of {src.path} is missing from it; surgeon writes every file of its original")
     for rel in sorted(carried):
-        if not filecmp.cmp(src.folder / rel, found[rel], shallow=False):
+        if not same_bytes(src.folder / rel, found[rel]):
             raise VerificationError(f"{output}: {rel} differs from {src.path}'s; surgeon carries it over byte for byte")
     return len(carried)
+
+
+def same_bytes(a: Path, b: Path, chunk: int = 1 << 20) -> bool:
+    """Byte for byte, without filecmp's cache (keyed on size and mtime: a file changed within the same
+    tick would compare as before)."""
+    if a.stat().st_size != b.stat().st_size:
+        return False
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while True:
+            x, y = fa.read(chunk), fb.read(chunk)
+            if x != y:
+                return False
+            if not x:
+                return True
 
 
 def _regular(path: Path, rel: str, output) -> None:
@@ -93,7 +106,7 @@ def check_card(src, out, record: Record, output) -> None:
         if theirs is not None and theirs.is_file():
             raise VerificationError(f"{output}: {CARD} of {src.path} is missing from it, and surgeon writes a model card there")
         return
-    if theirs is not None and theirs.is_file() and filecmp.cmp(theirs, card, shallow=False):
+    if theirs is not None and theirs.is_file() and same_bytes(theirs, card):
         return
     own = read_card(card)[:1]
     if not own:
@@ -125,7 +138,7 @@ def _history(value) -> list:
 def check_unchanged_files(a, b, changed: set[str], output) -> None:
     """PyTorch files none of whose tensors change are copied as they are: byte for byte."""
     for mine, theirs in zip(a.files, b.files):
-        if not any(a.tensors[n].file == mine for n in changed) and not filecmp.cmp(a.folder / mine, b.folder / theirs, shallow=False):
+        if not any(a.tensors[n].file == mine for n in changed) and not same_bytes(a.folder / mine, b.folder / theirs):
             raise VerificationError(f"{output}: {theirs} differs from the original's, and surgeon copies it as it is (none of its tensors change)")
 
 
