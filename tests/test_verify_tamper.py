@@ -82,7 +82,13 @@ def test_config_and_code_files_are_compared(cli, made):
     os.mkfifo(out / "special_tokens_map.json")  # never opened: a FIFO would hang a byte comparison
     _fails(cli, src, out, "special_tokens_map.json is not a regular file")
     (out / "special_tokens_map.json").unlink()
+    # a Hub download's bookkeeping, which no loader reads, is not compared; a link to a folder is a mismatch
+    (out / ".gitattributes").write_text("*.safetensors filter=lfs\n")
+    (out / ".cache" / "huggingface").mkdir(parents=True)
+    (out / ".cache" / "huggingface" / "config.json.metadata").write_text("x\n")
     assert cli("verify", src, out).stdout.startswith("verified:")
+    (out / "extra").symlink_to(src)
+    _fails(cli, src, out, "extra is a link to a folder; surgeon writes no links")
 
 
 def test_the_card_must_carry_the_weights_record(cli, made):
