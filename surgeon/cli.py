@@ -327,7 +327,8 @@ Examples:
   surgeon verify model.onnx model.reinit.onnx --json
   surgeon verify encoder.safetensors out.safetensors --num-heads 8   # the hints the run needed
 \b
-Exit status: 0 verified, 3 OUTPUT differs from what its record says, 1 cannot verify (no record, bad input).
+Exit status: 0 verified, 3 OUTPUT differs from what its record says, 1 cannot verify (no record, a
+malformed one, bad input, or another surgeon version's output whose draws differ: the line names the version).
 """)
 @click.argument("original")
 @click.argument("output", type=click.Path())
