@@ -146,18 +146,13 @@ def _record_comment(plan: Plan) -> str:
     return card_comment(plan.record())
 
 
-# surgeon's record in a card: an HTML comment, invisible when rendered; `surgeon verify` reads the last one
-CARD_RECORD = re.compile(r"<!-- surgeon-record (\{.*?\}) -->")
-
-
-def card_record(text: str) -> dict | None:
-    found = CARD_RECORD.findall(text)
-    return json.loads(found[-1]) if found else None
+# surgeon's record in a card: an HTML comment (invisible when rendered) that `surgeon verify` reads back
+CARD_OPEN, CARD_CLOSE = "<!-- surgeon-record ", " -->"
 
 
 def card_comment(record: dict) -> str:
-    """The record as an HTML comment for the model card (invisible when rendered)."""
-    return "<!-- surgeon-record " + json.dumps(record, sort_keys=True, separators=(",", ":")).replace(">", "\\u003e") + " -->"
+    """The record as an HTML comment for the model card (``>`` escaped, so the comment cannot end early)."""
+    return CARD_OPEN + json.dumps(record, sort_keys=True, separators=(",", ":")).replace(">", "\\u003e") + CARD_CLOSE
 
 
 def write_card(folder: Path, **kwargs) -> Path:

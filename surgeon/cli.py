@@ -297,7 +297,8 @@ Examples:
   surgeon verify model.onnx model.reinit.onnx --json
   surgeon verify encoder.safetensors out.safetensors --num-heads 8   # the hints the run needed
 \b
-Exit status: 0 verified, 3 OUTPUT differs from what its record says, 1 cannot verify (no record, bad input).
+Exit status: 0 verified, 3 OUTPUT differs from what its record says, 1 cannot verify (no record, a
+malformed one, bad input, or another surgeon version's output whose draws differ: the line names the version).
 """)
 @click.argument("original")
 @click.argument("output", type=click.Path())
@@ -306,10 +307,11 @@ Exit status: 0 verified, 3 OUTPUT differs from what its record says, 1 cannot ve
 def verify(original, output, revision, config, num_heads, num_kv_heads, head_dim, force_hints, device, as_json):
     """Check that OUTPUT is exactly what surgeon made from ORIGINAL, by the record surgeon wrote in it.
 
-    Every tensor outside the recorded selection must be byte-identical; every re-initialized one must
-    be what the recipe gives (re-derived byte for byte from the seed in conditioned mode; within the
-    dtype's rounding, semi-orthogonal with strength 1, in polar mode). Prints a one-line verdict;
-    at the first mismatch, says what differs and exits non-zero.
+    Every file of a folder output must be one surgeon writes (carried-over files byte for byte, nothing
+    added), an ONNX graph the original's node for node, every tensor outside the recorded selection
+    byte-identical, and every re-initialized one what the recipe gives (re-derived byte for byte from
+    the seed; in polar mode within one ulp of the dtype, semi-orthogonal with strength 1). Prints a
+    one-line verdict; at the first mismatch, says what differs and exits non-zero.
     """
     from .audit import verify as check
 

@@ -18,7 +18,7 @@ class Polar(Mode):
     label = "Polar conditioning"
     tag = "polar-conditioning"
     exact = False
-    verify_bound = "semi-orthogonal/polar within the dtype's rounding"
+    verify_bound = "semi-orthogonal/polar within the dtype's rounding (1 ulp)"
     writes_outputs = False
     onnx = True
     sharded = True

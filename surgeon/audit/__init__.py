@@ -1,0 +1,216 @@
+"""``surgeon verify ORIGINAL OUTPUT``: check an output against the record surgeon wrote into it.
+
+The record (``__metadata__["surgeon"]`` in safetensors, ``metadata_props["surgeon"]`` in ONNX, a comment
+in the model card README.md of a folder output for PyTorch files) holds the options of the run; it is
+read as hostile input and type-checked field by field (``record.py``). From it and the ORIGINAL, the
+plan is made again, exactly as ``surgeon reinit`` made it, and everything in OUTPUT is checked:
+
+- a folder output holds exactly the files surgeon writes: the carried-over ones (config.json, code,
+  tokenizer, ...) byte for byte, the model card with this record, nothing added (``files.py``);
+- an ONNX output's model and graph are the original's node for node, but for the recorded copies of
+  shared initializers (``graph.py``);
+- every tensor the plan does not touch is byte-identical (raw bytes through the format readers);
+- every touched tensor is what the recipe gives: in the fresh modes the same bytes (the draws depend only
+  on seed, tensor, role and head); in polar mode within one ulp of the dtype per element and, with
+  strength 1, semi-orthogonal (the bound is derived in ``values.py``).
+
+An output made by another surgeon version whose re-derived values differ is "cannot verify" (exit 1,
+saying which version to use), not a mismatch: draws may change between versions.
+
+(``surgeon inspect --verify-layout``, in ``surgeon/layout_check.py``, is a different check: name-based
+detection against the real forward of the architecture.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .._version import __version__
+from ..card import card_comment
+from ..errors import CheckpointError, SurgeonError, VerificationError
+from ..modes import get_mode
+from .record import Record, card_records, other_version_note, parse_record, stored_history
+from .values import DerivedMismatch, check_changed, check_untouched
+
+__all__ = ["Verification", "verify", "card_record", "card_comment", "CheckpointError", "VerificationError"]
+
+
+@dataclass
+class Verification:
+    original: str
+    output: str
+    record: dict
+    changed: list[str]  # tensors re-derived from the record
+    identical: int  # tensors checked byte-identical
+    mode: str
+    files: int = 0  # other files of a folder output checked byte-identical
+
+    def summary(self) -> str:
+        o = self.record.get("options", {})
+        how = get_mode(self.mode).verify_bound
+        n = len(self.record.get("blocks", []))
+        files = f", {self.files} other file{'s' if self.files != 1 else ''} byte-identical" if self.files else ""
+        made = f" (made by surgeon {self.record.get('version')})" if self.record.get("version") != __version__ else ""
+        return (
+            f"verified: {self.output} is {self.original} with {n} attention block{'s' if n != 1 else ''} re-initialized as recorded "
+            f"(mode {self.mode}, targets {','.join(o.get('targets', []))}, seed {o.get('seed')}): {len(self.changed)} changed "
+            f"tensor{'s' if len(self.changed) != 1 else ''} {how}, {self.identical} other tensor{'s' if self.identical != 1 else ''} "
+            f"byte-identical{files}{made}"
+        )
+
+    def to_dict(self) -> dict:
+        return {"ok": True, "original": self.original, "output": self.output, "record": self.record,
+                "changed": self.changed, "identical": self.identical, "files": self.files, "summary": self.summary()}
+
+
+def card_record(text: str) -> dict | None:
+    """The model card's own record (surgeon writes it before the source's card and its older records)."""
+    found = card_records(text)
+    return found[0] if found else None
+
+
+def verify(
+    original: str | Path,
+    output: str | Path,
+    *,
+    revision: str | None = None,
+    config: str | Path | None = None,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    force_hints: bool = False,
+    device: str | torch.device = "cpu",
+) -> Verification:
+    """Check that ``output`` is exactly what surgeon's record in it says was made from ``original``.
+
+    Returns a :class:`Verification` (``.summary()`` is a one-line verdict); raises
+    :class:`VerificationError` at the first mismatch, and a :class:`SurgeonError` (CheckpointError) when it
+    cannot verify: no record, a malformed one, or one of another surgeon version whose values differ.
+    """
+    from ..detect.config import Hints
+    from ..hub import open_model
+    from ..source import open_source
+
+    src = open_model(original, config=config, revision=revision)
+    out_path = Path(output)
+    if not out_path.exists():
+        raise CheckpointError(f"no such file or folder {output}: give the output of surgeon reinit as OUTPUT")
+    if not out_path.is_dir() and not out_path.is_file():  # a FIFO or a device would hang the readers
+        raise CheckpointError(f"{output} is not a regular file or folder: give the output of surgeon reinit as OUTPUT")
+    out = open_source(out_path, config=config)
+    _check_kind(src, out, original, output)
+    record, earlier, where = _read_record(out, output)
+    files = 0
+    if out.kind == "folder":
+        from .files import check_folder
+
+        files = check_folder(src, out, output)
+    if [w.format for w in src.weights] != [w.format for w in out.weights]:
+        raise VerificationError(f"{output} holds the weights in {', '.join(w.describe() for w in out.weights)}, {original} in "
+                                f"{', '.join(w.describe() for w in src.weights)}: surgeon rewrites each set its original has, and adds none")
+    try:
+        changed, identical = _check_weights(src, out, record, earlier, Hints(num_heads, num_kv_heads, head_dim, force_hints), device, output, original)
+    except DerivedMismatch as exc:
+        if not record.other_version:
+            raise
+        raise CheckpointError(f"{output}: {other_version_note(record.version)} (with this version: {str(exc).split(': ', 1)[-1]})") from None
+    if out.kind == "folder":
+        from .files import check_card
+
+        check_card(src, out, record, output)
+    return Verification(str(original), str(output), record.raw, sorted(changed), identical, record.options.mode, files)
+
+
+def _check_kind(src, out, original, output) -> None:
+    if out.format != src.format:
+        raise VerificationError(f"{output} is {out.format} and {original} is {src.format}: surgeon writes the input's format")
+    if (src.kind == "file") != (out.kind == "file") or (src.kind == "folder" and out.kind != "folder"):
+        raise VerificationError(f"{output} is a {out.kind} and {original} a {src.kind}: surgeon writes a {'file' if src.kind == 'file' else 'folder'} for it")
+
+
+def _read_record(out, output) -> tuple[Record, list | None, str]:
+    """The last record (type-checked), the ones before it (None where the format keeps no history), where they are."""
+    found, where = stored_history(out)
+    if not found:
+        hint = " (a folder output carries it in its README.md; a single .bin/.pt file has none)" * (out.format == "torch")
+        raise CheckpointError(f"{output} holds no surgeon record in {where}{hint}: there is nothing to verify it against")
+    return parse_record(found[-1], f"{output} ({where})"), (found[:-1] if out.format != "torch" else None), where
+
+
+def _check_weights(src, out, record: Record, earlier, hints, device, output, original) -> tuple[set[str], int]:
+    """The plan made again from the record; every weight set's tensors checked. Returns (changed, identical)."""
+    from ..apply import Engine, resolve_device
+    from ..detect import detect_source
+    from ..plan import prepare
+
+    detection = detect_source(src, hints)
+    try:
+        plan = prepare(detection.blocks, record.options, config=src.config, shapes={n: t.shape for n, t in src.primary.tensors.items()}, fmt=src.format)
+    except SurgeonError as exc:
+        raise DerivedMismatch(f"{output}: its recorded options do not fit {original} ({exc}); is ORIGINAL the model it was made from?") from None
+    if plan.record()["blocks"] != record.blocks:
+        raise DerivedMismatch(
+            f"{output}: its record lists re-initialized blocks that the recorded options do not select in {original}; "
+            "is ORIGINAL the model it was made from?"
+        )
+    if earlier is not None:
+        before, _ = stored_history(src)
+        if (before or []) != earlier:
+            raise VerificationError(f"{output}: its earlier surgeon records differ from {original}'s; is ORIGINAL the model it was made from?")
+    copies = _copies(src, out, plan, detection, record, output) if src.format == "onnx" else {}
+    engine = Engine(plan, resolve_device(device))
+    changed, identical = set(engine.tensor_names), 0
+    for i, (a, b) in enumerate(zip(src.weights, out.weights)):
+        try:
+            identical += _check_set(a, b, engine, record, earlier, copies, output, original)
+        except VerificationError as exc:
+            if i:  # the same weights in a second format (a .bin beside the .safetensors): say which
+                exc.context = f"in its {b.describe()}: "
+            raise
+    return changed, identical
+
+
+def _copies(src, out, plan, detection, record: Record, output) -> dict[str, str]:
+    """ONNX: the copies of shared initializers the plan needs, made again; the record must list exactly
+    those, and the graph must be the original's with only them added (``graph.check_graph``)."""
+    from ..formats.onnx_wire import renamed_data_files
+    from .graph import check_graph
+
+    a, b = src.primary, out.primary
+    try:
+        a.check_plan(plan, detection)
+    except SurgeonError as exc:
+        raise DerivedMismatch(f"{output}: surgeon could not have carried out the recorded plan on the original ({exc})") from None
+    expected = {name: copy for name, (copy, _) in a.copies.items()}
+    if record.copies != expected:
+        raise DerivedMismatch(f"{output}: its record lists the copies {record.copies or 'none'}, and the recorded plan needs {expected or 'none'}")
+    same = out.kind == "folder"
+    renamed = {f: f for f in a.files[1:]} if same else renamed_data_files(a.files[1:], a.path.name, b.path.name)
+    check_graph(a, b, a.copies, renamed, output)
+    return expected
+
+
+def _check_set(a, b, engine, record: Record, earlier, copies: dict[str, str], output, original) -> int:
+    """One weight set: the same tensors, in order (an ONNX output adds the copies after the initializers),
+    the untouched ones byte-identical, the changed ones re-derived. Returns how many were byte-identical."""
+    consts = getattr(a, "constants", {})
+    expected = [n for n in a.tensors if n not in consts] + list(copies.values()) + [n for n in a.tensors if n in consts]
+    if expected != list(b.tensors):
+        missing = [n for n in expected if n not in b.tensors] + [n for n in b.tensors if n not in expected]
+        raise VerificationError(f"{output} and {original} do not hold the same tensors (first difference: {missing[0] if missing else 'their order'})")
+    changed = set(engine.tensor_names) & set(a.tensors)
+    if a.format == "safetensors":
+        from .files import check_headers
+
+        check_headers(a, b, (earlier or []) + [record.raw], output)
+    if a.format == "torch":
+        from .files import check_unchanged_files
+
+        check_unchanged_files(a, b, changed, output)
+    untouched = [n for n in a.tensors if n not in changed or n in copies]  # a shared initializer keeps its bytes; its copy changes
+    identical = check_untouched(a, b, untouched, output, original)
+    check_changed(a, b, engine, [n for n in engine.tensor_names if n in changed], record.options, output, copies)
+    return identical

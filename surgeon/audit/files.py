@@ -1,0 +1,147 @@
+"""A folder output against its original, file by file.
+
+surgeon writes into a folder output: the weight files of every weight set of the original (rewritten:
+their tensors are checked one by one elsewhere), the files it carries over (byte for byte: config.json,
+tokenizer, code, ...) and its model card README.md. Anything else is not surgeon's: a file that is
+missing, added (a ``model.safetensors`` beside the shards, a ``.bin`` beside the ``.safetensors``, a
+Python file an ``auto_map`` points to) or changed is a mismatch. ``.git`` and ``.cache`` (bookkeeping no
+loader reads, that a download may add) are not compared, as surgeon does not read them in an input.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from ..errors import VerificationError
+from ..source import SKIP_DIRS
+from .record import Record, read_card
+
+CARD = "README.md"
+# files git or the Hub adds to a repository: loaders never read them
+HOSTING = {".gitattributes"}
+
+
+def output_files(folder: Path) -> dict[str, Path]:
+    """Every file under ``folder`` (relative posix path -> path), links not followed into other folders."""
+    found: dict[str, Path] = {}
+    for root, dirs, files in os.walk(folder, followlinks=False):
+        here = Path(root)
+        if here == folder:
+            dirs[:] = [d for d in dirs if d not in SKIP_DIRS]
+        for d in dirs:
+            if (here / d).is_symlink():
+                raise VerificationError(f"{folder}: {(here / d).relative_to(folder).as_posix()} is a link to a folder; surgeon writes no links")
+        for f in files:
+            found[(here / f).relative_to(folder).as_posix()] = here / f
+    return found
+
+
+def expected_files(src) -> tuple[set[str], set[str]]:
+    """(weight files surgeon rewrites, files it copies byte for byte: index files and, from a folder, the
+    non-weight files) in a folder output of ``src``."""
+    weights = {f for w in src.weights for f in w.files}
+    indexes = {w.index for w in src.weights if w.index}  # copied as they are
+    carried = set(src.extra_files) if src.kind == "folder" else set()
+    return weights, (carried | indexes) - {CARD}
+
+
+def check_folder(src, out, output) -> int:
+    """Every file of the folder output ``out`` is one surgeon writes, and the carried ones are byte-identical;
+    returns how many files were compared byte for byte."""
+    weights, carried = expected_files(src)
+    found = output_files(out.folder)
+    for rel, path in found.items():
+        _regular(path, rel, output)
+    for rel in sorted(set(found) - weights - carried - {CARD} - HOSTING):
+        raise VerificationError(f"{output}: {rel} {_what_added(rel, src)}, which surgeon does not write: the output was changed after surgeon made it")
+    for rel in sorted((weights | carried) - set(found)):
+        raise VerificationError(f"{output}: {rel} of {src.path} is missing from it; surgeon writes every file of its original")
+    for rel in sorted(carried):
+        if not same_bytes(src.folder / rel, found[rel]):
+            raise VerificationError(f"{output}: {rel} differs from {src.path}'s; surgeon carries it over byte for byte")
+    return len(carried)
+
+
+def same_bytes(a: Path, b: Path, chunk: int = 1 << 20) -> bool:
+    """Byte for byte, without filecmp's cache (keyed on size and mtime: a file changed within the same
+    tick would compare as before)."""
+    if a.stat().st_size != b.stat().st_size:
+        return False
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while True:
+            x, y = fa.read(chunk), fb.read(chunk)
+            if x != y:
+                return False
+            if not x:
+                return True
+
+
+def _regular(path: Path, rel: str, output) -> None:
+    try:
+        mode = os.stat(path).st_mode  # a link to a regular file (a Hub cache snapshot) is read through
+    except OSError:
+        raise VerificationError(f"{output}: {rel} is a link to nothing; surgeon writes regular files") from None
+    if not stat.S_ISREG(mode):
+        raise VerificationError(f"{output}: {rel} is not a regular file; surgeon writes regular files")
+
+
+def _what_added(rel: str, src) -> str:
+    from ..formats.registry import format_of
+    from ..source import STALE_WEIGHT_SUFFIXES, STATE_DICT_SUFFIXES
+
+    if (src.folder / rel).is_file():
+        return f"is there, a file of {src.path} that surgeon leaves out of its outputs (another copy of the weights, not rewritten)"
+    if format_of(rel.rsplit("/", 1)[-1]) is not None or rel.endswith(STATE_DICT_SUFFIXES + STALE_WEIGHT_SUFFIXES):
+        return "was added: weights a loader may read instead of the re-initialized ones"
+    return "was added"
+
+
+def check_card(src, out, record: Record, output) -> None:
+    """README.md: surgeon's card with this record, or (an in-place output) the original's, unchanged."""
+    theirs = src.folder / CARD if src.kind == "folder" else None
+    card = out.folder / CARD if (out.folder / CARD).is_file() else None
+    if card is None:
+        if theirs is not None and theirs.is_file():
+            raise VerificationError(f"{output}: {CARD} of {src.path} is missing from it, and surgeon writes a model card there")
+        return
+    if theirs is not None and theirs.is_file() and same_bytes(theirs, card):
+        return
+    own = read_card(card)[:1]
+    if not own:
+        raise VerificationError(f"{output}: its {CARD} is neither surgeon's model card nor {src.path}'s")
+    if not isinstance(own[0], dict) or _without_copies(own[0]) != _without_copies(record.raw):
+        raise VerificationError(f"{output}: the record in its {CARD} is not the record of its weights: the card was changed after surgeon wrote it")
+
+
+def check_headers(a, b, verified: list, output) -> None:
+    """safetensors: each file's metadata is the original's but for surgeon's record, and a file's records are
+    the ``verified`` history (or, where an in-place run could not fit its record in, the original's)."""
+    import json
+
+    from .record import METADATA_KEY
+
+    for file in a.files:
+        mine, theirs = a.metadata(file), b.metadata(file)
+        if {k: v for k, v in theirs.items() if k != METADATA_KEY} != {k: v for k, v in mine.items() if k != METADATA_KEY}:
+            raise VerificationError(f"{output}: the metadata of {file} differs from the original's beyond surgeon's record")
+        text = theirs.get(METADATA_KEY)
+        if text != mine.get(METADATA_KEY) and (text is None or _history(json.loads(text)) != verified):
+            raise VerificationError(f"{output}: {file} holds other surgeon records than the ones verified")
+
+
+def _history(value) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+def check_unchanged_files(a, b, changed: set[str], output) -> None:
+    """PyTorch files none of whose tensors change are copied as they are: byte for byte."""
+    for mine, theirs in zip(a.files, b.files):
+        if not any(a.tensors[n].file == mine for n in changed) and not same_bytes(a.folder / mine, b.folder / theirs):
+            raise VerificationError(f"{output}: {theirs} differs from the original's, and surgeon copies it as it is (none of its tensors change)")
+
+
+def _without_copies(record: dict) -> dict:
+    """The record as the card carries it: an ONNX model's record adds the copies its writer made."""
+    return {k: v for k, v in record.items() if k != "copies"}
