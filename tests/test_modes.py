@@ -135,3 +135,17 @@ def test_inspect_with_layout_check_and_jacobian_opens_and_detects_once(tmp_path,
     data = json.loads(result.output)
     assert any(n.startswith("layout verified") for n in data["notes"]) and data["jacobian"]["layers"]
     assert calls == {"open": 1, "detect": 1}
+
+
+def test_verify_reads_each_modes_method_and_the_legacy_one(llama_dir, tmp_path, cli):
+    """A record's method must be its mode's (or 0.2.0's one name for all modes); anything else is not surgeon's."""
+    from test_verify_tamper import _last, _rewrite_record
+
+    src, out = llama_dir / "model.safetensors", tmp_path / "polar.safetensors"
+    cli("reinit", src, "--mode", "polar", "--layers", "0", "-o", out)
+    assert cli("verify", src, out).stdout.startswith("verified:")
+    _rewrite_record(out, _last(lambda r: r.update(method="conditioned-initialization")))  # as 0.2.0 wrote it
+    assert cli("verify", src, out).stdout.startswith("verified:")
+    _rewrite_record(out, _last(lambda r: r.update(method="mimetic-initialization")))
+    result = cli("verify", src, out, ok=False)
+    assert result.exit_code == 1 and "says method 'mimetic-initialization' for mode polar" in result.stderr

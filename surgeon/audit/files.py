@@ -122,13 +122,15 @@ def check_headers(a, b, verified: list, output) -> None:
 
     from .record import METADATA_KEY
 
-    for file in a.files:
-        mine, theirs = a.metadata(file), b.metadata(file)
+    if len(a.files) != len(b.files):
+        raise VerificationError(f"{output} has {len(b.files)} safetensors files, the original {len(a.files)}")
+    for file, out_file in zip(a.files, b.files):  # a single-file output may have another name than its input
+        mine, theirs = a.metadata(file), b.metadata(out_file)
         if {k: v for k, v in theirs.items() if k != METADATA_KEY} != {k: v for k, v in mine.items() if k != METADATA_KEY}:
-            raise VerificationError(f"{output}: the metadata of {file} differs from the original's beyond surgeon's record")
+            raise VerificationError(f"{output}: the metadata of {out_file} differs from the original's beyond surgeon's record")
         text = theirs.get(METADATA_KEY)
         if text != mine.get(METADATA_KEY) and (text is None or _history(json.loads(text)) != verified):
-            raise VerificationError(f"{output}: {file} holds other surgeon records than the ones verified")
+            raise VerificationError(f"{output}: {out_file} holds other surgeon records than the ones verified")
 
 
 def _history(value) -> list:
