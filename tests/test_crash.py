@@ -3,7 +3,8 @@ and the next run to the same destination removes what the killed one left.
 
 The real ``surgeon`` command runs in a child process that SIGKILLs itself at the K-th write event
 (entering or leaving a file write, a byte-range copy, a rename, a temporary-folder creation or
-removal), for K spread over every event of a full run, and also after a random delay.
+removal), for K spread over every event of a full run. And a plain `surgeon` process is killed from outside at
+times set by a calibration run, inside the window in which it writes its output (see _kill.py).
 """
 
 from __future__ import annotations
@@ -14,14 +15,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from surgeon.output import _owner_prefix
+from surgeon.output import STAGING_SUFFIX, _owner_prefix
 
+from _kill import watch
 from conftest import tiny_llama, tree_digest
 
 pytestmark = pytest.mark.slow
@@ -72,16 +72,10 @@ except SystemExit as exc:
 """
 
 
-def _run(k: int, *args, delay: float | None = None) -> subprocess.CompletedProcess | None:
+def _run(k: int, *args) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-c", _CHILD, str(k), *map(str, args)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    if delay is None:
-        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    time.sleep(delay)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    return None
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
 
 
 def _events(done: subprocess.CompletedProcess) -> int:
@@ -152,19 +146,58 @@ def test_kill_while_replacing_an_existing_output_folder(tmp_path, cli):
         shutil.copytree(tmp_path / "keep", dest)
 
 
+def _staging(folder: Path, name: str) -> list[Path]:
+    return [p for p in folder.iterdir() if p.name.startswith(f".{name}.") and p.name.endswith(STAGING_SUFFIX)]
+
+
+def _run_copy(src: Path, dest: Path, **kill) -> dict:
+    """`surgeon reinit SRC -o DEST` (a folder, not in place) in a child process, watched from here: when its
+    staging folder beside DEST appears and when DEST itself appears (the staging folder renamed into place)."""
+    probes = {
+        "staging": lambda seen: bool(_staging(dest.parent, dest.name)),
+        "final": lambda seen: dest.exists(),
+    }
+    return watch(["reinit", str(src), "-o", str(dest)], probes, **kill)
+
 
 def test_kill_at_random_times(tmp_path, cli):
+    """Real kills while the output folder is written: afterwards the input is as it was, the destination is
+    absent or complete, and the next run to it removes what the killed one left.
+
+    A calibration run, watched from outside, says when the staging folder appears and when the output is
+    renamed into place on this machine; the kills land before the staging folder and at fractions of that
+    window after it is seen. At least one must have left a staging folder holding part of the output, with no
+    output in place: a kill in the middle of the write."""
     src = tmp_path / "llama"
-    tiny_llama().save_pretrained(src)
-    torch.save(tiny_llama().state_dict(), tmp_path / "weights.bin")
+    tiny_llama(hidden_size=256, intermediate_size=256, num_attention_heads=8, num_key_value_heads=8,
+               num_hidden_layers=6).save_pretrained(src, max_shard_size="300KB")  # several shards: several writes
     before = tree_digest(src)
-    dest = tmp_path / "out"
-    rng = random.Random(2)
-    for delay in sorted(rng.uniform(0.5, 6.0) for _ in range(3)):
-        _run(-1, "reinit", src, "-o", dest, "--overwrite", delay=delay)
-        assert tree_digest(src) == before
+    dest = tmp_path / "out" / "llama-reinit"
+    dest.parent.mkdir()
+
+    calibration = _run_copy(src, dest)
+    assert not calibration["killed"] and None not in (calibration["staging"], calibration["final"]), calibration
+    assert calibration["staging"] <= calibration["final"], calibration  # staged first, then renamed into place
+    assert _leftovers(dest.parent) == [] and tree_digest(src) == before
+    expected = tree_digest(dest)
+    shutil.rmtree(dest)
+    window = calibration["final"] - calibration["staging"]
+
+    kills = [dict(kill_at=calibration["staging"] / 2)] + [dict(kill_after=("staging", f * window)) for f in (0.0, 0.25, 0.5, 0.75)]
+    mid_write = 0
+    for kill in kills:
+        run = _run_copy(src, dest, **kill)
+        assert tree_digest(src) == before, f"input changed (kill {kill}, {run})"
+        assert not dest.exists() or tree_digest(dest) == expected, f"partial destination after kill {kill} ({run})"
+        left = _staging(dest.parent, dest.name)  # SIGKILL leaves it: what it holds is what was written at the kill
+        staged = {k: v for p in left for k, v in tree_digest(p).items()}
+        mid_write += run["killed"] and not dest.exists() and bool(staged) and staged != expected
+        # the next run to this destination removes what the killed one left, and completes
         cli("reinit", src, "-o", dest, "--overwrite")
-        assert _leftovers(tmp_path) == []
+        assert _leftovers(dest.parent) == [], f"leftovers after kill {kill} ({run})"
+        assert tree_digest(dest) == expected
+        shutil.rmtree(dest)
+    assert mid_write >= 1, f"no kill landed while the output was being written (calibration: {calibration})"
 
 
 def test_leftovers_of_live_or_foreign_runs_are_named_not_removed(tmp_path, cli, llama_dir):

@@ -14,7 +14,6 @@ import struct
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from surgeon import reinit_checkpoint
 from surgeon.formats.safetensors import read_header, records
 from surgeon.journal import SUFFIX, journal_path
 
+from _kill import watch
 from conftest import expect_cli_error, sha256, tiny_llama
 
 ATTN = ("q_proj", "k_proj", "v_proj")
@@ -129,30 +129,17 @@ def test_kill_9_rolled_back_by_recover_on_a_sharded_folder(tmp_path, cli):
 
 def _run_in_place(src, *, kill_at: float | None = None, kill_after_first_write: float | None = None) -> dict:
     """`surgeon reinit SRC --in-place` in a child process, watched from here: when its journal appears, when the
-    checkpoint is first and last written (its mtime moves: copytree kept the old one), when the journal goes.
+    checkpoint is first written (its mtime moves: copytree kept the old one), when the journal goes.
     SIGKILLed ``kill_at`` seconds after the start, or ``kill_after_first_write`` seconds after the first write
     is seen; returns the times (seconds from the start) and whether it was killed before it exited."""
     journal, mtime = journal_path(src.parent, src.name), src.stat().st_mtime_ns
-    start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "surgeon", "reinit", str(src), "--in-place"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    seen: dict = {"journal": None, "first_write": None, "last_write": None, "journal_gone": None, "killed": False}
-    while proc.poll() is None:
-        now = time.monotonic() - start
-        if seen["journal"] is None and journal.exists():
-            seen["journal"] = now
-        if src.stat().st_mtime_ns != mtime:
-            mtime, seen["last_write"] = src.stat().st_mtime_ns, now
-            seen["first_write"] = seen["first_write"] or now
-        if seen["journal"] is not None and seen["journal_gone"] is None and not journal.exists():
-            seen["journal_gone"] = now
-        due = kill_at if kill_after_first_write is None or seen["first_write"] is None else seen["first_write"] + kill_after_first_write
-        if due is not None and now >= due:
-            proc.send_signal(signal.SIGKILL)
-            seen["killed"] = proc.wait() == -signal.SIGKILL
-            break
-        time.sleep(0.0005)
-    proc.wait()
-    return seen
+    probes = {
+        "journal": lambda seen: journal.exists(),
+        "first_write": lambda seen: src.stat().st_mtime_ns != mtime,
+        "journal_gone": lambda seen: seen["journal"] is not None and not journal.exists(),
+    }
+    after = None if kill_after_first_write is None else ("first_write", kill_after_first_write)
+    return watch(["reinit", str(src), "--in-place"], probes, kill_at=kill_at, kill_after=after)
 
 
 @pytest.mark.slow
