@@ -142,12 +142,12 @@ def reinit_checkpoint(
     hints = Hints(num_heads, num_kv_heads, head_dim, force_hints)
     detection = detect_source(source, hints)
     opts = with_model_defaults(opts, source.config)  # redraw: the std of the family's own init
-    plan = make_plan(detection.blocks, opts)
+    plan = make_plan(detection.blocks, opts, detection.depths)
     attach_out_projections(plan, {n: t.shape for n, t in source.primary.tensors.items()}, fmt=source.format)  # mimetic: W_O
     dest = resolve_output(source, output, in_place=in_place, overwrite=overwrite or dry_run, folder=push is not None)
     report = Report(
         "reinit", _label(source), source.describe(), detection.blocks, options=opts.to_dict(),
-        output=str(dest), dry_run=dry_run, device=str(device), notes=source.notes + detection.notes[:5],
+        output=str(dest), dry_run=dry_run, device=str(device), notes=source.notes + detection.notes[:5] + plan.notes,
     )
     if dry_run:
         return _plan_report(report, source, plan, dest, overwrite=overwrite, in_place=in_place, push=push)

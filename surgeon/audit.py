@@ -150,7 +150,7 @@ def verify(
         raise CheckpointError(f"{output}: the last surgeon record in {where} has no options: it was not written by this surgeon")
     options = _recorded_options(record, output)
     detection = detect_source(src, Hints(num_heads, num_kv_heads, head_dim, force_hints))
-    plan = make_plan(detection.blocks, options)
+    plan = make_plan(detection.blocks, options, detection.depths)
     from .baselines import attach_out_projections
 
     attach_out_projections(plan, {n: t.shape for n, t in src.primary.tensors.items()}, fmt=src.format)

@@ -124,6 +124,7 @@ def build_card(*, source: Source, plan: Plan, results: list[ProjectionResult], c
         "## What was done",
         _options_table(plan),
         _blocks_table(plan),
+        *_plan_notes(plan),
         "## Condition numbers",
         "Measured by this run on the weights as written: kappa = sigma_max / sigma_min of each head's matrix, "
         "min / median / max over the heads of each projection (and of the whole projection, when measured with --full).",
@@ -198,6 +199,14 @@ def _blocks_table(plan: Plan) -> str:
                 cells.append(f"all {total} heads" if len(change.heads) == total else f"heads {format_indices(change.heads)} of {total}")
         lines.append(f"| `{block.module}` | {block.kind} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _plan_notes(plan: Plan) -> list[str]:
+    """What the selection skipped, and shared blocks that change several layers (as the report says)."""
+    from .cli import cli_spelling
+    from .errors import spell
+
+    return ["\n".join(f"- {spell(n, cli_spelling)}" for n in plan.notes)] if plan.notes else []
 
 
 def _kappa_table(results: list[ProjectionResult]) -> str:

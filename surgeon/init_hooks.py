@@ -53,7 +53,7 @@ def conditioned_init_(module: nn.Module, *, model: nn.Module | None = None, seed
     if key not in cache:
         options = ReinitOptions(layers=layers, targets=targets, heads=heads, value_identity=value_identity, bias=bias, seed=seed).validated()
         found = detect_module(model, hints=Hints(num_heads, num_kv_heads, head_dim))
-        plan = make_plan(found.blocks, options)
+        plan = make_plan(found.blocks, options, found.depths)
         paths = {id(m): p for p, m in model.named_modules()}
         cache[key] = (found, plan, paths, set())
     found, plan, paths, done = cache[key]

@@ -66,7 +66,7 @@ def reinit_(
     start = time.perf_counter()
     with unwrapped(module) as inner:  # DDP, torch.compile, PEFT: the model inside, LoRA bases in place
         found = detect_module(inner, hints=Hints(num_heads, num_kv_heads, head_dim), example_inputs=example_inputs)
-        plan = make_plan(found.blocks, options)
+        plan = make_plan(found.blocks, options, found.depths)
         attach_out_projections(plan, {n: tuple(p.shape) for n, p in found.params.items()})  # mimetic: W_O
         device = found.params[plan.changes[0].projection.weight.tensor].device
         engine = Engine(plan, device, seed_names=found.seed_names, whole=full)
@@ -83,7 +83,7 @@ def reinit_(
                     param.copy_(engine.update(name, param.detach()))
     rows = [ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed) for r in engine.ordered_results()]
     seconds = time.perf_counter() - start
-    notes = _notes(found) + [f"changed {len(engine.tensor_names)} parameters in place in {seconds:.2f} s on {device}"]
+    notes = _notes(found) + plan.notes + [f"changed {len(engine.tensor_names)} parameters in place in {seconds:.2f} s on {device}"]
     return Report(
         "reinit", _label(module), _describe(module), found.blocks, rows, options=options.to_dict(),
         seconds=seconds, device=str(device), notes=notes,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -172,6 +172,7 @@ class Plan:
     blocks: list[AttentionBlock]  # everything detected
     changes: list[Change] = field(default_factory=list)
     outputs: dict[str, tuple[str, bool]] = field(default_factory=dict)  # mimetic: block module -> (W_O tensor, nn.Linear layout)
+    notes: list[str] = field(default_factory=list)  # what the selection skipped or reaches beyond its layers
 
     @property
     def touched_blocks(self) -> list[AttentionBlock]:
@@ -195,6 +196,8 @@ class Plan:
         blocks = []
         for block in self.touched_blocks:
             entry: dict = {"module": block.module, "stack": block.stack, "layer": block.layer, "kind": block.kind, "targets": {}}
+            if block.shared_layers:  # one block that these layers all run: every one of them changes
+                entry["shared_layers"] = list(block.shared_layers)
             for c in self.changes:
                 if c.block.module == block.module:
                     entry["targets"][c.role] = "all" if len(c.heads) == c.projection.heads else format_indices(c.heads)
@@ -215,7 +218,9 @@ def _stack_matches(stack: str, wanted: list[str]) -> bool:
     return any(w == stack or w in comps for w in wanted)
 
 
-def make_plan(blocks: list[AttentionBlock], options: ReinitOptions) -> Plan:
+def make_plan(blocks: list[AttentionBlock], options: ReinitOptions, depths: Mapping[str, int] | None = None) -> Plan:
+    """The changes ``options`` select. Layers are the model's own numbers; ``depths`` (stack -> its
+    layers, those without attention included) lets ``-1`` and ranges reach past the last attention layer."""
     options = options.validated()
     targets = parse_targets(options.targets)
     kinds = parse_attention(options.attention)
@@ -233,12 +238,17 @@ def make_plan(blocks: list[AttentionBlock], options: ReinitOptions) -> Plan:
     by_stack: dict[str, list[AttentionBlock]] = {}
     for b in chosen:
         by_stack.setdefault(b.stack, []).append(b)
+    picks = {stack: _pick_layers(stack, members, blocks, depths or {}, options.layers, len(by_stack) > 1) for stack, members in by_stack.items()}
+    if not any(isinstance(p, set) for p in picks.values()):
+        raise next(iter(picks.values()))  # type: ignore[misc]  # no stack has the selected layers: the first reason
     for stack, members in by_stack.items():
-        depth = max(b.layer for b in blocks if b.stack == stack) + 1
-        where = f"{stack or 'the model'}" + (f" (pick a stack with {opt('stack')})" if len(by_stack) > 1 else "")
-        layers = set(resolve_indices(options.layers, depth, what="layer", where=where))
+        layers = picks[stack]
+        if not isinstance(layers, set):
+            plan.notes.append(f"{stack or 'the model'} skipped: {layers}")
+            continue
+        _note_layers(plan, stack, members, layers, options.layers)
         for block in members:
-            if block.layer not in layers:
+            if not layers & set(block.users):
                 continue
             q_heads = resolve_indices(options.heads, block.heads, what="head", where=f"{block.module} ({block.heads} heads)")
             for role in targets:
@@ -250,6 +260,51 @@ def make_plan(blocks: list[AttentionBlock], options: ReinitOptions) -> Plan:
             f"the selection picks no projection: check {opt('layers')}, {opt('heads')}, {opt('targets')} and {opt('attention')}"
         )
     return plan
+
+
+def _pick_layers(stack: str, members: list[AttentionBlock], blocks: list[AttentionBlock], depths: Mapping[str, int],
+                 spec: IndexSpec, several: bool) -> set[int] | SelectionError:
+    """The selected layers of ``stack``, or why it has none (the error to raise if no stack has any)."""
+    depth = max([depths.get(stack, 0)] + [max(b.users) + 1 for b in blocks if b.stack == stack])
+    where = f"{stack or 'the model'}" + (f" (pick a stack with {opt('stack')})" if several else "")
+    try:
+        layers = set(resolve_indices(spec, depth, what="layer", where=where))
+    except SelectionError as exc:
+        return exc
+    attended = sorted({layer for b in members for layer in b.users})
+    if not layers & set(attended):
+        return SelectionError(
+            f"{opt('layers', _spelled(spec))} selects only layers without attention in {stack or 'the model'} "
+            f"(layer{'s' if len(layers) > 1 else ''} {format_indices(sorted(layers))}): the layers with attention are {format_indices(attended)}"
+        )
+    return layers
+
+
+def _note_layers(plan: Plan, stack: str, members: list[AttentionBlock], layers: set[int], spec: IndexSpec) -> None:
+    """Say which selected layers have no attention, and which shared blocks change several layers."""
+    attended = {layer for b in members for layer in b.users}
+    without = sorted(layers - attended)
+    if without and not _is_all(spec):
+        plan.notes.append(
+            f"layer{'s' if len(without) > 1 else ''} {format_indices(without)} of {stack or 'the model'} "
+            f"{'have' if len(without) > 1 else 'has'} no attention (e.g. Mamba, convolution or recurrent layers): skipped"
+        )
+    for block in members:
+        if len(block.users) > 1 and layers & set(block.users):
+            plan.notes.append(
+                f"{block.module} is one block that layers {format_indices(list(block.users))} of {stack} all run: "
+                f"re-initializing it changes every one of those layers"
+            )
+
+
+def _is_all(spec: IndexSpec) -> bool:
+    return spec is None or (isinstance(spec, str) and spec.strip().lower() == "all")
+
+
+def _spelled(spec: IndexSpec) -> str:
+    if isinstance(spec, (str, int)):
+        return str(spec)
+    return format_indices(sorted(spec)) if spec is not None else "all"
 
 
 def _kv_heads(block: AttentionBlock, q_heads: list[int], role: str) -> list[int]:

@@ -196,7 +196,7 @@ class Report:
             groups.setdefault((b.stack, b.kind, b.layout, b.heads, b.kv_heads, b.head_dim), []).append(b)
         rows = []
         for (stack, kind, layout, heads, kv, d), members in groups.items():
-            rows.append([stack or "(top)", kind, format_indices(sorted(b.layer for b in members)), str(heads), str(kv), str(d), layout, _tensor_names(members[0])])
+            rows.append([stack or "(top)", kind, format_indices(sorted({n for b in members for n in b.users})), str(heads), str(kv), str(d), layout, _tensor_names(members[0])])
         return table(["stack", "kind", "layers", "heads", "kv", "head_dim", "layout", "tensors (first layer)"], rows, right={3, 4, 5})
 
     def _whole_measured(self) -> bool:

@@ -70,6 +70,14 @@ class AttentionBlock:
     q: Projection
     k: Projection
     v: Projection
+    # Every layer of the stack that runs this one block, where several share it (Zamba2's shared
+    # transformer); empty when only ``layer`` runs it.
+    shared_layers: tuple[int, ...] = ()
+
+    @property
+    def users(self) -> tuple[int, ...]:
+        """The layers whose computation changes when this block changes."""
+        return self.shared_layers or (self.layer,)
 
     @property
     def projections(self) -> tuple[Projection, Projection, Projection]:
@@ -85,7 +93,8 @@ class AttentionBlock:
 
     @property
     def label(self) -> str:
-        return f"{self.stack}.{self.layer}" if self.stack else str(self.layer)
+        layers = ",".join(map(str, self.users))
+        return f"{self.stack}.{layers}" if self.stack else layers
 
     def tensors(self) -> list[str]:
         names: list[str] = []
@@ -102,6 +111,7 @@ class AttentionBlock:
             for key in ("weight", "bias"):
                 if proj[key] is not None:
                     proj[key]["offsets"] = list(proj[key]["offsets"])
+        out["shared_layers"] = list(self.shared_layers)
         return out
 
 

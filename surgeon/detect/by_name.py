@@ -8,6 +8,7 @@ module) hold the projections and how each packs its (role, head) slots. Matching
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TypeVar
 
 from ..errors import LayoutError, NoAttentionFoundError, UnsupportedWeightsError, opt
@@ -15,8 +16,8 @@ from ..formats.base import TensorInfo
 from ..spec import AttentionBlock, Projection, Rows, packed_size, slot_offsets
 from . import Detection
 from .config import ConfigView, Hints
-from .families import CROSS_WORDS, KV_SLOTS, QUANT_PARAMS, RULES, Part, Rule, projection_names  # noqa: F401
-from .placement import join, kind, place
+from .families import CROSS_WORDS, KV_SLOTS, QUANT_PARAMS, RULES, SHARED_BLOCKS, Part, Rule, projection_names  # noqa: F401
+from .placement import join, kind, place, stack_depths
 
 T = TypeVar("T")
 
@@ -31,7 +32,36 @@ def detect(tensors: Mapping[str, TensorInfo], config: dict | None = None, hints:
     blocks = [_build(module, rule, stack, layer, stage, tensors, view) for module, rule, stack, layer, stage in placed]
     if not blocks:
         raise NoAttentionFoundError(_nothing_found(tensors, notes, source))
-    return Detection(blocks, len(tensors), _assumed_layouts(blocks, view) + notes)
+    blocks = shared_blocks(blocks, view)
+    depths = stack_depths([b.stack for b in blocks], tensors)
+    return Detection(blocks, len(tensors), _assumed_layouts(blocks, view) + notes, depths=depths)
+
+
+def shared_blocks(blocks: list[AttentionBlock], view: ConfigView) -> list[AttentionBlock]:
+    """Mark the blocks that several layers run (Zamba's shared transformer) with all those layers."""
+    rule = SHARED_BLOCKS.get(view.model_type or "")
+    types = view.config.get(rule.types_key) if rule else None
+    if rule is None or not isinstance(types, list):
+        return blocks
+    runs = [i for i, t in enumerate(types) if t == rule.type_name]
+    count = view.config.get(rule.count_key) if rule.count_key else 1
+    count = count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else 1
+    out = []
+    for block in blocks:
+        if rule.word not in block.module.split(".") or block.layer not in runs:
+            out.append(block)
+            continue
+        first = runs.index(block.layer) % count
+        users = tuple(runs[first::count])
+        stored = [b.module for b in blocks if b.stack == block.stack and b.layer in users and rule.word in b.module.split(".")]
+        if len(stored) > 1:
+            raise LayoutError(
+                f"layers {','.join(map(str, users))} of {block.stack} run one shared block, and the checkpoint stores it "
+                f"{len(stored)} times ({', '.join(stored)}): surgeon cannot tell which copy the model loads; save the model "
+                "with save_pretrained, which stores it once"
+            )
+        out.append(replace(block, shared_layers=users) if len(users) > 1 else block)
+    return out
 
 
 # Fused tensors whose packing is a naming convention rather than something config.json states.

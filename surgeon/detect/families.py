@@ -142,3 +142,23 @@ KV_SLOTS: dict[str, Callable[[int, int], int | None]] = {
 def projection_names() -> list[str]:
     """Each rule's projection tensors ("q_proj/k_proj/v_proj", "c_attn"), for "no attention found" messages."""
     return list(dict.fromkeys("/".join(p.weight.removesuffix(".weight") for p in rule.parts) for rule in RULES))
+
+
+# --- hybrids: blocks that several layers run -------------------------------------------------
+@dataclass(frozen=True)
+class SharedBlocks:
+    """One attention block that several layers run (a shared transformer): ``word`` is the module
+    under each layer that holds it; the layers that run one are those whose entry in the config
+    list ``types_key`` is ``type_name``; they cycle through ``count_key`` distinct blocks (1 if None),
+    and a checkpoint stores each block once, under the first layer that runs it."""
+
+    word: str
+    types_key: str
+    type_name: str
+    count_key: str | None = None
+
+
+SHARED_BLOCKS = {
+    "zamba": SharedBlocks("shared_transf", "layers_block_type", "hybrid"),
+    "zamba2": SharedBlocks("shared_transformer", "layers_block_type", "hybrid", "num_mem_blocks"),
+}

@@ -25,6 +25,7 @@ class ModuleDetection:
     seed_names: dict[str, str] = field(default_factory=dict)  # tensor -> checkpoint name (draw key)
     routes: dict[str, str] = field(default_factory=dict)  # block module -> "names", "class" or "forward"
     notes: list[str] = field(default_factory=list)
+    depths: dict[str, int] = field(default_factory=dict)  # stack -> its layers, with those without attention
 
 
 def detect_module(module: nn.Module, *, hints: Hints | None = None, example_inputs: Any = None) -> ModuleDetection:
@@ -56,6 +57,7 @@ def detect_module(module: nn.Module, *, hints: Hints | None = None, example_inpu
         renames = checkpoint_names(hf)
         blocks = [prefixed(b, prefix) for b in detection.blocks]
         _add(found, blocks, "names")
+        found.depths.update({f"{prefix}.{s}" if prefix else s: n for s, n in detection.depths.items()})
         for block in blocks:
             for name in block.tensors():
                 rel = name[len(prefix) + 1 :] if prefix else name
