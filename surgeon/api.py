@@ -12,7 +12,7 @@ from . import hub
 from ._version import __version__
 from .baselines import attach_out_projections, with_model_defaults
 from .detect import Detection, detect_source
-from .detect.config import Hints
+from .detect.config import HintInput, Hints
 from .errors import CheckpointError, HubError, OptionError, opt
 from .output import companion_files, copy_extras, output_kind, resolve_output, staged, tree_size
 from .plan import Plan, ReinitOptions, make_plan
@@ -50,9 +50,9 @@ def inspect_checkpoint(
     *,
     revision: str | None = None,
     config: str | Path | None = None,
-    num_heads: int | None = None,
-    num_kv_heads: int | None = None,
-    head_dim: int | None = None,
+    num_heads: HintInput = None,
+    num_kv_heads: HintInput = None,
+    head_dim: HintInput = None,
     force_hints: bool = False,
     device: str | torch.device = "auto",
     full: bool = False,
@@ -106,9 +106,9 @@ def reinit_checkpoint(
     dry_run: bool = False,
     device: str | torch.device = "auto",
     config: str | Path | None = None,
-    num_heads: int | None = None,
-    num_kv_heads: int | None = None,
-    head_dim: int | None = None,
+    num_heads: HintInput = None,
+    num_kv_heads: HintInput = None,
+    head_dim: HintInput = None,
     force_hints: bool = False,
     full: bool = False,
     progress: bool = False,

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from .detect.config import HintInput
 from .errors import CheckpointError, SurgeonError, VerificationError  # noqa: F401  (re-exported)
 from .plan import ReinitOptions
 
@@ -114,9 +115,9 @@ def verify(
     *,
     revision: str | None = None,
     config: str | Path | None = None,
-    num_heads: int | None = None,
-    num_kv_heads: int | None = None,
-    head_dim: int | None = None,
+    num_heads: HintInput = None,
+    num_kv_heads: HintInput = None,
+    head_dim: HintInput = None,
     force_hints: bool = False,
     device: str | torch.device = "cpu",
 ) -> Verification:

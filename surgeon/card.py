@@ -86,9 +86,10 @@ def reproduce_command(model: str, *, revision: str | None, options: dict, hints:
             args.append(f"{flag(name, None)}={q(spec(value))}")
         else:
             args.append(flag(name, q(",".join(value) if isinstance(value, list) else str(value))))
-    for name, value in (("num_heads", hints.num_heads), ("num_kv_heads", hints.num_kv_heads), ("head_dim", hints.head_dim)):
+    for name in ("num_heads", "num_kv_heads", "head_dim"):
+        value = hints.spelled(name)
         if value is not None:
-            args.append(flag(name, str(value)))
+            args.append(flag(name, q(value)))
     if hints.force:
         args.append(flag("force_hints", None))
     return " ".join(args + [flag("output", q(output))])

@@ -18,7 +18,7 @@ from torch import nn
 
 from .apply import Engine, inspect_blocks
 from .baselines import attach_out_projections, with_model_defaults
-from .detect.config import Hints
+from .detect.config import HintInput, Hints
 from .detect.module import ModuleDetection, detect_module
 from .distributed import any_sharded, inspect_sharded, refuse_meta, unwrapped, write_sharded
 from .errors import OptionError
@@ -43,9 +43,9 @@ def reinit_(
     seed: int = 0,
     gain: float | None = None,
     std: float | None = None,
-    num_heads: int | None = None,
-    num_kv_heads: int | None = None,
-    head_dim: int | None = None,
+    num_heads: HintInput = None,
+    num_kv_heads: HintInput = None,
+    head_dim: HintInput = None,
     example_inputs: Any = None,
     full: bool = False,
 ) -> Report:
@@ -93,9 +93,9 @@ def reinit_(
 def inspect_module(
     module: nn.Module,
     *,
-    num_heads: int | None = None,
-    num_kv_heads: int | None = None,
-    head_dim: int | None = None,
+    num_heads: HintInput = None,
+    num_kv_heads: HintInput = None,
+    head_dim: HintInput = None,
     example_inputs: Any = None,
     full: bool = False,
 ) -> Report:

@@ -32,9 +32,33 @@ def detect(tensors: Mapping[str, TensorInfo], config: dict | None = None, hints:
     blocks = [_build(module, rule, stack, layer, stage, tensors, view) for module, rule, stack, layer, stage in placed]
     if not blocks:
         raise NoAttentionFoundError(_nothing_found(tensors, notes, source))
+    view.hints.check_stacks(list(dict.fromkeys(b.stack for b in blocks)))
+    _refuse_mixed_widths(blocks, view)
     blocks = shared_blocks(blocks, view)
     depths = stack_depths([b.stack for b in blocks], tensors)
     return Detection(blocks, len(tensors), _assumed_layouts(blocks, view) + notes, depths=depths)
+
+
+def _refuse_mixed_widths(blocks: list[AttentionBlock], view: ConfigView) -> None:
+    """One --num-heads without a config cannot be right for blocks of different widths: a count that
+    fits one splits the others into heads they do not have (a 4-head block read as 16 heads)."""
+    count = view.hints.num_heads
+    if view.has_config or view.hints.force or not isinstance(count, int):
+        return
+    widths: dict[int, list[AttentionBlock]] = {}
+    for b in blocks:
+        widths.setdefault(b.heads * b.head_dim, []).append(b)
+    if len(widths) < 2:
+        return
+    listed = "; ".join(f"{w} wide: {', '.join(b.module or '(top level)' for b in bs[:2])}{', ...' if len(bs) > 2 else ''}" for w, bs in widths.items())
+    stacks = {w: {b.stack for b in bs} for w, bs in widths.items()}
+    apart = all(not (a & b) for i, a in enumerate(stacks.values()) for b in list(stacks.values())[i + 1 :])
+    per_stack = ",".join(f"{s}=N" for ss in stacks.values() for s in sorted(ss) if s)
+    how = f"give each stack its own count ({opt('num_heads', per_stack)})" if apart and per_stack else "describe the model"
+    raise LayoutError(
+        f"one {opt('num_heads', count)} for attention blocks of different widths ({listed}): a count that fits one splits "
+        f"the others into heads they do not have; {how}, pass {opt('config', 'PATH')}, or {opt('force_hints', True)} to split every block into {count} heads"
+    )
 
 
 def shared_blocks(blocks: list[AttentionBlock], view: ConfigView) -> list[AttentionBlock]:

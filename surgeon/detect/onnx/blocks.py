@@ -148,7 +148,7 @@ def _block(
         raise LayoutError(
             f"{where}: num_heads={core.num_heads} but its {q.width} query features are {heads} heads of {d}"
         )
-    hinted = view.hints.num_heads
+    hinted = view.hints.get("num_heads", module)
     if hinted and hinted != heads:
         note = f"{opt('num_heads', hinted)} ignored for {module}: the graph splits it into {heads} heads of {d}"
     projections = {}
