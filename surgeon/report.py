@@ -246,6 +246,6 @@ def _where(block: AttentionBlock) -> str:
 
 def _tensor_names(block: AttentionBlock) -> str:
     names = block.tensors()
-    prefix = block.module + "." if block.module else ""
+    prefix = block.module.partition("[")[0] + "." if block.module else ""
     return ", ".join(n.removeprefix(prefix) for n in names)
 

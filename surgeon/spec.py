@@ -94,7 +94,9 @@ class AttentionBlock:
     @property
     def label(self) -> str:
         layers = ",".join(map(str, self.users))
-        return f"{self.stack}.{layers}" if self.stack else layers
+        tag = self.module.partition("[")[2].rstrip("]")  # a second set of the module: Longformer's [global]
+        tag = f" [{tag}]" if tag and not tag.isdigit() else ""
+        return (f"{self.stack}.{layers}" if self.stack else layers) + tag
 
     def tensors(self) -> list[str]:
         names: list[str] = []
@@ -161,6 +163,12 @@ def _codegen(heads: int, kv_heads: int) -> list[Slot]:
     return [(r, c * per + i) for c in range(chunks) for r in "qvk" for i in range(per)]
 
 
+def _gated(heads: int, kv_heads: int) -> list[Slot]:
+    # gated attention (Qwen3-Next, Qwen3.5): q_proj rows viewed as (H, 2, d): each head's query, then the
+    # gate of its output; the gate is no projection of attention and is never written
+    return [(r, h) for h in range(heads) for r in ("q", "gate")]
+
+
 PACKINGS: dict[str, Packing] = {
     "q": _single("q"),
     "k": _single("k"),
@@ -170,6 +178,7 @@ PACKINGS: dict[str, Packing] = {
     "interleaved": _interleaved,
     "grouped": _grouped,
     "codegen": _codegen,
+    "gated": _gated,
 }
 
 

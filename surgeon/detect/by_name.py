@@ -16,7 +16,18 @@ from ..formats.base import TensorInfo
 from ..spec import AttentionBlock, Projection, Rows, packed_size, slot_offsets
 from . import Detection
 from .config import ConfigView, Hints
-from .families import CROSS_WORDS, KV_SLOTS, QUANT_PARAMS, RULES, SHARED_BLOCKS, Part, Rule, projection_names  # noqa: F401
+from .families import (  # noqa: F401
+    CROSS_WORDS,
+    KV_SLOTS,
+    QUANT_PARAMS,
+    REFUSED,
+    RULES,
+    SECOND_SETS,
+    SHARED_BLOCKS,
+    Part,
+    Rule,
+    projection_names,
+)
 from .placement import join, kind, place, stack_depths
 
 T = TypeVar("T")
@@ -30,13 +41,39 @@ def detect(tensors: Mapping[str, TensorInfo], config: dict | None = None, hints:
     notes = _partial_matches(tensors, matches)
     placed = place_matches(matches)
     blocks = [_build(module, rule, stack, layer, stage, tensors, view) for module, rule, stack, layer, stage in placed]
+    refused = _refused(tensors)
     if not blocks:
+        if refused:
+            raise UnsupportedWeightsError(refused[0])
         raise NoAttentionFoundError(_nothing_found(tensors, notes, source))
+    notes = [f"left untouched: {r}" for r in refused] + notes
     view.hints.check_stacks(list(dict.fromkeys(b.stack for b in blocks)))
     _refuse_mixed_widths(blocks, view)
     blocks = shared_blocks(blocks, view)
     depths = stack_depths([b.stack for b in blocks], tensors)
-    return Detection(blocks, len(tensors), _assumed_layouts(blocks, view) + notes, depths=depths)
+    return Detection(blocks, len(tensors), _assumed_layouts(blocks, view) + _gated(blocks) + notes, depths=depths)
+
+
+def _refused(tensors: Mapping[str, TensorInfo]) -> list[str]:
+    """One message per refused layout present (REFUSED), naming its modules and why."""
+    out = []
+    for rule in REFUSED:
+        modules = [n[: -len(rule.weights[0]) - 1] for n in tensors if n.endswith("." + rule.weights[0])]
+        modules = [m for m in modules if all(join(m, w) in tensors for w in rule.weights)]
+        if modules:
+            where = f"{modules[0]}" + (f" and {len(modules) - 1} more" if len(modules) > 1 else "")
+            out.append(f"{where} use {rule.name}, which surgeon does not re-initialize: {rule.why}")
+    return out
+
+
+def _gated(blocks: list[AttentionBlock]) -> list[str]:
+    gated = [b for b in blocks if b.layout.endswith("gated q")]
+    if not gated:
+        return []
+    return [
+        f"gated attention: {gated[0].q.weight.tensor.rsplit('.', 1)[0]} (and {len(gated) - 1} more) holds per head {gated[0].head_dim} query rows, "
+        "then the output gate's rows; the query rows are re-initialized, the gate rows are kept byte for byte"
+    ]
 
 
 def _refuse_mixed_widths(blocks: list[AttentionBlock], view: ConfigView) -> None:
@@ -137,7 +174,16 @@ def match_modules(tensors: Mapping[str, TensorInfo]) -> dict[str, Rule]:
                 break
     # A module that is itself a projection of a matched parent (e.g. "...attn.qkv" inside timm
     # when "...attn" matched) is not a second attention block.
+    for module in list(found):
+        for tag, rule in SECOND_SETS:
+            if all(join(module, p.weight) in tensors for p in rule.parts):
+                found[f"{module}[{tag}]"] = rule
     return found
+
+
+def owner(module: str) -> str:
+    """The module that holds a block's tensors: "x.attention.self" for its second set "x.attention.self[global]"."""
+    return module.partition("[")[0]
 
 
 def _partial_matches(tensors: Mapping[str, TensorInfo], matches: dict[str, Rule]) -> list[str]:
@@ -184,7 +230,7 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
             f"pass {opt('num_heads', 'N')} (and {opt('num_kv_heads')} for grouped-query attention), or {opt('config', 'PATH')}"
         )
     kv_hint = facts.pick(facts.kv_heads, stage)
-    parts = [(p, tensors[join(module, p.weight)]) for p in rule.parts]
+    parts = [(p, tensors[join(owner(module), p.weight)]) for p in rule.parts]
     for _, info in parts:
         if not info.is_float:
             raise UnsupportedWeightsError(
@@ -207,9 +253,11 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
     for (part, info), packing, axis in zip(parts, packings, orientations):
         offsets = slot_offsets(packing, heads, kv_heads, head_dim)
         in_features = info.shape[1 - axis]
-        bias_name = join(module, part.bias) if part.bias else None
+        bias_name = join(owner(module), part.bias) if part.bias else None
         bias_offsets = slot_offsets(part.bias_packing or packing, heads, kv_heads, head_dim)
         for role, offs in offsets.items():
+            if role not in ("q", "k", "v"):
+                continue  # a gate: not attention, left as it is
             bias = None
             if bias_name is not None and bias_name in tensors and tensors[bias_name].shape == (packed_size(part.bias_packing or packing, heads, kv_heads, head_dim),):
                 bias = Rows(bias_name, 0, bias_offsets[role], head_dim)
@@ -219,7 +267,7 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
         layer=layer,
         kind=kind(module),
         module=module,
-        layout=rule.name,
+        layout=rule.name + (", gated q" if "gated" in packings else "") + (f" [{module.partition('[')[2]}" if "[" in module else ""),
         heads=heads,
         kv_heads=kv_heads,
         head_dim=head_dim,
@@ -230,8 +278,8 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
 
 
 def _packing(part: Part, view: ConfigView, stack: str, where: str) -> str:
-    if part.packing in ("q", "k", "v"):
-        return part.packing
+    if part.packing in ("q", "k", "v"):  # a family may pack more into it (gated attention's q_proj)
+        return view.fused_packing(part.weight.rsplit(".", 1)[0], stack) or part.packing
     packing = view.fused_packing(part.weight.rsplit(".", 1)[0], stack) or (None if part.packing == "auto" else part.packing)
     if packing is None:
         raise LayoutError(
@@ -280,8 +328,9 @@ def _head_dim_candidates(parts, packings, outs, ins, heads, hint, hidden):
         return [hint]
     cands = []
     for packing, out in zip(packings, outs):
-        if packing == "q" and out % heads == 0:
-            cands.append(out // heads)
+        per_head = 2 if packing == "gated" else 1  # gated: a query and a gate block per head
+        if packing in ("q", "gated") and out % (heads * per_head) == 0:
+            cands.append(out // (heads * per_head))
     width = hidden or ins[0]
     if width % heads == 0:
         cands.append(width // heads)
