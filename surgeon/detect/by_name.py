@@ -40,6 +40,7 @@ def detect(tensors: Mapping[str, TensorInfo], config: dict | None = None, hints:
     matches = match_modules(tensors)
     notes = _partial_matches(tensors, matches)
     placed = place_matches(matches)
+    view.hints.check_stacks(list(dict.fromkeys(stack for _, _, stack, _, _ in placed)))
     blocks = [_build(module, rule, stack, layer, stage, tensors, view) for module, rule, stack, layer, stage in placed]
     refused = _refused(tensors)
     if not blocks:
@@ -47,7 +48,6 @@ def detect(tensors: Mapping[str, TensorInfo], config: dict | None = None, hints:
             raise UnsupportedWeightsError(refused[0])
         raise NoAttentionFoundError(_nothing_found(tensors, notes, source))
     notes = [f"left untouched: {r}" for r in refused] + notes
-    view.hints.check_stacks(list(dict.fromkeys(b.stack for b in blocks)))
     _refuse_mixed_widths(blocks, view)
     blocks = shared_blocks(blocks, view)
     depths = stack_depths([b.stack for b in blocks], tensors)
@@ -227,7 +227,7 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
         raise LayoutError(
             f"cannot tell the number of heads of {where}: "
             f"{facts.source + ' does not say' if view.has_config else 'there is no config.json beside the weights'}; "
-            f"pass {opt('num_heads', 'N')} (and {opt('num_kv_heads')} for grouped-query attention), or {opt('config', 'PATH')}"
+            f"pass {opt('num_heads', 'N')} (or one per stack, {opt('num_heads', f'{stack or where}=N')}; and {opt('num_kv_heads')} for grouped-query attention), or {opt('config', 'PATH')}"
         )
     kv_hint = facts.pick(facts.kv_heads, stage)
     parts = [(p, tensors[join(owner(module), p.weight)]) for p in rule.parts]
