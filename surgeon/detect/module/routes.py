@@ -12,7 +12,7 @@ from ...formats.base import TensorInfo
 from ...spec import AttentionBlock, Projection, Rows, slot_offsets
 from ..by_name import detect, match_modules
 from ..config import Hints
-from ..placement import join, kind
+from ..placement import join, kind, stack_depths
 from .decode import placed, prefixed, probe_blocks, under
 
 
@@ -76,7 +76,9 @@ def detect_module(module: nn.Module, *, hints: Hints | None = None, example_inpu
         routes.update({b.module: "forward" for b in probed})
         _refuse_unseen(module, rest, probed, example_inputs)
     if own:
-        _add(found, placed(own), None, routes)
+        own = placed(own)
+        _add(found, own, None, routes)
+        found.depths.update(stack_depths([b.stack for b in own], [n for n, _ in module.named_modules()]))
     if not found.blocks:
         raise NoAttentionFoundError(_nothing(module))
     return found

@@ -15,7 +15,7 @@ from ...errors import LayoutError, NoAttentionFoundError, opt
 from ...spec import AttentionBlock, Projection, Rows
 from .. import Detection
 from ..config import ConfigView, Hints
-from ..placement import place
+from ..placement import place, stack_depths
 from .graph import Fail, Graph
 from .projection import Core, Proj
 from .walker import Walker
@@ -71,7 +71,13 @@ def find_attention(
             users[(module, role)] = {"weight": set(p.weight_nodes), "bias": set(p.bias_nodes)}
             for m in p.weight_nodes | p.bias_nodes:
                 owners.setdefault(m, (block.label, role))
-    return OnnxDetection(Detection(blocks, len(graph.inits), notes), graph, users, owners)
+    depths = stack_depths([b.stack for b in blocks], _names(graph))
+    return OnnxDetection(Detection(blocks, len(graph.inits), notes, depths=depths), graph, users, owners)
+
+
+def _names(graph: Graph) -> list[str]:
+    """Initializer names and node scopes: where a stack's layers without attention show."""
+    return list(graph.inits) + [s for s in (graph.scope(n) for n in range(len(graph.nodes))) if s]
 
 
 def _weight_set(core: Core) -> tuple:
