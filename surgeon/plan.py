@@ -238,7 +238,8 @@ def make_plan(blocks: list[AttentionBlock], options: ReinitOptions, depths: Mapp
     by_stack: dict[str, list[AttentionBlock]] = {}
     for b in chosen:
         by_stack.setdefault(b.stack, []).append(b)
-    picks = {stack: _pick_layers(stack, members, blocks, depths or {}, options.layers, len(by_stack) > 1) for stack, members in by_stack.items()}
+    what = "attention" if options.attention == "all" else f"{options.attention}-attention"
+    picks = {s: _pick_layers(s, members, blocks, depths or {}, options.layers, len(by_stack) > 1, what) for s, members in by_stack.items()}
     if not any(isinstance(p, set) for p in picks.values()):
         raise next(iter(picks.values()))  # type: ignore[misc]  # no stack has the selected layers: the first reason
     for stack, members in by_stack.items():
@@ -246,7 +247,7 @@ def make_plan(blocks: list[AttentionBlock], options: ReinitOptions, depths: Mapp
         if not isinstance(layers, set):
             plan.notes.append(f"{stack or 'the model'} skipped: {layers}")
             continue
-        _note_layers(plan, stack, members, layers, options.layers)
+        _note_layers(plan, stack, members, layers, options.layers, what)
         for block in members:
             if not layers & set(block.users):
                 continue
@@ -263,7 +264,7 @@ def make_plan(blocks: list[AttentionBlock], options: ReinitOptions, depths: Mapp
 
 
 def _pick_layers(stack: str, members: list[AttentionBlock], blocks: list[AttentionBlock], depths: Mapping[str, int],
-                 spec: IndexSpec, several: bool) -> set[int] | SelectionError:
+                 spec: IndexSpec, several: bool, what: str) -> set[int] | SelectionError:
     """The selected layers of ``stack``, or why it has none (the error to raise if no stack has any)."""
     depth = max([depths.get(stack, 0)] + [max(b.users) + 1 for b in blocks if b.stack == stack])
     where = f"{stack or 'the model'}" + (f" (pick a stack with {opt('stack')})" if several else "")
@@ -274,20 +275,20 @@ def _pick_layers(stack: str, members: list[AttentionBlock], blocks: list[Attenti
     attended = sorted({layer for b in members for layer in b.users})
     if not layers & set(attended):
         return SelectionError(
-            f"{opt('layers', _spelled(spec))} selects only layers without attention in {stack or 'the model'} "
-            f"(layer{'s' if len(layers) > 1 else ''} {format_indices(sorted(layers))}): the layers with attention are {format_indices(attended)}"
+            f"{opt('layers', _spelled(spec))} selects only layers without {what} in {stack or 'the model'} "
+            f"(layer{'s' if len(layers) > 1 else ''} {format_indices(sorted(layers))}): the layers with {what} are {format_indices(attended)}"
         )
     return layers
 
 
-def _note_layers(plan: Plan, stack: str, members: list[AttentionBlock], layers: set[int], spec: IndexSpec) -> None:
+def _note_layers(plan: Plan, stack: str, members: list[AttentionBlock], layers: set[int], spec: IndexSpec, what: str) -> None:
     """Say which selected layers have no attention, and which shared blocks change several layers."""
     attended = {layer for b in members for layer in b.users}
     without = sorted(layers - attended)
     if without and not _is_all(spec):
         plan.notes.append(
             f"layer{'s' if len(without) > 1 else ''} {format_indices(without)} of {stack or 'the model'} "
-            f"{'have' if len(without) > 1 else 'has'} no attention (e.g. Mamba, convolution or recurrent layers): skipped"
+            f"{'have' if len(without) > 1 else 'has'} no {what}" + (" (e.g. Mamba, convolution or recurrent layers)" if what == "attention" else "") + ": skipped"
         )
     for block in members:
         if len(block.users) > 1 and layers & set(block.users):

@@ -71,13 +71,14 @@ def find_attention(
             users[(module, role)] = {"weight": set(p.weight_nodes), "bias": set(p.bias_nodes)}
             for m in p.weight_nodes | p.bias_nodes:
                 owners.setdefault(m, (block.label, role))
-    depths = stack_depths([b.stack for b in blocks], _names(graph))
-    return OnnxDetection(Detection(blocks, len(graph.inits), notes, depths=depths), graph, users, owners)
+    return OnnxDetection(Detection(blocks, len(graph.inits), notes, depths=_depths(graph, blocks)), graph, users, owners)
 
 
-def _names(graph: Graph) -> list[str]:
-    """Initializer names and node scopes: where a stack's layers without attention show."""
-    return list(graph.inits) + [s for s in (graph.scope(n) for n in range(len(graph.nodes))) if s]
+def _depths(graph: Graph, blocks: list[AttentionBlock]) -> dict[str, int]:
+    """Layers per stack, those without attention included: from initializer names (legacy and dynamo
+    exports keep parameter paths), else from every node's scope (read only when the names say nothing)."""
+    stacks = [b.stack for b in blocks]
+    return stack_depths(stacks, graph.inits) or stack_depths(stacks, (s for s in map(graph.scope, range(len(graph.nodes))) if s))
 
 
 def _weight_set(core: Core) -> tuple:
