@@ -191,3 +191,25 @@ def test_a_stack_without_the_layer_is_skipped_with_a_note(tmp_path):
     with pytest.raises(SelectionError, match="layer 2 is out of range"):
         reinit_checkpoint(src, output=tmp_path / "never", layers="2")
     assert tree_digest(tmp_path) == before
+
+
+def test_latent_attention_in_an_onnx_export_is_named_and_refused(tmp_path):
+    import warnings
+
+    model = build("deepseek_v3")
+
+    class Logits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, ids, mask):
+            return self.m(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+    path = tmp_path / "m.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Logits().eval(), (torch.arange(1, 9).view(1, 8), torch.ones(1, 8, dtype=torch.long)), str(path),
+                          input_names=["ids", "mask"], dynamo=False, opset_version=18)
+    with pytest.raises(UnsupportedWeightsError, match=r"uses multi-head latent attention \(MLA: .*\(kv_a_proj_with_mqa, kv_b_proj\)"):
+        inspect_checkpoint(path, device="cpu")

@@ -11,10 +11,11 @@ from typing import Literal
 import numpy as np
 import onnx
 
-from ...errors import LayoutError, NoAttentionFoundError, opt
+from ...errors import LayoutError, NoAttentionFoundError, UnsupportedWeightsError, opt
 from ...spec import AttentionBlock, Projection, Rows
 from .. import Detection
 from ..config import ConfigView, Hints
+from ..families import REFUSED
 from ..placement import place, stack_depths
 from .graph import Fail, Graph
 from .projection import Core, Proj
@@ -54,6 +55,7 @@ def find_attention(
         except Fail as exc:
             failures.append(f"{graph.describe(n)}: {exc}")
     if not resolved:
+        _refuse_named(graph, source)
         raise NoAttentionFoundError(_nothing_found(graph, cores, failures, source))
     resolved, scopes, repeats = _one_per_weight_set(resolved, _scopes(graph, resolved))
     fallback = [graph.nodes[c.node].name or f"{graph.nodes[c.node].op_type}_{c.node}" for c in resolved]
@@ -79,6 +81,16 @@ def _depths(graph: Graph, blocks: list[AttentionBlock]) -> dict[str, int]:
     exports keep parameter paths), else from every node's scope (read only when the names say nothing)."""
     stacks = [b.stack for b in blocks]
     return stack_depths(stacks, graph.inits) or stack_depths(stacks, (s for s in map(graph.scope, range(len(graph.nodes))) if s))
+
+
+def _refuse_named(graph: Graph, source: str) -> None:
+    """A layout surgeon refuses (REFUSED: multi-head latent attention), named where the exporter kept
+    its module names in node or initializer names, rather than "no attention found"."""
+    names = [n.name for n in graph.nodes] + list(graph.inits)
+    for rule in REFUSED:
+        leaves = [w.rsplit(".", 1)[0] for w in rule.weights]
+        if all(any(leaf in name for name in names) for leaf in leaves):
+            raise UnsupportedWeightsError(f"{source} uses {rule.name} ({', '.join(leaves)}), which surgeon does not re-initialize: {rule.why}")
 
 
 def _weight_set(core: Core) -> tuple:
