@@ -51,7 +51,8 @@ def detect(tensors: Mapping[str, TensorInfo], config: dict | None = None, hints:
     _refuse_mixed_widths(blocks, view)
     blocks = shared_blocks(blocks, view)
     depths = stack_depths([b.stack for b in blocks], tensors)
-    return Detection(blocks, len(tensors), _assumed_layouts(blocks, view) + _gated(blocks) + notes, depths=depths)
+    notes = _assumed_layouts(blocks, view) + _gated(blocks) + _adapters(blocks, view) + notes
+    return Detection(blocks, len(tensors), notes, depths=depths)
 
 
 def _refused(tensors: Mapping[str, TensorInfo]) -> list[str]:
@@ -73,6 +74,16 @@ def _gated(blocks: list[AttentionBlock]) -> list[str]:
     return [
         f"gated attention: {gated[0].q.weight.tensor.rsplit('.', 1)[0]} (and {len(gated) - 1} more) holds per head {gated[0].head_dim} query rows, "
         "then the output gate's rows; the query rows are re-initialized, the gate rows are kept byte for byte"
+    ]
+
+
+def _adapters(blocks: list[AttentionBlock], view: ConfigView) -> list[str]:
+    rule = SHARED_BLOCKS.get(view.model_type or "")
+    if rule is None or not rule.adapters_flag or view.config.get(rule.adapters_flag) is not True or not any(b.shared_layers for b in blocks):
+        return []
+    return [
+        f"each layer adds its own adapter to the shared block's q/k/v ({rule.adapters_flag}); the adapters are kept, so a "
+        "layer's query/key/value maps are the re-initialized weights plus its adapter"
     ]
 
 

@@ -162,11 +162,12 @@ class SharedBlocks:
     types_key: str
     type_name: str
     count_key: str | None = None
+    adapters_flag: str | None = None  # config flag of per-layer adapters added to the shared q/k/v (kept as they are)
 
 
 SHARED_BLOCKS = {
     "zamba": SharedBlocks("shared_transf", "layers_block_type", "hybrid"),
-    "zamba2": SharedBlocks("shared_transformer", "layers_block_type", "hybrid", "num_mem_blocks"),
+    "zamba2": SharedBlocks("shared_transformer", "layers_block_type", "hybrid", "num_mem_blocks", "use_shared_attention_adapter"),
 }
 
 
