@@ -245,7 +245,8 @@ def make_plan(blocks: list[AttentionBlock], options: ReinitOptions, depths: Mapp
     for stack, members in by_stack.items():
         layers = picks[stack]
         if not isinstance(layers, set):
-            plan.notes.append(f"{stack or 'the model'} skipped: {layers}")
+            why = layers.message.replace(_PICK_A_STACK, "")  # other stacks have the layer: no advice needed
+            plan.notes.append(f"{stack or 'the model'} skipped: {why}")
             continue
         _note_layers(plan, stack, members, layers, options.layers, what)
         for block in members:
@@ -263,11 +264,14 @@ def make_plan(blocks: list[AttentionBlock], options: ReinitOptions, depths: Mapp
     return plan
 
 
+_PICK_A_STACK = f" (pick a stack with {opt('stack')})"
+
+
 def _pick_layers(stack: str, members: list[AttentionBlock], blocks: list[AttentionBlock], depths: Mapping[str, int],
                  spec: IndexSpec, several: bool, what: str) -> set[int] | SelectionError:
     """The selected layers of ``stack``, or why it has none (the error to raise if no stack has any)."""
     depth = max([depths.get(stack, 0)] + [max(b.users) + 1 for b in blocks if b.stack == stack])
-    where = f"{stack or 'the model'}" + (f" (pick a stack with {opt('stack')})" if several else "")
+    where = f"{stack or 'the model'}" + (_PICK_A_STACK if several else "")
     try:
         layers = set(resolve_indices(spec, depth, what="layer", where=where))
     except SelectionError as exc:
