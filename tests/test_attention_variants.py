@@ -213,3 +213,18 @@ def test_latent_attention_in_an_onnx_export_is_named_and_refused(tmp_path):
                           input_names=["ids", "mask"], dynamo=False, opset_version=18)
     with pytest.raises(UnsupportedWeightsError, match=r"uses multi-head latent attention \(MLA: .*\(kv_a_proj_with_mqa, kv_b_proj\)"):
         inspect_checkpoint(path, device="cpu")
+
+
+def test_a_per_stack_hint_is_read_by_the_first_word_it_names():
+    from surgeon.detect.config import Hints
+    from surgeon.errors import OptionError
+
+    hints = Hints(num_heads="encoder=4,decoder=2,vision=8")
+    assert hints.get("num_heads", "decoder.bert.encoder.layer") == 2  # an EncoderDecoderModel's decoder
+    assert hints.get("num_heads", "encoder.encoder.layer") == 4
+    assert hints.get("num_heads", "vision_model.encoder.layers") == 8
+    assert hints.get("num_heads", "text_model.layers") is None and hints.spelled("num_heads") == "encoder=4,decoder=2,vision=8"
+    assert Hints(num_heads="16").num_heads == 16 and Hints(num_heads={"pool": 4}).get("num_heads", "pool.attn") == 4
+    for bad in ("encoder=", "=4", "encoder=0", "x", 0, True):
+        with pytest.raises(OptionError):
+            Hints(num_heads=bad)

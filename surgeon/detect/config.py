@@ -51,9 +51,9 @@ class Hints:
             return value  # an int or None once read (__post_init__)
         if stack in value:
             return value[stack]
-        for word in stack.split("."):
+        for word in stack.split("."):  # the first word a key names decides (decoder.bert.encoder.layer: decoder)
             for key, count in value.items():
-                if key == word or key == word.split("_")[0]:
+                if _names(key, word):
                     return count
         return None
 
@@ -66,7 +66,6 @@ class Hints:
                     shown = ", ".join(s or "(top level)" for s in stacks)
                     raise LayoutError(f"{opt(name, _spelled(value))} names {key!r}, which is no stack of this model: its stacks are {shown}")
 
-
     def spelled(self, name: str) -> str | None:
         """The hint as a command line writes it (``16``, ``encoder=16,decoder=4``), or None."""
         value = getattr(self, name)
@@ -74,6 +73,7 @@ class Hints:
 
 
 def _names(key: str, stack: str) -> bool:
+    """Whether a per-stack key names ``stack``: its path, or a word of it (``vision`` names ``vision_model``)."""
     return key == stack or any(key == w or key == w.split("_")[0] for w in stack.split("."))
 
 
