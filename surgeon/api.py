@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from . import hub
 from ._version import __version__
 from .detect import Detection, detect_source
-from .detect.config import Hints
+from .detect.config import HintInput, Hints
 from .errors import CheckpointError, HubError, OptionError, opt
 from .modes import get_mode
 from .output import companion_files, copy_extras, output_kind, resolve_output, staged, tree_size
@@ -50,9 +50,9 @@ def inspect_checkpoint(
     *,
     revision: str | None = None,
     config: str | Path | None = None,
-    num_heads: int | None = None,
-    num_kv_heads: int | None = None,
-    head_dim: int | None = None,
+    num_heads: HintInput = None,
+    num_kv_heads: HintInput = None,
+    head_dim: HintInput = None,
     force_hints: bool = False,
     device: str | torch.device = "auto",
     full: bool = False,
@@ -124,9 +124,9 @@ def reinit_checkpoint(
     dry_run: bool = False,
     device: str | torch.device = "auto",
     config: str | Path | None = None,
-    num_heads: int | None = None,
-    num_kv_heads: int | None = None,
-    head_dim: int | None = None,
+    num_heads: HintInput = None,
+    num_kv_heads: HintInput = None,
+    head_dim: HintInput = None,
     force_hints: bool = False,
     full: bool = False,
     progress: bool = False,
@@ -159,12 +159,12 @@ def reinit_checkpoint(
     _check_push_output(push, source)
     hints = Hints(num_heads, num_kv_heads, head_dim, force_hints)
     detection = detect_source(source, hints)
-    plan = prepare(detection.blocks, opts, config=source.config, shapes={n: t.shape for n, t in source.primary.tensors.items()}, fmt=source.format)
+    plan = prepare(detection.blocks, opts, config=source.config, shapes={n: t.shape for n, t in source.primary.tensors.items()}, fmt=source.format, depths=detection.depths)
     opts = plan.options  # with the mode's defaults from config (redraw: the family's std)
     dest = resolve_output(source, output, in_place=in_place, overwrite=overwrite or dry_run, folder=push is not None)
     report = Report(
         "reinit", _label(source), source.describe(), detection.blocks, options=opts.to_dict(),
-        output=str(dest), dry_run=dry_run, device=str(device), notes=source.notes + detection.notes[:5],
+        output=str(dest), dry_run=dry_run, device=str(device), notes=source.notes + detection.notes[:5] + plan.notes,
     )
     if dry_run:
         return _plan_report(report, source, plan, dest, overwrite=overwrite, in_place=in_place, push=push)

@@ -79,9 +79,10 @@ def reproduce_command(model: str, *, revision: str | None, options: dict, hints:
             args.append(f"{flag(name, None)}={q(spec(value))}")
         else:
             args.append(flag(name, q(",".join(value) if isinstance(value, list) else str(value))))
-    for name, value in (("num_heads", hints.num_heads), ("num_kv_heads", hints.num_kv_heads), ("head_dim", hints.head_dim)):
+    for name in ("num_heads", "num_kv_heads", "head_dim"):
+        value = hints.spelled(name)
         if value is not None:
-            args.append(flag(name, str(value)))
+            args.append(flag(name, q(value)))
     if hints.force:
         args.append(flag("force_hints", None))
     return " ".join(args + [flag("output", q(output))])
@@ -118,6 +119,7 @@ def build_card(*, source: Source, plan: Plan, results: list[ProjectionResult], c
         "## What was done",
         _options_table(plan),
         _blocks_table(plan),
+        *_plan_notes(plan),
         "## Condition numbers",
         "Measured by this run on the weights as written: kappa = sigma_max / sigma_min of each head's matrix, "
         "min / median / max over the heads of each projection (and of the whole projection, when measured with --full).",
@@ -195,6 +197,13 @@ def _blocks_table(plan: Plan) -> str:
                 cells.append(f"all {total} heads" if len(change.heads) == total else f"heads {format_indices(change.heads)} of {total}")
         lines.append(f"| `{block.module}` | {block.kind} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _plan_notes(plan: Plan) -> list[str]:
+    """What the selection skipped, and shared blocks that change several layers (as the report says)."""
+    from .errors import shell_spelling, spell
+
+    return ["\n".join(f"- {spell(n, shell_spelling)}" for n in plan.notes)] if plan.notes else []
 
 
 def _kappa_table(results: list[ProjectionResult]) -> str:

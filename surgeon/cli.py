@@ -63,15 +63,33 @@ plot_option = click.option(
 )
 
 
+class _Hint(click.ParamType):
+    """A head count: ``16``, or one per stack, ``encoder=16,decoder=4`` (read by surgeon.detect.config)."""
+
+    name = "N|STACK=N,..."
+
+    def convert(self, value, param, ctx):
+        from .detect.config import parse_hint
+        from .errors import OptionError
+
+        try:
+            return parse_hint(param.name if param else "num_heads", value)
+        except OptionError:
+            self.fail(f"{value!r} is not a count of 1 or more, nor one per stack (encoder=16,decoder=4)", param, ctx)
+
+
+HINT = _Hint()
+
+
 def model_options(fn):
     """Options that tell surgeon about the checkpoint when its config.json does not."""
     for decorator in reversed(
         [
             click.option("--revision", metavar="REV", help="Branch, tag or commit hash of a Hub MODEL (default: its main branch)."),
             click.option("--config", "config", type=click.Path(dir_okay=False), help="config.json to read heads from (default: the one beside the weights)."),
-            click.option("--num-heads", type=click.IntRange(min=1), help="Number of query heads, when there is no config.json."),
-            click.option("--num-kv-heads", type=click.IntRange(min=1), help="Number of key/value heads (grouped-query attention)."),
-            click.option("--head-dim", type=click.IntRange(min=1), help="Head dimension, when it is not width / heads."),
+            click.option("--num-heads", type=HINT, help="Number of query heads, when there is no config.json; one per stack: encoder=16,decoder=4."),
+            click.option("--num-kv-heads", type=HINT, help="Number of key/value heads (grouped-query attention); may be per stack."),
+            click.option("--head-dim", type=HINT, help="Head dimension, when it is not width / heads; may be per stack."),
             click.option("--force-hints", is_flag=True, help="Use --num-heads/--num-kv-heads/--head-dim even where config.json says otherwise."),
             click.option("--device", default="auto", show_default=True, help="Where generation and factorizations run: auto, cpu, cuda, cuda:N."),
             click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout."),

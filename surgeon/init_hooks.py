@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .apply import Engine
-from .detect.config import Hints
+from .detect.config import HintInput, Hints
 from .detect.module import detect_module
 from .plan import ReinitOptions, prepare
 
@@ -36,8 +36,8 @@ _PLANS: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
 def conditioned_init_(module: nn.Module, *, model: nn.Module | None = None, seed: int = 0, layers="all", targets=("q", "k", "v"),
-                      heads="all", value_identity: str = "block", bias: str = "auto", num_heads: int | None = None,
-                      num_kv_heads: int | None = None, head_dim: int | None = None) -> int:
+                      heads="all", value_identity: str = "block", bias: str = "auto", num_heads: HintInput = None,
+                      num_kv_heads: HintInput = None, head_dim: HintInput = None) -> int:
     """Give the attention blocks inside ``module`` (all of ``model``'s when ``module is model``) conditioned init.
 
     ``model``: the whole model ``module`` belongs to (default: ``module`` itself); its tensor names key
@@ -53,7 +53,7 @@ def conditioned_init_(module: nn.Module, *, model: nn.Module | None = None, seed
     if key not in cache:
         options = ReinitOptions(layers=layers, targets=targets, heads=heads, value_identity=value_identity, bias=bias, seed=seed).validated()
         found = detect_module(model, hints=Hints(num_heads, num_kv_heads, head_dim))
-        plan = prepare(found.blocks, options)
+        plan = prepare(found.blocks, options, depths=found.depths)
         paths = {id(m): p for p, m in model.named_modules()}
         cache[key] = (found, plan, paths, set())
     found, plan, paths, done = cache[key]

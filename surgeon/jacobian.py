@@ -26,7 +26,10 @@ import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .detect.config import HintInput
 
 SAMPLE_TEXT = [
     "The quick brown fox jumps over the lazy dog.",
@@ -143,8 +146,8 @@ def head_terms(x, wq, wk, wv, *, exact: bool) -> dict:
     return out
 
 
-def jacobian_report(model, inputs, *, exact: bool | None = None, exact_limit: int = EXACT_LIMIT, num_heads: int | None = None,
-                    num_kv_heads: int | None = None, head_dim: int | None = None) -> JacobianReport:
+def jacobian_report(model, inputs, *, exact: bool | None = None, exact_limit: int = EXACT_LIMIT, num_heads: HintInput = None,
+                    num_kv_heads: HintInput = None, head_dim: HintInput = None) -> JacobianReport:
     """The Theorem 3.1 terms of every self-attention head of ``model`` on real ``inputs``.
 
     ``inputs``: a tensor of token ids (each row of a 2-D tensor is one input), a list of such tensors,

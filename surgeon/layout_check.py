@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .detect.config import Hints
+from .detect.config import HintInput, Hints
 from .errors import LayoutError, OptionError, opt
 from .spec import AttentionBlock, Projection, Rows
 
@@ -43,9 +43,9 @@ def verify_layout(
     *,
     revision: str | None = None,
     config: str | Path | None = None,
-    num_heads: int | None = None,
-    num_kv_heads: int | None = None,
-    head_dim: int | None = None,
+    num_heads: HintInput = None,
+    num_kv_heads: HintInput = None,
+    head_dim: HintInput = None,
     force_hints: bool = False,
 ) -> LayoutCheck:
     """Raise LayoutError (one line) at the first disagreement; return the agreement otherwise."""

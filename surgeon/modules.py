@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .apply import Engine, inspect_blocks
-from .detect.config import Hints
+from .detect.config import HintInput, Hints
 from .detect.module import ModuleDetection, detect_module
 from .distributed import any_sharded, inspect_sharded, refuse_meta, unwrapped, write_params
 from .errors import OptionError, opt
@@ -43,9 +43,9 @@ def reinit_(
     seed: int = 0,
     gain: float | None = None,
     std: float | None = None,
-    num_heads: int | None = None,
-    num_kv_heads: int | None = None,
-    head_dim: int | None = None,
+    num_heads: HintInput = None,
+    num_kv_heads: HintInput = None,
+    head_dim: HintInput = None,
     example_inputs: Any = None,
     full: bool = False,
 ) -> Report:
@@ -65,7 +65,7 @@ def reinit_(
     start = time.perf_counter()
     with unwrapped(module) as inner:  # DDP, torch.compile, PEFT: the model inside, LoRA bases in place
         found = detect_module(inner, hints=Hints(num_heads, num_kv_heads, head_dim), example_inputs=example_inputs)
-        plan = prepare(found.blocks, options, config=getattr(inner, "config", None), shapes={n: tuple(p.shape) for n, p in found.params.items()})
+        plan = prepare(found.blocks, options, config=getattr(inner, "config", None), shapes={n: tuple(p.shape) for n, p in found.params.items()}, depths=found.depths)
         options = plan.options
         device = found.params[plan.changes[0].projection.weight.tensor].device
         engine = Engine(plan, device, seed_names=found.seed_names, whole=full)
@@ -74,7 +74,7 @@ def reinit_(
         write_params(engine, found.params)
     rows = [ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed) for r in engine.ordered_results()]
     seconds = time.perf_counter() - start
-    notes = _notes(found) + [f"changed {len(engine.tensor_names)} parameters in place in {seconds:.2f} s on {device}"]
+    notes = _notes(found) + plan.notes + [f"changed {len(engine.tensor_names)} parameters in place in {seconds:.2f} s on {device}"]
     return Report(
         "reinit", _label(module), _describe(module), found.blocks, rows, options=options.to_dict(),
         seconds=seconds, device=str(device), notes=notes,
@@ -84,9 +84,9 @@ def reinit_(
 def inspect_module(
     module: nn.Module,
     *,
-    num_heads: int | None = None,
-    num_kv_heads: int | None = None,
-    head_dim: int | None = None,
+    num_heads: HintInput = None,
+    num_kv_heads: HintInput = None,
+    head_dim: HintInput = None,
     example_inputs: Any = None,
     full: bool = False,
 ) -> Report:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -168,6 +168,7 @@ class Plan:
     blocks: list[AttentionBlock]  # everything detected
     changes: list[Change] = field(default_factory=list)
     outputs: dict[str, tuple[str, bool]] = field(default_factory=dict)  # mimetic: block module -> (W_O tensor, nn.Linear layout)
+    notes: list[str] = field(default_factory=list)  # what the selection skipped or reaches beyond its layers
 
     @property
     def touched_blocks(self) -> list[AttentionBlock]:
@@ -191,6 +192,8 @@ class Plan:
         blocks = []
         for block in self.touched_blocks:
             entry: dict = {"module": block.module, "stack": block.stack, "layer": block.layer, "kind": block.kind, "targets": {}}
+            if block.shared_layers:  # one block that these layers all run: every one of them changes
+                entry["shared_layers"] = list(block.shared_layers)
             for c in self.changes:
                 if c.block.module == block.module:
                     entry["targets"][c.role] = "all" if len(c.heads) == c.projection.heads else format_indices(c.heads)
@@ -203,19 +206,20 @@ class Plan:
 
 def prepare(
     blocks: list[AttentionBlock], options: ReinitOptions, *, config: Any = None, shapes: dict[str, tuple[int, ...]] | None = None,
-    fmt: str = "",
+    fmt: str = "", depths: dict[str, int] | None = None,
 ) -> Plan:
     """The one planning step of every entry point (checkpoints, verify, models in memory, init hooks).
 
     Checks the options, fills in what the mode takes from the model's ``config``, makes the plan and
     adds the extra tensors the mode writes (W_O, found among ``shapes``: tensor name -> shape).
-    ``fmt``: the weights' format, for the mode's support check.
+    ``fmt``: the weights' format, for the mode's support check; ``depths``: each stack's number of layers,
+    those without attention included (Detection.depths), so that layer numbers are the model's own.
     """
     options = options.validated()
     mode = get_mode(options.mode)
     if fmt == "onnx" and not mode.onnx:
         raise OptionError(f"{opt('mode', mode.name)} is not supported on ONNX graphs: use a safetensors/PyTorch checkpoint")
-    plan = make_plan(blocks, mode.with_defaults(options, config))
+    plan = make_plan(blocks, mode.with_defaults(options, config), depths)
     mode.add_outputs(plan, shapes or {})
     return plan
 
@@ -230,7 +234,9 @@ def _stack_matches(stack: str, wanted: list[str]) -> bool:
     return any(w == stack or w in comps for w in wanted)
 
 
-def make_plan(blocks: list[AttentionBlock], options: ReinitOptions) -> Plan:
+def make_plan(blocks: list[AttentionBlock], options: ReinitOptions, depths: Mapping[str, int] | None = None) -> Plan:
+    """The changes ``options`` select. Layers are the model's own numbers; ``depths`` (stack -> its
+    layers, those without attention included) lets ``-1`` and ranges reach past the last attention layer."""
     options = options.validated()
     targets = parse_targets(options.targets)
     kinds = parse_attention(options.attention)
@@ -248,12 +254,19 @@ def make_plan(blocks: list[AttentionBlock], options: ReinitOptions) -> Plan:
     by_stack: dict[str, list[AttentionBlock]] = {}
     for b in chosen:
         by_stack.setdefault(b.stack, []).append(b)
+    what = "attention" if options.attention == "all" else f"{options.attention}-attention"
+    picks = {s: _pick_layers(s, members, blocks, depths or {}, options.layers, len(by_stack) > 1, what) for s, members in by_stack.items()}
+    if not any(isinstance(p, set) for p in picks.values()):
+        raise next(iter(picks.values()))  # type: ignore[misc]  # no stack has the selected layers: the first reason
     for stack, members in by_stack.items():
-        depth = max(b.layer for b in blocks if b.stack == stack) + 1
-        where = f"{stack or 'the model'}" + (f" (pick a stack with {opt('stack')})" if len(by_stack) > 1 else "")
-        layers = set(resolve_indices(options.layers, depth, what="layer", where=where))
+        layers = picks[stack]
+        if not isinstance(layers, set):
+            why = layers.message.replace(_PICK_A_STACK, "")  # other stacks have the layer: no advice needed
+            plan.notes.append(f"{stack or 'the model'} skipped: {why}")
+            continue
+        _note_layers(plan, stack, members, layers, options.layers, what)
         for block in members:
-            if block.layer not in layers:
+            if not layers & set(block.users):
                 continue
             q_heads = resolve_indices(options.heads, block.heads, what="head", where=f"{block.module} ({block.heads} heads)")
             for role in targets:
@@ -265,6 +278,54 @@ def make_plan(blocks: list[AttentionBlock], options: ReinitOptions) -> Plan:
             f"the selection picks no projection: check {opt('layers')}, {opt('heads')}, {opt('targets')} and {opt('attention')}"
         )
     return plan
+
+
+_PICK_A_STACK = f" (pick a stack with {opt('stack')})"
+
+
+def _pick_layers(stack: str, members: list[AttentionBlock], blocks: list[AttentionBlock], depths: Mapping[str, int],
+                 spec: IndexSpec, several: bool, what: str) -> set[int] | SelectionError:
+    """The selected layers of ``stack``, or why it has none (the error to raise if no stack has any)."""
+    depth = max([depths.get(stack, 0)] + [max(b.users) + 1 for b in blocks if b.stack == stack])
+    where = f"{stack or 'the model'}" + (_PICK_A_STACK if several else "")
+    try:
+        layers = set(resolve_indices(spec, depth, what="layer", where=where))
+    except SelectionError as exc:
+        return exc
+    attended = sorted({layer for b in members for layer in b.users})
+    if not layers & set(attended):
+        return SelectionError(
+            f"{opt('layers', _spelled(spec))} selects only layers without {what} in {stack or 'the model'} "
+            f"(layer{'s' if len(layers) > 1 else ''} {format_indices(sorted(layers))}): the layers with {what} are {format_indices(attended)}"
+        )
+    return layers
+
+
+def _note_layers(plan: Plan, stack: str, members: list[AttentionBlock], layers: set[int], spec: IndexSpec, what: str) -> None:
+    """Say which selected layers have no attention, and which shared blocks change several layers."""
+    attended = {layer for b in members for layer in b.users}
+    without = sorted(layers - attended)
+    if without and not _is_all(spec):
+        plan.notes.append(
+            f"layer{'s' if len(without) > 1 else ''} {format_indices(without)} of {stack or 'the model'} "
+            f"{'have' if len(without) > 1 else 'has'} no {what}" + (" (e.g. Mamba, convolution or recurrent layers)" if what == "attention" else "") + ": skipped"
+        )
+    for block in members:
+        if len(block.users) > 1 and layers & set(block.users):
+            plan.notes.append(
+                f"{block.module} is one block that layers {format_indices(list(block.users))} of {stack} all run: "
+                f"re-initializing it changes every one of those layers"
+            )
+
+
+def _is_all(spec: IndexSpec) -> bool:
+    return spec is None or (isinstance(spec, str) and spec.strip().lower() == "all")
+
+
+def _spelled(spec: IndexSpec) -> str:
+    if isinstance(spec, (str, int)):
+        return str(spec)
+    return format_indices(sorted(spec)) if spec is not None else "all"
 
 
 def _kv_heads(block: AttentionBlock, q_heads: list[int], role: str) -> list[int]:

@@ -192,7 +192,7 @@ class Report:
             groups.setdefault((b.stack, b.kind, b.layout, b.heads, b.kv_heads, b.head_dim), []).append(b)
         rows = []
         for (stack, kind, layout, heads, kv, d), members in groups.items():
-            rows.append([stack or "(top)", kind, format_indices(sorted(b.layer for b in members)), str(heads), str(kv), str(d), layout, _tensor_names(members[0])])
+            rows.append([stack or "(top)", kind, format_indices(sorted({n for b in members for n in b.users})), str(heads), str(kv), str(d), layout, _tensor_names(members[0])])
         return table(["stack", "kind", "layers", "heads", "kv", "head_dim", "layout", "tensors (first layer)"], rows, right={3, 4, 5})
 
     def _whole_measured(self) -> bool:
@@ -242,6 +242,6 @@ def _where(block: AttentionBlock) -> str:
 
 def _tensor_names(block: AttentionBlock) -> str:
     names = block.tensors()
-    prefix = block.module + "." if block.module else ""
+    prefix = block.module.partition("[")[0] + "." if block.module else ""
     return ", ".join(n.removeprefix(prefix) for n in names)
 

@@ -70,6 +70,14 @@ class AttentionBlock:
     q: Projection
     k: Projection
     v: Projection
+    # Every layer of the stack that runs this one block, where several share it (Zamba2's shared
+    # transformer); empty when only ``layer`` runs it.
+    shared_layers: tuple[int, ...] = ()
+
+    @property
+    def users(self) -> tuple[int, ...]:
+        """The layers whose computation changes when this block changes."""
+        return self.shared_layers or (self.layer,)
 
     @property
     def projections(self) -> tuple[Projection, Projection, Projection]:
@@ -85,7 +93,10 @@ class AttentionBlock:
 
     @property
     def label(self) -> str:
-        return f"{self.stack}.{self.layer}" if self.stack else str(self.layer)
+        layers = ",".join(map(str, self.users))
+        tag = self.module.partition("[")[2].rstrip("]")  # a second set of the module: Longformer's [global]
+        tag = f" [{tag}]" if tag and not tag.isdigit() else ""
+        return (f"{self.stack}.{layers}" if self.stack else layers) + tag
 
     def tensors(self) -> list[str]:
         names: list[str] = []
@@ -102,6 +113,7 @@ class AttentionBlock:
             for key in ("weight", "bias"):
                 if proj[key] is not None:
                     proj[key]["offsets"] = list(proj[key]["offsets"])
+        out["shared_layers"] = list(self.shared_layers)
         return out
 
 
@@ -151,6 +163,12 @@ def _codegen(heads: int, kv_heads: int) -> list[Slot]:
     return [(r, c * per + i) for c in range(chunks) for r in "qvk" for i in range(per)]
 
 
+def _gated(heads: int, kv_heads: int) -> list[Slot]:
+    # gated attention (Qwen3-Next, Qwen3.5): q_proj rows viewed as (H, 2, d): each head's query, then the
+    # gate of its output; the gate is no projection of attention and is never written
+    return [(r, h) for h in range(heads) for r in ("q", "gate")]
+
+
 PACKINGS: dict[str, Packing] = {
     "q": _single("q"),
     "k": _single("k"),
@@ -160,6 +178,7 @@ PACKINGS: dict[str, Packing] = {
     "interleaved": _interleaved,
     "grouped": _grouped,
     "codegen": _codegen,
+    "gated": _gated,
 }
 
 

@@ -21,8 +21,9 @@ def test_layers_vary_stages_come_from_the_path():
     # one block per stage: only the stage number varies, and it is still the stage
     one = [f"encoder.layers.{s}.blocks.0.attention.self" for s in range(2)]
     assert [p.stage for p in place(one).values()] == [0, 1]
+    # a layer is the model's own number (a hybrid's attention in layers 3 and 7 only), not a rank
     assert place(["model.layers.3.self_attn", "model.layers.7.self_attn"])["model.layers.7.self_attn"] == Place(
-        "model.layers", 1, None
+        "model.layers", 7, None
     )
     assert place(["head.attention"]) == {"head.attention": Place("head.attention", 0, None)}
     assert place(["head.attention"], lone="top") == {"head.attention": Place("", 0, None)}

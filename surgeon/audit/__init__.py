@@ -30,6 +30,7 @@ import torch
 
 from .._version import __version__
 from ..card import card_comment
+from ..detect.config import HintInput
 from ..errors import CheckpointError, SurgeonError, VerificationError
 from ..modes import get_mode
 from .record import Record, card_records, other_version_note, parse_record, stored_history
@@ -78,9 +79,9 @@ def verify(
     *,
     revision: str | None = None,
     config: str | Path | None = None,
-    num_heads: int | None = None,
-    num_kv_heads: int | None = None,
-    head_dim: int | None = None,
+    num_heads: HintInput = None,
+    num_kv_heads: HintInput = None,
+    head_dim: HintInput = None,
     force_hints: bool = False,
     device: str | torch.device = "cpu",
 ) -> Verification:
@@ -148,7 +149,7 @@ def _check_weights(src, out, record: Record, earlier, hints, device, output, ori
 
     detection = detect_source(src, hints)
     try:
-        plan = prepare(detection.blocks, record.options, config=src.config, shapes={n: t.shape for n, t in src.primary.tensors.items()}, fmt=src.format)
+        plan = prepare(detection.blocks, record.options, config=src.config, shapes={n: t.shape for n, t in src.primary.tensors.items()}, fmt=src.format, depths=detection.depths)
     except SurgeonError as exc:
         raise DerivedMismatch(f"{output}: its recorded options do not fit {original} ({exc}); is ORIGINAL the model it was made from?") from None
     if plan.record()["blocks"] != record.blocks:

@@ -209,15 +209,24 @@ def _bad_keys(value: dict, types: dict[str, type], required: tuple[str, ...]) ->
 def _block_problem(block: Any) -> str | None:
     if not isinstance(block, dict):
         return f"is {_kind(block)}, not a block"
-    bad = _bad_keys(block, {"module": str, "stack": str, "layer": object, "kind": str, "targets": dict}, ("module", "stack", "layer", "kind", "targets"))
+    fields = {"module": str, "stack": str, "layer": object, "kind": str, "targets": dict, "shared_layers": list}
+    bad = _bad_keys(block, fields, ("module", "stack", "layer", "kind", "targets"))
     if bad:
         return bad
     layer = block["layer"]
-    if layer is not None and (not isinstance(layer, int) or isinstance(layer, bool) or abs(layer) >= 2**31):
+    if layer is not None and not _index(layer):
         return f"has layer {_show(layer)}"
+    shared = block.get("shared_layers", [])
+    if len(shared) > MAX_LIST or not all(_index(i) for i in shared):
+        return f"has shared layers {_show(shared)}"
     if not all(_choice(r, ("q", "k", "v")) and isinstance(h, str) and _text(h) for r, h in block["targets"].items()):
         return "has targets surgeon never records"
     return None
+
+
+def _index(v: Any) -> bool:
+    """A layer number as surgeon records it."""
+    return isinstance(v, int) and not isinstance(v, bool) and abs(v) < 2**31
 
 
 def _kind(value: Any) -> str:

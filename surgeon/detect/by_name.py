@@ -8,14 +8,26 @@ module) hold the projections and how each packs its (role, head) slots. Matching
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TypeVar
 
 from ..errors import LayoutError, NoAttentionFoundError, UnsupportedWeightsError, opt
 from ..formats.base import TensorInfo
 from ..spec import AttentionBlock, Projection, Rows, packed_size, slot_offsets
 from .config import ConfigView, Hints
-from .families import CROSS_WORDS, KV_SLOTS, QUANT_PARAMS, RULES, Part, Rule, projection_names  # noqa: F401
-from .placement import join, kind, place
+from .families import (  # noqa: F401
+    CROSS_WORDS,
+    KV_SLOTS,
+    QUANT_PARAMS,
+    REFUSED,
+    RULES,
+    SECOND_SETS,
+    SHARED_BLOCKS,
+    Part,
+    Rule,
+    projection_names,
+)
+from .placement import join, kind, place, stack_depths
 from .result import Detection
 
 T = TypeVar("T")
@@ -28,10 +40,100 @@ def detect(tensors: Mapping[str, TensorInfo], config: dict | None = None, hints:
     matches = match_modules(tensors)
     notes = _partial_matches(tensors, matches)
     placed = place_matches(matches)
+    view.hints.check_stacks(list(dict.fromkeys(stack for _, _, stack, _, _ in placed)))
     blocks = [_build(module, rule, stack, layer, stage, tensors, view) for module, rule, stack, layer, stage in placed]
+    refused = _refused(tensors)
     if not blocks:
+        if refused:
+            raise UnsupportedWeightsError(refused[0])
         raise NoAttentionFoundError(_nothing_found(tensors, notes, source))
-    return Detection(blocks, len(tensors), _assumed_layouts(blocks, view) + notes)
+    notes = [f"left untouched: {r}" for r in refused] + notes
+    _refuse_mixed_widths(blocks, view)
+    blocks = shared_blocks(blocks, view)
+    depths = stack_depths([b.stack for b in blocks], tensors)
+    notes = _assumed_layouts(blocks, view) + _gated(blocks) + _adapters(blocks, view) + notes
+    return Detection(blocks, len(tensors), notes, depths=depths)
+
+
+def _refused(tensors: Mapping[str, TensorInfo]) -> list[str]:
+    """One message per refused layout present (REFUSED), naming its modules and why."""
+    out = []
+    for rule in REFUSED:
+        modules = [n[: -len(rule.weights[0]) - 1] for n in tensors if n.endswith("." + rule.weights[0])]
+        modules = [m for m in modules if all(join(m, w) in tensors for w in rule.weights)]
+        if modules:
+            where = f"{modules[0]}" + (f" and {len(modules) - 1} more" if len(modules) > 1 else "")
+            out.append(f"{where} use {rule.name}, which surgeon does not re-initialize: {rule.why}")
+    return out
+
+
+def _gated(blocks: list[AttentionBlock]) -> list[str]:
+    gated = [b for b in blocks if b.layout.endswith("gated q")]
+    if not gated:
+        return []
+    return [
+        f"gated attention: {gated[0].q.weight.tensor.rsplit('.', 1)[0]} (and {len(gated) - 1} more) holds per head {gated[0].head_dim} query rows, "
+        "then the output gate's rows; the query rows are re-initialized, the gate rows are kept byte for byte"
+    ]
+
+
+def _adapters(blocks: list[AttentionBlock], view: ConfigView) -> list[str]:
+    rule = SHARED_BLOCKS.get(view.model_type or "")
+    if rule is None or not rule.adapters_flag or view.config.get(rule.adapters_flag) is not True or not any(b.shared_layers for b in blocks):
+        return []
+    return [
+        f"each layer adds its own adapter to the shared block's q/k/v ({rule.adapters_flag}); the adapters are kept, so a "
+        "layer's query/key/value maps are the re-initialized weights plus its adapter"
+    ]
+
+
+def _refuse_mixed_widths(blocks: list[AttentionBlock], view: ConfigView) -> None:
+    """One --num-heads without a config cannot be right for blocks of different widths: a count that
+    fits one splits the others into heads they do not have (a 4-head block read as 16 heads)."""
+    count = view.hints.num_heads
+    if view.has_config or view.hints.force or not isinstance(count, int):
+        return
+    widths: dict[int, list[AttentionBlock]] = {}
+    for b in blocks:
+        widths.setdefault(b.heads * b.head_dim, []).append(b)
+    if len(widths) < 2:
+        return
+    listed = "; ".join(f"{w} wide: {', '.join(b.module or '(top level)' for b in bs[:2])}{', ...' if len(bs) > 2 else ''}" for w, bs in widths.items())
+    stacks = {w: {b.stack for b in bs} for w, bs in widths.items()}
+    apart = all(not (a & b) for i, a in enumerate(stacks.values()) for b in list(stacks.values())[i + 1 :])
+    per_stack = ",".join(f"{s}=N" for ss in stacks.values() for s in sorted(ss) if s)
+    how = f"give each stack its own count ({opt('num_heads', per_stack)})" if apart and per_stack else "describe the model"
+    raise LayoutError(
+        f"one {opt('num_heads', count)} for attention blocks of different widths ({listed}): a count that fits one splits "
+        f"the others into heads they do not have; {how}, pass {opt('config', 'PATH')}, or {opt('force_hints', True)} to split every block into {count} heads"
+    )
+
+
+def shared_blocks(blocks: list[AttentionBlock], view: ConfigView) -> list[AttentionBlock]:
+    """Mark the blocks that several layers run (Zamba's shared transformer) with all those layers."""
+    rule = SHARED_BLOCKS.get(view.model_type or "")
+    types = view.config.get(rule.types_key) if rule else None
+    if rule is None or not isinstance(types, list):
+        return blocks
+    runs = [i for i, t in enumerate(types) if t == rule.type_name]
+    count = view.config.get(rule.count_key) if rule.count_key else 1
+    count = count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else 1
+    out = []
+    for block in blocks:
+        if rule.word not in block.module.split(".") or block.layer not in runs:
+            out.append(block)
+            continue
+        first = runs.index(block.layer) % count
+        users = tuple(runs[first::count])
+        stored = [b.module for b in blocks if b.stack == block.stack and b.layer in users and rule.word in b.module.split(".")]
+        if len(stored) > 1:
+            raise LayoutError(
+                f"layers {','.join(map(str, users))} of {block.stack} run one shared block, and the checkpoint stores it "
+                f"{len(stored)} times ({', '.join(stored)}): surgeon cannot tell which copy the model loads; save the model "
+                "with save_pretrained, which stores it once"
+            )
+        out.append(replace(block, shared_layers=users) if len(users) > 1 else block)
+    return out
 
 
 # Fused tensors whose packing is a naming convention rather than something config.json states.
@@ -83,7 +185,16 @@ def match_modules(tensors: Mapping[str, TensorInfo]) -> dict[str, Rule]:
                 break
     # A module that is itself a projection of a matched parent (e.g. "...attn.qkv" inside timm
     # when "...attn" matched) is not a second attention block.
+    for module in list(found):
+        for tag, rule in SECOND_SETS:
+            if all(join(module, p.weight) in tensors for p in rule.parts):
+                found[f"{module}[{tag}]"] = rule
     return found
+
+
+def owner(module: str) -> str:
+    """The module that holds a block's tensors: "x.attention.self" for its second set "x.attention.self[global]"."""
+    return module.partition("[")[0]
 
 
 def _partial_matches(tensors: Mapping[str, TensorInfo], matches: dict[str, Rule]) -> list[str]:
@@ -127,10 +238,10 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
         raise LayoutError(
             f"cannot tell the number of heads of {where}: "
             f"{facts.source + ' does not say' if view.has_config else 'there is no config.json beside the weights'}; "
-            f"pass {opt('num_heads', 'N')} (and {opt('num_kv_heads')} for grouped-query attention), or {opt('config', 'PATH')}"
+            f"pass {opt('num_heads', 'N')} (or one per stack, {opt('num_heads', f'{stack or where}=N')}; and {opt('num_kv_heads')} for grouped-query attention), or {opt('config', 'PATH')}"
         )
     kv_hint = facts.pick(facts.kv_heads, stage)
-    parts = [(p, tensors[join(module, p.weight)]) for p in rule.parts]
+    parts = [(p, tensors[join(owner(module), p.weight)]) for p in rule.parts]
     for _, info in parts:
         if not info.is_float:
             raise UnsupportedWeightsError(
@@ -153,9 +264,11 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
     for (part, info), packing, axis in zip(parts, packings, orientations):
         offsets = slot_offsets(packing, heads, kv_heads, head_dim)
         in_features = info.shape[1 - axis]
-        bias_name = join(module, part.bias) if part.bias else None
+        bias_name = join(owner(module), part.bias) if part.bias else None
         bias_offsets = slot_offsets(part.bias_packing or packing, heads, kv_heads, head_dim)
         for role, offs in offsets.items():
+            if role not in ("q", "k", "v"):
+                continue  # a gate: not attention, left as it is
             bias = None
             if bias_name is not None and bias_name in tensors and tensors[bias_name].shape == (packed_size(part.bias_packing or packing, heads, kv_heads, head_dim),):
                 bias = Rows(bias_name, 0, bias_offsets[role], head_dim)
@@ -165,7 +278,7 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
         layer=layer,
         kind=kind(module),
         module=module,
-        layout=rule.name,
+        layout=rule.name + (", gated q" if "gated" in packings else "") + (f" [{module.partition('[')[2]}" if "[" in module else ""),
         heads=heads,
         kv_heads=kv_heads,
         head_dim=head_dim,
@@ -176,8 +289,8 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
 
 
 def _packing(part: Part, view: ConfigView, stack: str, where: str) -> str:
-    if part.packing in ("q", "k", "v"):
-        return part.packing
+    if part.packing in ("q", "k", "v"):  # a family may pack more into it (gated attention's q_proj)
+        return view.fused_packing(part.weight.rsplit(".", 1)[0], stack) or part.packing
     packing = view.fused_packing(part.weight.rsplit(".", 1)[0], stack) or (None if part.packing == "auto" else part.packing)
     if packing is None:
         raise LayoutError(
@@ -226,8 +339,9 @@ def _head_dim_candidates(parts, packings, outs, ins, heads, hint, hidden):
         return [hint]
     cands = []
     for packing, out in zip(packings, outs):
-        if packing == "q" and out % heads == 0:
-            cands.append(out // heads)
+        per_head = 2 if packing == "gated" else 1  # gated: a query and a gate block per head
+        if packing in ("q", "gated") and out % (heads * per_head) == 0:
+            cands.append(out // (heads * per_head))
     width = hidden or ins[0]
     if width % heads == 0:
         cands.append(width // heads)

@@ -7,10 +7,11 @@ turns all of that into one answer per stack of layers.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import LayoutError, opt
+from ..errors import LayoutError, OptionError, opt
 from .families import (  # noqa: F401
     FUSED_PACKING_BY_MODEL_TYPE,
     HEAD_DIM_KEYS,
@@ -20,15 +21,86 @@ from .families import (  # noqa: F401
     SUBCONFIG_WORDS,
 )
 
+HintValue = int | dict[str, int] | None  # a hint once read: one count, or one per stack
+HintInput = int | str | Mapping[str, int] | None  # what a caller may pass: 16, "16", "encoder=16,decoder=4", {"encoder": 16}
+
 
 @dataclass(frozen=True)
 class Hints:
-    """What the user says about heads, overriding config.json (``--num-heads`` etc.)."""
+    """What the user says about heads, overriding config.json (``--num-heads`` etc.).
 
-    num_heads: int | None = None
-    num_kv_heads: int | None = None
-    head_dim: int | None = None
+    Each count is one number for every stack, or one per stack: ``{"encoder": 16, "decoder": 4}``
+    (on the command line ``encoder=16,decoder=4``); a key names a stack by its path or a word of it
+    (``encoder``, ``vision`` for ``vision_model.encoder.layers``), and the first word of a path that a
+    key names decides, as for the nested configs.
+    """
+
+    num_heads: HintInput = None
+    num_kv_heads: HintInput = None
+    head_dim: HintInput = None
     force: bool = False  # --force-hints: a hint wins even where config.json says otherwise
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "num_kv_heads", "head_dim"):
+            object.__setattr__(self, name, parse_hint(name, getattr(self, name)))
+
+    def get(self, name: str, stack: str) -> int | None:
+        """The count ``name`` says for ``stack`` (None: not said for it)."""
+        value = getattr(self, name)
+        if not isinstance(value, dict):
+            return value  # an int or None once read (__post_init__)
+        if stack in value:
+            return value[stack]
+        for word in stack.split("."):  # the first word a key names decides (decoder.bert.encoder.layer: decoder)
+            for key, count in value.items():
+                if _names(key, word):
+                    return count
+        return None
+
+    def check_stacks(self, stacks: list[str]) -> None:
+        """Every per-stack key names a stack of the model."""
+        for name in ("num_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            for key in value if isinstance(value, dict) else ():
+                if not any(_names(key, s) for s in stacks):
+                    shown = ", ".join(s or "(top level)" for s in stacks)
+                    raise LayoutError(f"{opt(name, _spelled(value))} names {key!r}, which is no stack of this model: its stacks are {shown}")
+
+    def spelled(self, name: str) -> str | None:
+        """The hint as a command line writes it (``16``, ``encoder=16,decoder=4``), or None."""
+        value = getattr(self, name)
+        return None if value is None else _spelled(value)
+
+
+def _names(key: str, stack: str) -> bool:
+    """Whether a per-stack key names ``stack``: its path, or a word of it (``vision`` names ``vision_model``)."""
+    return key == stack or any(key == w or key == w.split("_")[0] for w in stack.split("."))
+
+
+def _spelled(value: HintInput) -> str:
+    return ",".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else str(value)
+
+
+def parse_hint(name: str, value: object) -> HintValue:
+    """``16``, ``"16"``, ``"encoder=16,decoder=4"`` or ``{"encoder": 16}`` -> an int or a per-stack dict."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        if "=" not in text:
+            value = int(text) if text.isdigit() else text
+        else:
+            pairs = [item.partition("=") for item in text.split(",") if item.strip()]
+            if any(not k.strip() or not v.strip().isdigit() for k, _, v in pairs):
+                raise OptionError(f"cannot read {opt(name, text)}: give one count (16) or one per stack (encoder=16,decoder=4)")
+            value = {k.strip(): int(v) for k, _, v in pairs}
+    if isinstance(value, Mapping):
+        if not value or any(not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int) or v < 1 for k, v in value.items()):
+            raise OptionError(f"{opt(name)} per stack must map stack names to counts of 1 or more, e.g. encoder=16,decoder=4")
+        return dict(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise OptionError(f"{opt(name)} must be a count of 1 or more, or one per stack (encoder=16,decoder=4), not {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -75,8 +147,9 @@ class ConfigView:
         nested = [scope] + [v for k, v in scope.items() if k in ("attn_config", "attention_config") and isinstance(v, dict)]
         decoder = any("decoder" in w for w in stack.lower().split("."))
         side = "decoder" if decoder else "encoder"
-        heads = _first(nested, (f"{side}_attention_heads", f"num_{side}_attention_heads") + HEADS_KEYS)
-        kv_heads = _first(nested, KV_HEADS_KEYS)
+        # per-stack keys first: encoder_attention_heads (BART), encoder_num_attention_heads (Moonshine)
+        heads = _first(nested, (f"{side}_attention_heads", f"num_{side}_attention_heads") + _sided(side, HEADS_KEYS) + HEADS_KEYS)
+        kv_heads = _first(nested, _sided(side, KV_HEADS_KEYS) + KV_HEADS_KEYS)
         # Multi-query flags win over a kv-heads count that the model does not use (Falcon, GPTBigCode).
         if scope.get("new_decoder_architecture"):
             pass
@@ -84,21 +157,22 @@ class ConfigView:
             kv_heads = 1
         elif self.model_type == "falcon" or "multi_query" in scope or scope.get("multi_query_attention") is False:
             kv_heads = None
-        head_dim = _first(nested, HEAD_DIM_KEYS)
+        head_dim = _first(nested, _sided(side, HEAD_DIM_KEYS) + HEAD_DIM_KEYS)
         hidden = _first(nested, HIDDEN_KEYS)
-        for flag, hint, said in (("num_heads", self.hints.num_heads, heads), ("num_kv_heads", self.hints.num_kv_heads, kv_heads),
-                                 ("head_dim", self.hints.head_dim, head_dim)):
+        hinted = {name: self.hints.get(name, stack) for name in ("num_heads", "num_kv_heads", "head_dim")}
+        for flag, said in (("num_heads", heads), ("num_kv_heads", kv_heads), ("head_dim", head_dim)):
+            hint = hinted[flag]
             if hint is not None and said is not None and hint != said and not self.hints.force:
                 raise LayoutError(
                     f"{opt(flag, hint)} contradicts {source}, which says {said} for {stack or 'the model'}: leave {opt(flag)} out, "
                     f"or pass {opt('force_hints', True)} to override the config"
                 )
-        if self.hints.num_heads is not None:
-            heads, source = self.hints.num_heads, opt("num_heads")
-        if self.hints.num_kv_heads is not None:
-            kv_heads = self.hints.num_kv_heads
-        if self.hints.head_dim is not None:
-            head_dim = self.hints.head_dim
+        if hinted["num_heads"] is not None:
+            heads, source = hinted["num_heads"], opt("num_heads")
+        if hinted["num_kv_heads"] is not None:
+            kv_heads = hinted["num_kv_heads"]
+        if hinted["head_dim"] is not None:
+            head_dim = hinted["head_dim"]
         return StackFacts(heads, kv_heads, head_dim if isinstance(head_dim, int) else None, hidden if isinstance(hidden, int) else None, source)
 
     def fused_packing(self, tensor: str, stack: str) -> str | None:
@@ -117,6 +191,10 @@ class ConfigView:
         if tensor == "c_attn" and model_type == "gpt_bigcode" and scope.get("multi_query") is False:
             return "interleaved"  # GPTBigCode without multi-query views c_attn as (heads, 3 * d)
         return FUSED_PACKING_BY_MODEL_TYPE.get((tensor, model_type))
+
+
+def _sided(side: str, keys: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(f"{side}_{key}" for key in keys)
 
 
 def _first(scopes: list[dict], keys: tuple[str, ...]) -> Any:

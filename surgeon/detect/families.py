@@ -123,6 +123,11 @@ FUSED_PACKING_BY_MODEL_TYPE = {
     ("query_key_value", "bloom"): "interleaved",
     ("query_key_value", "persimmon"): "interleaved",
     ("qkv_proj", "codegen"): "codegen",
+    # gated attention: q_proj holds per head [query | gate] (view(..., -1, 2 * head_dim).chunk(2))
+    ("q_proj", "qwen3_next"): "gated",
+    ("q_proj", "qwen3_5_text"): "gated",
+    ("q_proj", "qwen3_5_moe_text"): "gated",
+    ("q_proj", "qwen4_exp_text"): "gated",
 }
 
 # packing -> (slots in the tensor, query heads) -> key/value heads it implies, or None when the
@@ -136,9 +141,62 @@ KV_SLOTS: dict[str, Callable[[int, int], int | None]] = {
     "kv": lambda slots, heads: slots // 2 if slots % 2 == 0 else None,
     "interleaved": lambda slots, heads: None,  # as many key/value heads as query heads
     "codegen": lambda slots, heads: None,  # as many key/value heads as query heads
+    "gated": lambda slots, heads: None,  # queries and gates only
 }
 
 
 def projection_names() -> list[str]:
     """Each rule's projection tensors ("q_proj/k_proj/v_proj", "c_attn"), for "no attention found" messages."""
     return list(dict.fromkeys("/".join(p.weight.removesuffix(".weight") for p in rule.parts) for rule in RULES))
+
+
+# --- hybrids: blocks that several layers run -------------------------------------------------
+@dataclass(frozen=True)
+class SharedBlocks:
+    """One attention block that several layers run (a shared transformer): ``word`` is the module
+    under each layer that holds it; the layers that run one are those whose entry in the config
+    list ``types_key`` is ``type_name``; they cycle through ``count_key`` distinct blocks (1 if None),
+    and a checkpoint stores each block once, under the first layer that runs it."""
+
+    word: str
+    types_key: str
+    type_name: str
+    count_key: str | None = None
+    adapters_flag: str | None = None  # config flag of per-layer adapters added to the shared q/k/v (kept as they are)
+
+
+SHARED_BLOCKS = {
+    "zamba": SharedBlocks("shared_transf", "layers_block_type", "hybrid"),
+    "zamba2": SharedBlocks("shared_transformer", "layers_block_type", "hybrid", "num_mem_blocks", "use_shared_attention_adapter"),
+}
+
+
+# --- attention that surgeon names and refuses ----------------------------------------------
+@dataclass(frozen=True)
+class Refused:
+    """An attention layout surgeon recognizes by its tensors (under one module) but does not rewrite."""
+
+    name: str
+    weights: tuple[str, ...]  # all present under one module
+    why: str
+
+
+REFUSED = (
+    Refused(
+        "multi-head latent attention (MLA: DeepSeek-V2/V3/R1, Kimi K2)",
+        ("kv_a_proj_with_mqa.weight", "kv_b_proj.weight"),
+        "its per-head query and key are not maps of the hidden state that can be conditioned: they pass through shared "
+        "low-rank down-projections and an RMSNorm (q_a_proj/kv_a_proj_with_mqa), each key joins a per-head part from "
+        "the latent with a rotary part shared by every head, and kv_b_proj widens a latent narrower than the heads' "
+        "values, so the value identity has no faithful form; conditioning the up-projections alone would leave "
+        "kappa of the effective maps to the untouched down-projections",
+    ),
+)
+
+
+# --- a second query/key/value set in one module ----------------------------------------------
+# (tag, rule): where a module that matched a rule also holds these projections, they form a second
+# block named "<module>[tag]" (Longformer's global attention: query_global, key_global, value_global).
+SECOND_SETS: tuple[tuple[str, Rule], ...] = (
+    ("global", _separate("query_global", "key_global", "value_global")),
+)

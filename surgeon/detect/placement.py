@@ -2,9 +2,11 @@
 
 One rule for every route (tensor names, ONNX scopes, nn.Module paths): module paths that differ
 only in numbers form a group (``model.layers.#.self_attn``); the numbers that vary inside a group
-index the layers, and the stack is the path before the first of them. Layers are numbered by rank
-over the stack, so self- and cross-attention of one decoder share layer numbers. The stage (Swin's
-per-stage head counts) is read from the path itself: the first number of a path that has several.
+index the layers, and the stack is the path before the first of them. A layer is the model's own
+number from the path (``model.layers.3`` is layer 3 even when layers 0-2 are Mamba or convolution
+layers without attention), so self- and cross-attention of one decoder share layer numbers; where
+two numbers vary (Swin's stage and block) the layers are numbered by rank over the stack. The stage
+(Swin's per-stage head counts) is read from the path itself: the first number of a path that has several.
 """
 
 from __future__ import annotations
@@ -64,7 +66,22 @@ def place(modules: Iterable[str], *, lone: str = "module") -> dict[str, Place]:
     for stack, depth, key, _ in raw.values():
         ranks[(stack, depth)].add(key)
     order = {k: sorted(v) for k, v in ranks.items()}
-    return {m: Place(stack, order[(stack, depth)].index(key), stage) for m, (stack, depth, key, stage) in raw.items()}
+    return {m: Place(stack, key[0] if depth == 1 else order[(stack, depth)].index(key), stage) for m, (stack, depth, key, stage) in raw.items()}
+
+
+def stack_depths(stacks: Iterable[str], names: Iterable[str]) -> dict[str, int]:
+    """Layers in each stack, counting those without attention: one more than the highest number
+    that follows ``stack.`` in any tensor or module name (a hybrid's Mamba layer 5 counts)."""
+    wanted = {s for s in stacks if s}
+    depths: dict[str, int] = {}
+    for name in names:
+        parts = name.split(".")
+        for i, part in enumerate(parts[1:], 1):
+            if NUMERIC.match(part):
+                stack = ".".join(parts[:i])
+                if stack in wanted:
+                    depths[stack] = max(depths.get(stack, 0), int(part) + 1)
+    return depths
 
 
 def _template(module: str) -> str:

@@ -155,9 +155,10 @@ def _resolve(runs: dict[str, Watch], i: int, targets: Targets, hints: Hints) -> 
         kv[role] = unique
     if len(kv["k"]) != len(kv["v"]):
         raise Unresolved(f"it has {len(kv['k'])} key heads but {len(kv['v'])} value heads")
-    if hints.num_heads is not None and hints.num_heads != heads:
+    hinted = hints.get("num_heads", cap.module)
+    if hinted is not None and hinted != heads:
         raise LayoutError(
-            f"{cap.module or 'the model'}: its forward uses {heads} query heads, not {hints.num_heads} ({opt('num_heads')})"
+            f"{cap.module or 'the model'}: its forward uses {heads} query heads, not {hinted} ({opt('num_heads')})"
         )
     return {"q": q_heads, "k": kv["k"], "v": kv["v"], "dims": {r: decoded[r][2].shape[1] for r in "qkv"}}
 

@@ -12,7 +12,7 @@ from ...formats.base import TensorInfo
 from ...spec import AttentionBlock, Projection, Rows, slot_offsets
 from ..by_name import detect, match_modules
 from ..config import Hints
-from ..placement import join, kind
+from ..placement import join, kind, stack_depths
 from .decode import placed, prefixed, probe_blocks, under
 
 
@@ -25,6 +25,7 @@ class ModuleDetection:
     seed_names: dict[str, str] = field(default_factory=dict)  # tensor -> checkpoint name (draw key)
     routes: dict[str, str] = field(default_factory=dict)  # block module -> "names", "class" or "forward"
     notes: list[str] = field(default_factory=list)
+    depths: dict[str, int] = field(default_factory=dict)  # stack -> its layers, with those without attention
 
 
 def detect_module(module: nn.Module, *, hints: Hints | None = None, example_inputs: Any = None) -> ModuleDetection:
@@ -56,6 +57,7 @@ def detect_module(module: nn.Module, *, hints: Hints | None = None, example_inpu
         renames = checkpoint_names(hf)
         blocks = [prefixed(b, prefix) for b in detection.blocks]
         _add(found, blocks, "names")
+        found.depths.update({f"{prefix}.{s}" if prefix else s: n for s, n in detection.depths.items()})
         for block in blocks:
             for name in block.tensors():
                 rel = name[len(prefix) + 1 :] if prefix else name
@@ -74,7 +76,9 @@ def detect_module(module: nn.Module, *, hints: Hints | None = None, example_inpu
         routes.update({b.module: "forward" for b in probed})
         _refuse_unseen(module, rest, probed, example_inputs)
     if own:
-        _add(found, placed(own), None, routes)
+        own = placed(own)
+        _add(found, own, None, routes)
+        found.depths.update(stack_depths([b.stack for b in own], [n for n, _ in module.named_modules()]))
     if not found.blocks:
         raise NoAttentionFoundError(_nothing(module))
     return found

@@ -11,10 +11,11 @@ from typing import Literal
 import numpy as np
 import onnx
 
-from ...errors import LayoutError, NoAttentionFoundError, opt
+from ...errors import LayoutError, NoAttentionFoundError, UnsupportedWeightsError, opt
 from ...spec import AttentionBlock, Projection, Rows
 from ..config import ConfigView, Hints
-from ..placement import place
+from ..families import REFUSED
+from ..placement import place, stack_depths
 from ..result import Detection
 from .graph import Fail, Graph
 from .projection import Core, Proj
@@ -54,6 +55,7 @@ def find_attention(
         except Fail as exc:
             failures.append(f"{graph.describe(n)}: {exc}")
     if not resolved:
+        _refuse_named(graph, source)
         raise NoAttentionFoundError(_nothing_found(graph, cores, failures, source))
     resolved, scopes, repeats = _one_per_weight_set(resolved, _scopes(graph, resolved))
     fallback = [graph.nodes[c.node].name or f"{graph.nodes[c.node].op_type}_{c.node}" for c in resolved]
@@ -71,7 +73,24 @@ def find_attention(
             users[(module, role)] = {"weight": set(p.weight_nodes), "bias": set(p.bias_nodes)}
             for m in p.weight_nodes | p.bias_nodes:
                 owners.setdefault(m, (block.label, role))
-    return OnnxDetection(Detection(blocks, len(graph.inits), notes), graph, users, owners)
+    return OnnxDetection(Detection(blocks, len(graph.inits), notes, depths=_depths(graph, blocks)), graph, users, owners)
+
+
+def _depths(graph: Graph, blocks: list[AttentionBlock]) -> dict[str, int]:
+    """Layers per stack, those without attention included: from initializer names (legacy and dynamo
+    exports keep parameter paths), else from every node's scope (read only when the names say nothing)."""
+    stacks = [b.stack for b in blocks]
+    return stack_depths(stacks, graph.inits) or stack_depths(stacks, (s for s in map(graph.scope, range(len(graph.nodes))) if s))
+
+
+def _refuse_named(graph: Graph, source: str) -> None:
+    """A layout surgeon refuses (REFUSED: multi-head latent attention), named where the exporter kept
+    its module names in node or initializer names, rather than "no attention found"."""
+    names = [n.name for n in graph.nodes] + list(graph.inits)
+    for rule in REFUSED:
+        leaves = [w.rsplit(".", 1)[0] for w in rule.weights]
+        if all(any(leaf in name for name in names) for leaf in leaves):
+            raise UnsupportedWeightsError(f"{source} uses {rule.name} ({', '.join(leaves)}), which surgeon does not re-initialize: {rule.why}")
 
 
 def _weight_set(core: Core) -> tuple:
@@ -148,7 +167,7 @@ def _block(
         raise LayoutError(
             f"{where}: num_heads={core.num_heads} but its {q.width} query features are {heads} heads of {d}"
         )
-    hinted = view.hints.num_heads
+    hinted = view.hints.get("num_heads", module)
     if hinted and hinted != heads:
         note = f"{opt('num_heads', hinted)} ignored for {module}: the graph splits it into {heads} heads of {d}"
     projections = {}
