@@ -195,7 +195,7 @@ def jacobian_report(model, inputs, *, exact: bool | None = None, exact_limit: in
                 n, width = x.shape
                 do_exact = (n * b.head_dim * 3 * width * b.head_dim <= exact_limit) if exact is None else exact
                 for h in range(b.heads):
-                    g = h // b.group_size
+                    g = b.kv_head(h)
                     terms = head_terms(x, mats["q"][h].T, mats["k"][g].T, mats["v"][g].T, exact=do_exact)
                     report.rows.append(HeadJacobian(i, b.module, b.layer, h, n, **terms))
     if exact is None and not any(r.exact is not None for r in report.rows):

@@ -70,6 +70,7 @@ class AttentionBlock:
     q: Projection
     k: Projection
     v: Projection
+    kv_map: str = "blocked"  # a key of KV_MAPS: which key/value head each query head reads
 
     @property
     def projections(self) -> tuple[Projection, Projection, Projection]:
@@ -82,6 +83,10 @@ class AttentionBlock:
     def group_size(self) -> int:
         """Query heads per key/value head (1 for plain multi-head attention)."""
         return self.heads // self.kv_heads
+
+    def kv_head(self, head: int) -> int:
+        """The key/value head that query head ``head`` reads."""
+        return KV_MAPS[self.kv_map](head, self.heads, self.kv_heads)
 
     @property
     def label(self) -> str:
@@ -103,6 +108,15 @@ class AttentionBlock:
                 if proj[key] is not None:
                     proj[key]["offsets"] = list(proj[key]["offsets"])
         return out
+
+
+# How query heads share key/value heads under grouped-query attention: "blocked", query head h reads
+# key/value head h // (H/KV) (transformers' repeat_kv, SDPA enable_gqa); "interleaved", h % KV
+# (x-transformers repeats key/value heads as '(r kvh)').
+KV_MAPS: dict[str, Callable[[int, int, int], int]] = {
+    "blocked": lambda head, heads, kv_heads: head // (heads // kv_heads),
+    "interleaved": lambda head, heads, kv_heads: head % kv_heads,
+}
 
 
 # --- fused layouts -------------------------------------------------------------------------

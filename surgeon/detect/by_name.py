@@ -16,6 +16,7 @@ from ..spec import AttentionBlock, Projection, Rows, packed_size, slot_offsets
 from . import Detection
 from .config import ConfigView, Hints
 from .families import CROSS_WORDS, KV_SLOTS, QUANT_PARAMS, RULES, Part, Rule, projection_names  # noqa: F401
+from .libraries import companion_block, kv_map, separate_biases
 from .placement import join, kind, place
 
 T = TypeVar("T")
@@ -29,6 +30,7 @@ def detect(tensors: Mapping[str, TensorInfo], config: dict | None = None, hints:
     notes = _partial_matches(tensors, matches)
     placed = place_matches(matches)
     blocks = [_build(module, rule, stack, layer, stage, tensors, view) for module, rule, stack, layer, stage in placed]
+    blocks = _with_companions(blocks, tensors)
     if not blocks:
         raise NoAttentionFoundError(_nothing_found(tensors, notes, source))
     return Detection(blocks, len(tensors), _assumed_layouts(blocks, view) + notes)
@@ -123,6 +125,8 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
     facts = view.facts(stack)
     heads = facts.pick(facts.heads, stage)
     where = module or "the top-level attention module"
+    if heads is None and facts.head_dim:  # the head size alone settles the heads (timm MaxViT, --head-dim)
+        heads = _heads_from_head_dim(module, rule, tensors, view, stack, facts.head_dim)
     if heads is None:
         raise LayoutError(
             f"cannot tell the number of heads of {where}: "
@@ -146,7 +150,7 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
                 "the checkpoint is damaged or not a model surgeon can rewrite",
                 tensor=info.name,
             )
-    packings = [_packing(p, view, stack, where) for p, _ in parts]
+    packings = [_packing(p, view, stack, module, where) for p, _ in parts]
     layout = _solve(parts, packings, heads, kv_hint, facts.head_dim, facts.hidden, where, facts.source)
     head_dim, kv_heads, orientations = layout
     projections = {}
@@ -159,6 +163,9 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
             bias = None
             if bias_name is not None and bias_name in tensors and tensors[bias_name].shape == (packed_size(part.bias_packing or packing, heads, kv_heads, head_dim),):
                 bias = Rows(bias_name, 0, bias_offsets[role], head_dim)
+            own = separate_biases(module, part.weight.rsplit(".", 1)[0], tensors).get(role) if bias is None else None
+            if own is not None and tensors[own].shape == (len(offs) * head_dim,):  # timm EVA's q_bias / v_bias
+                bias = Rows(own, 0, slot_offsets(role, heads, kv_heads, head_dim)[role], head_dim)
             projections[role] = Projection(role, Rows(info.name, axis, offs, head_dim), bias, in_features)  # type: ignore[arg-type]
     return AttentionBlock(
         stack=stack,
@@ -172,13 +179,41 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
         q=projections["q"],
         k=projections["k"],
         v=projections["v"],
+        kv_map=kv_map(module),
     )
 
 
-def _packing(part: Part, view: ConfigView, stack: str, where: str) -> str:
+def _with_companions(blocks: list[AttentionBlock], tensors: Mapping[str, TensorInfo]) -> list[AttentionBlock]:
+    """Each block followed by its second stream, where it has one (joint attention's context)."""
+    shapes = {name: info.shape for name, info in tensors.items()}
+    out = []
+    for block in blocks:
+        out.append(block)
+        companion = companion_block(block, shapes)
+        if companion is not None:
+            out.append(companion)
+    return out
+
+
+def _heads_from_head_dim(module: str, rule: Rule, tensors: Mapping[str, TensorInfo], view: ConfigView, stack: str, head_dim: int) -> int | None:
+    """Query heads from the first projection's output features and the head size, where the packing
+    says how many head-sized slots a query head takes (None where it cannot tell)."""
+    part = rule.parts[0]
+    info = tensors[join(module, part.weight)]
+    if part.orientation == "shape" or len(info.shape) != 2:
+        return None
+    out = info.shape[0 if part.orientation == "linear" else 1]
+    packing = part.packing if part.packing in ("q", "k", "v") else view.fused_packing(part.weight.rsplit(".", 1)[0], stack, module)
+    per_head = {"q": 1, "qkv": 3, "interleaved": 3}.get(packing or part.packing)
+    if per_head is None or out % (per_head * head_dim) or view.hints.num_kv_heads is not None:
+        return None
+    return out // (per_head * head_dim)
+
+
+def _packing(part: Part, view: ConfigView, stack: str, module: str, where: str) -> str:
     if part.packing in ("q", "k", "v"):
         return part.packing
-    packing = view.fused_packing(part.weight.rsplit(".", 1)[0], stack) or (None if part.packing == "auto" else part.packing)
+    packing = view.fused_packing(part.weight.rsplit(".", 1)[0], stack, module) or (None if part.packing == "auto" else part.packing)
     if packing is None:
         raise LayoutError(
             f"cannot tell how {join(where, part.weight)} packs query/key/value: it is interleaved per head in "

@@ -1,0 +1,170 @@
+"""What libraries beyond transformers fix about a layout, read from their data rows in :mod:`.families`.
+
+* :func:`normalize_config`: head counts from the library's own config file, in config.json terms,
+  per stack (diffusers UNets, open_clip model JSON, timm config.json).
+* :func:`fused_packing`: a timm fused ``qkv`` whose packing depends on the model (MaxViT).
+* :func:`kv_map`: how a library maps query heads to key/value heads (x-transformers).
+* :func:`separate_biases` and :func:`companion_block`: every Q/K/V of a block (timm EVA's ``q_bias`` /
+  ``v_bias``, the context stream of diffusers' joint attention).
+
+Nothing here imports torch, numpy or onnx.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import LayoutError, opt
+from ..spec import AttentionBlock, Projection, Rows, slot_offsets
+from .families import (
+    COMPANION_STREAMS,
+    FUSED_PACKING_BY_ARCHITECTURE,
+    KV_MAP_BY_PATH,
+    MAXXVIT_WORDS,
+    SEPARATE_BIASES,
+    TIMM_HEAD_DIM,
+    TIMM_HEADS,
+)
+
+STACKS = "surgeon:stacks"  # key of a normalized config: first path component of a stack -> its facts
+
+
+def normalize_config(config: dict | None) -> dict | None:
+    """``config`` with a library's own spelling of heads added in config.json terms (a copy), or as is."""
+    if not config:
+        return config
+    for reader in (_diffusers_unet, _open_clip, _timm):
+        extra = reader(config)
+        if extra:
+            return {**config, **extra}
+    return config
+
+
+def _diffusers_unet(config: dict) -> dict | None:
+    # unet_2d_condition.py: "num_attention_heads = num_attention_heads or attention_head_dim" (a naming
+    # quirk kept for old configs): per down block, reversed for the up blocks, the last for the mid block.
+    if not str(config.get("_class_name", "")).startswith("UNet") or "down_block_types" not in config:
+        return None
+    heads = config.get("num_attention_heads") or config.get("attention_head_dim")
+    blocks = len(config["down_block_types"])
+    per = [heads] * blocks if isinstance(heads, int) else list(heads or [])
+    if len(per) != blocks or not all(isinstance(h, int) and h > 0 for h in per):
+        return None
+    return {
+        "attention_head_dim": None,  # not a head size in these configs
+        STACKS: {
+            "down_blocks": {"num_attention_heads": per},
+            "up_blocks": {"num_attention_heads": per[::-1]},
+            "mid_block": {"num_attention_heads": per[-1]},
+        },
+    }
+
+
+def _open_clip(config: dict) -> dict | None:
+    # open_clip model_configs/*.json: vision_cfg (width, head_width = 64) and text_cfg (width, heads = 8);
+    # the text tower sits at the top level of the state dict (transformer.resblocks), the vision tower
+    # under visual.
+    vision, text = config.get("vision_cfg"), config.get("text_cfg")
+    if not isinstance(vision, dict) or not isinstance(text, dict):
+        return None
+    facts: dict[str, dict] = {}
+    width, head_width = vision.get("width", 768), vision.get("head_width", 64)
+    if isinstance(width, int) and isinstance(head_width, int) and head_width > 0 and width % head_width == 0:
+        facts["visual"] = {"num_attention_heads": width // head_width, "hidden_size": width}
+    text_facts = {"num_attention_heads": text.get("heads", 8), "hidden_size": text.get("width", 512)}
+    facts["transformer"] = facts["text"] = text_facts
+    return {STACKS: facts}
+
+
+def _timm(config: dict) -> dict | None:
+    # timm's config.json (push_to_hf_hub): "architecture" and, when the model was built with other
+    # arguments, "model_args"; the heads are otherwise the architecture's defaults.
+    arch = config.get("architecture")
+    if not isinstance(arch, str) or "model_type" in config:
+        return None
+    args = config.get("model_args") if isinstance(config.get("model_args"), dict) else {}
+    heads = args.get("num_heads") or _by_prefix(TIMM_HEADS, arch)
+    head_dim = args.get("dim_head") or _by_prefix(TIMM_HEAD_DIM, arch)
+    out: dict[str, Any] = {}
+    if heads:
+        out["num_heads"] = list(heads) if isinstance(heads, (list, tuple)) else heads
+    if head_dim:
+        out["head_dim"] = head_dim
+    return out or None
+
+
+def _by_prefix(table: Mapping[str, Any], arch: str) -> Any:
+    best = max((p for p in table if arch == p or arch.startswith(p + "_")), key=len, default=None)
+    return table[best] if best else None
+
+
+def stack_scope(config: dict, stack: str) -> dict | None:
+    """The facts a library config gives for ``stack`` (by its first path component), if any."""
+    scopes = config.get(STACKS)
+    if not isinstance(scopes, dict):
+        return None
+    first = stack.split(".")[0]
+    return scopes.get(first)
+
+
+def fused_packing(tensor: str, module: str, config: dict) -> str | None:
+    """A timm fused tensor's packing where the model decides it; refuses MaxViT without its architecture."""
+    arch = config.get("architecture")
+    if isinstance(arch, str):
+        for name, pattern, packing in FUSED_PACKING_BY_ARCHITECTURE:
+            if name == tensor and re.match(pattern, arch):
+                return packing
+    if tensor == "qkv" and any(w in module.split(".") for w in MAXXVIT_WORDS):
+        raise LayoutError(
+            f"cannot tell how {module}.qkv packs query/key/value: timm MaxViT packs it per head ([q_h | k_h | v_h]) "
+            "and its TensorFlow ports (maxvit_*_tf) as [Q | K | V]; "
+            f"pass {opt('config', 'PATH')} with the timm config.json that names its architecture"
+        )
+    return None
+
+
+def kv_map(module: str) -> str:
+    """How query heads map to key/value heads in the library that wrote ``module`` (spec.KV_MAPS)."""
+    for fragment, mapping in KV_MAP_BY_PATH.items():
+        if f".{fragment}." in f".{module}.":
+            return mapping
+    return "blocked"
+
+
+def separate_biases(module: str, tensor: str, names: Mapping[str, Any]) -> dict[str, str]:
+    """role -> bias tensor of a fused weight whose biases are parameters of their own (timm EVA)."""
+    found = {}
+    for role, leaf in SEPARATE_BIASES.get(tensor, {}).items():
+        name = f"{module}.{leaf}" if module else leaf
+        if name in names:
+            found[role] = name
+    return found
+
+
+def companion_block(block: AttentionBlock, shapes: Mapping[str, tuple[int, ...]]) -> AttentionBlock | None:
+    """The second stream of ``block`` (joint attention's context projections), with the same heads."""
+    for q, k, v, suffix in COMPANION_STREAMS:
+        names = {r: f"{block.module}.{leaf}" if block.module else leaf for r, leaf in zip("qkv", (q, k, v))}
+        if not all(f"{n}.weight" in shapes for n in names.values()):
+            continue
+        projections = {}
+        for role, name in names.items():
+            count = block.heads if role == "q" else block.kv_heads
+            shape = shapes[f"{name}.weight"]
+            if len(shape) != 2 or shape[0] != count * block.head_dim:
+                raise LayoutError(
+                    f"{name}.weight has shape {list(shape)}, but {block.module} has {count} {role} heads of {block.head_dim}: "
+                    f"the context stream must match them; check {opt('num_heads')}/{opt('head_dim')}"
+                )
+            offsets = slot_offsets(role, block.heads, block.kv_heads, block.head_dim)[role]
+            bias = f"{name}.bias" if shapes.get(f"{name}.bias") == (shape[0],) else None
+            projections[role] = Projection(
+                role, Rows(f"{name}.weight", 0, offsets, block.head_dim), Rows(bias, 0, offsets, block.head_dim) if bias else None, shape[1]  # type: ignore[arg-type]
+            )
+        return dataclasses.replace(
+            block, module=block.module + suffix, layout="joint context", q=projections["q"], k=projections["k"], v=projections["v"]
+        )
+    return None
