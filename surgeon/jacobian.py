@@ -161,7 +161,7 @@ def jacobian_report(model, inputs, *, exact: bool | None = None, exact_limit: in
 
     calls = _calls(inputs)
     found = detect_module(model, hints=Hints(num_heads, num_kv_heads, head_dim), example_inputs=calls[0])
-    blocks = [b for b in found.blocks if b.kind == "self"]
+    blocks = [b for b in found.blocks if b.kind == "self" and ":" not in b.module]  # not a joint block's second stream
     report = JacobianReport([])
     if len(blocks) < len(found.blocks):
         report.notes.append(f"{len(found.blocks) - len(blocks)} cross-attention blocks skipped: the theorem is about self-attention")

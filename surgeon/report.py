@@ -246,6 +246,7 @@ def _where(block: AttentionBlock) -> str:
 
 def _tensor_names(block: AttentionBlock) -> str:
     names = block.tensors()
-    prefix = block.module + "." if block.module else ""
+    owner = block.module.partition(":")[0]  # a second stream (":context") names tensors of the same module
+    prefix = owner + "." if owner else ""
     return ", ".join(n.removeprefix(prefix) for n in names)
 

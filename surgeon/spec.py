@@ -90,7 +90,9 @@ class AttentionBlock:
 
     @property
     def label(self) -> str:
-        return f"{self.stack}.{self.layer}" if self.stack else str(self.layer)
+        stream = self.module.partition(":")[2]  # a second stream of the layer's attention (":context")
+        base = f"{self.stack}.{self.layer}" if self.stack else str(self.layer)
+        return f"{base}:{stream}" if stream else base
 
     def tensors(self) -> list[str]:
         names: list[str] = []

@@ -30,7 +30,7 @@ def detect(tensors: Mapping[str, TensorInfo], config: dict | None = None, hints:
     notes = _partial_matches(tensors, matches)
     placed = place_matches(matches)
     blocks = [_build(module, rule, stack, layer, stage, tensors, view) for module, rule, stack, layer, stage in placed]
-    blocks = _with_companions(blocks, tensors)
+    blocks = with_companions(blocks, tensors)
     if not blocks:
         raise NoAttentionFoundError(_nothing_found(tensors, notes, source))
     return Detection(blocks, len(tensors), _assumed_layouts(blocks, view) + notes)
@@ -183,9 +183,9 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
     )
 
 
-def _with_companions(blocks: list[AttentionBlock], tensors: Mapping[str, TensorInfo]) -> list[AttentionBlock]:
+def with_companions(blocks: list[AttentionBlock], tensors: Mapping[str, TensorInfo] | Mapping[str, tuple[int, ...]]) -> list[AttentionBlock]:
     """Each block followed by its second stream, where it has one (joint attention's context)."""
-    shapes = {name: info.shape for name, info in tensors.items()}
+    shapes = {name: info if isinstance(info, tuple) else info.shape for name, info in tensors.items()}
     out = []
     for block in blocks:
         out.append(block)

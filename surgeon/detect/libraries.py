@@ -85,9 +85,11 @@ def _timm(config: dict) -> dict | None:
     arch = config.get("architecture")
     if not isinstance(arch, str) or "model_type" in config:
         return None
-    args = config.get("model_args") if isinstance(config.get("model_args"), dict) else {}
+    args = config.get("model_args")
+    args = args if isinstance(args, dict) else {}
     heads = args.get("num_heads") or _by_prefix(TIMM_HEADS, arch)
-    head_dim = args.get("dim_head") or _by_prefix(TIMM_HEAD_DIM, arch)
+    # maxxvit.py takes transformer_* keywords into MaxxVitTransformerCfg (_overlay_kwargs)
+    head_dim = args.get("transformer_dim_head") or args.get("dim_head") or _by_prefix(TIMM_HEAD_DIM, arch)
     out: dict[str, Any] = {}
     if heads:
         out["num_heads"] = list(heads) if isinstance(heads, (list, tuple)) else heads

@@ -10,7 +10,7 @@ from torch import nn
 from ...errors import LayoutError, NoAttentionFoundError, SurgeonError
 from ...formats.base import TensorInfo
 from ...spec import AttentionBlock, Projection, Rows, slot_offsets
-from ..by_name import detect, match_modules
+from ..by_name import detect, match_modules, with_companions
 from ..config import Hints
 from ..placement import join, kind
 from .decode import placed, prefixed, probe_blocks, under
@@ -70,6 +70,7 @@ def detect_module(module: nn.Module, *, hints: Hints | None = None, example_inpu
     rest = [n for n in params if params[n].dim() == 2 and params[n].is_floating_point() and not under(n, handled)]
     if rest:
         probed = probe_blocks(module, example_inputs=example_inputs, hints=hints, skip=handled)
+        probed = with_companions(probed, {n: tuple(p.shape) for n, p in params.items()})  # joint attention's context stream
         own += probed
         routes.update({b.module: "forward" for b in probed})
         _refuse_unseen(module, rest, probed, example_inputs)

@@ -1,0 +1,200 @@
+"""Minimal re-implementations of layouts from libraries that cannot be installed beside CPU torch 2.13
+(timm, torchvision and open_clip pull torch 2.14 with CUDA). Each follows the named source file: the
+module tree (so the state-dict names are the library's), the parameter shapes and the forward's split
+into heads, written with scaled_dot_product_attention so that tests/_modules.observe sees q, k, v.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# --------------------------------------------------------------- torchvision/models/vision_transformer.py
+
+
+class TorchvisionEncoderBlock(nn.Module):
+    """EncoderBlock: ln_1, self_attention (nn.MultiheadAttention, batch_first), ln_2, mlp."""
+
+    def __init__(self, num_heads: int, hidden_dim: int, mlp_dim: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(hidden_dim)
+        self.self_attention = nn.MultiheadAttention(hidden_dim, num_heads, batch_first=True)
+        self.ln_2 = nn.LayerNorm(hidden_dim)
+        self.mlp = nn.Sequential(nn.Linear(hidden_dim, mlp_dim), nn.GELU(), nn.Linear(mlp_dim, hidden_dim))
+
+    def forward(self, x):
+        y = self.ln_1(x)
+        y, _ = self.self_attention(y, y, y, need_weights=False)
+        x = x + y
+        return x + self.mlp(self.ln_2(x))
+
+
+class TorchvisionEncoder(nn.Module):
+    """Encoder: pos_embedding, layers = Sequential(OrderedDict(encoder_layer_{i}: EncoderBlock)), ln."""
+
+    def __init__(self, seq_length=5, num_layers=3, num_heads=4, hidden_dim=32, mlp_dim=48):
+        super().__init__()
+        self.pos_embedding = nn.Parameter(torch.empty(1, seq_length, hidden_dim).normal_(std=0.02))
+        layers: OrderedDict[str, nn.Module] = OrderedDict()
+        for i in range(num_layers):
+            layers[f"encoder_layer_{i}"] = TorchvisionEncoderBlock(num_heads, hidden_dim, mlp_dim)
+        self.layers = nn.Sequential(layers)
+        self.ln = nn.LayerNorm(hidden_dim)
+
+    def forward(self, x):
+        return self.ln(self.layers(x + self.pos_embedding))
+
+
+class TorchvisionViT(nn.Module):
+    """VisionTransformer without its patchifier: class_token, encoder, heads.head."""
+
+    def __init__(self, **kw):
+        super().__init__()
+        self.encoder = TorchvisionEncoder(**kw)
+        self.heads = nn.Sequential(OrderedDict(head=nn.Linear(kw.get("hidden_dim", 32), 3)))
+
+    def forward(self, x):
+        return self.heads(self.encoder(x)[:, 0])
+
+
+# --------------------------------------------------------------- timm/models/maxxvit.py
+
+
+class MaxxVitAttentionCl(nn.Module):
+    """AttentionCl: qkv Linear(dim, 3 * dim_attn); head_first=True views it (B, N, H, 3 * d) and
+    chunks q | k | v per head; head_first=False (the TensorFlow ports) reshapes (B, N, 3, H, d)."""
+
+    def __init__(self, dim: int, dim_head: int = 8, head_first: bool = True):
+        super().__init__()
+        self.num_heads, self.dim_head, self.head_first = dim // dim_head, dim_head, head_first
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, restore = x.shape[0], x.shape[:-1]
+        if self.head_first:
+            q, k, v = self.qkv(x).view(B, -1, self.num_heads, self.dim_head * 3).transpose(1, 2).chunk(3, dim=3)
+        else:
+            q, k, v = self.qkv(x).reshape(B, -1, 3, self.num_heads, self.dim_head).transpose(1, 3).unbind(2)
+        x = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(x.transpose(1, 2).reshape(restore + (-1,)))
+
+
+class MaxxVitPartitionAttention(nn.Module):
+    """PartitionAttentionCl: norm1, attn (window partitioning left out: it does not touch the weights)."""
+
+    def __init__(self, dim: int, head_first: bool):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = MaxxVitAttentionCl(dim, head_first=head_first)
+
+    def forward(self, x):
+        return x + self.attn(self.norm1(x))
+
+
+class MaxxVitBlock(nn.Module):
+    """MaxxVitBlock: conv (MBConv, here one Linear), attn_block, attn_grid."""
+
+    def __init__(self, dim: int, head_first: bool):
+        super().__init__()
+        self.conv = nn.Linear(dim, dim)
+        self.attn_block = MaxxVitPartitionAttention(dim, head_first)
+        self.attn_grid = MaxxVitPartitionAttention(dim, head_first)
+
+    def forward(self, x):
+        return self.attn_grid(self.attn_block(self.conv(x)))
+
+
+class MaxxVitStage(nn.Module):
+    def __init__(self, dim_in: int, dim: int, depth: int, head_first: bool):
+        super().__init__()
+        self.down = nn.Linear(dim_in, dim)
+        self.blocks = nn.Sequential(*[MaxxVitBlock(dim, head_first) for _ in range(depth)])
+
+    def forward(self, x):
+        return self.blocks(self.down(x))
+
+
+class MaxxVit(nn.Module):
+    """stages.{i}.blocks.{j}.attn_block.attn.qkv: heads = width // dim_head, so they differ per stage."""
+
+    def __init__(self, dims=(16, 32), depths=(1, 2), head_first=True):
+        super().__init__()
+        ins = (dims[0],) + tuple(dims[:-1])
+        self.stages = nn.Sequential(*[MaxxVitStage(i, d, n, head_first) for i, d, n in zip(ins, dims, depths)])
+
+    def forward(self, x):
+        return self.stages(x)
+
+
+# --------------------------------------------------------------- timm/models/eva.py
+
+
+class EvaAttention(nn.Module):
+    """EvaAttention with qkv_fused=True: qkv Linear without bias; q_bias and v_bias parameters, k_bias a
+    zero buffer (not saved); the forward adds cat(q_bias, k_bias, v_bias) inside F.linear."""
+
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(dim, dim * 3, bias=False)
+        self.q_bias = nn.Parameter(torch.randn(dim) * 0.1)
+        self.register_buffer("k_bias", torch.zeros(dim), persistent=False)
+        self.v_bias = nn.Parameter(torch.randn(dim) * 0.1)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        qkv = F.linear(x, self.qkv.weight, torch.cat((self.q_bias, self.k_bias, self.v_bias)))
+        q, k, v = qkv.reshape(B, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, C))
+
+
+class Eva(nn.Module):
+    def __init__(self, dim=32, depth=2, num_heads=4):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.ModuleDict({"norm1": nn.LayerNorm(dim), "attn": EvaAttention(dim, num_heads)}) for _ in range(depth))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block["attn"](block["norm1"](x))
+        return x
+
+
+# --------------------------------------------------------------- nanoGPT model.py
+
+
+class NanoCausalSelfAttention(nn.Module):
+    """CausalSelfAttention: c_attn Linear(n_embd, 3 n_embd) split q, k, v = [Q | K | V], c_proj."""
+
+    def __init__(self, n_embd: int, n_head: int):
+        super().__init__()
+        self.n_head = n_head
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class NanoGPT(nn.Module):
+    """GPT: transformer.wte, transformer.h.{i}.{ln_1, attn, ln_2, mlp}, lm_head."""
+
+    def __init__(self, n_layer=2, n_head=4, n_embd=32, vocab_size=40):
+        super().__init__()
+        blocks = [nn.ModuleDict({"ln_1": nn.LayerNorm(n_embd), "attn": NanoCausalSelfAttention(n_embd, n_head)}) for _ in range(n_layer)]
+        self.transformer = nn.ModuleDict({"wte": nn.Embedding(vocab_size, n_embd), "h": nn.ModuleList(blocks)})
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+
+    def forward(self, idx):
+        x = self.transformer["wte"](idx)
+        for block in self.transformer["h"]:
+            x = x + block["attn"](block["ln_1"](x))
+        return self.lm_head(x)
