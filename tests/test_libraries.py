@@ -6,18 +6,18 @@ re-implementations in tests/_libraries.py (each names the source file it follows
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
 import torch
+from _libraries import Eva, MaxxVit, NanoGPT, TorchvisionViT
 from safetensors.torch import load_file, save_file
 
-from _libraries import Eva, MaxxVit, NanoGPT, TorchvisionViT
-from _modules import observe, observe_mha, randomize_biases
 from surgeon import reinit_
 from surgeon.api import inspect_checkpoint, reinit_checkpoint
 from surgeon.errors import LayoutError, SelectionError
+
+from _modules import observe, observe_mha, randomize_biases
 
 
 def save(model, folder, config=None):
