@@ -10,13 +10,13 @@ import json
 
 import pytest
 import torch
-from _libraries import Eva, MaxxVit, NanoGPT, TorchvisionViT
 from safetensors.torch import load_file, save_file
 
 from surgeon import reinit_
 from surgeon.api import inspect_checkpoint, reinit_checkpoint
 from surgeon.errors import LayoutError, SelectionError
 
+from _libraries import Eva, MaxxVit, NanoGPT, TorchvisionViT
 from _modules import observe, observe_mha, randomize_biases
 
 
