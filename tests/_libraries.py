@@ -198,3 +198,34 @@ class NanoGPT(nn.Module):
         for block in self.transformer["h"]:
             x = x + block["attn"](block["ln_1"](x))
         return self.lm_head(x)
+
+
+# --------------------------------------------------------------- vit-pytorch cross_vit.py / perceiver-pytorch
+
+
+class LucidrainsAttention(nn.Module):
+    """Attention(dim, heads, dim_head, context_dim): to_q Linear(dim, inner, bias=False), to_kv
+    Linear(context_dim, 2 * inner, bias=False) chunked into k | v, to_out; context defaults to x."""
+
+    def __init__(self, dim: int, heads: int = 4, dim_head: int = 8, context_dim: int | None = None):
+        super().__init__()
+        inner = heads * dim_head
+        self.heads = heads
+        self.to_q = nn.Linear(dim, inner, bias=False)
+        self.to_kv = nn.Linear(context_dim or dim, inner * 2, bias=False)
+        self.to_out = nn.Linear(inner, dim)
+
+    def forward(self, x, context=None):
+        context = x if context is None else context
+        q, (k, v) = self.to_q(x), self.to_kv(context).chunk(2, dim=-1)
+        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in (q, k, v))
+        return self.to_out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
+
+
+class Perceiver(nn.Module):
+    """perceiver-pytorch names: cross_attend_blocks.0.fn (latents read the inputs), layers.{i}.0.fn (latent self-attention)."""
+
+    def __init__(self, latent_dim=32, input_dim=24, depth=2):
+        super().__init__()
+        self.cross_attend_blocks = nn.ModuleList([nn.ModuleDict({"fn": LucidrainsAttention(latent_dim, context_dim=input_dim)})])
+        self.layers = nn.ModuleList(nn.ModuleList([nn.ModuleDict({"fn": LucidrainsAttention(latent_dim)})]) for _ in range(depth))

@@ -16,7 +16,7 @@ from surgeon import reinit_
 from surgeon.api import inspect_checkpoint, reinit_checkpoint
 from surgeon.errors import LayoutError, SelectionError
 
-from _libraries import Eva, MaxxVit, NanoGPT, TorchvisionViT
+from _libraries import Eva, MaxxVit, NanoGPT, Perceiver, TorchvisionViT
 from _modules import observe, observe_mha, randomize_biases
 
 
@@ -182,3 +182,48 @@ def test_ddp_prefixed_lightning_checkpoint_keeps_its_other_entries(tmp_path):
     out = torch.load(tmp_path / "out.ckpt", weights_only=True)
     assert out["epoch"] == 3 and out["hyper_parameters"] == ckpt["hyper_parameters"]
     assert changed(state, out["state_dict"]) == {"module.transformer.h.0.attn.c_attn.weight", "module.transformer.h.0.attn.c_attn.bias"}
+
+
+# --------------------------------------------------------------------------- x-transformers encoder-decoder
+
+
+def test_x_transformers_cross_layers_are_cross_attention_by_their_place(tmp_path):
+    from x_transformers import XTransformer
+
+    torch.manual_seed(0)
+    model = XTransformer(dim=32, enc_num_tokens=20, enc_depth=1, enc_heads=4, enc_max_seq_len=16,
+                         dec_num_tokens=20, dec_depth=2, dec_heads=4, dec_max_seq_len=16)
+    src = save(model, tmp_path / "src")
+    found = inspect_checkpoint(src, num_heads=4)
+    types = {"decoder.net.attn_layers.layers": model.decoder.net.attn_layers.layer_types, "encoder.attn_layers.layers": model.encoder.attn_layers.layer_types}
+    truth = {b.module: "cross" if types[b.stack][int(b.module.split(".")[-2])] == "c" else "self" for b in found.blocks}
+    assert {b.module: b.kind for b in found.blocks} == truth and "cross" in truth.values()
+    reinit_checkpoint(src, output=tmp_path / "out", num_heads=4, attention="self")
+    before, after = load_file(src / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert {n.rsplit(".", 2)[0] for n in changed(before, after)} == {m for m, k in truth.items() if k == "self"}
+
+
+# --------------------------------------------------------------------------- lucidrains to_q + to_kv
+
+
+def test_lucidrains_to_q_and_fused_to_kv(tmp_path):
+    torch.manual_seed(0)
+    model = Perceiver(latent_dim=32, input_dim=24)
+    src = save(model, tmp_path / "src")
+    found = inspect_checkpoint(src, head_dim=8)
+    assert {(b.module, b.kind, b.heads) for b in found.blocks} == {
+        ("cross_attend_blocks.0.fn", "cross", 4), ("layers.0.0.fn", "self", 4), ("layers.1.0.fn", "self", 4)
+    }
+    attn = model.layers[1][0]["fn"]
+    was = observe(attn, 32)
+    reinit_checkpoint(src, output=tmp_path / "out", head_dim=8, stack="layers", layers="1", heads="2")
+    model.load_state_dict(load_file(tmp_path / "out" / "model.safetensors"))
+    now = observe(attn, 32)
+    assert orthonormal_rows(now.q[2:3]) and orthonormal_rows(now.k[2:3])
+    assert torch.allclose(now.v[2].float(), torch.eye(32)[16:24], atol=1e-5)  # block identity: head 2 reads features 16-23
+    for role in ("q", "k", "v"):
+        keep = [0, 1, 3]
+        assert torch.allclose(getattr(now, role)[keep], getattr(was, role)[keep], atol=1e-5), role
+    cross = model.cross_attend_blocks[0]["fn"]
+    now_cross = observe(cross, 32, context_width=24)
+    assert now_cross.k.shape == (4, 8, 24)  # untouched and read from the inputs' width

@@ -16,7 +16,7 @@ from ..spec import AttentionBlock, Projection, Rows, packed_size, slot_offsets
 from . import Detection
 from .config import ConfigView, Hints
 from .families import CROSS_WORDS, KV_SLOTS, QUANT_PARAMS, RULES, Part, Rule, projection_names  # noqa: F401
-from .libraries import companion_block, kv_map, separate_biases
+from .libraries import companion_block, kv_map, roles_by_position, separate_biases
 from .placement import join, kind, place
 
 T = TypeVar("T")
@@ -30,7 +30,7 @@ def detect(tensors: Mapping[str, TensorInfo], config: dict | None = None, hints:
     notes = _partial_matches(tensors, matches)
     placed = place_matches(matches)
     blocks = [_build(module, rule, stack, layer, stage, tensors, view) for module, rule, stack, layer, stage in placed]
-    blocks = with_companions(blocks, tensors)
+    blocks = with_companions(roles_by_position(blocks, tensors), tensors)
     if not blocks:
         raise NoAttentionFoundError(_nothing_found(tensors, notes, source))
     return Detection(blocks, len(tensors), _assumed_layouts(blocks, view) + notes)

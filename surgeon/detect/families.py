@@ -56,6 +56,9 @@ RULES: tuple[Rule, ...] = (
         "fused cross c_attn",  # GPT-2 cross-attention: Conv1D q_attn, Conv1D c_attn holding [K | V]
         (Part("q_attn.weight", "q_attn.bias", "q", "conv1d"), Part("c_attn.weight", "c_attn.bias", "kv", "conv1d")),
     ),
+    Rule(  # lucidrains-style (vit-pytorch, perceivers, IgFold): to_q, and to_kv chunked into [K | V]
+        "fused to_kv", (Part("to_q.weight", "to_q.bias", "q"), Part("to_kv.weight", "to_kv.bias", "kv")),
+    ),
     _fused("c_attn", "qkv", "shape"),  # GPT-2 (Conv1D), nanoGPT and GPTBigCode (Linear)
     _fused("query_key_value", "auto"),  # GPT-NeoX, Bloom (interleaved), Falcon (three layouts)
     _fused("Wqkv", "qkv"),  # MPT, ModernBERT
@@ -190,3 +193,11 @@ TIMM_HEADS: dict[str, int | list[int]] = {
     "swin_tiny": [3, 6, 12, 24], "swin_small": [3, 6, 12, 24], "swin_base": [4, 8, 16, 32], "swin_large": [6, 12, 24, 48],
 }
 TIMM_HEAD_DIM = {"maxvit": 32, "maxxvit": 32, "coatnet": 32, "coatnext": 32}  # maxxvit.py MaxxVitTransformerCfg.dim_head
+
+# Layer lists whose entries alternate attention and feedforward, where the second attention entry
+# between two feedforwards is cross-attention: x-transformers AttentionLayers (x_transformers.py:
+# default_block ('a', 'c', 'f') with cross_attend; entries attn_layers.layers.N.1, feedforward .N.1.ff).
+CROSS_BY_POSITION = {"attn_layers.layers": ".1.ff."}
+# Layouts whose keys may read another input than the queries, with no name that says so: cross-attention
+# where the key/value projection reads another width (a perceiver's latents reading the inputs).
+CROSS_BY_WIDTH = ("fused to_kv",)

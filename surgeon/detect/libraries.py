@@ -21,6 +21,8 @@ from ..errors import LayoutError, opt
 from ..spec import AttentionBlock, Projection, Rows, slot_offsets
 from .families import (
     COMPANION_STREAMS,
+    CROSS_BY_POSITION,
+    CROSS_BY_WIDTH,
     FUSED_PACKING_BY_ARCHITECTURE,
     KV_MAP_BY_PATH,
     MAXXVIT_WORDS,
@@ -170,3 +172,31 @@ def companion_block(block: AttentionBlock, shapes: Mapping[str, tuple[int, ...]]
             block, module=block.module + suffix, layout="joint context", q=projections["q"], k=projections["k"], v=projections["v"]
         )
     return None
+
+
+def roles_by_position(blocks: list[AttentionBlock], names: Mapping[str, Any]) -> list[AttentionBlock]:
+    """Cross-attention in the stacks of CROSS_BY_POSITION, told by the entry's place among its stack's
+    entries, or by keys that read another width than the queries (x-transformers' dim_context)."""
+    out = []
+    for block in blocks:
+        wider = block.k.in_features != block.q.in_features
+        family = any(block.stack.endswith(stack) for stack in CROSS_BY_POSITION)
+        cross = (family and (wider or _second_of_run(block, names))) or (block.layout in CROSS_BY_WIDTH and wider)
+        out.append(dataclasses.replace(block, kind="cross") if cross and block.kind == "self" else block)
+    return out
+
+
+def _second_of_run(block: AttentionBlock, names: Mapping[str, Any]) -> bool:
+    for stack, ff in CROSS_BY_POSITION.items():
+        if not block.stack.endswith(stack) or not block.module.startswith(block.stack + "."):
+            continue
+        entry = block.module[len(block.stack) + 1 :].split(".")[0]
+        if not entry.isdigit():
+            return False
+        index = int(entry)
+        # the entry before it is an attention entry (not a feedforward, and it exists)
+        before = f"{block.stack}.{index - 1}"
+        return index > 0 and not any(n.startswith(before + ff) for n in names) and any(n.startswith(before + ".") for n in names) and (
+            index < 2 or any(n.startswith(f"{block.stack}.{index - 2}{ff}") for n in names)
+        )
+    return False
