@@ -19,6 +19,7 @@ from .formats.registry import (  # noqa: F401  (NOT_WEIGHTS, TORCH_NAMES: import
 )
 
 SKIP_DIRS = {".git", ".cache"}
+OPEN_CLIP_CONFIG = "open_clip_config.json"
 # Copies of the weights in formats surgeon does not rewrite here. Carried over unchanged they would
 # still hold the old attention weights, so a folder output leaves them out and says so.
 STALE_WEIGHT_SUFFIXES = OTHER_FORMAT_SUFFIXES + ALONE_SUFFIXES
@@ -67,6 +68,8 @@ def open_source(path: str | Path, *, config: str | Path | None = None) -> Source
         source.config_path = Path(config)
     elif source.config_path is None and (source.folder / "config.json").is_file():
         source.config_path = source.folder / "config.json"
+    elif source.config_path is None and (source.folder / OPEN_CLIP_CONFIG).is_file():  # open_clip's Hub repos
+        source.config_path = source.folder / OPEN_CLIP_CONFIG
     if source.config_path is not None:
         source.config = read_config(source.config_path)
     elif (embedded := source.primary.embedded_config()) is not None:

@@ -229,3 +229,69 @@ class Perceiver(nn.Module):
         super().__init__()
         self.cross_attend_blocks = nn.ModuleList([nn.ModuleDict({"fn": LucidrainsAttention(latent_dim, context_dim=input_dim)})])
         self.layers = nn.ModuleList(nn.ModuleList([nn.ModuleDict({"fn": LucidrainsAttention(latent_dim)})]) for _ in range(depth))
+
+
+# --------------------------------------------------------------- open_clip/transformer.py, model.py
+
+
+class OpenClipResidualAttentionBlock(nn.Module):
+    """ResidualAttentionBlock: ln_1, attn (nn.MultiheadAttention, batch_first), ln_2, mlp (c_fc, gelu, c_proj)."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(width)
+        self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.ln_2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(OrderedDict(c_fc=nn.Linear(width, 2 * width), gelu=nn.GELU(), c_proj=nn.Linear(2 * width, width)))
+
+
+class OpenClipTransformer(nn.Module):
+    def __init__(self, width: int, layers: int, heads: int):
+        super().__init__()
+        self.resblocks = nn.ModuleList(OpenClipResidualAttentionBlock(width, heads) for _ in range(layers))
+
+
+class OpenClip(nn.Module):
+    """CLIP: the vision tower under ``visual`` (heads = width // head_width), the text tower at the top
+    level (``transformer``, ``token_embedding``, ``ln_final``: heads = text_cfg.heads)."""
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        v, t = cfg["vision_cfg"], cfg["text_cfg"]
+        self.visual = nn.Module()
+        self.visual.conv1 = nn.Conv2d(3, v["width"], v["patch_size"], v["patch_size"], bias=False)
+        self.visual.ln_pre = nn.LayerNorm(v["width"])
+        self.visual.transformer = OpenClipTransformer(v["width"], v["layers"], v["width"] // v.get("head_width", 64))
+        self.token_embedding = nn.Embedding(t["vocab_size"], t["width"])
+        self.transformer = OpenClipTransformer(t["width"], t["layers"], t.get("heads", 8))
+        self.ln_final = nn.LayerNorm(t["width"])
+
+
+# --------------------------------------------------------------- timm/models/swin_transformer.py
+
+
+class SwinWindowAttention(nn.Module):
+    """WindowAttention: qkv Linear(dim, 3 dim) viewed (B, N, 3, heads, d) (blocked [Q | K | V])."""
+
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, -1))
+
+
+class Swin(nn.Module):
+    """layers.{stage}.blocks.{j}.attn.qkv, the width doubling and the heads changing per stage."""
+
+    def __init__(self, embed_dim=16, depths=(1, 2), num_heads=(2, 4)):
+        super().__init__()
+        self.layers = nn.ModuleList()
+        for i, (depth, heads) in enumerate(zip(depths, num_heads)):
+            stage = nn.Module()
+            stage.blocks = nn.ModuleList(nn.ModuleDict({"norm1": nn.LayerNorm(embed_dim * 2**i), "attn": SwinWindowAttention(embed_dim * 2**i, heads)}) for _ in range(depth))
+            self.layers.append(stage)

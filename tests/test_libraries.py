@@ -16,7 +16,7 @@ from surgeon import reinit_
 from surgeon.api import inspect_checkpoint, reinit_checkpoint
 from surgeon.errors import LayoutError, SelectionError
 
-from _libraries import Eva, MaxxVit, NanoGPT, Perceiver, TorchvisionViT
+from _libraries import Eva, MaxxVit, NanoGPT, OpenClip, Perceiver, Swin, TorchvisionViT
 from _modules import observe, observe_mha, randomize_biases
 
 
@@ -227,3 +227,57 @@ def test_lucidrains_to_q_and_fused_to_kv(tmp_path):
     cross = model.cross_attend_blocks[0]["fn"]
     now_cross = observe(cross, 32, context_width=24)
     assert now_cross.k.shape == (4, 8, 24)  # untouched and read from the inputs' width
+
+
+# --------------------------------------------------------------------------- heads from the libraries' configs
+
+OPEN_CLIP = {
+    "embed_dim": 16,
+    "vision_cfg": {"image_size": 8, "layers": 2, "width": 32, "head_width": 8, "patch_size": 4},
+    "text_cfg": {"context_length": 6, "vocab_size": 20, "width": 24, "heads": 2, "layers": 2},
+}
+
+
+def test_open_clip_config_gives_each_tower_its_heads(tmp_path):
+    torch.manual_seed(0)
+    model = randomize_biases(OpenClip(OPEN_CLIP))
+    src = save(model, tmp_path / "src")
+    (tmp_path / "ViT-tiny.json").write_text(json.dumps(OPEN_CLIP))
+    found = inspect_checkpoint(src, config=tmp_path / "ViT-tiny.json")
+    assert {(b.stack, b.heads, b.head_dim) for b in found.blocks} == {("visual.transformer.resblocks", 4, 8), ("transformer.resblocks", 2, 12)}
+    reinit_checkpoint(src, output=tmp_path / "out", config=tmp_path / "ViT-tiny.json", heads="0")
+    model.load_state_dict(load_file(tmp_path / "out" / "model.safetensors"))
+    for tower, d in ((model.transformer, 12), (model.visual.transformer, 8)):
+        maps = observe_mha(tower.resblocks[1].attn)
+        assert maps.q.shape[1] == d  # the library's own head split
+        assert orthonormal_rows(maps.q[:1]) and orthonormal_rows(maps.k[:1]) and not orthonormal_rows(maps.q[1:2], atol=1e-2)
+
+
+def test_timm_swin_heads_per_stage_from_model_args(tmp_path):
+    torch.manual_seed(0)
+    model = randomize_biases(Swin(embed_dim=16, depths=(1, 2), num_heads=(2, 4)))
+    config = {"architecture": "swin_tiny_patch4_window7_224", "model_args": {"embed_dim": 16, "depths": [1, 2], "num_heads": [2, 4]}}
+    src = save(model, tmp_path / "src", config)
+    found = inspect_checkpoint(src)
+    assert [(b.layer, b.heads, b.head_dim) for b in found.blocks] == [(0, 2, 8), (1, 4, 8), (2, 4, 8)]
+    reinit_checkpoint(src, output=tmp_path / "out", heads="1")
+    model.load_state_dict(load_file(tmp_path / "out" / "model.safetensors"))
+    for stage, width in ((model.layers[0], 16), (model.layers[1], 32)):
+        maps = observe(stage.blocks[0]["attn"], width)
+        assert orthonormal_rows(maps.q[1:2]) and orthonormal_rows(maps.k[1:2]) and not orthonormal_rows(maps.q[:1], atol=1e-2)
+        assert torch.allclose(maps.q_bias[1].float(), torch.zeros(8), atol=1e-6)
+
+
+def test_head_dim_alone_settles_the_heads(tmp_path):
+    torch.manual_seed(0)
+    src = save(Swin(embed_dim=16, depths=(1, 1), num_heads=(2, 4)), tmp_path / "src")
+    found = inspect_checkpoint(src, head_dim=8)
+    assert [b.heads for b in found.blocks] == [2, 4]
+
+
+def test_open_clip_hub_folder_reads_its_open_clip_config(tmp_path):
+    torch.manual_seed(0)
+    src = save(OpenClip(OPEN_CLIP), tmp_path / "src")
+    (src / "open_clip_config.json").write_text(json.dumps({"model_cfg": OPEN_CLIP, "preprocess_cfg": {"mean": [0.5] * 3}}))
+    found = inspect_checkpoint(src)
+    assert {(b.stack, b.heads) for b in found.blocks} == {("visual.transformer.resblocks", 4), ("transformer.resblocks", 2)}

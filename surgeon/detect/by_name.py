@@ -170,7 +170,7 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
     return AttentionBlock(
         stack=stack,
         layer=layer,
-        kind=kind(module),
+        kind="self" if module.endswith("attn2") and view.config.get("double_self_attention") is True else kind(module),  # diffusers
         module=module,
         layout=rule.name,
         heads=heads,

@@ -69,6 +69,8 @@ def _open_clip(config: dict) -> dict | None:
     # open_clip model_configs/*.json: vision_cfg (width, head_width = 64) and text_cfg (width, heads = 8);
     # the text tower sits at the top level of the state dict (transformer.resblocks), the vision tower
     # under visual.
+    if isinstance(config.get("model_cfg"), dict):  # open_clip_config.json of a Hub repo: {"model_cfg": ..., "preprocess_cfg": ...}
+        config = config["model_cfg"]
     vision, text = config.get("vision_cfg"), config.get("text_cfg")
     if not isinstance(vision, dict) or not isinstance(text, dict):
         return None
