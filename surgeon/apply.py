@@ -63,7 +63,7 @@ def head_matrices(tensor: torch.Tensor, rows: Rows, heads: list[int] | tuple[int
 def _set_heads(tensor: torch.Tensor, rows: Rows, heads: tuple[int, ...], values: torch.Tensor) -> None:
     mat = tensor if rows.axis == 0 else tensor.transpose(0, 1)  # a view: writes land in tensor
     values = values.to(tensor.device, tensor.dtype)  # round first: the reshape below then copies (if at all) 2-4x fewer bytes
-    mat.index_copy_(0, _row_index(rows, heads, tensor.device), values.reshape(-1, mat.shape[1]))
+    mat.index_copy_(0, _row_index(rows, heads, tensor.device), values.reshape(-1, *mat.shape[1:]))  # (out, in[, 1, 1]): 1x1 convs
 
 
 def _zero_heads(tensor: torch.Tensor, rows: Rows, heads: tuple[int, ...]) -> None:

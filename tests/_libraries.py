@@ -295,3 +295,39 @@ class Swin(nn.Module):
             stage = nn.Module()
             stage.blocks = nn.ModuleList(nn.ModuleDict({"norm1": nn.LayerNorm(embed_dim * 2**i), "attn": SwinWindowAttention(embed_dim * 2**i, heads)}) for _ in range(depth))
             self.layers.append(stage)
+
+
+# --------------------------------------------------------------- VITS / Piper TTS attentions.py
+
+
+class VitsMultiHeadAttention(nn.Module):
+    """MultiHeadAttention: conv_q/conv_k/conv_v/conv_o are Conv1d(channels, channels, 1); the channels
+    are split as view(b, n_heads, k_channels, t).transpose(2, 3); matmul, softmax, matmul."""
+
+    def __init__(self, channels: int, n_heads: int):
+        super().__init__()
+        self.n_heads, self.k_channels = n_heads, channels // n_heads
+        self.conv_q, self.conv_k, self.conv_v, self.conv_o = (nn.Conv1d(channels, channels, 1) for _ in range(4))
+
+    def forward(self, x, c):
+        q, k, v = self.conv_q(x), self.conv_k(c), self.conv_v(c)
+        b, d, t_s, t_t = (*k.size(), q.size(2))
+        query = q.view(b, self.n_heads, self.k_channels, t_t).transpose(2, 3)
+        key = k.view(b, self.n_heads, self.k_channels, t_s).transpose(2, 3)
+        value = v.view(b, self.n_heads, self.k_channels, t_s).transpose(2, 3)
+        scores = torch.matmul(query / self.k_channels**0.5, key.transpose(-2, -1))
+        out = torch.matmul(torch.softmax(scores, dim=-1), value)
+        return self.conv_o(out.transpose(2, 3).contiguous().view(b, d, t_t))
+
+
+class VitsEncoder(nn.Module):
+    """Encoder: attn_layers.{i} (self-attention over (batch, channels, time)), norm_layers_1."""
+
+    def __init__(self, channels=16, n_heads=2, n_layers=2):
+        super().__init__()
+        self.attn_layers = nn.ModuleList(VitsMultiHeadAttention(channels, n_heads) for _ in range(n_layers))
+
+    def forward(self, x):
+        for attn in self.attn_layers:
+            x = x + attn(x, x)
+        return x

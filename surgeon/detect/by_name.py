@@ -142,7 +142,7 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
                 "surgeon rewrites float16/bfloat16/float32 projections only",
                 tensor=info.name,
             )
-        if len(info.shape) != 2:
+        if len(info.shape) != 2 and not _pointwise(info, view, stack, module):
             raise LayoutError(f"{info.name} has shape {list(info.shape)}; a projection weight must be 2-D", tensor=info.name)
         if 0 in info.shape:
             raise LayoutError(
@@ -200,7 +200,7 @@ def _heads_from_head_dim(module: str, rule: Rule, tensors: Mapping[str, TensorIn
     says how many head-sized slots a query head takes (None where it cannot tell)."""
     part = rule.parts[0]
     info = tensors[join(module, part.weight)]
-    if part.orientation == "shape" or len(info.shape) != 2:
+    if part.orientation == "shape" or len(info.shape) < 2 or any(n != 1 for n in info.shape[2:]):
         return None
     out = info.shape[0 if part.orientation == "linear" else 1]
     packing = part.packing if part.packing in ("q", "k", "v") else view.fused_packing(part.weight.rsplit(".", 1)[0], stack, module)
@@ -208,6 +208,23 @@ def _heads_from_head_dim(module: str, rule: Rule, tensors: Mapping[str, TensorIn
     if per_head is None or out % (per_head * head_dim) or view.hints.num_kv_heads is not None:
         return None
     return out // (per_head * head_dim)
+
+
+def _pointwise(info: TensorInfo, view: ConfigView, stack: str, module: str) -> bool:
+    """A 1x1 convolution's weight (out, in, 1[, 1]): a linear map, taken where its packing is known.
+    A fused one (timm CoAtNet/MaxViT Attention2d) packs per head or not by model: the config must say."""
+    if len(info.shape) < 3 or any(n != 1 for n in info.shape[2:]):
+        return False
+    tensor = info.name.removeprefix(module + ".").rsplit(".", 1)[0] if module else info.name.rsplit(".", 1)[0]
+    fused = not any(part.packing in ("q", "k", "v") and join(module, part.weight) == info.name for rule in RULES for part in rule.parts)
+    if fused and view.fused_packing(tensor, stack, module) is None:
+        raise LayoutError(
+            f"{info.name} is a fused 1x1-convolution projection {list(info.shape)}: timm packs these per head "
+            f"([q_h | k_h | v_h], CoAtNet/MaxViT Attention2d) or as [Q | K | V] by model; pass {opt('config', 'PATH')} "
+            "with the timm config.json that names its architecture",
+            tensor=info.name,
+        )
+    return True
 
 
 def _packing(part: Part, view: ConfigView, stack: str, module: str, where: str) -> str:
