@@ -331,3 +331,44 @@ class VitsEncoder(nn.Module):
         for attn in self.attn_layers:
             x = x + attn(x, x)
         return x
+
+
+class MaxxVitAttention2d(nn.Module):
+    """maxxvit.py Attention2d (CoAtNet's transformer blocks): qkv Conv2d(dim, 3 dim, 1) on NCHW;
+    head_first=True views it (B, H, 3 d, -1) and chunks q | k | v per head."""
+
+    def __init__(self, dim: int, dim_head: int = 8):
+        super().__init__()
+        self.num_heads, self.dim_head = dim // dim_head, dim_head
+        self.qkv = nn.Conv2d(dim, dim * 3, 1)
+        self.proj = nn.Conv2d(dim, dim, 1)
+
+    def forward(self, x):
+        B, C, H, W = x.shape
+        q, k, v = self.qkv(x).view(B, self.num_heads, self.dim_head * 3, -1).chunk(3, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(-1, -2), k.transpose(-1, -2), v.transpose(-1, -2))
+        return self.proj(out.transpose(-1, -2).reshape(B, -1, H, W))
+
+
+class CoAtNet(nn.Module):
+    """stages.{i}.blocks.{j}.attn (TransformerBlock2d) for the transformer stages."""
+
+    def __init__(self, dim=32, depth=2):
+        super().__init__()
+        stage = nn.Module()
+        stage.blocks = nn.ModuleList(nn.ModuleDict({"attn": MaxxVitAttention2d(dim)}) for _ in range(depth))
+        self.stages = nn.ModuleList([stage])
+
+
+class TorchvisionSwin(nn.Module):
+    """torchvision/models/swin_transformer.py: features = [patch embed, stage, PatchMerging, stage, ...];
+    stage blocks at features.{1,3,5,7}.{j}.attn.qkv (blocked [Q | K | V]); head size 32 at full size."""
+
+    def __init__(self, embed_dim=16, depths=(1, 2), num_heads=(2, 4)):
+        super().__init__()
+        layers: list[nn.Module] = [nn.Linear(3, embed_dim)]
+        for i, (depth, heads) in enumerate(zip(depths, num_heads)):
+            dim = embed_dim * 2**i
+            layers.append(nn.ModuleList(nn.ModuleDict({"norm1": nn.LayerNorm(dim), "attn": SwinWindowAttention(dim, heads)}) for _ in range(depth)))
+            layers.append(nn.Linear(dim, 2 * dim))  # PatchMerging's reduction
+        self.features = nn.Sequential(*layers)

@@ -16,7 +16,7 @@ from surgeon import reinit_
 from surgeon.api import inspect_checkpoint, reinit_checkpoint
 from surgeon.errors import LayoutError, SelectionError
 
-from _libraries import Eva, MaxxVit, NanoGPT, OpenClip, Perceiver, Swin, TorchvisionViT
+from _libraries import CoAtNet, Eva, MaxxVit, NanoGPT, OpenClip, Perceiver, Swin, TorchvisionSwin, TorchvisionViT
 from _modules import observe, observe_mha, randomize_biases
 
 
@@ -281,3 +281,37 @@ def test_open_clip_hub_folder_reads_its_open_clip_config(tmp_path):
     (src / "open_clip_config.json").write_text(json.dumps({"model_cfg": OPEN_CLIP, "preprocess_cfg": {"mean": [0.5] * 3}}))
     found = inspect_checkpoint(src)
     assert {(b.stack, b.heads) for b in found.blocks} == {("visual.transformer.resblocks", 4), ("transformer.resblocks", 2)}
+
+
+def test_coatnet_1x1_conv_qkv_per_head_from_the_architecture(tmp_path):
+    torch.manual_seed(0)
+    model = CoAtNet(dim=32, depth=2)
+    with pytest.raises(LayoutError, match="1x1-convolution.*config=PATH"):
+        inspect_checkpoint(save(model, tmp_path / "bare"), head_dim=8)
+    config = {"architecture": "coatnet_0_rw_224", "model_args": {"transformer_dim_head": 8}}
+    src = save(model, tmp_path / "src", config)
+    attn = model.stages[0].blocks[1]["attn"]
+
+    def call(a, x):  # the probe's tokens as an NCHW image of one column
+        a(x.transpose(1, 2).unsqueeze(-1))
+
+    was = observe(attn, 32, call=call)
+    reinit_checkpoint(src, output=tmp_path / "out", heads="2", layers="1")
+    model.load_state_dict(load_file(tmp_path / "out" / "model.safetensors"))
+    now = observe(attn, 32, call=call)
+    assert orthonormal_rows(now.q[2:3]) and orthonormal_rows(now.k[2:3])
+    assert torch.allclose(now.v[2].float(), torch.eye(32)[16:24], atol=1e-5)
+    for role in ("q", "k", "v"):
+        assert torch.allclose(getattr(now, role)[[0, 1, 3]], getattr(was, role)[[0, 1, 3]], atol=1e-5), role
+
+
+def test_torchvision_swin_heads_per_stage_from_the_head_size(tmp_path):
+    torch.manual_seed(0)
+    model = randomize_biases(TorchvisionSwin(embed_dim=16, depths=(1, 2), num_heads=(2, 4)))
+    src = save(model, tmp_path / "src")
+    found = inspect_checkpoint(src, head_dim=8)
+    assert [(b.stack, b.layer, b.heads) for b in found.blocks] == [("features", 0, 2), ("features", 1, 4), ("features", 2, 4)]
+    reinit_checkpoint(src, output=tmp_path / "out", head_dim=8, heads="3", layers="2")
+    model.load_state_dict(load_file(tmp_path / "out" / "model.safetensors"))
+    maps = observe(model.features[3][1]["attn"], 32)
+    assert orthonormal_rows(maps.q[3:4]) and orthonormal_rows(maps.k[3:4]) and not orthonormal_rows(maps.q[:1], atol=1e-2)
