@@ -127,6 +127,10 @@ def test_x_transformers_gqa_maps_query_head_h_to_kv_head_h_mod_kv(tmp_path):
     for h in (1, 3):
         for role in ("q", "k", "v"):
             assert torch.allclose(getattr(now, role)[h], getattr(was, role)[h], atol=1e-5), (role, h)
+    # the module route reads the same mapping from the forward and writes the same bytes
+    live = xt_decoder(attn_kv_heads=2)
+    reinit_(live, heads="0,2", example_inputs=torch.randint(0, 20, (1, 6)))
+    assert not changed(load_file(tmp_path / "out" / "model.safetensors"), live.state_dict())
 
 
 # --------------------------------------------------------------------------- timm EVA (fused)
