@@ -149,6 +149,10 @@ def test_eva_fused_qkv_zeroes_its_separate_q_and_v_biases(tmp_path):
         assert torch.allclose(bias[1].float(), torch.zeros(8), atol=1e-6) and bias[0].abs().sum() > 0.1
     before = load_file(src / "model.safetensors")
     assert changed(before, after) == {f"blocks.0.attn.{t}" for t in ("qkv.weight", "q_bias", "v_bias")}
+    live = Eva(dim=32, depth=2, num_heads=4)
+    live.load_state_dict(before)
+    reinit_(live, heads="1", layers="0", example_inputs=torch.randn(1, 5, 32))  # the module route: the same bytes
+    assert not changed(after, live.state_dict())
 
 
 # --------------------------------------------------------------------------- nanoGPT ckpt.pt

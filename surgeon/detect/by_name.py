@@ -16,7 +16,7 @@ from ..spec import AttentionBlock, Projection, Rows, packed_size, slot_offsets
 from . import Detection
 from .config import ConfigView, Hints
 from .families import CROSS_WORDS, KV_SLOTS, QUANT_PARAMS, RULES, Part, Rule, projection_names  # noqa: F401
-from .libraries import companion_block, kv_map, roles_by_position, separate_biases
+from .libraries import companion_block, kv_map, roles_by_position, with_separate_biases
 from .placement import join, kind, place
 
 T = TypeVar("T")
@@ -163,11 +163,8 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
             bias = None
             if bias_name is not None and bias_name in tensors and tensors[bias_name].shape == (packed_size(part.bias_packing or packing, heads, kv_heads, head_dim),):
                 bias = Rows(bias_name, 0, bias_offsets[role], head_dim)
-            own = separate_biases(module, part.weight.rsplit(".", 1)[0], tensors).get(role) if bias is None else None
-            if own is not None and tensors[own].shape == (len(offs) * head_dim,):  # timm EVA's q_bias / v_bias
-                bias = Rows(own, 0, slot_offsets(role, heads, kv_heads, head_dim)[role], head_dim)
             projections[role] = Projection(role, Rows(info.name, axis, offs, head_dim), bias, in_features)  # type: ignore[arg-type]
-    return AttentionBlock(
+    block = AttentionBlock(
         stack=stack,
         layer=layer,
         kind="self" if module.endswith("attn2") and view.config.get("double_self_attention") is True else kind(module),  # diffusers
@@ -181,6 +178,7 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
         v=projections["v"],
         kv_map=kv_map(module),
     )
+    return with_separate_biases(block, {name: info.shape for name, info in tensors.items()})  # timm EVA
 
 
 def with_companions(blocks: list[AttentionBlock], tensors: Mapping[str, TensorInfo] | Mapping[str, tuple[int, ...]]) -> list[AttentionBlock]:

@@ -140,14 +140,18 @@ def kv_map(module: str) -> str:
     return "blocked"
 
 
-def separate_biases(module: str, tensor: str, names: Mapping[str, Any]) -> dict[str, str]:
-    """role -> bias tensor of a fused weight whose biases are parameters of their own (timm EVA)."""
-    found = {}
-    for role, leaf in SEPARATE_BIASES.get(tensor, {}).items():
-        name = f"{module}.{leaf}" if module else leaf
-        if name in names:
-            found[role] = name
-    return found
+def with_separate_biases(block: AttentionBlock, shapes: Mapping[str, tuple[int, ...]]) -> AttentionBlock:
+    """``block`` with the biases of a fused weight that keeps them as parameters of their own (timm
+    EVA's q_bias / v_bias beside qkv.weight), where its projections have none."""
+    roles = {}
+    for p in block.projections:
+        owner, _, leaf = p.weight.tensor.removesuffix(".weight").rpartition(".")
+        name = SEPARATE_BIASES.get(leaf, {}).get(p.role)
+        bias = f"{owner}.{name}" if owner and name else name
+        if p.bias is None and bias is not None and shapes.get(bias) == (p.heads * p.head_dim,):
+            offsets = slot_offsets(p.role, block.heads, block.kv_heads, block.head_dim)[p.role]
+            roles[p.role] = dataclasses.replace(p, bias=Rows(bias, 0, offsets, block.head_dim))
+    return dataclasses.replace(block, **roles) if roles else block
 
 
 def companion_block(block: AttentionBlock, shapes: Mapping[str, tuple[int, ...]]) -> AttentionBlock | None:
