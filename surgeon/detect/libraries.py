@@ -143,7 +143,7 @@ def kv_map(module: str) -> str:
 def with_separate_biases(block: AttentionBlock, shapes: Mapping[str, tuple[int, ...]]) -> AttentionBlock:
     """``block`` with the biases of a fused weight that keeps them as parameters of their own (timm
     EVA's q_bias / v_bias beside qkv.weight), where its projections have none."""
-    roles = {}
+    roles: dict[str, Any] = {}
     for p in block.projections:
         owner, _, leaf = p.weight.tensor.removesuffix(".weight").rpartition(".")
         name = SEPARATE_BIASES.get(leaf, {}).get(p.role)
