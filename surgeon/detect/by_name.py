@@ -42,7 +42,7 @@ _CONVENTIONAL = {"fused qkv": "timm/nanoGPT", "fused to_qkv": "chunk(3)"}
 
 def _assumed_layouts(blocks: list[AttentionBlock], view: ConfigView) -> list[str]:
     """Say so when a fused layout rests on a naming convention alone (no model_type to confirm it)."""
-    if view.model_type:
+    if view.model_type or view.config.get("architecture"):  # a timm config names the model (FUSED_PACKING_BY_ARCHITECTURE)
         return []
     notes = []
     for layout in dict.fromkeys(b.layout for b in blocks):
