@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,6 +136,18 @@ def _split_variants(picked: list[str]) -> list[list[str]]:
     return [rest] + [[v] for v in variants] if rest else [picked]
 
 
+def _variant_indexes(folder: Path, top: list[str], sets: list[WeightSet]) -> list[WeightSet]:
+    """Sharded variants beside sharded weights (diffusers: NAME.safetensors.index.fp16.json over
+    NAME.fp16-0000K-of-0000N.safetensors), each a set of its own."""
+    out = []
+    for name in top:
+        match = re.match(r"^(.+)\.index\.[A-Za-z0-9_]+\.json$", name)
+        fmt = format_of(match.group(1)) if match else None
+        if match and fmt is not None and any(s.index == f"{match.group(1)}.index.json" for s in sets):
+            out.append(fmt.weight_set().from_index(folder / name))
+    return out
+
+
 def _open_folder(folder: Path) -> Source:
     top = sorted(p.name for p in folder.iterdir() if p.is_file())
     sets: list[WeightSet] = []
@@ -156,6 +169,7 @@ def _open_folder(folder: Path) -> Source:
             continue
         for files in _split_variants(picked):  # diffusers' x.fp16.safetensors beside x.safetensors: each its own set
             sets.append(fmt.open(folder, files))
+    sets += _variant_indexes(folder, top, sets)
     if not sets and (folder / "model_index.json").is_file():
         parts = sorted(p.name for p in folder.iterdir() if p.is_dir() and any(f.suffix in (".safetensors", ".bin") for f in p.iterdir()))
         raise CheckpointError(

@@ -132,3 +132,23 @@ def test_pipeline_folder_names_its_components(tmp_path):
     with pytest.raises(CheckpointError, match=r"diffusers pipeline .*unet"):
         inspect_checkpoint(pipe)
     assert inspect_checkpoint(pipe / "unet").blocks
+
+
+def test_sharded_fp16_variant_is_rewritten_and_in_place_is_refused(tmp_path):
+    import json
+
+    from surgeon.errors import OutputError
+
+    model = unet()
+    model.save_pretrained(tmp_path / "src", max_shard_size="20KB")
+    model.to(torch.float16).save_pretrained(tmp_path / "src", variant="fp16", max_shard_size="20KB")
+    with pytest.raises(OutputError, match="more than once"):
+        reinit_checkpoint(tmp_path / "src", in_place=True)
+    reinit_checkpoint(tmp_path / "src", output=tmp_path / "out", layers="0")
+    index = json.loads((tmp_path / "out" / "diffusion_pytorch_model.safetensors.index.fp16.json").read_text())["weight_map"]
+    name = next(n for n in index if n.endswith("attn1.to_q.weight") and n.startswith("down_blocks.0"))
+    old = load_file(tmp_path / "src" / index[name])[name]
+    new = load_file(tmp_path / "out" / index[name])[name]
+    assert new.dtype == torch.float16 and not torch.equal(old, new)
+    full = json.loads((tmp_path / "out" / "diffusion_pytorch_model.safetensors.index.json").read_text())["weight_map"]
+    assert torch.allclose(new.float(), load_file(tmp_path / "out" / full[name])[name], atol=2e-3)
