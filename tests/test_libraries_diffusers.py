@@ -152,3 +152,14 @@ def test_sharded_fp16_variant_is_rewritten_and_in_place_is_refused(tmp_path):
     assert new.dtype == torch.float16 and not torch.equal(old, new)
     full = json.loads((tmp_path / "out" / "diffusion_pytorch_model.safetensors.index.json").read_text())["weight_map"]
     assert torch.allclose(new.float(), load_file(tmp_path / "out" / full[name])[name], atol=2e-3)
+
+
+def test_unconditional_unet_reads_attention_head_dim_as_a_head_size(tmp_path):
+    torch.manual_seed(0)
+    model = diffusers.UNet2DModel(
+        sample_size=8, in_channels=3, out_channels=3, block_out_channels=(8, 16), layers_per_block=1, norm_num_groups=4,
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"), attention_head_dim=4,
+    )
+    model.save_pretrained(tmp_path / "src")
+    found = inspect_checkpoint(tmp_path / "src")
+    assert {b.module: (b.heads, b.head_dim) for b in found.blocks} == {n: (m.heads, 4) for n, m in attention_modules(model).items()}

@@ -168,6 +168,14 @@ SEPARATE_BIASES = {"qkv": {"q": "q_bias", "k": "k_bias", "v": "v_bias"}}
 # Re-initialized with its block, reported as the block's module + the suffix.
 COMPANION_STREAMS = (("add_q_proj", "add_k_proj", "add_v_proj", ":context"),)
 
+# diffusers classes whose config's attention_head_dim is the number of heads (when num_attention_heads
+# is unset): unet_2d_condition.py and its kin say "num_attention_heads = num_attention_heads or
+# attention_head_dim". UNet2DModel and the transformers read it as a head size.
+DIFFUSERS_HEADS_AS_HEAD_DIM = (
+    "UNet2DConditionModel", "UNet3DConditionModel", "ControlNetModel", "ControlNetUnionModel", "SparseControlNetModel",
+    "UNetFlatConditionModel", "AudioLDM2UNet2DConditionModel",
+)
+
 # Cross-attention by the module's role in its block (not a word that says "cross"): diffusers'
 # BasicTransformerBlock (attention.py) and PixArt/Transformer2DModel blocks hold self-attention in
 # attn1 and cross-attention in attn2 (unless the config sets double_self_attention / only_cross_attention).

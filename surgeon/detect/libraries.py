@@ -23,6 +23,7 @@ from .families import (
     COMPANION_STREAMS,
     CROSS_BY_POSITION,
     CROSS_BY_WIDTH,
+    DIFFUSERS_HEADS_AS_HEAD_DIM,
     FUSED_PACKING_BY_ARCHITECTURE,
     KV_MAP_BY_PATH,
     MAXXVIT_WORDS,
@@ -48,7 +49,7 @@ def normalize_config(config: dict | None) -> dict | None:
 def _diffusers_unet(config: dict) -> dict | None:
     # unet_2d_condition.py: "num_attention_heads = num_attention_heads or attention_head_dim" (a naming
     # quirk kept for old configs): per down block, reversed for the up blocks, the last for the mid block.
-    if not str(config.get("_class_name", "")).startswith("UNet") or "down_block_types" not in config:
+    if config.get("_class_name") not in DIFFUSERS_HEADS_AS_HEAD_DIM or "down_block_types" not in config:
         return None
     heads = config.get("num_attention_heads") or config.get("attention_head_dim")
     blocks = len(config["down_block_types"])
