@@ -16,7 +16,7 @@ from ..spec import AttentionBlock, Projection, Rows, packed_size, slot_offsets
 from . import Detection
 from .config import ConfigView, Hints
 from .families import CROSS_WORDS, KV_SLOTS, QUANT_PARAMS, RULES, Part, Rule, projection_names  # noqa: F401
-from .libraries import companion_block, kv_map, roles_by_position, with_separate_biases
+from .libraries import companion_block, kv_map, library_notes, roles_by_position, with_separate_biases
 from .placement import join, kind, place
 
 T = TypeVar("T")
@@ -33,7 +33,7 @@ def detect(tensors: Mapping[str, TensorInfo], config: dict | None = None, hints:
     blocks = with_companions(roles_by_position(blocks, tensors), tensors)
     if not blocks:
         raise NoAttentionFoundError(_nothing_found(tensors, notes, source))
-    return Detection(blocks, len(tensors), _assumed_layouts(blocks, view) + notes)
+    return Detection(blocks, len(tensors), _assumed_layouts(blocks, view) + library_notes(blocks) + notes)
 
 
 # Fused tensors whose packing is a naming convention rather than something config.json states.

@@ -77,7 +77,8 @@ def _open_clip(config: dict) -> dict | None:
         return None
     facts: dict[str, dict] = {}
     width, head_width = vision.get("width", 768), vision.get("head_width", 64)
-    if isinstance(width, int) and isinstance(head_width, int) and head_width > 0 and width % head_width == 0:
+    timm_tower = vision.get("timm_model_name")  # a timm trunk (visual.trunk): its own heads, not width // head_width
+    if not timm_tower and isinstance(width, int) and isinstance(head_width, int) and head_width > 0 and width % head_width == 0:
         facts["visual"] = {"num_attention_heads": width // head_width, "hidden_size": width}
     text_facts = {"num_attention_heads": text.get("heads", 8), "hidden_size": text.get("width", 512)}
     facts["transformer"] = facts["text"] = text_facts
@@ -207,3 +208,23 @@ def _second_of_run(block: AttentionBlock, names: Mapping[str, Any]) -> bool:
             index < 2 or any(n.startswith(f"{block.stack}.{index - 2}{ff}") for n in names)
         )
     return False
+
+
+def library_notes(blocks: list[AttentionBlock]) -> list[str]:
+    """What the report should say about a library's layout that changes what a selection means."""
+    notes = []
+    shared = [b for b in blocks if b.kv_map == "interleaved" and b.kv_heads < b.heads]
+    if shared:
+        b = shared[0]
+        group = ",".join(str(h) for h in range(b.heads) if b.kv_head(h) == 0)
+        notes.append(
+            f"{b.stack}: query head h reads key/value head h % {b.kv_heads} (key/value head 0 serves query heads {group}); "
+            "select whole groups to re-initialize keys and values"
+        )
+    second = next((b for b in blocks if ":" in b.module), None)
+    if second is not None:
+        notes.append(
+            f"joint attention: the {second.module.partition(':')[2]} stream's projections (add_q/k/v_proj) are re-initialized "
+            f"with their block, the same heads (reported as {second.label})"
+        )
+    return notes
