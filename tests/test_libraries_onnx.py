@@ -11,7 +11,7 @@ import torch
 from surgeon.api import inspect_checkpoint
 from surgeon.errors import UnsupportedWeightsError
 
-from _libraries import VitsEncoder
+from _libraries import CoAtNet, VitsEncoder
 from _modules import TimmVisionTransformer
 
 pytest.importorskip("onnxruntime")
@@ -82,3 +82,16 @@ def test_vits_1x1_conv_projections_are_followed(tmp_path):
     got = ort.InferenceSession(str(tmp_path / "out.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})[0]
     with torch.no_grad():
         assert np.allclose(got, model(x).numpy(), atol=1e-4)
+
+
+def test_fused_per_head_1x1_conv_qkv_is_not_guessed(tmp_path):
+    """timm's Attention2d (CoAtNet) packs its 1x1-conv qkv per head and cuts q, k, v after the head
+    split: the walk refuses it rather than reading one head of 3 d features."""
+    from surgeon.errors import NoAttentionFoundError
+
+    attn = CoAtNet(dim=32, depth=1).stages[0].blocks[0]["attn"].eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(attn, (torch.randn(1, 32, 3, 3),), str(tmp_path / "coat.onnx"), input_names=["x"], output_names=["y"], dynamo=False, opset_version=17)
+    with pytest.raises(NoAttentionFoundError, match="1x1 convolution.*after its head split"):
+        inspect_checkpoint(tmp_path / "coat.onnx")

@@ -217,9 +217,9 @@ def _pointwise(info: TensorInfo, view: ConfigView, stack: str, module: str) -> b
     fused = not any(part.packing in ("q", "k", "v") and join(module, part.weight) == info.name for rule in RULES for part in rule.parts)
     if fused and view.fused_packing(tensor, stack, module) is None:
         raise LayoutError(
-            f"{info.name} is a fused 1x1-convolution projection {list(info.shape)}: timm packs these per head "
-            f"([q_h | k_h | v_h], CoAtNet/MaxViT Attention2d) or as [Q | K | V] by model; pass {opt('config', 'PATH')} "
-            "with the timm config.json that names its architecture",
+            f"{info.name} is a fused 1x1-convolution projection {list(info.shape)} whose packing surgeon cannot tell: timm packs "
+            f"these per head ([q_h | k_h | v_h], CoAtNet/MaxViT Attention2d) or as [Q | K | V] by model; for a timm model pass "
+            f"{opt('config', 'PATH')} with the timm config.json that names its architecture",
             tensor=info.name,
         )
     return True

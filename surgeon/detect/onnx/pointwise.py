@@ -35,15 +35,20 @@ def read_channels(g: Graph, p: Proj, path, role: str) -> None:
     bias, via = g.initializer(node.input[2] if len(node.input) > 2 else "")
     if bias is not None and list(g.inits[bias].dims) == [p.width]:
         p.bias, p.bias_nodes = bias, {p.node, *via}
-    for n, _, _ in path:
+    what = f"{role} ({g.describe(p.node)}, a 1x1 convolution)"
+    for i, (n, _, _) in enumerate(path):
         op = g.nodes[n].op_type
         if op == "Reshape":
             found = g.target_shape(g.nodes[n].input[1])
             shape = found[0] if found else []
-            if len(shape) >= 3 and isinstance(shape[1], int) and isinstance(shape[2], int) and shape[1] * shape[2] == p.width:
-                p.heads, p.head_dim = shape[1], shape[2]
-                return
-            raise Fail(f"{role} ({g.describe(p.node)}, a 1x1 convolution) is reshaped by {g.describe(n)} in a way surgeon does not follow")
+            if not (len(shape) >= 3 and isinstance(shape[1], int) and isinstance(shape[2], int) and shape[1] * shape[2] == p.width):
+                raise Fail(f"{what} is reshaped by {g.describe(n)} in a way surgeon does not follow")
+            # a cut after the split would take q, k or v out of each head's slot (a fused per-head qkv)
+            cut = next((m for m, _, _ in path[i + 1 :] if g.nodes[m].op_type in ("Split", "Slice", "Gather")), None)
+            if cut is not None:
+                raise Fail(f"{what} is cut by {g.describe(cut)} after its head split, a fused packing surgeon does not follow")
+            p.heads, p.head_dim = shape[1], shape[2]
+            return
         if op in ("Split", "Slice", "Gather", "Transpose", "Add"):
-            raise Fail(f"{role} ({g.describe(p.node)}, a 1x1 convolution) goes through {g.describe(n)} before its head split")
-    raise Fail(f"{role} ({g.describe(p.node)}, a 1x1 convolution) reaches the attention without a head split")
+            raise Fail(f"{what} goes through {g.describe(n)} before its head split")
+    raise Fail(f"{what} reaches the attention without a head split")
