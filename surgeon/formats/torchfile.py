@@ -67,6 +67,7 @@ def load_file(path: Path) -> tuple[object, str | None, Mapping]:
                 return obj, key, obj[key]
     if _is_state_dict(obj):
         return obj, None, obj
+    if isinstance(obj, Mapping):
         keys = ", ".join(map(str, list(obj)[:8]))
         raise CheckpointError(f"{path} holds no state dict (top-level keys: {keys}); expected tensors or a 'state_dict'/'model' entry")
     raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a state dict of tensors")
