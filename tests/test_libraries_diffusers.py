@@ -20,9 +20,8 @@ WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
 def attention_modules(model):
-    from diffusers.models.attention_processor import Attention
-
-    return {name: m for name, m in model.named_modules() if isinstance(m, Attention)}
+    """diffusers' attention modules (Attention, FluxAttention, ...): the ones holding to_q and their heads."""
+    return {name: m for name, m in model.named_modules() if hasattr(m, "to_q") and isinstance(getattr(m, "heads", None), int)}
 
 
 def randomized(model, seed=0):
@@ -163,3 +162,19 @@ def test_unconditional_unet_reads_attention_head_dim_as_a_head_size(tmp_path):
     model.save_pretrained(tmp_path / "src")
     found = inspect_checkpoint(tmp_path / "src")
     assert {b.module: (b.heads, b.head_dim) for b in found.blocks} == {n: (m.heads, 4) for n, m in attention_modules(model).items()}
+
+
+def test_flux_joint_blocks_carry_their_context_stream(tmp_path):
+    torch.manual_seed(0)
+    model = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=16, pooled_projection_dim=8, axes_dims_rope=(2, 2, 4),
+    )
+    model.save_pretrained(tmp_path / "src")
+    found = inspect_checkpoint(tmp_path / "src")
+    heads = {n: m.heads for n, m in attention_modules(model).items()}
+    assert {b.module: b.heads for b in found.blocks} == {
+        **heads, "transformer_blocks.0.attn:context": heads["transformer_blocks.0.attn"]
+    }
+    context = next(b for b in found.blocks if b.module.endswith(":context"))
+    assert context.q.weight.tensor == "transformer_blocks.0.attn.add_q_proj.weight" and context.q.bias is not None
