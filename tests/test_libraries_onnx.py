@@ -63,22 +63,22 @@ def test_vits_1x1_conv_projections_are_followed(tmp_path):
     before = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / "vits.onnx")).graph.initializer}
     after = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / "out.onnx")).graph.initializer}
     block = found.blocks[1]
-    q = torch.from_numpy(after[block.q.weight.tensor]).reshape(16, 16).double()
+    q = torch.tensor(after[block.q.weight.tensor]).reshape(16, 16).double()
     assert after[block.q.weight.tensor].shape == (16, 16, 1)
     assert torch.allclose(q[:8] @ q[:8].T, torch.eye(8, dtype=torch.float64), atol=1e-5)
     assert np.array_equal(after[block.q.weight.tensor][8:], before[block.q.weight.tensor][8:])
-    v = torch.from_numpy(after[block.v.weight.tensor]).reshape(16, 16)
+    v = torch.tensor(after[block.v.weight.tensor]).reshape(16, 16)
     assert torch.equal(v[:8], torch.eye(16)[:8])
     assert np.all(after[block.q.bias.tensor][:8] == 0) and np.array_equal(after[block.q.bias.tensor][8:], before[block.q.bias.tensor][8:])
     untouched = found.blocks[0].q.weight.tensor
     assert np.array_equal(after[untouched], before[untouched])
     # the rewritten graph runs, and matches the PyTorch model given the same weights
-    model.attn_layers[1].conv_q.weight.data = torch.from_numpy(after[block.q.weight.tensor])
-    model.attn_layers[1].conv_q.bias.data = torch.from_numpy(after[block.q.bias.tensor])
-    model.attn_layers[1].conv_k.weight.data = torch.from_numpy(after[block.k.weight.tensor])
-    model.attn_layers[1].conv_k.bias.data = torch.from_numpy(after[block.k.bias.tensor])
-    model.attn_layers[1].conv_v.weight.data = torch.from_numpy(after[block.v.weight.tensor])
-    model.attn_layers[1].conv_v.bias.data = torch.from_numpy(after[block.v.bias.tensor])
+    model.attn_layers[1].conv_q.weight.data = torch.tensor(after[block.q.weight.tensor])
+    model.attn_layers[1].conv_q.bias.data = torch.tensor(after[block.q.bias.tensor])
+    model.attn_layers[1].conv_k.weight.data = torch.tensor(after[block.k.weight.tensor])
+    model.attn_layers[1].conv_k.bias.data = torch.tensor(after[block.k.bias.tensor])
+    model.attn_layers[1].conv_v.weight.data = torch.tensor(after[block.v.weight.tensor])
+    model.attn_layers[1].conv_v.bias.data = torch.tensor(after[block.v.bias.tensor])
     got = ort.InferenceSession(str(tmp_path / "out.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})[0]
     with torch.no_grad():
         assert np.allclose(got, model(x).numpy(), atol=1e-4)
