@@ -62,7 +62,7 @@ def _set_heads(tensor: torch.Tensor, rows: Rows, heads: tuple[int, ...], values:
     """Store ``values`` (len(heads), d, in) into ``heads``; returns them as stored (rounded to the tensor's dtype)."""
     mat = tensor if rows.axis == 0 else tensor.transpose(0, 1)  # a view: writes land in tensor
     values = values.to(tensor.device, tensor.dtype)  # round first: the reshape below then copies (if at all) 2-4x fewer bytes
-    mat.index_copy_(0, _row_index(rows, heads, tensor.device), values.reshape(-1, mat.shape[1]))
+    mat.index_copy_(0, _row_index(rows, heads, tensor.device), values.reshape(-1, *mat.shape[1:]))  # (out, in[, 1, 1]): 1x1 convs
     return values
 
 

@@ -164,10 +164,13 @@ def jacobian_report(model, inputs, *, exact: bool | None = None, exact_limit: in
 
     calls = _calls(inputs)
     found = detect_module(model, hints=Hints(num_heads, num_kv_heads, head_dim), example_inputs=calls[0])
-    blocks = [b for b in found.blocks if b.kind == "self"]
+    streams = [b for b in found.blocks if ":" in b.module]  # a joint block's second stream: not a module of its own
+    blocks = [b for b in found.blocks if b.kind == "self" and ":" not in b.module]
     report = JacobianReport([])
-    if len(blocks) < len(found.blocks):
-        report.notes.append(f"{len(found.blocks) - len(blocks)} cross-attention blocks skipped: the theorem is about self-attention")
+    if streams:
+        report.notes.append(f"{len(streams)} joint-attention context streams skipped: their heads attend together with their block's")
+    if len(blocks) + len(streams) < len(found.blocks):
+        report.notes.append(f"{len(found.blocks) - len(blocks) - len(streams)} cross-attention blocks skipped: the theorem is about self-attention")
     if not blocks:
         raise OptionError("the Jacobian report needs self-attention blocks, and this model has only cross-attention")
     captured: dict[str, list] = {b.module: [] for b in blocks}
@@ -198,7 +201,7 @@ def jacobian_report(model, inputs, *, exact: bool | None = None, exact_limit: in
                 n, width = x.shape
                 do_exact = (n * b.head_dim * 3 * width * b.head_dim <= exact_limit) if exact is None else exact
                 for h in range(b.heads):
-                    g = h // b.group_size
+                    g = b.kv_head(h)
                     terms = head_terms(x, mats["q"][h].T, mats["k"][g].T, mats["v"][g].T, exact=do_exact)
                     report.rows.append(HeadJacobian(i, b.module, b.layer, h, n, **terms))
     if exact is None and not any(r.exact is not None for r in report.rows):

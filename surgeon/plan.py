@@ -330,11 +330,10 @@ def _spelled(spec: IndexSpec) -> str:
 
 def _kv_heads(block: AttentionBlock, q_heads: list[int], role: str) -> list[int]:
     """Key/value heads whose whole group of query heads is selected (GQA/MQA share them)."""
-    group = block.group_size
     selected = set(q_heads)
     out = []
     for g in range(block.kv_heads):
-        members = set(range(g * group, (g + 1) * group))
+        members = {h for h in range(block.heads) if block.kv_head(h) == g}
         if members <= selected:
             out.append(g)
         elif members & selected:

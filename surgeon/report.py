@@ -242,6 +242,7 @@ def _where(block: AttentionBlock) -> str:
 
 def _tensor_names(block: AttentionBlock) -> str:
     names = block.tensors()
-    prefix = block.module.partition("[")[0] + "." if block.module else ""
+    owner = block.module.partition(":")[0].partition("[")[0]  # a second stream (":context") or set ("[global]") of the module
+    prefix = owner + "." if owner else ""
     return ", ".join(n.removeprefix(prefix) for n in names)
 

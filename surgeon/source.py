@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from .formats.registry import (  # noqa: F401  (NOT_WEIGHTS, TORCH_NAMES: import
 )
 
 SKIP_DIRS = {".git", ".cache"}
+OPEN_CLIP_CONFIG = "open_clip_config.json"
 # Copies of the weights in formats surgeon does not rewrite here. Carried over unchanged they would
 # still hold the old attention weights, so a folder output leaves them out and says so.
 STALE_WEIGHT_SUFFIXES = OTHER_FORMAT_SUFFIXES + ALONE_SUFFIXES
@@ -67,8 +69,13 @@ def open_source(path: str | Path, *, config: str | Path | None = None) -> Source
         source.config_path = Path(config)
     elif source.config_path is None and (source.folder / "config.json").is_file():
         source.config_path = source.folder / "config.json"
+    elif source.config_path is None and (source.folder / OPEN_CLIP_CONFIG).is_file():  # open_clip's Hub repos
+        source.config_path = source.folder / OPEN_CLIP_CONFIG
     if source.config_path is not None:
         source.config = read_config(source.config_path)
+    elif (embedded := source.primary.embedded_config()) is not None:
+        source.config = embedded
+        source.notes.append(f"head counts from the model arguments saved in {source.primary.files[0]}")
     source.notes[:0] = recovered
     return source
 
@@ -115,6 +122,32 @@ def _open_file(path: Path) -> Source:
     return Source(path, "index" if fmt.is_index(path.name) or len(weights.files) > 1 else "file", [weights])
 
 
+def _split_variants(picked: list[str]) -> list[list[str]]:
+    """The full weights, then each variant file (``NAME.VARIANT.SUFFIX`` beside ``NAME.SUFFIX``, as
+    diffusers saves its fp16 variant) as a set of its own: the same tensors, rewritten alike."""
+    names = set(picked)
+    variants = []
+    for name in picked:
+        stem, dot, suffix = name.rpartition(".")
+        base, _, variant = stem.rpartition(".")
+        if dot and base and variant and f"{base}.{suffix}" in names:
+            variants.append(name)
+    rest = [n for n in picked if n not in variants]
+    return [rest] + [[v] for v in variants] if rest else [picked]
+
+
+def _variant_indexes(folder: Path, top: list[str], sets: list[WeightSet]) -> list[WeightSet]:
+    """Sharded variants beside sharded weights (diffusers: NAME.safetensors.index.fp16.json over
+    NAME.fp16-0000K-of-0000N.safetensors), each a set of its own."""
+    out = []
+    for name in top:
+        match = re.match(r"^(.+)\.index\.[A-Za-z0-9_]+\.json$", name)
+        fmt = format_of(match.group(1)) if match else None
+        if match and fmt is not None and any(s.index == f"{match.group(1)}.index.json" for s in sets):
+            out.append(fmt.weight_set().from_index(folder / name))
+    return out
+
+
 def _open_folder(folder: Path) -> Source:
     top = sorted(p.name for p in folder.iterdir() if p.is_file())
     sets: list[WeightSet] = []
@@ -131,7 +164,19 @@ def _open_folder(folder: Path) -> Source:
                 f"({', '.join(many[:3])}{', ...' if len(many) > 3 else ''}); point surgeon at one {fmt.suffixes[0]} file",
                 path=folder,
             )
-        sets.append(fmt.open(folder, picked if not fmt.alone else picked[:1]))
+        if fmt.alone:
+            sets.append(fmt.open(folder, picked[:1]))
+            continue
+        for files in _split_variants(picked):  # diffusers' x.fp16.safetensors beside x.safetensors: each its own set
+            sets.append(fmt.open(folder, files))
+    sets += _variant_indexes(folder, top, sets)
+    if not sets and (folder / "model_index.json").is_file():
+        parts = sorted(p.name for p in folder.iterdir() if p.is_dir() and any(f.suffix in (".safetensors", ".bin") for f in p.iterdir()))
+        raise CheckpointError(
+            f"{folder} is a diffusers pipeline (model_index.json): point surgeon at one of its components "
+            f"({', '.join(f'{folder / p}' for p in parts) or 'none holds weights'})",
+            path=folder,
+        )
     if not sets:
         raise CheckpointError(
             f"no weights in folder {folder}: expected model.safetensors, model.safetensors.index.json, "

@@ -73,6 +73,7 @@ class AttentionBlock:
     # Every layer of the stack that runs this one block, where several share it (Zamba2's shared
     # transformer); empty when only ``layer`` runs it.
     shared_layers: tuple[int, ...] = ()
+    kv_map: str = "blocked"  # a key of KV_MAPS: which key/value head each query head reads
 
     @property
     def users(self) -> tuple[int, ...]:
@@ -91,12 +92,18 @@ class AttentionBlock:
         """Query heads per key/value head (1 for plain multi-head attention)."""
         return self.heads // self.kv_heads
 
+    def kv_head(self, head: int) -> int:
+        """The key/value head that query head ``head`` reads."""
+        return KV_MAPS[self.kv_map](head, self.heads, self.kv_heads)
+
     @property
     def label(self) -> str:
         layers = ",".join(map(str, self.users))
         tag = self.module.partition("[")[2].rstrip("]")  # a second set of the module: Longformer's [global]
         tag = f" [{tag}]" if tag and not tag.isdigit() else ""
-        return (f"{self.stack}.{layers}" if self.stack else layers) + tag
+        stream = self.module.partition(":")[2]  # a second stream of the layer's attention (":context")
+        base = f"{self.stack}.{layers}" if self.stack else layers
+        return base + (f":{stream}" if stream else "") + tag
 
     def tensors(self) -> list[str]:
         names: list[str] = []
@@ -115,6 +122,15 @@ class AttentionBlock:
                     proj[key]["offsets"] = list(proj[key]["offsets"])
         out["shared_layers"] = list(self.shared_layers)
         return out
+
+
+# How query heads share key/value heads under grouped-query attention: "blocked", query head h reads
+# key/value head h // (H/KV) (transformers' repeat_kv, SDPA enable_gqa); "interleaved", h % KV
+# (x-transformers repeats key/value heads as '(r kvh)').
+KV_MAPS: dict[str, Callable[[int, int, int], int]] = {
+    "blocked": lambda head, heads, kv_heads: head // (heads // kv_heads),
+    "interleaved": lambda head, heads, kv_heads: head % kv_heads,
+}
 
 
 # --- fused layouts -------------------------------------------------------------------------

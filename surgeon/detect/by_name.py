@@ -27,6 +27,7 @@ from .families import (  # noqa: F401
     Rule,
     projection_names,
 )
+from .libraries import companion_block, kv_map, library_notes, roles_by_position, with_separate_biases
 from .placement import join, kind, place, stack_depths
 from .result import Detection
 
@@ -42,6 +43,7 @@ def detect(tensors: Mapping[str, TensorInfo], config: dict | None = None, hints:
     placed = place_matches(matches)
     view.hints.check_stacks(list(dict.fromkeys(stack for _, _, stack, _, _ in placed)))
     blocks = [_build(module, rule, stack, layer, stage, tensors, view) for module, rule, stack, layer, stage in placed]
+    blocks = with_companions(roles_by_position(blocks, tensors), tensors)
     refused = _refused(tensors)
     if not blocks:
         if refused:
@@ -51,7 +53,7 @@ def detect(tensors: Mapping[str, TensorInfo], config: dict | None = None, hints:
     _refuse_mixed_widths(blocks, view)
     blocks = shared_blocks(blocks, view)
     depths = stack_depths([b.stack for b in blocks], tensors)
-    notes = _assumed_layouts(blocks, view) + _gated(blocks) + _adapters(blocks, view) + notes
+    notes = _assumed_layouts(blocks, view) + _gated(blocks) + _adapters(blocks, view) + library_notes(blocks) + notes
     return Detection(blocks, len(tensors), notes, depths=depths)
 
 
@@ -142,7 +144,7 @@ _CONVENTIONAL = {"fused qkv": "timm/nanoGPT", "fused to_qkv": "chunk(3)"}
 
 def _assumed_layouts(blocks: list[AttentionBlock], view: ConfigView) -> list[str]:
     """Say so when a fused layout rests on a naming convention alone (no model_type to confirm it)."""
-    if view.model_type:
+    if view.model_type or view.config.get("architecture"):  # a timm config names the model (FUSED_PACKING_BY_ARCHITECTURE)
         return []
     notes = []
     for layout in dict.fromkeys(b.layout for b in blocks):
@@ -234,6 +236,8 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
     facts = view.facts(stack)
     heads = facts.pick(facts.heads, stage)
     where = module or "the top-level attention module"
+    if heads is None and facts.head_dim:  # the head size alone settles the heads (timm MaxViT, --head-dim)
+        heads = _heads_from_head_dim(module, rule, tensors, view, stack, facts.head_dim)
     if heads is None:
         raise LayoutError(
             f"cannot tell the number of heads of {where}: "
@@ -249,7 +253,7 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
                 "surgeon rewrites float16/bfloat16/float32 projections only",
                 tensor=info.name,
             )
-        if len(info.shape) != 2:
+        if len(info.shape) != 2 and not _pointwise(info, view, stack, module):
             raise LayoutError(f"{info.name} has shape {list(info.shape)}; a projection weight must be 2-D", tensor=info.name)
         if 0 in info.shape:
             raise LayoutError(
@@ -257,7 +261,7 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
                 "the checkpoint is damaged or not a model surgeon can rewrite",
                 tensor=info.name,
             )
-    packings = [_packing(p, view, stack, where) for p, _ in parts]
+    packings = [_packing(p, view, stack, module, where) for p, _ in parts]
     layout = _solve(parts, packings, heads, kv_hint, facts.head_dim, facts.hidden, where, facts.source)
     head_dim, kv_heads, orientations = layout
     projections = {}
@@ -273,10 +277,10 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
             if bias_name is not None and bias_name in tensors and tensors[bias_name].shape == (packed_size(part.bias_packing or packing, heads, kv_heads, head_dim),):
                 bias = Rows(bias_name, 0, bias_offsets[role], head_dim)
             projections[role] = Projection(role, Rows(info.name, axis, offs, head_dim), bias, in_features)  # type: ignore[arg-type]
-    return AttentionBlock(
+    block = AttentionBlock(
         stack=stack,
         layer=layer,
-        kind=kind(module),
+        kind="self" if module.endswith("attn2") and view.config.get("double_self_attention") is True else kind(module),  # diffusers
         module=module,
         layout=rule.name + (", gated q" if "gated" in packings else "") + (f" [{module.partition('[')[2]}" if "[" in module else ""),
         heads=heads,
@@ -285,13 +289,59 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
         q=projections["q"],
         k=projections["k"],
         v=projections["v"],
+        kv_map=kv_map(module),
     )
+    return with_separate_biases(block, {name: info.shape for name, info in tensors.items()})  # timm EVA
 
 
-def _packing(part: Part, view: ConfigView, stack: str, where: str) -> str:
+def with_companions(blocks: list[AttentionBlock], tensors: Mapping[str, TensorInfo] | Mapping[str, tuple[int, ...]]) -> list[AttentionBlock]:
+    """Each block followed by its second stream, where it has one (joint attention's context)."""
+    shapes = {name: info if isinstance(info, tuple) else info.shape for name, info in tensors.items()}
+    out = []
+    for block in blocks:
+        out.append(block)
+        companion = companion_block(block, shapes)
+        if companion is not None:
+            out.append(companion)
+    return out
+
+
+def _heads_from_head_dim(module: str, rule: Rule, tensors: Mapping[str, TensorInfo], view: ConfigView, stack: str, head_dim: int) -> int | None:
+    """Query heads from the first projection's output features and the head size, where the packing
+    says how many head-sized slots a query head takes (None where it cannot tell)."""
+    part = rule.parts[0]
+    info = tensors[join(module, part.weight)]
+    if part.orientation == "shape" or len(info.shape) < 2 or any(n != 1 for n in info.shape[2:]):
+        return None
+    out = info.shape[0 if part.orientation == "linear" else 1]
+    packing = part.packing if part.packing in ("q", "k", "v") else view.fused_packing(part.weight.rsplit(".", 1)[0], stack, module)
+    per_head = {"q": 1, "qkv": 3, "interleaved": 3}.get(packing or part.packing)
+    if per_head is None or out % (per_head * head_dim) or view.hints.num_kv_heads is not None:
+        return None
+    return out // (per_head * head_dim)
+
+
+def _pointwise(info: TensorInfo, view: ConfigView, stack: str, module: str) -> bool:
+    """A 1x1 convolution's weight (out, in, 1[, 1]): a linear map, taken where its packing is known.
+    A fused one (timm CoAtNet/MaxViT Attention2d) packs per head or not by model: the config must say."""
+    if len(info.shape) < 3 or any(n != 1 for n in info.shape[2:]):
+        return False
+    tensor = info.name.removeprefix(module + ".").rsplit(".", 1)[0] if module else info.name.rsplit(".", 1)[0]
+    fused = not any(part.packing in ("q", "k", "v") and join(module, part.weight) == info.name for rule in RULES for part in rule.parts)
+    if fused and view.fused_packing(tensor, stack, module) is None:
+        raise LayoutError(
+            f"{info.name} is a fused 1x1-convolution projection {list(info.shape)} whose packing surgeon cannot tell: timm packs "
+            f"these per head ([q_h | k_h | v_h], CoAtNet/MaxViT Attention2d) or as [Q | K | V] by model; for a timm model pass "
+            f"{opt('config', 'PATH')} with the timm config.json that names its architecture",
+            tensor=info.name,
+        )
+    return True
+
+
+def _packing(part: Part, view: ConfigView, stack: str, module: str, where: str) -> str:
     if part.packing in ("q", "k", "v"):  # a family may pack more into it (gated attention's q_proj)
-        return view.fused_packing(part.weight.rsplit(".", 1)[0], stack) or part.packing
-    packing = view.fused_packing(part.weight.rsplit(".", 1)[0], stack) or (None if part.packing == "auto" else part.packing)
+        return view.fused_packing(part.weight.rsplit(".", 1)[0], stack, module) or part.packing
+    packing = view.fused_packing(part.weight.rsplit(".", 1)[0], stack, module) or (None if part.packing == "auto" else part.packing)
     if packing is None:
         raise LayoutError(
             f"cannot tell how {join(where, part.weight)} packs query/key/value: it is interleaved per head in "

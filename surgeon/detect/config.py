@@ -20,6 +20,8 @@ from .families import (  # noqa: F401
     KV_HEADS_KEYS,
     SUBCONFIG_WORDS,
 )
+from .libraries import fused_packing as library_packing
+from .libraries import normalize_config, stack_scope
 
 HintValue = int | dict[str, int] | None  # a hint once read: one count, or one per stack
 HintInput = int | str | Mapping[str, int] | None  # what a caller may pass: 16, "16", "encoder=16,decoder=4", {"encoder": 16}
@@ -121,7 +123,7 @@ class StackFacts:
 
 class ConfigView:
     def __init__(self, config: dict | None, hints: Hints | None = None) -> None:
-        self.config = config or {}
+        self.config = normalize_config(config) or {}  # a library's own config (diffusers, open_clip, timm) in these terms
         self.has_config = config is not None
         self.hints = hints or Hints()
 
@@ -135,6 +137,9 @@ class ConfigView:
         The first word of the path that names a tower decides: ``decoder.bert.encoder.layer`` (the
         decoder of an EncoderDecoderModel) is described by ``decoder``, not by ``encoder``.
         """
+        library = stack_scope(self.config, stack)
+        if library is not None:
+            return library, "the library's config"
         for word in (w.lower() for w in stack.split(".")):
             for key, markers in SUBCONFIG_WORDS.items():
                 sub = self.config.get(key)
@@ -175,7 +180,7 @@ class ConfigView:
             head_dim = hinted["head_dim"]
         return StackFacts(heads, kv_heads, head_dim if isinstance(head_dim, int) else None, hidden if isinstance(hidden, int) else None, source)
 
-    def fused_packing(self, tensor: str, stack: str) -> str | None:
+    def fused_packing(self, tensor: str, stack: str, module: str = "") -> str | None:
         """How the fused tensor ``tensor`` (e.g. "query_key_value") of this model packs its rows,
         or None when the config does not say (the rule's default applies where it has one)."""
         scope, _ = self._scope(stack)
@@ -190,7 +195,7 @@ class ConfigView:
                 return "qkv" if scope.get("multi_query_attention") else "interleaved"
         if tensor == "c_attn" and model_type == "gpt_bigcode" and scope.get("multi_query") is False:
             return "interleaved"  # GPTBigCode without multi-query views c_attn as (heads, 3 * d)
-        return FUSED_PACKING_BY_MODEL_TYPE.get((tensor, model_type))
+        return FUSED_PACKING_BY_MODEL_TYPE.get((tensor, model_type)) or library_packing(tensor, module, self.config)
 
 
 def _sided(side: str, keys: tuple[str, ...]) -> tuple[str, ...]:

@@ -56,6 +56,9 @@ RULES: tuple[Rule, ...] = (
         "fused cross c_attn",  # GPT-2 cross-attention: Conv1D q_attn, Conv1D c_attn holding [K | V]
         (Part("q_attn.weight", "q_attn.bias", "q", "conv1d"), Part("c_attn.weight", "c_attn.bias", "kv", "conv1d")),
     ),
+    Rule(  # lucidrains-style (vit-pytorch, perceivers, IgFold): to_q, and to_kv chunked into [K | V]
+        "fused to_kv", (Part("to_q.weight", "to_q.bias", "q"), Part("to_kv.weight", "to_kv.bias", "kv")),
+    ),
     _fused("c_attn", "qkv", "shape"),  # GPT-2 (Conv1D), nanoGPT and GPTBigCode (Linear)
     _fused("query_key_value", "auto"),  # GPT-NeoX, Bloom (interleaved), Falcon (three layouts)
     _fused("Wqkv", "qkv"),  # MPT, ModernBERT
@@ -200,3 +203,67 @@ REFUSED = (
 SECOND_SETS: tuple[tuple[str, Rule], ...] = (
     ("global", _separate("query_global", "key_global", "value_global")),
 )
+
+
+# --- libraries beyond transformers (docs/SUPPORTED-libraries.md) ----------------------------------
+
+# Layer-list entries named with their index instead of numbered, read as that number (torchvision
+# vision_transformer.py: encoder.layers.encoder_layer_3.self_attention).
+INDEXED_NAMES = (r"^(?:encoder_|decoder_)?layer_(\d+)$",)
+
+# Where a library maps query head h to key/value head h % KV (spec.KV_MAPS "interleaved") rather than
+# h // (H/KV): a module-path fragment only that library writes. x-transformers (x_transformers.py
+# AttentionLayers, attend.py repeats key/value heads as 'b kvh n d -> b (r kvh) n d').
+KV_MAP_BY_PATH = {"attn_layers.layers": "interleaved"}
+
+# Separate bias parameters beside a fused weight without its own bias: tensor -> role -> bias name.
+# timm EVA (eva.py EvaAttention, qkv_fused): qkv.weight with q_bias, v_bias (k_bias is a zero buffer).
+SEPARATE_BIASES = {"qkv": {"q": "q_bias", "k": "k_bias", "v": "v_bias"}}
+
+# A second stream's projections in the same attention (its own rows, the same heads): the context
+# stream of diffusers' joint attention (SD3, Flux: attention_processor.py JointAttnProcessor2_0 and
+# FluxAttnProcessor concatenate add_q/k/v_proj(encoder_hidden_states) with to_q/k/v(hidden_states)).
+# Re-initialized with its block, reported as the block's module + the suffix.
+COMPANION_STREAMS = (("add_q_proj", "add_k_proj", "add_v_proj", ":context"),)
+
+# diffusers classes whose config's attention_head_dim is the number of heads (when num_attention_heads
+# is unset): unet_2d_condition.py and its kin say "num_attention_heads = num_attention_heads or
+# attention_head_dim". UNet2DModel and the transformers read it as a head size.
+DIFFUSERS_HEADS_AS_HEAD_DIM = (
+    "UNet2DConditionModel", "UNet3DConditionModel", "ControlNetModel", "ControlNetUnionModel", "SparseControlNetModel",
+    "UNetFlatConditionModel", "AudioLDM2UNet2DConditionModel",
+)
+
+# Cross-attention by the module's role in its block (not a word that says "cross"): diffusers'
+# BasicTransformerBlock (attention.py) and PixArt/Transformer2DModel blocks hold self-attention in
+# attn1 and cross-attention in attn2 (unless the config sets double_self_attention / only_cross_attention).
+CROSS_ROLES = (("transformer_blocks", "attn2"),)
+
+# timm fused qkv whose packing depends on the model, by config.json "architecture" (first match wins).
+# maxxvit.py (MaxViT, MaxxViT, CoAtNet): head_first=True packs per head [q_h | k_h | v_h] ("interleaved"),
+# except the TensorFlow ports (maxvit_*_tf, _tf_cfg: head_first=False) that pack [Q | K | V].
+FUSED_PACKING_BY_ARCHITECTURE = (
+    ("qkv", r"^maxvit_\w+_tf(_|\.|$)", "qkv"),
+    ("qkv", r"^(maxvit|maxxvit|coatnet|coatnext)", "interleaved"),
+)
+# Module-path words only timm maxxvit.py writes (MaxxVitBlock: attn_block.attn, attn_grid.attn): their
+# qkv packing is one of the two above, so without the architecture it cannot be told.
+MAXXVIT_WORDS = ("attn_block", "attn_grid")
+
+# timm defaults where config.json names an architecture but no model_args: heads per architecture
+# prefix (lists: per stage), or head_dim where the heads follow from each stage's width.
+TIMM_HEADS: dict[str, int | list[int]] = {
+    "vit_tiny": 3, "vit_small": 6, "vit_medium": 8, "vit_base": 12, "vit_large": 16, "vit_huge": 16,
+    "deit_tiny": 3, "deit_small": 6, "deit_base": 12, "deit3_small": 6, "deit3_base": 12, "deit3_large": 16,
+    "eva02_tiny": 3, "eva02_small": 6, "eva02_base": 12, "eva02_large": 16,
+    "swin_tiny": [3, 6, 12, 24], "swin_small": [3, 6, 12, 24], "swin_base": [4, 8, 16, 32], "swin_large": [6, 12, 24, 48],
+}
+TIMM_HEAD_DIM = {"maxvit": 32, "maxxvit": 32, "coatnet": 32, "coatnext": 32}  # maxxvit.py MaxxVitTransformerCfg.dim_head
+
+# Layer lists whose entries alternate attention and feedforward, where the second attention entry
+# between two feedforwards is cross-attention: x-transformers AttentionLayers (x_transformers.py:
+# default_block ('a', 'c', 'f') with cross_attend; entries attn_layers.layers.N.1, feedforward .N.1.ff).
+CROSS_BY_POSITION = {"attn_layers.layers": ".1.ff."}
+# Layouts whose keys may read another input than the queries, with no name that says so: cross-attention
+# where the key/value projection reads another width (a perceiver's latents reading the inputs).
+CROSS_BY_WIDTH = ("fused to_kv",)

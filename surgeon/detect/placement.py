@@ -17,9 +17,21 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from .families import CROSS_WORDS
+from .families import CROSS_ROLES, CROSS_WORDS, INDEXED_NAMES
 
 NUMERIC = re.compile(r"^\d+$")
+_INDEXED = tuple(re.compile(p) for p in INDEXED_NAMES)
+
+
+def _number(part: str) -> int | None:
+    """The layer number a path component stands for: "3", or "encoder_layer_3" (INDEXED_NAMES)."""
+    if NUMERIC.match(part):
+        return int(part)
+    for pattern in _INDEXED:
+        match = pattern.match(part)
+        if match:
+            return int(match.group(1))
+    return None
 
 
 def join(module: str, leaf: str) -> str:
@@ -28,8 +40,12 @@ def join(module: str, leaf: str) -> str:
 
 def kind(module: str) -> Literal["self", "cross"]:
     """ "cross" when one of the last two path components is a cross-attention word, else "self"."""
-    leaf_words = [w.lower() for w in module.split(".")[-2:]]
-    return "cross" if any(w in CROSS_WORDS for w in leaf_words) else "self"
+    comps = module.split(".")
+    leaf_words = [w.lower() for w in comps[-2:]]
+    if any(w in CROSS_WORDS for w in leaf_words):
+        return "cross"
+    # the module's role in its block (CROSS_ROLES): diffusers' transformer_blocks.N.attn2
+    return "cross" if any(comps[-3:-2] == [block] and comps[-1] == leaf for block, leaf in CROSS_ROLES) else "self"
 
 
 @dataclass(frozen=True)
@@ -59,8 +75,8 @@ def place(modules: Iterable[str], *, lone: str = "module") -> dict[str, Place]:
                 stack = ".".join(comps[: varying[0]])
             else:
                 stack = module if lone == "module" else ""
-            key = tuple(int(comps[i]) for i in varying)
-            stage = int(comps[numeric[0]]) if len(numeric) > 1 else None
+            key = tuple(_number(comps[i]) or 0 for i in varying)
+            stage = _number(comps[numeric[0]]) if len(numeric) > 1 else None
             raw[module] = (stack, len(varying), key, stage)
     ranks: dict[tuple[str, int], set[tuple[int, ...]]] = defaultdict(set)
     for stack, depth, key, _ in raw.values():
@@ -85,4 +101,4 @@ def stack_depths(stacks: Iterable[str], names: Iterable[str]) -> dict[str, int]:
 
 
 def _template(module: str) -> str:
-    return ".".join("#" if NUMERIC.match(p) else p for p in module.split(".")) if module else ""
+    return ".".join("#" if _number(p) is not None else p for p in module.split(".")) if module else ""

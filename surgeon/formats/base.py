@@ -106,6 +106,10 @@ class WeightSet(ABC):
         Returns notes for the report on how the plan will be carried out."""
         return []  # most formats can carry out any plan
 
+    def embedded_config(self) -> dict | None:
+        """Model arguments the weight file itself carries (a training checkpoint's), if any."""
+        return None
+
     def nbytes(self) -> int:
         return sum((self.folder / f).stat().st_size for f in self.all_files)
 

@@ -23,6 +23,7 @@ from .base import TensorInfo, UpdatesFn, WeightSet
 SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 INDEX_SUFFIX = ".bin.index.json"
 WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "module")
+CONFIG_KEYS = ("model_args", "hyper_parameters")  # nanoGPT ckpt.pt, PyTorch Lightning
 
 
 def _is_state_dict(obj) -> bool:
@@ -60,15 +61,34 @@ def load_file(path: Path) -> tuple[object, str | None, Mapping]:
     except Exception as exc:  # torch raises RuntimeError/EOFError/... for damaged files
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{path} is not a readable PyTorch checkpoint ({first[:160]}); re-download or re-save it") from None
+    if isinstance(obj, Mapping) and not _all_tensors(obj):  # a training checkpoint: the model's entry, not a stray tensor beside it
+        for key in WRAPPER_KEYS:  # (nanoGPT's ckpt.pt keeps best_val_loss, a tensor, beside "model")
+            if _is_state_dict(obj.get(key)):
+                return obj, key, obj[key]
     if _is_state_dict(obj):
         return obj, None, obj
     if isinstance(obj, Mapping):
-        for key in WRAPPER_KEYS:
-            if _is_state_dict(obj.get(key)):
-                return obj, key, obj[key]
         keys = ", ".join(map(str, list(obj)[:8]))
         raise CheckpointError(f"{path} holds no state dict (top-level keys: {keys}); expected tensors or a 'state_dict'/'model' entry")
     raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a state dict of tensors")
+
+
+def _all_tensors(obj: Mapping) -> bool:
+    import torch
+
+    return all(isinstance(v, torch.Tensor) for v in obj.values())
+
+
+def container_config(obj: object) -> dict | None:
+    """The model's arguments a training checkpoint keeps beside its weights (nanoGPT ``model_args``,
+    Lightning ``hyper_parameters``): head counts in config.json terms (n_head, num_heads, ...)."""
+    if not isinstance(obj, Mapping):
+        return None
+    for key in CONFIG_KEYS:
+        value = obj.get(key)
+        if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+            return {k: v for k, v in value.items() if isinstance(v, (int, float, str, bool, list, type(None)))}
+    return None
 
 
 def _unsafe_detail(message: str) -> str:
@@ -102,6 +122,10 @@ class TorchWeights(WeightSet):
                 nbytes = value.numel() * value.element_size()
                 self._infos[name] = TensorInfo(name, tuple(value.shape), str(value.dtype).removeprefix("torch."), str(value.dtype).removeprefix("torch."), file, nbytes)
         self._check_index(found)
+
+    def embedded_config(self) -> dict | None:
+        """nanoGPT's model_args / Lightning's hyper_parameters of a single-file training checkpoint."""
+        return container_config(self._loaded[self.files[0]][0]) if len(self.files) == 1 else None
 
     def read(self, name: str) -> torch.Tensor:
         return self._loaded[self._infos[name].file][2][name]

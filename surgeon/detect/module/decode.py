@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ...errors import LayoutError, opt
-from ...spec import AttentionBlock, Projection, Rows
+from ...spec import KV_MAPS, AttentionBlock, Projection, Rows
 from ..by_name import place_matches
 from ..config import Hints
 from ..placement import join
@@ -140,16 +140,17 @@ def _resolve(runs: dict[str, Watch], i: int, targets: Targets, hints: Hints) -> 
     q_heads = _head_rows(*decoded["q"], cap.heads, None, "q", targets.names)
     heads = len(q_heads)
     sequences = cap.q.shape[0] // heads
-    kv = {}
+    kv, maps = {}, set()
     for role, hint in (("k", cap.kv_heads), ("v", cap.kv_heads)):
         rows = _head_rows(*decoded[role], hint, sequences, role, targets.names)
         unique = list(dict.fromkeys(rows))
         if len(rows) == heads and len(unique) < heads:  # key/value heads repeated to the query heads
-            group = heads // len(unique) if heads % len(unique) == 0 else 0
-            if not group or any(unique.index(rows[h]) != h // group for h in range(heads)):
+            found = [m for m, to in KV_MAPS.items() if heads % len(unique) == 0 and all(unique.index(rows[h]) == to(h, heads, len(unique)) for h in range(heads))]
+            if not found:
                 raise Unresolved(
-                    f"its {_ROLE[role]} heads are shared by query heads in an order other than consecutive groups"
+                    f"its {_ROLE[role]} heads are shared by query heads in an order other than consecutive groups or h % key/value heads"
                 )
+            maps.add(found[0])  # "blocked" first where both read the same (one key/value head)
         elif len(unique) != len(rows) or heads % len(rows):
             raise Unresolved(f"it has {heads} query heads and {len(rows)} {_ROLE[role]} heads")
         kv[role] = unique
@@ -160,7 +161,9 @@ def _resolve(runs: dict[str, Watch], i: int, targets: Targets, hints: Hints) -> 
         raise LayoutError(
             f"{cap.module or 'the model'}: its forward uses {heads} query heads, not {hinted} ({opt('num_heads')})"
         )
-    return {"q": q_heads, "k": kv["k"], "v": kv["v"], "dims": {r: decoded[r][2].shape[1] for r in "qkv"}}
+    if len(maps) > 1:
+        raise Unresolved("its key and value heads are shared by query heads in different orders")
+    return {"q": q_heads, "k": kv["k"], "v": kv["v"], "dims": {r: decoded[r][2].shape[1] for r in "qkv"}, "kv_map": maps.pop() if maps else "blocked"}
 
 
 def _block_from(resolved: dict, cap: Capture, targets: Targets) -> AttentionBlock:
@@ -207,6 +210,7 @@ def _block_from(resolved: dict, cap: Capture, targets: Targets) -> AttentionBloc
         projections["q"],
         projections["k"],
         projections["v"],
+        kv_map=resolved["kv_map"],
     )
 
 

@@ -10,8 +10,9 @@ from torch import nn
 from ...errors import LayoutError, NoAttentionFoundError, SurgeonError
 from ...formats.base import TensorInfo
 from ...spec import AttentionBlock, Projection, Rows, slot_offsets
-from ..by_name import detect, match_modules
+from ..by_name import detect, match_modules, with_companions
 from ..config import Hints
+from ..libraries import with_separate_biases
 from ..placement import join, kind, stack_depths
 from .decode import placed, prefixed, probe_blocks, under
 
@@ -72,6 +73,8 @@ def detect_module(module: nn.Module, *, hints: Hints | None = None, example_inpu
     rest = [n for n in params if params[n].dim() == 2 and params[n].is_floating_point() and not under(n, handled)]
     if rest:
         probed = probe_blocks(module, example_inputs=example_inputs, hints=hints, skip=handled)
+        shapes = {n: tuple(p.shape) for n, p in params.items()}
+        probed = with_companions([with_separate_biases(b, shapes) for b in probed], shapes)  # EVA's q_bias, joint attention's context
         own += probed
         routes.update({b.module: "forward" for b in probed})
         _refuse_unseen(module, rest, probed, example_inputs)

@@ -56,6 +56,7 @@ def find_attention(
             failures.append(f"{graph.describe(n)}: {exc}")
     if not resolved:
         _refuse_named(graph, source)
+        _refuse_qdq(graph, source)
         raise NoAttentionFoundError(_nothing_found(graph, cores, failures, source))
     resolved, scopes, repeats = _one_per_weight_set(resolved, _scopes(graph, resolved))
     fallback = [graph.nodes[c.node].name or f"{graph.nodes[c.node].op_type}_{c.node}" for c in resolved]
@@ -275,6 +276,16 @@ def _unscoped_stacks(names: list[str]) -> list[str]:
     if len(set(short.values())) < len(groups):
         short = {k: k for k in groups}
     return [short[k] for k in keys]
+
+
+def _refuse_qdq(graph: Graph, source: str) -> None:
+    """A QDQ graph (int8 export) hides its projections behind QuantizeLinear/DequantizeLinear: say so."""
+    qdq = [n for n in graph.nodes if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
+    if qdq:
+        raise UnsupportedWeightsError(
+            f"{source} is quantized (QuantizeLinear/DequantizeLinear): re-initialize the float model, then quantize again "
+            f"({len(qdq)} such nodes)"
+        )
 
 
 def _nothing_found(graph: Graph, cores: list[int], failures: list[str], source: str) -> str:

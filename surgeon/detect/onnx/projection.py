@@ -9,6 +9,7 @@ import onnx
 
 from ...errors import UnsupportedWeightsError
 from .graph import FLOAT_TYPES, PASS_BACK, QUANTIZED, Fail, Graph, data_inputs, same_data_source
+from .pointwise import is_pointwise_conv, read_channels
 
 
 # --- what the walk finds -----------------------------------------------------------------------
@@ -86,6 +87,10 @@ class ProjectionWalk:
                 if (n, t) not in found:
                     found.append((n, t))
                 continue
+            if is_pointwise_conv(g, n):  # a 1x1 convolution is a projection too (VITS conv_q/conv_k/conv_v)
+                if (n, t) not in found:
+                    found.append((n, t))
+                continue
             which = (
                 PASS_BACK.get(node.op_type)
                 if node.domain in ("", "ai.onnx") or node.op_type == "RotaryEmbedding"
@@ -119,6 +124,8 @@ class ProjectionWalk:
     def _read_projection(self, n: int, path, role: str) -> Proj:
         g = self.g
         node = g.nodes[n]
+        if node.op_type == "Conv":
+            return self._read_conv(n, path, role)
         transposed = False
         if node.op_type == "Gemm":
             if g.attr(n, "transA", 0):
@@ -146,6 +153,15 @@ class ProjectionWalk:
         if bias is not None and list(g.inits[bias].dims) == [out_features]:
             p.bias, p.bias_nodes = bias, {n, *via}
         self._window(p, path, role)
+        return p
+
+    def _read_conv(self, n: int, path, role: str) -> Proj:
+        g = self.g
+        node = g.nodes[n]
+        weight, extra_nodes = self._weight_initializer(node.input[1], n, role, transpose=False)
+        dims = list(g.inits[weight].dims)
+        p = Proj(n, "Conv", weight, 0, dims[1], 0, dims[0], same_data_source(g, node.input[0]), weight_nodes={n, *extra_nodes})
+        read_channels(g, p, path, role)
         return p
 
     def _weight_initializer(self, tensor: str, user: int, role: str, transpose: bool = True) -> tuple[str, list[int]]:
