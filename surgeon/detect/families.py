@@ -205,7 +205,7 @@ SECOND_SETS: tuple[tuple[str, Rule], ...] = (
 )
 
 
-# --- libraries beyond transformers (docs/SUPPORTED-libraries.md) ----------------------------------
+# --- libraries beyond transformers (README "Libraries") ----------------------------------
 
 # Layer-list entries named with their index instead of numbered, read as that number (torchvision
 # vision_transformer.py: encoder.layers.encoder_layer_3.self_attention).
