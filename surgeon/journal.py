@@ -62,10 +62,10 @@ class HalfPatchedError(OutputError):
 # --- finding journals (by name only: nothing is opened or followed) -------------------------------
 
 
-def find_journals(path: Path, *, unfinished: bool = False) -> list[tuple[str, Path]]:
+def find_journals(path: Path, *, unfinished: bool = False, own: bool = False) -> list[tuple[str, Path]]:
     """(checkpoint name, journal) for the journals that concern ``path``; with ``unfinished`` also the
     temporary ones of runs that died while writing them. A file's own, and any index's (it may list
-    the file); for a folder or an index, every one in its folder."""
+    the file; not with ``own``); for a folder or an index, every one in its folder."""
     path = Path(path)
     folder = path if path.is_dir() else path.parent
     try:
@@ -77,7 +77,7 @@ def find_journals(path: Path, *, unfinished: bool = False) -> list[tuple[str, Pa
     for name in names:
         for suffix in (SUFFIX, SUFFIX + ".tmp") if unfinished else (SUFFIX,):
             key = name[1 : -len(suffix)] if name.startswith(".") and name.endswith(suffix) else ""
-            if key and (every or key == path.name or key.endswith(".index.json")):
+            if key and (every or key == path.name or (key.endswith(".index.json") and not own)):
                 found.append((key, folder / name))
     return found
 
@@ -152,15 +152,16 @@ def checkpoint_files(folder: Path, key: str) -> list[str]:
 # --- recovery ------------------------------------------------------------------------------------
 
 
-def recover(path: str | Path) -> list[str]:
+def recover(path: str | Path, *, own: bool = False) -> list[str]:
     """Roll back in-place runs on the checkpoint at ``path`` (a file or folder) that did not finish.
 
     Returns one note per journal handled (an empty list when there was nothing to do). A journal
     whose run is still going (its lock is held) is left alone; one that fails a check is refused
-    (CheckpointError) and left in place.
+    (CheckpointError) and left in place. For a shard, the journal of its index too, unless ``own``
+    (what an in-place run on the shard alone asks for).
     """
     notes = []
-    for key, journal in find_journals(Path(path), unfinished=True):
+    for key, journal in find_journals(Path(path), unfinished=True, own=own):
         folder, unfinished = journal.parent, journal.name.endswith(".tmp")
         if unfinished and not os.path.isfile(folder / key):
             continue

@@ -64,7 +64,7 @@ def open_source(path: str | Path, *, config: str | Path | None = None, recover: 
     path = Path(path)
     if not path.is_dir() and not path.is_file():
         raise CheckpointError(f"no such file or folder: {path}")
-    recovered = roll_back(path) if recover else []
+    recovered = roll_back(path, own=True) if recover else []
     refuse_journals(path)
     source = _open_folder(path) if path.is_dir() else _open_file(path)
     if config is not None:
