@@ -212,7 +212,8 @@ def check_meta(meta: object, path: Path, key: str, allowed: set[str]) -> tuple[d
             raise refuse(path, f"it is damaged (malformed identity of {name})")
     out = []
     for item in ranges:
-        if not (isinstance(item, list) and len(item) == 3 and item[0] in files and _int(item[1]) and _int(item[2]) and item[2] > 0):
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and item[0] in files
+                and _int(item[1]) and _int(item[2]) and item[2] > 0):
             raise refuse(path, f"it is damaged (malformed range {json.dumps(item)[:80]})")
         out.append(Range(item[0], item[1], item[2]))
     return files, out
