@@ -31,6 +31,7 @@ from pathlib import Path
 from .errors import CheckpointError
 from .formats.safetensors import Header, parse_header
 
+SUFFIX = ".surgeon-journal"
 MAGIC = b"SURGEON-JOURNAL-2\n"
 OLD_MAGIC = b"SURGEON-JOURNAL-1\n"
 RECORD = b"NEW2"
@@ -56,6 +57,11 @@ class Range:
 
     def record_size(self) -> int:
         return _REC_HEAD + 32 + 16 * self.blocks + 32
+
+
+def journal_path(folder: Path, key: str) -> Path:
+    """Where the journal of the checkpoint ``key`` (a file or index name) in ``folder`` goes."""
+    return folder / f".{key}{SUFFIX}"
 
 
 def refuse(path: Path, why: str) -> CheckpointError:
