@@ -152,12 +152,11 @@ def apply(folder: Path, key: str, journal: Path, files: list[str]) -> list[str]:
     try:
         if not files:
             raise CheckpointError(f"{folder / key} lists no weight files")
-        for f in files:
-            fds[f] = open_file(folder / f, write=True)
-        headers = {f: read_header_fd(fds[f], folder / f) for f in files}
-        limit = 65536 + sum(len(h.entries) + 1 for h in headers.values()) * (128 + max(map(len, files)))
-        meta, n = jf.read_meta(jfd, journal, limit)
+        meta, n = jf.read_meta(jfd, journal, _meta_limit(folder, files))
         idents, ranges = jf.check_meta(meta, journal, key, set(files))
+        for f in idents:  # only the files it names are opened for writing
+            fds[f] = open_file(folder / f, write=True)
+        headers = {f: read_header_fd(fds[f], folder / f) for f in idents}
         _check_identity(journal, folder, key, meta, idents, fds, headers, ranges)
         jf.check_ranges(journal, ranges, headers)
         jf.check_body(jfd, journal, n, ranges)
@@ -176,6 +175,18 @@ def apply(folder: Path, key: str, journal: Path, files: list[str]) -> list[str]:
     os.unlink(journal)
     jf.fsync_dir(folder)
     return sorted(idents)
+
+
+def _meta_limit(folder: Path, files: list[str]) -> int:
+    """The most bytes a journal's range list can need for this checkpoint: a few per tensor and file."""
+    entries = 0
+    for f in files:
+        fd = open_file(folder / f, write=False)
+        try:
+            entries += len(read_header_fd(fd, folder / f).entries) + 1
+        finally:
+            os.close(fd)
+    return 65536 + entries * (128 + max(map(len, files)))
 
 
 def _check_identity(journal: Path, folder: Path, key: str, meta: dict, idents: dict[str, dict], fds: dict[str, int],
