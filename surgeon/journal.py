@@ -57,8 +57,8 @@ class HalfPatchedError(OutputError):
 
 def check_in_place(source: Source) -> None:
     """Refuse ``--in-place`` where the bytes are shared, or where a second copy of the weights would be left stale."""
-    if len(source.weights) > 1:
-        others = ", ".join(w.describe() for w in source.weights[1:])
+    others = ", ".join(w.describe() for w in source.weights[1:]) or _other_copies(source)
+    if others:
         raise OutputError(
             f"{source.folder} holds the weights twice ({source.primary.describe()} and {others}); {opt('in_place', True)} "
             f"would patch only the first and leave the other stale: remove the copy you do not use, or write a new folder with {opt('output')}"
@@ -77,6 +77,15 @@ def check_in_place(source: Source) -> None:
                 f"{path} has {st.st_nlink} hard links: patching it in place would change every one of them; "
                 f"write a copy with {opt('output')}", path=path
             )
+
+
+def _other_copies(source: Source) -> str:
+    """For a file or index given alone: the weights of another format beside it, which loaders may read instead."""
+    from .formats.registry import FORMATS
+
+    folder = source.folder
+    top = sorted(p.name for p in folder.iterdir() if p.is_file())
+    return ", ".join(n for fmt in FORMATS if fmt.name != source.format and not fmt.alone for n in fmt.pick(top))
 
 
 @contextmanager

@@ -172,7 +172,8 @@ def test_in_place_on_a_hard_linked_file_is_refused(llama_dir, tmp_path, cli):
 def test_in_place_on_a_dual_format_folder_is_refused_before_any_write(llama_dir, cli):
     torch.save(tiny_llama().state_dict(), llama_dir / "pytorch_model.bin")  # the same weights beside model.safetensors
     assert (llama_dir / "pytorch_model.bin").is_file() and (llama_dir / "model.safetensors").is_file()
-    expect_cli_error(cli, llama_dir, "reinit", llama_dir, "--in-place", match="holds the weights twice")
+    for target in (llama_dir, llama_dir / "model.safetensors"):  # the folder, or its safetensors file alone
+        expect_cli_error(cli, llama_dir, "reinit", target, "--in-place", match="holds the weights twice")
 
 
 def _fsize_limit(limit):
