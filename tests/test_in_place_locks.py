@@ -122,13 +122,43 @@ def test_a_copy_refuses_while_a_patch_is_half_way(tmp_path, cli):
         run.go()
 
 
+# `surgeon ARGS...` that touches WAITING the first time it finds the checkpoint's lock taken (and waits).
+SAYS_WHEN_WAITING = textwrap.dedent(
+    """
+    import sys, time
+    import surgeon.locks as locks
+    waiting, said = sys.argv[1], []
+
+    class Clock:
+        monotonic = staticmethod(time.monotonic)
+
+        @staticmethod
+        def sleep(seconds):
+            if not said:
+                open(waiting, "w").close()
+                said.append(True)
+            time.sleep(seconds)
+
+    locks.time = Clock
+    from surgeon.cli import main
+    sys.argv = ["surgeon", *sys.argv[2:]]
+    main()
+    """
+)
+
+
 def test_a_copy_waits_for_an_in_place_run_then_copies_its_result(tmp_path, cli):
     folder = sharded(tmp_path)
     run = Paused(tmp_path, "before-journal", "reinit", folder, "--in-place", "--layers", "all")
     (tmp_path / "a").mkdir()
-    copy = subprocess.Popen([sys.executable, "-m", "surgeon", "reinit", str(folder), "-o", str(tmp_path / "a" / "out"), "--seed", "5"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(2)  # sequencing only: let the copy reach the lock (it would wait up to 30 s)
+    waiting = tmp_path / "waiting"
+    copy = subprocess.Popen([sys.executable, "-c", SAYS_WHEN_WAITING, str(waiting), "reinit", str(folder), "-o", str(tmp_path / "a" / "out"),
+                             "--seed", "5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for _ in range(6000):  # sequencing: until the copy is waiting on the in-place run's lock
+        if waiting.exists() or copy.poll() is not None:
+            break
+        time.sleep(0.05)
+    assert waiting.exists(), copy.communicate()[1][-2000:]
     run.go()
     _, err = copy.communicate(timeout=300)
     assert copy.returncode == 0, err
