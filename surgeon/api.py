@@ -13,6 +13,7 @@ from ._version import __version__
 from .detect import Detection, detect_source
 from .detect.config import HintInput, Hints
 from .errors import CheckpointError, HubError, OptionError, opt
+from .journal import check_in_place, hold
 from .modes import get_mode
 from .output import companion_files, copy_extras, output_kind, resolve_output, staged, tree_size
 from .plan import Plan, ReinitOptions, prepare
@@ -25,9 +26,13 @@ if TYPE_CHECKING:  # torch is imported when tensors are first touched, so that o
     from .apply import Engine
 
 
-def load(model: str | Path, *, config: str | Path | None = None, revision: str | None = None, progress: bool = False) -> Source:
-    """Open a checkpoint: a file, a sharded index, a model folder, or a Hub id ``org/name`` (a local path wins)."""
-    return hub.open_model(model, config=config, revision=revision, progress=progress)
+def load(model: str | Path, *, config: str | Path | None = None, revision: str | None = None, progress: bool = False,
+         recover: bool = False) -> Source:
+    """Open a checkpoint: a file, a sharded index, a model folder, or a Hub id ``org/name`` (a local path wins).
+
+    A checkpoint an interrupted in-place run left behind is refused (``surgeon recover``), or rolled back
+    first with ``recover=True`` (what an in-place run on it does)."""
+    return hub.open_model(model, config=config, revision=revision, progress=progress, recover=recover)
 
 
 def _label(source: Source) -> str:
@@ -79,7 +84,8 @@ def inspect_checkpoint(
     source = load(model, config=config, revision=revision, progress=progress)
     detection = detect_source(source, Hints(num_heads, num_kv_heads, head_dim, force_hints))
     weights = source.primary
-    with _progress(progress, len({p.weight.tensor for b in detection.blocks for p in b.projections}), "inspect") as bar:
+    with hold(source, exclusive=False), \
+            _progress(progress, len({p.weight.tensor for b in detection.blocks for p in b.projections}), "inspect") as bar:
         spectra = inspect_blocks(detection.blocks, weights.read, dev, progress=bar.update if bar else None, whole=full)
     rows = [
         ProjectionRow(block, proj.role, spectra[(block.module, proj.role)], dtype=weights.tensors[proj.weight.tensor].element or "")
@@ -155,8 +161,10 @@ def reinit_checkpoint(
     opts = opts.validated()
     check_device(device)
     start = time.perf_counter()
-    source = load(model, config=config, revision=revision, progress=progress)
+    source = load(model, config=config, revision=revision, progress=progress, recover=in_place and not dry_run)
     _check_push_output(push, source)
+    if in_place and source.format == "safetensors":
+        check_in_place(source)  # shared bytes (links), a second copy of the weights: refused before any write
     hints = Hints(num_heads, num_kv_heads, head_dim, force_hints)
     detection = detect_source(source, hints)
     plan = prepare(detection.blocks, opts, config=source.config, shapes={n: t.shape for n, t in source.primary.tensors.items()}, fmt=source.format, depths=detection.depths)
@@ -168,8 +176,9 @@ def reinit_checkpoint(
     )
     if dry_run:
         return _plan_report(report, source, plan, dest, overwrite=overwrite, in_place=in_place, push=push)
-    _run_and_write(report, source, detection, plan, dest, device=device, full=full, progress=progress, in_place=in_place,
-                   push=push, command=lambda: _reproduce(model, source, opts, hints, dest))
+    with hold(source, exclusive=in_place):  # in place: alone; a copy: never while an in-place run patches it
+        _run_and_write(report, source, detection, plan, dest, device=device, full=full, progress=progress, in_place=in_place,
+                       push=push, command=lambda: _reproduce(model, source, opts, hints, dest))
     report.seconds = time.perf_counter() - start
     if push is not None:
         _push(report, dest, push, source, plan, progress=progress)

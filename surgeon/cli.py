@@ -227,7 +227,8 @@ negative numbers count from the end (-1 is the last). Each stack of layers is nu
 @click.option("--overwrite", is_flag=True, help="Replace an existing output.")
 @click.option("--in-place", is_flag=True,
               help="Change the input itself. safetensors: only the changed bytes are rewritten, after their old bytes are "
-                   "saved to a journal (an interrupted run is rolled back by the next command, or `surgeon recover`); "
+                   "saved to a journal (an interrupted run is rolled back by `surgeon recover` or the next --in-place run; "
+                   "other commands refuse the checkpoint until then); "
                    "other formats: the files are replaced atomically.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
 @plot_option
@@ -343,7 +344,8 @@ Examples:
   surgeon recover model.safetensors
   surgeon recover ./llama                      # a sharded checkpoint folder
 \b
-Any surgeon command that opens the checkpoint does the same first, and says so.
+Until then every other command refuses the checkpoint; `surgeon reinit --in-place` on the same
+checkpoint rolls back first, and says so.
 """)
 @click.argument("path", type=click.Path(exists=True))
 @handle_errors
@@ -351,8 +353,10 @@ def recover(path):
     """Roll back an interrupted `surgeon reinit --in-place` on the checkpoint at PATH.
 
     --in-place saves the old bytes of every range it patches to a journal
-    (.NAME.surgeon-journal) before changing anything; this writes them back, so the
-    checkpoint is exactly as it was before that run. Does nothing if there is no journal.
+    (.NAME.surgeon-journal) before changing anything; this checks that the journal belongs
+    to the files as they are now (same files, headers, and every range holding its old or its
+    new bytes), then writes them back, so the checkpoint is exactly as it was before that run.
+    A journal that fails a check is refused and left in place. Does nothing if there is no journal.
     """
     from .journal import recover as roll_back
 

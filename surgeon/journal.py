@@ -2,243 +2,247 @@
 
 ``surgeon reinit --in-place`` on safetensors rewrites only the byte ranges of the re-initialized
 tensors (and the header, when surgeon's record fits in its existing length), instead of the whole
-checkpoint. Before the first byte changes, the original bytes of every range are written to a
-journal beside the checkpoint and made durable:
+checkpoint. Before the first byte changes, the old bytes of every range are saved to a journal beside
+the checkpoint (``.<name>.surgeon-journal``, format in :mod:`surgeon.journal_file`) and made durable;
+the digest of each range's new bytes is appended just before that range is written. After the patch
+is fsynced, the journal is removed.
 
-    .<name>.surgeon-journal      MAGIC | u64 n | n bytes of JSON {"ranges": [[file, offset, length], ...]}
-                                 | the original bytes of each range | sha256 of everything before it
+A run that dies in between leaves the journal. Only ``surgeon recover PATH`` (and the next ``--in-place``
+run on the same checkpoint) rolls it back, and only after checking it belongs to the files as they are
+now: same files (size, device, inode), same headers, every range exactly one tensor's bytes (or the
+header) and holding its old or its new bytes. Every other command refuses a checkpoint with a journal
+and names ``surgeon recover``: a half-patched checkpoint is never read, copied or pushed.
 
-The journal is written under a temporary name and renamed once complete and fsynced, so a journal
-under its final name is always whole. After the patch is fsynced, the journal is removed. A run that
-dies in between leaves the journal, and the next surgeon command that opens the checkpoint (or
-``surgeon recover PATH``) writes the original bytes back: the checkpoint is then exactly as before.
-A lock (``flock`` on the checkpoint's file, or its index) keeps two runs, or a run and a recovery, apart.
+One lock per checkpoint (:mod:`surgeon.locks`) on the index and every shard: exclusive for in-place
+runs and recoveries, shared for copies and ``inspect``.
 """
 
 from __future__ import annotations
 
-import fcntl
-import glob
 import hashlib
-import json
 import os
-import struct
+import stat
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
+from . import journal_file as jf
+from . import locks
 from .errors import CheckpointError, OutputError, opt
-from .formats.safetensors import Header, SafetensorsWeights, add_record, encode_header, patch, with_metadata
+from .formats.safetensors import (
+    Header,
+    SafetensorsWeights,
+    add_record,
+    encode_header,
+    patch,
+    read_header_fd,
+    with_metadata,
+)
+from .journal_file import SUFFIX, journal_path  # noqa: F401  (importable from here)
+from .recovery import apply, find_journals, open_file, read_small, recover, refuse_journals  # noqa: F401
 
 if TYPE_CHECKING:
     from .formats.base import UpdatesFn
     from .source import Source
 
-MAGIC = b"SURGEON-JOURNAL-1\n"
-SUFFIX = ".surgeon-journal"
-_CHUNK = 16 << 20
+
+class HalfPatchedError(OutputError):
+    """A failed or interrupted in-place run could not be rolled back: the journal is kept for ``surgeon recover``."""
 
 
-def journal_path(folder: Path, key: str) -> Path:
-    return folder / f".{key}{SUFFIX}"
+# --- in place ------------------------------------------------------------------------------------
+
+
+def check_in_place(source: Source) -> None:
+    """Refuse ``--in-place`` where the bytes are shared, or where a second copy of the weights would be left stale."""
+    others = ", ".join(w.describe() for w in source.weights[1:]) or _other_copies(source)
+    if others:
+        raise OutputError(
+            f"{source.folder} holds the weights twice ({source.primary.describe()} and {others}); {opt('in_place', True)} "
+            f"would patch only the first and leave the other stale: remove the copy you do not use, or write a new folder with {opt('output')}"
+        )
+    weights = source.primary
+    for f in weights.all_files:
+        path = weights.folder / f
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            raise OutputError(
+                f"{path} is a symbolic link (as in a Hugging Face cache snapshot): patching it in place would change the file "
+                f"it points to, which other copies may share; write a copy with {opt('output')}", path=path
+            )
+        if st.st_nlink > 1:
+            raise OutputError(
+                f"{path} has {st.st_nlink} hard links: patching it in place would change every one of them; "
+                f"write a copy with {opt('output')}", path=path
+            )
+
+
+def _other_copies(source: Source) -> str:
+    """For a file or index given alone: the weights of another format beside it, which loaders may read instead."""
+    from .formats.registry import FORMATS
+
+    folder = source.folder
+    top = sorted(p.name for p in folder.iterdir() if p.is_file())
+    return ", ".join(n for fmt in FORMATS if fmt.name != source.format and not fmt.alone for n in fmt.pick(top))
 
 
 @contextmanager
-def _locked(folder: Path, key: str, *, wait: bool = False) -> Iterator[bool]:
-    """An exclusive lock for in-place work on the checkpoint ``key`` in ``folder``; yields False if held.
-
-    The lock is taken on the checkpoint's own file (advisory: readers are not blocked), so that no
-    lock file is left behind.
-    """
-    fd = os.open(folder / key, os.O_RDONLY)
+def hold(source: Source, *, exclusive: bool) -> Iterator[None]:
+    """The checkpoint's lock for a run: exclusive (in place, refused at once when held) or shared (a copy,
+    which waits a while for an in-place run to finish); then no journal may be there."""
+    files = [w.folder / f for w in source.weights for f in w.all_files]
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_journal(folder: Path, key: str, ranges: list[tuple[str, int, int]]) -> Path:
-    """Save the original bytes of ``ranges`` durably; returns the journal's path."""
-    final = journal_path(folder, key)
-    tmp = final.with_name(final.name + ".tmp")
-    digest = hashlib.sha256()
-    meta = json.dumps({"ranges": [list(r) for r in ranges]}).encode()
-    with open(tmp, "wb") as out:
-
-        def put(data: bytes) -> None:
-            digest.update(data)
-            out.write(data)
-
-        put(MAGIC + struct.pack("<Q", len(meta)) + meta)
-        for file, offset, length in ranges:
-            with open(folder / file, "rb") as src:
-                src.seek(offset)
-                left = length
-                while left:
-                    chunk = src.read(min(left, _CHUNK))
-                    if not chunk:
-                        raise CheckpointError(f"{folder / file} ended early while journaling: the file is truncated")
-                    put(chunk)
-                    left -= len(chunk)
-        out.write(digest.digest())
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, final)
-    _fsync_dir(folder)
-    return final
-
-
-def _read_journal(path: Path) -> list[tuple[str, int, bytes]]:
-    """The (file, offset, original bytes) a journal holds; raises CheckpointError if it is damaged."""
-    data = path.read_bytes()
-    body, digest = data[:-32], data[-32:]
-    if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 8 + 32 or hashlib.sha256(body).digest() != digest:
-        raise CheckpointError(f"{path} is damaged (checksum mismatch); the checkpoint beside it may be half-patched: restore it from a copy, then delete {path.name}")
-    (n,) = struct.unpack_from("<Q", data, len(MAGIC))
-    start = len(MAGIC) + 8
-    try:
-        ranges = json.loads(body[start : start + n])["ranges"]
-    except (ValueError, KeyError):
-        raise CheckpointError(f"{path} is damaged (unreadable range list)") from None
-    out, pos = [], start + n
-    for file, offset, length in ranges:
-        if "/" in file or "\\" in file or file in (".", ".."):
-            raise CheckpointError(f"{path} names {file!r}, which is not a file beside it; delete the journal")
-        out.append((file, int(offset), body[pos : pos + length]))
-        pos += length
-    return out
-
-
-def _roll_back(folder: Path, journal: Path) -> list[str]:
-    entries = _read_journal(journal)
-    files = sorted({f for f, _, _ in entries})
-    handles = {f: os.open(folder / f, os.O_WRONLY) for f in files}
-    try:
-        for file, offset, original in entries:
-            os.pwrite(handles[file], original, offset)
-        for fd in handles.values():
-            os.fsync(fd)
-    finally:
-        for fd in handles.values():
-            os.close(fd)
-    journal.unlink()
-    _fsync_dir(folder)
-    return files
-
-
-def recover(path: str | Path) -> list[str]:
-    """Roll back in-place runs on the checkpoint at ``path`` (a file or folder) that did not finish.
-
-    Returns one note per journal handled (an empty list when there was nothing to do). A journal
-    whose run is still going (its lock is held) is left alone.
-    """
-    path = Path(path)
-    folder, pattern = (path, "*") if path.is_dir() else (path.parent, glob.escape(path.name))
-    notes = []
-    for leftover in sorted(folder.glob(f".{pattern}{SUFFIX}.tmp")):  # never complete, so nothing was patched yet
-        key = leftover.name[1 : -len(SUFFIX + ".tmp")]
-        if (folder / key).is_file():
-            with _locked(folder, key) as mine:
-                if mine:
-                    leftover.unlink(missing_ok=True)
-    for journal in sorted(folder.glob(f".{pattern}{SUFFIX}")):
-        key = journal.name[1 : -len(SUFFIX)]
-        if not (folder / key).is_file():
-            raise CheckpointError(f"{journal} belongs to {key}, which is missing; restore {key} or delete the journal")
-        with _locked(folder, key) as mine:
-            if not mine:
-                notes.append(f"an in-place run on {folder / key} is in progress (journal {journal.name}); not touched")
-                continue
-            if not journal.exists():
-                continue
-            files = _roll_back(folder, journal)
-            notes.append(f"rolled back an interrupted in-place run: {', '.join(files)} in {folder} are as they were before it")
-    return notes
+        with locks.hold(files, exclusive=exclusive, wait=0.0 if exclusive else locks.COPY_WAIT_S):
+            refuse_journals(source.path)
+            yield
+    except locks.Busy as busy:
+        if exclusive:
+            raise OutputError(f"another surgeon run is patching {source.path} in place, or reading it; wait for it to finish") from None
+        raise OutputError(
+            f"an in-place run has been patching {busy.path} for over {locks.COPY_WAIT_S:.0f} s; run this again when it has finished"
+        ) from None
 
 
 def patch_in_place(source: Source, updates: UpdatesFn, record: dict) -> list[str]:
-    """Patch the changed tensors of a safetensors checkpoint in place, journaled; returns notes."""
+    """Patch the changed tensors of a safetensors checkpoint in place, journaled; returns notes.
+
+    The caller holds the checkpoint's lock exclusively (:func:`hold`) and has run :func:`check_in_place`."""
     weights = cast(SafetensorsWeights, source.primary)  # --in-place is for safetensors only (api)
-    folder = weights.folder
-    key = weights.index or weights.files[0]
     changed = _changed_files(weights, updates)
     if not changed:
         return []
-    notes: list[str] = []
-    with _locked(folder, key) as mine:
-        if not mine:
-            raise OutputError(f"another surgeon run is patching {folder / key} in place; wait for it to finish")
-        headers: dict[str, bytes | None] = {}
-        ranges: list[tuple[str, int, int]] = []
-        for file, names in changed.items():
-            header = weights.headers[file]
-            headers[file] = _header_in_place(header, record)
-            if headers[file] is not None:
-                ranges.append((file, 0, header.data_start))
-            for name in names:
-                begin, end = header.entries[name]["data_offsets"]
-                ranges.append((file, header.data_start + begin, end - begin))
-        # The journal is written (and fsynced) on a background thread while torch loads and the first
-        # new value is computed; nothing is patched before it is durable. Each value is then written
-        # as soon as it is computed, so one is in memory at a time.
-        with ThreadPoolExecutor(1, thread_name_prefix="surgeon-journal") as pool:
-            durable = pool.submit(_write_journal, folder, key, ranges)
-            try:
-                _patch_files(weights, changed, headers, updates, durable)
-            except BaseException:
-                # A failure part-way (a refused head, a full disk, Ctrl-C) is rolled back at once from
-                # the journal, so the input is as it was; if the journal itself failed, nothing was patched.
-                if durable.exception() is None:
-                    _roll_back(folder, durable.result())
-                raise
-            journal = durable.result()
-        journal.unlink()
-        _fsync_dir(folder)
+    fds: dict[str, int] = {}
+    try:
+        for f in changed:
+            fds[f] = open_file(weights.folder / f, write=True)
+            if read_header_fd(fds[f], weights.folder / f).entries != weights.headers[f].entries:
+                raise CheckpointError(f"{weights.folder / f} changed since it was opened; run this again")
+        headers = _patch(weights, changed, fds, updates, record)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
     skipped = [f for f in changed if headers[f] is None]
-    if skipped:
-        notes.append(
-            f"surgeon's record was not added to the header of {', '.join(skipped)}: it does not fit without moving every "
-            f"tensor, and {opt('in_place', True)} rewrites only the changed bytes (write a copy with {opt('output')} to get the record)"
+    if not skipped:
+        return []
+    return [
+        f"surgeon's record was not added to the header of {', '.join(skipped)}: it does not fit without moving every "
+        f"tensor, and {opt('in_place', True)} rewrites only the changed bytes (write a copy with {opt('output')} to get the record)"
+    ]
+
+
+def _patch(weights: SafetensorsWeights, changed: dict[str, list[str]], fds: dict[str, int], updates, record: dict) -> dict[str, bytes | None]:
+    folder, key = weights.folder, weights.index or weights.files[0]
+    headers: dict[str, bytes | None] = {}
+    ranges: list[jf.Range] = []
+    where: dict[tuple[str, str | None], int] = {}
+    for file, names in changed.items():
+        header = weights.headers[file]
+        headers[file] = _header_in_place(header, record)
+        if headers[file] is not None:
+            where[file, None] = len(ranges)
+            ranges.append(jf.Range(file, 0, header.data_start))
+        for name in names:
+            begin, end = header.entries[name]["data_offsets"]
+            if end > begin:
+                where[file, name] = len(ranges)
+                ranges.append(jf.Range(file, header.data_start + begin, end - begin))
+    journal = journal_path(folder, key)
+    meta = _meta(weights, key, changed, fds) | {"ranges": [[r.file, r.offset, r.length] for r in ranges]}
+    # The journal is written (and fsynced) on a background thread while torch loads and the first new
+    # value is computed; nothing is patched before it is durable. Each value is then written as soon as
+    # it is computed (its digest logged first), so one is in memory at a time.
+    with ThreadPoolExecutor(1, thread_name_prefix="surgeon-journal") as pool:
+        durable = pool.submit(jf.write, journal, meta, fds, ranges)
+        log = _Log(durable, journal, ranges, where)
+        try:
+            _patch_files(weights, changed, headers, updates, log, fds)
+        except BaseException as exc:
+            log.close()
+            _undo(weights, key, journal, durable, exc)
+            raise
+        log.close()
+    os.unlink(journal)
+    jf.fsync_dir(folder)
+    return headers
+
+
+def _meta(weights: SafetensorsWeights, key: str, changed: dict[str, list[str]], fds: dict[str, int]) -> dict:
+    files = {}
+    for f in changed:
+        st = os.fstat(fds[f])
+        head = os.pread(fds[f], weights.headers[f].data_start, 0)
+        files[f] = {"size": st.st_size, "dev": st.st_dev, "ino": st.st_ino, "header_sha256": hashlib.sha256(head).hexdigest()}
+    index = hashlib.sha256(read_small(weights.folder / key)).hexdigest() if weights.index else None
+    return {"version": 2, "checkpoint": key, "index_sha256": index, "files": files}
+
+
+class _Log:
+    """Appends each range's new-bytes record to the journal, durable before the range is written."""
+
+    def __init__(self, durable: Future, path: Path, ranges: list[jf.Range], where: dict) -> None:
+        self.durable, self.path, self.ranges, self.where = durable, path, ranges, where
+        self.fd: int | None = None
+
+    def before(self, file: str, name: str | None, data) -> None:
+        self.durable.result()  # nothing is written before the journal is durable
+        i = self.where.get((file, name))
+        if i is None:
+            return
+        if self.fd is None:
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
+        jf.append(self.fd, jf.new_record(i, self.ranges[i], data))
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _undo(weights: SafetensorsWeights, key: str, journal: Path, durable: Future, exc: BaseException) -> None:
+    """A failure part-way (a refused head, a full disk, Ctrl-C) is rolled back at once from the journal.
+    If the journal itself failed, nothing was patched. If the rollback fails too (a second Ctrl-C), say so."""
+    if durable.exception() is not None:
+        return
+    try:
+        apply(weights.folder, key, journal, weights.files)
+    except BaseException as failed:
+        interrupted = isinstance(exc, KeyboardInterrupt) or isinstance(failed, KeyboardInterrupt)
+        error = HalfPatchedError(
+            f"{'interrupted' if interrupted else 'failed'} while undoing an in-place run: {', '.join(weights.files)} in "
+            f"{weights.folder} may be half-patched, and their old bytes are kept in {journal.name}; run `surgeon recover "
+            f"{weights.folder / key}` to finish the rollback", path=journal
         )
-    return notes
+        error.exit_code = 130 if interrupted else 1
+        raise error from None
 
 
-def _patch_files(weights, changed: dict[str, list[str]], headers: dict[str, bytes | None], updates, durable) -> None:
-    def after_journal(items):
-        for item in items:
-            durable.result()  # nothing is written before the journal is durable
-            yield item
+def _patch_files(weights: SafetensorsWeights, changed: dict[str, list[str]], headers: dict[str, bytes | None], updates,
+                 log: _Log, fds: dict[str, int]) -> None:
+    def logged(file, items):
+        for name, tensor in items:
+            log.before(file, name, _raw(tensor))
+            yield name, tensor
 
     for file in changed:
         header = weights.headers[file]
-        path = weights.folder / file
-        written = patch(header, path, header.data_start, after_journal(updates(file)))
+        written = patch(header, weights.folder / file, header.data_start, logged(file, updates(file)))
         if set(written) != set(changed[file]):
             raise AssertionError(f"in-place patch of {file} is missing {sorted(set(changed[file]) - set(written))[:3]}")
-        with open(path, "r+b") as out:
-            durable.result()
-            new_header = headers[file]
-            if new_header is not None:
-                os.pwrite(out.fileno(), new_header, 0)
-            os.fsync(out.fileno())
+        log.durable.result()
+        new_header = headers[file]
+        if new_header is not None:
+            log.before(file, None, new_header)
+            os.pwrite(fds[file], new_header, 0)
+        os.fsync(fds[file])
+
+
+def _raw(tensor):
+    """The bytes a tensor is stored as (little-endian, as in safetensors), without a copy where it can."""
+    import torch
+
+    return tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
 
 
 def _changed_files(weights, updates) -> dict[str, list[str]]:
@@ -253,6 +257,8 @@ def _changed_files(weights, updates) -> dict[str, list[str]]:
 
 def _header_in_place(header: Header, record: dict) -> bytes | None:
     """The header with the record added, padded to its current length; None if it does not fit."""
+    import struct
+
     raw = encode_header(with_metadata(header.entries, add_record(header.metadata, record)))
     if len(raw) > header.length:
         return None

@@ -56,15 +56,19 @@ class Source:
         return self.primary.describe()
 
 
-def open_source(path: str | Path, *, config: str | Path | None = None) -> Source:
+def open_source(path: str | Path, *, config: str | Path | None = None, recover: bool = False) -> Source:
+    """Open the checkpoint at ``path``. A checkpoint an in-place run left half-patched (its journal is
+    there) is refused, unless ``recover``: then the journal is checked and rolled back first (an
+    in-place run on the same checkpoint does that; nothing else writes to an input)."""
+    from .journal import recover as roll_back
+    from .journal import refuse_journals
+
     path = Path(path)
-    recovered = _recover(path)
-    if path.is_dir():
-        source = _open_folder(path)
-    elif path.is_file():
-        source = _open_file(path)
-    else:
+    if not path.is_dir() and not path.is_file():
         raise CheckpointError(f"no such file or folder: {path}")
+    recovered = roll_back(path, own=True) if recover else []
+    refuse_journals(path)
+    source = _open_folder(path) if path.is_dir() else _open_file(path)
     if config is not None:
         source.config_path = Path(config)
     elif source.config_path is None and (source.folder / "config.json").is_file():
@@ -78,16 +82,6 @@ def open_source(path: str | Path, *, config: str | Path | None = None) -> Source
         source.notes.append(f"head counts from the model arguments saved in {source.primary.files[0]}")
     source.notes[:0] = recovered
     return source
-
-
-def _recover(path: Path) -> list[str]:
-    """Roll back an in-place run on this checkpoint that was interrupted (see surgeon.journal)."""
-    from .journal import SUFFIX, recover
-
-    folder = path if path.is_dir() else path.parent
-    if not any(folder.glob(f".*{SUFFIX}*")):
-        return []
-    return recover(path)
 
 
 def read_config(path: Path) -> dict:

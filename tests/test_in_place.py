@@ -101,14 +101,15 @@ KILLER = textwrap.dedent(
 )
 
 
-def test_kill_9_while_patching_is_rolled_back_by_the_next_command(llama_dir, tmp_path, cli):
+def test_kill_9_while_patching_is_rolled_back_by_recover(llama_dir, tmp_path, cli):
     src = llama_dir / "model.safetensors"
     original = sha256(src)
     run = subprocess.run([sys.executable, "-c", KILLER, "reinit", str(src), "--in-place", "--layers", "all"], capture_output=True)
     assert run.returncode == -signal.SIGKILL
     assert sha256(src) != original  # it died half-way: one tensor patched
     assert journal_path(llama_dir, "model.safetensors").is_file()
-    result = cli("inspect", src)  # any command that opens the checkpoint rolls back first
+    expect_cli_error(cli, llama_dir, "inspect", src, match=f"run `surgeon recover {src}` first")  # read-only: refuses, writes nothing
+    result = cli("recover", src)
     assert "rolled back an interrupted in-place run" in result.output
     assert sha256(src) == original and not list(llama_dir.glob(f".*{SUFFIX}*"))
 
@@ -206,7 +207,9 @@ def test_an_unfinished_journal_is_discarded_without_touching_the_checkpoint(llam
     before = sha256(src)
     tmp = journal_path(llama_dir, "model.safetensors").with_name(journal_path(llama_dir, "model.safetensors").name + ".tmp")
     tmp.write_bytes(b"SURGEON-JOURNAL-1\n partial")  # a run died while writing its journal: nothing was patched
-    cli("inspect", src)
+    cli("inspect", src)  # read-only: reads the intact checkpoint, leaves the leftover alone
+    assert tmp.exists() and sha256(src) == before
+    assert "died before patching anything" in cli("recover", src).output
     assert not tmp.exists() and sha256(src) == before
 
 

@@ -11,7 +11,7 @@ import sys
 
 TORCH_FREE = [
     "surgeon", "surgeon.cli", "surgeon.api", "surgeon.source", "surgeon.plan", "surgeon.report", "surgeon.output",
-    "surgeon.journal", "surgeon.errors",
+    "surgeon.journal", "surgeon.journal_file", "surgeon.recovery", "surgeon.locks", "surgeon.errors",
     "surgeon.hub", "surgeon.hub.ids", "surgeon.hub.read", "surgeon.hub.push", "surgeon.hub.translate",
     "surgeon.detect", "surgeon.detect.by_name", "surgeon.detect.config", "surgeon.detect.families", "surgeon.detect.placement",
     "surgeon.formats.registry", "surgeon.formats.safetensors", "surgeon.formats.torchfile",

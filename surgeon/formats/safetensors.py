@@ -97,6 +97,27 @@ def read_header(path: Path) -> Header:
             raw = f.read(length)
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+    return parse_header(path, length, raw, size)
+
+
+def read_header_fd(fd: int, path: Path) -> Header:
+    """``read_header`` of a file already opened (and checked) as ``fd``; ``path`` names it in messages."""
+    try:
+        size = os.fstat(fd).st_size
+        prefix = os.pread(fd, 8, 0)
+        if len(prefix) < 8:
+            raise CheckpointError(f"{path} is not a safetensors file: it is only {size} bytes long", path=path)
+        (length,) = struct.unpack("<Q", prefix)
+        if length > _MAX_HEADER or 8 + length > size:
+            raise CheckpointError(f"{path} has a corrupt or truncated safetensors header (it claims {length} header bytes, the file has {size})")
+        raw = os.pread(fd, length, 8)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+    return parse_header(path, length, raw, size)
+
+
+def parse_header(path: Path, length: int, raw: bytes, size: int) -> Header:
+    """A header from its bytes (``raw``: the N bytes after the length); ``size``: the whole file's size."""
     try:
         entries = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except _DuplicateKey as exc:

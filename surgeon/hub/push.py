@@ -17,6 +17,7 @@ from ..errors import (
     PushError,
     opt,
 )
+from ..journal import SUFFIX, refuse_journals
 from ..redact import remember
 from .ids import hf_progress, require_repo_id
 from .translate import few, one_line, write_error
@@ -126,10 +127,15 @@ def push_folder(
     """
     from huggingface_hub import CommitOperationAdd, HfApi
 
+    folder = Path(folder)
+    if folder.is_dir():  # a half-patched folder (an in-place run's journal beside its weights) is never offered
+        refuse_journals(folder, unfinished=True)
     repo_id = check_push(repo_id, revision=revision, create_pr=create_pr, token=token)
     token = _push_token(token)
-    folder = Path(folder)
     files = _folder_files(folder)
+    journal = next((f for f in files if f.endswith((SUFFIX, SUFFIX + ".tmp"))), None)
+    if journal is not None:
+        raise OptionError(f"{folder / journal} is an in-place run's undo journal, never pushed; run `surgeon recover` on its checkpoint first")
     _check_card(folder)
     api = HfApi(token=token)
     branch = revision or "main"

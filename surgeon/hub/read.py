@@ -38,9 +38,12 @@ class Snapshot:
 
 
 def open_model(
-    model: str | Path, *, config: str | Path | None = None, revision: str | None = None, progress: bool = False
+    model: str | Path, *, config: str | Path | None = None, revision: str | None = None, progress: bool = False,
+    recover: bool = False,
 ) -> Source:
-    """Open MODEL: a local path when one exists by that name, otherwise a Hub id (``org/name`` or ``hf://org/name``)."""
+    """Open MODEL: a local path when one exists by that name, otherwise a Hub id (``org/name`` or ``hf://org/name``).
+
+    ``recover``: roll back an interrupted in-place run on a local checkpoint first (see ``source.open_source``)."""
     text = str(model)
     explicit = isinstance(model, str) and text.startswith(HF_PREFIX)
     repo_id = parse_repo_id(text) if isinstance(model, str) else None
@@ -52,7 +55,7 @@ def open_model(
             raise OptionError(
                 f"{opt('revision')} applies to Hugging Face Hub ids only, and {text} is a local path{hint}"
             )
-        source = open_source(model, config=config)
+        source = open_source(model, config=config, recover=recover)
         if repo_id is not None and _in_cache(repo_id):  # only where the Hub model of that name has been used here
             kind = "folder" if Path(text).is_dir() else "file"
             source.notes.append(
