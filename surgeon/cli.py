@@ -149,6 +149,9 @@ class OneLineErrors(click.Group):
     """
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        from .redact import redact_library_output
+
+        redact_library_output()
         args, debug = _debugging(list(sys.argv[1:] if args is None else args))
         try:
             rv = super().main(args, "surgeon", complete_var, standalone_mode=False, **extra)

@@ -82,3 +82,27 @@ def redact_obj(value):
     if isinstance(value, (list, tuple)):
         return type(value)(redact_obj(v) for v in value)
     return value
+
+
+def redact_library_output() -> None:
+    """Route what libraries print on their own (logging records, warnings) through :func:`redact` too:
+    huggingface_hub logs the URLs it retries, credentials included. For the CLI: it changes this process."""
+    import logging
+    import warnings
+
+    if getattr(logging.getLogRecordFactory(), "_surgeon_redacts", False):
+        return
+    make_record = logging.getLogRecordFactory()
+
+    def redacted_record(*args, **kwargs):
+        record = make_record(*args, **kwargs)
+        try:
+            record.msg, record.args = redact(record.getMessage()), None
+        except Exception:  # noqa: BLE001 - a record that cannot format: leave it to logging's own error report
+            pass
+        return record
+
+    redacted_record._surgeon_redacts = True  # type: ignore[attr-defined]
+    logging.setLogRecordFactory(redacted_record)
+    format_warning = warnings.formatwarning
+    warnings.formatwarning = lambda *args, **kwargs: redact(format_warning(*args, **kwargs))

@@ -53,6 +53,20 @@ def test_a_mirror_that_echoes_the_authorization_header_in_a_200_answer(source, t
         _assert_no_secret(run.stdout, run.stderr, also=basic.split()[1])
 
 
+def test_what_the_hub_client_logs_is_redacted(source, tmp_path):
+    # huggingface_hub logs each request it retries, with its URL, credentials included
+    basic = "Basic " + base64.b64encode(f"mirror:{ENDPOINT_PASSWORD}".encode()).decode()
+    with HubServer() as hub:
+        hub.add_token(basic, "me", ("org",))
+        hub.add_model("org/tiny", source)
+        hub.fail("HEAD", r"/resolve/", status=503, times=2)
+        host = hub.url.removeprefix("http://")
+        run = Surgeon(tmp_path, f"http://mirror:{ENDPOINT_PASSWORD}@{host}")("inspect", "org/tiny")
+    assert f"HTTP Error 503 thrown while requesting HEAD http://***@{host}/org/tiny/resolve/" in run.stderr, run.stderr
+    assert "attention blocks" in run.stdout.lower()
+    _assert_no_secret(run.stdout, run.stderr, also=basic.split()[1])
+
+
 def test_credentials_in_the_endpoint_and_proxy_urls(tmp_path):
     closed = closed_port_url().removeprefix("http://")
     surgeon = Surgeon(tmp_path, f"http://mirror:{ENDPOINT_PASSWORD}@hub.invalid")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import math
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -61,6 +62,13 @@ QUANTIZED = {
     "QAttention",
     "QGemm",
 }
+# Between a projection and its core, or a Q·Kᵀ product and its Softmax, exporters put a handful of ops
+# (reshapes, scale, mask, rotary, norms, casts). Each walk from a core goes at most WALK_DEPTH ops deep
+# and looks at most at WALK_STEPS node inputs or consumers, so a graph with N cores costs O(N) however
+# it is wired (a chain of thousands of Softmax nodes, each of which could otherwise walk the whole chain).
+WALK_DEPTH = 32
+WALK_STEPS = 2048
+SMALL_VALUES = 4096  # constants read for their values (shapes, axes, split sizes): at most this many
 # Ops a source tensor passes through unchanged in content (for self/cross: do Q and K read the same input?)
 SAME_DATA = {"Reshape", "Flatten", "Cast", "Identity", "Squeeze", "Unsqueeze"}
 
@@ -167,12 +175,7 @@ class Graph:
             n = self.producer[tensor]
             node = self.nodes[n]
             if node.op_type == "Constant" and node.attribute:
-                a = node.attribute[0]
-                out = (
-                    onnx.numpy_helper.to_array(a.t)
-                    if a.name == "value"
-                    else np.array(onnx.helper.get_attribute_value(a))
-                )
+                out = _constant_value(self.describe(n), node.attribute[0])
             elif node.op_type in ("Shape", "Gather") and node.domain in ("", "ai.onnx"):
                 out = self._static_shape_entries(n)
             if out is None and node.op_type in _FOLD and node.domain in ("", "ai.onnx") and len(node.output) == 1:
@@ -313,6 +316,39 @@ class Graph:
         return None
 
 
+def _constant_value(where: str, a: onnx.AttributeProto) -> np.ndarray | None:
+    """A small Constant's value; None for a large one or one with external data (never read from a
+    file here); a tensor whose data does not fill its shape (dims like 2**32) is a corrupt model."""
+    if a.name != "value":
+        value = onnx.helper.get_attribute_value(a)
+        return np.array(value) if isinstance(value, (int, float, list)) and len(np.atleast_1d(value)) <= SMALL_VALUES else None
+    if a.t.data_location == onnx.TensorProto.EXTERNAL or a.t.data_type == onnx.TensorProto.STRING:
+        return None
+    size = math.prod(a.t.dims)
+    if size > SMALL_VALUES:
+        if a.t.data_type not in _INTS or _held(a.t) == size:
+            return None
+    else:
+        try:
+            return onnx.numpy_helper.to_array(a.t)
+        except ValueError:
+            pass
+    from ...errors import CheckpointError
+
+    raise CheckpointError(f"{where} holds a tensor of shape {list(a.t.dims)} whose data does not fill it: the model is corrupt; "
+                          "re-export or re-download it")
+
+
+_INTS: dict[int, int] = {onnx.TensorProto.INT64: 8, onnx.TensorProto.INT32: 4}
+
+
+def _held(t: onnx.TensorProto) -> int:
+    """How many values an INT64/INT32 tensor holds, from its raw bytes or its repeated field."""
+    if t.HasField("raw_data"):
+        return len(t.raw_data) // _INTS[t.data_type]
+    return len(t.int64_data) if t.data_type == onnx.TensorProto.INT64 else len(t.int32_data)
+
+
 def _subgraph_inputs(node: onnx.NodeProto) -> list[str]:
     """Outer-scope tensors read inside If/Loop/Scan bodies (they are users too)."""
     names: list[str] = []
@@ -336,7 +372,7 @@ def _infer_ranks(model: onnx.ModelProto, dims: dict[str, list[int | None]] | Non
     g = model.graph
     stubs = []
     for t in g.initializer:
-        if t.data_location != onnx.TensorProto.EXTERNAL and int(np.prod(t.dims)) <= 64:
+        if t.data_location != onnx.TensorProto.EXTERNAL and math.prod(t.dims) <= 64:
             stubs.append(t)  # small constants (shapes, axes) keep their values
         else:
             stubs.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
