@@ -59,10 +59,10 @@ def test_what_the_hub_client_logs_is_redacted(source, tmp_path):
     with HubServer() as hub:
         hub.add_token(basic, "me", ("org",))
         hub.add_model("org/tiny", source)
-        hub.fail("HEAD", r"/resolve/", status=503, times=2)
+        hub.fail("GET", r"/resolve/", status=429, times=1)  # the client retries a download after a 429
         host = hub.url.removeprefix("http://")
         run = Surgeon(tmp_path, f"http://mirror:{ENDPOINT_PASSWORD}@{host}")("inspect", "org/tiny")
-    assert f"HTTP Error 503 thrown while requesting HEAD http://***@{host}/org/tiny/resolve/" in run.stderr, run.stderr
+    assert f"HTTP Error 429 thrown while requesting GET http://***@{host}/org/tiny/resolve/" in run.stderr, run.stderr
     assert "attention blocks" in run.stdout.lower()
     _assert_no_secret(run.stdout, run.stderr, also=basic.split()[1])
 

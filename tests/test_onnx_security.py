@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -167,6 +169,46 @@ def test_absurd_shapes_are_one_line(cli, tmp_path, edit, match):
     expect_cli_error(cli, tmp_path, "inspect", path, match=match)
     expect_cli_error(cli, tmp_path, "reinit", path, "-o", tmp_path / "out.onnx", match=match)
     expect_cli_error(cli, tmp_path, "reinit", path, "--in-place", match=match)
+
+
+def _shape_from_a_long_computation(model: onnx.ModelProto) -> None:
+    """The head split's shape computed by 3,000 Adds of zero: folding it must not recurse 3,000 deep."""
+    next(t for t in model.graph.initializer if t.name == "shape4").name = "shape4_base"
+    model.graph.initializer.append(numpy_helper.from_array(np.zeros(4, np.int64), "zero"))
+    names = ["shape4_base"] + [f"shape4_{i}" for i in range(2999)] + ["shape4"]
+    for i in range(3000):
+        model.graph.node.insert(i, helper.make_node("Add", [names[i], "zero"], [names[i + 1]], name=f"add_{i}"))
+
+
+def _identity_loops(model: onnx.ModelProto) -> None:
+    """A query bias and a key weight that are Identity loops (a -> b -> a): no producer ends them."""
+    for node in model.graph.node:
+        if node.name == "/layers.0/attn/q_proj/Add":
+            node.input[0] = "loop_a"
+        if node.name == "/layers.0/attn/k_proj/MatMul":
+            node.input[1] = "loop_c"
+    for src, dst in (("loop_b", "loop_a"), ("loop_a", "loop_b"), ("loop_d", "loop_c"), ("loop_c", "loop_d")):
+        model.graph.node.insert(0, helper.make_node("Identity", [src], [dst], name=f"{src}_to_{dst}"))
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (_shape_from_a_long_computation, "cannot tell the heads of layers.0.attn (Softmax /layers.0/attn/Softmax): no Reshape splits its 8 query features"),
+        (_identity_loops, "K reaches no MatMul/Gemm with a constant weight (the walk stops at MatMul /layers.0/attn/k_proj/MatMul (two computed operands))"),
+    ],
+)
+def test_graphs_that_loop_or_run_deep_end_in_one_line(tmp_path, edit, match):
+    model = tiny_attention(layers=1)
+    edit(model)
+    folder = tmp_path / "m"
+    folder.mkdir()
+    onnx.save_model(model, str(folder / "model.onnx"))
+    # a fresh process with a time limit: before, one hung and the other ended in a RecursionError
+    proc = subprocess.run([sys.executable, "-m", "surgeon", "inspect", str(folder / "model.onnx")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and proc.stdout == "", proc.stderr
+    assert proc.stderr.startswith("surgeon: error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert match in proc.stderr
 
 
 # --- the walker's work is linear in the graph's size ---------------------------------------------

@@ -17,6 +17,7 @@ The protobuf wire format is walked directly (``wire.scan``) to find where each i
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -289,13 +290,18 @@ class OnnxWeights(WeightSet):
         extra = sum(self._infos[n].nbytes for n in self.copies) + self._infos[name].nbytes
         if self.layout.size + extra >= 2**31 - 2**20:
             return "the copy would take the .onnx past protobuf's 2 GiB"
-        taken = graph_names(self.model.graph) | set(graph.inits) | {c for c, _ in self.copies.values()}
+        made = {c for c, _ in self.copies.values()}
         copy, i = f"{name}.surgeon_copy", 1
-        while copy in taken:
+        while copy in self._names or copy in graph.inits or copy in made:
             i += 1
             copy = f"{name}.surgeon_copy{i}"
         self.copies[name] = (copy, direct)
         return None
+
+    @functools.cached_property
+    def _names(self) -> set[str]:
+        """Every name the graph uses (a copy's name must be none of them)."""
+        return graph_names(self.model.graph)
 
     def _all_zero_bytes(self, name: str) -> bool:
         """Every byte of the initializer is 0 (+0.0; -0.0 is not, as zeroing would change its bytes)."""

@@ -161,13 +161,15 @@ class Graph:
         self._const_memo[tensor] = result
         return result
 
-    def value(self, tensor: str) -> np.ndarray | None:
+    def value(self, tensor: str, depth: int = 0) -> np.ndarray | None:
         """The value of a small constant tensor (shapes, axes, split sizes), or None.
 
         Folds the few integer ops exporters use to compute such constants (the legacy exporter's
         ``unflatten`` computes its Reshape shape from Mod/Add of constants)."""
         if tensor in self._values:
             return self._values[tensor]
+        if depth > WALK_DEPTH:  # computed from further back than any shape an exporter writes
+            return None
         out = None
         if tensor in self.inits:
             out = self.const(tensor)
@@ -177,9 +179,9 @@ class Graph:
             if node.op_type == "Constant" and node.attribute:
                 out = _constant_value(self.describe(n), node.attribute[0])
             elif node.op_type in ("Shape", "Gather") and node.domain in ("", "ai.onnx"):
-                out = self._static_shape_entries(n)
+                out = self._static_shape_entries(n, depth)
             if out is None and node.op_type in _FOLD and node.domain in ("", "ai.onnx") and len(node.output) == 1:
-                args = [self.value(i) for i in node.input if i]
+                args = [self.value(i, depth + 1) for i in node.input if i]
                 if all(a is not None for a in args):
                     try:
                         out = np.asarray(_FOLD[node.op_type](self, n, *args))
@@ -188,7 +190,7 @@ class Graph:
         self._values[tensor] = out
         return out
 
-    def _static_shape_entries(self, n: int) -> np.ndarray | None:
+    def _static_shape_entries(self, n: int, depth: int = 0) -> np.ndarray | None:
         """Shape of a tensor whose static shape is known, or a Gather of such entries from a Shape
         (``x.shape[-1] // 3``: a slice bound computed in the graph); None where any is computed at run time."""
         node = self.nodes[n]
@@ -201,7 +203,7 @@ class Graph:
         start, end = self.attr(shape_node, "start", 0), self.attr(shape_node, "end", None)
         dims = dims[start:end] if end is not None else dims[start:]
         if node.op_type == "Gather":
-            index = self.value(node.input[1]) if len(node.input) > 1 else None
+            index = self.value(node.input[1], depth + 1) if len(node.input) > 1 else None
             if index is None or index.dtype.kind not in "iu":
                 return None
             try:
@@ -272,8 +274,9 @@ class Graph:
         """The initializer a tensor is, through Identity nodes (the legacy exporter's way of sharing
         one initializer between equal parameters), and those nodes; (None, []) if it is not one."""
         via: list[int] = []
-        while (
-            tensor
+        while (  # at most WALK_DEPTH of them: a crafted graph may loop (Identity a -> b -> a)
+            len(via) < WALK_DEPTH
+            and tensor
             and tensor not in self.inits
             and tensor in self.producer
             and self.nodes[self.producer[tensor]].op_type == "Identity"

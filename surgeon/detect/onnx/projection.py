@@ -162,7 +162,7 @@ class ProjectionWalk:
         and one 2-D Transpose (the axes swap); also returns the nodes passed."""
         g = self.g
         via: list[int] = []
-        while tensor not in g.inits and tensor in g.producer:
+        while tensor not in g.inits and tensor in g.producer and len(via) < WALK_DEPTH:  # a crafted graph may loop
             n = g.producer[tensor]
             node = g.nodes[n]
             flips = node.op_type == "Transpose" and g.attr(n, "perm") in (None, [1, 0])

@@ -38,6 +38,7 @@ class Walker(ProjectionWalk):
         qk = self._find_back(g.nodes[n].input[0], SCORE_BACK, lambda m: g.nodes[m].op_type in PRODUCTS)
         if qk is None:
             raise Fail("no Q·Kᵀ product (MatMul of two computed tensors) feeds it" + self._near())
+        self.cut_short = False
         pv = self._probs_times_v(g.nodes[n].output[0])
         if pv is None:
             raise Fail("its output reaches no probabilities·V MatMul" + self._near())
