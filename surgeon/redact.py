@@ -88,6 +88,7 @@ def redact_library_output() -> None:
     """Route what libraries print on their own (logging records, warnings) through :func:`redact` too:
     huggingface_hub logs the URLs it retries, credentials included. For the CLI: it changes this process."""
     import logging
+    import traceback
     import warnings
 
     if getattr(logging.getLogRecordFactory(), "_surgeon_redacts", False):
@@ -98,6 +99,8 @@ def redact_library_output() -> None:
         record = make_record(*args, **kwargs)
         try:
             record.msg, record.args = redact(record.getMessage()), None
+            if record.exc_info and record.exc_info[0] is not None:  # logger.exception: its traceback too
+                record.exc_text = redact("".join(traceback.format_exception(*record.exc_info))).rstrip("\n")
         except Exception:  # noqa: BLE001 - a record that cannot format: leave it to logging's own error report
             pass
         return record

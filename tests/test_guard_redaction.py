@@ -5,6 +5,8 @@ HF_ENDPOINT and proxy URLs)."""
 from __future__ import annotations
 
 import base64
+import subprocess
+import sys
 
 import pytest
 
@@ -139,3 +141,28 @@ def test_redact_the_passwords_of_urls_in_the_environment(monkeypatch):
     basic = base64.b64encode(f"someone:{PROXY_PASSWORD}!".encode()).decode()
     text = redact(f"got {PROXY_PASSWORD}! and {PROXY_PASSWORD}%21, header {basic}, and {ENDPOINT_PASSWORD}")
     assert text == "got *** and ***, header ***, and ***"
+
+
+_LIBRARY_OUTPUT = r"""
+import logging, sys, warnings
+from surgeon.redact import redact_library_output
+redact_library_output()
+logging.basicConfig(stream=sys.stderr)
+log = logging.getLogger("huggingface_hub.some_module")
+secret = sys.argv[1]
+log.warning("GET %s failed", f"http://mirror:{secret}@hub.example/api")
+try:
+    raise RuntimeError(f"Authorization: Bearer hf_{secret}{secret}")
+except RuntimeError:
+    log.exception("request failed")
+warnings.warn(f"retrying http://mirror:{secret}@hub.example")
+"""
+
+
+def test_library_logs_warnings_and_logged_tracebacks_are_redacted():
+    proc = subprocess.run([sys.executable, "-c", _LIBRARY_OUTPUT, ENDPOINT_PASSWORD], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "GET http://***@hub.example/api failed" in proc.stderr
+    assert "RuntimeError: Authorization: Bearer ***" in proc.stderr and "Traceback" in proc.stderr
+    assert "retrying http://***@hub.example" in proc.stderr
+    _assert_no_secret(proc.stderr, proc.stdout)
