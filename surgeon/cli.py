@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 
 import click
@@ -120,14 +121,42 @@ def reinit_options(fn):
     return fn
 
 
+def _debugging(args: list[str]) -> tuple[list[str], bool]:
+    """``args`` without ``--debug`` (accepted anywhere before ``--``), and whether it or SURGEON_DEBUG asks for tracebacks."""
+    end = args.index("--") if "--" in args else len(args)
+    debug = "--debug" in args[:end] or os.environ.get("SURGEON_DEBUG", "") not in ("", "0")
+    return [a for i, a in enumerate(args) if i >= end or a != "--debug"], debug
+
+
+def _internal_error(exc: Exception, debug: bool) -> None:
+    """A bug (an exception no code path expects) is one redacted line too; its traceback only when asked."""
+    import traceback
+
+    from .redact import redact
+
+    if debug:
+        click.echo(redact("".join(traceback.format_exception(exc))).rstrip("\n"), err=True)
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    what = f"{type(exc).__name__}: {lines[0][:300]}" if lines else type(exc).__name__
+    hint = "the traceback is above" if debug else "run with --debug (or SURGEON_DEBUG=1) for the traceback"
+    click.echo(redact(f"surgeon: internal error: {what} (this is a bug: please report it; {hint})"), err=True)
+    sys.exit(1)
+
+
 class OneLineErrors(click.Group):
     """Usage errors (a bad option value, a missing argument, an unknown command) are one line too.
 
     click prints a usage block and a hint around them; surgeon prints ``surgeon: error: ...`` with the
-    command's ``--help`` to look at, and exits 2 as click does.
+    command's ``--help`` to look at, and exits 2 as click does. Anything else that escapes a command
+    (a bug, or a third-party library failing in a way surgeon does not translate) is one line,
+    redacted, with exit code 1; ``--debug`` or SURGEON_DEBUG=1 adds the (redacted) traceback.
     """
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        from .redact import redact_library_output
+
+        redact_library_output()
+        args, debug = _debugging(list(sys.argv[1:] if args is None else args))
         try:
             rv = super().main(args, "surgeon", complete_var, standalone_mode=False, **extra)
         except click.exceptions.NoArgsIsHelpError as exc:  # bare `surgeon`: the help, as before
@@ -141,6 +170,8 @@ class OneLineErrors(click.Group):
             _fail(" ".join(exc.format_message().split()), exc.exit_code)
         except click.Abort:
             _fail("interrupted; nothing was written", 130)
+        except Exception as exc:  # noqa: BLE001 - the one guard: never a traceback, never a secret
+            _internal_error(exc, debug)
         if not standalone_mode:
             return rv
         sys.exit(rv if isinstance(rv, int) else 0)
@@ -148,7 +179,8 @@ class OneLineErrors(click.Group):
 
 @click.group(cls=OneLineErrors, context_settings=CONTEXT)
 @click.version_option(__version__, "-V", "--version", prog_name="surgeon")
-def main() -> None:
+@click.option("--debug", is_flag=True, help="On an internal error, show its traceback (also SURGEON_DEBUG=1). Accepted after the command too.")
+def main(debug: bool) -> None:
     """Re-initialize the attention of transformer checkpoints with conditioned initialization.
 
     Per head: semi-orthogonal query and key, rectangular-identity value, so every condition

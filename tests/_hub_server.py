@@ -93,6 +93,8 @@ class HubServer:
         self.validated_cards: list[str] = []
         self.pushed: list[dict] = []  # one entry per commit received through the API
         self.faults: list[dict] = []
+        # model info field -> the request's Authorization header, in a 200 answer (a careless mirror)
+        self.echo_auth_in: str | None = None
         self.multipart_threshold = multipart_threshold
         self.chunk_size = chunk_size
         self.lock = threading.RLock()
@@ -362,13 +364,16 @@ def model_info(hub: HubServer, repo_id: str, revision: str, req: Seen) -> dict:
     if "README.md" in files:
         m = re.match(r"^---\n(.*?)\n---", files["README.md"].decode(errors="replace"), re.S)
         card = (yaml.safe_load(m.group(1)) or {}) if m else {}
-    return {
+    info = {
         "_id": hashlib.md5(repo_id.encode()).hexdigest()[:24], "id": repo_id, "modelId": repo_id, "author": repo_id.split("/")[0],
         "sha": oid, "private": repo.private, "gated": "auto" if repo.gated else False, "disabled": False,
         "tags": list(card.get("tags") or []), "library_name": card.get("library_name"), "cardData": card or None,
         "siblings": [{"rfilename": p} for p in sorted(files)], "lastModified": "2026-01-01T00:00:00.000Z",
         "createdAt": "2026-01-01T00:00:00.000Z",
     }
+    if hub.echo_auth_in:
+        info[hub.echo_auth_in] = req.auth if str(req.auth).startswith("Basic ") else f"Bearer {req.auth}"
+    return info
 
 
 def _entry(path: str, content: bytes) -> dict:

@@ -17,7 +17,9 @@ The protobuf wire format is walked directly (``wire.scan``) to find where each i
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -29,6 +31,7 @@ from ..errors import CheckpointError, SharedInitializerError, opt
 from . import onnx_wire as wire
 from .base import TensorInfo, UpdatesFn, WeightSet
 from .fileio import copy_file_sparse
+from .onnx_checks import aliased, graph_names, refuse_aliased, refuse_self_location
 
 METADATA_KEY = "surgeon"
 
@@ -93,7 +96,7 @@ class OnnxWeights(WeightSet):
             if t.data_type not in DTYPES:
                 continue  # strings, complex and packed 4-bit types: never projections
             dtype, itemsize = DTYPES[t.data_type]
-            nbytes = int(np.prod(t.dims, dtype=np.int64)) * itemsize if t.dims else itemsize
+            nbytes = math.prod(t.dims) * itemsize  # exact: absurd dims (2**40 x 2**40) never wrap to a small size
             if t.data_location == onnx.TensorProto.EXTERNAL:
                 stored = self._external(t, nbytes)
                 if stored.file not in external:
@@ -115,7 +118,7 @@ class OnnxWeights(WeightSet):
                 continue
             data_field, dstart, dend, one_piece = found
             dtype, itemsize = DTYPES[value.data_type]
-            nbytes = int(np.prod(value.dims, dtype=np.int64)) * itemsize
+            nbytes = math.prod(value.dims) * itemsize
             if data_field != wire.TENSOR_RAW or not one_piece or dend - dstart != nbytes:
                 continue  # only raw bytes are patched in place; others stay unsupported (see the walker's message)
             proto = onnx.TensorProto()
@@ -138,6 +141,8 @@ class OnnxWeights(WeightSet):
         )
         if data_field is None and nbytes == 0:
             raw = True
+        if data_field is None and nbytes:
+            raise CheckpointError(f"{self.path}: initializer {t.name!r} holds no data for shape {list(t.dims)}: the model is corrupt")
         if raw and one_piece and dend - dstart != nbytes:
             raise CheckpointError(
                 f"{self.path}: initializer {t.name!r} holds {dend - dstart} bytes for shape {list(t.dims)}: the model is corrupt"
@@ -164,6 +169,7 @@ class OnnxWeights(WeightSet):
             length = int(info.get("length", nbytes))
         except ValueError:
             raise CheckpointError(f"{self.path}: initializer {t.name!r} has a malformed external data offset or length") from None
+        refuse_self_location(self.path, file, t.name, location)
         if not file.is_file():
             raise CheckpointError(
                 f"missing external data file {location} (initializer {t.name!r} of {self.path.name}): "
@@ -183,7 +189,12 @@ class OnnxWeights(WeightSet):
     def read(self, name: str) -> torch.Tensor:
         info, stored = self._infos[name], self._stored[name]
         if not stored.in_place:  # varint-encoded (e.g. float16 in int32_data): let onnx decode it
-            return _to_torch(onnx.numpy_helper.to_array(self._protos[name]), info)
+            try:
+                array = onnx.numpy_helper.to_array(self._protos[name])
+            except ValueError:  # more or fewer values than its shape holds
+                raise CheckpointError(f"{self.path}: initializer {name!r} does not hold the values of its shape {list(info.shape)}: "
+                                      "the model is corrupt") from None
+            return _to_torch(array, info)
         if stored.length == 0:
             return torch.empty(info.shape, dtype=info.torch_dtype)
         buf = bytearray(stored.length)
@@ -220,6 +231,8 @@ class OnnxWeights(WeightSet):
             if plan.options.zero_bias and proj.bias is not None:
                 allowed.setdefault(proj.bias.tensor, set()).update(users["bias"])
         graph = found.graph
+        refuse_aliased(plan.tensors(), aliased(self.folder, [(n, st.file, st.offset, st.length) for n, st in self._stored.items()
+                                                             if st.file != self.path.name]))
         self.copies = {}
         notes: list[str] = []
         behind = _unchosen_readers(plan, detection)
@@ -277,13 +290,18 @@ class OnnxWeights(WeightSet):
         extra = sum(self._infos[n].nbytes for n in self.copies) + self._infos[name].nbytes
         if self.layout.size + extra >= 2**31 - 2**20:
             return "the copy would take the .onnx past protobuf's 2 GiB"
-        taken = set(graph.inits) | set(graph.producer) | set(graph.consumers) | {c for c, _ in self.copies.values()}
+        made = {c for c, _ in self.copies.values()}
         copy, i = f"{name}.surgeon_copy", 1
-        while copy in taken:
+        while copy in self._names or copy in graph.inits or copy in made:
             i += 1
             copy = f"{name}.surgeon_copy{i}"
         self.copies[name] = (copy, direct)
         return None
+
+    @functools.cached_property
+    def _names(self) -> set[str]:
+        """Every name the graph uses (a copy's name must be none of them)."""
+        return graph_names(self.model.graph)
 
     def _all_zero_bytes(self, name: str) -> bool:
         """Every byte of the initializer is 0 (+0.0; -0.0 is not, as zeroing would change its bytes)."""

@@ -67,7 +67,22 @@ def read_error(exc: Exception, repo_id: str, revision: str | None, offline: bool
         )
     if isinstance(exc, HfHubHTTPError):
         return _http_error(exc, repo_id)
+    if _raised_in_client(exc):  # a 200 answer the client cannot parse (a field holding garbage, or an echoed header)
+        return HubError(
+            f"the Hub at {constants.ENDPOINT} answered for {repo_id}{at} with something huggingface_hub cannot read "
+            f"({type(exc).__name__}: {_scrub(one_line(exc), None)}); check HF_ENDPOINT, or try again later"
+        )
     return exc
+
+
+def _raised_in_client(exc: BaseException) -> bool:
+    """Whether huggingface_hub's own code was running when ``exc`` was raised (not surgeon's)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if str(tb.tb_frame.f_globals.get("__name__", "")).startswith("huggingface_hub."):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def write_error(exc: Exception, repo_id: str, token: str, stage: str) -> Exception:

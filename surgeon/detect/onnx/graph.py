@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import math
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -61,6 +62,13 @@ QUANTIZED = {
     "QAttention",
     "QGemm",
 }
+# Between a projection and its core, or a Q·Kᵀ product and its Softmax, exporters put a handful of ops
+# (reshapes, scale, mask, rotary, norms, casts). Each walk from a core goes at most WALK_DEPTH ops deep
+# and looks at most at WALK_STEPS node inputs or consumers, so a graph with N cores costs O(N) however
+# it is wired (a chain of thousands of Softmax nodes, each of which could otherwise walk the whole chain).
+WALK_DEPTH = 32
+WALK_STEPS = 2048
+SMALL_VALUES = 4096  # constants read for their values (shapes, axes, split sizes): at most this many
 # Ops a source tensor passes through unchanged in content (for self/cross: do Q and K read the same input?)
 SAME_DATA = {"Reshape", "Flatten", "Cast", "Identity", "Squeeze", "Unsqueeze"}
 
@@ -153,13 +161,15 @@ class Graph:
         self._const_memo[tensor] = result
         return result
 
-    def value(self, tensor: str) -> np.ndarray | None:
+    def value(self, tensor: str, depth: int = 0) -> np.ndarray | None:
         """The value of a small constant tensor (shapes, axes, split sizes), or None.
 
         Folds the few integer ops exporters use to compute such constants (the legacy exporter's
         ``unflatten`` computes its Reshape shape from Mod/Add of constants)."""
         if tensor in self._values:
             return self._values[tensor]
+        if depth > WALK_DEPTH:  # computed from further back than any shape an exporter writes
+            return None
         out = None
         if tensor in self.inits:
             out = self.const(tensor)
@@ -167,16 +177,11 @@ class Graph:
             n = self.producer[tensor]
             node = self.nodes[n]
             if node.op_type == "Constant" and node.attribute:
-                a = node.attribute[0]
-                out = (
-                    onnx.numpy_helper.to_array(a.t)
-                    if a.name == "value"
-                    else np.array(onnx.helper.get_attribute_value(a))
-                )
+                out = _constant_value(self.describe(n), node.attribute[0])
             elif node.op_type in ("Shape", "Gather") and node.domain in ("", "ai.onnx"):
-                out = self._static_shape_entries(n)
+                out = self._static_shape_entries(n, depth)
             if out is None and node.op_type in _FOLD and node.domain in ("", "ai.onnx") and len(node.output) == 1:
-                args = [self.value(i) for i in node.input if i]
+                args = [self.value(i, depth + 1) for i in node.input if i]
                 if all(a is not None for a in args):
                     try:
                         out = np.asarray(_FOLD[node.op_type](self, n, *args))
@@ -185,7 +190,7 @@ class Graph:
         self._values[tensor] = out
         return out
 
-    def _static_shape_entries(self, n: int) -> np.ndarray | None:
+    def _static_shape_entries(self, n: int, depth: int = 0) -> np.ndarray | None:
         """Shape of a tensor whose static shape is known, or a Gather of such entries from a Shape
         (``x.shape[-1] // 3``: a slice bound computed in the graph); None where any is computed at run time."""
         node = self.nodes[n]
@@ -198,7 +203,7 @@ class Graph:
         start, end = self.attr(shape_node, "start", 0), self.attr(shape_node, "end", None)
         dims = dims[start:end] if end is not None else dims[start:]
         if node.op_type == "Gather":
-            index = self.value(node.input[1]) if len(node.input) > 1 else None
+            index = self.value(node.input[1], depth + 1) if len(node.input) > 1 else None
             if index is None or index.dtype.kind not in "iu":
                 return None
             try:
@@ -269,8 +274,9 @@ class Graph:
         """The initializer a tensor is, through Identity nodes (the legacy exporter's way of sharing
         one initializer between equal parameters), and those nodes; (None, []) if it is not one."""
         via: list[int] = []
-        while (
-            tensor
+        while (  # at most WALK_DEPTH of them: a crafted graph may loop (Identity a -> b -> a)
+            len(via) < WALK_DEPTH
+            and tensor
             and tensor not in self.inits
             and tensor in self.producer
             and self.nodes[self.producer[tensor]].op_type == "Identity"
@@ -313,6 +319,39 @@ class Graph:
         return None
 
 
+def _constant_value(where: str, a: onnx.AttributeProto) -> np.ndarray | None:
+    """A small Constant's value; None for a large one or one with external data (never read from a
+    file here); a tensor whose data does not fill its shape (dims like 2**32) is a corrupt model."""
+    if a.name != "value":
+        value = onnx.helper.get_attribute_value(a)
+        return np.array(value) if isinstance(value, (int, float, list)) and len(np.atleast_1d(value)) <= SMALL_VALUES else None
+    if a.t.data_location == onnx.TensorProto.EXTERNAL or a.t.data_type == onnx.TensorProto.STRING:
+        return None
+    size = math.prod(a.t.dims)
+    if size > SMALL_VALUES:
+        if a.t.data_type not in _INTS or _held(a.t) == size:
+            return None
+    else:
+        try:
+            return onnx.numpy_helper.to_array(a.t)
+        except ValueError:
+            pass
+    from ...errors import CheckpointError
+
+    raise CheckpointError(f"{where} holds a tensor of shape {list(a.t.dims)} whose data does not fill it: the model is corrupt; "
+                          "re-export or re-download it")
+
+
+_INTS: dict[int, int] = {onnx.TensorProto.INT64: 8, onnx.TensorProto.INT32: 4}
+
+
+def _held(t: onnx.TensorProto) -> int:
+    """How many values an INT64/INT32 tensor holds, from its raw bytes or its repeated field."""
+    if t.HasField("raw_data"):
+        return len(t.raw_data) // _INTS[t.data_type]
+    return len(t.int64_data) if t.data_type == onnx.TensorProto.INT64 else len(t.int32_data)
+
+
 def _subgraph_inputs(node: onnx.NodeProto) -> list[str]:
     """Outer-scope tensors read inside If/Loop/Scan bodies (they are users too)."""
     names: list[str] = []
@@ -336,7 +375,7 @@ def _infer_ranks(model: onnx.ModelProto, dims: dict[str, list[int | None]] | Non
     g = model.graph
     stubs = []
     for t in g.initializer:
-        if t.data_location != onnx.TensorProto.EXTERNAL and int(np.prod(t.dims)) <= 64:
+        if t.data_location != onnx.TensorProto.EXTERNAL and math.prod(t.dims) <= 64:
             stubs.append(t)  # small constants (shapes, axes) keep their values
         else:
             stubs.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import onnx
 
 from ...errors import UnsupportedWeightsError
-from .graph import FLOAT_TYPES, PASS_BACK, QUANTIZED, Fail, Graph, data_inputs, same_data_source
+from .graph import FLOAT_TYPES, PASS_BACK, QUANTIZED, WALK_DEPTH, WALK_STEPS, Fail, Graph, data_inputs, same_data_source
 from .pointwise import is_pointwise_conv, read_channels
 
 
@@ -58,16 +58,21 @@ class ProjectionWalk:
     """Following one operand of a core back to the MatMul/Gemm that projects it (Walker's second half)."""
 
     g: Graph
+    cut_short = False  # a walk stopped at WALK_DEPTH or WALK_STEPS (the graph module says why there are bounds)
+
+    def _near(self) -> str:
+        return f" within {WALK_DEPTH} ops" if self.cut_short else ""
 
     # --- from an operand of the core back to its projection ------------------------------------
     def _projection(self, tensor: str, role: str) -> Proj:
         g = self.g
+        self.cut_short = False
         parent: dict[str, tuple[int, str]] = {}  # tensor -> (node that consumes it on the way, that node's output)
-        seen, queue = {tensor}, deque([tensor])
+        seen, queue, steps = {tensor}, deque([(tensor, 0)]), 0
         found: list[tuple[int, str]] = []  # (projection node, its output tensor)
         dead: list[str] = []
         while queue:
-            t = queue.popleft()
+            t, depth = queue.popleft()
             n = g.producer.get(t)
             if n is None:
                 if t in g.inputs:
@@ -99,15 +104,19 @@ class ProjectionWalk:
             if which is None:
                 dead.append(g.describe(n))
                 continue
+            steps += len(node.input)
+            if depth >= WALK_DEPTH or steps > WALK_STEPS:
+                self.cut_short = True
+                continue
             for i in data_inputs(g, node, which):
                 if i not in seen:
                     seen.add(i)
                     parent[i] = (n, t)
-                    queue.append(i)
+                    queue.append((i, depth + 1))
         projections = list(dict.fromkeys(n for n, _ in found))
         if not projections:
             stops = ", ".join(list(dict.fromkeys(dead))[:3]) or "nothing"
-            raise Fail(f"{role} reaches no MatMul/Gemm with a constant weight (the walk stops at {stops})")
+            raise Fail(f"{role} reaches no MatMul/Gemm with a constant weight{self._near()} (the walk stops at {stops})")
         if len(projections) > 1:
             raise Fail(
                 f"{role} comes from {len(projections)} projections ({', '.join(g.describe(p) for p in projections[:3])})"
@@ -169,7 +178,7 @@ class ProjectionWalk:
         and one 2-D Transpose (the axes swap); also returns the nodes passed."""
         g = self.g
         via: list[int] = []
-        while tensor not in g.inits and tensor in g.producer:
+        while tensor not in g.inits and tensor in g.producer and len(via) < WALK_DEPTH:  # a crafted graph may loop
             n = g.producer[tensor]
             node = g.nodes[n]
             flips = node.op_type == "Transpose" and g.attr(n, "perm") in (None, [1, 0])

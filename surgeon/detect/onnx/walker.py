@@ -6,7 +6,7 @@ from collections import deque
 from collections.abc import Callable
 
 from ...spec import slot_offsets
-from .graph import CORES, MS, PROB_FORWARD, PRODUCTS, SCORE_BACK, Fail, Graph, data_inputs
+from .graph import CORES, MS, PROB_FORWARD, PRODUCTS, SCORE_BACK, WALK_DEPTH, WALK_STEPS, Fail, Graph, data_inputs
 from .projection import Core, Proj, ProjectionWalk
 
 
@@ -34,22 +34,25 @@ class Walker(ProjectionWalk):
     # Softmax(Q·Kᵀ ...)·V
     def _softmax(self, n: int) -> Core:
         g = self.g
+        self.cut_short = False
         qk = self._find_back(g.nodes[n].input[0], SCORE_BACK, lambda m: g.nodes[m].op_type in PRODUCTS)
         if qk is None:
-            raise Fail("no Q·Kᵀ product (MatMul of two computed tensors) feeds it")
+            raise Fail("no Q·Kᵀ product (MatMul of two computed tensors) feeds it" + self._near())
+        self.cut_short = False
         pv = self._probs_times_v(g.nodes[n].output[0])
         if pv is None:
-            raise Fail("its output reaches no probabilities·V MatMul")
+            raise Fail("its output reaches no probabilities·V MatMul" + self._near())
         q_in, k_in = g.nodes[qk].input[0], g.nodes[qk].input[1]
         v_in = g.nodes[pv].input[1]
         return Core(n, "", self._projection(q_in, "Q"), self._projection(k_in, "K"), self._projection(v_in, "V"))
 
     def _find_back(self, tensor: str, ops, stop: Callable[[int], bool]) -> int | None:
-        """Breadth-first from ``tensor`` toward the inputs, through ``ops``, to the first node that is ``stop``."""
+        """Breadth-first from ``tensor`` toward the inputs, through ``ops``, to the first node that is ``stop``
+        (within WALK_DEPTH ops and WALK_STEPS inputs looked at; ``self.cut_short`` says if a bound was hit)."""
         g = self.g
-        seen, queue = {tensor}, deque([tensor])
+        seen, queue, steps = {tensor}, deque([(tensor, 0)]), 0
         while queue:
-            t = queue.popleft()
+            t, depth = queue.popleft()
             n = g.producer.get(t)
             if n is None:
                 continue
@@ -57,18 +60,27 @@ class Walker(ProjectionWalk):
             if stop(n) and all(not g.is_const(i) for i in node.input[:2]):
                 return n
             which = ops.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+            steps += len(node.input)
+            if which is not None and (depth >= WALK_DEPTH or steps > WALK_STEPS):
+                self.cut_short = True
+                continue
             for i in data_inputs(g, node, which):
                 if i not in seen:
                     seen.add(i)
-                    queue.append(i)
+                    queue.append((i, depth + 1))
         return None
 
     def _probs_times_v(self, tensor: str) -> int | None:
         g = self.g
-        seen, queue = {tensor}, deque([tensor])
+        seen, queue, steps = {tensor}, deque([(tensor, 0)]), 0
         while queue:
-            t = queue.popleft()
-            for m in g.consumers.get(t, []):
+            t, depth = queue.popleft()
+            users = g.consumers.get(t, [])
+            steps += len(users)
+            if depth >= WALK_DEPTH or steps > WALK_STEPS:
+                self.cut_short = True
+                continue
+            for m in users:
                 node = g.nodes[m]
                 if (
                     node.op_type in PRODUCTS
@@ -81,7 +93,7 @@ class Walker(ProjectionWalk):
                     for out in node.output:
                         if out and out not in seen:
                             seen.add(out)
-                            queue.append(out)
+                            queue.append((out, depth + 1))
         return None
 
     # com.microsoft Attention: one packed (in, Dq + Dk + Dv) weight, stacked per row as [Q | K | V]
