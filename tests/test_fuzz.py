@@ -150,7 +150,7 @@ def test_onnx_external_data_resolver(cli, tmp_path_factory, location, offset, le
     except SurgeonError:
         return
     for name in weights.tensors:  # what it resolves to is inside the model's folder, links included
-        stored = weights._stored[name]
+        stored = weights.stored[name]
         target = (folder / stored.file).resolve()
         assert folder.resolve() in target.parents or target == (folder / "model.onnx").resolve(), target
         weights.read(name)

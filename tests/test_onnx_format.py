@@ -244,7 +244,7 @@ def test_data_beyond_2_gib(bert, tmp_path):
     weights = open_onnx(out / "model.onnx")
     block = report.blocks[0]
     q = weights.read(block.q.weight.tensor).double()
-    assert weights._stored[block.q.weight.tensor].offset > 1 << 31
+    assert weights.stored[block.q.weight.tensor].offset > 1 << 31
     assert_semi_orthogonal(q.T, block.head_dim, "q")
     assert_value_identity(weights.read(block.v.weight.tensor).T, "v")
     ort_run(out / "model.onnx", bert[1])

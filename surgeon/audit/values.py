@@ -43,7 +43,7 @@ def raw(weights, name: str) -> bytes:
             f.seek(header.data_start + begin)
             return f.read(end - begin)
     if weights.format == "onnx":
-        stored = weights._stored[name]
+        stored = weights.stored[name]
         if stored.in_place:
             with open(weights.folder / stored.file, "rb") as f:
                 f.seek(stored.offset)

@@ -27,11 +27,11 @@ import numpy as np
 import onnx
 import torch
 
-from ..errors import CheckpointError, SharedInitializerError, opt
+from ..errors import CheckpointError
 from . import onnx_wire as wire
 from .base import TensorInfo, UpdatesFn, WeightSet
 from .fileio import copy_file_sparse
-from .onnx_checks import aliased, graph_names, refuse_aliased, refuse_self_location
+from .onnx_checks import graph_names, refuse_self_location
 
 METADATA_KEY = "surgeon"
 
@@ -53,11 +53,6 @@ DTYPES: dict[int, tuple[torch.dtype, int]] = {
     onnx.TensorProto.FLOAT8E4M3FN: (torch.float8_e4m3fn, 1),
     onnx.TensorProto.FLOAT8E5M2: (torch.float8_e5m2, 1),
 }
-# nodes that pass an initializer's values on to others (a copy read through them must reach only the chosen projections)
-_PASS_ON = frozenset(
-    ("Identity", "Transpose", "Cast", "CastLike", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Split", "Slice", "Gather",
-     "Concat", "Expand", "Tile", "DequantizeLinear")
-)
 _FLOATS = frozenset((onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE))
 _SMALL = 4096  # constants the graph walker may read (shapes, axes, split sizes)
 
@@ -86,7 +81,7 @@ class OnnxWeights(WeightSet):
         self.path = path
         self.model = _load(path)
         self.layout = wire.scan(path)
-        self._stored: dict[str, _Stored] = {}
+        self.stored: dict[str, _Stored] = {}
         self._protos: dict[str, onnx.TensorProto] = {}
         # shared initializers the plan changes for some of their readers: name -> (the copy's name,
         # the nodes that read the copy instead); see check_plan
@@ -105,7 +100,7 @@ class OnnxWeights(WeightSet):
                 stored = self._embedded(t, nbytes)
             name = onnx.TensorProto.DataType.Name(t.data_type)
             self._infos[t.name] = TensorInfo(t.name, tuple(int(d) for d in t.dims), name, str(dtype).removeprefix("torch."), stored.file, nbytes)
-            self._stored[t.name] = stored
+            self.stored[t.name] = stored
             self._protos[t.name] = t
         self.files = [path.name] + external
         # 2-D float weights kept in Constant nodes: read and patched in place like embedded initializers
@@ -126,7 +121,7 @@ class OnnxWeights(WeightSet):
             proto.name = name
             self._infos[name] = TensorInfo(name, tuple(int(d) for d in value.dims), onnx.TensorProto.DataType.Name(value.data_type),
                                            str(dtype).removeprefix("torch."), path.name, nbytes)
-            self._stored[name] = _Stored(path.name, dstart, nbytes, True)
+            self.stored[name] = _Stored(path.name, dstart, nbytes, True)
             self._protos[name] = proto
             self.constants[name] = proto
 
@@ -187,7 +182,7 @@ class OnnxWeights(WeightSet):
 
     # --- WeightSet ----------------------------------------------------------------------------
     def read(self, name: str) -> torch.Tensor:
-        info, stored = self._infos[name], self._stored[name]
+        info, stored = self._infos[name], self.stored[name]
         if not stored.in_place:  # varint-encoded (e.g. float16 in int32_data): let onnx decode it
             try:
                 array = onnx.numpy_helper.to_array(self._protos[name])
@@ -215,95 +210,20 @@ class OnnxWeights(WeightSet):
         return self.read(name).numpy()
 
     def check_plan(self, plan, detection) -> list[str]:
-        """Refuse to change an initializer that nodes outside the plan read too (``detection.graph``:
-        the graph facts of surgeon.detect.onnx). Zeroing a bias that is all zero bytes already (an
-        untrained model's biases, which exporters merge into one initializer with every other zero
-        vector of that size) leaves it as it is: no change, so no conflict."""
-        found = detection.graph
-        if found is None:
-            return []
-        weights = {c.projection.weight.tensor for c in plan.changes}
-        unchanged: list[str] = []
-        allowed: dict[str, set[int]] = {}
-        for change in plan.changes:
-            proj, users = change.projection, found.users[(change.block.module, change.role)]
-            allowed.setdefault(proj.weight.tensor, set()).update(users["weight"])
-            if plan.options.zero_bias and proj.bias is not None:
-                allowed.setdefault(proj.bias.tensor, set()).update(users["bias"])
-        graph = found.graph
-        refuse_aliased(plan.tensors(), aliased(self.folder, [(n, st.file, st.offset, st.length) for n, st in self._stored.items()
-                                                             if st.file != self.path.name]))
-        self.copies = {}
-        notes: list[str] = []
-        behind = _unchosen_readers(plan, detection)
-        for name in plan.tensors():
-            others = [n for n in graph.consumers.get(name, []) if n not in allowed.get(name, set())]
-            # a node on the way to a chosen projection (an Identity the exporter put there) that feeds another too
-            through = [label for label, nodes in behind.get(name, {}).items() if nodes & allowed.get(name, set())]
-            leak = None if others or through else _passed_on(name, allowed.get(name, set()), graph)
-            if not others and not through and not leak and name not in graph.outputs:
-                continue
-            if name not in weights and self._all_zero_bytes(name):
-                unchanged.append(name)
-                continue
-            what = through + [f"block {found.owners[n][0]} ({found.owners[n][1]})" if n in found.owners else graph.describe(n) for n in others]
-            what = list(dict.fromkeys(what)) + (["a graph output"] if name in graph.outputs else [])
-            if leak:  # read only by the chosen projections' nodes, but one of those passes it on to others
-                raise SharedInitializerError(
-                    f"initializer {name!r} is read through nodes that feed more than the projections chosen ({leak}), "
-                    "so changing it would change those too; leave those projections out"
-                )
-            shown = ", ".join(what[:3]) + (f" and {len(what) - 3} more" if len(what) > 3 else "")
-            why = self._copy(name, allowed.get(name, set()), graph)
-            if why is None:
-                copy = self.copies[name][0]
-                notes.append(f"initializer {name!r} is shared with {shown}: the chosen projections read a new copy of it, {copy!r}, and the others keep the original")
-                continue
-            is_bias = any(c.projection.bias is not None and c.projection.bias.tensor == name for c in plan.changes)
-            fix = f"select them too ({opt('layers')}/{opt('stack')}/{opt('attention')})" + (f", or keep the biases ({opt('bias', 'keep')})" if is_bias else "")
-            raise SharedInitializerError(
-                f"initializer {name!r} is shared: besides the projections chosen, {shown} read{'s' if len(what) == 1 else ''} it, "
-                f"so changing it would change them too, and the chosen ones cannot have a copy of their own ({why}); {fix}, or leave those projections out"
-            )
-        if not unchanged:
-            return notes
-        shown = ", ".join(unchanged[:3]) + (f" and {len(unchanged) - 3} more" if len(unchanged) > 3 else "")
-        return notes + [f"bias initializer{'s' if len(unchanged) > 1 else ''} {shown}, shared with other nodes, "
-                f"{'are' if len(unchanged) > 1 else 'is'} zero already: zeroing the chosen heads' biases leaves {'them' if len(unchanged) > 1 else 'it'} as {'they were' if len(unchanged) > 1 else 'it was'}"]
+        """Refuse to change an initializer that nodes outside the plan read too, unless the chosen
+        projections can have their own copy of it (see surgeon.formats.onnx_sharing). Returns the notes;
+        the copies it decides on are kept as ``self.copies``, which :meth:`save` writes."""
+        from .onnx_sharing import plan_sharing
 
-    def _copy(self, name: str, readers: set[int], graph) -> str | None:
-        """Give the chosen projections' nodes (``readers``) their own copy of initializer ``name``:
-        None when that is exact (recorded in ``self.copies``), else why not. Exact: the nodes that read
-        ``name`` directly are renamed, and whatever passes its value on (Identity, Transpose, Split, ...)
-        feeds only the chosen projections."""
-        direct = [n for n in graph.consumers.get(name, []) if n in readers]
-        if len(self.layout.nodes) != len(graph.nodes):
-            return "its nodes could not be located in the file"
-        if not direct:
-            return "no node of theirs reads it directly"
-        for n in direct:
-            if name not in graph.nodes[n].input:
-                return f"{graph.describe(n)} reads it inside a subgraph"
-        leak = _passed_on(name, readers, graph)
-        if leak:
-            return leak
-        extra = sum(self._infos[n].nbytes for n in self.copies) + self._infos[name].nbytes
-        if self.layout.size + extra >= 2**31 - 2**20:
-            return "the copy would take the .onnx past protobuf's 2 GiB"
-        made = {c for c, _ in self.copies.values()}
-        copy, i = f"{name}.surgeon_copy", 1
-        while copy in self._names or copy in graph.inits or copy in made:
-            i += 1
-            copy = f"{name}.surgeon_copy{i}"
-        self.copies[name] = (copy, direct)
-        return None
+        notes, self.copies = plan_sharing(self, plan, detection)
+        return notes
 
     @functools.cached_property
-    def _names(self) -> set[str]:
+    def names(self) -> set[str]:
         """Every name the graph uses (a copy's name must be none of them)."""
         return graph_names(self.model.graph)
 
-    def _all_zero_bytes(self, name: str) -> bool:
+    def all_zero_bytes(self, name: str) -> bool:
         """Every byte of the initializer is 0 (+0.0; -0.0 is not, as zeroing would change its bytes)."""
         info = self._infos.get(name)
         if info is None or info.torch_dtype is None:
@@ -341,7 +261,7 @@ class OnnxWeights(WeightSet):
             with open(target, "r+b") as out:
                 for name, tensor in changed.items():
                     data = self._bytes(name, tensor)
-                    out.seek(self._stored[name].offset)
+                    out.seek(self.stored[name].offset)
                     out.write(data)
 
     # --- writing the .onnx ----------------------------------------------------------------------
@@ -356,7 +276,7 @@ class OnnxWeights(WeightSet):
             record = {**record, "copies": {name: self.copies[name][0] for name in copies}}
         for name, tensor in changed.items():
             data = self._bytes(name, tensor)
-            stored = self._stored[name]
+            stored = self.stored[name]
             if stored.in_place:
                 edits.append((stored.offset, stored.offset + stored.length, data))
                 continue
@@ -415,7 +335,7 @@ class OnnxWeights(WeightSet):
         """External initializers re-encoded with their data files' new names."""
         edits = []
         for t in self.model.graph.initializer if renamed else ():
-            moved = _relocated(t, renamed)
+            moved = wire.relocated(t, renamed)
             if moved is None:
                 continue
             span = self.layout.tensors.get(t.name)
@@ -438,58 +358,6 @@ def surgeon_records(model: onnx.ModelProto) -> list[dict]:
             value = json.loads(p.value)
             return value if isinstance(value, list) else [value]
     return []
-
-
-def _passed_on(name: str, readers: set[int], graph) -> str | None:
-    """Where a node among ``readers`` that passes initializer ``name`` on (Identity, Transpose,
-    Split, ...) feeds a node outside them or a graph output, so that changing what it reads changes
-    more than the chosen projections; None where it does not."""
-    todo = [n for n in graph.consumers.get(name, []) if n in readers]
-    seen = set(todo)
-    while todo:
-        n = todo.pop()
-        if graph.nodes[n].op_type not in _PASS_ON:
-            continue
-        for out in graph.nodes[n].output:
-            if out in graph.outputs:
-                return f"{graph.describe(n)} passes it on to a graph output"
-            for c in graph.consumers.get(out, []):
-                if c not in readers:
-                    return f"{graph.describe(n)} passes it on to {graph.describe(c)} too"
-                if c not in seen:
-                    seen.add(c)
-                    todo.append(c)
-    return None
-
-
-def _unchosen_readers(plan, detection) -> dict[str, dict[str, set[int]]]:
-    """initializer -> {"block X (role)": the nodes through which that unchosen projection reads it}."""
-    chosen = {(c.block.module, c.role) for c in plan.changes}
-    out: dict[str, dict[str, set[int]]] = {}
-    for block in detection.blocks:
-        for proj in block.projections:
-            users = detection.graph.users.get((block.module, proj.role))
-            if (block.module, proj.role) in chosen or users is None:
-                continue
-            label = f"block {block.label} ({proj.role})"
-            out.setdefault(proj.weight.tensor, {}).setdefault(label, set()).update(users["weight"])
-            if proj.bias is not None:
-                out.setdefault(proj.bias.tensor, {}).setdefault(label, set()).update(users["bias"])
-    return out
-
-
-def _relocated(t: onnx.TensorProto, renamed: dict[str, str]) -> onnx.TensorProto | None:
-    """``t`` with its external data ``location`` renamed, or None where it does not move."""
-    if t.data_location != onnx.TensorProto.EXTERNAL:
-        return None
-    proto = onnx.TensorProto()
-    proto.CopyFrom(t)
-    moved = False
-    for e in proto.external_data:
-        new = renamed.get(str(PurePosixPath(e.value.replace("\\", "/")))) if e.key == "location" else None
-        if new is not None:
-            e.value, moved = new, True
-    return proto if moved else None
 
 
 # --- reading the model ---------------------------------------------------------------------------

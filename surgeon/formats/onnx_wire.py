@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import mmap
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError
 from .fileio import copy_range
+
+if TYPE_CHECKING:
+    import onnx
 
 # Field numbers of onnx.proto that the byte-level scan needs.
 MODEL_GRAPH, MODEL_METADATA = 7, 14
@@ -185,3 +189,19 @@ def field(number: int, payload: bytes) -> bytes:
 def copy(src, out, offset: int, count: int) -> None:
     """Append ``count`` bytes of ``src`` at ``offset`` to ``out``."""
     copy_range(src, out, offset, out.tell(), count)
+
+
+def relocated(t: onnx.TensorProto, renamed: dict[str, str]) -> onnx.TensorProto | None:
+    """``t`` with its external data ``location`` renamed, or None where it does not move."""
+    import onnx
+
+    if t.data_location != onnx.TensorProto.EXTERNAL:
+        return None
+    proto = onnx.TensorProto()
+    proto.CopyFrom(t)
+    moved = False
+    for e in proto.external_data:
+        new = renamed.get(str(PurePosixPath(e.value.replace("\\", "/")))) if e.key == "location" else None
+        if new is not None:
+            e.value, moved = new, True
+    return proto if moved else None
