@@ -97,6 +97,10 @@ class OutputError(SurgeonError):
     """The output cannot be written where asked (exists, is the input, wrong kind of path)."""
 
 
+class DependencyError(SurgeonError):
+    """An installed package lacks an API surgeon uses (a private or fast-moving one, see ``surgeon._compat``)."""
+
+
 class HubError(SurgeonError):
     """The Hugging Face Hub could not serve or accept a request."""
 

@@ -1,0 +1,121 @@
+"""Smoke test of an installed attention-surgeon (run by scripts/wheel_check.sh in a fresh venv).
+
+Run it with the venv's python from a folder outside the source tree: it fails unless ``surgeon`` is
+imported from that venv's site-packages, installed from a wheel (not editable). It builds a tiny BERT
+(safetensors + config.json, from torch alone), then runs the installed commands on it: ``surgeon
+--version``, ``inspect``, ``reinit``, ``verify`` (and verify catching a changed byte), a bad input,
+``python -m surgeon``; and checks the py.typed marker and the wrapped private APIs (surgeon._compat).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from importlib import metadata, resources
+from pathlib import Path
+
+DIST = "attention-surgeon"
+BIN = Path(sys.executable).parent
+
+
+def run(*args: str, expect: int = 0) -> subprocess.CompletedProcess:
+    proc = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if proc.returncode != expect:
+        sys.exit(f"FAIL: {' '.join(args)} exited {proc.returncode}, not {expect}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def check_installed() -> str:
+    import surgeon
+
+    where = Path(surgeon.__file__).resolve().parent
+    site = Path(sysconfig.get_paths()["purelib"]).resolve()
+    assert where.parent == site, f"surgeon imported from {where}, not from {site}"
+    dist = metadata.distribution(DIST)
+    direct = dist.read_text("direct_url.json")
+    assert not (direct and json.loads(direct).get("dir_info", {}).get("editable")), "an editable install"
+    assert dist.version == surgeon.__version__, (dist.version, surgeon.__version__)
+    assert (resources.files("surgeon") / "py.typed").is_file(), "py.typed is missing"
+    assert any(str(f) == "surgeon/py.typed" for f in dist.files or ()), "py.typed is not in the RECORD"
+    assert dist.entry_points.select(group="console_scripts", name="surgeon"), "no surgeon command"
+    from surgeon import _compat
+
+    _compat.check()  # every private torch / huggingface_hub API surgeon uses is there
+    print(f"ok: {DIST} {dist.version} from {where}, py.typed present, private APIs resolve")
+    return dist.version
+
+
+def tiny_bert(folder: Path) -> dict:
+    """A 2-layer BERT's tensors under BERT's names, random, with its config.json."""
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    width, tensors = 32, {}
+    for i in range(2):
+        pre = f"encoder.layer.{i}."
+        for name in ("query", "key", "value"):
+            tensors[f"{pre}attention.self.{name}.weight"] = torch.randn(width, width, generator=g) * 0.05
+            tensors[f"{pre}attention.self.{name}.bias"] = torch.randn(width, generator=g) * 0.01
+        tensors[f"{pre}attention.output.dense.weight"] = torch.randn(width, width, generator=g) * 0.05
+        tensors[f"{pre}intermediate.dense.weight"] = torch.randn(64, width, generator=g) * 0.05
+        tensors[f"{pre}output.dense.weight"] = torch.randn(width, 64, generator=g) * 0.05
+    tensors["embeddings.word_embeddings.weight"] = torch.randn(50, width, generator=g)
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = {"model_type": "bert", "architectures": ["BertModel"], "hidden_size": width, "num_attention_heads": 4,
+              "num_hidden_layers": 2, "intermediate_size": 64, "vocab_size": 50}
+    (folder / "config.json").write_text(json.dumps(config))
+    return tensors
+
+
+def check_commands(work: Path, version: str) -> None:
+    surgeon = str(BIN / "surgeon")
+    for cmd in ([surgeon], [sys.executable, "-m", "surgeon"]):
+        out = run(*cmd, "--version").stdout
+        assert version in out, f"{cmd} --version says {out!r}, not {version}"
+    assert "inspect" in run(sys.executable, "-m", "surgeon", "--help").stdout
+    model, out = work / "tiny", work / "tiny-reinit"
+    before = tiny_bert(model)
+
+    report = json.loads(run(surgeon, "inspect", str(model), "--json").stdout)
+    assert len(report["blocks"]) == 2 and {b["heads"] for b in report["blocks"]} == {4}, report["blocks"]
+    run(surgeon, "reinit", str(model), "--layers", "all", "--seed", "3", "-o", str(out))
+    from safetensors.torch import load_file
+
+    after = load_file(str(out / "model.safetensors"))
+    changed = sorted(n for n in before if not before[n].equal(after[n]))
+    assert len(changed) == 12 and all(".attention.self." in n for n in changed), changed  # q/k/v weights and biases
+    kappas = json.loads(run(surgeon, "inspect", str(out), "--json").stdout)["projections"]
+    worst = max(p["before"]["head_kappa"]["max"] for p in kappas)
+    assert len(kappas) == 6 and worst < 1 + 1e-5, worst
+    verdict = run(surgeon, "verify", str(model), str(out)).stdout
+    assert verdict.startswith("verified:"), verdict
+    print(f"ok: inspect, reinit (12 tensors changed, head kappa <= {worst:.7f}), verify: {verdict.strip()[:80]}...")
+
+    tampered = work / "tampered"
+    shutil.copytree(out, tampered)
+    data = bytearray((tampered / "model.safetensors").read_bytes())
+    data[-1] ^= 1  # the last byte of the last tensor's data
+    (tampered / "model.safetensors").write_bytes(bytes(data))
+    run(surgeon, "verify", str(model), str(tampered), expect=3)
+
+    err = run(surgeon, "inspect", str(work / "missing"), expect=1).stderr
+    assert err.startswith("surgeon: error:") and err.count("\n") == 1 and "Traceback" not in err, err
+    print("ok: verify refuses a changed byte (exit 3); a bad input is one line, exit 1")
+
+
+def main() -> None:
+    version = check_installed()
+    with tempfile.TemporaryDirectory() as tmp:
+        check_commands(Path(tmp), version)
+    print("wheel smoke test passed")
+
+
+if __name__ == "__main__":
+    main()
