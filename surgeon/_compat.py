@@ -58,7 +58,9 @@ def resolve(module: str, attr: str | None, dist: str) -> Any:
         have = installed_version(dist)
         has = f"{dist} {have}" if have else f"{dist} (not installed)"
         tested = TESTED.get(dist)
-        fix = f"; surgeon {__version__} is tested with {dist} {tested}: pip install '{dist}=={tested}'" if tested else ""
+        fix = (
+            f"; surgeon {__version__} is tested with {dist} {tested}: pip install '{dist}=={tested}'" if tested else ""
+        )
         raise DependencyError(f"{has} has no {what} ({type(exc).__name__}){fix}") from None
 
 

@@ -27,7 +27,9 @@ def test_the_tested_versions_are_the_installed_ones_and_the_floors():
     """TESTED (what the error message promises) is what CI installs, and the floors the package declares."""
     for dist, tested in _compat.TESTED.items():
         installed = metadata.version(dist).split("+")[0]
-        assert installed == tested, f"{dist} {installed} is installed: run the suite on it, then update _compat.TESTED and the floor"
+        assert installed == tested, (
+            f"{dist} {installed} is installed: run the suite on it, then update _compat.TESTED and the floor"
+        )
     pyproject = Path(__file__).parent.parent / "pyproject.toml"  # the source tree's, else the installed package's
     if pyproject.is_file():
         tomllib = pytest.importorskip("tomllib")  # Python 3.11+
@@ -51,15 +53,20 @@ def test_a_missing_attribute_names_the_installed_and_the_tested_version():
 
 
 def test_a_missing_module_names_the_tested_version():
-    with pytest.raises(DependencyError, match=r"^huggingface-hub \S+ has no huggingface_hub\._gone \(ModuleNotFoundError\); "
-                       r"surgeon \S+ is tested with huggingface-hub 2\.4\.0: pip install 'huggingface-hub==2\.4\.0'$"):
+    with pytest.raises(
+        DependencyError,
+        match=r"^huggingface-hub \S+ has no huggingface_hub\._gone \(ModuleNotFoundError\); "
+        r"surgeon \S+ is tested with huggingface-hub 2\.4\.0: pip install 'huggingface-hub==2\.4\.0'$",
+    ):
         _compat.resolve("huggingface_hub._gone", None, "huggingface-hub")
     with pytest.raises(AttributeError):
         _compat.NotAnApi  # noqa: B018
 
 
 def test_importing_surgeon_imports_neither_package():
-    code = "import sys, surgeon._compat\nassert not {'torch', 'huggingface_hub'} & set(sys.modules), sorted(sys.modules)"
+    code = (
+        "import sys, surgeon._compat\nassert not {'torch', 'huggingface_hub'} & set(sys.modules), sorted(sys.modules)"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
