@@ -4,7 +4,8 @@ Run it with the venv's python from a folder outside the source tree: it fails un
 imported from that venv's site-packages, installed from a wheel (not editable). It builds a tiny BERT
 (safetensors + config.json, from torch alone), then runs the installed commands on it: ``surgeon
 --version``, ``inspect``, ``reinit``, ``verify`` (and verify catching a changed byte), a bad input,
-``python -m surgeon``; and checks the py.typed marker and the wrapped private APIs (surgeon._compat).
+``python -m surgeon``, every command's help, ``reinit --in-place``, ``recover``, ``push`` without a
+token; and checks the py.typed marker and the wrapped private APIs (surgeon._compat).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ BIN = Path(sys.executable).parent
 
 
 def run(*args: str, expect: int = 0) -> subprocess.CompletedProcess:
-    proc = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(Path(tempfile.gettempdir()) / "surgeon-smoke-hf"))  # no stored token
+    proc = subprocess.run(args, capture_output=True, text=True, env=env)
     if proc.returncode != expect:
         sys.exit(f"FAIL: {' '.join(args)} exited {proc.returncode}, not {expect}\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -106,7 +109,11 @@ def check_commands(work: Path, version: str) -> None:
     for cmd in ([surgeon], [sys.executable, "-m", "surgeon"]):
         out = run(*cmd, "--version").stdout
         assert version in out, f"{cmd} --version says {out!r}, not {version}"
-    assert "inspect" in run(sys.executable, "-m", "surgeon", "--help").stdout
+    listing = run(sys.executable, "-m", "surgeon", "--help").stdout.split("Commands:")[1]
+    commands = [line.split()[0] for line in listing.strip().splitlines()]
+    assert set(commands) >= {"inspect", "reinit", "verify", "push", "recover"}, commands
+    for command in commands:
+        run(surgeon, command, "--help")
     model, out = work / "tiny", work / "tiny-reinit"
     tiny_bert(model)
 
@@ -134,6 +141,15 @@ def check_commands(work: Path, version: str) -> None:
     err = run(surgeon, "inspect", str(work / "missing"), expect=1).stderr
     assert err.startswith("surgeon: error:") and err.count("\n") == 1 and "Traceback" not in err, err
     print("ok: verify refuses a changed byte (exit 3); a bad input is one line, exit 1")
+
+    patched = work / "in-place"
+    shutil.copytree(model, patched)
+    run(surgeon, "reinit", str(patched), "--layers", "all", "--seed", "3", "--in-place")
+    assert read_safetensors(patched / "model.safetensors") == after, "in place differs from the -o output"
+    assert "nothing to recover" in run(surgeon, "recover", str(patched / "model.safetensors")).stdout
+    err = run(surgeon, "push", str(out), "org/tiny", expect=1).stderr  # no token: refused before any upload
+    assert err.startswith("surgeon: error:") and "token" in err and err.count("\n") == 1, err
+    print("ok: reinit --in-place gives the -o output's tensors, recover has nothing to do, push without a token is one line")
 
 
 def main() -> None:
