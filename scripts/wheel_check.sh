@@ -4,7 +4,8 @@
 #  2. a fresh venv with CPU torch, then the wheel (no editable install, no source tree on sys.path):
 #     scripts/wheel_smoke.py runs every command on a tiny model; the [plot] extra must resolve;
 #  3. the floors: a fresh venv with the oldest versions pyproject.toml allows (its `>=` floors, pinned),
-#     the same wheel, the smoke test and the tests that need no test extra, run against the install.
+#     the same wheel, the smoke test, and the tests that need only pytest, hypothesis and safetensors
+#     of the test extra, run against the install.
 # Usage: scripts/wheel_check.sh [--no-floors]   (python -m build must work: `pip install build`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
