@@ -66,7 +66,7 @@ def plot_curves(
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed (pip install 'surgeon[examples]'): no plot"
+        return "matplotlib is not installed (pip install 'attention-surgeon[examples]'): no plot"
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for variant in args.variants:
         runs = [r for r in results if r["variant"] == variant]

@@ -152,7 +152,7 @@ def plot_runs(results: list[dict], args) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed (pip install 'surgeon[examples]'): no plot"
+        return "matplotlib is not installed (pip install 'attention-surgeon[examples]'): no plot"
     colors = {"default": "tab:gray", "redraw": "tab:orange", "conditioned": "tab:blue", "conditioned-matched": "tab:green", "mimetic": "tab:red"}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for r in results:

@@ -119,7 +119,7 @@ def plot_runs(results: list[dict], args) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed (pip install 'surgeon[examples]'): no plot"
+        return "matplotlib is not installed (pip install 'attention-surgeon[examples]'): no plot"
     colors = {"default": "tab:gray", "redraw": "tab:orange", "conditioned": "tab:blue", "conditioned-matched": "tab:green"}
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in results:

@@ -32,6 +32,7 @@ _EXPORTS = {
     "SelectionError": "errors",
     "SurgeonError": "errors",
     "UnsupportedWeightsError": "errors",
+    "DependencyError": "errors",
     "HubAccessError": "errors",
     "HubAuthError": "errors",
     "HubError": "errors",

@@ -113,7 +113,7 @@ def unwrapped(module: nn.Module) -> Iterator[nn.Module]:
 def is_dtensor(t: torch.Tensor) -> bool:
     if "torch.distributed.tensor" not in sys.modules:
         return False
-    from torch.distributed.tensor import DTensor
+    from ._compat import DTensor
 
     return isinstance(t, DTensor)
 
@@ -124,8 +124,7 @@ def any_sharded(params: Mapping[str, torch.Tensor], names) -> bool:
 
 def _local(param) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
     """The local tensor of a DTensor, its shape and its offset in the global tensor."""
-    from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from ._compat import Partial, Replicate, Shard, compute_local_shape_and_global_offset
 
     for p in param.placements:
         if not isinstance(p, (Shard, Replicate)) or isinstance(p, Partial):
@@ -151,7 +150,8 @@ def gather_heads(param, rows: Rows, heads=None) -> torch.Tensor:
     if not is_dtensor(param):
         return head_matrices(param.detach(), rows, heads)
     import torch.distributed as dist
-    from torch.distributed.tensor import Shard
+
+    from ._compat import Shard
 
     heads = list(range(len(rows.offsets))) if heads is None else list(heads)
     local, shape, offset = _local(param.detach())

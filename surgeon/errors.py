@@ -86,7 +86,8 @@ class SurgeonError(Exception):
     def __reduce__(self):
         # (class, (message,), fields): pickles across processes (multiprocessing, DDP workers) with every field,
         # whatever the builtin base (OSError's own reduce would pass errno-style arguments).
-        return (type(self), (self.message,), dict(self.__dict__))
+        # path is named: on an ImportError it is a slot of the builtin, not in __dict__
+        return (type(self), (self.message,), {**self.__dict__, "path": self.path})
 
 
 class CheckpointError(SurgeonError, ValueError):
@@ -119,6 +120,10 @@ class OptionError(SurgeonError, ValueError):
 
 class OutputError(SurgeonError, OSError):
     """The output cannot be written where asked (exists, is the input, wrong kind of path)."""
+
+
+class DependencyError(SurgeonError, ImportError):
+    """An installed package lacks an API surgeon uses (a private or fast-moving one, see ``surgeon._compat``)."""
 
 
 class HubError(SurgeonError, OSError):

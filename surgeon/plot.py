@@ -1,6 +1,6 @@
 """``--plot FILE.png``: per layer, the per-head condition numbers of q, k and v (before and after a reinit).
 
-matplotlib is an optional dependency (``pip install 'surgeon[plot]'``), imported only when a plot is
+matplotlib is an optional dependency (``pip install 'attention-surgeon[plot]'``), imported only when a plot is
 asked for, with the non-interactive Agg backend.
 """
 
@@ -39,7 +39,7 @@ def plot_kappas(report, path: str | Path, *, title: str | None = None) -> Path:
         import matplotlib.pyplot as plt
         import matplotlib.ticker
     except ImportError:
-        raise OptionError(f"{opt('plot')} needs matplotlib: pip install 'surgeon[plot]'") from None
+        raise OptionError(f"{opt('plot')} needs matplotlib: pip install 'attention-surgeon[plot]'") from None
     path = Path(path)
     if path.suffix.lower() != ".png":
         raise OptionError(f"{opt('plot')} writes a PNG: give a FILE.png, not {path.name}")

@@ -13,7 +13,7 @@ KINDS = {
     E.LayoutError: ValueError, E.SelectionError: ValueError, E.SharedInitializerError: ValueError,
     E.OptionError: ValueError, E.OutputError: OSError, E.HubError: OSError, E.HubOfflineError: ConnectionError,
     E.HubAccessError: PermissionError, E.HubNotFoundError: FileNotFoundError, E.HubAuthError: PermissionError,
-    E.PushError: OSError, E.VerificationError: ValueError,
+    E.PushError: OSError, E.VerificationError: ValueError, E.DependencyError: ImportError,
 }
 
 

@@ -43,7 +43,7 @@ def require_repo_id(text: str, what: str) -> str:
 @contextmanager
 def hf_progress(enabled: bool) -> Iterator[None]:
     """huggingface_hub's own download/upload bars only when surgeon shows progress (a terminal)."""
-    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
+    from .._compat import are_progress_bars_disabled, disable_progress_bars
 
     if enabled or are_progress_bars_disabled():
         yield

@@ -148,9 +148,10 @@ def download(repo_id: str, *, revision: str | None = None, progress: bool = Fals
 def _cached_files(repo_id: str, resolved) -> tuple[list[str], bool]:
     """Without the Hub: the repo's files from the cached listing (complete, True), or else the files an
     earlier download (surgeon, transformers, ...) left in the cached snapshot folder (False)."""
-    from huggingface_hub import constants, get_cached_repo_tree
-    from huggingface_hub.errors import CachedRepoTreeNotFoundError, LocalEntryNotFoundError
-    from huggingface_hub.file_download import repo_folder_name
+    from huggingface_hub import constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from .._compat import CachedRepoTreeNotFoundError, get_cached_repo_tree, repo_folder_name
 
     try:
         return [f.path for f in get_cached_repo_tree(repo_id, revision=resolved)], True

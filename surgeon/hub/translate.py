@@ -129,7 +129,7 @@ def _http_error(exc, repo_id: str, token: str | None = None) -> HubError:
 
 
 def is_connection_error(exc: Exception) -> bool:
-    import httpx2  # huggingface_hub's HTTP client
+    from .._compat import httpx2  # huggingface_hub's HTTP client
 
     return isinstance(exc, (httpx2.TransportError, ConnectionError)) and not isinstance(exc, httpx2.ProxyError)
 
