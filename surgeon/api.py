@@ -13,7 +13,7 @@ from ._version import __version__
 from .detect import Detection, detect_source
 from .detect.config import HintInput, Hints
 from .errors import CheckpointError, HubError, OptionError, opt
-from .journal import check_in_place, hold
+from .journal import check_in_place, hold, refuse_second_copies
 from .modes import get_mode
 from .output import companion_files, copy_extras, output_kind, resolve_output, staged, tree_size
 from .plan import Plan, ReinitOptions, prepare
@@ -163,8 +163,10 @@ def reinit_checkpoint(
     start = time.perf_counter()
     source = load(model, config=config, revision=revision, progress=progress, recover=in_place and not dry_run)
     _check_push_output(push, source)
-    if in_place and source.format == "safetensors":
-        check_in_place(source)  # shared bytes (links), a second copy of the weights: refused before any write
+    if in_place:  # refused before any write: a second copy of the weights left stale; for a byte patch, shared bytes
+        refuse_second_copies(source)
+        if source.format == "safetensors":
+            check_in_place(source)
     hints = Hints(num_heads, num_kv_heads, head_dim, force_hints)
     detection = detect_source(source, hints)
     plan = prepare(detection.blocks, opts, config=source.config, shapes={n: t.shape for n, t in source.primary.tensors.items()}, fmt=source.format, depths=detection.depths)

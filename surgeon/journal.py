@@ -55,14 +55,19 @@ class HalfPatchedError(OutputError):
 # --- in place ------------------------------------------------------------------------------------
 
 
-def check_in_place(source: Source) -> None:
-    """Refuse ``--in-place`` where the bytes are shared, or where a second copy of the weights would be left stale."""
+def refuse_second_copies(source: Source) -> None:
+    """Refuse ``--in-place`` (any format) where a second copy of the weights would be left stale: a second weight
+    set of the folder (diffusers' fp16 variant, a .bin beside the .safetensors) or another format's file beside."""
     others = ", ".join(w.describe() for w in source.weights[1:]) or _other_copies(source)
     if others:
         raise OutputError(
             f"{source.folder} holds the weights twice ({source.primary.describe()} and {others}); {opt('in_place', True)} "
             f"would patch only the first and leave the other stale: remove the copy you do not use, or write a new folder with {opt('output')}"
         )
+
+
+def check_in_place(source: Source) -> None:
+    """Refuse a byte-range patch where the bytes are shared (symbolic and hard links)."""
     weights = source.primary
     for f in weights.all_files:
         path = weights.folder / f

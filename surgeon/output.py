@@ -64,12 +64,9 @@ def resolve_output(source: Source, output: str | Path | None, *, in_place: bool,
             raise OutputError(f"use either {opt('output')} or {opt('in_place', True)}, not both")
         if source.hub_id is not None:
             raise OutputError(f"{opt('in_place', True)} cannot write into the Hugging Face cache; use {opt('output')} to choose an output folder")
-        if len(source.weights) > 1:  # e.g. diffusers' fp16 variant beside the full weights: both must change
-            others = ", ".join(w.describe() for w in source.weights[1:])
-            raise OutputError(
-                f"{source.folder} holds the weights more than once ({source.primary.describe()}, {others}); "
-                f"{opt('in_place', True)} patches one set: use {opt('output')} to write a copy with every set rewritten"
-            )
+        from .journal import refuse_second_copies
+
+        refuse_second_copies(source)  # e.g. diffusers' fp16 variant beside the full weights: both would have to change
         return source.path if source.kind == "file" else source.folder
     dest = Path(output) if output is not None else default_output(source, folder=folder)
     kind = output_kind(source, dest)
