@@ -36,9 +36,13 @@ def main() -> None:
     def layer(i: int) -> None:
         for role, heads in (("q", args.heads), ("k", args.kv_heads)):
             name = f"model.layers.{i}.self_attn.{role}_proj.weight"
-            new = semi_orthogonal_batch(d, args.hidden, [head_seed(0, name, role, h) for h in range(heads)], device=device)
+            new = semi_orthogonal_batch(
+                d, args.hidden, [head_seed(0, name, role, h) for h in range(heads)], device=device
+            )
             new.to(torch.bfloat16)
-        torch.stack([value_identity(h, d, args.hidden, "block", device=device) for h in range(args.kv_heads)]).to(torch.bfloat16)
+        torch.stack([value_identity(h, d, args.hidden, "block", device=device) for h in range(args.kv_heads)]).to(
+            torch.bfloat16
+        )
         if device.type == "cuda":
             torch.cuda.synchronize()
 

@@ -25,7 +25,9 @@ DEFAULT = "llama,falcon_new,bloom,t5,whisper,swin"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--families", default=DEFAULT, help=f"comma-separated names from tests/_families.py (default {DEFAULT})")
+    parser.add_argument(
+        "--families", default=DEFAULT, help=f"comma-separated names from tests/_families.py (default {DEFAULT})"
+    )
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 

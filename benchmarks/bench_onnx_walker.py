@@ -39,7 +39,10 @@ def _nodes(shape: str, n: int) -> tuple[list[onnx.NodeProto], list[str], list[Te
     if shape == "ladder":
         nodes = [node("MatMul", ["t0", "t0"], ["a0"])]
         for i in range(n):
-            nodes += [node("Add", [f"a{i}", f"a{i}"], [f"a{i + 1}"]), node("Softmax", [f"a{i + 1}"], [f"s{i}"], axis=-1)]
+            nodes += [
+                node("Add", [f"a{i}", f"a{i}"], [f"a{i + 1}"]),
+                node("Softmax", [f"a{i + 1}"], [f"s{i}"], axis=-1),
+            ]
         return nodes, [f"a{n}"] + [f"s{i}" for i in range(n)], inits
     if shape == "forward":
         nodes = [node("MatMul", ["t0", "t0"], ["q"])] + [node("Softmax", ["q"], [f"s{i}"], axis=-1) for i in range(n)]
@@ -60,8 +63,11 @@ def _nodes(shape: str, n: int) -> tuple[list[onnx.NodeProto], list[str], list[Te
 def build(shape: str, n: int) -> onnx.ModelProto:
     nodes, outputs, inits = _nodes(shape, n)
     graph = helper.make_graph(
-        nodes, shape, [helper.make_tensor_value_info("t0", TensorProto.FLOAT, [8, 8])],
-        [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs], inits,
+        nodes,
+        shape,
+        [helper.make_tensor_value_info("t0", TensorProto.FLOAT, [8, 8])],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs],
+        inits,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8

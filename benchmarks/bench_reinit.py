@@ -80,9 +80,16 @@ def build(folder: Path, hidden: int, layers: int, heads: int, kv_heads: int, hea
     sd = {name: (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16) for name, shape in shapes.items()}
     save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
     config = {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden, "intermediate_size": inter,
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-        "num_hidden_layers": layers, "vocab_size": VOCAB, "torch_dtype": "bfloat16",
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "num_hidden_layers": layers,
+        "vocab_size": VOCAB,
+        "torch_dtype": "bfloat16",
     }
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
@@ -108,7 +115,14 @@ def build_onnx(path: Path) -> Path:
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.01)
     ids = torch.ones(1, 16, dtype=torch.long)
-    torch.onnx.export(Wrap(model).eval(), (ids, torch.ones_like(ids)), str(path), input_names=["input_ids", "attention_mask"], dynamo=False, opset_version=18)
+    torch.onnx.export(
+        Wrap(model).eval(),
+        (ids, torch.ones_like(ids)),
+        str(path),
+        input_names=["input_ids", "attention_mask"],
+        dynamo=False,
+        opset_version=18,
+    )
     (path.parent / "config.json").write_text(json.dumps(BertConfig().to_dict()))
     return path
 
@@ -142,9 +156,17 @@ def run_case(case: Case, repeats: int) -> dict:
     t_ours, t_ref = statistics.median(t for t, _ in ours), statistics.median(t for t, _ in theirs)
     spread = (max(t for t, _ in ours) - min(t for t, _ in ours)) / t_ours if t_ours else 0.0
     return {
-        "case": case.key, "what": case.label, "reference": case.reference_label, "surgeon_s": t_ours, "reference_s": t_ref,
-        "ratio": t_ours / t_ref, "spread": spread, "surgeon_rss_mib": max(m for _, m in ours),
-        "reference_rss_mib": max(m for _, m in theirs), "target": case.target, "runs": repeats,
+        "case": case.key,
+        "what": case.label,
+        "reference": case.reference_label,
+        "surgeon_s": t_ours,
+        "reference_s": t_ref,
+        "ratio": t_ours / t_ref,
+        "spread": spread,
+        "surgeon_rss_mib": max(m for _, m in ours),
+        "reference_rss_mib": max(m for _, m in theirs),
+        "target": case.target,
+        "runs": repeats,
     }
 
 
@@ -172,20 +194,53 @@ def main() -> None:
         shutil.copytree(a, in_place)
         out, cp_out = tmp / "out", tmp / "cp-out"
         size = lambda p: sum(f.stat().st_size for f in p.iterdir()) / 1e9  # noqa: E731
-        print(f"A: {size(a):.2f} GB, hidden 2048, {a_layers} layers; B: {size(b):.2f} GB, hidden 4096, {b_layers} layers; "
-              f"B1: {size(b1):.2f} GB; device {args.device}; {repeats} alternating runs each\n")
+        print(
+            f"A: {size(a):.2f} GB, hidden 2048, {a_layers} layers; B: {size(b):.2f} GB, hidden 4096, {b_layers} layers; "
+            f"B1: {size(b1):.2f} GB; device {args.device}; {repeats} alternating runs each\n"
+        )
         cp = lambda src: ["cp", "-r", str(src), str(cp_out)]  # noqa: E731
         clean = [out, cp_out, tmp / "by-hand.safetensors"]
         reinit = lambda src, *extra: surgeon + ["reinit", str(src), "-o", str(out), *extra, *dev]  # noqa: E731
         last = "0-11" if a_layers > 11 else "all"
         cases = [
             Case("a-all", "A reinit --layers all", reinit(a), cp(a), "cp -r", clean, "<= 1.3x"),
-            Case("a-q0", "A reinit --layers 0 --targets q", reinit(a, "--layers", "0", "--targets", "q"), cp(a), "cp -r", clean, "<= 1.1x"),
+            Case(
+                "a-q0",
+                "A reinit --layers 0 --targets q",
+                reinit(a, "--layers", "0", "--targets", "q"),
+                cp(a),
+                "cp -r",
+                clean,
+                "<= 1.1x",
+            ),
             Case("a-0", "A reinit --layers 0", reinit(a, "--layers", "0"), cp(a), "cp -r", clean, "<= 1.1x"),
-            Case("a-inplace", f"A reinit --in-place --layers {last}", surgeon + ["reinit", str(in_place), "--in-place", "--layers", last, *dev], cp(a), "cp -r", clean, "<= 0.2x"),
-            Case("a-dry", "A reinit --dry-run", surgeon + ["reinit", str(a), "--dry-run", "-o", str(out)], cp(a), "cp -r", clean, "< 1.5x"),
+            Case(
+                "a-inplace",
+                f"A reinit --in-place --layers {last}",
+                surgeon + ["reinit", str(in_place), "--in-place", "--layers", last, *dev],
+                cp(a),
+                "cp -r",
+                clean,
+                "<= 0.2x",
+            ),
+            Case(
+                "a-dry",
+                "A reinit --dry-run",
+                surgeon + ["reinit", str(a), "--dry-run", "-o", str(out)],
+                cp(a),
+                "cp -r",
+                clean,
+                "< 1.5x",
+            ),
             Case("a-inspect", "A inspect", surgeon + ["inspect", str(a), *dev], cp(a), "cp -r", clean),
-            Case("a-hand", "A by-hand load/replace/save (q,k)", [sys.executable, "-c", BY_HAND, str(a / "model.safetensors"), str(tmp / "by-hand.safetensors")], cp(a), "cp -r", clean),
+            Case(
+                "a-hand",
+                "A by-hand load/replace/save (q,k)",
+                [sys.executable, "-c", BY_HAND, str(a / "model.safetensors"), str(tmp / "by-hand.safetensors")],
+                cp(a),
+                "cp -r",
+                clean,
+            ),
             Case("b-all", "B reinit --layers all", reinit(b), cp(b), "cp -r", clean, "<= 1.5x"),
             Case("b-0", "B reinit --layers 0", reinit(b, "--layers", "0"), cp(b), "cp -r", clean, "<= 1.1x"),
             Case("b-inspect", "B inspect", surgeon + ["inspect", str(b), *dev], cp(b), "cp -r", clean),
@@ -194,20 +249,44 @@ def main() -> None:
         ]
         if shutil.which("mergekit-yaml"):
             cfg = tmp / "passthrough.yml"
-            cfg.write_text(f"slices:\n  - sources:\n      - model: {a}\n        layer_range: [0, {a_layers}]\nmerge_method: passthrough\ndtype: bfloat16\n")
-            cases.append(Case("a-mergekit", "A mergekit passthrough (a copy)", ["mergekit-yaml", str(cfg), str(out), "--copy-tokenizer", "false"], cp(a), "cp -r", clean))
+            cfg.write_text(
+                f"slices:\n  - sources:\n      - model: {a}\n        layer_range: [0, {a_layers}]\nmerge_method: passthrough\ndtype: bfloat16\n"
+            )
+            cases.append(
+                Case(
+                    "a-mergekit",
+                    "A mergekit passthrough (a copy)",
+                    ["mergekit-yaml", str(cfg), str(out), "--copy-tokenizer", "false"],
+                    cp(a),
+                    "cp -r",
+                    clean,
+                )
+            )
         try:
             import transformers  # noqa: F401
 
             onnx_path = build_onnx(tmp / "onnx" / "model.onnx")
             onnx_out = tmp / "out.onnx"
-            cases.append(Case("onnx-all", "BERT-base ONNX reinit --layers all", surgeon + ["reinit", str(onnx_path), "-o", str(onnx_out), *dev],
-                              [sys.executable, "-c", ONNX_COPY, str(onnx_path), str(onnx_out)], "onnx.load+save", [onnx_out], "<= 1.5x"))
+            cases.append(
+                Case(
+                    "onnx-all",
+                    "BERT-base ONNX reinit --layers all",
+                    surgeon + ["reinit", str(onnx_path), "-o", str(onnx_out), *dev],
+                    [sys.executable, "-c", ONNX_COPY, str(onnx_path), str(onnx_out)],
+                    "onnx.load+save",
+                    [onnx_out],
+                    "<= 1.5x",
+                )
+            )
         except ImportError:
             print("(transformers not installed: no ONNX case)")
         if args.scale and not args.quick:
             a4 = build(tmp / "A4", 2048, 64, 32, 8, 64)
-            cases.append(Case("a4-all", "A4 (4x A) reinit --layers all", reinit(a4), cp(a4), "cp -r", clean, "RSS within 10% of A"))
+            cases.append(
+                Case(
+                    "a4-all", "A4 (4x A) reinit --layers all", reinit(a4), cp(a4), "cp -r", clean, "RSS within 10% of A"
+                )
+            )
         if only:
             cases = [c for c in cases if c.key in only]
 
@@ -217,14 +296,21 @@ def main() -> None:
         for case in cases:
             row = run_case(case, repeats)
             rows.append(row)
-            print(f"{row['case']:<11} {row['what']:<38} {row['surgeon_s']:7.2f}s {row['reference_s']:6.2f}s {row['ratio']:5.2f}x "
-                  f"{row['spread']:5.0%} {row['surgeon_rss_mib']:8.0f} {row['reference_rss_mib']:8.0f}  {row['target']} ({row['reference']})", flush=True)
+            print(
+                f"{row['case']:<11} {row['what']:<38} {row['surgeon_s']:7.2f}s {row['reference_s']:6.2f}s {row['ratio']:5.2f}x "
+                f"{row['spread']:5.0%} {row['surgeon_rss_mib']:8.0f} {row['reference_rss_mib']:8.0f}  {row['target']} ({row['reference']})",
+                flush=True,
+            )
         by = {r["case"]: r for r in rows}
         if "b-inspect" in by and "b1-inspect" in by:
-            per_layer = (by["b-inspect"]["surgeon_s"] - by["b1-inspect"]["surgeon_s"]) / (b_layers - 1) if b_layers > 1 else 0.0
+            per_layer = (
+                (by["b-inspect"]["surgeon_s"] - by["b1-inspect"]["surgeon_s"]) / (b_layers - 1) if b_layers > 1 else 0.0
+            )
             fixed = by["b1-inspect"]["surgeon_s"] - per_layer
-            print(f"\ninspect of a 32-layer 4096-wide model, extrapolated from B and B1 (fixed {fixed:.2f} s + 32 x {per_layer:.2f} s "
-                  f"per layer): {fixed + 32 * per_layer:.1f} s (target < 60 s)")
+            print(
+                f"\ninspect of a 32-layer 4096-wide model, extrapolated from B and B1 (fixed {fixed:.2f} s + 32 x {per_layer:.2f} s "
+                f"per layer): {fixed + 32 * per_layer:.1f} s (target < 60 s)"
+            )
         if args.json:
             args.json.write_text(json.dumps(rows, indent=2))
 

@@ -16,9 +16,16 @@ OUT = Path(__file__).resolve().parent / "out"
 
 def add_options(parser: argparse.ArgumentParser, *, variants: tuple[str, ...], plot_name: str, quick: str) -> None:
     parser.add_argument("--seeds", type=int, default=2, help="runs per start, seeds 0..N-1 (default 2)")
-    parser.add_argument("--variants", default=",".join(variants), help=f"comma-separated subset of {','.join(variants)}")
+    parser.add_argument(
+        "--variants", default=",".join(variants), help=f"comma-separated subset of {','.join(variants)}"
+    )
     parser.add_argument("--out", type=Path, default=OUT / plot_name)
-    parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: torch's choice; 1 is fastest on a busy machine)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="CPU threads for torch (default: torch's choice; 1 is fastest on a busy machine)",
+    )
     parser.add_argument("--quick", action="store_true", help=f"a smoke run: {quick}")
 
 
@@ -48,15 +55,26 @@ def finish(results: list[dict], lines: list[str], args, plot: Callable[[], str],
     print("\n" + "\n".join(lines))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     print(plot())
-    args.out.with_suffix(".json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}))
+    args.out.with_suffix(".json").write_text(
+        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results})
+    )
     print(f"numbers: {args.out.with_suffix('.json')}; total {time.perf_counter() - started:.0f} s")
     return {"results": results, "summary": lines}
 
 
 def plot_curves(
-    results: list[dict], args, *, colors: dict[str, str], train: Callable[[dict], list[float]], window: int,
-    evals: Callable[[dict], list[tuple[int, float]]], left: tuple[str, str], right: tuple[str, str],
-    suptitle: str, right_ylim: tuple[float, float] | None = None, max_top: float | None = None,
+    results: list[dict],
+    args,
+    *,
+    colors: dict[str, str],
+    train: Callable[[dict], list[float]],
+    window: int,
+    evals: Callable[[dict], list[tuple[int, float]]],
+    left: tuple[str, str],
+    right: tuple[str, str],
+    suptitle: str,
+    right_ylim: tuple[float, float] | None = None,
+    max_top: float | None = None,
 ) -> str:
     """Training curves (moving average) on the left, evaluations on the right: thin lines per seed,
     thick lines the mean over seeds. ``left``/``right`` are (title, y label)."""
@@ -80,7 +98,14 @@ def plot_curves(
             ax1.plot(steps, smooth[i], color=colors[variant], alpha=0.25, lw=1)
             ax2.plot(eval_steps, values[i], color=colors[variant], alpha=0.25, lw=1)
         ax1.plot(steps, smooth.mean(0), color=colors[variant], lw=2.2, label=variant)
-        ax2.plot(eval_steps, values.mean(0), color=colors[variant], lw=2.2, marker=".", label=f"{variant} (mean of {len(runs)})")
+        ax2.plot(
+            eval_steps,
+            values.mean(0),
+            color=colors[variant],
+            lw=2.2,
+            marker=".",
+            label=f"{variant} (mean of {len(runs)})",
+        )
     ax1.set(title=left[0], xlabel="step", ylabel=left[1])
     ax2.set(title=right[0], xlabel="step", ylabel=right[1])
     if right_ylim:

@@ -17,8 +17,12 @@ HERE = Path(__file__).parent
 def main() -> None:
     torch.manual_seed(0)
     config = BertConfig(
-        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=128, max_position_embeddings=64,
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
     )
     model = BertModel(config)
     for name, param in model.named_parameters():  # non-zero biases, as a trained model has

@@ -45,8 +45,16 @@ NAMES = (
     "Mia Omar Lena Ravi Sofia Tom Aisha Ben Chloe Diego Emma Farid Grace Hugo Ines Jonas Kira Liam Maya Noah "
     "Olga Pablo Quinn Rosa Sven Tara Umar Vera Wes Yara Zane Anil Bea Cyrus Dora Elif Femi Gus Hana Ivo"
 ).split()
-RELATIONS = [("taller", "shorter"), ("older", "younger"), ("faster", "slower"), ("stronger", "weaker"),
-             ("richer", "poorer"), ("heavier", "lighter"), ("louder", "quieter"), ("happier", "sadder")]
+RELATIONS = [
+    ("taller", "shorter"),
+    ("older", "younger"),
+    ("faster", "slower"),
+    ("stronger", "weaker"),
+    ("richer", "poorer"),
+    ("heavier", "lighter"),
+    ("louder", "quieter"),
+    ("happier", "sadder"),
+]
 VARIANTS = ("none", "conditioned", "default")
 
 
@@ -133,13 +141,17 @@ def summarize(results: list[dict], args) -> list[str]:
         step90 = next((s for s, acc, _ in r["evals"] if acc >= 0.9), None)
         _, acc, loss = r["evals"][-1]
         best = max(a for _, a, _ in r["evals"])
-        lines.append(f"{r['variant']:<12} {r['seed']:>4} {acc:>9.3f} {loss:>10.3f} {best:>9.3f} {str(step90 or '-'):>18}")
+        lines.append(
+            f"{r['variant']:<12} {r['seed']:>4} {acc:>9.3f} {loss:>10.3f} {best:>9.3f} {str(step90 or '-'):>18}"
+        )
     lines.append("")
     for v in args.variants:
         accs = [r["evals"][-1][1] for r in results if r["variant"] == v]
         losses = [r["evals"][-1][2] for r in results if r["variant"] == v]
-        lines.append(f"{v:<12} mean test accuracy {statistics.mean(accs):.3f} (min {min(accs):.3f}, max {max(accs):.3f}), "
-                     f"mean test loss {statistics.mean(losses):.3f} over {len(accs)} seed(s)")
+        lines.append(
+            f"{v:<12} mean test accuracy {statistics.mean(accs):.3f} (min {min(accs):.3f}, max {max(accs):.3f}), "
+            f"mean test loss {statistics.mean(losses):.3f} over {len(accs)} seed(s)"
+        )
     return lines
 
 
@@ -153,10 +165,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--train", type=int, default=2000, help="training pairs (default 2000)")
     parser.add_argument("--test", type=int, default=200, help="test pairs, over unseen names (default 200)")
     parser.add_argument("--eval-every", type=int, default=10)
-    parser.add_argument("--forms", type=int, choices=(2, 4), default=2,
-                        help="hypothesis forms: 2 (names kept or swapped; default) or 4 (also the relation flipped: an XOR, "
-                             "not learned in a few hundred steps)")
-    _compare.add_options(parser, variants=VARIANTS, plot_name="prefinetune_minilm.png", quick="4 steps, 1 seed, tiny data")
+    parser.add_argument(
+        "--forms",
+        type=int,
+        choices=(2, 4),
+        default=2,
+        help="hypothesis forms: 2 (names kept or swapped; default) or 4 (also the relation flipped: an XOR, "
+        "not learned in a few hundred steps)",
+    )
+    _compare.add_options(
+        parser, variants=VARIANTS, plot_name="prefinetune_minilm.png", quick="4 steps, 1 seed, tiny data"
+    )
     args = _compare.parse(parser, argv, VARIANTS)
     if args.quick:
         args.steps, args.seeds, args.train, args.test, args.eval_every, args.batch = 4, 1, 64, 32, 2, 8
@@ -170,20 +189,30 @@ def main(argv: list[str] | None = None) -> dict:
     names = NAMES[:]
     rng.shuffle(names)
     data = (make_pairs(names[:28], args.train, rng, args.forms), make_pairs(names[28:], args.test, rng, args.forms))
-    print(f"task: {len(data[0])} training pairs over 28 names, {len(data[1])} test pairs over {len(names) - 28} unseen names; "
-          f"example: {data[0][0]}")
+    print(
+        f"task: {len(data[0])} training pairs over 28 names, {len(data[1])} test pairs over {len(names) - 28} unseen names; "
+        f"example: {data[0][0]}"
+    )
     started = time.perf_counter()
     results = _compare.run_all(
-        args, lambda variant, seed: run(variant, seed, args, data, tokenizer),
+        args,
+        lambda variant, seed: run(variant, seed, args, data, tokenizer),
         lambda r, secs: f"test accuracy {r['evals'][-1][1]:.3f} after {args.steps} steps ({secs:.0f} s; {r['reset']})",
     )
     plot = lambda: _compare.plot_curves(  # noqa: E731
-        results, args, colors={"none": "tab:gray", "conditioned": "tab:blue", "default": "tab:orange"}, window=10,
-        train=lambda r: r["train_loss"], evals=lambda r: [(s, acc) for s, acc, _ in r["evals"]],
-        left=("training loss (moving average)", "cross-entropy"), right=("accuracy on unseen names", "accuracy"),
-        suptitle=f"all-MiniLM-L6-v2, top {args.reset_layers} layers' Q/K/V reset before fine-tuning", right_ylim=(0.4, 1.02),
+        results,
+        args,
+        colors={"none": "tab:gray", "conditioned": "tab:blue", "default": "tab:orange"},
+        window=10,
+        train=lambda r: r["train_loss"],
+        evals=lambda r: [(s, acc) for s, acc, _ in r["evals"]],
+        left=("training loss (moving average)", "cross-entropy"),
+        right=("accuracy on unseen names", "accuracy"),
+        suptitle=f"all-MiniLM-L6-v2, top {args.reset_layers} layers' Q/K/V reset before fine-tuning",
+        right_ylim=(0.4, 1.02),
     )
     return _compare.finish(results, summarize(results, args), args, plot, started)
+
 
 if __name__ == "__main__":
     main()

@@ -62,8 +62,19 @@ def corpus(limit_bytes: int) -> tuple[torch.Tensor, torch.Tensor, int]:
 def build(args):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(vocab_size=256, n_positions=args.context, n_embd=args.width, n_layer=args.layers, n_head=args.heads,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, loss_type="ForCausalLM")
+    cfg = GPT2Config(
+        vocab_size=256,
+        n_positions=args.context,
+        n_embd=args.width,
+        n_layer=args.layers,
+        n_head=args.heads,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        loss_type="ForCausalLM",
+    )
     return GPT2LMHeadModel(cfg)
 
 
@@ -133,14 +144,18 @@ def summarize(results: list[dict], args) -> list[str]:
     lines.append("")
     for v in args.variants:
         finals = [bits(r["evals"][-1][1]) for r in results if r["variant"] == v]
-        lines.append(f"{v:<12} final validation {statistics.mean(finals):.3f} bits/byte (min {min(finals):.3f}, max {max(finals):.3f}) over {len(finals)} seed(s)")
+        lines.append(
+            f"{v:<12} final validation {statistics.mean(finals):.3f} bits/byte (min {min(finals):.3f}, max {max(finals):.3f}) over {len(finals)} seed(s)"
+        )
     if set(VARIANTS) <= set(args.variants):
         base = {r["seed"]: dict(r["evals"]) for r in results if r["variant"] == "default"}
         for r in (r for r in results if r["variant"] == "conditioned"):
             target = base[r["seed"]][args.steps]
             hit = next((s for s, loss in r["evals"] if loss <= target), None)
-            lines.append(f"seed {r['seed']}: conditioned reaches the default's final validation loss "
-                         + (f"at step {hit} of {args.steps}" if hit else "not within the run"))
+            lines.append(
+                f"seed {r['seed']}: conditioned reaches the default's final validation loss "
+                + (f"at step {hit} of {args.steps}" if hit else "not within the run")
+            )
     return lines
 
 
@@ -150,17 +165,24 @@ def run_starts(args, run) -> tuple[list[dict], float]:
 
     logging.set_verbosity_error()
     train, val, files = corpus(args.text_bytes)
-    print(f"text: {len(train):,} training and {len(val):,} validation bytes from the first of {files} stdlib .py files; "
-          f"model: GPT-2, {args.layers} layers, width {args.width}, {args.heads} heads, context {args.context}")
+    print(
+        f"text: {len(train):,} training and {len(val):,} validation bytes from the first of {files} stdlib .py files; "
+        f"model: GPT-2, {args.layers} layers, width {args.width}, {args.heads} heads, context {args.context}"
+    )
     started = time.perf_counter()
     results = _compare.run_all(
-        args, lambda variant, seed: run(variant, seed, args, train, val),
-        lambda r, secs: f"validation {bits(r['evals'][-1][1]):.3f} bits/byte after {args.steps} steps ({secs:.0f} s; {r['init']})",
+        args,
+        lambda variant, seed: run(variant, seed, args, train, val),
+        lambda r, secs: (
+            f"validation {bits(r['evals'][-1][1]):.3f} bits/byte after {args.steps} steps ({secs:.0f} s; {r['init']})"
+        ),
     )
     return results, started
 
 
-def add_model_options(parser, *, steps: int, context: int, width: int, layers: int, val_batches: int, text_bytes: int) -> None:
+def add_model_options(
+    parser, *, steps: int, context: int, width: int, layers: int, val_batches: int, text_bytes: int
+) -> None:
     """The model, data and loop options shared by the GPT examples (their defaults differ)."""
     parser.add_argument("--steps", type=int, default=steps, help=f"training steps per run (default {steps})")
     parser.add_argument("--batch", type=int, default=16)
@@ -172,7 +194,9 @@ def add_model_options(parser, *, steps: int, context: int, width: int, layers: i
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--val-batches", type=int, default=val_batches)
-    parser.add_argument("--text-bytes", type=int, default=text_bytes, help=f"bytes of stdlib source to read (default {text_bytes:,})")
+    parser.add_argument(
+        "--text-bytes", type=int, default=text_bytes, help=f"bytes of stdlib source to read (default {text_bytes:,})"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -185,13 +209,19 @@ def main(argv: list[str] | None = None) -> dict:
         args.eval_every, args.val_batches, args.text_bytes, args.warmup = 3, 2, 200_000, 2
     results, started = run_starts(args, run)
     plot = lambda: _compare.plot_curves(  # noqa: E731
-        results, args, colors={"default": "tab:gray", "conditioned": "tab:blue"}, window=25,
-        train=lambda r: [bits(x) for x in r["train_loss"]], evals=lambda r: [(s, bits(v)) for s, v in r["evals"]],
-        left=("training loss (moving average)", "bits per byte"), right=("validation loss (unseen files)", "bits per byte"),
+        results,
+        args,
+        colors={"default": "tab:gray", "conditioned": "tab:blue"},
+        window=25,
+        train=lambda r: [bits(x) for x in r["train_loss"]],
+        evals=lambda r: [(s, bits(v)) for s, v in r["evals"]],
+        left=("training loss (moving average)", "bits per byte"),
+        right=("validation loss (unseen files)", "bits per byte"),
         suptitle=f"GPT-2 ({args.layers} layers, width {args.width}, {args.heads} heads) on Python stdlib source, byte level",
         max_top=8.2,
     )
     return _compare.finish(results, summarize(results, args), args, plot, started)
+
 
 if __name__ == "__main__":
     main()

@@ -115,23 +115,33 @@ def summarize(results: list[dict], args) -> tuple[list[str], dict]:
                 reach.append(hit)
         kj = [statistics.mean(k for _, _, k in r["evals"]) for r in runs]
         table[v] = {"final_bits": finals, "steps_to_default_final": reach, "missed": missed, "mean_kappa_j": kj}
-    head = f"{'start':<20} {'final val bits/byte':>26} {'steps to default final':>26} {'mean kappa(J) over training':>34}"
+    head = (
+        f"{'start':<20} {'final val bits/byte':>26} {'steps to default final':>26} {'mean kappa(J) over training':>34}"
+    )
     lines = [f"{len(set(r['seed'] for r in results))} seed(s), {args.steps} steps; mean (min-max) over seeds", head]
     for v, t in table.items():
         reach = spread(t["steps_to_default_final"], ".0f") if t["steps_to_default_final"] else "never"
         if t["missed"] and t["steps_to_default_final"]:
             reach += f", {t['missed']} never"
         lines.append(f"{v:<20} {spread(t['final_bits'], '.4f'):>26} {reach:>26} {spread(t['mean_kappa_j'], '.3g'):>34}")
-    lines.append("steps to default final: first evaluation (every "
-                 f"{args.eval_every} steps) whose validation loss is at or below the default start's final loss, same seed")
+    lines.append(
+        "steps to default final: first evaluation (every "
+        f"{args.eval_every} steps) whose validation loss is at or below the default start's final loss, same seed"
+    )
     return lines, table
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    pretrain_gpt.add_model_options(parser, steps=300, context=64, width=64, layers=2, val_batches=4, text_bytes=2_000_000)
-    parser.add_argument("--probe-tokens", type=int, default=16, help="tokens of the sequence the Jacobian is measured on")
-    _compare.add_options(parser, variants=VARIANTS, plot_name="replicate_small.png", quick="5 steps, 1 seed, a tiny model")
+    pretrain_gpt.add_model_options(
+        parser, steps=300, context=64, width=64, layers=2, val_batches=4, text_bytes=2_000_000
+    )
+    parser.add_argument(
+        "--probe-tokens", type=int, default=16, help="tokens of the sequence the Jacobian is measured on"
+    )
+    _compare.add_options(
+        parser, variants=VARIANTS, plot_name="replicate_small.png", quick="5 steps, 1 seed, a tiny model"
+    )
     parser.set_defaults(seeds=3, variants=",".join(DEFAULT_VARIANTS))
     args = _compare.parse(parser, argv, VARIANTS)
     if args.quick:
@@ -153,7 +163,13 @@ def plot_runs(results: list[dict], args) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed (pip install 'attention-surgeon[examples]'): no plot"
-    colors = {"default": "tab:gray", "redraw": "tab:orange", "conditioned": "tab:blue", "conditioned-matched": "tab:green", "mimetic": "tab:red"}
+    colors = {
+        "default": "tab:gray",
+        "redraw": "tab:orange",
+        "conditioned": "tab:blue",
+        "conditioned-matched": "tab:green",
+        "mimetic": "tab:red",
+    }
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for r in results:
         steps = [s for s, _, _ in r["evals"]]
@@ -165,7 +181,10 @@ def plot_runs(results: list[dict], args) -> str:
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"GPT-2 ({args.layers} layers, width {args.width}, {args.heads} heads), stdlib source; one line per seed", fontsize=10)
+    fig.suptitle(
+        f"GPT-2 ({args.layers} layers, width {args.width}, {args.heads} heads), stdlib source; one line per seed",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
     plt.close(fig)

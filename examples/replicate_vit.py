@@ -56,8 +56,16 @@ def bars(n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor
 def build(args):
     from transformers import ViTConfig, ViTForImageClassification
 
-    cfg = ViTConfig(image_size=SIDE, patch_size=PATCH, num_channels=1, hidden_size=args.width, num_hidden_layers=args.layers,
-                    num_attention_heads=args.heads, intermediate_size=2 * args.width, num_labels=CLASSES)
+    cfg = ViTConfig(
+        image_size=SIDE,
+        patch_size=PATCH,
+        num_channels=1,
+        hidden_size=args.width,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        intermediate_size=2 * args.width,
+        num_labels=CLASSES,
+    )
     return ViTForImageClassification(cfg)
 
 
@@ -69,7 +77,11 @@ def kappa_j(model, image: torch.Tensor) -> float:
 def run(variant: str, seed: int, args, val) -> dict:
     torch.manual_seed(seed)
     model = build(args)
-    how = "ViT default init (truncated normal, std 0.02)" if variant == "default" else replicate_small.reset(model, variant, seed, args)
+    how = (
+        "ViT default init (truncated normal, std 0.02)"
+        if variant == "default"
+        else replicate_small.reset(model, variant, seed, args)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05)
     data = torch.Generator().manual_seed(seed)
     x_val, y_val = val
@@ -79,7 +91,11 @@ def run(variant: str, seed: int, args, val) -> dict:
         with torch.no_grad():
             logits = model(pixel_values=x_val).logits
         model.train()
-        return step, float(torch.nn.functional.cross_entropy(logits, y_val)), float((logits.argmax(-1) == y_val).float().mean())
+        return (
+            step,
+            float(torch.nn.functional.cross_entropy(logits, y_val)),
+            float((logits.argmax(-1) == y_val).float().mean()),
+        )
 
     kj_start = kappa_j(model, x_val[:1])
     model.train()
@@ -99,16 +115,26 @@ def run(variant: str, seed: int, args, val) -> dict:
 def summarize(results: list[dict], args) -> list[str]:
     base = {r["seed"]: r["evals"][-1][1] for r in results if r["variant"] == "default"}
     spread = replicate_small.spread
-    lines = [f"{args.seeds} seed(s), {args.steps} steps of batch {args.batch}; mean (min-max) over seeds",
-             f"{'start':<20} {'final val loss':>22} {'final val accuracy':>22} {'steps to default final':>24} {'kappa(J) start -> end':>28}"]
+    lines = [
+        f"{args.seeds} seed(s), {args.steps} steps of batch {args.batch}; mean (min-max) over seeds",
+        f"{'start':<20} {'final val loss':>22} {'final val accuracy':>22} {'steps to default final':>24} {'kappa(J) start -> end':>28}",
+    ]
     for v in args.variants:
         runs = [r for r in results if r["variant"] == v]
-        reach = [next((s for s, loss, _ in r["evals"][1:] if loss <= base[r["seed"]]), None) for r in runs if r["seed"] in base]
+        reach = [
+            next((s for s, loss, _ in r["evals"][1:] if loss <= base[r["seed"]]), None)
+            for r in runs
+            if r["seed"] in base
+        ]
         hit = [s for s in reach if s is not None]
-        reached = (spread(hit, ".0f") if hit else "never") + (f", {len(reach) - len(hit)} never" if hit and len(hit) < len(reach) else "")
+        reached = (spread(hit, ".0f") if hit else "never") + (
+            f", {len(reach) - len(hit)} never" if hit and len(hit) < len(reach) else ""
+        )
         kj = f"{spread([r['kappa_j'][0] for r in runs], '.3g')} -> {spread([r['kappa_j'][1] for r in runs], '.3g')}"
-        lines.append(f"{v:<20} {spread([r['evals'][-1][1] for r in runs], '.4f'):>22} "
-                     f"{spread([r['evals'][-1][2] for r in runs], '.3f'):>22} {reached:>24} {kj:>28}")
+        lines.append(
+            f"{v:<20} {spread([r['evals'][-1][1] for r in runs], '.4f'):>22} "
+            f"{spread([r['evals'][-1][2] for r in runs], '.3f'):>22} {reached:>24} {kj:>28}"
+        )
     return lines
 
 
@@ -120,12 +146,26 @@ def plot_runs(results: list[dict], args) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed (pip install 'attention-surgeon[examples]'): no plot"
-    colors = {"default": "tab:gray", "redraw": "tab:orange", "conditioned": "tab:blue", "conditioned-matched": "tab:green"}
+    colors = {
+        "default": "tab:gray",
+        "redraw": "tab:orange",
+        "conditioned": "tab:blue",
+        "conditioned-matched": "tab:green",
+    }
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in results:
-        ax.plot([s for s, _, _ in r["evals"]], [v for _, v, _ in r["evals"]], color=colors[r["variant"]], lw=1,
-                label=r["variant"] if r["seed"] == 0 else None)
-    ax.set(title=f"tiny ViT ({args.layers} layers, width {args.width}) on generated bars", xlabel="step", ylabel="validation loss (nats)")
+        ax.plot(
+            [s for s, _, _ in r["evals"]],
+            [v for _, v, _ in r["evals"]],
+            color=colors[r["variant"]],
+            lw=1,
+            label=r["variant"] if r["seed"] == 0 else None,
+        )
+    ax.set(
+        title=f"tiny ViT ({args.layers} layers, width {args.width}) on generated bars",
+        xlabel="step",
+        ylabel="validation loss (nats)",
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -153,12 +193,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     logging.set_verbosity_error()
     val = bars(args.val_size, torch.Generator().manual_seed(12345))
-    print(f"data: generated {SIDE}x{SIDE} bars, {CLASSES} classes, {args.val_size} validation images; model: ViT, "
-          f"{args.layers} layers, width {args.width}, {args.heads} heads, patch {PATCH}")
+    print(
+        f"data: generated {SIDE}x{SIDE} bars, {CLASSES} classes, {args.val_size} validation images; model: ViT, "
+        f"{args.layers} layers, width {args.width}, {args.heads} heads, patch {PATCH}"
+    )
     started = time.perf_counter()
     results = _compare.run_all(
-        args, lambda variant, seed: run(variant, seed, args, val),
-        lambda r, secs: f"validation loss {r['evals'][-1][1]:.4f}, accuracy {r['evals'][-1][2]:.3f} ({secs:.0f} s; {r['init']})",
+        args,
+        lambda variant, seed: run(variant, seed, args, val),
+        lambda r, secs: (
+            f"validation loss {r['evals'][-1][1]:.4f}, accuracy {r['evals'][-1][2]:.3f} ({secs:.0f} s; {r['init']})"
+        ),
     )
     lines = summarize(results, args)
     return _compare.finish(results, lines, args, lambda: plot_runs(results, args), started)

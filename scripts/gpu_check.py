@@ -37,7 +37,7 @@ import surgeon  # noqa: E402
 FAILURES: list[str] = []
 # Largest allowed |cpu - gpu| per stored dtype: the float64 results differ by ~1e-15, so a stored value can
 # differ by one unit in the last place where it sits on a rounding boundary, never more.
-ULP = {torch.float32: 1e-6, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}
+ULP = {torch.float32: 1e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}
 
 
 def check(ok: bool, what: str) -> None:
@@ -57,7 +57,10 @@ def compare(cpu: dict[str, torch.Tensor], gpu: dict[str, torch.Tensor], dtype: t
         worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
         same += int((diff == 0).sum())
         total += diff.numel()
-    check(worst <= ULP[dtype], f"{label}: max |cpu - gpu| = {worst:.2e} (bound {ULP[dtype]:.1e}), {100 * same / total:.4f}% of values identical")
+    check(
+        worst <= ULP[dtype],
+        f"{label}: max |cpu - gpu| = {worst:.2e} (bound {ULP[dtype]:.1e}), {100 * same / total:.4f}% of values identical",
+    )
 
 
 def state(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -79,8 +82,16 @@ class TimmAttention(nn.Module):
 
 
 def tiny_llama(transformers):
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
-                                   num_key_value_heads=2, max_position_embeddings=64, attention_bias=True)
+    cfg = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attention_bias=True,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg).eval()
 
@@ -98,7 +109,10 @@ def in_memory(transformers, cuda: bool) -> None:
             report = surgeon.reinit_(cpu_model, seed=3)
             worst = max(r.after.head_max for r in report.rows)
             if not cuda:
-                check(worst < 1.05, f"{label}, {dtype}, CPU only: {len(report.rows)} projections, max head kappa after {worst:.4f}")
+                check(
+                    worst < 1.05,
+                    f"{label}, {dtype}, CPU only: {len(report.rows)} projections, max head kappa after {worst:.4f}",
+                )
                 continue
             gpu_model = copy.deepcopy(base).to("cuda", dtype)
             gpu_report = surgeon.reinit_(gpu_model, seed=3)
@@ -141,10 +155,13 @@ def checkpoint(transformers, cuda: bool) -> None:
             result = CliRunner().invoke(main, ["reinit", str(src), "-o", str(out), "--device", device, "--seed", "2"])
             if result.exit_code != 0:
                 raise RuntimeError(result.output)
+
         how = "the surgeon CLI"
     except ImportError:
+
         def run(src, out, device):
             surgeon.reinit_checkpoint(src, output=out, device=device, seed=2)
+
         how = "surgeon.api (click is not installed)"
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in (torch.float32, torch.bfloat16):
@@ -163,8 +180,15 @@ def timing(transformers, cuda: bool) -> None:
     if transformers is None or not cuda:
         print("  [skip] needs transformers and CUDA")
         return
-    cfg = transformers.LlamaConfig(vocab_size=1024, hidden_size=4096, intermediate_size=1024, num_hidden_layers=8,
-                                   num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=256)
+    cfg = transformers.LlamaConfig(
+        vocab_size=1024,
+        hidden_size=4096,
+        intermediate_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=256,
+    )
     start = time.perf_counter()
     with torch.device("cuda"):
         torch.manual_seed(0)
@@ -188,20 +212,38 @@ def timing(transformers, cuda: bool) -> None:
     gpu_all, report = timed(model, "all")
     gpu_one, _ = timed(model, "0")
     cpu_one, _ = timed(cpu_model, "0")
-    print(f"  GPU ({torch.cuda.get_device_name()}): all 8 layers {gpu_all:.2f} s, layer 0 {gpu_one:.2f} s; "
-          f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
-    print(f"  CPU ({torch.get_num_threads()} threads): layer 0 {cpu_one:.2f} s -> {cpu_one / gpu_one:.1f}x the GPU time")
-    check(max(r.after.head_max for r in report.rows) < 1.05, f"GPU: every head kappa after <= {max(r.after.head_max for r in report.rows):.4f} (bfloat16 storage)")
-    compare({n: p for n, p in state(cpu_model).items() if ".layers.0." in n},
-            {n: p for n, p in state(model).items() if ".layers.0." in n}, torch.bfloat16, "layer 0, bfloat16")
+    print(
+        f"  GPU ({torch.cuda.get_device_name()}): all 8 layers {gpu_all:.2f} s, layer 0 {gpu_one:.2f} s; "
+        f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+    )
+    print(
+        f"  CPU ({torch.get_num_threads()} threads): layer 0 {cpu_one:.2f} s -> {cpu_one / gpu_one:.1f}x the GPU time"
+    )
+    check(
+        max(r.after.head_max for r in report.rows) < 1.05,
+        f"GPU: every head kappa after <= {max(r.after.head_max for r in report.rows):.4f} (bfloat16 storage)",
+    )
+    compare(
+        {n: p for n, p in state(cpu_model).items() if ".layers.0." in n},
+        {n: p for n, p in state(model).items() if ".layers.0." in n},
+        torch.bfloat16,
+        "layer 0, bfloat16",
+    )
 
 
 def main() -> int:
     cuda = torch.cuda.is_available()
-    print(f"surgeon {surgeon.__version__}, torch {torch.__version__}, "
-          + (f"CUDA {torch.version.cuda} on {torch.cuda.get_device_name()}" if cuda else "no CUDA device: CUDA checks are skipped"))
+    print(
+        f"surgeon {surgeon.__version__}, torch {torch.__version__}, "
+        + (
+            f"CUDA {torch.version.cuda} on {torch.cuda.get_device_name()}"
+            if cuda
+            else "no CUDA device: CUDA checks are skipped"
+        )
+    )
     try:
         import transformers
+
         print(f"transformers {transformers.__version__}")
         transformers.logging.set_verbosity_error()
     except ImportError:

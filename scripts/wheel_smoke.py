@@ -149,7 +149,9 @@ def check_commands(work: Path, version: str) -> None:
     assert "nothing to recover" in run(surgeon, "recover", str(patched / "model.safetensors")).stdout
     err = run(surgeon, "push", str(out), "org/tiny", expect=1).stderr  # no token: refused before any upload
     assert err.startswith("surgeon: error:") and "token" in err and err.count("\n") == 1, err
-    print("ok: reinit --in-place gives the -o output's tensors, recover has nothing to do, push without a token is one line")
+    print(
+        "ok: reinit --in-place gives the -o output's tensors, recover has nothing to do, push without a token is one line"
+    )
 
 
 def main() -> None:

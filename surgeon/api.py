@@ -26,8 +26,14 @@ if TYPE_CHECKING:  # torch is imported when tensors are first touched, so that o
     from .apply import Engine
 
 
-def load(model: str | Path, *, config: str | Path | None = None, revision: str | None = None, progress: bool = False,
-         recover: bool = False) -> Source:
+def load(
+    model: str | Path,
+    *,
+    config: str | Path | None = None,
+    revision: str | None = None,
+    progress: bool = False,
+    recover: bool = False,
+) -> Source:
     """Open a checkpoint: a file, a sharded index, a model folder, or a Hub id ``org/name`` (a local path wins).
 
     A checkpoint an interrupted in-place run left behind is refused (``surgeon recover``), or rolled back
@@ -84,17 +90,30 @@ def inspect_checkpoint(
     source = load(model, config=config, revision=revision, progress=progress)
     detection = detect_source(source, Hints(num_heads, num_kv_heads, head_dim, force_hints))
     weights = source.primary
-    with hold(source, exclusive=False), \
-            _progress(progress, len({p.weight.tensor for b in detection.blocks for p in b.projections}), "inspect") as bar:
+    with (
+        hold(source, exclusive=False),
+        _progress(progress, len({p.weight.tensor for b in detection.blocks for p in b.projections}), "inspect") as bar,
+    ):
         spectra = inspect_blocks(detection.blocks, weights.read, dev, progress=bar.update if bar else None, whole=full)
     rows = [
-        ProjectionRow(block, proj.role, spectra[(block.module, proj.role)], dtype=weights.tensors[proj.weight.tensor].element or "")
+        ProjectionRow(
+            block,
+            proj.role,
+            spectra[(block.module, proj.role)],
+            dtype=weights.tensors[proj.weight.tensor].element or "",
+        )
         for block in detection.blocks
         for proj in block.projections
     ]
     report = Report(
-        "inspect", _label(source), weights.describe(), detection.blocks, rows,
-        seconds=time.perf_counter() - start, device=str(dev), notes=source.notes + detection.notes[:5],
+        "inspect",
+        _label(source),
+        weights.describe(),
+        detection.blocks,
+        rows,
+        seconds=time.perf_counter() - start,
+        device=str(dev),
+        notes=source.notes + detection.notes[:5],
     )
     if verify_layout:
         from .layout_check import check_layout
@@ -169,26 +188,59 @@ def reinit_checkpoint(
             check_in_place(source)
     hints = Hints(num_heads, num_kv_heads, head_dim, force_hints)
     detection = detect_source(source, hints)
-    plan = prepare(detection.blocks, opts, config=source.config, shapes={n: t.shape for n, t in source.primary.tensors.items()}, fmt=source.format, depths=detection.depths)
+    plan = prepare(
+        detection.blocks,
+        opts,
+        config=source.config,
+        shapes={n: t.shape for n, t in source.primary.tensors.items()},
+        fmt=source.format,
+        depths=detection.depths,
+    )
     opts = plan.options  # with the mode's defaults from config (redraw: the family's std)
     dest = resolve_output(source, output, in_place=in_place, overwrite=overwrite or dry_run, folder=push is not None)
     report = Report(
-        "reinit", _label(source), source.describe(), detection.blocks, options=opts.to_dict(),
-        output=str(dest), dry_run=dry_run, device=str(device), notes=source.notes + detection.notes[:5] + plan.notes,
+        "reinit",
+        _label(source),
+        source.describe(),
+        detection.blocks,
+        options=opts.to_dict(),
+        output=str(dest),
+        dry_run=dry_run,
+        device=str(device),
+        notes=source.notes + detection.notes[:5] + plan.notes,
     )
     if dry_run:
         return _plan_report(report, source, plan, dest, overwrite=overwrite, in_place=in_place, push=push)
     with hold(source, exclusive=in_place):  # in place: alone; a copy: never while an in-place run patches it
-        _run_and_write(report, source, detection, plan, dest, device=device, full=full, progress=progress, in_place=in_place,
-                       push=push, command=lambda: _reproduce(model, source, opts, hints, dest))
+        _run_and_write(
+            report,
+            source,
+            detection,
+            plan,
+            dest,
+            device=device,
+            full=full,
+            progress=progress,
+            in_place=in_place,
+            push=push,
+            command=lambda: _reproduce(model, source, opts, hints, dest),
+        )
     report.seconds = time.perf_counter() - start
     if push is not None:
         _push(report, dest, push, source, plan, progress=progress)
     return report
 
 
-def _push_target(repo_id: str | None, private: bool, revision: str | None, create_pr: bool, commit_message: str | None,
-                 token: str | None, *, in_place: bool) -> PushTarget | None:
+def _push_target(
+    repo_id: str | None,
+    private: bool,
+    revision: str | None,
+    create_pr: bool,
+    commit_message: str | None,
+    token: str | None,
+    *,
+    in_place: bool,
+) -> PushTarget | None:
     """The push a reinit asks for, checked before anything is opened; None without ``push_to_hub``."""
     if repo_id is None:
         if private or revision or create_pr or commit_message:
@@ -198,7 +250,9 @@ def _push_target(repo_id: str | None, private: bool, revision: str | None, creat
             )
         return None
     if in_place:
-        raise OptionError(f"{opt('push_to_hub')} pushes a new output folder; it cannot be combined with {opt('in_place', True)}")
+        raise OptionError(
+            f"{opt('push_to_hub')} pushes a new output folder; it cannot be combined with {opt('in_place', True)}"
+        )
     repo_id = hub.check_push(repo_id, revision=revision, create_pr=create_pr, token=token)
     return PushTarget(repo_id, private, revision, create_pr, commit_message, token)
 
@@ -211,8 +265,20 @@ def _check_push_output(push: PushTarget | None, source: Source) -> None:
         )
 
 
-def _run_and_write(report: Report, source: Source, detection: Detection, plan: Plan, dest: Path, *, device, full: bool,
-                   progress: bool, in_place: bool, push: PushTarget | None, command) -> None:
+def _run_and_write(
+    report: Report,
+    source: Source,
+    detection: Detection,
+    plan: Plan,
+    dest: Path,
+    *,
+    device,
+    full: bool,
+    progress: bool,
+    in_place: bool,
+    push: PushTarget | None,
+    command,
+) -> None:
     """Compute the new values and write them (a patch in place, or a copy); fill in the report's rows."""
     for weights in source.weights:
         report.notes += weights.check_plan(plan, detection)
@@ -226,13 +292,16 @@ def _run_and_write(report: Report, source: Source, detection: Detection, plan: P
             kind = "patch"
         else:
             title = push.repo_id if push is not None else dest.name
-            kind = _write_copy(source, plan, run, dest, in_place=in_place, title=title, notes=report.notes, command=command)
+            kind = _write_copy(
+                source, plan, run, dest, in_place=in_place, title=title, notes=report.notes, command=command
+            )
     finally:
         run.close()
     if run.started:
         report.device = str(run.engine.device)
         report.rows = [
-            ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed) for r in run.engine.ordered_results()
+            ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed)
+            for r in run.engine.ordered_results()
         ]
     else:
         report.rows = []
@@ -249,8 +318,14 @@ def _run_and_write(report: Report, source: Source, detection: Detection, plan: P
 def _push(report: Report, dest: Path, push: PushTarget, source: Source, plan: Plan, *, progress: bool) -> None:
     try:
         pushed = hub.push_folder(
-            dest, push.repo_id, private=push.private, revision=push.revision, create_pr=push.create_pr,
-            commit_message=push.commit_message or _commit_message(source, plan), token=push.token, progress=progress,
+            dest,
+            push.repo_id,
+            private=push.private,
+            revision=push.revision,
+            create_pr=push.create_pr,
+            commit_message=push.commit_message or _commit_message(source, plan),
+            token=push.token,
+            progress=progress,
         )
     except HubError as exc:  # the output is on disk: say so, and keep the error's type
         exc.context = f"wrote {dest}, but the push failed: "
@@ -258,14 +333,21 @@ def _push(report: Report, dest: Path, push: PushTarget, source: Source, plan: Pl
     report.notes += pushed.notes + [pushed.summary()]
 
 
-def _plan_report(report: Report, source: Source, plan: Plan, dest: Path, *, overwrite: bool, in_place: bool,
-                 push: PushTarget | None) -> Report:
+def _plan_report(
+    report: Report, source: Source, plan: Plan, dest: Path, *, overwrite: bool, in_place: bool, push: PushTarget | None
+) -> Report:
     """A dry run: the plan as rows, nothing computed or written."""
     if dest.exists() and not overwrite and not in_place:
         report.notes.append(f"{dest} exists: the real run needs {opt('overwrite', True)} or another {opt('output')}")
     report.rows = [
-        ProjectionRow(c.block, c.role, None, heads_changed=c.heads, bias_zeroed=plan.options.zero_bias and c.projection.bias is not None,
-                      dtype=source.primary.tensors[c.projection.weight.tensor].element or "")
+        ProjectionRow(
+            c.block,
+            c.role,
+            None,
+            heads_changed=c.heads,
+            bias_zeroed=plan.options.zero_bias and c.projection.bias is not None,
+            dtype=source.primary.tensors[c.projection.weight.tensor].element or "",
+        )
         for c in plan.changes
     ]
     if push is not None:
@@ -273,7 +355,9 @@ def _plan_report(report: Report, source: Source, plan: Plan, dest: Path, *, over
     return report
 
 
-def _write_copy(source: Source, plan: Plan, run: _Run, dest: Path, *, in_place: bool, command, title: str, notes: list[str]) -> str:
+def _write_copy(
+    source: Source, plan: Plan, run: _Run, dest: Path, *, in_place: bool, command, title: str, notes: list[str]
+) -> str:
     """Write the re-initialized checkpoint into a staging folder, then move it into place.
 
     ``command()`` gives the model card's reproduce command; it is made after the weights, so that
@@ -292,7 +376,9 @@ def _write_copy(source: Source, plan: Plan, run: _Run, dest: Path, *, in_place: 
         if kind == "folder":
             from .card import write_card
 
-            write_card(tmp, source=source, plan=plan, results=run.engine.ordered_results(), command=command(), title=title)
+            write_card(
+                tmp, source=source, plan=plan, results=run.engine.ordered_results(), command=command(), title=title
+            )
     return kind
 
 

@@ -38,7 +38,9 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         raise OptionError(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise OptionError(f"{opt('device', device)}: no CUDA device is available here; use {opt('device', 'cpu')} or auto")
+            raise OptionError(
+                f"{opt('device', device)}: no CUDA device is available here; use {opt('device', 'cpu')} or auto"
+            )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise OptionError(f"{opt('device', device)}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     elif dev.type != "cpu":
@@ -61,8 +63,12 @@ def head_matrices(tensor: torch.Tensor, rows: Rows, heads: Sequence[int] | None 
 def _set_heads(tensor: torch.Tensor, rows: Rows, heads: tuple[int, ...], values: torch.Tensor) -> torch.Tensor:
     """Store ``values`` (len(heads), d, in) into ``heads``; returns them as stored (rounded to the tensor's dtype)."""
     mat = tensor if rows.axis == 0 else tensor.transpose(0, 1)  # a view: writes land in tensor
-    values = values.to(tensor.device, tensor.dtype)  # round first: the reshape below then copies (if at all) 2-4x fewer bytes
-    mat.index_copy_(0, _row_index(rows, heads, tensor.device), values.reshape(-1, *mat.shape[1:]))  # (out, in[, 1, 1]): 1x1 convs
+    values = values.to(
+        tensor.device, tensor.dtype
+    )  # round first: the reshape below then copies (if at all) 2-4x fewer bytes
+    mat.index_copy_(
+        0, _row_index(rows, heads, tensor.device), values.reshape(-1, *mat.shape[1:])
+    )  # (out, in[, 1, 1]): 1x1 convs
     return values
 
 
@@ -70,7 +76,9 @@ def _zero_heads(tensor: torch.Tensor, rows: Rows, heads: tuple[int, ...]) -> Non
     tensor.index_fill_(0, _row_index(rows, heads, tensor.device), 0)
 
 
-def new_heads(change: Change, old: torch.Tensor | None, plan: Plan, *, seed_name: str | None = None, device=None) -> torch.Tensor:
+def new_heads(
+    change: Change, old: torch.Tensor | None, plan: Plan, *, seed_name: str | None = None, device=None
+) -> torch.Tensor:
     """New per-head matrices (float64) for ``change.heads``, given their old values ``(len(heads), d, in)``.
 
     ``old`` is only read by polar mode and ``keep_scale`` (pass None otherwise). Draws are keyed by
@@ -147,7 +155,9 @@ class Engine:
     ``whole``: also the whole-projection kappa and spectral norm (``--full``).
     """
 
-    def __init__(self, plan: Plan, device: torch.device, *, seed_names: Mapping[str, str] | None = None, whole: bool = False) -> None:
+    def __init__(
+        self, plan: Plan, device: torch.device, *, seed_names: Mapping[str, str] | None = None, whole: bool = False
+    ) -> None:
         self.plan = plan
         self.device = device
         self.whole = whole
@@ -191,7 +201,9 @@ class Engine:
 
                     v = proj.weight.tensor
                     key = module_key(change.block, v, self.seed_names.get(v))
-                    store.fill(mimetic_out(change.block, key, self.plan.options, self.plan.outputs[change.block.module][1]))
+                    store.fill(
+                        mimetic_out(change.block, key, self.plan.options, self.plan.outputs[change.block.module][1])
+                    )
                 else:
                     self._update_weight(name, change, store, record)
 
@@ -202,7 +214,9 @@ class Engine:
         current = store.heads(rows) if record else None  # every head: the report's spectra
         old = None
         if needs_old_values(self.plan):
-            old = (current[list(change.heads)] if current is not None else store.heads(rows, change.heads)).to(self.device, torch.float64)
+            old = (current[list(change.heads)] if current is not None else store.heads(rows, change.heads)).to(
+                self.device, torch.float64
+            )
             self.refuse_nonfinite(name, change, old)
         new = new_heads(change, old, self.plan, seed_name=self.seed_names.get(name), device=self.device)
         rounded = store.set_heads(rows, change.heads, new)
@@ -252,7 +266,9 @@ class Engine:
         else:
             after = Spectrum(None, tuple(kappas), None)
         dtype = str(current.dtype).removeprefix("torch.")
-        self.results[key] = ProjectionResult(change.block, change.role, change.heads, dtype, before, after, key in self._zeroed)
+        self.results[key] = ProjectionResult(
+            change.block, change.role, change.heads, dtype, before, after, key in self._zeroed
+        )
 
     def _bias_zeroed(self, change: Change) -> None:
         key = (change.block.module, change.role)
@@ -261,10 +277,21 @@ class Engine:
             self.results[key].bias_zeroed = True
 
     def ordered_results(self) -> list[ProjectionResult]:
-        return [self.results[(c.block.module, c.role)] for c in self.plan.changes if (c.block.module, c.role) in self.results]
+        return [
+            self.results[(c.block.module, c.role)]
+            for c in self.plan.changes
+            if (c.block.module, c.role) in self.results
+        ]
 
 
-def inspect_blocks(blocks: list[AttentionBlock], read: Callable[[str], torch.Tensor], device: torch.device, progress=None, *, whole: bool = False) -> dict[tuple[str, str], Spectrum]:
+def inspect_blocks(
+    blocks: list[AttentionBlock],
+    read: Callable[[str], torch.Tensor],
+    device: torch.device,
+    progress=None,
+    *,
+    whole: bool = False,
+) -> dict[tuple[str, str], Spectrum]:
     """Spectra of every projection of every block, reading each tensor once."""
     by_tensor: dict[str, list[tuple[AttentionBlock, Projection]]] = defaultdict(list)
     for block in blocks:

@@ -27,7 +27,9 @@ def build_architecture(config: dict, *, purpose: str) -> torch.nn.Module:
     try:
         cfg = transformers.AutoConfig.for_model(model_type, **settings)
     except (ValueError, KeyError) as exc:
-        raise OptionError(f"{purpose}: transformers {transformers.__version__} does not know model_type {model_type!r} ({exc})") from None
+        raise OptionError(
+            f"{purpose}: transformers {transformers.__version__} does not know model_type {model_type!r} ({exc})"
+        ) from None
     names = config.get("architectures") or []
     cls = getattr(transformers, names[0], None) if names else None
     if cls is None:
@@ -40,7 +42,9 @@ def build_architecture(config: dict, *, purpose: str) -> torch.nn.Module:
         with torch.device("cpu"):
             model = build()
     except Exception as exc:  # an architecture transformers cannot build from this config
-        raise OptionError(f"{purpose}: cannot build {names[0] if names else model_type} from config.json: {type(exc).__name__}: {str(exc)[:200]}") from None
+        raise OptionError(
+            f"{purpose}: cannot build {names[0] if names else model_type} from config.json: {type(exc).__name__}: {str(exc)[:200]}"
+        ) from None
     return model.float().eval()
 
 

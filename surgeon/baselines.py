@@ -104,21 +104,29 @@ def attach_out_projections(plan, shapes) -> None:
     for block in plan.touched_blocks:
         roles = {c.role: c for c in plan.changes if c.block.module == block.module}
         if set(roles) != {"q", "k", "v"} or any(len(c.heads) != c.projection.heads for c in roles.values()):
-            raise OptionError(f"{opt('mode', 'mimetic')} sets W_Q W_K^T per head and W_V W_O per layer: select all heads and {opt('targets', 'q,k,v')} ({block.module})")
+            raise OptionError(
+                f"{opt('mode', 'mimetic')} sets W_Q W_K^T per head and W_V W_O per layer: select all heads and {opt('targets', 'q,k,v')} ({block.module})"
+            )
         if block.kv_heads != block.heads:
-            raise OptionError(f"{opt('mode', 'mimetic')} needs one key/value head per query head, and {block.module} has {block.heads} query and {block.kv_heads} key/value heads")
+            raise OptionError(
+                f"{opt('mode', 'mimetic')} needs one key/value head per query head, and {block.module} has {block.heads} query and {block.kv_heads} key/value heads"
+            )
         if block.heads * block.head_dim > block.q.in_features:
-            raise OptionError(f"{opt('mode', 'mimetic')}: {block.module} has more head features ({block.heads * block.head_dim}) than its width ({block.q.in_features})")
+            raise OptionError(
+                f"{opt('mode', 'mimetic')}: {block.module} has more head features ({block.heads * block.head_dim}) than its width ({block.q.in_features})"
+            )
         found = find_out_projection(block, shapes)
         if found is None:
-            raise LayoutError(f"{opt('mode', 'mimetic')} writes W_O, and no single output projection of {block.module} was found (looked for {', '.join(OUT_NAMES)} and the BERT-style output.dense)")
+            raise LayoutError(
+                f"{opt('mode', 'mimetic')} writes W_O, and no single output projection of {block.module} was found (looked for {', '.join(OUT_NAMES)} and the BERT-style output.dense)"
+            )
         plan.outputs[block.module] = found
 
 
 def module_key(block, tensor: str, seed_name: str | None) -> str:
     """The name the mimetic draws of ``block`` are keyed by: its module path as the checkpoint spells it."""
     name = seed_name or tensor
-    suffix = tensor[len(block.module):] if tensor.startswith(block.module + ".") else None
+    suffix = tensor[len(block.module) :] if tensor.startswith(block.module + ".") else None
     return name[: -len(suffix)] if suffix and name.endswith(suffix) else block.module
 
 
@@ -128,7 +136,9 @@ def _mimetic_z(seed: int, key: str, tag: str, head: int, width: int):
     from .conditioning import head_seed
 
     bound = math.sqrt(3.0 / width)
-    return np.random.Generator(np.random.SFC64(head_seed(seed, key, tag, head))).uniform(-bound, bound, size=(width, width))
+    return np.random.Generator(np.random.SFC64(head_seed(seed, key, tag, head))).uniform(
+        -bound, bound, size=(width, width)
+    )
 
 
 def mimetic_qk(seed: int, key: str, head: int, width: int, d: int):

@@ -49,7 +49,7 @@ class SourceCard:
             return cls(card.data.to_dict(), card.text)
         except Exception:  # front matter that is not a YAML mapping: keep the text, drop the metadata
             match = _YAML_BLOCK.search(text)
-            return cls({}, text[match.end():] if match else text)
+            return cls({}, text[match.end() :] if match else text)
 
 
 def reproduce_command(model: str, *, revision: str | None, options: dict, hints: Hints, output: str) -> str:
@@ -64,7 +64,9 @@ def reproduce_command(model: str, *, revision: str | None, options: dict, hints:
     q = shlex.quote
 
     def spec(value) -> str:
-        return value if isinstance(value, str) else str(value) if isinstance(value, int) else format_indices(sorted(value))
+        return (
+            value if isinstance(value, str) else str(value) if isinstance(value, int) else format_indices(sorted(value))
+        )
 
     args = ["surgeon", "reinit", q(model)]
     if revision:
@@ -99,7 +101,11 @@ def build_card(*, source: Source, plan: Plan, results: list[ProjectionResult], c
         kept["library_name"] = "transformers"  # a config.json with a model_type is a transformers model
     source_tags = meta.get("tags") or []
     mode, options = get_mode(plan.options.mode), plan.options.to_dict()
-    tags = list(dict.fromkeys([TAG, mode.tag] + [str(t) for t in (source_tags if isinstance(source_tags, list) else [source_tags])]))
+    tags = list(
+        dict.fromkeys(
+            [TAG, mode.tag] + [str(t) for t in (source_tags if isinstance(source_tags, list) else [source_tags])]
+        )
+    )
     data = ModelCardData(base_model=source.hub_id, tags=tags, **kept)
 
     endpoint = constants.ENDPOINT.rstrip("/")
@@ -113,7 +119,11 @@ def build_card(*, source: Source, plan: Plan, results: list[ProjectionResult], c
         f"This is {origin} with the attention query/key/value projections of {len(plan.touched_blocks)} of its "
         f"{len(plan.blocks)} attention block{'s' if len(plan.blocks) != 1 else ''} re-initialized by surgeon {__version__} "
         f"{mode.card_intro(options)}. Every other tensor"
-        + (" (except the output projections W_O of those blocks, rewritten by this mode)" if mode.writes_outputs else "")
+        + (
+            " (except the output projections W_O of those blocks, rewritten by this mode)"
+            if mode.writes_outputs
+            else ""
+        )
         + " is byte for byte the source's.",
         mode.card_caveat(),
         "## What was done",
@@ -138,7 +148,11 @@ def build_card(*, source: Source, plan: Plan, results: list[ProjectionResult], c
         parts += ["## Citation", f"```bibtex\n{mode.citation}\n```"]
     if original and original.body.strip():
         name = f"`{source.hub_id}`" if source.hub_id else "the source model"
-        parts += ["## Source model card", f"The card of {name}, as it came with the source, follows unchanged.", original.body.strip()]
+        parts += [
+            "## Source model card",
+            f"The card of {name}, as it came with the source, follows unchanged.",
+            original.body.strip(),
+        ]
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(parts) + "\n")
     return card
 
@@ -162,7 +176,9 @@ def write_card(folder: Path, **kwargs) -> Path:
 
     path = Path(folder) / "README.md"
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, mode="w", newline="", encoding="utf-8") as f:  # as ModelCard.save, with no token, even one in the source's card
+    with open(
+        path, mode="w", newline="", encoding="utf-8"
+    ) as f:  # as ModelCard.save, with no token, even one in the source's card
         f.write(redact(str(build_card(**kwargs))))
     return path
 
@@ -194,7 +210,11 @@ def _blocks_table(plan: Plan) -> str:
                 cells.append("-")
             else:
                 total = change.projection.heads
-                cells.append(f"all {total} heads" if len(change.heads) == total else f"heads {format_indices(change.heads)} of {total}")
+                cells.append(
+                    f"all {total} heads"
+                    if len(change.heads) == total
+                    else f"heads {format_indices(change.heads)} of {total}"
+                )
         lines.append(f"| `{block.module}` | {block.kind} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -209,7 +229,11 @@ def _plan_notes(plan: Plan) -> list[str]:
 def _kappa_table(results: list[ProjectionResult]) -> str:
     measured = [r for r in results if r.before is not None and r.after is not None]
     whole = any(r.before.kappa is not None for r in measured if r.before is not None)
-    lines = ["| block | proj | " + ("kappa before | kappa after | " if whole else "") + "head kappa before (min/med/max) | head kappa after (min/med/max) |"]
+    lines = [
+        "| block | proj | "
+        + ("kappa before | kappa after | " if whole else "")
+        + "head kappa before (min/med/max) | head kappa after (min/med/max) |"
+    ]
     lines.append("| --- | --- | " + ("---: | ---: | " if whole else "") + "--- | --- |")
     for r in measured:
         assert r.before is not None and r.after is not None

@@ -52,14 +52,17 @@ def handle_errors(fn):
 
 
 full_option = click.option(
-    "--full", is_flag=True,
+    "--full",
+    is_flag=True,
     help="Also the kappa and spectral norm of each whole projection (one D x D eigensolve each: "
-         "~15 s for D = 4096 on a CPU). Per-head kappas are always computed.",
+    "~15 s for D = 4096 on a CPU). Per-head kappas are always computed.",
 )
 
 
 plot_option = click.option(
-    "--plot", type=click.Path(dir_okay=False), metavar="FILE.png",
+    "--plot",
+    type=click.Path(dir_okay=False),
+    metavar="FILE.png",
     help="Also draw, per layer, each head's kappa of q/k/v (before and after, for reinit) into FILE.png (needs matplotlib).",
 )
 
@@ -86,13 +89,41 @@ def model_options(fn):
     """Options that tell surgeon about the checkpoint when its config.json does not."""
     for decorator in reversed(
         [
-            click.option("--revision", metavar="REV", help="Branch, tag or commit hash of a Hub MODEL (default: its main branch)."),
-            click.option("--config", "config", type=click.Path(dir_okay=False), help="config.json to read heads from (default: the one beside the weights)."),
-            click.option("--num-heads", type=HINT, help="Number of query heads, when there is no config.json; one per stack: encoder=16,decoder=4."),
-            click.option("--num-kv-heads", type=HINT, help="Number of key/value heads (grouped-query attention); may be per stack."),
-            click.option("--head-dim", type=HINT, help="Head dimension, when it is not width / heads; may be per stack."),
-            click.option("--force-hints", is_flag=True, help="Use --num-heads/--num-kv-heads/--head-dim even where config.json says otherwise."),
-            click.option("--device", default="auto", show_default=True, help="Where generation and factorizations run: auto, cpu, cuda, cuda:N."),
+            click.option(
+                "--revision",
+                metavar="REV",
+                help="Branch, tag or commit hash of a Hub MODEL (default: its main branch).",
+            ),
+            click.option(
+                "--config",
+                "config",
+                type=click.Path(dir_okay=False),
+                help="config.json to read heads from (default: the one beside the weights).",
+            ),
+            click.option(
+                "--num-heads",
+                type=HINT,
+                help="Number of query heads, when there is no config.json; one per stack: encoder=16,decoder=4.",
+            ),
+            click.option(
+                "--num-kv-heads",
+                type=HINT,
+                help="Number of key/value heads (grouped-query attention); may be per stack.",
+            ),
+            click.option(
+                "--head-dim", type=HINT, help="Head dimension, when it is not width / heads; may be per stack."
+            ),
+            click.option(
+                "--force-hints",
+                is_flag=True,
+                help="Use --num-heads/--num-kv-heads/--head-dim even where config.json says otherwise.",
+            ),
+            click.option(
+                "--device",
+                default="auto",
+                show_default=True,
+                help="Where generation and factorizations run: auto, cpu, cuda, cuda:N.",
+            ),
             click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout."),
         ]
     ):
@@ -179,7 +210,11 @@ class OneLineErrors(click.Group):
 
 @click.group(cls=OneLineErrors, context_settings=CONTEXT)
 @click.version_option(__version__, "-V", "--version", prog_name="surgeon")
-@click.option("--debug", is_flag=True, help="On an internal error, show its traceback (also SURGEON_DEBUG=1). Accepted after the command too.")
+@click.option(
+    "--debug",
+    is_flag=True,
+    help="On an internal error, show its traceback (also SURGEON_DEBUG=1). Accepted after the command too.",
+)
 def main(debug: bool) -> None:
     """Re-initialize the attention of transformer checkpoints with conditioned initialization.
 
@@ -191,7 +226,9 @@ def main(debug: bool) -> None:
     """
 
 
-@main.command(context_settings=CONTEXT, epilog="""\b
+@main.command(
+    context_settings=CONTEXT,
+    epilog="""\b
 Examples:
   surgeon inspect model.safetensors
   surgeon inspect ./my-model --json > report.json
@@ -200,22 +237,47 @@ Examples:
   surgeon inspect sentence-transformers/all-MiniLM-L6-v2           # a Hugging Face Hub model
   surgeon inspect org/model --revision v1.0                        # at a branch, tag or commit
   surgeon inspect ./my-model --verify-layout                       # names vs the real forward
-""")
+""",
+)
 @click.argument("model")
-@click.option("--verify-layout", is_flag=True,
-              help="Build the architecture from config.json with transformers (random init, no download) and check "
-                   "that its forward uses the q/k/v rows that names say.")
-@click.option("--jacobian", is_flag=True,
-              help="Build the architecture from config.json, load these weights, run real inputs and report, per layer, "
-                   "the terms of the paper's Theorem 3.1 bound on the attention Jacobian's kappa (exact kappa(J) when small).")
-@click.option("--inputs", type=click.Path(dir_okay=False, exists=True),
-              help="With --jacobian: text lines (tokenized with the model's tokenizer) or a .pt tensor of token ids. "
-                   "Default: a built-in English sample.")
+@click.option(
+    "--verify-layout",
+    is_flag=True,
+    help="Build the architecture from config.json with transformers (random init, no download) and check "
+    "that its forward uses the q/k/v rows that names say.",
+)
+@click.option(
+    "--jacobian",
+    is_flag=True,
+    help="Build the architecture from config.json, load these weights, run real inputs and report, per layer, "
+    "the terms of the paper's Theorem 3.1 bound on the attention Jacobian's kappa (exact kappa(J) when small).",
+)
+@click.option(
+    "--inputs",
+    type=click.Path(dir_okay=False, exists=True),
+    help="With --jacobian: text lines (tokenized with the model's tokenizer) or a .pt tensor of token ids. "
+    "Default: a built-in English sample.",
+)
 @plot_option
 @model_options
 @full_option
 @handle_errors
-def inspect(model, verify_layout, jacobian, inputs, plot, revision, config, num_heads, num_kv_heads, head_dim, force_hints, device, full, as_json):
+def inspect(
+    model,
+    verify_layout,
+    jacobian,
+    inputs,
+    plot,
+    revision,
+    config,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    force_hints,
+    device,
+    full,
+    as_json,
+):
     """List the attention blocks of MODEL and the condition numbers of their projections.
 
     MODEL is a .safetensors/.bin/.pt/.onnx file, a sharded *.index.json, a model folder, or a Hugging
@@ -225,9 +287,19 @@ def inspect(model, verify_layout, jacobian, inputs, plot, revision, config, num_
     from . import api
 
     report = api.inspect_checkpoint(
-        model, revision=revision, config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        force_hints=force_hints, device=device, full=full, progress=not as_json and sys.stderr.isatty(),
-        verify_layout=verify_layout, jacobian=jacobian, inputs=inputs,
+        model,
+        revision=revision,
+        config=config,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        force_hints=force_hints,
+        device=device,
+        full=full,
+        progress=not as_json and sys.stderr.isatty(),
+        verify_layout=verify_layout,
+        jacobian=jacobian,
+        inputs=inputs,
     )
     if plot:
         from .plot import plot_kappas
@@ -236,7 +308,9 @@ def inspect(model, verify_layout, jacobian, inputs, plot, revision, config, num_
     _out(report.to_json(cli_spelling) if as_json else report.render(cli_spelling))
 
 
-@main.command(context_settings=CONTEXT, epilog="""\b
+@main.command(
+    context_settings=CONTEXT,
+    epilog="""\b
 Examples:
   surgeon reinit model.safetensors --layers 0-11
   surgeon reinit ./bert --layers -2- -o ./bert-top2-reset          # the last two layers
@@ -251,29 +325,70 @@ Examples:
 \b
 Layer and head specs: all, N, A-B (inclusive), A- (to the last), lists like 0,3,5-7;
 negative numbers count from the end (-1 is the last). Each stack of layers is numbered from 0.
-""")
+""",
+)
 @click.argument("model")
-@click.option("-o", "--output", type=click.Path(), help="Output file (file input; an .onnx with external data writes its data files beside it) or folder "
-                   "(folder input, or a path without .onnx for an .onnx with external data). Default: beside the input.")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(),
+    help="Output file (file input; an .onnx with external data writes its data files beside it) or folder "
+    "(folder input, or a path without .onnx for an .onnx with external data). Default: beside the input.",
+)
 @reinit_options
 @click.option("--overwrite", is_flag=True, help="Replace an existing output.")
-@click.option("--in-place", is_flag=True,
-              help="Change the input itself. safetensors: only the changed bytes are rewritten, after their old bytes are "
-                   "saved to a journal (an interrupted run is rolled back by `surgeon recover` or the next --in-place run; "
-                   "other commands refuse the checkpoint until then); "
-                   "other formats: the files are replaced atomically.")
+@click.option(
+    "--in-place",
+    is_flag=True,
+    help="Change the input itself. safetensors: only the changed bytes are rewritten, after their old bytes are "
+    "saved to a journal (an interrupted run is rolled back by `surgeon recover` or the next --in-place run; "
+    "other commands refuse the checkpoint until then); "
+    "other formats: the files are replaced atomically.",
+)
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
 @plot_option
-@click.option("--push-to-hub", "push_to_hub", metavar="ORG/NAME", help="Upload the output folder to this Hub model repo (created if needed) in one commit.")
+@click.option(
+    "--push-to-hub",
+    "push_to_hub",
+    metavar="ORG/NAME",
+    help="Upload the output folder to this Hub model repo (created if needed) in one commit.",
+)
 @click.option("--private", is_flag=True, help="With --push-to-hub: create the repo as private.")
-@click.option("--push-revision", metavar="BRANCH", help="With --push-to-hub: commit to this branch (created from main if missing).")
-@click.option("--create-pr", is_flag=True, help="With --push-to-hub: open a pull request against main instead of committing.")
+@click.option(
+    "--push-revision",
+    metavar="BRANCH",
+    help="With --push-to-hub: commit to this branch (created from main if missing).",
+)
+@click.option(
+    "--create-pr", is_flag=True, help="With --push-to-hub: open a pull request against main instead of committing."
+)
 @click.option("--commit-message", help="With --push-to-hub: the commit message (default: what was re-initialized).")
 @model_options
 @full_option
 @handle_errors
-def reinit(model, output, overwrite, in_place, dry_run, plot, push_to_hub, private, push_revision, create_pr, commit_message,
-           revision, config, num_heads, num_kv_heads, head_dim, force_hints, device, full, as_json, **options):
+def reinit(
+    model,
+    output,
+    overwrite,
+    in_place,
+    dry_run,
+    plot,
+    push_to_hub,
+    private,
+    push_revision,
+    create_pr,
+    commit_message,
+    revision,
+    config,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    force_hints,
+    device,
+    full,
+    as_json,
+    **options,
+):
     """Re-initialize query/key/value projections of MODEL with conditioned initialization.
 
     Writes a new checkpoint in the same format and layout; every tensor that is not
@@ -292,11 +407,26 @@ def reinit(model, output, overwrite, in_place, dry_run, plot, push_to_hub, priva
     if plot and dry_run:
         raise OptionError("--plot draws the condition numbers before and after, and a --dry-run computes none")
     report = api.reinit_checkpoint(
-        model, options=ReinitOptions.build(**{k: v for k, v in options.items() if v is not None}),
-        revision=revision, output=output, in_place=in_place, overwrite=overwrite, dry_run=dry_run, device=device,
-        config=config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, force_hints=force_hints, full=full,
-        progress=not as_json and sys.stderr.isatty(), push_to_hub=push_to_hub, private=private,
-        push_revision=push_revision, create_pr=create_pr, commit_message=commit_message,
+        model,
+        options=ReinitOptions.build(**{k: v for k, v in options.items() if v is not None}),
+        revision=revision,
+        output=output,
+        in_place=in_place,
+        overwrite=overwrite,
+        dry_run=dry_run,
+        device=device,
+        config=config,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        force_hints=force_hints,
+        full=full,
+        progress=not as_json and sys.stderr.isatty(),
+        push_to_hub=push_to_hub,
+        private=private,
+        push_revision=push_revision,
+        create_pr=create_pr,
+        commit_message=commit_message,
     )
     if plot:
         from .plot import plot_kappas
@@ -305,7 +435,9 @@ def reinit(model, output, overwrite, in_place, dry_run, plot, push_to_hub, priva
     _out(report.to_json(cli_spelling) if as_json else report.render(cli_spelling))
 
 
-@main.command(context_settings=CONTEXT, epilog="""\b
+@main.command(
+    context_settings=CONTEXT,
+    epilog="""\b
 Examples:
   surgeon push ./llama-reinit me/llama-reinit
   surgeon push ./llama-reinit org/llama-reinit --private
@@ -313,11 +445,14 @@ Examples:
   surgeon push ./llama-reinit org/llama-reinit --create-pr           # as a pull request
 \b
 The token comes from HF_TOKEN or `hf auth login`; HF_ENDPOINT selects another Hub.
-""")
+""",
+)
 @click.argument("folder", type=click.Path(file_okay=False))
 @click.argument("repo_id", metavar="ORG/NAME")
 @click.option("--private", is_flag=True, help="Create the repo as private (an existing repo keeps its visibility).")
-@click.option("--revision", metavar="BRANCH", help="Commit to this branch, created from main if missing (default: main).")
+@click.option(
+    "--revision", metavar="BRANCH", help="Commit to this branch, created from main if missing (default: main)."
+)
 @click.option("--create-pr", is_flag=True, help="Open a pull request against main instead of committing.")
 @click.option("--commit-message", help="The commit message (default: Upload FOLDER with surgeon VERSION).")
 @click.option("--json", "as_json", is_flag=True, help="Print what was pushed as JSON on stdout.")
@@ -332,7 +467,12 @@ def push(folder, repo_id, private, revision, create_pr, commit_message, as_json)
     from .hub import push_folder
 
     result = push_folder(
-        folder, repo_id, private=private, revision=revision, create_pr=create_pr, commit_message=commit_message,
+        folder,
+        repo_id,
+        private=private,
+        revision=revision,
+        create_pr=create_pr,
+        commit_message=commit_message,
         progress=not as_json and sys.stderr.isatty(),
     )
     if as_json:
@@ -341,7 +481,9 @@ def push(folder, repo_id, private, revision, create_pr, commit_message, as_json)
         _out("\n".join([f"note: {n}" for n in result.notes] + [result.summary()]))
 
 
-@main.command(context_settings=CONTEXT, epilog="""\b
+@main.command(
+    context_settings=CONTEXT,
+    epilog="""\b
 Examples:
   surgeon verify model.safetensors model.reinit.safetensors
   surgeon verify ./bert ./bert-reinit                 # a folder output (PyTorch: the record is in README.md)
@@ -350,7 +492,8 @@ Examples:
 \b
 Exit status: 0 verified, 3 OUTPUT differs from what its record says, 1 cannot verify (no record, a
 malformed one, bad input, or another surgeon version's output whose draws differ: the line names the version).
-""")
+""",
+)
 @click.argument("original")
 @click.argument("output", type=click.Path())
 @model_options
@@ -366,19 +509,31 @@ def verify(original, output, revision, config, num_heads, num_kv_heads, head_dim
     """
     from .audit import verify as check
 
-    result = check(original, output, revision=revision, config=config, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                   head_dim=head_dim, force_hints=force_hints, device="cpu" if device == "auto" else device)
+    result = check(
+        original,
+        output,
+        revision=revision,
+        config=config,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        force_hints=force_hints,
+        device="cpu" if device == "auto" else device,
+    )
     _out(json.dumps(result.to_dict(), indent=2) if as_json else result.summary())
 
 
-@main.command(context_settings=CONTEXT, epilog="""\b
+@main.command(
+    context_settings=CONTEXT,
+    epilog="""\b
 Examples:
   surgeon recover model.safetensors
   surgeon recover ./llama                      # a sharded checkpoint folder
 \b
 Until then every other command refuses the checkpoint; `surgeon reinit --in-place` on the same
 checkpoint rolls back first, and says so.
-""")
+""",
+)
 @click.argument("path", type=click.Path(exists=True))
 @handle_errors
 def recover(path):

@@ -19,8 +19,23 @@ import torch
 
 from .spectrum import VALUE_IDENTITIES, Spectrum, kappa_from
 
-__all__ = ["VALUE_IDENTITIES", "Spectrum", "head_seed", "semi_orthogonal", "semi_orthogonal_batch", "orthonormal_columns", "value_identity",
-           "polar", "rescale_to", "kappa", "singular_values", "head_kappas", "spectrum", "in_parallel", "single_threaded"]
+__all__ = [
+    "VALUE_IDENTITIES",
+    "Spectrum",
+    "head_seed",
+    "semi_orthogonal",
+    "semi_orthogonal_batch",
+    "orthonormal_columns",
+    "value_identity",
+    "polar",
+    "rescale_to",
+    "kappa",
+    "singular_values",
+    "head_kappas",
+    "spectrum",
+    "in_parallel",
+    "single_threaded",
+]
 
 _POOL: ThreadPoolExecutor | None = None
 
@@ -79,7 +94,9 @@ def semi_orthogonal(rows: int, cols: int, *, seed: int, device: torch.device | s
     return semi_orthogonal_batch(rows, cols, [seed], device=device)[0]
 
 
-def semi_orthogonal_batch(rows: int, cols: int, seeds: list[int], *, device: torch.device | str = "cpu") -> torch.Tensor:
+def semi_orthogonal_batch(
+    rows: int, cols: int, seeds: list[int], *, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """One Haar-random ``rows x cols`` semi-orthogonal matrix per seed, stacked ``(len(seeds), rows, cols)``.
 
     Each matrix is the Q factor, with positive diag(R), of a float64 Gaussian ``tall x short`` matrix:

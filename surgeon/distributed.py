@@ -58,14 +58,21 @@ def _tuner_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
         return []
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    return [(path, m) for path, m in module.named_modules() if isinstance(m, BaseTunerLayer) and isinstance(m, nn.Module)]
+    return [
+        (path, m) for path, m in module.named_modules() if isinstance(m, BaseTunerLayer) and isinstance(m, nn.Module)
+    ]
 
 
 def _quantized(layer: nn.Module) -> str | None:
     weight = getattr(layer, "weight", None)
     cls = type(layer)
     where = f"{cls.__module__}.{cls.__name__}"
-    if "bitsandbytes" in where or "gptq" in where.lower() or "QuantLinear" in cls.__name__ or type(weight).__name__ in ("Params4bit", "Int8Params"):
+    if (
+        "bitsandbytes" in where
+        or "gptq" in where.lower()
+        or "QuantLinear" in cls.__name__
+        or type(weight).__name__ in ("Params4bit", "Int8Params")
+    ):
         return cls.__name__
     if isinstance(weight, torch.Tensor) and not weight.is_floating_point():
         return f"{cls.__name__} with {str(weight.dtype).removeprefix('torch.')} weights"
@@ -128,11 +135,15 @@ def _local(param) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
 
     for p in param.placements:
         if not isinstance(p, (Shard, Replicate)) or isinstance(p, Partial):
-            raise UnsupportedWeightsError(f"a parameter is placed as {p} on its device mesh; surgeon writes Shard and Replicate placements only")
+            raise UnsupportedWeightsError(
+                f"a parameter is placed as {p} on its device mesh; surgeon writes Shard and Replicate placements only"
+            )
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     local = param.to_local()
     if tuple(local.shape) != tuple(shape):  # padded local storage: not something surgeon can address
-        raise UnsupportedWeightsError(f"a DTensor's local shard is {tuple(local.shape)}, not the {tuple(shape)} its placements give; surgeon cannot address its rows")
+        raise UnsupportedWeightsError(
+            f"a DTensor's local shard is {tuple(local.shape)}, not the {tuple(shape)} its placements give; surgeon cannot address its rows"
+        )
     return local, tuple(shape), tuple(offset)
 
 
@@ -213,8 +224,12 @@ class ShardedTensor:
     def zero_heads(self, rows: Rows, heads) -> None:
         _zero_rows(self.param, rows, heads)
 
-    def fill(self, values: torch.Tensor) -> None:  # only modes that write whole tensors (W_O) need it; they refuse sharding
-        raise UnsupportedWeightsError("surgeon does not rewrite a whole sharded (DTensor) parameter: reinit before sharding")
+    def fill(
+        self, values: torch.Tensor
+    ) -> None:  # only modes that write whole tensors (W_O) need it; they refuse sharding
+        raise UnsupportedWeightsError(
+            "surgeon does not rewrite a whole sharded (DTensor) parameter: reinit before sharding"
+        )
 
 
 def write_params(engine: Engine, params: Mapping[str, torch.Tensor]) -> None:
@@ -223,17 +238,22 @@ def write_params(engine: Engine, params: Mapping[str, torch.Tensor]) -> None:
     Every refusal comes before the first write. A DTensor is written through :class:`ShardedTensor`
     (each rank its own rows; ``engine.results`` gets the same spectra on every rank).
     """
+
     def store(param) -> TensorStore:
         return ShardedTensor(param) if is_dtensor(param) else TensorCopy(param.detach(), copy=False)
 
     with single_threaded(), torch.no_grad():
-        for name in engine.tensor_names:  # refusals first (one projection gathered at a time): nothing changes unless everything can
+        for name in (
+            engine.tensor_names
+        ):  # refusals first (one projection gathered at a time): nothing changes unless everything can
             engine.check_values(name, store(params[name]))
         for name in engine.tensor_names:
             engine.update_store(name, store(params[name]))
 
 
-def inspect_sharded(blocks: list[AttentionBlock], params: Mapping[str, torch.Tensor], device: torch.device, *, whole: bool = False) -> dict[tuple[str, str], Spectrum]:
+def inspect_sharded(
+    blocks: list[AttentionBlock], params: Mapping[str, torch.Tensor], device: torch.device, *, whole: bool = False
+) -> dict[tuple[str, str], Spectrum]:
     """``apply.inspect_blocks`` on DTensor parameters: one projection gathered at a time."""
     from .conditioning import spectrum
 
@@ -241,7 +261,9 @@ def inspect_sharded(blocks: list[AttentionBlock], params: Mapping[str, torch.Ten
     with single_threaded(), torch.no_grad():
         for block in blocks:
             for proj in block.projections:
-                out[(block.module, proj.role)] = spectrum(gather_heads(params[proj.weight.tensor], proj.weight).to(device), whole=whole)
+                out[(block.module, proj.role)] = spectrum(
+                    gather_heads(params[proj.weight.tensor], proj.weight).to(device), whole=whole
+                )
     return out
 
 

@@ -149,7 +149,9 @@ class HubAuthError(HubError, PermissionError):
 class PushError(HubError):
     """A push stopped part-way; the message says what reached the Hub and what did not."""
 
-    def __init__(self, message: str = "", *, uploaded: list[str] | None = None, not_uploaded: list[str] | None = None, **fields) -> None:
+    def __init__(
+        self, message: str = "", *, uploaded: list[str] | None = None, not_uploaded: list[str] | None = None, **fields
+    ) -> None:
         super().__init__(message, **fields)
         self.uploaded, self.not_uploaded = list(uploaded or []), list(not_uploaded or [])
 

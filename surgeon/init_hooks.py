@@ -35,9 +35,20 @@ from .plan import ReinitOptions, prepare
 _PLANS: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
-def conditioned_init_(module: nn.Module, *, model: nn.Module | None = None, seed: int = 0, layers="all", targets=("q", "k", "v"),
-                      heads="all", value_identity: str = "block", bias: str = "auto", num_heads: HintInput = None,
-                      num_kv_heads: HintInput = None, head_dim: HintInput = None) -> int:
+def conditioned_init_(
+    module: nn.Module,
+    *,
+    model: nn.Module | None = None,
+    seed: int = 0,
+    layers="all",
+    targets=("q", "k", "v"),
+    heads="all",
+    value_identity: str = "block",
+    bias: str = "auto",
+    num_heads: HintInput = None,
+    num_kv_heads: HintInput = None,
+    head_dim: HintInput = None,
+) -> int:
     """Give the attention blocks inside ``module`` (all of ``model``'s when ``module is model``) conditioned init.
 
     ``model``: the whole model ``module`` belongs to (default: ``module`` itself); its tensor names key
@@ -48,10 +59,19 @@ def conditioned_init_(module: nn.Module, *, model: nn.Module | None = None, seed
     model = module if model is None else model
     if any(p.is_meta for p in module.parameters()):
         return 0
-    key = (seed, str(layers), tuple(targets) if not isinstance(targets, str) else targets, str(heads), value_identity, bias)
+    key = (
+        seed,
+        str(layers),
+        tuple(targets) if not isinstance(targets, str) else targets,
+        str(heads),
+        value_identity,
+        bias,
+    )
     cache = _PLANS.setdefault(model, {})
     if key not in cache:
-        options = ReinitOptions(layers=layers, targets=targets, heads=heads, value_identity=value_identity, bias=bias, seed=seed).validated()
+        options = ReinitOptions(
+            layers=layers, targets=targets, heads=heads, value_identity=value_identity, bias=bias, seed=seed
+        ).validated()
         found = detect_module(model, hints=Hints(num_heads, num_kv_heads, head_dim))
         plan = prepare(found.blocks, options, depths=found.depths)
         paths = {id(m): p for p, m in model.named_modules()}

@@ -87,10 +87,22 @@ class JacobianReport:
         head = ["module", "kX", "kLambda", "kP", "kWq", "kWk", "kWv", "bound", "exact kJ", "holds"]
         table = []
         for e in self.by_layer():
-            table.append([e["module"], *(_fmt(e[k]) for k in ("kappa_x", "kappa_lambda", "kappa_p", "kappa_q", "kappa_k", "kappa_v", "bound")),
-                          _fmt(e["exact"]) if e["exact"] is not None else "-", e["bound_holds"] or "-"])
+            table.append(
+                [
+                    e["module"],
+                    *(
+                        _fmt(e[k])
+                        for k in ("kappa_x", "kappa_lambda", "kappa_p", "kappa_q", "kappa_k", "kappa_v", "bound")
+                    ),
+                    _fmt(e["exact"]) if e["exact"] is not None else "-",
+                    e["bound_holds"] or "-",
+                ]
+            )
         widths = [max(len(str(x)) for x in col) for col in zip(head, *table)]
-        lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in [head, ["-" * w for w in widths], *table]]
+        lines = [
+            "  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip()
+            for row in [head, ["-" * w for w in widths], *table]
+        ]
         legend = (
             "attention Jacobian (Theorem 3.1), medians over heads and inputs: bound = kX^3 kLambda kWv (kWq + kWk) + kX kP; "
             "kLambda is a pseudo-condition number (tolerance sigma_max * N^2 * eps); exact kJ from torch.func.jacrev "
@@ -128,11 +140,19 @@ def head_terms(x, wq, wk, wv, *, exact: bool) -> dict:
     lam = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]  # the N blocks of Lambda(P)
     lam_sv = torch.linalg.eigvalsh(lam).abs().flatten()  # symmetric blocks: singular values = |eigenvalues|
     out = {
-        "kappa_x": kappa_of(sv(x)), "kappa_lambda": pseudo_kappa(lam_sv, n * n), "kappa_p": kappa_of(sv(p)),
-        "kappa_q": kappa_of(sv(wq)), "kappa_k": kappa_of(sv(wk)), "kappa_v": kappa_of(sv(wv)),
+        "kappa_x": kappa_of(sv(x)),
+        "kappa_lambda": pseudo_kappa(lam_sv, n * n),
+        "kappa_p": kappa_of(sv(p)),
+        "kappa_q": kappa_of(sv(wq)),
+        "kappa_k": kappa_of(sv(wk)),
+        "kappa_v": kappa_of(sv(wv)),
     }
-    out["bound"] = out["kappa_x"] ** 3 * out["kappa_lambda"] * out["kappa_v"] * (out["kappa_q"] + out["kappa_k"]) + out["kappa_x"] * out["kappa_p"]
+    out["bound"] = (
+        out["kappa_x"] ** 3 * out["kappa_lambda"] * out["kappa_v"] * (out["kappa_q"] + out["kappa_k"])
+        + out["kappa_x"] * out["kappa_p"]
+    )
     if exact:
+
         def head(q, k, v):
             return torch.softmax(x @ q @ k.T @ x.T / math.sqrt(d), dim=-1) @ x @ v
 
@@ -146,8 +166,16 @@ def head_terms(x, wq, wk, wv, *, exact: bool) -> dict:
     return out
 
 
-def jacobian_report(model, inputs, *, exact: bool | None = None, exact_limit: int = EXACT_LIMIT, num_heads: HintInput = None,
-                    num_kv_heads: HintInput = None, head_dim: HintInput = None) -> JacobianReport:
+def jacobian_report(
+    model,
+    inputs,
+    *,
+    exact: bool | None = None,
+    exact_limit: int = EXACT_LIMIT,
+    num_heads: HintInput = None,
+    num_kv_heads: HintInput = None,
+    head_dim: HintInput = None,
+) -> JacobianReport:
     """The Theorem 3.1 terms of every self-attention head of ``model`` on real ``inputs``.
 
     ``inputs``: a tensor of token ids (each row of a 2-D tensor is one input), a list of such tensors,
@@ -168,9 +196,13 @@ def jacobian_report(model, inputs, *, exact: bool | None = None, exact_limit: in
     blocks = [b for b in found.blocks if b.kind == "self" and ":" not in b.module]
     report = JacobianReport([])
     if streams:
-        report.notes.append(f"{len(streams)} joint-attention context streams skipped: their heads attend together with their block's")
+        report.notes.append(
+            f"{len(streams)} joint-attention context streams skipped: their heads attend together with their block's"
+        )
     if len(blocks) + len(streams) < len(found.blocks):
-        report.notes.append(f"{len(found.blocks) - len(blocks) - len(streams)} cross-attention blocks skipped: the theorem is about self-attention")
+        report.notes.append(
+            f"{len(found.blocks) - len(blocks) - len(streams)} cross-attention blocks skipped: the theorem is about self-attention"
+        )
     if not blocks:
         raise OptionError("the Jacobian report needs self-attention blocks, and this model has only cross-attention")
     captured: dict[str, list] = {b.module: [] for b in blocks}
@@ -195,7 +227,10 @@ def jacobian_report(model, inputs, *, exact: bool | None = None, exact_limit: in
         model.train(was_training)
     with torch.no_grad():
         for b in blocks:
-            mats = {p.role: head_matrices(found.params[p.weight.tensor].detach(), p.weight).to(torch.float64) for p in b.projections}
+            mats = {
+                p.role: head_matrices(found.params[p.weight.tensor].detach(), p.weight).to(torch.float64)
+                for p in b.projections
+            }
             xs = [x for batch in captured[b.module] for x in batch]
             for i, x in enumerate(xs):
                 n, width = x.shape
@@ -205,8 +240,12 @@ def jacobian_report(model, inputs, *, exact: bool | None = None, exact_limit: in
                     terms = head_terms(x, mats["q"][h].T, mats["k"][g].T, mats["v"][g].T, exact=do_exact)
                     report.rows.append(HeadJacobian(i, b.module, b.layer, h, n, **terms))
     if exact is None and not any(r.exact is not None for r in report.rows):
-        report.notes.append(f"exact kappa(J) skipped: J has more than {exact_limit:,} entries (shorter inputs, or exact=True)")
-    report.notes.append("head function: softmax(X Wq Wk^T X^T / sqrt(d)) X Wv, float64, without the model's biases, masks or rotary embeddings")
+        report.notes.append(
+            f"exact kappa(J) skipped: J has more than {exact_limit:,} entries (shorter inputs, or exact=True)"
+        )
+    report.notes.append(
+        "head function: softmax(X Wq Wk^T X^T / sqrt(d)) X Wv, float64, without the model's biases, masks or rotary embeddings"
+    )
     return report
 
 
@@ -233,8 +272,14 @@ def _capture(store: list, module):
     return hook
 
 
-def checkpoint_jacobian(model: str | Path, *, inputs: str | Path | None = None, config: str | Path | None = None, revision: str | None = None,
-                        exact: bool | None = None) -> JacobianReport:
+def checkpoint_jacobian(
+    model: str | Path,
+    *,
+    inputs: str | Path | None = None,
+    config: str | Path | None = None,
+    revision: str | None = None,
+    exact: bool | None = None,
+) -> JacobianReport:
     """``surgeon inspect MODEL --jacobian``: build the architecture from config.json (random init, nothing
     downloaded), load the checkpoint's weights into it, and run :func:`jacobian_report` on real text.
 
@@ -255,7 +300,9 @@ def source_jacobian(source, *, inputs: str | Path | None = None, exact: bool | N
     from .errors import CheckpointError, OptionError, opt
 
     if not source.config:
-        raise OptionError(f"{opt('jacobian', True)} builds the architecture from config.json, and {source.path} has none; pass {opt('config', 'PATH')}")
+        raise OptionError(
+            f"{opt('jacobian', True)} builds the architecture from config.json, and {source.path} has none; pass {opt('config', 'PATH')}"
+        )
     arch = build_architecture(source.config, purpose=opt("jacobian", True))
     names = CheckpointNames(checkpoint_names(arch), set(source.primary.tensors))
     state = arch.state_dict()
@@ -267,11 +314,16 @@ def source_jacobian(source, *, inputs: str | Path | None = None, exact: bool | N
                 value.copy_(source.primary.read(tensor).to(value.dtype))
                 loaded += 1
     if loaded == 0:
-        raise CheckpointError(f"{opt('jacobian', True)}: none of {type(arch).__name__}'s parameters are in {source.path}; is config.json this checkpoint's?")
+        raise CheckpointError(
+            f"{opt('jacobian', True)}: none of {type(arch).__name__}'s parameters are in {source.path}; is config.json this checkpoint's?"
+        )
     ids = _token_ids(source, inputs)
     report = jacobian_report(arch, ids, exact=exact)
-    report.notes.insert(0, f"{type(arch).__name__} built from config.json, {loaded} of its {len(state)} tensors loaded from the checkpoint; "
-                           f"{len(ids)} inputs of {', '.join(str(t.shape[-1]) for t in ids)} tokens")
+    report.notes.insert(
+        0,
+        f"{type(arch).__name__} built from config.json, {loaded} of its {len(state)} tensors loaded from the checkpoint; "
+        f"{len(ids)} inputs of {', '.join(str(t.shape[-1]) for t in ids)} tokens",
+    )
     return report
 
 
@@ -299,5 +351,7 @@ def _token_ids(source, inputs):
     except Exception:  # no tokenizer files, or ones this transformers cannot read
         tok = None
     if tok is None:
-        raise OptionError(f"{opt('jacobian', True)} needs token ids: this model has no tokenizer beside it; pass {opt('inputs', 'FILE.pt')} (a tensor of token ids)")
+        raise OptionError(
+            f"{opt('jacobian', True)} needs token ids: this model has no tokenizer beside it; pass {opt('inputs', 'FILE.pt')} (a tensor of token ids)"
+        )
     return [tok(t, return_tensors="pt")["input_ids"] for t in text]

@@ -75,12 +75,14 @@ def check_in_place(source: Source) -> None:
         if stat.S_ISLNK(st.st_mode):
             raise OutputError(
                 f"{path} is a symbolic link (as in a Hugging Face cache snapshot): patching it in place would change the file "
-                f"it points to, which other copies may share; write a copy with {opt('output')}", path=path
+                f"it points to, which other copies may share; write a copy with {opt('output')}",
+                path=path,
             )
         if st.st_nlink > 1:
             raise OutputError(
                 f"{path} has {st.st_nlink} hard links: patching it in place would change every one of them; "
-                f"write a copy with {opt('output')}", path=path
+                f"write a copy with {opt('output')}",
+                path=path,
             )
 
 
@@ -104,7 +106,9 @@ def hold(source: Source, *, exclusive: bool) -> Iterator[None]:
             yield
     except locks.Busy as busy:
         if exclusive:
-            raise OutputError(f"another surgeon run is patching {source.path} in place, or reading it; wait for it to finish") from None
+            raise OutputError(
+                f"another surgeon run is patching {source.path} in place, or reading it; wait for it to finish"
+            ) from None
         raise OutputError(
             f"an in-place run has been patching {busy.path} for over {locks.COPY_WAIT_S:.0f} s; run this again when it has finished"
         ) from None
@@ -137,7 +141,9 @@ def patch_in_place(source: Source, updates: UpdatesFn, record: dict) -> list[str
     ]
 
 
-def _patch(weights: SafetensorsWeights, changed: dict[str, list[str]], fds: dict[str, int], updates, record: dict) -> dict[str, bytes | None]:
+def _patch(
+    weights: SafetensorsWeights, changed: dict[str, list[str]], fds: dict[str, int], updates, record: dict
+) -> dict[str, bytes | None]:
     folder, key = weights.folder, weights.index or weights.files[0]
     headers: dict[str, bytes | None] = {}
     ranges: list[jf.Range] = []
@@ -178,7 +184,12 @@ def _meta(weights: SafetensorsWeights, key: str, changed: dict[str, list[str]], 
     for f in changed:
         st = os.fstat(fds[f])
         head = os.pread(fds[f], weights.headers[f].data_start, 0)
-        files[f] = {"size": st.st_size, "dev": st.st_dev, "ino": st.st_ino, "header_sha256": hashlib.sha256(head).hexdigest()}
+        files[f] = {
+            "size": st.st_size,
+            "dev": st.st_dev,
+            "ino": st.st_ino,
+            "header_sha256": hashlib.sha256(head).hexdigest(),
+        }
     index = hashlib.sha256(read_small(weights.folder / key)).hexdigest() if weights.index else None
     return {"version": 2, "checkpoint": key, "index_sha256": index, "files": files}
 
@@ -217,14 +228,21 @@ def _undo(weights: SafetensorsWeights, key: str, journal: Path, durable: Future,
         error = HalfPatchedError(
             f"{'interrupted' if interrupted else 'failed'} while undoing an in-place run: {', '.join(weights.files)} in "
             f"{weights.folder} may be half-patched, and their old bytes are kept in {journal.name}; run `surgeon recover "
-            f"{weights.folder / key}` to finish the rollback", path=journal
+            f"{weights.folder / key}` to finish the rollback",
+            path=journal,
         )
         error.exit_code = 130 if interrupted else 1
         raise error from None
 
 
-def _patch_files(weights: SafetensorsWeights, changed: dict[str, list[str]], headers: dict[str, bytes | None], updates,
-                 log: _Log, fds: dict[str, int]) -> None:
+def _patch_files(
+    weights: SafetensorsWeights,
+    changed: dict[str, list[str]],
+    headers: dict[str, bytes | None],
+    updates,
+    log: _Log,
+    fds: dict[str, int],
+) -> None:
     def logged(file, items):
         for name, tensor in items:
             log.before(file, name, _raw(tensor))

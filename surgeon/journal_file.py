@@ -92,7 +92,9 @@ def read_pieces(fd: int, base: int, offset: int, length: int, path: Path) -> Ite
 
 def block_digests(data, offset: int) -> bytes:
     view = memoryview(data).cast("B")
-    return b"".join(hashlib.sha256(view[a - offset : b - offset]).digest()[:16] for a, b in spans(offset, len(view), BLOCK))
+    return b"".join(
+        hashlib.sha256(view[a - offset : b - offset]).digest()[:16] for a, b in spans(offset, len(view), BLOCK)
+    )
 
 
 def _write_all(fd: int, data) -> None:
@@ -182,7 +184,9 @@ def read_meta(fd: int, path: Path, limit: int) -> tuple[dict, int]:
     """The journal's JSON meta and its length, read only when the length is within ``limit``."""
     head = os.pread(fd, _HEAD, 0)
     if head.startswith(OLD_MAGIC):
-        raise refuse(path, "it is damaged or from an older surgeon (format 1 journals cannot be checked against the checkpoint)")
+        raise refuse(
+            path, "it is damaged or from an older surgeon (format 1 journals cannot be checked against the checkpoint)"
+        )
     if len(head) < _HEAD or not head.startswith(MAGIC):
         raise refuse(path, "it is damaged (not a surgeon journal)")
     (n,) = struct.unpack_from("<Q", head, len(MAGIC))
@@ -214,12 +218,23 @@ def check_meta(meta: object, path: Path, key: str, allowed: set[str]) -> tuple[d
     for name, ident in files.items():
         if name not in allowed:
             raise refuse(path, f"it names {name[:80]!r}, which is not a weight file of {key}")
-        if not (isinstance(ident, dict) and all(_int(ident.get(k)) for k in ("size", "dev", "ino")) and _hex(ident.get("header_sha256"))):
+        if not (
+            isinstance(ident, dict)
+            and all(_int(ident.get(k)) for k in ("size", "dev", "ino"))
+            and _hex(ident.get("header_sha256"))
+        ):
             raise refuse(path, f"it is damaged (malformed identity of {name})")
     out = []
     for item in ranges:
-        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and item[0] in files
-                and _int(item[1]) and _int(item[2]) and item[2] > 0):
+        if not (
+            isinstance(item, list)
+            and len(item) == 3
+            and isinstance(item[0], str)
+            and item[0] in files
+            and _int(item[1])
+            and _int(item[2])
+            and item[2] > 0
+        ):
             raise refuse(path, f"it is damaged (malformed range {json.dumps(item)[:80]})")
         out.append(Range(item[0], item[1], item[2]))
     return files, out
@@ -228,8 +243,13 @@ def check_meta(meta: object, path: Path, key: str, allowed: set[str]) -> tuple[d
 def check_ranges(path: Path, ranges: list[Range], headers: dict[str, Header]) -> None:
     """Each range is a whole tensor's bytes in its file's data section, or that file's header; no two alike."""
     seen: set[tuple[str, int]] = set()
-    tensors = {f: {h.data_start + e["data_offsets"][0]: e["data_offsets"][1] - e["data_offsets"][0] for e in h.tensor_entries().values()}
-               for f, h in headers.items()}
+    tensors = {
+        f: {
+            h.data_start + e["data_offsets"][0]: e["data_offsets"][1] - e["data_offsets"][0]
+            for e in h.tensor_entries().values()
+        }
+        for f, h in headers.items()
+    }
     for r in ranges:
         if (r.file, r.offset) in seen:
             raise refuse(path, f"it lists bytes {r.offset}.. of {r.file} twice")
@@ -237,7 +257,9 @@ def check_ranges(path: Path, ranges: list[Range], headers: dict[str, Header]) ->
         header = headers[r.file]
         ok = r.length == header.data_start if r.offset == 0 else tensors[r.file].get(r.offset) == r.length
         if not ok:
-            raise refuse(path, f"its range {r.offset}+{r.length} of {r.file} is not the bytes of one tensor (nor the header)")
+            raise refuse(
+                path, f"its range {r.offset}+{r.length} of {r.file} is not the bytes of one tensor (nor the header)"
+            )
 
 
 def check_body(fd: int, path: Path, n: int, ranges: list[Range]) -> None:
@@ -287,7 +309,7 @@ def _read_records(fd: int, path: Path, ranges: list[Range], pos: int, size: int)
 
 
 def state(path: Path, r: Range, fd: int, jfd: int) -> str:
-    """"old", "new" or "mixed" (a write stopped part-way: each block old or new); refuses anything else."""
+    """ "old", "new" or "mixed" (a write stopped part-way: each block old or new); refuses anything else."""
     where = f"{r.file} bytes {r.offset}-{r.offset + r.length - 1}"
     now = hashlib.sha256()
     for piece in read_pieces(fd, r.offset, r.offset, r.length, path.parent / r.file):
@@ -297,7 +319,9 @@ def state(path: Path, r: Range, fd: int, jfd: int) -> str:
     if r.new is not None and now.digest() == r.new:
         return "new"
     if r.new is None:
-        raise refuse(path, f"{where} no longer hold the bytes it saved, and its run never wrote there: the file changed since")
+        raise refuse(
+            path, f"{where} no longer hold the bytes it saved, and its run never wrote there: the file changed since"
+        )
     k = 0
     cur = read_pieces(fd, r.offset, r.offset, r.length, path.parent / r.file)
     old = read_pieces(jfd, r.pos, r.offset, r.length, path)
@@ -305,7 +329,9 @@ def state(path: Path, r: Range, fd: int, jfd: int) -> str:
         x, y = block_digests(a, start), block_digests(b, start)
         for i in range(0, len(x), 16):
             if x[i : i + 16] not in (y[i : i + 16], r.new_blocks[k : k + 16]):
-                raise refuse(path, f"{where} hold neither the bytes it saved nor those its run wrote: the file changed since")
+                raise refuse(
+                    path, f"{where} hold neither the bytes it saved nor those its run wrote: the file changed since"
+                )
             k += 16
     return "mixed"
 
@@ -323,5 +349,7 @@ def check_old_header(path: Path, r: Range, jfd: int, now: Header) -> None:
 
 
 def restore(r: Range, fd: int, jfd: int, path: Path) -> None:
-    for (start, _), piece in zip(spans(r.offset, r.length), read_pieces(jfd, r.pos, r.offset, r.length, path), strict=True):
+    for (start, _), piece in zip(
+        spans(r.offset, r.length), read_pieces(jfd, r.pos, r.offset, r.length, path), strict=True
+    ):
         os.pwrite(fd, piece, start)

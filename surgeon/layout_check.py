@@ -63,12 +63,17 @@ def check_layout(source: Source, blocks: list[AttentionBlock]) -> LayoutCheck:
 
     purpose = opt("verify_layout", True)
     if not source.config:
-        raise OptionError(f"{purpose} builds the architecture from config.json, and {source.path} has none; pass {opt('config', 'PATH')}", path=source.path)
+        raise OptionError(
+            f"{purpose} builds the architecture from config.json, and {source.path} has none; pass {opt('config', 'PATH')}",
+            path=source.path,
+        )
     arch = build_architecture(source.config, purpose=purpose)
     try:
         probed = probe_blocks(arch)
     except LayoutError as exc:
-        raise LayoutError(f"cannot verify the layout: the forward of {type(arch).__name__} does not settle it ({exc})") from None
+        raise LayoutError(
+            f"cannot verify the layout: the forward of {type(arch).__name__} does not settle it ({exc})"
+        ) from None
     names = CheckpointNames(checkpoint_names(arch), set(source.primary.tensors))
     probed = [_renamed(b, names) for b in probed]
     _compare(blocks, probed, type(arch).__name__)
@@ -81,7 +86,9 @@ def _renamed(block: AttentionBlock, names: CheckpointNames) -> AttentionBlock:
     def rows(r: Rows) -> Rows:
         return replace(r, tensor=names(r.tensor))
 
-    q, k, v = (replace(p, weight=rows(p.weight), bias=None if p.bias is None else rows(p.bias)) for p in block.projections)
+    q, k, v = (
+        replace(p, weight=rows(p.weight), bias=None if p.bias is None else rows(p.bias)) for p in block.projections
+    )
     return replace(block, q=q, k=k, v=v)
 
 
@@ -96,7 +103,9 @@ def _compare(by_names: list[AttentionBlock], by_forward: list[AttentionBlock], a
     for block in by_names:
         seen = forward.pop(block.q.weight.tensor, None)
         if seen is None:
-            raise LayoutError(f"layout check failed: names put a query projection in {block.q.weight.tensor}, but the forward of {arch} never uses it as one")
+            raise LayoutError(
+                f"layout check failed: names put a query projection in {block.q.weight.tensor}, but the forward of {arch} never uses it as one"
+            )
         for role in "qkv":
             ours, theirs = block.projection(role), seen.projection(role)
             if (ours.weight, ours.in_features) != (theirs.weight, theirs.in_features):
@@ -109,7 +118,9 @@ def _compare(by_names: list[AttentionBlock], by_forward: list[AttentionBlock], a
                     f"layout check failed: {block.module} {role} bias: names say {say(ours.bias)}; the forward of {arch} adds {say(theirs.bias)}"
                 )
         if block.kind != seen.kind:
-            raise LayoutError(f"layout check failed: names call {block.module} {block.kind}-attention; the forward of {arch} uses it as {seen.kind}-attention")
+            raise LayoutError(
+                f"layout check failed: names call {block.module} {block.kind}-attention; the forward of {arch} uses it as {seen.kind}-attention"
+            )
     if forward:
         extra = next(iter(forward.values()))
         raise LayoutError(

@@ -59,25 +59,58 @@ def reinit_(
     """
     _check(module, "reinit_")
     options = ReinitOptions(
-        layers=_fixed(layers), targets=targets, heads=_fixed(heads), attention=attention, stack=stack, mode=mode,
-        strength=strength, value_identity=value_identity, keep_scale=keep_scale, bias=bias, seed=seed, gain=gain, std=std,
+        layers=_fixed(layers),
+        targets=targets,
+        heads=_fixed(heads),
+        attention=attention,
+        stack=stack,
+        mode=mode,
+        strength=strength,
+        value_identity=value_identity,
+        keep_scale=keep_scale,
+        bias=bias,
+        seed=seed,
+        gain=gain,
+        std=std,
     ).validated()
     start = time.perf_counter()
     with unwrapped(module) as inner:  # DDP, torch.compile, PEFT: the model inside, LoRA bases in place
         found = detect_module(inner, hints=Hints(num_heads, num_kv_heads, head_dim), example_inputs=example_inputs)
-        plan = prepare(found.blocks, options, config=getattr(inner, "config", None), shapes={n: tuple(p.shape) for n, p in found.params.items()}, depths=found.depths)
+        plan = prepare(
+            found.blocks,
+            options,
+            config=getattr(inner, "config", None),
+            shapes={n: tuple(p.shape) for n, p in found.params.items()},
+            depths=found.depths,
+        )
         options = plan.options
         device = found.params[plan.changes[0].projection.weight.tensor].device
         engine = Engine(plan, device, seed_names=found.seed_names, whole=full)
         if any_sharded(found.params, engine.tensor_names) and not get_mode(options.mode).sharded:  # FSDP2 / DTensor
-            raise OptionError(f"{opt('mode', options.mode)} on sharded (FSDP2/DTensor) parameters is not supported: reinit before sharding")
+            raise OptionError(
+                f"{opt('mode', options.mode)} on sharded (FSDP2/DTensor) parameters is not supported: reinit before sharding"
+            )
         write_params(engine, found.params)
-    rows = [ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed) for r in engine.ordered_results()]
+    rows = [
+        ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed)
+        for r in engine.ordered_results()
+    ]
     seconds = time.perf_counter() - start
-    notes = _notes(found) + plan.notes + [f"changed {len(engine.tensor_names)} parameters in place in {seconds:.2f} s on {device}"]
+    notes = (
+        _notes(found)
+        + plan.notes
+        + [f"changed {len(engine.tensor_names)} parameters in place in {seconds:.2f} s on {device}"]
+    )
     return Report(
-        "reinit", _label(module), _describe(module), found.blocks, rows, options=options.to_dict(),
-        seconds=seconds, device=str(device), notes=notes,
+        "reinit",
+        _label(module),
+        _describe(module),
+        found.blocks,
+        rows,
+        options=options.to_dict(),
+        seconds=seconds,
+        device=str(device),
+        notes=notes,
     )
 
 
@@ -100,15 +133,28 @@ def inspect_module(
             spectra = inspect_sharded(found.blocks, found.params, first.device, whole=full)
         else:
             with torch.no_grad():
-                spectra = inspect_blocks(found.blocks, lambda name: found.params[name].detach(), first.device, whole=full)
+                spectra = inspect_blocks(
+                    found.blocks, lambda name: found.params[name].detach(), first.device, whole=full
+                )
     rows = [
-        ProjectionRow(block, proj.role, spectra[(block.module, proj.role)], dtype=str(found.params[proj.weight.tensor].dtype).removeprefix("torch."))
+        ProjectionRow(
+            block,
+            proj.role,
+            spectra[(block.module, proj.role)],
+            dtype=str(found.params[proj.weight.tensor].dtype).removeprefix("torch."),
+        )
         for block in found.blocks
         for proj in block.projections
     ]
     return Report(
-        "inspect", _label(module), _describe(module), found.blocks, rows,
-        seconds=time.perf_counter() - start, device=str(first.device), notes=_notes(found),
+        "inspect",
+        _label(module),
+        _describe(module),
+        found.blocks,
+        rows,
+        seconds=time.perf_counter() - start,
+        device=str(first.device),
+        notes=_notes(found),
     )
 
 
@@ -127,7 +173,9 @@ def reinit(model: str | Path, /, **options: Any) -> Report:
     A model in memory is changed in place by :func:`reinit_` instead; the trailing underscore says so.
     """
     if isinstance(model, nn.Module):
-        raise OptionError("surgeon.reinit writes a new checkpoint from a path or Hub id; to change a model in memory, call surgeon.reinit_(model, ...)")
+        raise OptionError(
+            "surgeon.reinit writes a new checkpoint from a path or Hub id; to change a model in memory, call surgeon.reinit_(model, ...)"
+        )
     from .api import reinit_checkpoint
 
     return reinit_checkpoint(model, **options)
@@ -136,7 +184,9 @@ def reinit(model: str | Path, /, **options: Any) -> Report:
 def _check(module: Any, fn: str) -> None:
     if not isinstance(module, nn.Module):
         other = "surgeon.reinit(path)" if fn == "reinit_" else "surgeon.inspect(path)"
-        raise OptionError(f"surgeon.{fn} takes a torch.nn.Module, not {type(module).__name__}; for a checkpoint path or Hub id use {other}")
+        raise OptionError(
+            f"surgeon.{fn} takes a torch.nn.Module, not {type(module).__name__}; for a checkpoint path or Hub id use {other}"
+        )
     refuse_meta(module, fn)
 
 
@@ -163,5 +213,7 @@ def _notes(found: ModuleDetection) -> list[str]:
     for route in found.routes.values():
         by_route[route] = by_route.get(route, 0) + 1
     if by_route.get("forward"):
-        notes.append(f"layout of {by_route['forward']} block(s) read from the module's own forward (which rows reach q, k and v)")
+        notes.append(
+            f"layout of {by_route['forward']} block(s) read from the module's own forward (which rows reach q, k and v)"
+        )
     return notes

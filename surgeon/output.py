@@ -38,7 +38,7 @@ def _onnx_with_data(source: Source) -> bool:
 
 
 def output_kind(source: Source, dest: Path | None = None) -> str:
-    """"file", "folder", or "files": an .onnx with external data written as the file ``dest`` with its
+    """ "file", "folder", or "files": an .onnx with external data written as the file ``dest`` with its
     data files beside it (a folder only when the user names one: a path without the .onnx suffix)."""
     if source.kind == "file":
         return "file"
@@ -55,7 +55,9 @@ def companion_files(source: Source, dest: Path) -> list[Path]:
     return [dest.parent / n for n in renamed_data_files(primary.files[1:], source.path.name, dest.name).values()]
 
 
-def resolve_output(source: Source, output: str | Path | None, *, in_place: bool, overwrite: bool, folder: bool = False) -> Path:
+def resolve_output(
+    source: Source, output: str | Path | None, *, in_place: bool, overwrite: bool, folder: bool = False
+) -> Path:
     """The destination path, after every check that can fail before anything is written.
 
     ``folder``: the output must be a folder (a push), even for an .onnx with external data."""
@@ -63,7 +65,9 @@ def resolve_output(source: Source, output: str | Path | None, *, in_place: bool,
         if output is not None:
             raise OutputError(f"use either {opt('output')} or {opt('in_place', True)}, not both")
         if source.hub_id is not None:
-            raise OutputError(f"{opt('in_place', True)} cannot write into the Hugging Face cache; use {opt('output')} to choose an output folder")
+            raise OutputError(
+                f"{opt('in_place', True)} cannot write into the Hugging Face cache; use {opt('output')} to choose an output folder"
+            )
         from .journal import refuse_second_copies
 
         refuse_second_copies(source)  # e.g. diffusers' fp16 variant beside the full weights: both would have to change
@@ -85,16 +89,24 @@ def resolve_output(source: Source, output: str | Path | None, *, in_place: bool,
             f"give a folder path (e.g. {opt('output', dest.with_suffix(''))}), or give the weight file itself as MODEL"
         )
     if kind == "folder" and dest.is_file():
-        raise OutputError(f"{dest} is a file, but the output of a {source.kind} input is a folder; choose a folder path with {opt('output')}", path=dest)
+        raise OutputError(
+            f"{dest} is a file, but the output of a {source.kind} input is a folder; choose a folder path with {opt('output')}",
+            path=dest,
+        )
     inputs = {source.path.resolve(), source.folder.resolve()} if kind == "folder" else {source.path.resolve()}
     if dest.resolve() in inputs:
-        raise OutputError(f"{dest} is the input; surgeon writes a new copy unless you pass {opt('in_place', True)}", path=dest)
+        raise OutputError(
+            f"{dest} is the input; surgeon writes a new copy unless you pass {opt('in_place', True)}", path=dest
+        )
     if kind == "folder" and source.folder.resolve() in dest.resolve().parents:
         raise OutputError(f"{dest} is inside the input folder {source.folder}; choose an output outside it")
     if dest.resolve() in source.path.resolve().parents:
         raise OutputError(f"{dest} holds the input {source.path}; choose an output that does not contain it")
     if dest.exists() and not overwrite:
-        raise OutputError(f"{dest} already exists; pass {opt('overwrite', True)} to replace it, or choose another path with {opt('output')}", path=dest)
+        raise OutputError(
+            f"{dest} already exists; pass {opt('overwrite', True)} to replace it, or choose another path with {opt('output')}",
+            path=dest,
+        )
     return dest
 
 
@@ -102,11 +114,20 @@ def _check_companions(source: Source, dest: Path, *, overwrite: bool) -> None:
     inputs = {(source.folder / f).resolve() for f in source.primary.all_files}
     for path in companion_files(source, dest):
         if path.resolve() in inputs:
-            raise OutputError(f"{dest} would write its data file {path.name} over the input's; choose another name with {opt('output')}", path=path)
+            raise OutputError(
+                f"{dest} would write its data file {path.name} over the input's; choose another name with {opt('output')}",
+                path=path,
+            )
         if path.exists() and not overwrite:
-            raise OutputError(f"{path} already exists; pass {opt('overwrite', True)} to replace it, or choose another path with {opt('output')}", path=path)
+            raise OutputError(
+                f"{path} already exists; pass {opt('overwrite', True)} to replace it, or choose another path with {opt('output')}",
+                path=path,
+            )
         if path.is_dir():
-            raise OutputError(f"{path} is a folder, and the data file of {dest.name} goes there; choose another path with {opt('output')}", path=path)
+            raise OutputError(
+                f"{path} is a folder, and the data file of {dest.name} goes there; choose another path with {opt('output')}",
+                path=path,
+            )
 
 
 @contextmanager
@@ -207,7 +228,7 @@ def stale_staging(where: Path, name: str) -> list[tuple[Path, str | None]]:
     for p in entries:
         if not p.name.startswith(prefix) or not p.is_dir() or p.is_symlink():
             continue
-        rest = p.name[len(prefix):]
+        rest = p.name[len(prefix) :]
         owned = _OWNED.fullmatch(rest)
         if owned:
             pid, host = int(owned.group(1)), owned.group(2)
@@ -231,7 +252,9 @@ def clean_stale(where: Path, name: str) -> list[str]:
             if not path.exists():
                 continue
             why = "it could not be removed"
-        notes.append(f"left {path} in place ({why}): a temporary folder of an interrupted surgeon run; remove it once no run is writing there")
+        notes.append(
+            f"left {path} in place ({why}): a temporary folder of an interrupted surgeon run; remove it once no run is writing there"
+        )
     return notes
 
 

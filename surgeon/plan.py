@@ -56,7 +56,9 @@ class ReinitOptions:
     """
 
     layers: IndexSpec = _option("all", "Layers to re-initialize, per stack.", spec=True)
-    targets: str | Iterable[str] = _option(("q", "k", "v"), "Projections to re-initialize: any of q,k,v.", shell_default="q,k,v")
+    targets: str | Iterable[str] = _option(
+        ("q", "k", "v"), "Projections to re-initialize: any of q,k,v.", shell_default="q,k,v"
+    )
     heads: IndexSpec = _option("all", "Query heads to re-initialize (K/V: the key/value heads they use).", spec=True)
     attention: str = _option("all", "Self-attention, cross-attention or both.", choices=("self", "cross", "all"))
     stack: str | Iterable[str] | None = _option(
@@ -64,29 +66,42 @@ class ReinitOptions:
     )
     mode: str = _option("conditioned", " ".join(f"{m.name}: {m.help}." for m in all_modes()), choices=MODES)
     strength: float | None = _option(
-        None, "Polar mode: sigma -> sigma^(1-t) for t in (0, 1] (kappa -> kappa^(1-t)). Default 1.", kind=float,
+        None,
+        "Polar mode: sigma -> sigma^(1-t) for t in (0, 1] (kappa -> kappa^(1-t)). Default 1.",
+        kind=float,
         recorded=lambda o: o.get("strength") is not None,
     )
     value_identity: str = _option(
-        "block", "block: the whole value projection is the rectangular identity; per-head: every head is I.",
-        choices=("block", "per-head"), recorded=lambda o: get_mode(o["mode"]).fresh,
+        "block",
+        "block: the whole value projection is the rectangular identity; per-head: every head is I.",
+        choices=("block", "per-head"),
+        recorded=lambda o: get_mode(o["mode"]).fresh,
     )
     keep_scale: bool = _option(False, "Rescale each new head matrix to the original's Frobenius norm.", switch=True)
     bias: str = _option(
-        "auto", "Biases of re-initialized heads. Default: zero for the fresh modes ("
-        + ", ".join(m.name for m in all_modes() if m.fresh) + "), keep for "
-        + ", ".join(m.name for m in all_modes() if not m.fresh) + ".",
-        choices=("zero", "keep"), shell_default=None,
+        "auto",
+        "Biases of re-initialized heads. Default: zero for the fresh modes ("
+        + ", ".join(m.name for m in all_modes() if m.fresh)
+        + "), keep for "
+        + ", ".join(m.name for m in all_modes() if not m.fresh)
+        + ".",
+        choices=("zero", "keep"),
+        shell_default=None,
     )
     seed: int = _option(0, "Random seed; each head's draw depends only on (seed, tensor, head).", kind=int)
     gain: float | None = _option(
-        None, "Conditioned mode: scale of the semi-orthogonal q/k heads (default 1; 0.02 * sqrt(width) matches a "
-        "normal(0, 0.02) init's scale).", kind=float, recorded=lambda o: o.get("gain") is not None,
+        None,
+        "Conditioned mode: scale of the semi-orthogonal q/k heads (default 1; 0.02 * sqrt(width) matches a "
+        "normal(0, 0.02) init's scale).",
+        kind=float,
+        recorded=lambda o: o.get("gain") is not None,
     )
     std: float | None = _option(
-        None, "Redraw mode: std of the normal draws (default: config.json's initializer_range, else 0.02; "
+        None,
+        "Redraw mode: std of the normal draws (default: config.json's initializer_range, else 0.02; "
         "nn.MultiheadAttention tensors use xavier_uniform).",
-        kind=float, recorded=lambda o: o.get("std") is not None,
+        kind=float,
+        recorded=lambda o: o.get("std") is not None,
     )
 
     @classmethod
@@ -100,7 +115,9 @@ class ReinitOptions:
 
     def validated(self) -> ReinitOptions:
         if self.mode not in MODES:
-            raise OptionError(f"unknown mode {self.mode!r}: use " + "; ".join(f"{m.name} ({m.help})" for m in all_modes()))
+            raise OptionError(
+                f"unknown mode {self.mode!r}: use " + "; ".join(f"{m.name} ({m.help})" for m in all_modes())
+            )
         for name, value in (("gain", self.gain), ("std", self.std)):
             if value is None:
                 continue
@@ -110,11 +127,15 @@ class ReinitOptions:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise OptionError(f"{opt(name)} must be a finite number above 0, not {value!r}")
         if self.gain is not None and self.keep_scale:
-            raise OptionError(f"{opt('gain')} and {opt('keep_scale', True)} both set the scale of the new heads: use one of them")
+            raise OptionError(
+                f"{opt('gain')} and {opt('keep_scale', True)} both set the scale of the new heads: use one of them"
+            )
         if self.strength is not None:
             if get_mode(self.mode).option != "strength":
                 owner = owner_of("strength")
-                raise OptionError(f"{opt('strength')} applies to {opt('mode', owner.name if owner else None)} only (the conditioned reset always reaches kappa = 1)")
+                raise OptionError(
+                    f"{opt('strength')} applies to {opt('mode', owner.name if owner else None)} only (the conditioned reset always reaches kappa = 1)"
+                )
             if not 0.0 < float(self.strength) <= 1.0:
                 raise OptionError(f"{opt('strength')} must be in (0, 1], not {self.strength}")
         if self.value_identity not in VALUE_IDENTITIES:
@@ -167,7 +188,9 @@ class Plan:
     options: ReinitOptions
     blocks: list[AttentionBlock]  # everything detected
     changes: list[Change] = field(default_factory=list)
-    outputs: dict[str, tuple[str, bool]] = field(default_factory=dict)  # mimetic: block module -> (W_O tensor, nn.Linear layout)
+    outputs: dict[str, tuple[str, bool]] = field(
+        default_factory=dict
+    )  # mimetic: block module -> (W_O tensor, nn.Linear layout)
     notes: list[str] = field(default_factory=list)  # what the selection skipped or reaches beyond its layers
 
     @property
@@ -191,7 +214,13 @@ class Plan:
         """What surgeon did, for the output's metadata: no paths, no times, so outputs are reproducible."""
         blocks = []
         for block in self.touched_blocks:
-            entry: dict = {"module": block.module, "stack": block.stack, "layer": block.layer, "kind": block.kind, "targets": {}}
+            entry: dict = {
+                "module": block.module,
+                "stack": block.stack,
+                "layer": block.layer,
+                "kind": block.kind,
+                "targets": {},
+            }
             if block.shared_layers:  # one block that these layers all run: every one of them changes
                 entry["shared_layers"] = list(block.shared_layers)
             for c in self.changes:
@@ -200,13 +229,24 @@ class Plan:
             blocks.append(entry)
         from .redact import redact_obj
 
-        record = {"tool": "surgeon", "version": __version__, "method": get_mode(self.options.mode).method, "options": self.options.to_dict(), "blocks": blocks}
+        record = {
+            "tool": "surgeon",
+            "version": __version__,
+            "method": get_mode(self.options.mode).method,
+            "options": self.options.to_dict(),
+            "blocks": blocks,
+        }
         return redact_obj(record)  # never a token, even one typed into an option
 
 
 def prepare(
-    blocks: list[AttentionBlock], options: ReinitOptions, *, config: Any = None, shapes: dict[str, tuple[int, ...]] | None = None,
-    fmt: str = "", depths: dict[str, int] | None = None,
+    blocks: list[AttentionBlock],
+    options: ReinitOptions,
+    *,
+    config: Any = None,
+    shapes: dict[str, tuple[int, ...]] | None = None,
+    fmt: str = "",
+    depths: dict[str, int] | None = None,
 ) -> Plan:
     """The one planning step of every entry point (checkpoints, verify, models in memory, init hooks).
 
@@ -218,7 +258,9 @@ def prepare(
     options = options.validated()
     mode = get_mode(options.mode)
     if fmt == "onnx" and not mode.onnx:
-        raise OptionError(f"{opt('mode', mode.name)} is not supported on ONNX graphs: use a safetensors/PyTorch checkpoint")
+        raise OptionError(
+            f"{opt('mode', mode.name)} is not supported on ONNX graphs: use a safetensors/PyTorch checkpoint"
+        )
     plan = make_plan(blocks, mode.with_defaults(options, config), depths)
     mode.add_outputs(plan, shapes or {})
     return plan
@@ -246,7 +288,9 @@ def make_plan(blocks: list[AttentionBlock], options: ReinitOptions, depths: Mapp
         stacks = list(dict.fromkeys(b.stack for b in blocks))
         unknown = [w for w in wanted if not any(_stack_matches(s, [w]) for s in stacks)]
         if unknown:
-            raise SelectionError(f"no stack named {unknown[0]!r}: this model's stacks are {', '.join(s or '(top level)' for s in stacks)}")
+            raise SelectionError(
+                f"no stack named {unknown[0]!r}: this model's stacks are {', '.join(s or '(top level)' for s in stacks)}"
+            )
         chosen = [b for b in chosen if _stack_matches(b.stack, wanted)]
     if not chosen:
         raise SelectionError(f"no {options.attention}-attention blocks in this model (it has {_kinds_present(blocks)})")
@@ -255,7 +299,10 @@ def make_plan(blocks: list[AttentionBlock], options: ReinitOptions, depths: Mapp
     for b in chosen:
         by_stack.setdefault(b.stack, []).append(b)
     what = "attention" if options.attention == "all" else f"{options.attention}-attention"
-    picks = {s: _pick_layers(s, members, blocks, depths or {}, options.layers, len(by_stack) > 1, what) for s, members in by_stack.items()}
+    picks = {
+        s: _pick_layers(s, members, blocks, depths or {}, options.layers, len(by_stack) > 1, what)
+        for s, members in by_stack.items()
+    }
     if not any(isinstance(p, set) for p in picks.values()):
         raise next(iter(picks.values()))  # type: ignore[misc]  # no stack has the selected layers: the first reason
     for stack, members in by_stack.items():
@@ -268,7 +315,9 @@ def make_plan(blocks: list[AttentionBlock], options: ReinitOptions, depths: Mapp
         for block in members:
             if not layers & set(block.users):
                 continue
-            q_heads = resolve_indices(options.heads, block.heads, what="head", where=f"{block.module} ({block.heads} heads)")
+            q_heads = resolve_indices(
+                options.heads, block.heads, what="head", where=f"{block.module} ({block.heads} heads)"
+            )
             for role in targets:
                 heads = q_heads if role == "q" else _kv_heads(block, q_heads, role)
                 if heads:
@@ -283,8 +332,15 @@ def make_plan(blocks: list[AttentionBlock], options: ReinitOptions, depths: Mapp
 _PICK_A_STACK = f" (pick a stack with {opt('stack')})"
 
 
-def _pick_layers(stack: str, members: list[AttentionBlock], blocks: list[AttentionBlock], depths: Mapping[str, int],
-                 spec: IndexSpec, several: bool, what: str) -> set[int] | SelectionError:
+def _pick_layers(
+    stack: str,
+    members: list[AttentionBlock],
+    blocks: list[AttentionBlock],
+    depths: Mapping[str, int],
+    spec: IndexSpec,
+    several: bool,
+    what: str,
+) -> set[int] | SelectionError:
     """The selected layers of ``stack``, or why it has none (the error to raise if no stack has any)."""
     depth = max([depths.get(stack, 0)] + [max(b.users) + 1 for b in blocks if b.stack == stack])
     where = f"{stack or 'the model'}" + (_PICK_A_STACK if several else "")
@@ -301,14 +357,18 @@ def _pick_layers(stack: str, members: list[AttentionBlock], blocks: list[Attenti
     return layers
 
 
-def _note_layers(plan: Plan, stack: str, members: list[AttentionBlock], layers: set[int], spec: IndexSpec, what: str) -> None:
+def _note_layers(
+    plan: Plan, stack: str, members: list[AttentionBlock], layers: set[int], spec: IndexSpec, what: str
+) -> None:
     """Say which selected layers have no attention, and which shared blocks change several layers."""
     attended = {layer for b in members for layer in b.users}
     without = sorted(layers - attended)
     if without and not _is_all(spec):
         plan.notes.append(
             f"layer{'s' if len(without) > 1 else ''} {format_indices(without)} of {stack or 'the model'} "
-            f"{'have' if len(without) > 1 else 'has'} no {what}" + (" (e.g. Mamba, convolution or recurrent layers)" if what == "attention" else "") + ": skipped"
+            f"{'have' if len(without) > 1 else 'has'} no {what}"
+            + (" (e.g. Mamba, convolution or recurrent layers)" if what == "attention" else "")
+            + ": skipped"
         )
     for block in members:
         if len(block.users) > 1 and layers & set(block.users):

@@ -20,7 +20,11 @@ def points(report) -> list[tuple[str, int, str, float, bool]]:
     for r in report.rows:
         for which, spectrum in (("before", r.before), ("after", r.after)):
             if spectrum is not None:
-                out += [(r.role, blocks.index(r.block.module), which, k, r.after is not None) for k in spectrum.head_kappas if math.isfinite(k)]
+                out += [
+                    (r.role, blocks.index(r.block.module), which, k, r.after is not None)
+                    for k in spectrum.head_kappas
+                    if math.isfinite(k)
+                ]
     return out
 
 
@@ -44,15 +48,22 @@ def plot_kappas(report, path: str | Path, *, title: str | None = None) -> Path:
     if path.suffix.lower() != ".png":
         raise OptionError(f"{opt('plot')} writes a PNG: give a FILE.png, not {path.name}")
     blocks = list(dict.fromkeys(r.block.module for r in report.rows))
-    label = {r.block.module: r.block.label + (' cross' if r.block.kind == 'cross' else '') for r in report.rows}
+    label = {r.block.module: r.block.label + (" cross" if r.block.kind == "cross" else "") for r in report.rows}
     fig, axes = plt.subplots(1, 3, figsize=(max(9.0, 1.0 + 0.55 * len(blocks) * 3), 3.6), sharey=True, squeeze=False)
     pts = points(report)
     for ax, role in zip(axes[0], ROLES):
         for which, colour, offset in (("before", "0.55", -0.12), ("after", "C0", 0.12)):
             mine = [(x, k, moved) for r, x, w, k, moved in pts if r == role and w == which]
             if mine:
-                ax.scatter([x + (offset if moved else 0.0) for x, _, moved in mine], [k for _, k, _ in mine], s=10, c=colour, alpha=0.7,
-                           label=which, linewidths=0)
+                ax.scatter(
+                    [x + (offset if moved else 0.0) for x, _, moved in mine],
+                    [k for _, k, _ in mine],
+                    s=10,
+                    c=colour,
+                    alpha=0.7,
+                    label=which,
+                    linewidths=0,
+                )
         ax.set_title(f"{NAMES[role]} ({role})")
         ax.set_yscale("log")
         ax.set_xticks(range(len(blocks)))
@@ -64,7 +75,12 @@ def plot_kappas(report, path: str | Path, *, title: str | None = None) -> Path:
     if any(r.after is not None for r in report.rows):
         axes[0][0].legend(fontsize=8)  # labels once per panel: only the first panel shows them
     name = "/".join(Path(str(report.source)).parts[-2:])  # not the whole local path
-    fig.suptitle(title or f"{name}: per-head kappa by attention block" + (" (before -> after)" if any(r.after is not None for r in report.rows) else ""), fontsize=10)
+    fig.suptitle(
+        title
+        or f"{name}: per-head kappa by attention block"
+        + (" (before -> after)" if any(r.after is not None for r in report.rows) else ""),
+        fontsize=10,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

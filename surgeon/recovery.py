@@ -55,7 +55,9 @@ def refuse_journals(path: Path, *, unfinished: bool = False) -> None:
     target = journal.parent / key
     more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
     if locks.is_held(target):
-        raise OutputError(f"an in-place run is patching {target} right now (journal {journal.name}{more}); run this again when it has finished")
+        raise OutputError(
+            f"an in-place run is patching {target} right now (journal {journal.name}{more}); run this again when it has finished"
+        )
     raise CheckpointError(
         f"{journal}{more} is left by an in-place run on {target} that did not finish, so the weights may be half-patched; "
         f"run `surgeon recover {target}` first (it checks the journal, then rolls back)",
@@ -95,19 +97,27 @@ def read_small(path: Path) -> bytes:
 def checkpoint_files(folder: Path, key: str) -> list[str]:
     """The weight files of the checkpoint ``key``: itself, or the shards its own index names (plain names)."""
     if not os.path.lexists(folder / key):
-        raise CheckpointError(f"a journal in {folder} belongs to {key}, which is missing; restore {key} or delete the journal")
+        raise CheckpointError(
+            f"a journal in {folder} belongs to {key}, which is missing; restore {key} or delete the journal"
+        )
     if not key.endswith(INDEX_SUFFIX):
         if not key.endswith(".safetensors"):
-            raise CheckpointError(f"a journal in {folder} names {key}, which is not a safetensors checkpoint; surgeon never wrote it")
+            raise CheckpointError(
+                f"a journal in {folder} names {key}, which is not a safetensors checkpoint; surgeon never wrote it"
+            )
         return [key]
     try:
         weight_map = json.loads(read_small(folder / key))["weight_map"]
         shards = sorted(set(weight_map.values()))
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
-        raise CheckpointError(f"cannot read index {folder / key}: expected JSON with a 'weight_map'", path=folder / key) from None
+        raise CheckpointError(
+            f"cannot read index {folder / key}: expected JSON with a 'weight_map'", path=folder / key
+        ) from None
     for shard in shards:
         if not (isinstance(shard, str) and shard.endswith(".safetensors") and "/" not in shard and "\\" not in shard):
-            raise CheckpointError(f"index {folder / key} names {str(shard)[:80]!r}, which is not a safetensors file beside it")
+            raise CheckpointError(
+                f"index {folder / key} names {str(shard)[:80]!r}, which is not a safetensors file beside it"
+            )
         if not os.path.lexists(folder / shard):
             raise CheckpointError(f"missing shard {shard}: {key} lists it but it is not in {folder}")
     return shards
@@ -138,7 +148,9 @@ def recover(path: str | Path, *, own: bool = False) -> list[str]:
                     notes.append(f"removed {journal.name}, left by an in-place run that died before patching anything")
                 elif os.path.lexists(journal):
                     restored = apply(folder, key, journal, files)
-                    notes.append(f"rolled back an interrupted in-place run: {', '.join(restored)} in {folder} are as they were before it")
+                    notes.append(
+                        f"rolled back an interrupted in-place run: {', '.join(restored)} in {folder} are as they were before it"
+                    )
         except locks.Busy:
             notes.append(f"an in-place run on {folder / key} is in progress (journal {journal.name}); not touched")
     return notes
@@ -189,8 +201,16 @@ def _meta_limit(folder: Path, files: list[str]) -> int:
     return 65536 + entries * (128 + max(map(len, files)))
 
 
-def _check_identity(journal: Path, folder: Path, key: str, meta: dict, idents: dict[str, dict], fds: dict[str, int],
-                    headers: dict[str, Header], ranges: list[jf.Range]) -> None:
+def _check_identity(
+    journal: Path,
+    folder: Path,
+    key: str,
+    meta: dict,
+    idents: dict[str, dict],
+    fds: dict[str, int],
+    headers: dict[str, Header],
+    ranges: list[jf.Range],
+) -> None:
     """The files are those the journal was written for, with the headers they had (or the new ones it wrote)."""
     index = hashlib.sha256(read_small(folder / key)).hexdigest() if key.endswith(INDEX_SUFFIX) else None
     if meta.get("index_sha256") != index:
@@ -199,7 +219,10 @@ def _check_identity(journal: Path, folder: Path, key: str, meta: dict, idents: d
     for name, ident in idents.items():
         st = os.fstat(fds[name])
         if (st.st_size, st.st_dev, st.st_ino) != (ident["size"], ident["dev"], ident["ino"]):
-            raise jf.refuse(journal, f"{name} is not the file it was written for (its size, device or inode differ: saved again since?)")
+            raise jf.refuse(
+                journal,
+                f"{name} is not the file it was written for (its size, device or inode differ: saved again since?)",
+            )
         if name not in header_ranges:
             now = hashlib.sha256(os.pread(fds[name], headers[name].data_start, 0)).hexdigest()
             if now != ident["header_sha256"]:

@@ -48,7 +48,9 @@ def table(headers: list[str], rows: list[list[str]], right: frozenset[int] | set
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
 
     def line(cells):
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        return "  ".join(
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
 
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
@@ -146,7 +148,9 @@ class Report:
             parts.append(spell(self._legend(), spelling))
         parts += [f"note: {spell(n, spelling)}" for n in self.nonfinite_notes() + self.notes]
         if self.command == "reinit" and not self.dry_run and self.output:
-            parts.append(f"wrote {self.output} ({fmt_bytes(self.bytes_written)}) in {self.seconds:.2f} s on {self.device}")
+            parts.append(
+                f"wrote {self.output} ({fmt_bytes(self.bytes_written)}) in {self.seconds:.2f} s on {self.device}"
+            )
         if self.jacobian is not None:
             parts.append(self.jacobian.render())
         return "\n\n".join(p for p in parts if p)
@@ -167,7 +171,9 @@ class Report:
     def _legend(self) -> str:
         o = self.options or {}
         text = "head kappa: condition number of each head's own matrix, min/median/max over the heads" + (
-            "; kappa: of the whole projection, all heads stacked." if self._whole_measured() else f" ({opt('full', True)} adds the whole projection's)."
+            "; kappa: of the whole projection, all heads stacked."
+            if self._whole_measured()
+            else f" ({opt('full', True)} adds the whole projection's)."
         )
         legend = get_mode(str(o["mode"])).legend(o) if o.get("mode") in MODES else ""
         if legend:
@@ -182,7 +188,9 @@ class Report:
         o = self.options or {}
         what = "plan (dry run, nothing written)" if self.dry_run else "re-initialized"
         mode = get_mode(str(o["mode"])).summary(o, self.blocks) if o.get("mode") in MODES else str(o.get("mode"))
-        extras = f"mode {mode}, bias {o.get('bias')}, seed {o.get('seed')}" + (", keep scale" if o.get("keep_scale") else "")
+        extras = f"mode {mode}, bias {o.get('bias')}, seed {o.get('seed')}" + (
+            ", keep scale" if o.get("keep_scale") else ""
+        )
         touched = len({r.block.module for r in self.rows})
         return f"{head}\n{what}: {_count(len(self.rows), 'projection')} in {_count(touched, 'block')}; {extras}"
 
@@ -192,8 +200,23 @@ class Report:
             groups.setdefault((b.stack, b.kind, b.layout, b.heads, b.kv_heads, b.head_dim), []).append(b)
         rows = []
         for (stack, kind, layout, heads, kv, d), members in groups.items():
-            rows.append([stack or "(top)", kind, format_indices(sorted({n for b in members for n in b.users})), str(heads), str(kv), str(d), layout, _tensor_names(members[0])])
-        return table(["stack", "kind", "layers", "heads", "kv", "head_dim", "layout", "tensors (first layer)"], rows, right={3, 4, 5})
+            rows.append(
+                [
+                    stack or "(top)",
+                    kind,
+                    format_indices(sorted({n for b in members for n in b.users})),
+                    str(heads),
+                    str(kv),
+                    str(d),
+                    layout,
+                    _tensor_names(members[0]),
+                ]
+            )
+        return table(
+            ["stack", "kind", "layers", "heads", "kv", "head_dim", "layout", "tensors (first layer)"],
+            rows,
+            right={3, 4, 5},
+        )
 
     def _whole_measured(self) -> bool:
         """Whether any whole-projection kappa was measured (--full); if not, those columns are left out."""
@@ -204,9 +227,13 @@ class Report:
         for r in self.rows:
             proj = r.block.projection(r.role)
             cells = _spec_cells(r.before)
-            rows.append([_where(r.block), r.role, f"{proj.heads}x{proj.head_dim}", r.dtype, *(cells if whole else cells[1:2])])
+            rows.append(
+                [_where(r.block), r.role, f"{proj.heads}x{proj.head_dim}", r.dtype, *(cells if whole else cells[1:2])]
+            )
         if whole:
-            return table(["block", "proj", "heads", "dtype", "kappa", "head kappa min/med/max", "||W||2"], rows, right={4, 6})
+            return table(
+                ["block", "proj", "heads", "dtype", "kappa", "head kappa min/med/max", "||W||2"], rows, right={4, 6}
+            )
         return table(["block", "proj", "heads", "dtype", "head kappa min/med/max"], rows)
 
     def _plan_table(self) -> str:
@@ -214,7 +241,15 @@ class Report:
         for r in self.rows:
             proj = r.block.projection(r.role)
             heads = "all" if len(r.heads_changed) == proj.heads else format_indices(r.heads_changed)
-            rows.append([_where(r.block), r.role, proj.weight.tensor, f"{heads} of {proj.heads}", "yes" if r.bias_zeroed else "no"])
+            rows.append(
+                [
+                    _where(r.block),
+                    r.role,
+                    proj.weight.tensor,
+                    f"{heads} of {proj.heads}",
+                    "yes" if r.bias_zeroed else "no",
+                ]
+            )
         return table(["block", "proj", "tensor", "heads", "zero bias"], rows)
 
     def _reinit_table(self) -> str:
@@ -224,7 +259,9 @@ class Report:
             heads = "all" if len(r.heads_changed) == proj.heads else format_indices(r.heads_changed)
             b, a = _spec_cells(r.before), _spec_cells(r.after)
             if whole:
-                rows.append([_where(r.block), r.role, heads, f"{b[0]} -> {a[0]}", f"{b[1]} -> {a[1]}", f"{b[2]} -> {a[2]}"])
+                rows.append(
+                    [_where(r.block), r.role, heads, f"{b[0]} -> {a[0]}", f"{b[1]} -> {a[1]}", f"{b[2]} -> {a[2]}"]
+                )
             else:
                 rows.append([_where(r.block), r.role, heads, f"{b[1]} -> {a[1]}"])
         if whole:
@@ -242,7 +279,8 @@ def _where(block: AttentionBlock) -> str:
 
 def _tensor_names(block: AttentionBlock) -> str:
     names = block.tensors()
-    owner = block.module.partition(":")[0].partition("[")[0]  # a second stream (":context") or set ("[global]") of the module
+    owner = block.module.partition(":")[0].partition("[")[
+        0
+    ]  # a second stream (":context") or set ("[global]") of the module
     prefix = owner + "." if owner else ""
     return ", ".join(n.removeprefix(prefix) for n in names)
-

@@ -165,7 +165,11 @@ def _open_folder(folder: Path) -> Source:
             sets.append(fmt.open(folder, files))
     sets += _variant_indexes(folder, top, sets)
     if not sets and (folder / "model_index.json").is_file():
-        parts = sorted(p.name for p in folder.iterdir() if p.is_dir() and any(f.suffix in (".safetensors", ".bin") for f in p.iterdir()))
+        parts = sorted(
+            p.name
+            for p in folder.iterdir()
+            if p.is_dir() and any(f.suffix in (".safetensors", ".bin") for f in p.iterdir())
+        )
         raise CheckpointError(
             f"{folder} is a diffusers pipeline (model_index.json): point surgeon at one of its components "
             f"({', '.join(f'{folder / p}' for p in parts) or 'none holds weights'})",
@@ -183,7 +187,9 @@ def _open_folder(folder: Path) -> Source:
         rel = p.relative_to(folder)
         if rel.parts[0] in SKIP_DIRS or not p.is_file() or str(rel) in weight_files:
             continue
-        if rel.parts[0].endswith((".surgeon-tmp", ".surgeon-old", ".surgeon-journal", ".surgeon-journal.tmp")):  # a run's leftovers
+        if rel.parts[0].endswith(
+            (".surgeon-tmp", ".surgeon-old", ".surgeon-journal", ".surgeon-journal.tmp")
+        ):  # a run's leftovers
             continue
         if (
             (len(rel.parts) > 1 and rel.parts[0] in STALE_WEIGHT_DIRS)
@@ -196,5 +202,7 @@ def _open_folder(folder: Path) -> Source:
     notes = []
     if stale:
         names = ", ".join(dict.fromkeys(stale))
-        notes.append(f"left out other copies of the weights that surgeon does not rewrite here: {names} (re-export them from the output)")
+        notes.append(
+            f"left out other copies of the weights that surgeon does not rewrite here: {names} (re-export them from the output)"
+        )
     return Source(folder, "folder", sets, extra_files=extras, notes=notes)

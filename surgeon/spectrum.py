@@ -69,5 +69,3 @@ def _finite(x: float | None) -> float | str | None:
     if x is None or math.isfinite(x):
         return x
     return "nan" if math.isnan(x) else "inf"
-
-

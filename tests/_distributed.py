@@ -24,7 +24,9 @@ SEED = 3
 
 def spawn(worker, world: int, tmp_path: Path, *args, timeout: float = 600.0) -> None:
     store = tmp_path / f"store-{worker.__name__}-{world}"
-    ctx = mp.start_processes(_entry, args=(worker, world, str(store), args), nprocs=world, join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _entry, args=(worker, world, str(store), args), nprocs=world, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
@@ -42,7 +44,9 @@ def _entry(rank: int, worker, world: int, store: str, args) -> None:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
+    )
     try:
         worker(rank, world, *args)
     finally:
@@ -62,8 +66,16 @@ def make(family: str):
 def large_config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=16384, hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
-                       num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    return LlamaConfig(
+        vocab_size=16384,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
 
 
 def tokens(family: str) -> torch.Tensor:
@@ -83,7 +95,9 @@ def full_state(model) -> dict[str, torch.Tensor]:
 
 def report_rows(report) -> list:
     data = report.to_dict()
-    return {k: data[k] for k in ("blocks", "projections", "options", "device")}  # not the timing, nor the wrapper's class name
+    return {
+        k: data[k] for k in ("blocks", "projections", "options", "device")
+    }  # not the timing, nor the wrapper's class name
 
 
 # --------------------------------------------------------------------------- workers
@@ -106,8 +120,16 @@ def fsdp_worker(rank: int, world: int, out: str, families: list[str]) -> None:
         with torch.no_grad():
             logits = model(tokens(family)).logits
         inspected = surgeon.inspect(model)
-        torch.save({"state": full_state(model), "report": report_rows(report), "inspect": report_rows(inspected), "logits": logits,
-                    "printed": str(report) if rank == 0 else None}, Path(out) / f"fsdp-{family}-{rank}.pt")
+        torch.save(
+            {
+                "state": full_state(model),
+                "report": report_rows(report),
+                "inspect": report_rows(inspected),
+                "logits": logits,
+                "printed": str(report) if rank == 0 else None,
+            },
+            Path(out) / f"fsdp-{family}-{rank}.pt",
+        )
 
 
 def dtensor_worker(rank: int, world: int, out: str, families: list[str]) -> None:
@@ -125,8 +147,10 @@ def dtensor_worker(rank: int, world: int, out: str, families: list[str]) -> None
                 placement = Shard(1) if p.dim() == 2 else Replicate()
                 mod.register_parameter(name, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [placement])))
         report = surgeon.reinit_(model, seed=SEED, layers="0-")
-        torch.save({"state": {n: p.full_tensor() for n, p in model.named_parameters()}, "report": report_rows(report)},
-                   Path(out) / f"dtensor-{family}-{rank}.pt")
+        torch.save(
+            {"state": {n: p.full_tensor() for n, p in model.named_parameters()}, "report": report_rows(report)},
+            Path(out) / f"dtensor-{family}-{rank}.pt",
+        )
 
 
 def ddp_worker(rank: int, world: int, out: str, families: list[str]) -> None:
@@ -138,7 +162,9 @@ def ddp_worker(rank: int, world: int, out: str, families: list[str]) -> None:
     for family in families:
         model = make(family)
         ddp = DDP(model)  # DDP broadcasts rank 0's weights here, once
-        with torch.no_grad():  # then let the attention projections drift apart per rank: reinit_ must not need a broadcast
+        with (
+            torch.no_grad()
+        ):  # then let the attention projections drift apart per rank: reinit_ must not need a broadcast
             for name, p in model.named_parameters():
                 if any(k in name for k in ("q_proj", "k_proj", "v_proj", "c_attn")):
                     p.add_(float(rank))
@@ -148,7 +174,10 @@ def ddp_worker(rank: int, world: int, out: str, families: list[str]) -> None:
         x = tokens(family)
         ddp(x, labels=x).loss.backward()
         opt.step()
-        torch.save({"state": after, "stepped": full_state(model), "report": report_rows(report)}, Path(out) / f"ddp-{family}-{rank}.pt")
+        torch.save(
+            {"state": after, "stepped": full_state(model), "report": report_rows(report)},
+            Path(out) / f"ddp-{family}-{rank}.pt",
+        )
 
 
 def _hwm_kb() -> tuple[int, int]:
@@ -187,4 +216,7 @@ def memory_worker(rank: int, world: int, out: str, checkpoint: str) -> None:
     surgeon.reinit_(model, seed=SEED)
     hwm1, _ = _hwm_kb()
     state = {n: p.full_tensor() for n, p in model.named_parameters()}
-    torch.save({"state": state, "extra_peak": (hwm1 - rss0) * 1024, "shard_bytes": shard_bytes}, Path(out) / f"memory-{rank}.pt")
+    torch.save(
+        {"state": state, "extra_peak": (hwm1 - rss0) * 1024, "shard_bytes": shard_bytes},
+        Path(out) / f"memory-{rank}.pt",
+    )

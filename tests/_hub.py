@@ -125,11 +125,17 @@ class Surgeon:
     def __init__(self, cwd: Path, endpoint: str) -> None:
         self.cwd = cwd
         self.hf_home = cwd / "hf-home"
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING")) and "proxy" not in k.lower()}
+        self.env = {
+            k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING")) and "proxy" not in k.lower()
+        }
         self.env.update(
-            HF_HOME=str(self.hf_home), HF_ENDPOINT=endpoint, HF_HUB_OFFLINE="0",
+            HF_HOME=str(self.hf_home),
+            HF_ENDPOINT=endpoint,
+            HF_HUB_OFFLINE="0",
             # The loopback Hub speaks the LFS protocol, not Xet's: the client's documented switch to LFS.
-            HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1", NO_PROXY="127.0.0.1,localhost",
+            HF_HUB_DISABLE_XET="1",
+            HF_HUB_DISABLE_TELEMETRY="1",
+            NO_PROXY="127.0.0.1,localhost",
         )
 
     def _env(self, token: str | None, offline: bool) -> dict:
@@ -140,8 +146,12 @@ class Surgeon:
 
     def __call__(self, *args, ok: bool = True, token: str | None = None, offline: bool = False) -> Run:
         proc = subprocess.run(
-            [sys.executable, "-m", "surgeon", *map(str, args)], cwd=self.cwd, env=self._env(token, offline),
-            capture_output=True, text=True, timeout=300,
+            [sys.executable, "-m", "surgeon", *map(str, args)],
+            cwd=self.cwd,
+            env=self._env(token, offline),
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         run = Run(proc.returncode, proc.stdout, proc.stderr)
         if ok and run.rc != 0:
@@ -151,8 +161,13 @@ class Surgeon:
     def many(self, *calls: list, token: str | None = None, offline: bool = False) -> list[Run]:
         """Several ``surgeon`` commands, one after the other, in one fresh process with this environment."""
         proc = subprocess.run(
-            [sys.executable, "-c", _MANY], cwd=self.cwd, env=self._env(token, offline), capture_output=True, text=True,
-            input=json.dumps([[str(a) for a in call] for call in calls]), timeout=600,
+            [sys.executable, "-c", _MANY],
+            cwd=self.cwd,
+            env=self._env(token, offline),
+            capture_output=True,
+            text=True,
+            input=json.dumps([[str(a) for a in call] for call in calls]),
+            timeout=600,
         )
         assert proc.returncode == 0 and "\0" in proc.stdout, proc.stderr
         return [Run(*r) for r in json.loads(proc.stdout.rsplit("\0", 1)[1])]
@@ -190,7 +205,11 @@ sys.stdout.write("\0" + json.dumps(results))
 
 
 def digest(folder: Path) -> dict[str, str]:
-    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def all_text_under(folder: Path) -> str:

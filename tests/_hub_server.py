@@ -28,7 +28,20 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import yaml
 
 # The Hub's default .gitattributes: these names (and anything of 10 MB or more) are stored in LFS.
-LFS_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.onnx", "*.h5", "*.msgpack", "*.model", "*.ot", "*.npz", "*.zip")
+LFS_PATTERNS = (
+    "*.safetensors",
+    "*.bin",
+    "*.pt",
+    "*.pth",
+    "*.ckpt",
+    "*.onnx",
+    "*.h5",
+    "*.msgpack",
+    "*.model",
+    "*.ot",
+    "*.npz",
+    "*.zip",
+)
 LFS_MIN_SIZE = 10 * 1024 * 1024
 GITATTRIBUTES = "".join(f"{p} filter=lfs diff=lfs merge=lfs -text\n" for p in LFS_PATTERNS).encode()
 
@@ -121,8 +134,16 @@ class HubServer:
     def add_token(self, token: str, user: str, orgs: tuple[str, ...] = ()) -> None:
         self.tokens[token] = (user, set(orgs))
 
-    def add_model(self, repo_id: str, files: dict[str, bytes] | Path, *, private: bool = False, gated: bool = False,
-                  branch: str = "main", message: str = "add model") -> str:
+    def add_model(
+        self,
+        repo_id: str,
+        files: dict[str, bytes] | Path,
+        *,
+        private: bool = False,
+        gated: bool = False,
+        branch: str = "main",
+        message: str = "add model",
+    ) -> str:
         """Create (or add a commit to) a repo holding ``files`` (a dict, or every file of a folder)."""
         if isinstance(files, Path):
             files = {p.relative_to(files).as_posix(): p.read_bytes() for p in sorted(files.rglob("*")) if p.is_file()}
@@ -137,14 +158,30 @@ class HubServer:
                     self.lfs[sha256(content)] = content
             return self._commit(repo, branch, merged, message, "", base)
 
-    def fail(self, method: str, path_pattern: str, *, status: int = 507, times: int | None = 1, message: str = "simulated failure",
-             echo_auth: bool = False) -> None:
+    def fail(
+        self,
+        method: str,
+        path_pattern: str,
+        *,
+        status: int = 507,
+        times: int | None = 1,
+        message: str = "simulated failure",
+        echo_auth: bool = False,
+    ) -> None:
         """Answer the next ``times`` matching requests (None: all of them) with ``status``.
 
         ``echo_auth``: the error message quotes the request's Authorization header after ``message``, as
         careless servers and proxies do (``rejected credentials Bearer hf_...``)."""
-        self.faults.append({"method": method, "pattern": re.compile(path_pattern), "status": status, "times": times, "message": message,
-                            "echo_auth": echo_auth})
+        self.faults.append(
+            {
+                "method": method,
+                "pattern": re.compile(path_pattern),
+                "status": status,
+                "times": times,
+                "message": message,
+                "echo_auth": echo_auth,
+            }
+        )
 
     def files(self, repo_id: str, revision: str = "main") -> dict[str, bytes]:
         repo = self.repos[repo_id]
@@ -161,8 +198,13 @@ class HubServer:
 
     def lfs_uploads(self) -> list[str]:
         """sha256 of every large file that arrived through an LFS upload (basic or multipart)."""
-        return [r.path.split("/")[2] for r in self.requests if r.path.startswith("/__lfs/") and r.status == 200
-                and ((r.method == "PUT" and r.path.count("/") == 2) or r.path.endswith("/complete"))]
+        return [
+            r.path.split("/")[2]
+            for r in self.requests
+            if r.path.startswith("/__lfs/")
+            and r.status == 200
+            and ((r.method == "PUT" and r.path.count("/") == 2) or r.path.endswith("/complete"))
+        ]
 
     # --- state ---------------------------------------------------------------------------------
     def _create(self, repo_id: str, *, private: bool) -> Repo:
@@ -171,7 +213,9 @@ class HubServer:
         self._commit(repo, "main", {".gitattributes": GITATTRIBUTES}, "initial commit", "", None)
         return repo
 
-    def _commit(self, repo: Repo, branch: str, files: dict[str, bytes], message: str, description: str, parent: str | None) -> str:
+    def _commit(
+        self, repo: Repo, branch: str, files: dict[str, bytes], message: str, description: str, parent: str | None
+    ) -> str:
         digest = hashlib.sha1(f"{repo.repo_id}\0{parent}\0{message}\0{next(self._counter)}".encode())
         for path in sorted(files):
             digest.update(path.encode() + b"\0" + hashlib.sha1(files[path]).digest())
@@ -315,7 +359,12 @@ def route(hub: HubServer, method: str, path: str, req: Seen):
         return create_repo(hub, req)
     if parts == ["api", "validate-yaml"] and method == "POST":
         return validate_yaml(hub, req)
-    if len(parts) == 6 and parts[2:] == ["info", "lfs", "objects", "batch"] and parts[1].endswith(".git") and method == "POST":
+    if (
+        len(parts) == 6
+        and parts[2:] == ["info", "lfs", "objects", "batch"]
+        and parts[1].endswith(".git")
+        and method == "POST"
+    ):
         return lfs_batch(hub, f"{parts[0]}/{parts[1].removesuffix('.git')}", req)
     if parts[0] == "__lfs":
         return lfs_transfer(hub, method, parts[1:], req)
@@ -338,7 +387,11 @@ def _readable(hub: HubServer, repo_id: str, req: Seen) -> Repo:
         raise _error(401 if req.user is None else 404, "Repository not found", "RepoNotFound")
     if repo.gated and not _owner_of(hub, repo_id, req.user) and req.user not in repo.gated_allowed:
         status = 401 if req.user is None else 403
-        raise _error(status, f"Access to model {repo_id} is restricted. You must have access to it and be authenticated to access it.", "GatedRepo")
+        raise _error(
+            status,
+            f"Access to model {repo_id} is restricted. You must have access to it and be authenticated to access it.",
+            "GatedRepo",
+        )
     return repo
 
 
@@ -365,10 +418,19 @@ def model_info(hub: HubServer, repo_id: str, revision: str, req: Seen) -> dict:
         m = re.match(r"^---\n(.*?)\n---", files["README.md"].decode(errors="replace"), re.S)
         card = (yaml.safe_load(m.group(1)) or {}) if m else {}
     info = {
-        "_id": hashlib.md5(repo_id.encode()).hexdigest()[:24], "id": repo_id, "modelId": repo_id, "author": repo_id.split("/")[0],
-        "sha": oid, "private": repo.private, "gated": "auto" if repo.gated else False, "disabled": False,
-        "tags": list(card.get("tags") or []), "library_name": card.get("library_name"), "cardData": card or None,
-        "siblings": [{"rfilename": p} for p in sorted(files)], "lastModified": "2026-01-01T00:00:00.000Z",
+        "_id": hashlib.md5(repo_id.encode()).hexdigest()[:24],
+        "id": repo_id,
+        "modelId": repo_id,
+        "author": repo_id.split("/")[0],
+        "sha": oid,
+        "private": repo.private,
+        "gated": "auto" if repo.gated else False,
+        "disabled": False,
+        "tags": list(card.get("tags") or []),
+        "library_name": card.get("library_name"),
+        "cardData": card or None,
+        "siblings": [{"rfilename": p} for p in sorted(files)],
+        "lastModified": "2026-01-01T00:00:00.000Z",
         "createdAt": "2026-01-01T00:00:00.000Z",
     }
     if hub.echo_auth_in:
@@ -394,7 +456,7 @@ def tree(hub: HubServer, repo_id: str, revision: str, prefix: str, req: Seen) ->
     for path in sorted(files):
         if not path.startswith(base):
             continue
-        rest = path[len(base):]
+        rest = path[len(base) :]
         if "/" in rest:
             for i, _ in enumerate(rest.split("/")[:-1]):
                 d = base + "/".join(rest.split("/")[: i + 1])
@@ -416,7 +478,12 @@ def resolve_file(hub: HubServer, repo_id: str, revision: str, path: str, req: Se
     content = files[path]
     lfs = is_lfs(path, len(content))
     etag = sha256(content) if lfs else git_oid(content)
-    headers = {"X-Repo-Commit": oid, "ETag": f'"{etag}"', "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+    headers = {
+        "X-Repo-Commit": oid,
+        "ETag": f'"{etag}"',
+        "Accept-Ranges": "bytes",
+        "Content-Type": "application/octet-stream",
+    }
     if lfs:
         headers.update({"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(len(content))})
     status, data = 200, content
@@ -439,8 +506,11 @@ def create_repo(hub: HubServer, req: Seen) -> dict:
         raise _error(403, f"You don't have the rights to create a model under the namespace {repo_id.split('/')[0]}")
     with hub.lock:
         if repo_id in hub.repos:
-            raise _Reply(409, {"error": "You already created this model repo", "url": f"{hub.url}/{repo_id}"},
-                         {"X-Error-Message": "You already created this model repo"})
+            raise _Reply(
+                409,
+                {"error": "You already created this model repo", "url": f"{hub.url}/{repo_id}"},
+                {"X-Error-Message": "You already created this model repo"},
+            )
         hub._create(repo_id, private=payload.get("visibility") == "private" or bool(payload.get("private")))
     return {"url": f"{hub.url}/{repo_id}", "name": repo_id, "id": repo_id}
 
@@ -511,7 +581,10 @@ def lfs_batch(hub: HubServer, repo_id: str, req: Seen) -> _Raw:
             entry["authenticated"] = True
             if multipart and size > hub.multipart_threshold:
                 n = -(-size // hub.chunk_size)
-                header = {"chunk_size": str(hub.chunk_size), **{str(i): f"{hub.url}/__lfs/{oid}/part/{i}" for i in range(1, n + 1)}}
+                header = {
+                    "chunk_size": str(hub.chunk_size),
+                    **{str(i): f"{hub.url}/__lfs/{oid}/part/{i}" for i in range(1, n + 1)},
+                }
                 upload = {"href": f"{hub.url}/__lfs/{oid}/complete", "header": header}
             else:
                 upload = {"href": f"{hub.url}/__lfs/{oid}"}
@@ -540,7 +613,9 @@ def lfs_transfer(hub: HubServer, method: str, parts: list[str], req: Seen):
         for p in done["parts"]:
             if f'"{hashlib.md5(chunks.get(p["partNumber"], b"")).hexdigest()}"' != p["etag"]:
                 raise _error(400, f"part {p['partNumber']} does not match its etag")
-        return _store(hub, oid, b"".join(chunks[p["partNumber"]] for p in sorted(done["parts"], key=lambda p: p["partNumber"])))
+        return _store(
+            hub, oid, b"".join(chunks[p["partNumber"]] for p in sorted(done["parts"], key=lambda p: p["partNumber"]))
+        )
     raise _error(404, "unknown LFS transfer")
 
 
@@ -581,7 +656,11 @@ def commit(hub: HubServer, repo_id: str, revision: str, req: Seen) -> dict:
                     raise _error(422, f"LFS object {value['oid']} for {value['path']} was never uploaded")
                 files[value["path"]] = hub.lfs[value["oid"]]
             elif key in ("deletedFile", "deletedFolder"):
-                files = {p: c for p, c in files.items() if not (p == value["path"] or p.startswith(value["path"].rstrip("/") + "/"))}
+                files = {
+                    p: c
+                    for p, c in files.items()
+                    if not (p == value["path"] or p.startswith(value["path"].rstrip("/") + "/"))
+                }
             else:
                 raise _error(400, f"unknown commit operation {key!r}")
             changed.append(value["path"])
@@ -592,9 +671,21 @@ def commit(hub: HubServer, repo_id: str, revision: str, req: Seen) -> dict:
         else:
             target = branch
         oid = hub._commit(repo, target, files, header["summary"], header.get("description", ""), base)
-        hub.pushed.append({"repo_id": repo_id, "branch": target, "base": branch, "commit": oid, "message": header["summary"],
-                           "description": header.get("description", ""), "paths": changed, "user": req.user})
+        hub.pushed.append(
+            {
+                "repo_id": repo_id,
+                "branch": target,
+                "base": branch,
+                "commit": oid,
+                "message": header["summary"],
+                "description": header.get("description", ""),
+                "paths": changed,
+                "user": req.user,
+            }
+        )
     return {
-        "success": True, "commitOid": oid, "commitUrl": f"{hub.url}/{repo_id}/commit/{oid}",
+        "success": True,
+        "commitOid": oid,
+        "commitUrl": f"{hub.url}/{repo_id}/commit/{oid}",
         "pullRequestUrl": f"{hub.url}/{repo_id}/discussions/{repo.prs}" if create_pr else None,
     }

@@ -39,7 +39,11 @@ KILL_AFTER_FIRST = textwrap.dedent(
 
 def kill_half_way(target: Path, *args: str) -> None:
     """A real `surgeon reinit TARGET --in-place` killed after one tensor: leaves a real journal."""
-    run = subprocess.run([sys.executable, "-c", KILL_AFTER_FIRST, "reinit", str(target), "--in-place", *args], capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-c", KILL_AFTER_FIRST, "reinit", str(target), "--in-place", *args],
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
 
 
@@ -57,10 +61,23 @@ def tensor_range(path: Path, name: str) -> tuple[int, int]:
     return header.data_start + begin, end - begin
 
 
-def craft(journal: Path, meta: object, olds: list[bytes], news: list[bytes | None] | None = None, *, raw_meta: bytes | None = None) -> None:
+def craft(
+    journal: Path,
+    meta: object,
+    olds: list[bytes],
+    news: list[bytes | None] | None = None,
+    *,
+    raw_meta: bytes | None = None,
+) -> None:
     """A journal in surgeon's format (written here from the format's description), with any content."""
     raw = raw_meta if raw_meta is not None else json.dumps(meta).encode()
-    body = jf.MAGIC + struct.pack("<Q", len(raw)) + raw + b"".join(olds) + b"".join(hashlib.sha256(o).digest() for o in olds)
+    body = (
+        jf.MAGIC
+        + struct.pack("<Q", len(raw))
+        + raw
+        + b"".join(olds)
+        + b"".join(hashlib.sha256(o).digest() for o in olds)
+    )
     records = b""
     for i, new in enumerate(news or []):
         if new is not None:
@@ -69,7 +86,9 @@ def craft(journal: Path, meta: object, olds: list[bytes], news: list[bytes | Non
     journal.write_bytes(body + hashlib.sha256(body).digest() + records)
 
 
-def best_forgery(folder: Path, file: str, tensor: str, payload: bytes | None = None, *, key: str | None = None) -> tuple[Path, bytes]:
+def best_forgery(
+    folder: Path, file: str, tensor: str, payload: bytes | None = None, *, key: str | None = None
+) -> tuple[Path, bytes]:
     """A journal for ``file`` that knows its inode and header, whose 'old bytes' of ``tensor`` are a payload
     and whose 'new bytes' are what the file holds now; returns (journal, payload)."""
     path = folder / file
@@ -77,7 +96,13 @@ def best_forgery(folder: Path, file: str, tensor: str, payload: bytes | None = N
     payload = payload if payload is not None else bytes(range(256)) * (length // 256) + b"\x7f" * (length % 256)
     now = path.read_bytes()[offset : offset + length]
     key = key or file
-    meta = {"version": 2, "checkpoint": key, "index_sha256": None, "files": {file: ident(path)}, "ranges": [[file, offset, length]]}
+    meta = {
+        "version": 2,
+        "checkpoint": key,
+        "index_sha256": None,
+        "files": {file: ident(path)},
+        "ranges": [[file, offset, length]],
+    }
     journal = journal_path(folder, key)
     craft(journal, meta, [payload], [now])
     return journal, payload

@@ -16,15 +16,22 @@ from collections.abc import Callable
 Probe = Callable[[dict], bool]
 
 
-def watch(args: list[str], probes: dict[str, Probe], *, kill_at: float | None = None,
-          kill_after: tuple[str, float] | None = None) -> dict:
+def watch(
+    args: list[str],
+    probes: dict[str, Probe],
+    *,
+    kill_at: float | None = None,
+    kill_after: tuple[str, float] | None = None,
+) -> dict:
     """Run ``python -m surgeon ARGS`` in a child process and poll ``probes`` (in order, each given the times
     seen so far) until it exits; the time (seconds from the start) each probe is first true is recorded
     under its name (None: never seen). SIGKILLed ``kill_at`` seconds after the start, or, with
     ``kill_after=(name, s)``, ``s`` seconds after probe ``name`` was first seen. ``killed``: whether the
     kill came before the child exited on its own."""
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "surgeon", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "surgeon", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     seen: dict = dict.fromkeys(probes) | {"killed": False}
     while proc.poll() is None:
         now = time.monotonic() - start

@@ -156,7 +156,9 @@ class EvaAttention(nn.Module):
 class Eva(nn.Module):
     def __init__(self, dim=32, depth=2, num_heads=4):
         super().__init__()
-        self.blocks = nn.ModuleList(nn.ModuleDict({"norm1": nn.LayerNorm(dim), "attn": EvaAttention(dim, num_heads)}) for _ in range(depth))
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"norm1": nn.LayerNorm(dim), "attn": EvaAttention(dim, num_heads)}) for _ in range(depth)
+        )
 
     def forward(self, x):
         for block in self.blocks:
@@ -189,7 +191,10 @@ class NanoGPT(nn.Module):
 
     def __init__(self, n_layer=2, n_head=4, n_embd=32, vocab_size=40):
         super().__init__()
-        blocks = [nn.ModuleDict({"ln_1": nn.LayerNorm(n_embd), "attn": NanoCausalSelfAttention(n_embd, n_head)}) for _ in range(n_layer)]
+        blocks = [
+            nn.ModuleDict({"ln_1": nn.LayerNorm(n_embd), "attn": NanoCausalSelfAttention(n_embd, n_head)})
+            for _ in range(n_layer)
+        ]
         self.transformer = nn.ModuleDict({"wte": nn.Embedding(vocab_size, n_embd), "h": nn.ModuleList(blocks)})
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
 
@@ -227,8 +232,12 @@ class Perceiver(nn.Module):
 
     def __init__(self, latent_dim=32, input_dim=24, depth=2):
         super().__init__()
-        self.cross_attend_blocks = nn.ModuleList([nn.ModuleDict({"fn": LucidrainsAttention(latent_dim, context_dim=input_dim)})])
-        self.layers = nn.ModuleList(nn.ModuleList([nn.ModuleDict({"fn": LucidrainsAttention(latent_dim)})]) for _ in range(depth))
+        self.cross_attend_blocks = nn.ModuleList(
+            [nn.ModuleDict({"fn": LucidrainsAttention(latent_dim, context_dim=input_dim)})]
+        )
+        self.layers = nn.ModuleList(
+            nn.ModuleList([nn.ModuleDict({"fn": LucidrainsAttention(latent_dim)})]) for _ in range(depth)
+        )
 
 
 # --------------------------------------------------------------- open_clip/transformer.py, model.py
@@ -242,7 +251,9 @@ class OpenClipResidualAttentionBlock(nn.Module):
         self.ln_1 = nn.LayerNorm(width)
         self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
         self.ln_2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(OrderedDict(c_fc=nn.Linear(width, 2 * width), gelu=nn.GELU(), c_proj=nn.Linear(2 * width, width)))
+        self.mlp = nn.Sequential(
+            OrderedDict(c_fc=nn.Linear(width, 2 * width), gelu=nn.GELU(), c_proj=nn.Linear(2 * width, width))
+        )
 
 
 class OpenClipTransformer(nn.Module):
@@ -293,7 +304,12 @@ class Swin(nn.Module):
         self.layers = nn.ModuleList()
         for i, (depth, heads) in enumerate(zip(depths, num_heads)):
             stage = nn.Module()
-            stage.blocks = nn.ModuleList(nn.ModuleDict({"norm1": nn.LayerNorm(embed_dim * 2**i), "attn": SwinWindowAttention(embed_dim * 2**i, heads)}) for _ in range(depth))
+            stage.blocks = nn.ModuleList(
+                nn.ModuleDict(
+                    {"norm1": nn.LayerNorm(embed_dim * 2**i), "attn": SwinWindowAttention(embed_dim * 2**i, heads)}
+                )
+                for _ in range(depth)
+            )
             self.layers.append(stage)
 
 
@@ -369,6 +385,11 @@ class TorchvisionSwin(nn.Module):
         layers: list[nn.Module] = [nn.Linear(3, embed_dim)]
         for i, (depth, heads) in enumerate(zip(depths, num_heads)):
             dim = embed_dim * 2**i
-            layers.append(nn.ModuleList(nn.ModuleDict({"norm1": nn.LayerNorm(dim), "attn": SwinWindowAttention(dim, heads)}) for _ in range(depth)))
+            layers.append(
+                nn.ModuleList(
+                    nn.ModuleDict({"norm1": nn.LayerNorm(dim), "attn": SwinWindowAttention(dim, heads)})
+                    for _ in range(depth)
+                )
+            )
             layers.append(nn.Linear(dim, 2 * dim))  # PatchMerging's reduction
         self.features = nn.Sequential(*layers)

@@ -211,14 +211,20 @@ def apply_rotary_emb(xq, xk, freqs_cis):
     xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
     xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
     freqs_cis = freqs_cis.view(1, xq_.shape[1], 1, xq_.shape[-1])
-    return torch.view_as_real(xq_ * freqs_cis).flatten(3).type_as(xq), torch.view_as_real(xk_ * freqs_cis).flatten(3).type_as(xk)
+    return torch.view_as_real(xq_ * freqs_cis).flatten(3).type_as(xq), torch.view_as_real(xk_ * freqs_cis).flatten(
+        3
+    ).type_as(xk)
 
 
 def repeat_kv(x, n_rep):
     bs, slen, n_kv_heads, head_dim = x.shape
     if n_rep == 1:
         return x
-    return x[:, :, :, None, :].expand(bs, slen, n_kv_heads, n_rep, head_dim).reshape(bs, slen, n_kv_heads * n_rep, head_dim)
+    return (
+        x[:, :, :, None, :]
+        .expand(bs, slen, n_kv_heads, n_rep, head_dim)
+        .reshape(bs, slen, n_kv_heads * n_rep, head_dim)
+    )
 
 
 class MetaAttention(nn.Module):
@@ -251,7 +257,9 @@ class MetaBlock(nn.Module):
     def __init__(self, dim, n_heads, n_kv_heads):
         super().__init__()
         self.attention = MetaAttention(dim, n_heads, n_kv_heads)
-        self.feed_forward = nn.Sequential(nn.Linear(dim, 2 * dim, bias=False), nn.SiLU(), nn.Linear(2 * dim, dim, bias=False))
+        self.feed_forward = nn.Sequential(
+            nn.Linear(dim, 2 * dim, bias=False), nn.SiLU(), nn.Linear(2 * dim, dim, bias=False)
+        )
         self.attention_norm, self.ffn_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
 
     def forward(self, x, start_pos, freqs_cis, mask):
@@ -368,7 +376,11 @@ def observe(attn, width, *, context_width=None, call=None, q_scale=1.0):
             attn(x)
     q, k, v = mode.qkv()
     q = q / q_scale
-    (qw, qb), (kw, kb), (vw, vb) = _solve(x, q.float()), _solve(y if y is not None else x, k.float()), _solve(y if y is not None else x, v.float())
+    (qw, qb), (kw, kb), (vw, vb) = (
+        _solve(x, q.float()),
+        _solve(y if y is not None else x, k.float()),
+        _solve(y if y is not None else x, v.float()),
+    )
     return Maps(qw, qb, kw, kb, vw, vb)
 
 

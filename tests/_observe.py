@@ -125,8 +125,16 @@ ATTN_IMPL_NAME = "surgeon_observe"
 _RESIDUAL_RTOL = 1e-4
 _CROSS_PARAM_NAMES = ("key_value_states", "encoder_hidden_states")
 _QK_NORM_CHILD_NAMES = {
-    "q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm",
-    "q_ln", "k_ln", "query_norm", "key_norm",
+    "q_norm",
+    "k_norm",
+    "q_layernorm",
+    "k_layernorm",
+    "query_layernorm",
+    "key_layernorm",
+    "q_ln",
+    "k_ln",
+    "query_norm",
+    "key_norm",
 }
 # class name -> function(module) giving the factor that the family multiplies the
 # projected query by before handing it to the attention kernel (undone here).
@@ -519,11 +527,15 @@ def _to_bhld(t, x, what, name):
     b, length = x.shape[0], x.shape[1]
     if t.dim() == 4:
         if t.shape[0] != b or t.shape[2] != length:
-            raise ObservationError(f"{name}: captured {what} of shape {tuple(t.shape)} does not match probe {tuple(x.shape)}")
+            raise ObservationError(
+                f"{name}: captured {what} of shape {tuple(t.shape)} does not match probe {tuple(x.shape)}"
+            )
         return t
     if t.dim() == 3:  # (B*heads, L, d), batch-major
         if t.shape[0] % b or t.shape[1] != length:
-            raise ObservationError(f"{name}: captured {what} of shape {tuple(t.shape)} does not match probe {tuple(x.shape)}")
+            raise ObservationError(
+                f"{name}: captured {what} of shape {tuple(t.shape)} does not match probe {tuple(x.shape)}"
+            )
         return t.reshape(b, t.shape[0] // b, length, t.shape[2])
     raise ObservationError(f"{name}: captured {what} has unexpected shape {tuple(t.shape)}")
 

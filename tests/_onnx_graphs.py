@@ -42,7 +42,9 @@ class _Builder:
         return outs
 
     def model(self, inputs, output: str, opset: int = 17) -> onnx.ModelProto:
-        graph = helper.make_graph(self.nodes, "g", inputs, [helper.make_tensor_value_info(output, TensorProto.FLOAT, None)], self.inits)
+        graph = helper.make_graph(
+            self.nodes, "g", inputs, [helper.make_tensor_value_info(output, TensorProto.FLOAT, None)], self.inits
+        )
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)])
         model.ir_version = 8 if opset <= 17 else 10
         return model
@@ -67,7 +69,13 @@ def bert_fused(model, op: str = "Attention", seq: int = 7):
         bias = b.init(f"Attention_{i}_qkv_bias", np.stack((qb, kb, vb), axis=0).reshape(3 * width))
         if op == "Attention":
             weight = b.init(f"Attention_{i}_qkv_weight", np.stack((qw, kw, vw), axis=1).reshape(qw.shape[0], 3 * width))
-            [a] = b.node("Attention", [x, weight, bias, "mask_index"], f"Attention_{i}", domain=MS, num_heads=cfg.num_attention_heads)
+            [a] = b.node(
+                "Attention",
+                [x, weight, bias, "mask_index"],
+                f"Attention_{i}",
+                domain=MS,
+                num_heads=cfg.num_attention_heads,
+            )
             for j, role in enumerate("qkv"):
                 cols = slice(j * width, (j + 1) * width)
                 where[(i, role)] = (weight, cols, bias, cols)
@@ -77,21 +85,61 @@ def bert_fused(model, op: str = "Attention", seq: int = 7):
                 name = b.init(f"onnx::MatMul_{100 * i + j}", w)
                 outs += b.node("MatMul", [x, name], f"{scope}/attention/self/{leaf}/MatMul")
                 where[(i, role)] = (name, slice(None), bias, slice(j * width, (j + 1) * width))
-            [a] = b.node("MultiHeadAttention", [*outs, bias], f"Attention_{i}", domain=MS, num_heads=cfg.num_attention_heads)
+            [a] = b.node(
+                "MultiHeadAttention", [*outs, bias], f"Attention_{i}", domain=MS, num_heads=cfg.num_attention_heads
+            )
         out = layer.attention.output
-        [h] = b.node("MatMul", [a, b.init(f"onnx::MatMul_o{i}", _np(out.dense.weight.T))], f"{scope}/attention/output/dense/MatMul")
-        [h] = b.node("Add", [b.init(f"encoder.layer.{i}.attention.output.dense.bias", _np(out.dense.bias)), h], f"{scope}/attention/output/dense/Add")
+        [h] = b.node(
+            "MatMul",
+            [a, b.init(f"onnx::MatMul_o{i}", _np(out.dense.weight.T))],
+            f"{scope}/attention/output/dense/MatMul",
+        )
+        [h] = b.node(
+            "Add",
+            [b.init(f"encoder.layer.{i}.attention.output.dense.bias", _np(out.dense.bias)), h],
+            f"{scope}/attention/output/dense/Add",
+        )
         [h] = b.node("Add", [h, x], f"{scope}/attention/output/Add")
-        [x] = b.node("LayerNormalization", [h, b.init(f"ln1_w{i}", _np(out.LayerNorm.weight)), b.init(f"ln1_b{i}", _np(out.LayerNorm.bias))],
-                     f"{scope}/attention/output/LayerNorm/LayerNormalization", axis=-1, epsilon=cfg.layer_norm_eps)
-        [h] = b.node("MatMul", [x, b.init(f"onnx::MatMul_i{i}", _np(layer.intermediate.dense.weight.T))], f"{scope}/intermediate/dense/MatMul")
-        [h] = b.node("Add", [h, b.init(f"encoder.layer.{i}.intermediate.dense.bias", _np(layer.intermediate.dense.bias))], f"{scope}/intermediate/dense/Add")
+        [x] = b.node(
+            "LayerNormalization",
+            [h, b.init(f"ln1_w{i}", _np(out.LayerNorm.weight)), b.init(f"ln1_b{i}", _np(out.LayerNorm.bias))],
+            f"{scope}/attention/output/LayerNorm/LayerNormalization",
+            axis=-1,
+            epsilon=cfg.layer_norm_eps,
+        )
+        [h] = b.node(
+            "MatMul",
+            [x, b.init(f"onnx::MatMul_i{i}", _np(layer.intermediate.dense.weight.T))],
+            f"{scope}/intermediate/dense/MatMul",
+        )
+        [h] = b.node(
+            "Add",
+            [h, b.init(f"encoder.layer.{i}.intermediate.dense.bias", _np(layer.intermediate.dense.bias))],
+            f"{scope}/intermediate/dense/Add",
+        )
         [h] = b.node("Gelu", [h], f"Gelu_{i}", domain=MS)
-        [h] = b.node("MatMul", [h, b.init(f"onnx::MatMul_f{i}", _np(layer.output.dense.weight.T))], f"{scope}/output/dense/MatMul")
-        [h] = b.node("Add", [h, b.init(f"encoder.layer.{i}.output.dense.bias", _np(layer.output.dense.bias))], f"{scope}/output/dense/Add")
+        [h] = b.node(
+            "MatMul",
+            [h, b.init(f"onnx::MatMul_f{i}", _np(layer.output.dense.weight.T))],
+            f"{scope}/output/dense/MatMul",
+        )
+        [h] = b.node(
+            "Add",
+            [h, b.init(f"encoder.layer.{i}.output.dense.bias", _np(layer.output.dense.bias))],
+            f"{scope}/output/dense/Add",
+        )
         [h] = b.node("Add", [h, x], f"{scope}/output/Add")
-        [x] = b.node("LayerNormalization", [h, b.init(f"ln2_w{i}", _np(layer.output.LayerNorm.weight)), b.init(f"ln2_b{i}", _np(layer.output.LayerNorm.bias))],
-                     f"{scope}/output/LayerNorm/LayerNormalization", axis=-1, epsilon=cfg.layer_norm_eps)
+        [x] = b.node(
+            "LayerNormalization",
+            [
+                h,
+                b.init(f"ln2_w{i}", _np(layer.output.LayerNorm.weight)),
+                b.init(f"ln2_b{i}", _np(layer.output.LayerNorm.bias)),
+            ],
+            f"{scope}/output/LayerNorm/LayerNormalization",
+            axis=-1,
+            epsilon=cfg.layer_norm_eps,
+        )
     b.nodes.append(helper.make_node("Identity", [x], ["out"], name="output"))
     inputs = [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, [1, seq, cfg.hidden_size])]
     if op == "Attention":
@@ -126,23 +174,54 @@ def llama_group_query(model, seq: int = 7):
             cols = slice(start, start + w.shape[1])
             where[(i, role)] = (weight, cols, bias, cols)
             start += w.shape[1]
-        [h] = b.node("RMSNormalization", [x, b.init(f"norm1_{i}", _np(layer.input_layernorm.weight))], f"{scope}/input_layernorm/RMSNormalization", axis=-1, epsilon=eps)
+        [h] = b.node(
+            "RMSNormalization",
+            [x, b.init(f"norm1_{i}", _np(layer.input_layernorm.weight))],
+            f"{scope}/input_layernorm/RMSNormalization",
+            axis=-1,
+            epsilon=eps,
+        )
         [h] = b.node("MatMul", [h, weight], f"MatMul_{i}")
         [h] = b.node("Add", [h, bias], f"Add_{i}")
-        [a, _, _] = b.node("GroupQueryAttention", [h, "", "", "", "", "seqlens_k", "total_sequence_length", cos, sin], f"GroupQueryAttention_{i}",
-                           outputs=3, domain=MS, num_heads=cfg.num_attention_heads, kv_num_heads=cfg.num_key_value_heads, do_rotary=1, rotary_interleaved=0)
+        [a, _, _] = b.node(
+            "GroupQueryAttention",
+            [h, "", "", "", "", "seqlens_k", "total_sequence_length", cos, sin],
+            f"GroupQueryAttention_{i}",
+            outputs=3,
+            domain=MS,
+            num_heads=cfg.num_attention_heads,
+            kv_num_heads=cfg.num_key_value_heads,
+            do_rotary=1,
+            rotary_interleaved=0,
+        )
         [a] = b.node("MatMul", [a, b.init(f"o_w{i}", _np(att.o_proj.weight.T))], f"{scope}/self_attn/o_proj/MatMul")
         [a] = b.node("Add", [a, b.init(f"o_b{i}", _np(att.o_proj.bias))], f"{scope}/self_attn/o_proj/Add")
         [x] = b.node("Add", [x, a], f"{scope}/Add")
-        [h] = b.node("RMSNormalization", [x, b.init(f"norm2_{i}", _np(layer.post_attention_layernorm.weight))], f"{scope}/post_attention_layernorm/RMSNormalization", axis=-1, epsilon=eps)
-        [g] = b.node("MatMul", [h, b.init(f"gate_{i}", _np(layer.mlp.gate_proj.weight.T))], f"{scope}/mlp/gate_proj/MatMul")
+        [h] = b.node(
+            "RMSNormalization",
+            [x, b.init(f"norm2_{i}", _np(layer.post_attention_layernorm.weight))],
+            f"{scope}/post_attention_layernorm/RMSNormalization",
+            axis=-1,
+            epsilon=eps,
+        )
+        [g] = b.node(
+            "MatMul", [h, b.init(f"gate_{i}", _np(layer.mlp.gate_proj.weight.T))], f"{scope}/mlp/gate_proj/MatMul"
+        )
         [s] = b.node("Sigmoid", [g], f"{scope}/mlp/act_fn/Sigmoid")
         [g] = b.node("Mul", [g, s], f"{scope}/mlp/act_fn/Mul")
         [u] = b.node("MatMul", [h, b.init(f"up_{i}", _np(layer.mlp.up_proj.weight.T))], f"{scope}/mlp/up_proj/MatMul")
         [g] = b.node("Mul", [g, u], f"{scope}/mlp/Mul")
-        [g] = b.node("MatMul", [g, b.init(f"down_{i}", _np(layer.mlp.down_proj.weight.T))], f"{scope}/mlp/down_proj/MatMul")
+        [g] = b.node(
+            "MatMul", [g, b.init(f"down_{i}", _np(layer.mlp.down_proj.weight.T))], f"{scope}/mlp/down_proj/MatMul"
+        )
         [x] = b.node("Add", [x, g], f"{scope}/Add_1")
-    b.node("RMSNormalization", [x, b.init("norm_f", _np(model.model.norm.weight))], "/model/norm/RMSNormalization", axis=-1, epsilon=eps)
+    b.node(
+        "RMSNormalization",
+        [x, b.init("norm_f", _np(model.model.norm.weight))],
+        "/model/norm/RMSNormalization",
+        axis=-1,
+        epsilon=eps,
+    )
     b.nodes[-1].output[0] = "out"
     inputs = [
         helper.make_tensor_value_info("hidden", TensorProto.FLOAT, [1, seq, cfg.hidden_size]),
@@ -152,8 +231,19 @@ def llama_group_query(model, seq: int = 7):
     return b.model(inputs, "out", opset=23), where
 
 
-def tiny_attention(layers: int = 2, heads: int = 2, head_dim: int = 4, width: int = 8, seq: int = 5, *,
-                   share_q: bool = False, q_weight: str = "initializer", float_data: bool = False, packed: str | None = None, seed: int = 0):
+def tiny_attention(
+    layers: int = 2,
+    heads: int = 2,
+    head_dim: int = 4,
+    width: int = 8,
+    seq: int = 5,
+    *,
+    share_q: bool = False,
+    q_weight: str = "initializer",
+    float_data: bool = False,
+    packed: str | None = None,
+    seed: int = 0,
+):
     """A small attention stack in the legacy exporter's style (node names carry module scopes).
 
     ``q_weight``: "initializer", "input" (a graph input), "computed" (Mul of an initializer) or
@@ -191,10 +281,19 @@ def tiny_attention(layers: int = 2, heads: int = 2, head_dim: int = 4, width: in
             else:
                 axes = b.init(f"axes_{i}", np.array([-1], dtype=np.int64))
                 for j, role in enumerate("qkv"):
-                    bounds = [b.init(f"{role}_{edge}_{i}", np.array([v], dtype=np.int64)) for edge, v in (("start", j * out_width), ("end", (j + 1) * out_width))]
+                    bounds = [
+                        b.init(f"{role}_{edge}_{i}", np.array([v], dtype=np.int64))
+                        for edge, v in (("start", j * out_width), ("end", (j + 1) * out_width))
+                    ]
                     [parts[role]] = b.node("Slice", [h, *bounds, axes], f"{s}/Slice_{role}")
         for role in "qkv":
-            w = shared if role == "q" and shared else weight(f"onnx::MatMul_{i}{role}", (width, out_width)) if not packed else None
+            w = (
+                shared
+                if role == "q" and shared
+                else weight(f"onnx::MatMul_{i}{role}", (width, out_width))
+                if not packed
+                else None
+            )
             if role == "q" and q_weight == "input":
                 w = f"q_weight_{i}"
                 inputs.append(helper.make_tensor_value_info(w, TensorProto.FLOAT, [width, out_width]))
@@ -202,7 +301,11 @@ def tiny_attention(layers: int = 2, heads: int = 2, head_dim: int = 4, width: in
                 [w] = b.node("Mul", [w, scale], f"{s}/q_scale/Mul")
             elif role == "q" and q_weight == "quantized":
                 q8 = b.init(f"q_int8_{i}", rng.integers(-127, 127, (width, out_width)).astype(np.int8))
-                [w] = b.node("DequantizeLinear", [q8, b.init(f"q_scale_{i}", np.array(0.01, dtype=np.float32))], f"{s}/q_proj/DequantizeLinear")
+                [w] = b.node(
+                    "DequantizeLinear",
+                    [q8, b.init(f"q_scale_{i}", np.array(0.01, dtype=np.float32))],
+                    f"{s}/q_proj/DequantizeLinear",
+                )
             if packed:
                 h = parts[role]
             else:

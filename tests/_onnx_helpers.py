@@ -19,8 +19,20 @@ import onnx
 import torch
 
 SEQ, DEC_SEQ = 7, 5
-ROLE_LEAVES = {"query": "q", "key": "k", "value": "v", "q_lin": "q", "k_lin": "k", "v_lin": "v",
-               "q_proj": "q", "k_proj": "k", "v_proj": "v", "q": "q", "k": "k", "v": "v"}
+ROLE_LEAVES = {
+    "query": "q",
+    "key": "k",
+    "value": "v",
+    "q_lin": "q",
+    "k_lin": "k",
+    "v_lin": "v",
+    "q_proj": "q",
+    "k_proj": "k",
+    "v_proj": "v",
+    "q": "q",
+    "k": "k",
+    "v": "v",
+}
 CROSS_WORDS = ("EncDecAttention", "encoder_attn")
 
 
@@ -44,13 +56,18 @@ def example_inputs(family: str) -> dict[str, torch.Tensor]:
     if family == "vit":
         return {"pixel_values": torch.randn(1, 3, 16, 16, generator=g)}
     # an explicit attention mask: without one the legacy exporter fails on decoder-only models (aten::diff)
-    feeds = {"input_ids": torch.randint(3, 90, (1, SEQ), generator=g), "attention_mask": torch.ones(1, SEQ, dtype=torch.long)}
+    feeds = {
+        "input_ids": torch.randint(3, 90, (1, SEQ), generator=g),
+        "attention_mask": torch.ones(1, SEQ, dtype=torch.long),
+    }
     if family in ("t5", "bart"):
         feeds["decoder_input_ids"] = torch.randint(3, 90, (1, DEC_SEQ), generator=g)
     return feeds
 
 
-def export(model, family: str, path: Path, *, dynamo: bool, opset: int | None = None, dynamic: bool = False) -> dict[str, np.ndarray]:
+def export(
+    model, family: str, path: Path, *, dynamo: bool, opset: int | None = None, dynamic: bool = False
+) -> dict[str, np.ndarray]:
     """Export ``model`` to ``path`` the way a user would; returns the example inputs as numpy.
 
     ``dynamic`` (legacy exporter): batch and sequence axes are dynamic, as optimum exports them,
@@ -61,8 +78,14 @@ def export(model, family: str, path: Path, *, dynamo: bool, opset: int | None = 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(  # an eval() wrapper: the legacy exporter restores the wrapper's mode on every submodule
-            Wrap(model, list(feeds)).eval(), tuple(feeds.values()), str(path), input_names=list(feeds), output_names=["out"],
-            dynamo=dynamo, opset_version=opset or (18 if not dynamo else None), dynamic_axes=axes,
+            Wrap(model, list(feeds)).eval(),
+            tuple(feeds.values()),
+            str(path),
+            input_names=list(feeds),
+            output_names=["out"],
+            dynamo=dynamo,
+            opset_version=opset or (18 if not dynamo else None),
+            dynamic_axes=axes,
         )
     return {k: v.numpy() for k, v in feeds.items()}
 
@@ -141,17 +164,25 @@ def torch_blocks(model) -> list[TorchBlock]:
         kind = "cross" if any(w in parent for w in CROSS_WORDS) else "self"
         if isinstance(module, torch.nn.Linear) and leaf in ROLE_LEAVES:
             role = ROLE_LEAVES[leaf]
-            block(parent, kind).roles[role] = TorchProj(parent, role, f"{name}.weight", False, slice(None), f"{name}.bias" if module.bias is not None else None)
+            block(parent, kind).roles[role] = TorchProj(
+                parent, role, f"{name}.weight", False, slice(None), f"{name}.bias" if module.bias is not None else None
+            )
         elif leaf == "c_attn" and type(module).__name__ == "Conv1D":  # GPT-2: (in, 3D), columns [Q | K | V]
             b = block(parent, kind)
             width = b.heads * b.head_dim
             for i, role in enumerate("qkv"):
-                b.roles[role] = TorchProj(parent, role, f"{name}.weight", True, slice(i * width, (i + 1) * width), f"{name}.bias")
-        elif isinstance(module, torch.nn.MultiheadAttention) and module.in_proj_weight is not None:  # (3E, E), rows [Q; K; V]
+                b.roles[role] = TorchProj(
+                    parent, role, f"{name}.weight", True, slice(i * width, (i + 1) * width), f"{name}.bias"
+                )
+        elif (
+            isinstance(module, torch.nn.MultiheadAttention) and module.in_proj_weight is not None
+        ):  # (3E, E), rows [Q; K; V]
             b = blocks.setdefault(name, TorchBlock(name, "self", module.num_heads, module.num_heads, module.head_dim))
             e = module.embed_dim
             for i, role in enumerate("qkv"):
-                b.roles[role] = TorchProj(name, role, f"{name}.in_proj_weight", False, slice(i * e, (i + 1) * e), f"{name}.in_proj_bias")
+                b.roles[role] = TorchProj(
+                    name, role, f"{name}.in_proj_weight", False, slice(i * e, (i + 1) * e), f"{name}.in_proj_bias"
+                )
     return [b for b in blocks.values() if len(b.roles) == 3]
 
 
@@ -175,9 +206,11 @@ def as_param(inits: dict[str, np.ndarray], where: tuple[str, bool]) -> torch.Ten
 # --- checks ---------------------------------------------------------------------------------------
 def assert_semi_orthogonal(w: torch.Tensor, head_dim: int, what: str) -> None:
     for h in range(w.shape[0] // head_dim):
-        head = w[h * head_dim:(h + 1) * head_dim].double()
+        head = w[h * head_dim : (h + 1) * head_dim].double()
         gram = head @ head.T if head.shape[0] <= head.shape[1] else head.T @ head
-        assert torch.allclose(gram, torch.eye(gram.shape[0], dtype=torch.float64), atol=1e-5), f"{what} head {h} is not semi-orthogonal"
+        assert torch.allclose(gram, torch.eye(gram.shape[0], dtype=torch.float64), atol=1e-5), (
+            f"{what} head {h} is not semi-orthogonal"
+        )
 
 
 def assert_value_identity(w: torch.Tensor, what: str) -> None:
@@ -215,8 +248,6 @@ def tensor_ranges(path: Path) -> dict[str, tuple[str, int, int]]:
             start = raw.find(t.raw_data)
             out[t.name] = (Path(path).name, start, start + len(t.raw_data))
     return out
-
-
 
 
 def check_against_pytorch(model, params, inits_before, inits_after, chosen) -> tuple[set[str], torch.nn.Module]:
@@ -263,7 +294,7 @@ def assert_only_changed_bytes_differ(old_path: Path, new_path: Path, changed: se
         before = (old_path.parent / file).read_bytes()
         after = (new_path if file == old_path.name else new_path.parent / file).read_bytes()
         if file == old_path.name:
-            entry = onnx.ModelProto.FromString(after[len(before):])  # one appended metadata_props field
+            entry = onnx.ModelProto.FromString(after[len(before) :])  # one appended metadata_props field
             assert [p.key for p in entry.metadata_props] == ["surgeon"] and not entry.HasField("graph")
             after = after[: len(before)]
         assert len(after) == len(before), file

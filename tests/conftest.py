@@ -33,8 +33,16 @@ def minilm_dir() -> Path:
 def tiny_llama(**overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
-               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    cfg = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     cfg.update(overrides)
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(**cfg)).eval()
@@ -44,8 +52,14 @@ def tiny_bert():
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=96, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                     max_position_embeddings=32)
+    cfg = BertConfig(
+        vocab_size=96,
+        hidden_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
     return BertModel(cfg).eval()
 
 
@@ -67,7 +81,9 @@ class Cli:
 
         result = CliRunner().invoke(main, [str(a) for a in args])
         if ok and result.exit_code != 0:
-            raise AssertionError(f"surgeon {' '.join(map(str, args))} failed ({result.exit_code}):\n{result.stderr}\n{result.output}")
+            raise AssertionError(
+                f"surgeon {' '.join(map(str, args))} failed ({result.exit_code}):\n{result.stderr}\n{result.output}"
+            )
         return result
 
 

@@ -34,7 +34,9 @@ def test_gated_query_rows_change_and_gate_rows_stay(tmp_path):
     build("qwen3_next").save_pretrained(src)
     blocks = inspect_checkpoint(src).blocks
     assert [(b.layer, b.heads, b.kv_heads, b.head_dim, b.layout) for b in blocks] == [
-        (1, 4, 2, 8, "separate, gated q"), (3, 4, 2, 8, "separate, gated q")]
+        (1, 4, 2, 8, "separate, gated q"),
+        (3, 4, 2, 8, "separate, gated q"),
+    ]
     report = reinit_checkpoint(src, output=out, layers="3")
     assert any("gated attention" in n and "gate rows are kept" in n for n in report.notes)
     old, new = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
@@ -72,9 +74,20 @@ def _query_and_gate(model, layer):
 def test_latent_attention_is_named_and_refused(name, tmp_path, cli):
     src = tmp_path / name
     build(name).save_pretrained(src)
-    with pytest.raises(UnsupportedWeightsError, match=r"use multi-head latent attention \(MLA: DeepSeek-V2/V3/R1, Kimi K2\), which surgeon does not re-initialize: "):
+    with pytest.raises(
+        UnsupportedWeightsError,
+        match=r"use multi-head latent attention \(MLA: DeepSeek-V2/V3/R1, Kimi K2\), which surgeon does not re-initialize: ",
+    ):
         inspect_checkpoint(src)
-    expect_cli_error(cli, tmp_path, "reinit", src, "-o", tmp_path / "out", match="kv_b_proj widens a latent narrower than the heads' values")
+    expect_cli_error(
+        cli,
+        tmp_path,
+        "reinit",
+        src,
+        "-o",
+        tmp_path / "out",
+        match="kv_b_proj widens a latent narrower than the heads' values",
+    )
     from surgeon import reinit_
 
     model = build(name)
@@ -91,8 +104,15 @@ def test_longformer_global_projections_are_reinitialized_and_named(tmp_path):
     import transformers as tf
 
     torch.manual_seed(0)
-    config = tf.LongformerConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                                 attention_window=[4, 4], max_position_embeddings=64)
+    config = tf.LongformerConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        attention_window=[4, 4],
+        max_position_embeddings=64,
+    )
     src, out = tmp_path / "src", tmp_path / "out"
     tf.LongformerModel(config).save_pretrained(src)
     report = reinit_checkpoint(src, output=out, layers="1")
@@ -106,7 +126,10 @@ def test_longformer_global_projections_are_reinitialized_and_named(tmp_path):
     assert torch.allclose(attn.value_global.weight, torch.eye(32), atol=1e-6)
     # the forward with a global token runs the global projections, and they are the ones written
     used = []
-    handles = [m.register_forward_hook(lambda m, a, o: used.append(m)) for m in (attn.query_global, attn.key_global, attn.value_global)]
+    handles = [
+        m.register_forward_hook(lambda m, a, o: used.append(m))
+        for m in (attn.query_global, attn.key_global, attn.value_global)
+    ]
     with torch.no_grad():
         model(input_ids=torch.arange(1, 9).view(1, 8), global_attention_mask=torch.tensor([[1, 0, 0, 0, 0, 0, 0, 0]]))
     for h in handles:
@@ -132,10 +155,22 @@ def test_one_num_heads_for_blocks_of_different_widths_is_refused(tmp_path, cli):
     torch.manual_seed(0)
     path = tmp_path / "m.safetensors"
     save_file({k: v.contiguous() for k, v in TwoWidths().state_dict().items()}, path)
-    with pytest.raises(LayoutError, match=r"num_heads=16 for attention blocks of different widths \(256 wide: encoder.0.attn; 64 wide: pool.attn\)"):
+    with pytest.raises(
+        LayoutError,
+        match=r"num_heads=16 for attention blocks of different widths \(256 wide: encoder.0.attn; 64 wide: pool.attn\)",
+    ):
         inspect_checkpoint(path, num_heads=16)
-    expect_cli_error(cli, tmp_path, "reinit", path, "--num-heads", "16", "-o", tmp_path / "o.safetensors",
-                     match="give each stack its own count (--num-heads encoder=N,pool.attn=N)")
+    expect_cli_error(
+        cli,
+        tmp_path,
+        "reinit",
+        path,
+        "--num-heads",
+        "16",
+        "-o",
+        tmp_path / "o.safetensors",
+        match="give each stack its own count (--num-heads encoder=N,pool.attn=N)",
+    )
     with pytest.raises(LayoutError, match="names 'decoder', which is no stack of this model"):
         inspect_checkpoint(path, num_heads="encoder=16,decoder=4")
     out = tmp_path / "out.safetensors"
@@ -158,15 +193,27 @@ def test_per_stack_config_keys_moonshine(tmp_path):
     import transformers as tf
 
     torch.manual_seed(0)
-    config = tf.MoonshineConfig(vocab_size=64, hidden_size=32, intermediate_size=48, encoder_num_hidden_layers=2, decoder_num_hidden_layers=2,
-                                encoder_num_attention_heads=8, decoder_num_attention_heads=8, encoder_num_key_value_heads=8, decoder_num_key_value_heads=8)
+    config = tf.MoonshineConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        encoder_num_hidden_layers=2,
+        decoder_num_hidden_layers=2,
+        encoder_num_attention_heads=8,
+        decoder_num_attention_heads=8,
+        encoder_num_key_value_heads=8,
+        decoder_num_key_value_heads=8,
+    )
     model = tf.MoonshineForConditionalGeneration(config)
     model.save_pretrained(tmp_path / "m")
     found = {(b.stack, b.kind): (b.heads, b.kv_heads, b.head_dim) for b in inspect_checkpoint(tmp_path / "m").blocks}
     attn = model.model.encoder.layers[0].self_attn
     expected = (model.config.encoder_num_attention_heads, attn.k_proj.out_features // attn.head_dim, attn.head_dim)
-    assert found == {("model.encoder.layers", "self"): expected, ("model.decoder.layers", "self"): expected,
-                     ("model.decoder.layers", "cross"): expected}
+    assert found == {
+        ("model.encoder.layers", "self"): expected,
+        ("model.decoder.layers", "self"): expected,
+        ("model.decoder.layers", "cross"): expected,
+    }
     # per-stack hints agree with the config where they say the same, and are refused where they do not
     inspect_checkpoint(tmp_path / "m", num_heads="encoder=8,decoder=8")
     with pytest.raises(LayoutError, match="num_heads=4 contradicts config.json, which says 8 for model.decoder.layers"):
@@ -180,13 +227,27 @@ def test_a_stack_without_the_layer_is_skipped_with_a_note(tmp_path):
     import transformers as tf
 
     torch.manual_seed(0)
-    text = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=48, max_position_embeddings=16)
-    vision = dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16, patch_size=8)
+    text = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=48,
+        max_position_embeddings=16,
+    )
+    vision = dict(
+        hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16, patch_size=8
+    )
     src = tmp_path / "siglip"
     tf.SiglipModel(tf.SiglipConfig(text_config=text, vision_config=vision)).save_pretrained(src)
     report = reinit_checkpoint(src, output=tmp_path / "out", layers="1")
-    assert {r.block.module for r in report.rows} == {"text_model.encoder.layers.1.self_attn", "vision_model.encoder.layers.1.self_attn"}
-    assert any(n.startswith("vision_model.head.attention skipped: layer 1 is out of range") for n in report.notes), report.notes
+    assert {r.block.module for r in report.rows} == {
+        "text_model.encoder.layers.1.self_attn",
+        "vision_model.encoder.layers.1.self_attn",
+    }
+    assert any(n.startswith("vision_model.head.attention skipped: layer 1 is out of range") for n in report.notes), (
+        report.notes
+    )
     before = tree_digest(tmp_path)
     with pytest.raises(SelectionError, match="layer 2 is out of range"):
         reinit_checkpoint(src, output=tmp_path / "never", layers="2")
@@ -209,9 +270,17 @@ def test_latent_attention_in_an_onnx_export_is_named_and_refused(tmp_path):
     path = tmp_path / "m.onnx"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(Logits().eval(), (torch.arange(1, 9).view(1, 8), torch.ones(1, 8, dtype=torch.long)), str(path),
-                          input_names=["ids", "mask"], dynamo=False, opset_version=18)
-    with pytest.raises(UnsupportedWeightsError, match=r"uses multi-head latent attention \(MLA: .*\(kv_a_proj_with_mqa, kv_b_proj\)"):
+        torch.onnx.export(
+            Logits().eval(),
+            (torch.arange(1, 9).view(1, 8), torch.ones(1, 8, dtype=torch.long)),
+            str(path),
+            input_names=["ids", "mask"],
+            dynamo=False,
+            opset_version=18,
+        )
+    with pytest.raises(
+        UnsupportedWeightsError, match=r"uses multi-head latent attention \(MLA: .*\(kv_a_proj_with_mqa, kv_b_proj\)"
+    ):
         inspect_checkpoint(path, device="cpu")
 
 
@@ -223,7 +292,10 @@ def test_a_per_stack_hint_is_read_by_the_first_word_it_names():
     assert hints.get("num_heads", "decoder.bert.encoder.layer") == 2  # an EncoderDecoderModel's decoder
     assert hints.get("num_heads", "encoder.encoder.layer") == 4
     assert hints.get("num_heads", "vision_model.encoder.layers") == 8
-    assert hints.get("num_heads", "text_model.layers") is None and hints.spelled("num_heads") == "encoder=4,decoder=2,vision=8"
+    assert (
+        hints.get("num_heads", "text_model.layers") is None
+        and hints.spelled("num_heads") == "encoder=4,decoder=2,vision=8"
+    )
     assert Hints(num_heads="16").num_heads == 16 and Hints(num_heads={"pool": 4}).get("num_heads", "pool.attn") == 4
     for bad in ("encoder=", "=4", "encoder=0", "x", 0, True):
         with pytest.raises(OptionError):

@@ -41,11 +41,25 @@ def test_deeply_nested_header_is_one_line(cli, tmp_path):
 
 def test_zero_size_projection_is_one_line(cli, tmp_path):
     save_file({f"layers.0.attn.{p}_proj.weight": torch.zeros(0, 32) for p in "qkv"}, tmp_path / "empty.safetensors")
-    expect_error(cli, tmp_path, "inspect", tmp_path / "empty.safetensors", "--num-heads", 4,
-                 match="layers.0.attn.q_proj.weight has shape [0, 32]: an empty projection has no heads")
-    save_file({"layers.0.attn.q_proj.weight": torch.zeros(32, 0), **{f"layers.0.attn.{p}_proj.weight": torch.randn(32, 32) for p in "kv"}},
-              tmp_path / "empty_in.safetensors")
-    expect_error(cli, tmp_path, "reinit", tmp_path / "empty_in.safetensors", "--num-heads", 4, match="has shape [32, 0]")
+    expect_error(
+        cli,
+        tmp_path,
+        "inspect",
+        tmp_path / "empty.safetensors",
+        "--num-heads",
+        4,
+        match="layers.0.attn.q_proj.weight has shape [0, 32]: an empty projection has no heads",
+    )
+    save_file(
+        {
+            "layers.0.attn.q_proj.weight": torch.zeros(32, 0),
+            **{f"layers.0.attn.{p}_proj.weight": torch.randn(32, 32) for p in "kv"},
+        },
+        tmp_path / "empty_in.safetensors",
+    )
+    expect_error(
+        cli, tmp_path, "reinit", tmp_path / "empty_in.safetensors", "--num-heads", 4, match="has shape [32, 0]"
+    )
 
 
 @pytest.mark.parametrize("scopes", ["5", "{'a': 1}", "'encoder.layer.0'", "[1, 2, 3]", "[[[[", "None"])
@@ -77,13 +91,29 @@ _DUP_SAME = b'{"a":' + json.dumps(_f32(0)).encode() + b',"a":' + json.dumps(_f32
         ({}, bytes(8), "has 8 trailing bytes after the last tensor", True),
         ({"a": _f32(0, dtype="F33")}, bytes(8), "tensor 'a' has unknown dtype 'F33'", True),
         ({"a": {"dtype": "F4", "shape": [3], "data_offsets": [0, 2]}}, bytes(2), "has 2 bytes for shape [3] F4", True),
-        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 12]}}, bytes(12), "has 12 bytes for shape [2] F32", True),
+        (
+            {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 12]}},
+            bytes(12),
+            "has 12 bytes for shape [2] F32",
+            True,
+        ),
         ({"a": _f32(0), "b": _f32(0)}, bytes(8), "overlaps another tensor's bytes", True),
         (_DUP, bytes(16), "'a' is listed twice", True),
         # the reference reader keeps the last of two identical entries; which one is meant is still undefined
         (_DUP_SAME, bytes(8), "'a' is listed twice", False),
     ],
-    ids=["hole", "leading-hole", "trailing", "empty-trailing", "unknown-dtype", "sub-byte", "length", "overlap", "duplicate", "duplicate-same"],
+    ids=[
+        "hole",
+        "leading-hole",
+        "trailing",
+        "empty-trailing",
+        "unknown-dtype",
+        "sub-byte",
+        "length",
+        "overlap",
+        "duplicate",
+        "duplicate-same",
+    ],
 )
 def test_headers_the_reference_reader_refuses(cli, tmp_path, header, data, match, reference_refuses):
     path = _raw_safetensors(tmp_path / "bad.safetensors", header, data)
@@ -103,10 +133,14 @@ def test_a_valid_file_with_empty_tensors_is_still_accepted(cli, tmp_path):
     after = load_file(tmp_path / "out.safetensors")  # the reference reader takes it
     assert after.keys() == before.keys()
     assert after["layers.0.attn.empty"].shape == (0, 4) and after["layers.0.attn.empty"].dtype == torch.float32
-    assert torch.equal(load_file(tmp_path / "m.safetensors")["layers.0.attn.q_proj.weight"], tensors["layers.0.attn.q_proj.weight"])
+    assert torch.equal(
+        load_file(tmp_path / "m.safetensors")["layers.0.attn.q_proj.weight"], tensors["layers.0.attn.q_proj.weight"]
+    )
     for role in "qk":  # 4 heads of 8 rows each, drawn head by head
         heads = after[f"layers.0.attn.{role}_proj.weight"].double().view(4, 8, 32)
-        assert torch.allclose(heads @ heads.mT, torch.eye(8, dtype=torch.float64).expand(4, 8, 8), atol=1e-5), f"{role}: heads of 8 rows not semi-orthogonal"
+        assert torch.allclose(heads @ heads.mT, torch.eye(8, dtype=torch.float64).expand(4, 8, 8), atol=1e-5), (
+            f"{role}: heads of 8 rows not semi-orthogonal"
+        )
         assert (heads[0] @ heads[1].T).abs().max() > 1e-3, role
     assert torch.equal(after["layers.0.attn.v_proj.weight"], torch.eye(32))
 
@@ -117,8 +151,14 @@ def test_a_valid_file_with_empty_tensors_is_still_accepted(cli, tmp_path):
 @pytest.mark.parametrize(
     "args,match",
     [
-        (["reinit", "MODEL", "--seed", "abc"], "surgeon: error: invalid value for '--seed': 'abc' is not a valid integer (see surgeon reinit --help)"),
-        (["reinit", "MODEL", "--mode", "fast"], "invalid value for '--mode': 'fast' is not one of 'conditioned', 'polar'"),
+        (
+            ["reinit", "MODEL", "--seed", "abc"],
+            "surgeon: error: invalid value for '--seed': 'abc' is not a valid integer (see surgeon reinit --help)",
+        ),
+        (
+            ["reinit", "MODEL", "--mode", "fast"],
+            "invalid value for '--mode': 'fast' is not one of 'conditioned', 'polar'",
+        ),
         (["reinit", "MODEL", "--frob"], "no such option '--frob' (see surgeon reinit --help)"),
         (["inspect"], "missing argument 'MODEL' (see surgeon inspect --help)"),
         (["inspect", "MODEL", "--num-heads", "0"], "invalid value for '--num-heads'"),
@@ -135,27 +175,59 @@ def test_usage_errors_are_one_line(cli, tmp_path, args, match):
     assert cli(*args, ok=False).exit_code == 2
 
 
-@pytest.mark.parametrize("targets,match", [("qk", "unknown target 'qk': write q,k"), ("query", "unknown target 'query': write q"),
-                                           ("q,k,o", "unknown target 'o'")])
+@pytest.mark.parametrize(
+    "targets,match",
+    [
+        ("qk", "unknown target 'qk': write q,k"),
+        ("query", "unknown target 'query': write q"),
+        ("q,k,o", "unknown target 'o'"),
+    ],
+)
 def test_targets_only_q_k_v(cli, llama_dir, tmp_path, targets, match):
     expect_error(cli, tmp_path, "reinit", llama_dir, "--targets", targets, match=match)
 
 
 def test_a_hint_that_contradicts_the_config_is_refused(cli, llama_dir, tmp_path):
     # tiny Llama: 8 heads, 2 key/value heads, head_dim 8 in config.json
-    expect_error(cli, tmp_path, "reinit", llama_dir, "--num-heads", 4, match="--num-heads 4 contradicts config.json, which says 8")
-    expect_error(cli, tmp_path, "inspect", llama_dir, "--num-kv-heads", 4, match="--num-kv-heads 4 contradicts config.json, which says 2")
+    expect_error(
+        cli,
+        tmp_path,
+        "reinit",
+        llama_dir,
+        "--num-heads",
+        4,
+        match="--num-heads 4 contradicts config.json, which says 8",
+    )
+    expect_error(
+        cli,
+        tmp_path,
+        "inspect",
+        llama_dir,
+        "--num-kv-heads",
+        4,
+        match="--num-kv-heads 4 contradicts config.json, which says 2",
+    )
     expect_error(cli, tmp_path, "inspect", llama_dir, "--num-heads", 4, match="or pass --force-hints")
     # agreeing hints are fine; --force-hints makes the hints win (here: 4 heads of 16, one key/value head)
     cli("inspect", llama_dir, "--num-heads", 8, "--num-kv-heads", 2)
-    report = json.loads(cli("inspect", llama_dir, "--num-heads", 4, "--num-kv-heads", 1, "--head-dim", 16, "--force-hints", "--json").stdout)
+    report = json.loads(
+        cli(
+            "inspect", llama_dir, "--num-heads", 4, "--num-kv-heads", 1, "--head-dim", 16, "--force-hints", "--json"
+        ).stdout
+    )
     assert {(b["heads"], b["kv_heads"], b["head_dim"]) for b in report["blocks"]} == {(4, 1, 16)}
 
 
 def test_a_bin_that_is_not_a_pickle(cli, tmp_path):
     # a CTranslate2 model.bin starts with a little-endian version number, not a pickle or a zip archive
     (tmp_path / "model.bin").write_bytes(struct.pack("<I", 6) + b"\x00" * 60)
-    msg = expect_error(cli, tmp_path, "inspect", tmp_path / "model.bin", match="is not a PyTorch checkpoint: it is neither a zip archive nor a pickle")
+    msg = expect_error(
+        cli,
+        tmp_path,
+        "inspect",
+        tmp_path / "model.bin",
+        match="is not a PyTorch checkpoint: it is neither a zip archive nor a pickle",
+    )
     assert "safely" not in msg and "unsafe" not in msg
     # a real (legacy, non-zip) pickle that is cut short is still "not readable", not "not a pickle"
     torch.save(tiny_llama().state_dict(), tmp_path / "legacy.bin", _use_new_zipfile_serialization=False)
@@ -177,7 +249,11 @@ def test_the_readme_first_command_has_no_hub_note(cli, tmp_path, monkeypatch):
 def test_dry_run_json_lists_selected_heads_and_dtype(cli, llama_dir):
     report = json.loads(cli("reinit", llama_dir, "--dry-run", "--json", "--layers", "0", "--heads", "0-3").stdout)
     rows = {p["role"]: p for p in report["projections"]}
-    assert rows["q"]["heads_changed"] == [0, 1, 2, 3] and rows["k"]["heads_changed"] == [0] and rows["v"]["heads_changed"] == [0]
+    assert (
+        rows["q"]["heads_changed"] == [0, 1, 2, 3]
+        and rows["k"]["heads_changed"] == [0]
+        and rows["v"]["heads_changed"] == [0]
+    )
     assert {p["dtype"] for p in report["projections"]} == {"float32"}
 
 
@@ -194,10 +270,24 @@ def test_one_block_is_singular(cli, tmp_path):
 
 def test_no_config_json_is_said_as_such(cli, tmp_path):
     save_file({f"layers.0.attn.{p}_proj.weight": torch.randn(64, 64) for p in "qkv"}, tmp_path / "m.safetensors")
-    msg = expect_error(cli, tmp_path, "inspect", tmp_path / "m.safetensors", match="there is no config.json beside the weights; pass --num-heads N")
+    msg = expect_error(
+        cli,
+        tmp_path,
+        "inspect",
+        tmp_path / "m.safetensors",
+        match="there is no config.json beside the weights; pass --num-heads N",
+    )
     assert "does not say" not in msg
 
 
 @pytest.mark.parametrize("name", ["out.bin", "out.safetensors", "model.onnx"])
 def test_a_folder_input_needs_a_folder_output(cli, llama_dir, tmp_path, name):
-    expect_error(cli, tmp_path, "reinit", llama_dir, "-o", tmp_path / name, match=f"names a {name[name.index('.'):]} file, but the output of a folder input is a folder")
+    expect_error(
+        cli,
+        tmp_path,
+        "reinit",
+        llama_dir,
+        "-o",
+        tmp_path / name,
+        match=f"names a {name[name.index('.') :]} file, but the output of a folder input is a folder",
+    )

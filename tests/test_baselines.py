@@ -52,7 +52,9 @@ def test_redraw_llama_is_the_config_normal_through_the_forward(one_thread):
         got, want = model(TOKENS).logits, expected(TOKENS).logits
     assert torch.equal(got, want)
     # the draws are the family's distribution: std of all q/k/v weights within 3% of 0.05, mean ~ 0
-    flat = torch.cat([getattr(_attn(model, i), p).weight.flatten() for i in range(3) for p in ("q_proj", "k_proj", "v_proj")])
+    flat = torch.cat(
+        [getattr(_attn(model, i), p).weight.flatten() for i in range(3) for p in ("q_proj", "k_proj", "v_proj")]
+    )
     assert abs(flat.std().item() / 0.05 - 1) < 0.03 and abs(flat.mean().item()) < 0.05 * 4 / math.sqrt(flat.numel())
 
 
@@ -118,7 +120,9 @@ def test_conditioned_gain_scales_query_key_not_value(one_thread):
         for h in range(4):
             rows = slice(12 * h, 12 * (h + 1))
             for proj in ("query", "key"):
-                assert torch.allclose(_sv(getattr(b, proj).weight[rows]), torch.full((12,), 0.25, dtype=torch.float64), atol=1e-6)
+                assert torch.allclose(
+                    _sv(getattr(b, proj).weight[rows]), torch.full((12,), 0.25, dtype=torch.float64), atol=1e-6
+                )
                 assert torch.allclose(getattr(b, proj).weight, 0.25 * getattr(a, proj).weight)
         assert torch.equal(b.value.weight, a.value.weight)
     # through the forward: the gain-0.25 model equals the plain reset with q/k scaled by hand
@@ -134,13 +138,16 @@ def test_conditioned_gain_scales_query_key_not_value(one_thread):
     assert all(torch.equal(p, q) for p, q in zip(one.state_dict().values(), plain.state_dict().values()))
 
 
-@pytest.mark.parametrize(("args", "match"), [
-    (("--mode", "polar", "--gain", "0.5"), "--gain applies to --mode conditioned only"),
-    (("--std", "0.1"), "--std applies to --mode redraw only"),
-    (("--gain", "0"), "--gain must be a finite number above 0"),
-    (("--mode", "redraw", "--std", "nan"), "--std must be a finite number above 0"),
-    (("--gain", "2", "--keep-scale"), "--gain and --keep-scale"),
-])
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (("--mode", "polar", "--gain", "0.5"), "--gain applies to --mode conditioned only"),
+        (("--std", "0.1"), "--std applies to --mode redraw only"),
+        (("--gain", "0"), "--gain must be a finite number above 0"),
+        (("--mode", "redraw", "--std", "nan"), "--std must be a finite number above 0"),
+        (("--gain", "2", "--keep-scale"), "--gain and --keep-scale"),
+    ],
+)
 def test_baseline_option_errors_are_one_line(cli, llama_dir, tmp_path, args, match):
     expect_cli_error(cli, llama_dir, "reinit", llama_dir, *args, "-o", tmp_path / "o", match=match)
 
@@ -171,13 +178,17 @@ def test_mimetic_bert_products_through_the_forward(one_thread):
             s = slice(12 * h, 12 * (h + 1))
             want = _rank(0.7 * _z(4, key, "qk/mimetic", h, 48) + 0.7 * np.eye(48), 12)
             assert np.allclose(wq[:, s] @ wk[:, s].T, want, atol=1e-5)
-        assert np.allclose(wv @ wo, 0.4 * _z(4, key, "vo/mimetic", 0, 48) - 0.4 * np.eye(48), atol=1e-5)  # full rank: exact
+        assert np.allclose(
+            wv @ wo, 0.4 * _z(4, key, "vo/mimetic", 0, 48) - 0.4 * np.eye(48), atol=1e-5
+        )  # full rank: exact
         assert torch.count_nonzero(att.query.bias) == 0
         # through the forward: attention scores of head 0 are X (0.7 Z + 0.7 I)_rank12 X^T / sqrt(12)
         with torch.no_grad():
             hidden = model(x, output_hidden_states=True).hidden_states[i][0].double().numpy()
         scores = (hidden @ wq[:, :12]) @ (hidden @ wk[:, :12]).T
-        assert np.allclose(scores, hidden @ _rank(0.7 * _z(4, key, "qk/mimetic", 0, 48) + 0.7 * np.eye(48), 12) @ hidden.T, atol=1e-4)
+        assert np.allclose(
+            scores, hidden @ _rank(0.7 * _z(4, key, "qk/mimetic", 0, 48) + 0.7 * np.eye(48), 12) @ hidden.T, atol=1e-4
+        )
 
 
 def test_mimetic_gpt2_checkpoint_equals_in_memory_and_verifies(cli, tmp_path):
@@ -202,14 +213,27 @@ def test_mimetic_gpt2_checkpoint_equals_in_memory_and_verifies(cli, tmp_path):
     wo = model.transformer.h[0].attn.c_proj.weight.detach().double()  # Conv1D: stored (H*d, D) = W_O
     wv = model.transformer.h[0].attn.c_attn.weight.detach().double()[:, 64:]  # Conv1D (D, 3*H*d): the value block
     assert not torch.equal(wo.float(), before)
-    assert torch.allclose(wv @ wo, torch.from_numpy(0.4 * _z(0, "transformer.h.0.attn", "vo/mimetic", 0, 32) - 0.4 * np.eye(32)), atol=1e-5)
+    assert torch.allclose(
+        wv @ wo,
+        torch.from_numpy(0.4 * _z(0, "transformer.h.0.attn", "vo/mimetic", 0, 32) - 0.4 * np.eye(32)),
+        atol=1e-5,
+    )
     with torch.no_grad():
         assert torch.isfinite(model(torch.tensor([[1, 2, 3, 4]])).logits).all()
 
 
 def test_mimetic_refusals(cli, llama_dir, tmp_path):
-    expect_cli_error(cli, llama_dir, "reinit", llama_dir, "--mode", "mimetic", "-o", tmp_path / "o",
-                     match="needs one key/value head per query head")
+    expect_cli_error(
+        cli,
+        llama_dir,
+        "reinit",
+        llama_dir,
+        "--mode",
+        "mimetic",
+        "-o",
+        tmp_path / "o",
+        match="needs one key/value head per query head",
+    )
     model = tiny_bert()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(surgeon.OptionError, match="select all heads and targets=q,k,v"):

@@ -30,8 +30,12 @@ def test_semi_orthogonal_is_deterministic_and_keyed():
     a = semi_orthogonal(8, 32, seed=head_seed(0, "layers.0.q_proj.weight", "q", 1))
     b = semi_orthogonal(8, 32, seed=head_seed(0, "layers.0.q_proj.weight", "q", 1))
     assert torch.equal(a, b)
-    others = [head_seed(1, "layers.0.q_proj.weight", "q", 1), head_seed(0, "layers.1.q_proj.weight", "q", 1),
-              head_seed(0, "layers.0.q_proj.weight", "k", 1), head_seed(0, "layers.0.q_proj.weight", "q", 2)]
+    others = [
+        head_seed(1, "layers.0.q_proj.weight", "q", 1),
+        head_seed(0, "layers.1.q_proj.weight", "q", 1),
+        head_seed(0, "layers.0.q_proj.weight", "k", 1),
+        head_seed(0, "layers.0.q_proj.weight", "q", 2),
+    ]
     assert len({head_seed(0, "layers.0.q_proj.weight", "q", 1), *others}) == 5
 
 
@@ -68,7 +72,7 @@ def test_polar_keeps_singular_vectors_and_moves_singular_values():
     assert torch.allclose(torch.linalg.svdvals(half), s.sqrt(), atol=1e-10)
     before, after = spectrum(w), spectrum(half)
     for k0, k1 in zip(before.head_kappas, after.head_kappas):
-        assert k1 == pytest.approx(k0 ** 0.5, rel=1e-9)
+        assert k1 == pytest.approx(k0**0.5, rel=1e-9)
 
 
 def test_rescale_to_matches_frobenius_norm():
@@ -137,5 +141,7 @@ def test_whole_spectrum_only_when_asked():
     assert spectrum(wide).kappa is None and spectrum(wide).norm is None
     full = spectrum(wide, whole=True)
     ref = torch.linalg.svdvals(wide.double().reshape(-1, 1024))
-    assert full.kappa == pytest.approx(float(ref[0] / ref[-1]), rel=1e-6) and full.norm == pytest.approx(float(ref[0]), rel=1e-9)
+    assert full.kappa == pytest.approx(float(ref[0] / ref[-1]), rel=1e-6) and full.norm == pytest.approx(
+        float(ref[0]), rel=1e-9
+    )
     assert full.head_kappas == spectrum(wide).head_kappas

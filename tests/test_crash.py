@@ -113,7 +113,9 @@ def test_kill_during_a_single_file_write(tmp_path, cli):
     tiny_llama().save_pretrained(tmp_path / "llama")
     shutil.copyfile(tmp_path / "llama" / "model.safetensors", src)
     (tmp_path / "out").mkdir()
-    _check_kills(tmp_path, cli, src, tmp_path / "out" / "model.reinit.safetensors", ("--num-heads", "8", "--num-kv-heads", "2"))
+    _check_kills(
+        tmp_path, cli, src, tmp_path / "out" / "model.reinit.safetensors", ("--num-heads", "8", "--num-kv-heads", "2")
+    )
 
 
 def test_kill_while_replacing_an_existing_output_folder(tmp_path, cli):
@@ -138,7 +140,9 @@ def test_kill_while_replacing_an_existing_output_folder(tmp_path, cli):
         done = _run(k, "reinit", src, "-o", dest, "--overwrite")
         assert done.returncode == -signal.SIGKILL, (k, done.stderr[-2000:])
         assert tree_digest(src) == before
-        assert not dest.exists() or tree_digest(dest) in (expected, old), f"partial destination after a kill at event {k}"
+        assert not dest.exists() or tree_digest(dest) in (expected, old), (
+            f"partial destination after a kill at event {k}"
+        )
         cli("reinit", src, "-o", dest, "--overwrite")
         assert _leftovers(dest.parent) == []
         assert tree_digest(dest) == expected
@@ -169,8 +173,9 @@ def test_kill_at_random_times(tmp_path, cli):
     window after it is seen. At least one must have left a staging folder holding part of the output, with no
     output in place: a kill in the middle of the write."""
     src = tmp_path / "llama"
-    tiny_llama(hidden_size=256, intermediate_size=256, num_attention_heads=8, num_key_value_heads=8,
-               num_hidden_layers=6).save_pretrained(src, max_shard_size="300KB")  # several shards: several writes
+    tiny_llama(
+        hidden_size=256, intermediate_size=256, num_attention_heads=8, num_key_value_heads=8, num_hidden_layers=6
+    ).save_pretrained(src, max_shard_size="300KB")  # several shards: several writes
     before = tree_digest(src)
     dest = tmp_path / "out" / "llama-reinit"
     dest.parent.mkdir()
@@ -183,7 +188,9 @@ def test_kill_at_random_times(tmp_path, cli):
     shutil.rmtree(dest)
     window = calibration["final"] - calibration["staging"]
 
-    kills = [dict(kill_at=calibration["staging"] / 2)] + [dict(kill_after=("staging", f * window)) for f in (0.0, 0.25, 0.5, 0.75)]
+    kills = [dict(kill_at=calibration["staging"] / 2)] + [
+        dict(kill_after=("staging", f * window)) for f in (0.0, 0.25, 0.5, 0.75)
+    ]
     mid_write = 0
     for kill in kills:
         run = _run_copy(src, dest, **kill)
@@ -202,7 +209,9 @@ def test_kill_at_random_times(tmp_path, cli):
 
 def test_leftovers_of_live_or_foreign_runs_are_named_not_removed(tmp_path, cli, llama_dir):
     dest = tmp_path / "out"
-    mine_dead = tmp_path / f".out.pid{2**22 + 12345}@{_owner_prefix('x').split('@', 1)[1].rstrip('.')}.abcd1234.surgeon-tmp"
+    mine_dead = (
+        tmp_path / f".out.pid{2**22 + 12345}@{_owner_prefix('x').split('@', 1)[1].rstrip('.')}.abcd1234.surgeon-tmp"
+    )
     live = tmp_path / f"{_owner_prefix('out')}abcd1234.surgeon-tmp"  # this very process: still running
     foreign = tmp_path / ".out.pid1@elsewhere.abcd1234.surgeon-tmp"
     legacy = tmp_path / ".out.k2j4h5g6.surgeon-tmp"
@@ -217,4 +226,6 @@ def test_leftovers_of_live_or_foreign_runs_are_named_not_removed(tmp_path, cli, 
     for p, why in ((live, "is still running"), (foreign, "on host elsewhere"), (legacy, "an older surgeon made it")):
         assert p.exists()
         assert any(str(p) in n and why in n for n in notes), (p, notes)
-    assert other_dest.exists() and not any(str(other_dest) in n for n in notes)  # another destination's: not ours to judge
+    assert other_dest.exists() and not any(
+        str(other_dest) in n for n in notes
+    )  # another destination's: not ours to judge

@@ -52,7 +52,10 @@ def same_bits(a: dict, b: dict, keys=None) -> None:
     keys = sorted(a) if keys is None else keys
     assert set(keys) <= set(a) and set(keys) <= set(b)
     for k in keys:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k].view(-1).view(torch.int32) if a[k].dtype == torch.float32 else a[k], b[k].view(-1).view(torch.int32) if b[k].dtype == torch.float32 else b[k]), k
+        assert a[k].dtype == b[k].dtype and torch.equal(
+            a[k].view(-1).view(torch.int32) if a[k].dtype == torch.float32 else a[k],
+            b[k].view(-1).view(torch.int32) if b[k].dtype == torch.float32 else b[k],
+        ), k
 
 
 def check_three_way(state: dict, single: dict, checkpoint: dict) -> None:
@@ -70,10 +73,15 @@ def test_fsdp2_reinit_equals_single_process_and_checkpoint(world, tmp_path, expe
             check_three_way(got["state"], single, checkpoint)
             assert got["report"] == rows  # the same report on every rank, equal to the single-process one
             assert got["inspect"] == ranks[0]["inspect"]
-            torch.testing.assert_close(got["logits"], logits, rtol=1e-5, atol=1e-5)  # the sharded forward uses the new weights
+            torch.testing.assert_close(
+                got["logits"], logits, rtol=1e-5, atol=1e-5
+            )  # the sharded forward uses the new weights
         assert "->" in ranks[0]["printed"] and all(r["printed"] is None for r in ranks[1:])
     # the re-initialized projections really changed (the comparison above is not between untouched models)
-    assert not torch.equal(make("llama").state_dict()["model.layers.0.self_attn.q_proj.weight"], single_q := expected["llama"][0]["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        make("llama").state_dict()["model.layers.0.self_attn.q_proj.weight"],
+        single_q := expected["llama"][0]["model.layers.0.self_attn.q_proj.weight"],
+    )
     gram = single_q.double().reshape(8, 8, 64) @ single_q.double().reshape(8, 8, 64).mT
     torch.testing.assert_close(gram, torch.eye(8, dtype=torch.float64).expand(8, 8, 8), atol=1e-6, rtol=0)
 
@@ -100,7 +108,9 @@ def test_ddp_ranks_end_identical_without_broadcast(tmp_path, expected):
         assert any(not torch.equal(r0["stepped"][k], r0["state"][k]) for k in r0["state"])  # a real step happened
         assert r0["report"] == rows  # rank 0 did not drift: its report is the single-process one
         after = [{k: v for k, v in p.items() if not k.startswith("before")} for p in rows["projections"]]
-        assert [{k: v for k, v in p.items() if not k.startswith("before")} for p in r1["report"]["projections"]] == after
+        assert [
+            {k: v for k, v in p.items() if not k.startswith("before")} for p in r1["report"]["projections"]
+        ] == after
         assert r1["report"]["projections"] != rows["projections"]  # rank 1's "before" saw its drifted weights
 
 
@@ -120,8 +130,12 @@ def test_fsdp2_peak_memory_stays_near_the_shard(tmp_path):
         got = torch.load(tmp_path / f"memory-{r}.pt", weights_only=False)
         same_bits(got["state"], single)
         assert got["shard_bytes"] < 0.55 * total
-        print(f"rank {r}: shard {got['shard_bytes'] / 2**20:.1f} MiB of {total / 2**20:.1f} MiB, reinit_ peak above RSS {got['extra_peak'] / 2**20:.1f} MiB")
-        assert got["extra_peak"] < 8 * projection64  # measured ~11 MiB; a whole-model gather would add 81 MiB, (got["extra_peak"], got["shard_bytes"], total)
+        print(
+            f"rank {r}: shard {got['shard_bytes'] / 2**20:.1f} MiB of {total / 2**20:.1f} MiB, reinit_ peak above RSS {got['extra_peak'] / 2**20:.1f} MiB"
+        )
+        assert (
+            got["extra_peak"] < 8 * projection64
+        )  # measured ~11 MiB; a whole-model gather would add 81 MiB, (got["extra_peak"], got["shard_bytes"], total)
 
 
 def test_readme_fsdp_example_runs_under_torchrun():
@@ -132,8 +146,22 @@ def test_readme_fsdp_example_runs_under_torchrun():
 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "examples/fsdp_reinit.py"],
-                            cwd=root, env=env, capture_output=True, text=True, timeout=600)  # a hang guard
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "examples/fsdp_reinit.py",
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # a hang guard
     assert result.returncode == 0, result.stderr[-2000:]
     assert "sharded over 2 ranks == single process, bit for bit: True" in result.stdout
     assert result.stdout.count("model.layers.3 self  q") == 1  # the report, printed by rank 0 only

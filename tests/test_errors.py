@@ -22,8 +22,19 @@ def test_no_attention_found(cli, tmp_path):
 
 
 def test_no_attention_found_names_the_near_miss(cli, tmp_path):
-    save_file({"layers.0.attn.q_proj.weight": torch.randn(8, 8), "layers.0.attn.k_proj.weight": torch.randn(8, 8)}, tmp_path / "m.safetensors")
-    expect_error(cli, tmp_path, "inspect", tmp_path / "m.safetensors", "--num-heads", 2, match="has q_proj.weight, k_proj.weight but no v_proj.weight")
+    save_file(
+        {"layers.0.attn.q_proj.weight": torch.randn(8, 8), "layers.0.attn.k_proj.weight": torch.randn(8, 8)},
+        tmp_path / "m.safetensors",
+    )
+    expect_error(
+        cli,
+        tmp_path,
+        "inspect",
+        tmp_path / "m.safetensors",
+        "--num-heads",
+        2,
+        match="has q_proj.weight, k_proj.weight but no v_proj.weight",
+    )
 
 
 @pytest.mark.parametrize(
@@ -39,7 +50,8 @@ def test_no_attention_found_names_the_near_miss(cli, tmp_path):
         (["--strength", "0.5"], "--strength applies to --mode polar only"),
         (["--mode", "polar", "--strength", "1.5"], "--strength must be in (0, 1]"),
         (["--device", "cuda:7"], "--device cuda:7"),
-        (["--device", "tpu"], "unknown device 'tpu'"), (["--device", "meta"], "unsupported device"),
+        (["--device", "tpu"], "unknown device 'tpu'"),
+        (["--device", "meta"], "unsupported device"),
         (["--in-place", "-o", "x"], "either -o/--output or --in-place"),
     ],
 )
@@ -70,12 +82,16 @@ def test_quantized_and_integer_projections(cli, tmp_path):
         },
         tmp_path / "gptq.safetensors",
     )
-    expect_error(cli, tmp_path, "inspect", tmp_path / "gptq.safetensors", "--num-heads", 4, match="is quantized (qweight I32)")
+    expect_error(
+        cli, tmp_path, "inspect", tmp_path / "gptq.safetensors", "--num-heads", 4, match="is quantized (qweight I32)"
+    )
     save_file(
         {f"layers.0.attn.{p}_proj.weight": torch.zeros(64, 64, dtype=torch.int8) for p in "qkv"},
         tmp_path / "int8.safetensors",
     )
-    expect_error(cli, tmp_path, "reinit", tmp_path / "int8.safetensors", "--num-heads", 4, match="is I8, not a float matrix")
+    expect_error(
+        cli, tmp_path, "reinit", tmp_path / "int8.safetensors", "--num-heads", 4, match="is I8, not a float matrix"
+    )
 
 
 def test_heads_unknown_without_config(cli, tmp_path):
@@ -106,13 +122,23 @@ def test_corrupt_and_truncated_safetensors(cli, tmp_path):
     data = good.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
     (tmp_path / "garbage.safetensors").write_bytes(data[:8] + b"{" * n + data[8 + n :])
-    expect_error(cli, tmp_path, "reinit", tmp_path / "garbage.safetensors", "--num-heads", 4, match="corrupt safetensors header (not valid JSON)")
+    expect_error(
+        cli,
+        tmp_path,
+        "reinit",
+        tmp_path / "garbage.safetensors",
+        "--num-heads",
+        4,
+        match="corrupt safetensors header (not valid JSON)",
+    )
     (tmp_path / "short.safetensors").write_bytes(data[:-100])
     expect_error(cli, tmp_path, "reinit", tmp_path / "short.safetensors", "--num-heads", 4, match="is truncated")
     (tmp_path / "tiny.safetensors").write_bytes(b"\x01\x02")
     expect_error(cli, tmp_path, "inspect", tmp_path / "tiny.safetensors", match="only 2 bytes long")
     (tmp_path / "huge.safetensors").write_bytes(struct.pack("<Q", 10**12) + b"{}")
-    expect_error(cli, tmp_path, "inspect", tmp_path / "huge.safetensors", match="corrupt or truncated safetensors header")
+    expect_error(
+        cli, tmp_path, "inspect", tmp_path / "huge.safetensors", match="corrupt or truncated safetensors header"
+    )
 
 
 class NotAllowed:
@@ -140,7 +166,10 @@ def test_missing_input_and_unknown_type(cli, tmp_path):
 
 def test_usage_errors_exit_2(cli, tmp_path):
     result = cli("reinit", ok=False)
-    assert result.exit_code == 2 and result.stderr == "surgeon: error: missing argument 'MODEL' (see surgeon reinit --help)\n"
+    assert (
+        result.exit_code == 2
+        and result.stderr == "surgeon: error: missing argument 'MODEL' (see surgeon reinit --help)\n"
+    )
 
 
 def test_index_cannot_point_outside_the_checkpoint(cli, tmp_path):
@@ -151,7 +180,9 @@ def test_index_cannot_point_outside_the_checkpoint(cli, tmp_path):
     victim = tmp_path / "victim.safetensors"
     first = sorted(repo.glob("*.safetensors"))[0]
     shutil.move(first, victim)
-    index["weight_map"] = {k: ("../victim.safetensors" if v == first.name else v) for k, v in index["weight_map"].items()}
+    index["weight_map"] = {
+        k: ("../victim.safetensors" if v == first.name else v) for k, v in index["weight_map"].items()
+    }
     index_path.write_text(json.dumps(index))
     expect_error(cli, tmp_path, "reinit", repo, "-o", tmp_path / "out", match="which is not a file beside the index")
 
@@ -175,7 +206,9 @@ def test_output_that_holds_the_input_is_refused(cli, tmp_path):
 def test_malformed_header_entries(cli, tmp_path, entry):
     header = json.dumps({"x.weight": entry}).encode()
     (tmp_path / "bad.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(64))
-    expect_error(cli, tmp_path, "inspect", tmp_path / "bad.safetensors", match="corrupt header entry for tensor 'x.weight'")
+    expect_error(
+        cli, tmp_path, "inspect", tmp_path / "bad.safetensors", match="corrupt header entry for tensor 'x.weight'"
+    )
 
 
 def test_errors_live_in_one_module_and_carry_fields(tmp_path):
@@ -190,7 +223,10 @@ def test_errors_live_in_one_module_and_carry_fields(tmp_path):
         surgeon.ReinitOptions(strength=0.5).validated()
     assert str(err.value) == "strength applies to mode=polar only (the conditioned reset always reaches kappa = 1)"
     assert err.value.options == ("strength", "mode") and err.value.option == "strength"
-    assert err.value.describe(cli_spelling) == "--strength applies to --mode polar only (the conditioned reset always reaches kappa = 1)"
+    assert (
+        err.value.describe(cli_spelling)
+        == "--strength applies to --mode polar only (the conditioned reset always reaches kappa = 1)"
+    )
     exc = surgeon.HubError("boom")
     exc.context = "wrote out, but the push failed: "
     assert str(exc) == "wrote out, but the push failed: boom" and exc.args == ("boom",)

@@ -83,14 +83,18 @@ def test_replicate_small_quick(tmp_path, capsys):
     assert runs["conditioned"]["evals"][0][2] < runs["default"]["evals"][0][2] / 5
     table = result["table"]
     assert table["default"]["steps_to_default_final"] == [5]  # the default reaches its own final loss at its last step
-    assert table["conditioned"]["mean_kappa_j"][0] == pytest.approx(sum(k for _, _, k in runs["conditioned"]["evals"]) / 2)
+    assert table["conditioned"]["mean_kappa_j"][0] == pytest.approx(
+        sum(k for _, _, k in runs["conditioned"]["evals"]) / 2
+    )
     printed = capsys.readouterr().out
     assert "steps to default final" in printed and f"plot: {out}" in printed
     assert out.stat().st_size > 10_000 and len(json.loads(out.with_suffix(".json").read_text())["results"]) == 4
 
 
 def test_replicate_small_mimetic_is_opt_in(tmp_path):
-    result = load("replicate_small").main(["--quick", "--threads", "1", "--variants", "default,mimetic", "--out", str(tmp_path / "m.png")])
+    result = load("replicate_small").main(
+        ["--quick", "--threads", "1", "--variants", "default,mimetic", "--out", str(tmp_path / "m.png")]
+    )
     runs = {r["variant"]: r for r in result["results"]}
     assert set(runs) == {"default", "mimetic"} and "W_O written too" in runs["mimetic"]["init"]
     assert all(math.isfinite(loss) for _, loss, _ in runs["mimetic"]["evals"])
@@ -108,7 +112,10 @@ def test_replicate_vit_quick(tmp_path, capsys):
     out = tmp_path / "vit.png"
     result = module.main(["--quick", "--threads", "1", "--out", str(out)])
     runs = {r["variant"]: r for r in result["results"]}
-    assert set(runs) == {"default", "redraw", "conditioned", "conditioned-matched"} and "ViT default" in runs["default"]["init"]
+    assert (
+        set(runs) == {"default", "redraw", "conditioned", "conditioned-matched"}
+        and "ViT default" in runs["default"]["init"]
+    )
     for r in runs.values():
         assert [s for s, _, _ in r["evals"]] == [0, 5] and all(math.isfinite(x) for _, x, _ in r["evals"])
         assert all(k >= 1 for k in r["kappa_j"])

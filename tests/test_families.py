@@ -73,7 +73,10 @@ def our_maps(weights, block):
 
 def equal_maps(ours, obs) -> bool:
     keys = ("q", "k", "v", "q_bias", "k_bias", "v_bias")
-    return all(ours[k].shape == getattr(obs, k).shape and torch.allclose(ours[k], getattr(obs, k).double(), atol=1e-6) for k in keys)
+    return all(
+        ours[k].shape == getattr(obs, k).shape and torch.allclose(ours[k], getattr(obs, k).double(), atol=1e-6)
+        for k in keys
+    )
 
 
 def match_blocks(src, observed):
@@ -126,7 +129,12 @@ def test_reinit_first_layer_through_forward(name, saved_family, tmp_path):
         for role in ("q", "k", "v"):
             bias = getattr(obs, f"{role}_bias")
             assert torch.allclose(bias, torch.zeros_like(bias), atol=1e-6)
-    touched = {rows.tensor for r in report.rows for rows in (r.block.projection(r.role).weight, r.block.projection(r.role).bias) if rows}
+    touched = {
+        rows.tensor
+        for r in report.rows
+        for rows in (r.block.projection(r.role).weight, r.block.projection(r.role).bias)
+        if rows
+    }
     old, new = raw_bytes(src), raw_bytes(out)
     assert old.keys() == new.keys()
     for tensor, data in old.items():

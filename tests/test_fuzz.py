@@ -22,7 +22,9 @@ from surgeon.selection import resolve_indices
 
 from conftest import tree_digest
 
-FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 
 # --- safetensors headers ---------------------------------------------------------------------------
 
@@ -47,9 +49,13 @@ def safetensors_files(draw) -> tuple[bytes, str]:
         name = draw(st.sampled_from([f"t{i}", "t0", "__metadata__", f"layers.{i}.attn.q_proj.weight"]))
         entries.append((name, {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}))
     meta = draw(st.sampled_from([None, {}, {"a": "b"}, {"a": 1}, "x", {"surgeon": "[]"}]))
-    parts = ([f'"__metadata__":{json.dumps(meta)}'] if meta is not None else []) + [f"{json.dumps(k)}:{json.dumps(v)}" for k, v in entries]
+    parts = ([f'"__metadata__":{json.dumps(meta)}'] if meta is not None else []) + [
+        f"{json.dumps(k)}:{json.dumps(v)}" for k, v in entries
+    ]
     header = ("{" + ",".join(parts) + "}").encode()
-    header = draw(st.sampled_from([header, header, header, header + b"   ", header[:-1], b"[" + header + b"]", header + b"\x00"]))
+    header = draw(
+        st.sampled_from([header, header, header, header + b"   ", header[:-1], b"[" + header + b"]", header + b"\x00"])
+    )
     data = bytes(max(cursor, 0) + draw(st.sampled_from([0, 0, 0, 1, 8])))
     return struct.pack("<Q", len(header)) + header + data, ""
 
@@ -90,7 +96,9 @@ def test_header_reader_on_random_bytes(tmp_path_factory, raw, claimed):
     assert _reference_accepts(path)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(safetensors_files())
 def test_cli_on_fuzzed_safetensors_never_tracebacks_or_writes(cli, tmp_path_factory, case):
     blob, _ = case
@@ -109,8 +117,25 @@ def test_cli_on_fuzzed_safetensors_never_tracebacks_or_writes(cli, tmp_path_fact
 # --- ONNX external data ----------------------------------------------------------------------------
 
 _locations = st.one_of(
-    st.sampled_from(["weights.bin", "./weights.bin", "../weights.bin", "/etc/passwd", "sub/../weights.bin", "sub/w.bin", "",
-                     "weights.bin\x00x", "model.onnx", "..", ".", "sub", "C:\\x", "\\\\host\\share", "link.bin"]),
+    st.sampled_from(
+        [
+            "weights.bin",
+            "./weights.bin",
+            "../weights.bin",
+            "/etc/passwd",
+            "sub/../weights.bin",
+            "sub/w.bin",
+            "",
+            "weights.bin\x00x",
+            "model.onnx",
+            "..",
+            ".",
+            "sub",
+            "C:\\x",
+            "\\\\host\\share",
+            "link.bin",
+        ]
+    ),
     st.text(st.characters(codec="utf-8", exclude_characters="\n"), max_size=20),
 )
 
@@ -118,7 +143,9 @@ _locations = st.one_of(
 @FUZZ
 @example("link.bin", 0, None, None)  # found by this test: a link inside the folder that leads out of it
 @example("weights.bin\x00x", 0, None, None)
-@given(_locations, st.integers(-8, 80), st.one_of(st.none(), st.integers(-4, 80)), st.sampled_from(["0", "x", "1e3", None]))
+@given(
+    _locations, st.integers(-8, 80), st.one_of(st.none(), st.integers(-4, 80)), st.sampled_from(["0", "x", "1e3", None])
+)
 def test_onnx_external_data_resolver(cli, tmp_path_factory, location, offset, length, bad):
     base = tmp_path_factory.mktemp("onnx")
     folder = base / "model"
@@ -127,8 +154,14 @@ def test_onnx_external_data_resolver(cli, tmp_path_factory, location, offset, le
     (folder / "sub" / "w.bin").write_bytes(bytes(64))
     (base / "weights.bin").write_bytes(bytes(64))  # outside the model's folder: must never be read
     os.symlink(base / "weights.bin", folder / "link.bin")  # a link out of the folder
-    tensor = onnx.TensorProto(name="w", data_type=onnx.TensorProto.FLOAT, dims=[4, 4], data_location=onnx.TensorProto.EXTERNAL)
-    for key, value in (("location", location), ("offset", str(offset)), ("length", None if length is None else str(length))):
+    tensor = onnx.TensorProto(
+        name="w", data_type=onnx.TensorProto.FLOAT, dims=[4, 4], data_location=onnx.TensorProto.EXTERNAL
+    )
+    for key, value in (
+        ("location", location),
+        ("offset", str(offset)),
+        ("length", None if length is None else str(length)),
+    ):
         if value is not None:
             tensor.external_data.append(onnx.StringStringEntryProto(key=key, value=value))
     if bad is not None:

@@ -43,15 +43,19 @@ def test_a_mirror_that_echoes_the_authorization_header_in_a_200_answer(source, t
         hub.echo_auth_in = field
         host = hub.url.removeprefix("http://")
         endpoint = hub.url if credentials == "token" else f"http://mirror:{ENDPOINT_PASSWORD}@{host}"
-        runs = Surgeon(tmp_path, endpoint).many(["inspect", "org/tiny"], ["--debug", "inspect", "org/tiny"], token=TOKEN)
+        runs = Surgeon(tmp_path, endpoint).many(
+            ["inspect", "org/tiny"], ["--debug", "inspect", "org/tiny"], token=TOKEN
+        )
         sent = {r.auth for r in hub.requests}
     assert sent == {TOKEN if credentials == "token" else basic}  # what went out, and came back in the answer
     shown = hub.url if credentials == "token" else f"http://***@{host}"
     for run in runs:
         error = run.error  # one line, no traceback, non-zero exit (even with --debug: not a bug of surgeon's)
-        assert error.startswith(f"surgeon: error: the Hub at {shown} answered for org/tiny with something huggingface_hub "
-                                f"cannot read (ValueError: Cannot parse '{'Bearer' if credentials == 'token' else 'Basic'} ***' "
-                                "as a datetime"), error
+        assert error.startswith(
+            f"surgeon: error: the Hub at {shown} answered for org/tiny with something huggingface_hub "
+            f"cannot read (ValueError: Cannot parse '{'Bearer' if credentials == 'token' else 'Basic'} ***' "
+            "as a datetime"
+        ), error
         _assert_no_secret(run.stdout, run.stderr, also=basic.split()[1])
 
 
@@ -112,7 +116,9 @@ def test_debug_shows_the_traceback_redacted(cli, monkeypatch, llama_dir, how):
     assert lines[0] == "Traceback (most recent call last):"
     assert any("in _boom" in line for line in lines)
     assert "Authorization: Bearer ***" in result.stderr
-    assert lines[-1].startswith("surgeon: internal error: RuntimeError: GET http://***@hub.example/api failed (this is a bug")
+    assert lines[-1].startswith(
+        "surgeon: internal error: RuntimeError: GET http://***@hub.example/api failed (this is a bug"
+    )
     _assert_no_secret(result.stderr, result.stdout)
 
 
@@ -127,7 +133,10 @@ def test_debug_changes_nothing_when_all_goes_well(cli, llama_dir):
         ("cannot reach http://user:pass@host:8080/api", "cannot reach http://***@host:8080/api"),
         ("proxy https://token@proxy.corp failed", "proxy https://***@proxy.corp failed"),
         ("Proxy-Authorization: Basic dXNlcjpwYXNz", "Proxy-Authorization: Basic ***"),
-        ("mail a@b.c or see http://host/x@y and git@github.com:org/x", "mail a@b.c or see http://host/x@y and git@github.com:org/x"),
+        (
+            "mail a@b.c or see http://host/x@y and git@github.com:org/x",
+            "mail a@b.c or see http://host/x@y and git@github.com:org/x",
+        ),
     ],
 )
 def test_redact_url_credentials(text, expected):
@@ -160,7 +169,9 @@ warnings.warn(f"retrying http://mirror:{secret}@hub.example")
 
 
 def test_library_logs_warnings_and_logged_tracebacks_are_redacted():
-    proc = subprocess.run([sys.executable, "-c", _LIBRARY_OUTPUT, ENDPOINT_PASSWORD], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _LIBRARY_OUTPUT, ENDPOINT_PASSWORD], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert "GET http://***@hub.example/api failed" in proc.stderr
     assert "RuntimeError: Authorization: Bearer ***" in proc.stderr and "Traceback" in proc.stderr

@@ -54,25 +54,50 @@ def test_card_of_a_real_model_keeps_its_card_and_reproduces(minilm_dir, tmp_path
     assert args[:2] == ["reinit", "all-MiniLM-L6-v2"] and "--layers=-2-" in args and args[-2:] == ["-o", "reset"]
     cli(*args[:-1], "again")
     assert sha256(tmp_path / "again" / "model.safetensors") == sha256(tmp_path / "reset" / "model.safetensors")
-    assert (tmp_path / "again" / "README.md").read_text() == (tmp_path / "reset" / "README.md").read_text().replace("# reset", "# again").replace("-o reset", "-o again")
+    assert (tmp_path / "again" / "README.md").read_text() == (tmp_path / "reset" / "README.md").read_text().replace(
+        "# reset", "# again"
+    ).replace("-o reset", "-o again")
 
 
 def test_card_of_a_plain_folder_polar_selection(tmp_path, monkeypatch, cli):
     src = tmp_path / "llama"
     tiny_llama().save_pretrained(src)
     monkeypatch.chdir(tmp_path)
-    reinit_checkpoint(src, output=tmp_path / "out", mode="polar", strength=0.5, keep_scale=True, heads="0-3", targets="q,k", layers="1-2", num_heads=8)
+    reinit_checkpoint(
+        src,
+        output=tmp_path / "out",
+        mode="polar",
+        strength=0.5,
+        keep_scale=True,
+        heads="0-3",
+        targets="q,k",
+        layers="1-2",
+        num_heads=8,
+    )
     card = ModelCard.load(tmp_path / "out" / "README.md")
     data = card.data.to_dict()
     # no source card: no license to carry; a config.json with a model_type is a transformers model
-    assert data == {"library_name": "transformers", "tags": ["surgeon", "polar-conditioning"]}  # the tag says what was done
+    assert data == {
+        "library_name": "transformers",
+        "tags": ["surgeon", "polar-conditioning"],
+    }  # the tag says what was done
     assert "## Source model card" not in card.text
     assert "| mode | polar, strength 0.5:" in card.text and "| keep scale | yes" in card.text
     assert "| `model.layers.1.self_attn` | self | heads 0-3 of 8 | key/value heads" not in card.text
-    assert "| `model.layers.1.self_attn` | self | heads 0-3 of 8 | heads 0 of 2 |" in card.text  # GQA: 4 query heads share 1 kv head
+    assert (
+        "| `model.layers.1.self_attn` | self | heads 0-3 of 8 | heads 0 of 2 |" in card.text
+    )  # GQA: 4 query heads share 1 kv head
     args = reproduce(card)
     assert args[1] == "llama"  # the absolute path given is not published, only its name
-    for flag in ("--mode polar", "--strength 0.5", "--keep-scale", "--heads=0-3", "--targets q,k", "--layers=1-2", "--num-heads 8"):
+    for flag in (
+        "--mode polar",
+        "--strength 0.5",
+        "--keep-scale",
+        "--heads=0-3",
+        "--targets q,k",
+        "--layers=1-2",
+        "--num-heads 8",
+    ):
         assert flag in " ".join(args), flag
     cli(*args[:-1], "again")
     assert sha256(tmp_path / "again" / "model.safetensors") == sha256(tmp_path / "out" / "model.safetensors")
@@ -83,7 +108,9 @@ def test_no_card_for_file_outputs_and_in_place_runs(tmp_path):
     tiny_llama().save_pretrained(src)
     (src / "README.md").write_text("# my own notes\n")
     (tmp_path / "file-out").mkdir()
-    reinit_checkpoint(src / "model.safetensors", output=tmp_path / "file-out", layers="0")  # a file output: the file only
+    reinit_checkpoint(
+        src / "model.safetensors", output=tmp_path / "file-out", layers="0"
+    )  # a file output: the file only
     assert sorted(tree_digest(tmp_path / "file-out")) == ["model.safetensors"]
     reinit_checkpoint(src, in_place=True, layers="0")  # replaces the weights, leaves README.md alone
     assert (src / "README.md").read_text() == "# my own notes\n"

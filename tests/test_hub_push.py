@@ -40,17 +40,36 @@ def commit_lines(hub: HubServer) -> list[dict]:
 def test_reinit_and_push_in_one_commit(sources, tmp_path):
     with serve(sources[0]) as hub:
         surgeon = Surgeon(tmp_path, hub.url)
-        run = surgeon("reinit", "org/tiny", "--layers", "0", "-o", "out", "--push-to-hub", "me/tiny-reset", "--private", token=TOKEN)
+        run = surgeon(
+            "reinit",
+            "org/tiny",
+            "--layers",
+            "0",
+            "-o",
+            "out",
+            "--push-to-hub",
+            "me/tiny-reset",
+            "--private",
+            token=TOKEN,
+        )
         out = tmp_path / "out"
         repo = hub.repos["me/tiny-reset"]
         assert repo.private
         assert "note: created the private model repo me/tiny-reset" in run.stdout
         (pushed,) = hub.pushed  # one commit, on main, by the token's user
         assert pushed["branch"] == "main" and pushed["user"] == "me"
-        assert pushed["message"] == f"Conditioned re-initialization of q,k,v in 1 attention block of org/tiny (surgeon {__version__})"
-        assert "pushed 6 files (" in run.stdout and f"in one commit: {hub.url}/me/tiny-reset/commit/{pushed['commit']}" in run.stdout
+        assert (
+            pushed["message"]
+            == f"Conditioned re-initialization of q,k,v in 1 attention block of org/tiny (surgeon {__version__})"
+        )
+        assert (
+            "pushed 6 files (" in run.stdout
+            and f"in one commit: {hub.url}/me/tiny-reset/commit/{pushed['commit']}" in run.stdout
+        )
         # every file arrived with its exact bytes; nothing else was added
-        arrived = {p: hashlib.sha256(c).hexdigest() for p, c in hub.files("me/tiny-reset").items() if p != ".gitattributes"}
+        arrived = {
+            p: hashlib.sha256(c).hexdigest() for p, c in hub.files("me/tiny-reset").items() if p != ".gitattributes"
+        }
         assert arrived == digest(out)
         # the weights went through the large-file path (LFS upload + commit pointer), small files inline
         (ops,) = commit_lines(hub)
@@ -61,8 +80,11 @@ def test_reinit_and_push_in_one_commit(sources, tmp_path):
         assert hub.validated_cards == [(out / "README.md").read_text()]
         card = ModelCard(hub.files("me/tiny-reset")["README.md"].decode())
         assert card.data.to_dict() == {  # the source's datasets and model-index (its eval results) are dropped
-            "base_model": "org/tiny", "license": "apache-2.0", "pipeline_tag": "text-generation",
-            "library_name": "transformers", "tags": ["surgeon", "conditioned-initialization", "llama", "tiny-test-model"],
+            "base_model": "org/tiny",
+            "license": "apache-2.0",
+            "pipeline_tag": "text-generation",
+            "library_name": "transformers",
+            "tags": ["surgeon", "conditioned-initialization", "llama", "tiny-test-model"],
         }
         assert card.text.startswith("\n# me/tiny-reset\n") and card.text.rstrip().endswith(SOURCE_BODY.strip())
         source_commit = hub.repos["org/tiny"].branches["main"]
@@ -91,19 +113,28 @@ def test_push_to_a_branch_and_as_a_pull_request_with_multipart_uploads(sources, 
         surgeon = Surgeon(tmp_path, hub.url)
         branch, pr = surgeon.many(
             ["push", out, "org/tiny-reset", "--revision", "reset-v2", "--commit-message", "Reset layer 1"],
-            ["push", out, "org/tiny-reset", "--create-pr", "--json"], token=TOKEN,
+            ["push", out, "org/tiny-reset", "--create-pr", "--json"],
+            token=TOKEN,
         )
         assert branch.rc == 0 and pr.rc == 0, branch.stderr + pr.stderr
         repo = hub.repos["org/tiny-reset"]
         assert set(hub.files("org/tiny-reset", "main")) == {".gitattributes"}  # main untouched
         for ref in ("reset-v2", "refs/pr/1"):
-            arrived = {p: hashlib.sha256(c).hexdigest() for p, c in hub.files("org/tiny-reset", ref).items() if p != ".gitattributes"}
+            arrived = {
+                p: hashlib.sha256(c).hexdigest()
+                for p, c in hub.files("org/tiny-reset", ref).items()
+                if p != ".gitattributes"
+            }
             assert arrived == digest(out), ref
         assert [p["message"] for p in hub.pushed] == ["Reset layer 1", f"Upload out with surgeon {__version__}"]
         assert [p["branch"] for p in hub.pushed] == ["reset-v2", "refs/pr/1"] and repo.prs == 1
         result = json.loads(pr.stdout)
         assert result["pr_url"] == f"{hub.url}/org/tiny-reset/discussions/1"
-        assert "pushed 4 files" in branch.stdout and "1 through the large-file path" in branch.stdout and "(branch reset-v2)" in branch.stdout
+        assert (
+            "pushed 4 files" in branch.stdout
+            and "1 through the large-file path" in branch.stdout
+            and "(branch reset-v2)" in branch.stdout
+        )
         # the weights went up once, in 64 KB parts; the pull request found them on the Hub already
         size = (out / "model.safetensors").stat().st_size
         parts = [r for r in hub.requests if r.method == "PUT" and "/part/" in r.path]
@@ -117,10 +148,14 @@ def test_an_interrupted_push_says_what_arrived_and_a_rerun_finishes(sources, tmp
     shards = sorted(p for p in digest(expected) if p.endswith(".safetensors"))
     assert len(shards) >= 3
     with serve(sources[1]) as hub:
-        hub.fail("PUT", f"^/__lfs/{digest(expected)[shards[1]]}$", status=507, times=None, message="Insufficient Storage")
+        hub.fail(
+            "PUT", f"^/__lfs/{digest(expected)[shards[1]]}$", status=507, times=None, message="Insufficient Storage"
+        )
         surgeon = Surgeon(tmp_path, hub.url)
         out = tmp_path / "out"
-        error = surgeon("reinit", "org/tiny", "--layers", "0", "-o", out, "--push-to-hub", "org/sharded", token=TOKEN, ok=False).error
+        error = surgeon(
+            "reinit", "org/tiny", "--layers", "0", "-o", out, "--push-to-hub", "org/sharded", token=TOKEN, ok=False
+        ).error
         assert all(digest(out)[s] == digest(expected)[s] for s in shards)  # the output is complete on disk
         assert f"wrote {out}, but the push failed: push to org/sharded stopped at {shards[1]} " in error
         assert "(the Hub answered 507 for org/sharded: Insufficient Storage)" in error
@@ -134,10 +169,14 @@ def test_an_interrupted_push_says_what_arrived_and_a_rerun_finishes(sources, tmp
         assert rerun == f"surgeon push {out} org/sharded"
         finished = surgeon(*shlex.split(rerun)[1:], token=TOKEN)
         assert "pushed" in finished.stdout and len(hub.pushed) == 1
-        arrived = {p: hashlib.sha256(c).hexdigest() for p, c in hub.files("org/sharded").items() if p != ".gitattributes"}
+        arrived = {
+            p: hashlib.sha256(c).hexdigest() for p, c in hub.files("org/sharded").items() if p != ".gitattributes"
+        }
         assert arrived == digest(out)
         uploads = hub.lfs_uploads()
-        assert sorted(uploads) == sorted(digest(out)[s] for s in shards)  # each shard sent once: the first run's not again
+        assert sorted(uploads) == sorted(
+            digest(out)[s] for s in shards
+        )  # each shard sent once: the first run's not again
 
 
 def test_push_refusals_are_one_line_and_write_nothing(sources, tmp_path):
@@ -152,18 +191,33 @@ def test_push_refusals_are_one_line_and_write_nothing(sources, tmp_path):
         surgeon = Surgeon(tmp_path, hub.url)
         before = digest(tmp_path)
         no_token = [
-            (["reinit", "org/tiny", "--push-to-hub", "me/x"], "pushing to the Hub needs a token with write access: set HF_TOKEN or run `hf auth login`"),
+            (
+                ["reinit", "org/tiny", "--push-to-hub", "me/x"],
+                "pushing to the Hub needs a token with write access: set HF_TOKEN or run `hf auth login`",
+            ),
             (["push", out, "me/x"], "pushing to the Hub needs a token"),
-            (["reinit", "org/tiny", "--private"], "--private, --push-revision, --create-pr and --commit-message go with --push-to-hub org/name"),
-            (["reinit", "org/tiny", "--push-to-hub", "me/x", "--create-pr", "--push-revision", "dev"], "--create-pr opens a pull request against main"),
-            (["reinit", "org/tiny", "--push-to-hub", "not a repo!"], "push target 'not a repo!' is not a Hub repository id"),
+            (
+                ["reinit", "org/tiny", "--private"],
+                "--private, --push-revision, --create-pr and --commit-message go with --push-to-hub org/name",
+            ),
+            (
+                ["reinit", "org/tiny", "--push-to-hub", "me/x", "--create-pr", "--push-revision", "dev"],
+                "--create-pr opens a pull request against main",
+            ),
+            (
+                ["reinit", "org/tiny", "--push-to-hub", "not a repo!"],
+                "push target 'not a repo!' is not a Hub repository id",
+            ),
             (["reinit", "org/tiny", "--in-place", "--push-to-hub", "me/x"], "cannot be combined with --in-place"),
         ]
         for run, (args, text) in zip(surgeon.many(*[c[0] for c in no_token]), no_token):
             assert text in run.error, (args, run.error)
         assert hub.requests == []  # all refused before asking the Hub anything
         with_token = [
-            (["reinit", single, "--push-to-hub", "me/x"], "--push-to-hub uploads a model folder, and the output of model.safetensors is a single file"),
+            (
+                ["reinit", single, "--push-to-hub", "me/x"],
+                "--push-to-hub uploads a model folder, and the output of model.safetensors is a single file",
+            ),
             (["push", tmp_path / "missing", "me/x"], "is not there: surgeon push uploads a model folder"),
             (["push", bad_card, "me/x"], "the model card's metadata does not parse"),
             (["push", out, "stranger/x"], "the token in use cannot write to stranger/x"),
@@ -172,8 +226,15 @@ def test_push_refusals_are_one_line_and_write_nothing(sources, tmp_path):
             assert text in run.error, (args, run.error)
         assert digest(tmp_path) == before and "me/x" not in hub.repos and "stranger/x" not in hub.repos
         # a stranger may not commit to org/tiny, and a reinit that fails to push keeps its output and says where
-        stranger, kept = surgeon.many(["push", out, "org/tiny"], ["reinit", "org/tiny", "-o", "kept", "--push-to-hub", "org/tiny"], token=OTHER_TOKEN)
-        assert "the token in use cannot write to org/tiny: it needs write access to 'org' (or push with --create-pr)" in stranger.error
+        stranger, kept = surgeon.many(
+            ["push", out, "org/tiny"],
+            ["reinit", "org/tiny", "-o", "kept", "--push-to-hub", "org/tiny"],
+            token=OTHER_TOKEN,
+        )
+        assert (
+            "the token in use cannot write to org/tiny: it needs write access to 'org' (or push with --create-pr)"
+            in stranger.error
+        )
         assert "wrote kept, but the push failed: the token in use cannot write to org/tiny" in kept.error
         assert (tmp_path / "kept" / "model.safetensors").is_file()
         assert OTHER_TOKEN not in stranger.stderr + kept.stderr

@@ -57,7 +57,9 @@ def hybrid():
 def test_module_walker_numbers_by_the_models_layers():
     model = hybrid()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(SelectionError, match="selects only layers without attention in layers .*: the layers with attention are 1,3$"):
+    with pytest.raises(
+        SelectionError, match="selects only layers without attention in layers .*: the layers with attention are 1,3$"
+    ):
         reinit_(model, layers="-1", example_inputs=torch.randn(5, 16))  # layer 4, the last, is a mixer
     report = reinit_(model, layers="3", example_inputs=torch.randn(5, 16))
     assert {(r.block.module, r.block.layer) for r in report.rows} == {("layers.3", 3)}
@@ -82,7 +84,9 @@ def test_onnx_scopes_number_by_the_models_layers(tmp_path):
     assert any("layer 2 of layers has no attention" in n for n in report.notes)
     old, new = initializers(path), initializers(out)
     changed = sorted(k for k in old if not np.array_equal(old[k], new[k]))
-    assert len(changed) == 6 and all("layers.1" not in k for k in changed), changed  # layer 3's q/k/v weights and biases
+    assert len(changed) == 6 and all("layers.1" not in k for k in changed), (
+        changed
+    )  # layer 3's q/k/v weights and biases
     feeds = {"x": x.numpy()}
     assert np.allclose(ort_run(path, feeds), model(x).detach().numpy(), atol=1e-5)
     assert not np.allclose(ort_run(out, feeds), ort_run(path, feeds))

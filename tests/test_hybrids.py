@@ -70,7 +70,9 @@ def test_a_layer_without_attention_is_refused_and_a_mixed_selection_noted(name, 
     src, _ = saved(name)
     by_layer, without = HYBRIDS[name]
     attended = ",".join(map(str, sorted(by_layer)))
-    with pytest.raises(SelectionError, match=rf"selects only layers without attention .*: the layers with attention are {attended}$"):
+    with pytest.raises(
+        SelectionError, match=rf"selects only layers without attention .*: the layers with attention are {attended}$"
+    ):
         reinit_checkpoint(src, output=tmp_path / "never", layers=str(without[0]))
     assert not (tmp_path / "never").exists()
     report = reinit_checkpoint(src, output=tmp_path / "mixed", layers=f"{without[0]}-{min(by_layer)}", dry_run=True)
@@ -80,8 +82,17 @@ def test_a_layer_without_attention_is_refused_and_a_mixed_selection_noted(name, 
 
 def test_the_cli_refusal_is_one_line(saved, cli, tmp_path):
     src, _ = saved("jamba")
-    expect_cli_error(cli, src.parent, "reinit", src, "-o", tmp_path / "o", "--layers", "2",
-                     match="--layers 2 selects only layers without attention in model.layers (layer 2): the layers with attention are 1,3")
+    expect_cli_error(
+        cli,
+        src.parent,
+        "reinit",
+        src,
+        "-o",
+        tmp_path / "o",
+        "--layers",
+        "2",
+        match="--layers 2 selects only layers without attention in model.layers (layer 2): the layers with attention are 1,3",
+    )
 
 
 def test_zamba2_shared_block_changes_every_layer_that_runs_it(saved, tmp_path):
@@ -116,10 +127,25 @@ def test_zamba2_adapters_on_the_shared_block_are_named(tmp_path):
     import transformers as tf
 
     torch.manual_seed(0)
-    config = tf.Zamba2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-                             num_key_value_heads=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], mamba_d_state=4,
-                             mamba_d_conv=2, mamba_expand=2, mamba_ngroups=1, mamba_headdim=8, n_mamba_heads=8, num_mem_blocks=1,
-                             chunk_size=16, use_shared_attention_adapter=True, adapter_rank=4)
+    config = tf.Zamba2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+        mamba_d_state=4,
+        mamba_d_conv=2,
+        mamba_expand=2,
+        mamba_ngroups=1,
+        mamba_headdim=8,
+        n_mamba_heads=8,
+        num_mem_blocks=1,
+        chunk_size=16,
+        use_shared_attention_adapter=True,
+        adapter_rank=4,
+    )
     tf.Zamba2ForCausalLM(config).save_pretrained(tmp_path / "m")
     report = inspect_checkpoint(tmp_path / "m")
     assert [b.users for b in report.blocks] == [(1, 3)]

@@ -31,7 +31,13 @@ ATTN = ("q_proj", "k_proj", "v_proj")
 
 def changed_ranges(path, names):
     header = read_header(path)
-    return [(header.data_start + header.entries[n]["data_offsets"][0], header.data_start + header.entries[n]["data_offsets"][1]) for n in names]
+    return [
+        (
+            header.data_start + header.entries[n]["data_offsets"][0],
+            header.data_start + header.entries[n]["data_offsets"][1],
+        )
+        for n in names
+    ]
 
 
 def attention_weights(path, layers):
@@ -104,11 +110,15 @@ KILLER = textwrap.dedent(
 def test_kill_9_while_patching_is_rolled_back_by_recover(llama_dir, tmp_path, cli):
     src = llama_dir / "model.safetensors"
     original = sha256(src)
-    run = subprocess.run([sys.executable, "-c", KILLER, "reinit", str(src), "--in-place", "--layers", "all"], capture_output=True)
+    run = subprocess.run(
+        [sys.executable, "-c", KILLER, "reinit", str(src), "--in-place", "--layers", "all"], capture_output=True
+    )
     assert run.returncode == -signal.SIGKILL
     assert sha256(src) != original  # it died half-way: one tensor patched
     assert journal_path(llama_dir, "model.safetensors").is_file()
-    expect_cli_error(cli, llama_dir, "inspect", src, match=f"run `surgeon recover {src}` first")  # read-only: refuses, writes nothing
+    expect_cli_error(
+        cli, llama_dir, "inspect", src, match=f"run `surgeon recover {src}` first"
+    )  # read-only: refuses, writes nothing
     result = cli("recover", src)
     assert "rolled back an interrupted in-place run" in result.output
     assert sha256(src) == original and not list(llama_dir.glob(f".*{SUFFIX}*"))
@@ -151,7 +161,9 @@ def test_kill_9_at_random_points_leaves_the_input_or_the_finished_patch(tmp_path
     the kills land before it and at fractions of that window after the first write is seen. At least one must
     have caught a checkpoint half patched, with its journal, and `surgeon recover` must have restored it."""
     src_dir = tmp_path / "src"
-    tiny_llama(hidden_size=256, intermediate_size=256, num_attention_heads=8, num_key_value_heads=8, num_hidden_layers=6).save_pretrained(src_dir)
+    tiny_llama(
+        hidden_size=256, intermediate_size=256, num_attention_heads=8, num_key_value_heads=8, num_hidden_layers=6
+    ).save_pretrained(src_dir)
     done = tmp_path / "done"
     shutil.copytree(src_dir, done)
     reinit_checkpoint(done / "model.safetensors", in_place=True)
@@ -161,10 +173,14 @@ def test_kill_9_at_random_points_leaves_the_input_or_the_finished_patch(tmp_path
     calibration = _run_in_place(tmp_path / "calibration" / "model.safetensors")
     assert sha256(tmp_path / "calibration" / "model.safetensors") == finished and not calibration["killed"]
     assert None not in (calibration["journal"], calibration["first_write"], calibration["journal_gone"]), calibration
-    assert calibration["journal"] <= calibration["first_write"] <= calibration["journal_gone"], calibration  # journal first
+    assert calibration["journal"] <= calibration["first_write"] <= calibration["journal_gone"], (
+        calibration
+    )  # journal first
     window = calibration["journal_gone"] - calibration["first_write"]
 
-    kills = [dict(kill_at=calibration["first_write"] / 2)] + [dict(kill_after_first_write=f * window) for f in (0.0, 0.2, 0.4, 0.6)]
+    kills = [dict(kill_at=calibration["first_write"] / 2)] + [
+        dict(kill_after_first_write=f * window) for f in (0.0, 0.2, 0.4, 0.6)
+    ]
     restored_mid_patch = 0
     for i, kill in enumerate(kills):
         work = tmp_path / f"work-{i}"
@@ -205,7 +221,9 @@ def test_a_damaged_journal_is_refused_in_one_line(llama_dir, cli):
 def test_an_unfinished_journal_is_discarded_without_touching_the_checkpoint(llama_dir, cli):
     src = llama_dir / "model.safetensors"
     before = sha256(src)
-    tmp = journal_path(llama_dir, "model.safetensors").with_name(journal_path(llama_dir, "model.safetensors").name + ".tmp")
+    tmp = journal_path(llama_dir, "model.safetensors").with_name(
+        journal_path(llama_dir, "model.safetensors").name + ".tmp"
+    )
     tmp.write_bytes(b"SURGEON-JOURNAL-1\n partial")  # a run died while writing its journal: nothing was patched
     cli("inspect", src)  # read-only: reads the intact checkpoint, leaves the leftover alone
     assert tmp.exists() and sha256(src) == before
@@ -221,8 +239,12 @@ def test_in_place_of_a_torch_file_still_replaces_it_atomically(tmp_path):
     torch.save(model.state_dict(), folder / "pytorch_model.bin")
     reinit_checkpoint(folder / "pytorch_model.bin", in_place=True, layers="0")
     state = torch.load(folder / "pytorch_model.bin", weights_only=True)
-    assert not torch.equal(state["model.layers.0.self_attn.q_proj.weight"], model.state_dict()["model.layers.0.self_attn.q_proj.weight"])
-    assert torch.equal(state["model.layers.1.self_attn.q_proj.weight"], model.state_dict()["model.layers.1.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        state["model.layers.0.self_attn.q_proj.weight"], model.state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    )
+    assert torch.equal(
+        state["model.layers.1.self_attn.q_proj.weight"], model.state_dict()["model.layers.1.self_attn.q_proj.weight"]
+    )
 
 
 def test_a_refusal_part_way_is_rolled_back_at_once(llama_dir):
@@ -236,7 +258,9 @@ def test_a_refusal_part_way_is_rolled_back_at_once(llama_dir):
     state["model.layers.2.self_attn.q_proj.weight"][3, 5] = float("nan")
     save_file(state, src, metadata={"format": "pt"})
     before = sha256(src)
-    with pytest.raises(UnsupportedWeightsError, match=r"model\.layers\.2\.self_attn\.q_proj\.weight: q head 0 holds NaN"):
+    with pytest.raises(
+        UnsupportedWeightsError, match=r"model\.layers\.2\.self_attn\.q_proj\.weight: q head 0 holds NaN"
+    ):
         reinit_checkpoint(src, in_place=True, mode="polar")
     assert sha256(src) == before and not list(llama_dir.glob(f".*{SUFFIX}*"))
     # the conditioned reset does not read the old values: it replaces them, and says so
@@ -268,12 +292,33 @@ def _with_nan(path, name, row, col):
 def test_polar_on_nan_weights_is_one_line_and_writes_nothing(llama_dir, tmp_path, cli):
     src = llama_dir / "model.safetensors"
     _with_nan(src, "model.layers.1.self_attn.v_proj.weight", 8, 2)  # value head 1 (head_dim 8)
-    line = expect_cli_error(cli, llama_dir, "reinit", src, "--mode", "polar", "-o", tmp_path / "out.safetensors",
-                            match="model.layers.1.self_attn.v_proj.weight: v head 1 holds NaN or Inf")
+    line = expect_cli_error(
+        cli,
+        llama_dir,
+        "reinit",
+        src,
+        "--mode",
+        "polar",
+        "-o",
+        tmp_path / "out.safetensors",
+        match="model.layers.1.self_attn.v_proj.weight: v head 1 holds NaN or Inf",
+    )
     assert "polar mode needs the old values" in line and not (tmp_path / "out.safetensors").exists()
-    expect_cli_error(cli, llama_dir, "reinit", src, "--keep-scale", "-o", tmp_path / "o2.safetensors", match="--keep-scale needs the old values")
+    expect_cli_error(
+        cli,
+        llama_dir,
+        "reinit",
+        src,
+        "--keep-scale",
+        "-o",
+        tmp_path / "o2.safetensors",
+        match="--keep-scale needs the old values",
+    )
     result = cli("reinit", src, "-o", tmp_path / "ok.safetensors", "--layers", "1")  # the conditioned reset goes on
-    assert "head 1 holds NaN or Inf (kappa nan); the conditioned reset does not read the old values, so they were replaced" in result.output
+    assert (
+        "head 1 holds NaN or Inf (kappa nan); the conditioned reset does not read the old values, so they were replaced"
+        in result.output
+    )
 
 
 def test_module_refusal_changes_no_parameter():

@@ -68,8 +68,12 @@ class Paused:
 
     def __init__(self, tmp_path, where: str, *args) -> None:
         self.paused, self.flag = tmp_path / f"paused-{where}", tmp_path / f"go-{where}"
-        self.proc = subprocess.Popen([sys.executable, "-c", PAUSE, where, str(self.paused), str(self.flag), *map(str, args)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", PAUSE, where, str(self.paused), str(self.flag), *map(str, args)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for _ in range(6000):  # up to 5 minutes on a loaded machine; a sequencing wait, not a timing check
             if self.paused.exists() or self.proc.poll() is not None:
                 break
@@ -99,8 +103,18 @@ def test_a_shard_run_and_an_index_run_exclude_each_other(tmp_path, cli, first, w
     one, other = (index, shard) if first == "index" else (shard, index)
     run = Paused(tmp_path, where, "reinit", folder / one, "--in-place", "--layers", "0")
     try:
-        line = expect_cli_error(cli, tmp_path / "sharded", "reinit", folder / other, "--in-place", "--layers", "0", "--seed", "9",
-                                match="patching")
+        line = expect_cli_error(
+            cli,
+            tmp_path / "sharded",
+            "reinit",
+            folder / other,
+            "--in-place",
+            "--layers",
+            "0",
+            "--seed",
+            "9",
+            match="patching",
+        )
         assert "another surgeon run is patching" in line or "right now" in line
         if where == "after-first":  # recover leaves a live run alone
             assert "in progress" in cli("recover", folder).output
@@ -152,8 +166,23 @@ def test_a_copy_waits_for_an_in_place_run_then_copies_its_result(tmp_path, cli):
     run = Paused(tmp_path, "before-journal", "reinit", folder, "--in-place", "--layers", "all")
     (tmp_path / "a").mkdir()
     waiting = tmp_path / "waiting"
-    copy = subprocess.Popen([sys.executable, "-c", SAYS_WHEN_WAITING, str(waiting), "reinit", str(folder), "-o", str(tmp_path / "a" / "out"),
-                             "--seed", "5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    copy = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            SAYS_WHEN_WAITING,
+            str(waiting),
+            "reinit",
+            str(folder),
+            "-o",
+            str(tmp_path / "a" / "out"),
+            "--seed",
+            "5",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     for _ in range(6000):  # sequencing: until the copy is waiting on the in-place run's lock
         if waiting.exists() or copy.poll() is not None:
             break
@@ -209,14 +238,20 @@ def test_in_place_on_a_dual_format_folder_is_refused_before_any_write(llama_dir,
 def _fsize_limit(limit):
     def apply():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # writes past it fail (EFBIG), like a full disk
+
     return apply
 
 
 def test_disk_full_while_journaling_leaves_no_temporary_journal(llama_dir):
     src = llama_dir / "model.safetensors"
     before = sha256(src)
-    run = subprocess.run([sys.executable, "-m", "surgeon", "reinit", str(src), "--in-place", "--layers", "all"],
-                         capture_output=True, text=True, preexec_fn=_fsize_limit(32 << 10), timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "surgeon", "reinit", str(src), "--in-place", "--layers", "all"],
+        capture_output=True,
+        text=True,
+        preexec_fn=_fsize_limit(32 << 10),
+        timeout=300,
+    )
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 1 and len(lines) == 1 and "File too large" in lines[0], run.stderr
     assert sha256(src) == before
@@ -253,15 +288,23 @@ CTRL_C = textwrap.dedent(
 def test_ctrl_c_while_patching_says_what_is_true(llama_dir, cli, times):
     src = llama_dir / "model.safetensors"
     original = sha256(src)
-    run = subprocess.run([sys.executable, "-c", CTRL_C, times, "reinit", str(src), "--in-place", "--layers", "all"],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", CTRL_C, times, "reinit", str(src), "--in-place", "--layers", "all"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 130 and len(lines) == 1, run.stderr
     if times == "once":  # rolled back at once: the input is as it was
         assert "nothing was written" in lines[0] and sha256(src) == original
         assert not journal_path(llama_dir, "model.safetensors").exists()
         return
-    assert "nothing was written" not in lines[0] and f"run `surgeon recover {src}`" in lines[0] and "half-patched" in lines[0]
+    assert (
+        "nothing was written" not in lines[0]
+        and f"run `surgeon recover {src}`" in lines[0]
+        and "half-patched" in lines[0]
+    )
     assert sha256(src) != original and journal_path(llama_dir, "model.safetensors").exists()
     cli("recover", src)
     assert sha256(src) == original
@@ -280,7 +323,9 @@ def test_a_write_torn_by_a_kill_is_rolled_back_block_by_block(llama_dir, tmp_pat
     original = src.read_bytes()
     kill_half_way(src, "--layers", "0")
     offset, length = tensor_range(src, Q0)
-    assert src.read_bytes()[offset : offset + length] != original[offset : offset + length]  # the first tensor: q of layer 0
+    assert (
+        src.read_bytes()[offset : offset + length] != original[offset : offset + length]
+    )  # the first tensor: q of layer 0
     cut = (offset // 4096 + 2) * 4096 + (0 if aligned else 100)  # the kernel stops a killed write at a 4 KiB boundary
     assert cut < offset + length
     _tear(src, original, offset, cut)
@@ -288,7 +333,9 @@ def test_a_write_torn_by_a_kill_is_rolled_back_block_by_block(llama_dir, tmp_pat
         cli("recover", src)
         assert src.read_bytes() == original
     else:  # half of a block new, half old: no write of surgeon's leaves that
-        expect_cli_error(cli, llama_dir, "recover", src, match="hold neither the bytes it saved nor those its run wrote")
+        expect_cli_error(
+            cli, llama_dir, "recover", src, match="hold neither the bytes it saved nor those its run wrote"
+        )
 
 
 # Dies (kill -9) right after the new header (with surgeon's record) is written.
@@ -322,7 +369,10 @@ def test_a_patched_header_is_rolled_back_with_the_tensors(tmp_path, cli):
     header = raw[8 : 8 + n].rstrip() + b" " * (n - len(raw[8 : 8 + n].rstrip()) + 4096)  # room for the record
     src.write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + n :])
     original = sha256(src)
-    run = subprocess.run([sys.executable, "-c", KILL_AFTER_HEADER, "reinit", str(src), "--in-place", "--layers", "0"], capture_output=True)
+    run = subprocess.run(
+        [sys.executable, "-c", KILL_AFTER_HEADER, "reinit", str(src), "--in-place", "--layers", "0"],
+        capture_output=True,
+    )
     assert run.returncode == -signal.SIGKILL
     assert records(read_header(src).metadata)  # the record is in the header: the whole patch was written
     cli("recover", src)

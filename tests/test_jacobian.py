@@ -44,9 +44,19 @@ def _expected(x, wq, wk, wv):
     jk = np.einsum("jc,ijk,ib,ka->icab", v, lam, q, x) / math.sqrt(d)
     jv = np.einsum("ia,cb->icab", p @ x, np.eye(d))
     jac = np.concatenate([j.reshape(n * d, -1) for j in (jq, jk, jv)], axis=1)
-    terms = {"kappa_x": _kappa(x), "kappa_lambda": keep.max() / keep.min(), "kappa_p": _kappa(p),
-             "kappa_q": _kappa(wq), "kappa_k": _kappa(wk), "kappa_v": _kappa(wv), "exact": _kappa(jac)}
-    terms["bound"] = terms["kappa_x"] ** 3 * terms["kappa_lambda"] * terms["kappa_v"] * (terms["kappa_q"] + terms["kappa_k"]) + terms["kappa_x"] * terms["kappa_p"]
+    terms = {
+        "kappa_x": _kappa(x),
+        "kappa_lambda": keep.max() / keep.min(),
+        "kappa_p": _kappa(p),
+        "kappa_q": _kappa(wq),
+        "kappa_k": _kappa(wk),
+        "kappa_v": _kappa(wv),
+        "exact": _kappa(jac),
+    }
+    terms["bound"] = (
+        terms["kappa_x"] ** 3 * terms["kappa_lambda"] * terms["kappa_v"] * (terms["kappa_q"] + terms["kappa_k"])
+        + terms["kappa_x"] * terms["kappa_p"]
+    )
     return terms
 
 
@@ -117,7 +127,9 @@ def test_cli_jacobian_inputs_file_and_refusals(cli, llama_dir, tmp_path):
     expect_cli_error(cli, llama_dir, "inspect", llama_dir, "--jacobian", match="no tokenizer beside it")
     bad = tmp_path / "bad.pt"
     torch.save(torch.randn(3), bad)
-    expect_cli_error(cli, llama_dir, "inspect", llama_dir, "--jacobian", "--inputs", bad, match="integer tensor of token ids")
+    expect_cli_error(
+        cli, llama_dir, "inspect", llama_dir, "--jacobian", "--inputs", bad, match="integer tensor of token ids"
+    )
 
 
 def test_a_custom_module_with_example_inputs(one_thread):

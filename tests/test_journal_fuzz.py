@@ -21,7 +21,9 @@ from surgeon.journal import journal_path, recover
 from _journals import kill_half_way
 from conftest import tiny_llama
 
-FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture], derandomize=True)
+FUZZ = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture], derandomize=True
+)
 
 
 class Killed(tuple):
@@ -61,7 +63,9 @@ def test_the_real_journal_rolls_back(killed):
 
 
 mutation = st.one_of(
-    st.tuples(st.just("flip"), st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(1, 255)), min_size=1, max_size=4)),
+    st.tuples(
+        st.just("flip"), st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(1, 255)), min_size=1, max_size=4)
+    ),
     st.tuples(st.just("cut"), st.integers(0, 1 << 20)),
     st.tuples(st.just("append"), st.binary(min_size=1, max_size=200)),
     st.tuples(st.just("replace"), st.binary(max_size=400)),

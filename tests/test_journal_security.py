@@ -43,7 +43,10 @@ def test_control_a_forgery_that_knows_everything_only_reaches_the_checkpoints_ow
     cli("recover", src)
     offset, length = tensor_range(src, Q0)
     after = src.read_bytes()
-    assert after[offset : offset + length] == payload and after[:offset] + after[offset + length :] == before[:offset] + before[offset + length :]
+    assert (
+        after[offset : offset + length] == payload
+        and after[:offset] + after[offset + length :] == before[:offset] + before[offset + length :]
+    )
     assert not journal.exists()
 
 
@@ -54,10 +57,20 @@ def test_a_symlink_out_of_the_folder_is_never_written_through(tmp_path, cli):
     folder.mkdir()
     (folder / "model.safetensors").symlink_to(outside / "model.safetensors")
     # the forgery knows the target's true inode, header and bytes
-    meta = {"version": 2, "checkpoint": "model.safetensors", "index_sha256": None,
-            "files": {"model.safetensors": ident(outside / "model.safetensors")}, "ranges": [[ "model.safetensors", *tensor_range(outside / "model.safetensors", Q0)]]}
+    meta = {
+        "version": 2,
+        "checkpoint": "model.safetensors",
+        "index_sha256": None,
+        "files": {"model.safetensors": ident(outside / "model.safetensors")},
+        "ranges": [["model.safetensors", *tensor_range(outside / "model.safetensors", Q0)]],
+    }
     offset, length = meta["ranges"][0][1:]
-    craft(journal_path(folder, "model.safetensors"), meta, [b"\0" * length], [(outside / "model.safetensors").read_bytes()[offset : offset + length]])
+    craft(
+        journal_path(folder, "model.safetensors"),
+        meta,
+        [b"\0" * length],
+        [(outside / "model.safetensors").read_bytes()[offset : offset + length]],
+    )
     before = tree_digest(tmp_path)
     refused(cli, folder, "recover", folder, match="symbolic link")
     refused(cli, folder, "inspect", folder, match="surgeon recover")
@@ -78,8 +91,13 @@ def test_a_shard_linked_out_of_the_folder_through_the_index_is_refused(tmp_path,
     key = "model.safetensors.index.json"
     (folder / key).write_text(json.dumps({"weight_map": {n: "model-00001-of-00001.safetensors" for n in names}}))
     offset, length = tensor_range(victim, Q0)
-    meta = {"version": 2, "checkpoint": key, "index_sha256": hashlib.sha256((folder / key).read_bytes()).hexdigest(),
-            "files": {"model-00001-of-00001.safetensors": ident(victim)}, "ranges": [["model-00001-of-00001.safetensors", offset, length]]}
+    meta = {
+        "version": 2,
+        "checkpoint": key,
+        "index_sha256": hashlib.sha256((folder / key).read_bytes()).hexdigest(),
+        "files": {"model-00001-of-00001.safetensors": ident(victim)},
+        "ranges": [["model-00001-of-00001.safetensors", offset, length]],
+    }
     craft(journal_path(folder, key), meta, [b"\0" * length], [victim.read_bytes()[offset : offset + length]])
     before = tree_digest(tmp_path)
     refused(cli, folder, "recover", folder, match="symbolic link")
@@ -93,12 +111,29 @@ def test_a_journal_naming_another_file_is_refused(llama_dir, cli, case):
     offset, length = tensor_range(src, Q0)
     base = {"version": 2, "checkpoint": "model.safetensors", "index_sha256": None}
     if case == "config-key":  # a journal for config.json itself
-        craft(journal_path(llama_dir, "config.json"), {**base, "checkpoint": "config.json", "files": {"config.json": ident(src)},
-              "ranges": [["config.json", 0, 10]]}, [b"x" * 10])
+        craft(
+            journal_path(llama_dir, "config.json"),
+            {
+                **base,
+                "checkpoint": "config.json",
+                "files": {"config.json": ident(src)},
+                "ranges": [["config.json", 0, 10]],
+            },
+            [b"x" * 10],
+        )
         match = "not a safetensors checkpoint"
     else:
-        name = {"config-in-files": "config.json", "dotdot": "../llama/model.safetensors", "slash": "/etc/passwd", "other-checkpoint": "x.safetensors"}[case]
-        craft(journal_path(llama_dir, "model.safetensors"), {**base, "files": {name: ident(src)}, "ranges": [[name, offset, length]]}, [b"\0" * length])
+        name = {
+            "config-in-files": "config.json",
+            "dotdot": "../llama/model.safetensors",
+            "slash": "/etc/passwd",
+            "other-checkpoint": "x.safetensors",
+        }[case]
+        craft(
+            journal_path(llama_dir, "model.safetensors"),
+            {**base, "files": {name: ident(src)}, "ranges": [[name, offset, length]]},
+            [b"\0" * length],
+        )
         match = "is not a weight file of model.safetensors"
     refused(cli, llama_dir, "recover", llama_dir, match=match)
 
@@ -108,10 +143,20 @@ def test_a_range_outside_one_tensors_bytes_is_refused(llama_dir, cli, where):
     src = llama_dir / "model.safetensors"
     offset, length = tensor_range(src, Q0)
     size = src.stat().st_size
-    ranges = {"header-part": [[8, 16]], "two-tensors": [[offset, length + 64]], "past-the-end": [[size, 1 << 30]],
-              "inside-a-tensor": [[offset + 4, length - 4]], "twice": [[offset, length], [offset, length]]}[where]
-    meta = {"version": 2, "checkpoint": "model.safetensors", "index_sha256": None, "files": {"model.safetensors": ident(src)},
-            "ranges": [["model.safetensors", o, n] for o, n in ranges]}
+    ranges = {
+        "header-part": [[8, 16]],
+        "two-tensors": [[offset, length + 64]],
+        "past-the-end": [[size, 1 << 30]],
+        "inside-a-tensor": [[offset + 4, length - 4]],
+        "twice": [[offset, length], [offset, length]],
+    }[where]
+    meta = {
+        "version": 2,
+        "checkpoint": "model.safetensors",
+        "index_sha256": None,
+        "files": {"model.safetensors": ident(src)},
+        "ranges": [["model.safetensors", o, n] for o, n in ranges],
+    }
     craft(journal_path(llama_dir, "model.safetensors"), meta, [b"\0" * n for _, n in ranges])
     refused(cli, llama_dir, "recover", src, match="twice" if where == "twice" else "not the bytes of one tensor")
 
@@ -148,9 +193,14 @@ def test_a_journal_that_is_not_a_regular_file_hangs_nothing(llama_dir, tmp_path,
     else:
         journal.mkdir()
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    for args, match in [(["inspect", llama_dir], "surgeon recover"), (["reinit", llama_dir, "-o", tmp_path / "out"], "surgeon recover"),
-                        (["recover", llama_dir], "not a regular file" if what != "symlink" else "cannot be opened as a regular file")]:
-        run = subprocess.run([sys.executable, "-m", "surgeon", *map(str, args)], capture_output=True, text=True, env=env, timeout=120)
+    for args, match in [
+        (["inspect", llama_dir], "surgeon recover"),
+        (["reinit", llama_dir, "-o", tmp_path / "out"], "surgeon recover"),
+        (["recover", llama_dir], "not a regular file" if what != "symlink" else "cannot be opened as a regular file"),
+    ]:
+        run = subprocess.run(
+            [sys.executable, "-m", "surgeon", *map(str, args)], capture_output=True, text=True, env=env, timeout=120
+        )
         lines = run.stderr.strip().splitlines()
         assert run.returncode == 1 and len(lines) == 1 and match in lines[0], run.stderr
     assert not (tmp_path / "out").exists() and os.path.lexists(journal)
@@ -161,8 +211,13 @@ def test_a_huge_journal_is_refused_without_reading_it(llama_dir, tmp_path):
     src = llama_dir / "model.safetensors"
     offset, length = tensor_range(src, Q0)
     journal = journal_path(llama_dir, "model.safetensors")
-    meta = {"version": 2, "checkpoint": "model.safetensors", "index_sha256": None, "files": {"model.safetensors": ident(src)},
-            "ranges": [["model.safetensors", offset, length]]}
+    meta = {
+        "version": 2,
+        "checkpoint": "model.safetensors",
+        "index_sha256": None,
+        "files": {"model.safetensors": ident(src)},
+        "ranges": [["model.safetensors", offset, length]],
+    }
     for claimed_meta, why in ((None, "its ranges make"), (1 << 40, "its range list claims")):
         craft(journal, meta, [b"\0" * length], raw_meta=None)
         with open(journal, "r+b") as f:
@@ -171,30 +226,58 @@ def test_a_huge_journal_is_refused_without_reading_it(llama_dir, tmp_path):
                 f.write(claimed_meta.to_bytes(8, "little"))
             f.truncate(512 << 20)
         # VmHWM: this process's own peak (ru_maxrss would count the pytest process it was forked from)
-        script = ("import re, sys\nfrom surgeon.cli import main\n"
-                  "try:\n    main.main(['recover', sys.argv[1]], standalone_mode=True)\n"
-                  "except SystemExit as e:\n"
-                  "    print('RC', e.code, 'PEAK_KB', re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1])\n")
+        script = (
+            "import re, sys\nfrom surgeon.cli import main\n"
+            "try:\n    main.main(['recover', sys.argv[1]], standalone_mode=True)\n"
+            "except SystemExit as e:\n"
+            "    print('RC', e.code, 'PEAK_KB', re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1])\n"
+        )
         run = subprocess.run([sys.executable, "-c", script, str(src)], capture_output=True, text=True, timeout=120)
         rc, rss = run.stdout.split()[1], int(run.stdout.split()[3])
-        assert rc == "1" and "is damaged" in run.stderr and why in run.stderr, run.stderr  # refused before the bulk is read
+        assert rc == "1" and "is damaged" in run.stderr and why in run.stderr, (
+            run.stderr
+        )  # refused before the bulk is read
         assert rss < 300 * 1024, rss  # the 512 MiB are never read into memory (python + surgeon alone: ~60 MiB)
     assert journal.exists()
 
 
-@pytest.mark.parametrize("bad", [
-    "not-json", "a-list", "version-1", "wrong-checkpoint", "files-a-list", "no-files", "ino-a-string", "ino-a-bool",
-    "negative-offset", "zero-length", "range-of-two", "index-digest-not-hex", "old-magic", "checksum", "old-digest",
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "not-json",
+        "a-list",
+        "version-1",
+        "wrong-checkpoint",
+        "files-a-list",
+        "no-files",
+        "ino-a-string",
+        "ino-a-bool",
+        "negative-offset",
+        "zero-length",
+        "range-of-two",
+        "index-digest-not-hex",
+        "old-magic",
+        "checksum",
+        "old-digest",
+    ],
+)
 def test_a_malformed_journal_is_refused_in_one_line_and_kept(llama_dir, cli, bad):
     src = llama_dir / "model.safetensors"
     offset, length = tensor_range(src, Q0)
-    good = {"version": 2, "checkpoint": "model.safetensors", "index_sha256": None, "files": {"model.safetensors": ident(src)},
-            "ranges": [["model.safetensors", offset, length]]}
+    good = {
+        "version": 2,
+        "checkpoint": "model.safetensors",
+        "index_sha256": None,
+        "files": {"model.safetensors": ident(src)},
+        "ranges": [["model.safetensors", offset, length]],
+    }
     f = good["files"]["model.safetensors"]
     meta = {
-        "a-list": [good], "version-1": {**good, "version": 1}, "wrong-checkpoint": {**good, "checkpoint": "other.safetensors"},
-        "files-a-list": {**good, "files": [f]}, "no-files": {**good, "files": {}},
+        "a-list": [good],
+        "version-1": {**good, "version": 1},
+        "wrong-checkpoint": {**good, "checkpoint": "other.safetensors"},
+        "files-a-list": {**good, "files": [f]},
+        "no-files": {**good, "files": {}},
         "ino-a-string": {**good, "files": {"model.safetensors": {**f, "ino": str(f["ino"])}}},
         "ino-a-bool": {**good, "files": {"model.safetensors": {**f, "ino": True}}},
         "negative-offset": {**good, "ranges": [["model.safetensors", -offset, length]]},
@@ -235,11 +318,19 @@ def half_patched(tmp_path_factory):
     return base, folder, clean
 
 
-@pytest.mark.parametrize("command", [
-    ["inspect", "{m}"], ["inspect", "{m}/model.safetensors"], ["verify", "{m}", "{c}"], ["verify", "{c}", "{m}"],
-    ["reinit", "{m}", "--dry-run"], ["reinit", "{m}", "--dry-run", "--in-place"], ["reinit", "{m}", "-o", "{b}/out"],
-    ["reinit", "{m}/model.safetensors", "-o", "{b}/out.safetensors"],
-])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["inspect", "{m}"],
+        ["inspect", "{m}/model.safetensors"],
+        ["verify", "{m}", "{c}"],
+        ["verify", "{c}", "{m}"],
+        ["reinit", "{m}", "--dry-run"],
+        ["reinit", "{m}", "--dry-run", "--in-place"],
+        ["reinit", "{m}", "-o", "{b}/out"],
+        ["reinit", "{m}/model.safetensors", "-o", "{b}/out.safetensors"],
+    ],
+)
 def test_read_only_commands_refuse_a_half_patched_checkpoint_and_write_nothing(half_patched, cli, command):
     base, folder, clean = half_patched
     args = [a.format(m=folder, c=clean, b=base) for a in command]
@@ -276,7 +367,9 @@ def test_a_shard_of_a_half_patched_index_is_refused_too(tmp_path, cli):
     kill_half_way(folder)
     shard = sorted(folder.glob("model-*.safetensors"))[-1]
     refused(cli, tmp_path, "inspect", shard, match="surgeon recover")
-    refused(cli, tmp_path, "reinit", shard, "--in-place", match="surgeon recover")  # a shard run does not roll back the index's journal
+    refused(
+        cli, tmp_path, "reinit", shard, "--in-place", match="surgeon recover"
+    )  # a shard run does not roll back the index's journal
 
 
 def test_in_place_on_the_same_checkpoint_rolls_back_first(llama_dir, tmp_path, cli):

@@ -21,21 +21,63 @@ def build(name):
 
     torch.manual_seed(0)
     if name == "codegen":  # qkv_proj packs 4 chunks of [Q | V | K]
-        return tf.CodeGenForCausalLM(tf.CodeGenConfig(vocab_size=64, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=32))
+        return tf.CodeGenForCausalLM(
+            tf.CodeGenConfig(vocab_size=64, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=32)
+        )
     if name == "gpt_bigcode_mha":  # c_attn viewed (heads, 3 * d) when multi_query is off
-        return tf.GPTBigCodeForCausalLM(tf.GPTBigCodeConfig(vocab_size=64, n_embd=64, n_layer=2, n_head=4, multi_query=False, n_positions=32))
+        return tf.GPTBigCodeForCausalLM(
+            tf.GPTBigCodeConfig(vocab_size=64, n_embd=64, n_layer=2, n_head=4, multi_query=False, n_positions=32)
+        )
     if name == "bert2bert":  # the decoder's path contains "encoder" (decoder.bert.encoder.layer)
-        enc = tf.BertConfig(vocab_size=64, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
-        dec = tf.BertConfig(vocab_size=64, hidden_size=48, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                            is_decoder=True, add_cross_attention=True)
+        enc = tf.BertConfig(
+            vocab_size=64, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+        )
+        dec = tf.BertConfig(
+            vocab_size=64,
+            hidden_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            is_decoder=True,
+            add_cross_attention=True,
+        )
         return tf.EncoderDecoderModel(config=tf.EncoderDecoderConfig.from_encoder_decoder_configs(enc, dec))
     if name == "clip":  # two towers, each with its own nested config
-        text = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48, max_position_embeddings=16, eos_token_id=2)
-        vision = dict(hidden_size=48, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, image_size=16, patch_size=8)
+        text = dict(
+            vocab_size=64,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=48,
+            max_position_embeddings=16,
+            eos_token_id=2,
+        )
+        vision = dict(
+            hidden_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=64,
+            image_size=16,
+            patch_size=8,
+        )
         return tf.CLIPModel(tf.CLIPConfig(text_config=text, vision_config=vision))
     if name == "siglip":  # an attention pooling head outside any numbered layer list
-        text = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48, max_position_embeddings=16)
-        vision = dict(hidden_size=48, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, image_size=16, patch_size=8)
+        text = dict(
+            vocab_size=64,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=48,
+            max_position_embeddings=16,
+        )
+        vision = dict(
+            hidden_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=64,
+            image_size=16,
+            patch_size=8,
+        )
         return tf.SiglipModel(tf.SiglipConfig(text_config=text, vision_config=vision))
     raise KeyError(name)
 
@@ -56,7 +98,11 @@ def test_each_tower_gets_its_own_head_count(tmp_path):
     src = tmp_path / "b2b"
     build("bert2bert").save_pretrained(src)
     heads = {(b.stack, b.kind): b.heads for b in inspect_checkpoint(src).blocks}
-    assert heads == {("encoder.encoder.layer", "self"): 4, ("decoder.bert.encoder.layer", "self"): 2, ("decoder.bert.encoder.layer", "cross"): 2}
+    assert heads == {
+        ("encoder.encoder.layer", "self"): 4,
+        ("decoder.bert.encoder.layer", "self"): 2,
+        ("decoder.bert.encoder.layer", "cross"): 2,
+    }
 
 
 def test_siglip_pooling_head_is_its_own_stack(tmp_path):

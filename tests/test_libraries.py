@@ -105,7 +105,9 @@ def xt_decoder(**kw):
     from x_transformers import Decoder, TransformerWrapper
 
     torch.manual_seed(0)
-    return TransformerWrapper(num_tokens=20, max_seq_len=16, attn_layers=Decoder(dim=32, depth=1, heads=4, attn_dim_head=8, **kw))
+    return TransformerWrapper(
+        num_tokens=20, max_seq_len=16, attn_layers=Decoder(dim=32, depth=1, heads=4, attn_dim_head=8, **kw)
+    )
 
 
 def test_x_transformers_gqa_maps_query_head_h_to_kv_head_h_mod_kv(tmp_path):
@@ -161,21 +163,47 @@ def test_eva_fused_qkv_zeroes_its_separate_q_and_v_biases(tmp_path):
 def test_nanogpt_ckpt_pt_is_rewritten_in_its_container_with_heads_from_model_args(tmp_path):
     torch.manual_seed(0)
     model = NanoGPT(n_layer=2, n_head=4, n_embd=32)
-    model_args = {"n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 16, "bias": True, "vocab_size": 40, "dropout": 0.0}
+    model_args = {
+        "n_layer": 2,
+        "n_head": 4,
+        "n_embd": 32,
+        "block_size": 16,
+        "bias": True,
+        "vocab_size": 40,
+        "dropout": 0.0,
+    }
     optimizer = torch.optim.AdamW(model.parameters())
-    ckpt = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "model_args": model_args,
-            "iter_num": 7, "best_val_loss": torch.tensor(2.5), "config": {"dataset": "shakespeare_char"}}
+    ckpt = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "model_args": model_args,
+        "iter_num": 7,
+        "best_val_loss": torch.tensor(2.5),
+        "config": {"dataset": "shakespeare_char"},
+    }
     (tmp_path / "run").mkdir()
     torch.save(ckpt, tmp_path / "run" / "ckpt.pt")
     found = inspect_checkpoint(tmp_path / "run" / "ckpt.pt")
     assert [(b.stack, b.layer, b.heads) for b in found.blocks] == [("transformer.h", 0, 4), ("transformer.h", 1, 4)]
     reinit_checkpoint(tmp_path / "run" / "ckpt.pt", output=tmp_path / "out.pt", layers="1")
     out = torch.load(tmp_path / "out.pt", weights_only=True)
-    assert set(out) == set(ckpt) and out["iter_num"] == 7 and out["model_args"] == model_args and torch.equal(out["best_val_loss"], ckpt["best_val_loss"])
-    assert changed(ckpt["model"], out["model"]) == {"transformer.h.1.attn.c_attn.weight", "transformer.h.1.attn.c_attn.bias"}
+    assert (
+        set(out) == set(ckpt)
+        and out["iter_num"] == 7
+        and out["model_args"] == model_args
+        and torch.equal(out["best_val_loss"], ckpt["best_val_loss"])
+    )
+    assert changed(ckpt["model"], out["model"]) == {
+        "transformer.h.1.attn.c_attn.weight",
+        "transformer.h.1.attn.c_attn.bias",
+    }
     model.load_state_dict(out["model"])
     now = observe(model.transformer["h"][1]["attn"], 32)
-    assert orthonormal_rows(now.q) and orthonormal_rows(now.k) and torch.allclose(now.v.reshape(32, 32).float(), torch.eye(32), atol=1e-5)
+    assert (
+        orthonormal_rows(now.q)
+        and orthonormal_rows(now.k)
+        and torch.allclose(now.v.reshape(32, 32).float(), torch.eye(32), atol=1e-5)
+    )
 
 
 def test_ddp_prefixed_lightning_checkpoint_keeps_its_other_entries(tmp_path):
@@ -189,7 +217,10 @@ def test_ddp_prefixed_lightning_checkpoint_keeps_its_other_entries(tmp_path):
     reinit_checkpoint(tmp_path / "last.ckpt", output=tmp_path / "out.ckpt")
     out = torch.load(tmp_path / "out.ckpt", weights_only=True)
     assert out["epoch"] == 3 and out["hyper_parameters"] == ckpt["hyper_parameters"]
-    assert changed(state, out["state_dict"]) == {"module.transformer.h.0.attn.c_attn.weight", "module.transformer.h.0.attn.c_attn.bias"}
+    assert changed(state, out["state_dict"]) == {
+        "module.transformer.h.0.attn.c_attn.weight",
+        "module.transformer.h.0.attn.c_attn.bias",
+    }
 
 
 # --------------------------------------------------------------------------- x-transformers encoder-decoder
@@ -199,11 +230,23 @@ def test_x_transformers_cross_layers_are_cross_attention_by_their_place(tmp_path
     from x_transformers import XTransformer
 
     torch.manual_seed(0)
-    model = XTransformer(dim=32, enc_num_tokens=20, enc_depth=1, enc_heads=4, enc_max_seq_len=16,
-                         dec_num_tokens=20, dec_depth=2, dec_heads=4, dec_max_seq_len=16)
+    model = XTransformer(
+        dim=32,
+        enc_num_tokens=20,
+        enc_depth=1,
+        enc_heads=4,
+        enc_max_seq_len=16,
+        dec_num_tokens=20,
+        dec_depth=2,
+        dec_heads=4,
+        dec_max_seq_len=16,
+    )
     src = save(model, tmp_path / "src")
     found = inspect_checkpoint(src, num_heads=4)
-    types = {"decoder.net.attn_layers.layers": model.decoder.net.attn_layers.layer_types, "encoder.attn_layers.layers": model.encoder.attn_layers.layer_types}
+    types = {
+        "decoder.net.attn_layers.layers": model.decoder.net.attn_layers.layer_types,
+        "encoder.attn_layers.layers": model.encoder.attn_layers.layer_types,
+    }
     truth = {b.module: "cross" if types[b.stack][int(b.module.split(".")[-2])] == "c" else "self" for b in found.blocks}
     assert {b.module: b.kind for b in found.blocks} == truth and "cross" in truth.values()
     reinit_checkpoint(src, output=tmp_path / "out", num_heads=4, attention="self")
@@ -220,7 +263,9 @@ def test_lucidrains_to_q_and_fused_to_kv(tmp_path):
     src = save(model, tmp_path / "src")
     found = inspect_checkpoint(src, head_dim=8)
     assert {(b.module, b.kind, b.heads) for b in found.blocks} == {
-        ("cross_attend_blocks.0.fn", "cross", 4), ("layers.0.0.fn", "self", 4), ("layers.1.0.fn", "self", 4)
+        ("cross_attend_blocks.0.fn", "cross", 4),
+        ("layers.0.0.fn", "self", 4),
+        ("layers.1.0.fn", "self", 4),
     }
     attn = model.layers[1][0]["fn"]
     was = observe(attn, 32)
@@ -228,7 +273,9 @@ def test_lucidrains_to_q_and_fused_to_kv(tmp_path):
     model.load_state_dict(load_file(tmp_path / "out" / "model.safetensors"))
     now = observe(attn, 32)
     assert orthonormal_rows(now.q[2:3]) and orthonormal_rows(now.k[2:3])
-    assert torch.allclose(now.v[2].float(), torch.eye(32)[16:24], atol=1e-5)  # block identity: head 2 reads features 16-23
+    assert torch.allclose(
+        now.v[2].float(), torch.eye(32)[16:24], atol=1e-5
+    )  # block identity: head 2 reads features 16-23
     for role in ("q", "k", "v"):
         keep = [0, 1, 3]
         assert torch.allclose(getattr(now, role)[keep], getattr(was, role)[keep], atol=1e-5), role
@@ -252,19 +299,29 @@ def test_open_clip_config_gives_each_tower_its_heads(tmp_path):
     src = save(model, tmp_path / "src")
     (tmp_path / "ViT-tiny.json").write_text(json.dumps(OPEN_CLIP))
     found = inspect_checkpoint(src, config=tmp_path / "ViT-tiny.json")
-    assert {(b.stack, b.heads, b.head_dim) for b in found.blocks} == {("visual.transformer.resblocks", 4, 8), ("transformer.resblocks", 2, 12)}
+    assert {(b.stack, b.heads, b.head_dim) for b in found.blocks} == {
+        ("visual.transformer.resblocks", 4, 8),
+        ("transformer.resblocks", 2, 12),
+    }
     reinit_checkpoint(src, output=tmp_path / "out", config=tmp_path / "ViT-tiny.json", heads="0")
     model.load_state_dict(load_file(tmp_path / "out" / "model.safetensors"))
     for tower, d in ((model.transformer, 12), (model.visual.transformer, 8)):
         maps = observe_mha(tower.resblocks[1].attn)
         assert maps.q.shape[1] == d  # the library's own head split
-        assert orthonormal_rows(maps.q[:1]) and orthonormal_rows(maps.k[:1]) and not orthonormal_rows(maps.q[1:2], atol=1e-2)
+        assert (
+            orthonormal_rows(maps.q[:1])
+            and orthonormal_rows(maps.k[:1])
+            and not orthonormal_rows(maps.q[1:2], atol=1e-2)
+        )
 
 
 def test_timm_swin_heads_per_stage_from_model_args(tmp_path):
     torch.manual_seed(0)
     model = randomize_biases(Swin(embed_dim=16, depths=(1, 2), num_heads=(2, 4)))
-    config = {"architecture": "swin_tiny_patch4_window7_224", "model_args": {"embed_dim": 16, "depths": [1, 2], "num_heads": [2, 4]}}
+    config = {
+        "architecture": "swin_tiny_patch4_window7_224",
+        "model_args": {"embed_dim": 16, "depths": [1, 2], "num_heads": [2, 4]},
+    }
     src = save(model, tmp_path / "src", config)
     found = inspect_checkpoint(src)
     assert [(b.layer, b.heads, b.head_dim) for b in found.blocks] == [(0, 2, 8), (1, 4, 8), (2, 4, 8)]
@@ -272,7 +329,11 @@ def test_timm_swin_heads_per_stage_from_model_args(tmp_path):
     model.load_state_dict(load_file(tmp_path / "out" / "model.safetensors"))
     for stage, width in ((model.layers[0], 16), (model.layers[1], 32)):
         maps = observe(stage.blocks[0]["attn"], width)
-        assert orthonormal_rows(maps.q[1:2]) and orthonormal_rows(maps.k[1:2]) and not orthonormal_rows(maps.q[:1], atol=1e-2)
+        assert (
+            orthonormal_rows(maps.q[1:2])
+            and orthonormal_rows(maps.k[1:2])
+            and not orthonormal_rows(maps.q[:1], atol=1e-2)
+        )
         assert torch.allclose(maps.q_bias[1].float(), torch.zeros(8), atol=1e-6)
 
 
@@ -286,9 +347,14 @@ def test_head_dim_alone_settles_the_heads(tmp_path):
 def test_open_clip_hub_folder_reads_its_open_clip_config(tmp_path):
     torch.manual_seed(0)
     src = save(OpenClip(OPEN_CLIP), tmp_path / "src")
-    (src / "open_clip_config.json").write_text(json.dumps({"model_cfg": OPEN_CLIP, "preprocess_cfg": {"mean": [0.5] * 3}}))
+    (src / "open_clip_config.json").write_text(
+        json.dumps({"model_cfg": OPEN_CLIP, "preprocess_cfg": {"mean": [0.5] * 3}})
+    )
     found = inspect_checkpoint(src)
-    assert {(b.stack, b.heads) for b in found.blocks} == {("visual.transformer.resblocks", 4), ("transformer.resblocks", 2)}
+    assert {(b.stack, b.heads) for b in found.blocks} == {
+        ("visual.transformer.resblocks", 4),
+        ("transformer.resblocks", 2),
+    }
 
 
 def test_coatnet_1x1_conv_qkv_per_head_from_the_architecture(tmp_path):
@@ -318,8 +384,14 @@ def test_torchvision_swin_heads_per_stage_from_the_head_size(tmp_path):
     model = randomize_biases(TorchvisionSwin(embed_dim=16, depths=(1, 2), num_heads=(2, 4)))
     src = save(model, tmp_path / "src")
     found = inspect_checkpoint(src, head_dim=8)
-    assert [(b.stack, b.layer, b.heads) for b in found.blocks] == [("features", 0, 2), ("features", 1, 4), ("features", 2, 4)]
+    assert [(b.stack, b.layer, b.heads) for b in found.blocks] == [
+        ("features", 0, 2),
+        ("features", 1, 4),
+        ("features", 2, 4),
+    ]
     reinit_checkpoint(src, output=tmp_path / "out", head_dim=8, heads="3", layers="2")
     model.load_state_dict(load_file(tmp_path / "out" / "model.safetensors"))
     maps = observe(model.features[3][1]["attn"], 32)
-    assert orthonormal_rows(maps.q[3:4]) and orthonormal_rows(maps.k[3:4]) and not orthonormal_rows(maps.q[:1], atol=1e-2)
+    assert (
+        orthonormal_rows(maps.q[3:4]) and orthonormal_rows(maps.k[3:4]) and not orthonormal_rows(maps.q[:1], atol=1e-2)
+    )

@@ -25,18 +25,34 @@ def test_qdq_quantized_graph_is_refused_as_quantized(tmp_path):
     x = torch.randn(1, 3, 8, 8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(model, (x,), str(tmp_path / "float.onnx"), input_names=["pixel_values"], output_names=["out"], dynamo=False, opset_version=17)
+        torch.onnx.export(
+            model,
+            (x,),
+            str(tmp_path / "float.onnx"),
+            input_names=["pixel_values"],
+            output_names=["out"],
+            dynamo=False,
+            opset_version=17,
+        )
     assert inspect_checkpoint(tmp_path / "float.onnx").blocks  # the float export is read
 
     class Reader(CalibrationDataReader):
         def __init__(self):
-            self.feeds = iter([{"pixel_values": np.random.default_rng(i).standard_normal((1, 3, 8, 8)).astype(np.float32)} for i in range(4)])
+            self.feeds = iter(
+                [
+                    {"pixel_values": np.random.default_rng(i).standard_normal((1, 3, 8, 8)).astype(np.float32)}
+                    for i in range(4)
+                ]
+            )
 
         def get_next(self):
             return next(self.feeds, None)
 
     quantize_static(str(tmp_path / "float.onnx"), str(tmp_path / "int8.onnx"), Reader(), quant_format=QuantFormat.QDQ)
-    with pytest.raises(UnsupportedWeightsError, match=r"quantized \(QuantizeLinear/DequantizeLinear\): re-initialize the float model, then quantize again"):
+    with pytest.raises(
+        UnsupportedWeightsError,
+        match=r"quantized \(QuantizeLinear/DequantizeLinear\): re-initialize the float model, then quantize again",
+    ):
         inspect_checkpoint(tmp_path / "int8.onnx")
 
 
@@ -56,7 +72,15 @@ def test_vits_1x1_conv_projections_are_followed(tmp_path):
     x = torch.randn(1, 16, 7)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(model, (x,), str(tmp_path / "vits.onnx"), input_names=["x"], output_names=["y"], dynamo=False, opset_version=17)
+        torch.onnx.export(
+            model,
+            (x,),
+            str(tmp_path / "vits.onnx"),
+            input_names=["x"],
+            output_names=["y"],
+            dynamo=False,
+            opset_version=17,
+        )
     found = inspect_checkpoint(tmp_path / "vits.onnx")
     assert [(b.layer, b.kind, b.heads, b.head_dim) for b in found.blocks] == [(0, "self", 2, 8), (1, "self", 2, 8)]
     reinit_checkpoint(tmp_path / "vits.onnx", output=tmp_path / "out.onnx", heads="0", layers="1")
@@ -69,7 +93,9 @@ def test_vits_1x1_conv_projections_are_followed(tmp_path):
     assert np.array_equal(after[block.q.weight.tensor][8:], before[block.q.weight.tensor][8:])
     v = torch.tensor(after[block.v.weight.tensor]).reshape(16, 16)
     assert torch.equal(v[:8], torch.eye(16)[:8])
-    assert np.all(after[block.q.bias.tensor][:8] == 0) and np.array_equal(after[block.q.bias.tensor][8:], before[block.q.bias.tensor][8:])
+    assert np.all(after[block.q.bias.tensor][:8] == 0) and np.array_equal(
+        after[block.q.bias.tensor][8:], before[block.q.bias.tensor][8:]
+    )
     untouched = found.blocks[0].q.weight.tensor
     assert np.array_equal(after[untouched], before[untouched])
     # the rewritten graph runs, and matches the PyTorch model given the same weights
@@ -79,7 +105,9 @@ def test_vits_1x1_conv_projections_are_followed(tmp_path):
     model.attn_layers[1].conv_k.bias.data = torch.tensor(after[block.k.bias.tensor])
     model.attn_layers[1].conv_v.weight.data = torch.tensor(after[block.v.weight.tensor])
     model.attn_layers[1].conv_v.bias.data = torch.tensor(after[block.v.bias.tensor])
-    got = ort.InferenceSession(str(tmp_path / "out.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})[0]
+    got = ort.InferenceSession(str(tmp_path / "out.onnx"), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x.numpy()}
+    )[0]
     with torch.no_grad():
         assert np.allclose(got, model(x).numpy(), atol=1e-4)
 
@@ -92,6 +120,14 @@ def test_fused_per_head_1x1_conv_qkv_is_not_guessed(tmp_path):
     attn = CoAtNet(dim=32, depth=1).stages[0].blocks[0]["attn"].eval()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(attn, (torch.randn(1, 32, 3, 3),), str(tmp_path / "coat.onnx"), input_names=["x"], output_names=["y"], dynamo=False, opset_version=17)
+        torch.onnx.export(
+            attn,
+            (torch.randn(1, 32, 3, 3),),
+            str(tmp_path / "coat.onnx"),
+            input_names=["x"],
+            output_names=["y"],
+            dynamo=False,
+            opset_version=17,
+        )
     with pytest.raises(NoAttentionFoundError, match="1x1 convolution.*after its head split"):
         inspect_checkpoint(tmp_path / "coat.onnx")

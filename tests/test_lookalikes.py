@@ -17,7 +17,11 @@ def raw(path):
     data = path.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + n])
-    return {k: data[8 + n + v["data_offsets"][0] : 8 + n + v["data_offsets"][1]] for k, v in header.items() if k != "__metadata__"}
+    return {
+        k: data[8 + n + v["data_offsets"][0] : 8 + n + v["data_offsets"][1]]
+        for k, v in header.items()
+        if k != "__metadata__"
+    }
 
 
 def test_old_gpt2_mask_buffers_and_rotary_buffers(tmp_path):
@@ -38,8 +42,12 @@ def test_old_gpt2_mask_buffers_and_rotary_buffers(tmp_path):
     save_file({**sd, **lookalikes}, folder / "model.safetensors", metadata={"format": "pt"})
     report = reinit_checkpoint(folder, output=tmp_path / "out")
     assert [b.module for b in report.blocks] == [f"transformer.h.{i}.attn" for i in range(model.config.n_layer)]
-    touched = {r.block.projection(r.role).weight.tensor for r in report.rows} | {r.block.projection(r.role).bias.tensor for r in report.rows}
-    assert touched == {f"transformer.h.{i}.attn.c_attn.{p}" for i in range(model.config.n_layer) for p in ("weight", "bias")}
+    touched = {r.block.projection(r.role).weight.tensor for r in report.rows} | {
+        r.block.projection(r.role).bias.tensor for r in report.rows
+    }
+    assert touched == {
+        f"transformer.h.{i}.attn.c_attn.{p}" for i in range(model.config.n_layer) for p in ("weight", "bias")
+    }
     before, after = raw(folder / "model.safetensors"), raw(tmp_path / "out" / "model.safetensors")
     for name in lookalikes:
         assert after[name] == before[name], name
@@ -49,8 +57,16 @@ def test_qk_norm_weights_are_left_alone(tmp_path):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, max_position_embeddings=32)
+    cfg = Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=32,
+    )
     model = Qwen3ForCausalLM(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -81,7 +81,9 @@ def test_reinit_top_layers_and_encode(cli, minilm_dir, tmp_path):
 def test_polar_strength_on_pretrained_weights(minilm_dir, tmp_path):
     from surgeon import reinit_checkpoint
 
-    report = reinit_checkpoint(minilm_dir, output=tmp_path / "o", mode="polar", strength=0.5, keep_scale=True, layers="0")
+    report = reinit_checkpoint(
+        minilm_dir, output=tmp_path / "o", mode="polar", strength=0.5, keep_scale=True, layers="0"
+    )
     for row in report.rows:
-        ratios = [k1 / k0 ** 0.5 for k0, k1 in zip(row.before.head_kappas, row.after.head_kappas)]
+        ratios = [k1 / k0**0.5 for k0, k1 in zip(row.before.head_kappas, row.after.head_kappas)]
         assert statistics.mean(ratios) == pytest.approx(1.0, abs=1e-4)

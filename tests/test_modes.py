@@ -17,7 +17,21 @@ from surgeon.plan import MODES, ReinitOptions
 
 from conftest import tiny_bert
 
-SLOTS = ("name", "help", "fresh", "option", "method", "label", "tag", "exact", "verify_bound", "writes_outputs", "onnx", "sharded", "citation")
+SLOTS = (
+    "name",
+    "help",
+    "fresh",
+    "option",
+    "method",
+    "label",
+    "tag",
+    "exact",
+    "verify_bound",
+    "writes_outputs",
+    "onnx",
+    "sharded",
+    "citation",
+)
 METHODS = ("draw", "summary", "card_intro", "card_row")  # a mode must say these itself; the others have honest defaults
 
 
@@ -81,7 +95,12 @@ def test_card_and_record_say_what_was_done(bert_dir, tmp_path, mode, cli):
     assert card.data.to_dict()["tags"] == ["surgeon", get_mode(mode).tag]
     claims_conditioned = "with conditioned initialization" in text or "semi-orthogonal" in text
     assert claims_conditioned == (mode == "conditioned"), text
-    words = {"conditioned": "rectangular identity", "polar": "singular vectors kept", "redraw": "default init", "mimetic": "W_O"}
+    words = {
+        "conditioned": "rectangular identity",
+        "polar": "singular vectors kept",
+        "redraw": "default init",
+        "mimetic": "W_O",
+    }
     assert words[mode] in text
     if mode == "redraw":
         assert "not conditioned initialization" in text and "normal(0, 0.02)" in text  # BertConfig's initializer_range
@@ -100,8 +119,17 @@ def test_a_mode_says_where_it_is_not_supported(tmp_path, cli):
     folder.mkdir()
     export(tiny_bert(), "bert", folder / "model.onnx", dynamo=False)
     assert not get_mode("mimetic").onnx
-    expect_cli_error(cli, folder, "reinit", folder / "model.onnx", "--mode", "mimetic", "-o", tmp_path / "out.onnx",
-                     match="--mode mimetic is not supported on ONNX graphs")
+    expect_cli_error(
+        cli,
+        folder,
+        "reinit",
+        folder / "model.onnx",
+        "--mode",
+        "mimetic",
+        "-o",
+        tmp_path / "out.onnx",
+        match="--mode mimetic is not supported on ONNX graphs",
+    )
     assert not (tmp_path / "out.onnx").exists()
 
 

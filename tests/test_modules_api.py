@@ -92,8 +92,17 @@ def test_layer_specs_and_iterables_pick_the_same_layers():
 def test_defaults_mirror_the_cli():
     report = surgeon.reinit_(tiny_llama())
     assert report.options == {
-        "layers": "all", "targets": ["q", "k", "v"], "heads": "all", "attention": "all", "stack": None,
-        "mode": "conditioned", "strength": None, "value_identity": "block", "keep_scale": False, "bias": "zero", "seed": 0,
+        "layers": "all",
+        "targets": ["q", "k", "v"],
+        "heads": "all",
+        "attention": "all",
+        "stack": None,
+        "mode": "conditioned",
+        "strength": None,
+        "value_identity": "block",
+        "keep_scale": False,
+        "bias": "zero",
+        "seed": 0,
     }
     assert len(report.rows) == 9
 
@@ -127,9 +136,14 @@ def test_dispatch_and_errors(tmp_path):
     assert [b.module for b in by_path.blocks] == [b.module for b in by_module.blocks]
     assert surgeon.reinit(tmp_path / "llama", output=tmp_path / "out", dry_run=True).dry_run
 
-    with pytest.raises(OptionError, match=r"^surgeon.reinit writes a new checkpoint .* call surgeon.reinit_\(model, ...\)$"):
+    with pytest.raises(
+        OptionError, match=r"^surgeon.reinit writes a new checkpoint .* call surgeon.reinit_\(model, ...\)$"
+    ):
         surgeon.reinit(model)
-    with pytest.raises(OptionError, match=r"^surgeon.reinit_ takes a torch.nn.Module, not PosixPath; for a checkpoint path or Hub id use surgeon.reinit\(path\)$"):
+    with pytest.raises(
+        OptionError,
+        match=r"^surgeon.reinit_ takes a torch.nn.Module, not PosixPath; for a checkpoint path or Hub id use surgeon.reinit\(path\)$",
+    ):
         surgeon.reinit_(tmp_path / "llama")
     with pytest.raises(OptionError, match="unknown mode 'fancy'"):
         surgeon.reinit_(model, mode="fancy")
@@ -143,12 +157,16 @@ def test_dispatch_and_errors(tmp_path):
     with pytest.raises(OptionError, match="meta device"):
         surgeon.inspect(meta)
     # nothing was changed by the failed calls
-    assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, tiny_llama().model.layers[0].self_attn.q_proj.weight)
+    assert torch.equal(
+        model.model.layers[0].self_attn.q_proj.weight, tiny_llama().model.layers[0].self_attn.q_proj.weight
+    )
 
 
 def test_hints_that_contradict_the_forward_are_refused():
     model = Stack(lambda: LucidAttention(24, heads=4, dim_head=6), 24)
-    with pytest.raises(surgeon.LayoutError, match=r"^layers.0.attn: its forward uses 4 query heads, not 3 \(num_heads\)$") as err:
+    with pytest.raises(
+        surgeon.LayoutError, match=r"^layers.0.attn: its forward uses 4 query heads, not 3 \(num_heads\)$"
+    ) as err:
         surgeon.inspect(model, num_heads=3)
     assert err.value.option == "num_heads"
     assert err.value.describe(cli_spelling) == "layers.0.attn: its forward uses 4 query heads, not 3 (--num-heads)"

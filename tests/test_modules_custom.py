@@ -152,7 +152,9 @@ def test_transformer_encoder(batch_first):
     before = [observe_mha(m.self_attn) for m in enc.layers]
     state = snapshot(enc)
     report = surgeon.reinit_(enc, layers="1", seed=8)
-    assert [(b.module, b.layout) for b in report.blocks] == [(f"layers.{i}.self_attn", "fused in_proj") for i in range(3)]
+    assert [(b.module, b.layout) for b in report.blocks] == [
+        (f"layers.{i}.self_attn", "fused in_proj") for i in range(3)
+    ]
     for i, m in enumerate(enc.layers):
         got = observe_mha(m.self_attn)
         assert_conditioned(got) if i == 1 else assert_same(got, before[i])
@@ -163,11 +165,17 @@ def test_transformer_decoder_cross_attention_only():
     torch.manual_seed(0)
     layer = nn.TransformerDecoderLayer(32, 4, 48, dropout=0.0, batch_first=True)
     dec = randomize_biases(nn.TransformerDecoder(layer, 2)).eval()
-    before = {n: observe_mha(m, cross=n.endswith("multihead_attn")) for n, m in dec.named_modules() if isinstance(m, nn.MultiheadAttention)}
+    before = {
+        n: observe_mha(m, cross=n.endswith("multihead_attn"))
+        for n, m in dec.named_modules()
+        if isinstance(m, nn.MultiheadAttention)
+    }
     report = surgeon.reinit_(dec, attention="cross", seed=9)
     assert [(b.module, b.kind) for b in report.blocks] == [
-        ("layers.0.self_attn", "self"), ("layers.0.multihead_attn", "cross"),
-        ("layers.1.self_attn", "self"), ("layers.1.multihead_attn", "cross"),
+        ("layers.0.self_attn", "self"),
+        ("layers.0.multihead_attn", "cross"),
+        ("layers.1.self_attn", "self"),
+        ("layers.1.multihead_attn", "cross"),
     ]
     for n, old in before.items():
         got = observe_mha(dec.get_submodule(n), cross=n.endswith("multihead_attn"))
@@ -211,7 +219,10 @@ def test_heads_split_over_several_tensors_are_refused():
             q, k, v = (torch.stack([m(x) for m in ms], dim=1) for ms in (self.q, self.k, self.v))
             return torch.nn.functional.scaled_dot_product_attention(q, k, v).flatten(1)
 
-    with pytest.raises(LayoutError, match=r"^cannot resolve the attention in PerHeadLinears: its query heads live in several tensors \(q.0.weight, q.1.weight\)"):
+    with pytest.raises(
+        LayoutError,
+        match=r"^cannot resolve the attention in PerHeadLinears: its query heads live in several tensors \(q.0.weight, q.1.weight\)",
+    ):
         surgeon.reinit_(PerHeadLinears())
 
 
@@ -231,7 +242,9 @@ def test_half_precision_through_the_forward_route(dtype):
     surgeon.reinit_(reference, layers="0", seed=1)
     report = surgeon.reinit_(model, layers="0", seed=1)
     assert model.training
-    edited = {r.block.projection(r.role).weight.tensor for r in report.rows} | {r.block.projection(r.role).bias.tensor for r in report.rows}
+    edited = {r.block.projection(r.role).weight.tensor for r in report.rows} | {
+        r.block.projection(r.role).bias.tensor for r in report.rows
+    }
     ref = reference.state_dict()
     for n, t in model.state_dict().items():
         assert t.dtype == dtype

@@ -62,7 +62,12 @@ def test_reinit_in_memory_through_forward(name):
             bias = getattr(obs, f"{role}_bias")
             assert torch.allclose(bias, torch.zeros_like(bias), atol=1e-6)
     # nothing but the re-initialized projections changed
-    edited = {rows.tensor for r in report.rows for rows in (r.block.projection(r.role).weight, r.block.projection(r.role).bias) if rows}
+    edited = {
+        rows.tensor
+        for r in report.rows
+        for rows in (r.block.projection(r.role).weight, r.block.projection(r.role).bias)
+        if rows
+    }
     for n, p in model.named_parameters():
         assert torch.equal(p, untouched[n]) == (n not in edited), n
 
@@ -115,7 +120,11 @@ def test_half_precision_in_memory(dtype):
     surgeon.reinit_(reference, layers="1", seed=3)
     report = surgeon.reinit_(model, layers="1", seed=3)
     assert {r.dtype for r in report.rows} == {str(dtype).removeprefix("torch.")}
-    edited = {n for r in report.rows for n in (r.block.projection(r.role).weight.tensor, r.block.projection(r.role).bias.tensor)}
+    edited = {
+        n
+        for r in report.rows
+        for n in (r.block.projection(r.role).weight.tensor, r.block.projection(r.role).bias.tensor)
+    }
     ref = reference.state_dict()
     for n, p in model.named_parameters():
         assert p.dtype == dtype

@@ -150,7 +150,9 @@ def exp_bloom(model):
         w3, b3 = w.reshape(H, 3, d, -1), b.reshape(H, 3, d)
         return [(w3[:, j], b3[:, j]) for j in range(3)]
 
-    return _fused_rows(model, "transformer.h.{}.self_attention", "self_attention.query_key_value", model.transformer.h, split)
+    return _fused_rows(
+        model, "transformer.h.{}.self_attention", "self_attention.query_key_value", model.transformer.h, split
+    )
 
 
 def exp_falcon(model):
@@ -180,7 +182,9 @@ def exp_falcon(model):
             w3, b3 = w.reshape(H, 3, d, -1), b.reshape(H, 3, d)
             return [(w3[:, j], b3[:, j]) for j in range(3)]
 
-    return _fused_rows(model, "transformer.h.{}.self_attention", "self_attention.query_key_value", model.transformer.h, split)
+    return _fused_rows(
+        model, "transformer.h.{}.self_attention", "self_attention.query_key_value", model.transformer.h, split
+    )
 
 
 def _blocked(H, d):
@@ -195,7 +199,9 @@ def _blocked(H, d):
 def exp_mpt(model):
     c = model.config
     H = c.n_heads
-    return _fused_rows(model, "transformer.blocks.{}.attn", "attn.Wqkv", model.transformer.blocks, _blocked(H, c.d_model // H))
+    return _fused_rows(
+        model, "transformer.blocks.{}.attn", "attn.Wqkv", model.transformer.blocks, _blocked(H, c.d_model // H)
+    )
 
 
 def exp_modernbert(model):
@@ -263,7 +269,10 @@ SPECS = {
     "distilbert": (exp_distilbert, lambda c: c.n_layers),
     "vit": (exp_mha_sep("q_proj", "k_proj", "v_proj"), lambda c: c.num_hidden_layers),
     "t5": (exp_t5, lambda c: _enc_dec_count(c.num_layers, c.num_decoder_layers)),
-    "bart": (exp_mha_sep("q_proj", "k_proj", "v_proj", "encoder_attn"), lambda c: _enc_dec_count(c.encoder_layers, c.decoder_layers)),
+    "bart": (
+        exp_mha_sep("q_proj", "k_proj", "v_proj", "encoder_attn"),
+        lambda c: _enc_dec_count(c.encoder_layers, c.decoder_layers),
+    ),
     "whisper": (exp_whisper, lambda c: _enc_dec_count(c.encoder_layers, c.decoder_layers)),
     "clip_text": (exp_mha_sep("q_proj", "k_proj", "v_proj"), lambda c: c.num_hidden_layers),
     "swin": (exp_swin, lambda c: sum(c.depths)),
@@ -466,7 +475,12 @@ def test_qk_norm_is_refused():
 
 def test_mpt_clip_qkv_is_refused():
     cfg = transformers.MptConfig(
-        vocab_size=64, d_model=32, n_layers=2, n_heads=4, expansion_ratio=2, max_seq_len=64,
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        expansion_ratio=2,
+        max_seq_len=64,
         attn_config={"clip_qkv": 0.5},
     )
     torch.manual_seed(0)

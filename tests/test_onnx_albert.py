@@ -19,8 +19,15 @@ def albert():
     from transformers import AlbertConfig, AlbertModel
 
     torch.manual_seed(0)
-    cfg = AlbertConfig(vocab_size=96, embedding_size=16, hidden_size=HEADS * D, num_hidden_layers=3, num_attention_heads=HEADS,
-                       intermediate_size=48, max_position_embeddings=32)
+    cfg = AlbertConfig(
+        vocab_size=96,
+        embedding_size=16,
+        hidden_size=HEADS * D,
+        num_hidden_layers=3,
+        num_attention_heads=HEADS,
+        intermediate_size=48,
+        max_position_embeddings=32,
+    )
     model = AlbertModel(cfg).eval()
     with torch.no_grad():  # trained-looking biases: none of them zero
         for name, p in model.named_parameters():

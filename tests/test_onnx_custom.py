@@ -35,7 +35,9 @@ class SelfAttention2d(torch.nn.Module):
 
     def forward(self, x):  # (sequence, width)
         n = x.shape[0]
-        q, k, v = (m(x).view(n, self.num_heads, self.head_dim).transpose(0, 1) for m in (self.query, self.key, self.value))
+        q, k, v = (
+            m(x).view(n, self.num_heads, self.head_dim).transpose(0, 1) for m in (self.query, self.key, self.value)
+        )
         p = torch.softmax(q @ k.transpose(-1, -2) / self.head_dim**0.5, dim=-1)
         return self.out((p @ v).transpose(0, 1).reshape(n, -1))
 
@@ -64,7 +66,9 @@ class Encoder(torch.nn.Module):
 MODELS = {"encoder-layer": (Encoder, (1, 6, 32)), "linear-2d": (Stack2d, (5, 16))}
 
 
-@pytest.fixture(scope="module", params=[(m, e) for m in MODELS for e in ("legacy", "dynamo")], ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(
+    scope="module", params=[(m, e) for m in MODELS for e in ("legacy", "dynamo")], ids=lambda p: f"{p[0]}-{p[1]}"
+)
 def exported(request, tmp_path_factory):
     name, exporter = request.param
     cls, shape = MODELS[name]
@@ -77,7 +81,14 @@ def exported(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"{name}-{exporter}") / "model.onnx"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(model, (x,), str(path), input_names=["x"], dynamo=exporter == "dynamo", opset_version=18 if exporter == "legacy" else None)
+        torch.onnx.export(
+            model,
+            (x,),
+            str(path),
+            input_names=["x"],
+            dynamo=exporter == "dynamo",
+            opset_version=18 if exporter == "legacy" else None,
+        )
     return model, path, {"x": x.numpy()}
 
 
@@ -132,7 +143,9 @@ def test_identical_layers_share_one_initializer(cli, tmp_path):
     assert all(after[n].tobytes() == v.tobytes() for n, v in before.items())  # every original as it was
     reference = copy.deepcopy(model)
     with torch.no_grad():
-        reference.get_parameter("encoder.layers.1.self_attn.in_proj_weight").copy_(as_param(after, (f"{name}.surgeon_copy", transposed)))
+        reference.get_parameter("encoder.layers.1.self_attn.in_proj_weight").copy_(
+            as_param(after, (f"{name}.surgeon_copy", transposed))
+        )
     new = reference.get_parameter("encoder.layers.1.self_attn.in_proj_weight").detach()
     assert_semi_orthogonal(new[:32], 8, "q")
     assert_value_identity(new[64:], "v")

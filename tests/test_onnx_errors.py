@@ -33,16 +33,22 @@ def _assert_heads_semi_orthogonal(rows: np.ndarray, head_dim: int, what: str) ->
     the heads were drawn one by one at this size, not as one orthogonal matrix (a wrong head count)."""
     heads = rows.reshape(-1, head_dim, rows.shape[1])
     for h, head in enumerate(heads):
-        assert np.allclose(head @ head.T, np.eye(head_dim), atol=1e-5), f"{what} head {h} of {head_dim} rows is not semi-orthogonal"
-    assert np.abs(heads[0] @ heads[1].T).max() > 1e-3, f"{what}: the heads are orthogonal to each other, as one head of {rows.shape[0]} rows"
+        assert np.allclose(head @ head.T, np.eye(head_dim), atol=1e-5), (
+            f"{what} head {h} of {head_dim} rows is not semi-orthogonal"
+        )
+    assert np.abs(heads[0] @ heads[1].T).max() > 1e-3, (
+        f"{what}: the heads are orthogonal to each other, as one head of {rows.shape[0]} rows"
+    )
 
 
-def _forward(inits: dict[str, np.ndarray], x: np.ndarray, *, layers: int, heads: int = 2, q_names: list[str] | None = None) -> np.ndarray:
+def _forward(
+    inits: dict[str, np.ndarray], x: np.ndarray, *, layers: int, heads: int = 2, q_names: list[str] | None = None
+) -> np.ndarray:
     """tiny_attention's forward written out in numpy from initializer values (by the names the test graph gives them)."""
     for i in range(layers):
         proj = {}
         for role in "qkv":
-            w = (q_names[i] if q_names and role == "q" else f"onnx::MatMul_{i}{role}")
+            w = q_names[i] if q_names and role == "q" else f"onnx::MatMul_{i}{role}"
             h = x @ inits[w] + inits[f"layers.{i}.attn.{role}_proj.bias"]
             proj[role] = h.reshape(x.shape[0], x.shape[1], heads, -1).transpose(0, 2, 1, 3)
         scores = proj["q"] @ proj["k"].transpose(0, 1, 3, 2) / np.sqrt(proj["q"].shape[-1])
@@ -55,7 +61,13 @@ def _forward(inits: dict[str, np.ndarray], x: np.ndarray, *, layers: int, heads:
 def test_no_attention_in_an_mlp(cli, tmp_path):
     path = _save(mlp_only(), tmp_path / "m")
     expect_cli_error(cli, tmp_path, "inspect", path, match="no attention found")
-    msg = expect_cli_error(cli, tmp_path, "reinit", path, match="has no Softmax and no Attention, MultiHeadAttention or GroupQueryAttention node")
+    msg = expect_cli_error(
+        cli,
+        tmp_path,
+        "reinit",
+        path,
+        match="has no Softmax and no Attention, MultiHeadAttention or GroupQueryAttention node",
+    )
     assert "(4 nodes)" in msg
 
 
@@ -73,16 +85,28 @@ def test_a_walk_that_reaches_no_projection_is_named(cli, tmp_path):
     path = _save(model, tmp_path / "m")
     with pytest.raises(NoAttentionFoundError) as err:
         reinit_checkpoint(path, device="cpu")
-    assert "Softmax /layers.0/attn/Softmax: Q reaches no MatMul/Gemm with a constant weight (the walk stops at graph input x)" in str(err.value)
+    assert (
+        "Softmax /layers.0/attn/Softmax: Q reaches no MatMul/Gemm with a constant weight (the walk stops at graph input x)"
+        in str(err.value)
+    )
     expect_cli_error(cli, tmp_path, "inspect", path, match="no attention found")
 
 
 @pytest.mark.parametrize(
     "source,match",
     [
-        ("input", "reads weight q_weight_0, which is a graph input, not a constant initializer; export the model with its weights as initializers"),
-        ("computed", "reads weight /layers.0/attn/q_scale/Mul_output_0, which is computed by Mul /layers.0/attn/q_scale/Mul, not a constant initializer"),
-        ("quantized", "reads a quantized weight (DequantizeLinear /layers.0/attn/q_proj/DequantizeLinear): surgeon rewrites float weights only"),
+        (
+            "input",
+            "reads weight q_weight_0, which is a graph input, not a constant initializer; export the model with its weights as initializers",
+        ),
+        (
+            "computed",
+            "reads weight /layers.0/attn/q_scale/Mul_output_0, which is computed by Mul /layers.0/attn/q_scale/Mul, not a constant initializer",
+        ),
+        (
+            "quantized",
+            "reads a quantized weight (DequantizeLinear /layers.0/attn/q_proj/DequantizeLinear): surgeon rewrites float weights only",
+        ),
     ],
 )
 def test_projection_weight_that_is_not_an_initializer(cli, tmp_path, source, match):
@@ -121,8 +145,11 @@ def test_shared_initializer_gets_a_copy_for_the_chosen_projections(cli, tmp_path
     before = initializers(path)
     out = tmp_path / "one.onnx"
     report = reinit_checkpoint(path, output=out, layers="0", device="cpu")
-    assert any("'q_shared' is shared with block layers.1 (q): the chosen projections read a new copy of it, 'q_shared.surgeon_copy'" in n
-               for n in report.notes)
+    assert any(
+        "'q_shared' is shared with block layers.1 (q): the chosen projections read a new copy of it, 'q_shared.surgeon_copy'"
+        in n
+        for n in report.notes
+    )
     after = initializers(out)
     assert after.keys() == before.keys() | {"q_shared.surgeon_copy"}
     changed = {"onnx::MatMul_0k", "onnx::MatMul_0v"} | {f"layers.0.attn.{r}_proj.bias" for r in "qkv"}
@@ -135,7 +162,9 @@ def test_shared_initializer_gets_a_copy_for_the_chosen_projections(cli, tmp_path
     assert all(n.name.startswith("/layers.1/") for n in model.graph.node if "q_shared" in n.input)
     # the same model written by onnx itself: layer 0 reads its own copy, layer 1 the original
     by_onnx = onnx.load(str(path))
-    by_onnx.graph.initializer.append(onnx.numpy_helper.from_array(after["q_shared.surgeon_copy"], "q_shared.surgeon_copy"))
+    by_onnx.graph.initializer.append(
+        onnx.numpy_helper.from_array(after["q_shared.surgeon_copy"], "q_shared.surgeon_copy")
+    )
     for t in by_onnx.graph.initializer:
         if t.name in changed:
             t.CopyFrom(onnx.numpy_helper.from_array(after[t.name], t.name))
@@ -147,7 +176,13 @@ def test_shared_initializer_gets_a_copy_for_the_chosen_projections(cli, tmp_path
     assert not np.allclose(ort_run(out, feeds), ort_run(path, feeds), atol=1e-4)
     assert "verified" in cli("verify", path, out).output  # surgeon verify knows the copy
     # the same with external data: the copy is embedded in the new .onnx, the data file patched as before
-    ext = _save(tiny_attention(layers=2, share_q=True), tmp_path / "ext", save_as_external_data=True, location="model.onnx.data", size_threshold=256)
+    ext = _save(
+        tiny_attention(layers=2, share_q=True),
+        tmp_path / "ext",
+        save_as_external_data=True,
+        location="model.onnx.data",
+        size_threshold=256,
+    )
     reinit_checkpoint(ext, output=tmp_path / "ext-out.onnx", layers="0", device="cpu")
     again = initializers(tmp_path / "ext-out.onnx")
     assert again.keys() == after.keys() and all(again[n].tobytes() == v.tobytes() for n, v in after.items())
@@ -171,9 +206,14 @@ def test_shared_initializer_passed_on_to_others_is_refused(cli, tmp_path):
         node.input[:] = ["q_shared_id" if i == "q_shared" else i for i in node.input]
     path = _save(model, tmp_path / "m")
     expect_cli_error(
-        cli, tmp_path, "reinit", path, "--layers", "0",
+        cli,
+        tmp_path,
+        "reinit",
+        path,
+        "--layers",
+        "0",
         match="initializer 'q_shared' is shared: besides the projections chosen, block layers.1 (q) reads it, so changing it would change them too, "
-              "and the chosen ones cannot have a copy of their own (Identity shared_identity passes it on to",
+        "and the chosen ones cannot have a copy of their own (Identity shared_identity passes it on to",
     )
     cli("reinit", path, "-o", tmp_path / "both.onnx")
     before, after = initializers(path), initializers(tmp_path / "both.onnx")
@@ -182,11 +222,17 @@ def test_shared_initializer_passed_on_to_others_is_refused(cli, tmp_path):
         _assert_heads_semi_orthogonal(_rows(after, name), 4, name)
     assert all(np.array_equal(_rows(after, f"onnx::MatMul_{i}v"), np.eye(8)) for i in range(2))
     assert all(after[f"onnx::MatMul_{i}o"].tobytes() == before[f"onnx::MatMul_{i}o"].tobytes() for i in range(2))
-    assert [n.name for n in onnx.load(str(tmp_path / "both.onnx")).graph.node if "q_shared" in n.input] == ["shared_identity"]
+    assert [n.name for n in onnx.load(str(tmp_path / "both.onnx")).graph.node if "q_shared" in n.input] == [
+        "shared_identity"
+    ]
     x = np.random.default_rng(1).standard_normal((1, 5, 8)).astype(np.float32)
     shared = dict(layers=2, q_names=["q_shared"] * 2)
-    np.testing.assert_allclose(ort_run(path, {"x": x}), _forward(before, x.astype(np.float64), **shared), atol=1e-5)  # the oracle
-    np.testing.assert_allclose(ort_run(tmp_path / "both.onnx", {"x": x}), _forward(after, x.astype(np.float64), **shared), atol=1e-5)
+    np.testing.assert_allclose(
+        ort_run(path, {"x": x}), _forward(before, x.astype(np.float64), **shared), atol=1e-5
+    )  # the oracle
+    np.testing.assert_allclose(
+        ort_run(tmp_path / "both.onnx", {"x": x}), _forward(after, x.astype(np.float64), **shared), atol=1e-5
+    )
 
 
 def test_shared_bias_gets_a_copy(cli, tmp_path):
@@ -206,12 +252,16 @@ def test_shared_bias_gets_a_copy(cli, tmp_path):
 
 
 def test_output_errors_leave_nothing_behind(cli, tmp_path):
-    path = _save(tiny_attention(), tmp_path / "m", save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    path = _save(
+        tiny_attention(), tmp_path / "m", save_as_external_data=True, location="model.onnx.data", size_threshold=0
+    )
     expect_cli_error(cli, tmp_path, "reinit", path, "-o", tmp_path / "m" / "inside", match="is inside the input folder")
     (tmp_path / "taken").mkdir()
     expect_cli_error(cli, tmp_path, "reinit", path, "-o", tmp_path / "taken", match="already exists")
     shutil.rmtree(tmp_path / "taken")
-    expect_cli_error(cli, tmp_path, "reinit", path, "--layers", "5", match="layer 5 is out of range: layers has layers 0-1")
+    expect_cli_error(
+        cli, tmp_path, "reinit", path, "--layers", "5", match="layer 5 is out of range: layers has layers 0-1"
+    )
 
 
 def test_heads_from_the_user_when_the_graph_does_not_say(cli, tmp_path):
@@ -222,7 +272,13 @@ def test_heads_from_the_user_when_the_graph_does_not_say(cli, tmp_path):
         if node.op_type == "Reshape" and node.input[1] == "shape4":
             node.input[1] = "split_shape"
     path = _save(model, tmp_path / "m")
-    expect_cli_error(cli, tmp_path, "inspect", path, match="cannot tell the heads of layers.0.attn (Softmax /layers.0/attn/Softmax): no Reshape splits its 8 query features")
+    expect_cli_error(
+        cli,
+        tmp_path,
+        "inspect",
+        path,
+        match="cannot tell the heads of layers.0.attn (Softmax /layers.0/attn/Softmax): no Reshape splits its 8 query features",
+    )
     result = cli("inspect", path, "--num-heads", "2", "--json")
     import json
 
@@ -237,10 +293,16 @@ def test_heads_from_the_user_when_the_graph_does_not_say(cli, tmp_path):
     assert np.array_equal(_rows(after, "onnx::MatMul_0v"), np.eye(8))
     assert not any(after[f"layers.0.attn.{r}_proj.bias"].any() for r in "qkv")
     reset = {f"onnx::MatMul_0{r}" for r in "qkv"} | {f"layers.0.attn.{r}_proj.bias" for r in "qkv"}
-    assert after.keys() == before.keys() and all(after[n].tobytes() == v.tobytes() for n, v in before.items() if n not in reset)
+    assert after.keys() == before.keys() and all(
+        after[n].tobytes() == v.tobytes() for n, v in before.items() if n not in reset
+    )
     x = np.random.default_rng(1).standard_normal((1, 5, 8)).astype(np.float32)
-    np.testing.assert_allclose(ort_run(path, {**feeds, "x": x}), _forward(before, x.astype(np.float64), layers=1), atol=1e-5)  # the oracle
-    np.testing.assert_allclose(ort_run(out, {**feeds, "x": x}), _forward(after, x.astype(np.float64), layers=1), atol=1e-5)
+    np.testing.assert_allclose(
+        ort_run(path, {**feeds, "x": x}), _forward(before, x.astype(np.float64), layers=1), atol=1e-5
+    )  # the oracle
+    np.testing.assert_allclose(
+        ort_run(out, {**feeds, "x": x}), _forward(after, x.astype(np.float64), layers=1), atol=1e-5
+    )
 
 
 def test_weight_passed_on_to_another_op_is_refused(cli, tmp_path):
@@ -255,9 +317,14 @@ def test_weight_passed_on_to_another_op_is_refused(cli, tmp_path):
             node.input[1] = "q0_id"
     path = _save(model, tmp_path / "m")
     expect_cli_error(
-        cli, tmp_path, "reinit", path, "--layers", "0",
+        cli,
+        tmp_path,
+        "reinit",
+        path,
+        "--layers",
+        "0",
         match="initializer 'onnx::MatMul_0q' is read through nodes that feed more than the projections chosen "
-              "(Identity q0_identity passes it on to ReduceSum q0_sum too)",
+        "(Identity q0_identity passes it on to ReduceSum q0_sum too)",
     )
     cli("reinit", path, "--layers", "0", "--targets", "k,v", "-o", tmp_path / "kv.onnx")
     before, after = initializers(path), initializers(tmp_path / "kv.onnx")
@@ -268,4 +335,6 @@ def test_weight_passed_on_to_another_op_is_refused(cli, tmp_path):
     _assert_heads_semi_orthogonal(_rows(after, "onnx::MatMul_0k"), 4, "k")
     assert np.array_equal(_rows(after, "onnx::MatMul_0v"), np.eye(8))
     x = np.random.default_rng(1).standard_normal((1, 5, 8)).astype(np.float32)
-    np.testing.assert_allclose(ort_run(tmp_path / "kv.onnx", {"x": x}), _forward(after, x.astype(np.float64), layers=2), atol=1e-5)
+    np.testing.assert_allclose(
+        ort_run(tmp_path / "kv.onnx", {"x": x}), _forward(after, x.astype(np.float64), layers=2), atol=1e-5
+    )

@@ -84,7 +84,12 @@ def test_walker_finds_every_block_as_the_model_code_defines_it(case):
     by_module = {b.module: b for b in report.blocks}
     for tb in expected:
         block = by_module[PREFIX + tb.module]
-        assert (block.kind, block.heads, block.kv_heads, block.head_dim) == (tb.kind, tb.heads, tb.kv_heads, tb.head_dim), tb.module
+        assert (block.kind, block.heads, block.kv_heads, block.head_dim) == (
+            tb.kind,
+            tb.heads,
+            tb.kv_heads,
+            tb.head_dim,
+        ), tb.module
         stack, layer = _stack_of(tb.module)
         assert (block.stack, block.layer) == (PREFIX + stack, layer)
         for role, tp in tb.roles.items():
@@ -101,7 +106,9 @@ def test_walker_finds_every_block_as_the_model_code_defines_it(case):
                 got = torch.cat([bias[proj.bias.head_slice(h)] for h in range(proj.heads)])
                 assert torch.equal(got, case.params[tp.bias][tp.cols].double())
     # the untouched export runs and matches PyTorch (the reference the next test relies on)
-    np.testing.assert_allclose(ort_run(case.path, case.feeds), torch_forward(case.model, case.feeds), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(
+        ort_run(case.path, case.feeds), torch_forward(case.model, case.feeds), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_reinit_changes_only_the_chosen_layers(case, tmp_path):
@@ -122,7 +129,9 @@ def test_reinit_changes_only_the_chosen_layers(case, tmp_path):
     changed, reference = check_against_pytorch(case.model, case.params, case.inits, new, chosen)
     old_model = onnx.load(str(case.path), load_external_data=False)
     new_model = onnx.load(str(new_path), load_external_data=False)
-    assert [n.SerializeToString() for n in new_model.graph.node] == [n.SerializeToString() for n in old_model.graph.node]
+    assert [n.SerializeToString() for n in new_model.graph.node] == [
+        n.SerializeToString() for n in old_model.graph.node
+    ]
     [record] = surgeon_records(new_model)
     assert {b["module"] for b in record["blocks"]} == {PREFIX + tb.module for tb in blocks if chosen(tb)}
     assert_only_changed_bytes_differ(case.path, new_path, changed)

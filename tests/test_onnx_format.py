@@ -51,7 +51,14 @@ def save_variant(source: Path, folder: Path, kind: str) -> Path:
     if kind == "embedded":
         onnx.save_model(model, str(path))
     elif kind == "one-file":
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=0)
+        onnx.save_model(
+            model,
+            str(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location="model.onnx.data",
+            size_threshold=0,
+        )
     elif kind == "per-tensor":
         onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=False, size_threshold=256)
     elif kind == "split":  # over three files in a subfolder, round robin
@@ -75,7 +82,9 @@ def reference(bert, tmp_path_factory):
 def test_external_data_round_trip(bert, reference, tmp_path, kind):
     src = save_variant(bert[0], tmp_path / "src", kind)
     weights = open_onnx(src)
-    data_files = sorted(p.relative_to(src.parent).as_posix() for p in src.parent.rglob("*") if p.is_file() and p.name != "model.onnx")
+    data_files = sorted(
+        p.relative_to(src.parent).as_posix() for p in src.parent.rglob("*") if p.is_file() and p.name != "model.onnx"
+    )
     assert sorted(weights.files[1:]) == data_files
     if kind == "split":
         assert data_files == ["weights/part0.bin", "weights/part1.bin", "weights/part2.bin"]
@@ -126,7 +135,7 @@ def test_output_keeps_everything_but_the_changed_bytes(bert, tmp_path):
     out = tmp_path / "out.onnx"
     report = reinit_checkpoint(src, output=out, layers="1", targets="q,k", bias="keep", device="cpu")
     old, new = src.read_bytes(), out.read_bytes()
-    entry = onnx.ModelProto.FromString(new[len(old):])  # the appended bytes are one metadata_props field
+    entry = onnx.ModelProto.FromString(new[len(old) :])  # the appended bytes are one metadata_props field
     assert [p.key for p in entry.metadata_props] == ["surgeon"] and not entry.HasField("graph")
     ranges = tensor_ranges(src)
     touched = {r.block.projection(r.role).weight.tensor for r in report.rows}
@@ -158,7 +167,9 @@ def test_folder_input_and_in_place(bert, tmp_path):
     (src / "tokenizer.json").write_text('{"untouched": true}')
     out_of_place = tmp_path / "model-reinit"
     reinit_checkpoint(src, layers="0", device="cpu")  # default output: beside the folder
-    assert {"config.json", "model.onnx", "model.onnx.data", "tokenizer.json"} <= {p.name for p in out_of_place.iterdir()}
+    assert {"config.json", "model.onnx", "model.onnx.data", "tokenizer.json"} <= {
+        p.name for p in out_of_place.iterdir()
+    }
     assert sha256(out_of_place / "tokenizer.json") == sha256(src / "tokenizer.json")
     # in place, given the .onnx file: the .onnx and its data file are each replaced atomically
     untouched = sha256(src / "tokenizer.json")
@@ -208,7 +219,7 @@ def _check_tiny(before, after, layer: int, atol: float = 1e-5) -> None:
             assert_value_identity(rows, name)
         else:
             for h in range(2):
-                head = rows[h * 4:(h + 1) * 4]
+                head = rows[h * 4 : (h + 1) * 4]
                 assert torch.allclose(head @ head.T, torch.eye(4, dtype=torch.float64), atol=atol), name
     changed = {f"onnx::MatMul_{layer}{r}" for r in "qkv"} | {f"layers.{layer}.attn.{r}_proj.bias" for r in "qkv"}
     for name, value in before.items():
@@ -262,7 +273,9 @@ def test_cli_inspect_and_reinit(bert, cli, tmp_path):
     before, after = initializers(src), initializers(out)
     changed = [n for n in before if before[n].tobytes() != after[n].tobytes()]
     blocks = inspect_checkpoint(src, device="cpu").blocks
-    assert sorted(changed) == sorted({blocks[1].q.weight.tensor, blocks[1].k.weight.tensor, blocks[1].q.bias.tensor, blocks[1].k.bias.tensor})
+    assert sorted(changed) == sorted(
+        {blocks[1].q.weight.tensor, blocks[1].k.weight.tensor, blocks[1].q.bias.tensor, blocks[1].k.bias.tensor}
+    )
     ort_run(out, bert[1])
     dry = cli("reinit", src, "--dry-run", "--attention", "self", "-o", tmp_path / "never.onnx")
     assert "plan (dry run" in dry.output and not (tmp_path / "never.onnx").exists()
@@ -275,5 +288,11 @@ def test_folder_with_several_models_is_refused(bert, cli, tmp_path):
     folder.mkdir()
     for name in ("encoder_model.onnx", "decoder_model.onnx"):
         shutil.copyfile(bert[0], folder / name)
-    expect_cli_error(cli, tmp_path, "reinit", folder, match="holds 2 ONNX models (decoder_model.onnx, encoder_model.onnx); point surgeon at one .onnx file")
+    expect_cli_error(
+        cli,
+        tmp_path,
+        "reinit",
+        folder,
+        match="holds 2 ONNX models (decoder_model.onnx, encoder_model.onnx); point surgeon at one .onnx file",
+    )
     cli("inspect", folder / "encoder_model.onnx")

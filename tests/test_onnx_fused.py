@@ -59,14 +59,20 @@ def fused(request, tmp_path_factory) -> Fused:
     ids = torch.randint(3, 90, (1, SEQ), generator=torch.Generator().manual_seed(0))
     if op == "GroupQueryAttention":
         # ORT's CPU kernel needs a head size that is a multiple of 16; random biases make zeroing visible
-        model = tiny_llama(num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True, num_hidden_layers=2)
+        model = tiny_llama(
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True, num_hidden_layers=2
+        )
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
                     p.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(1))
             hidden = model.model.embed_tokens(ids)
         graph, where = llama_group_query(model, SEQ)
-        feeds = {"hidden": hidden.numpy(), "seqlens_k": np.array([SEQ - 1], np.int32), "total_sequence_length": np.array(SEQ, np.int32)}
+        feeds = {
+            "hidden": hidden.numpy(),
+            "seqlens_k": np.array([SEQ - 1], np.int32),
+            "total_sequence_length": np.array(SEQ, np.int32),
+        }
     else:
         model = FAMILIES["bert"].make()
         with torch.no_grad():
@@ -91,7 +97,10 @@ def test_fused_graph_is_detected_with_the_pytorch_heads(fused):
         assert block.layer == layer and block.kind == "self"
         assert block.layout.startswith(f"com.microsoft.{fused.op}")
         cfg = fused.model.config
-        assert (block.heads, block.kv_heads) == (cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", cfg.num_attention_heads))
+        assert (block.heads, block.kv_heads) == (
+            cfg.num_attention_heads,
+            getattr(cfg, "num_key_value_heads", cfg.num_attention_heads),
+        )
         for role in "qkv":
             weight, _, bias, _ = fused.where[(layer, role)]
             proj = block.projection(role)
@@ -125,7 +134,9 @@ def test_reinit_fused_graph(fused, tmp_path):
         if role == "v":
             assert_value_identity(rows, f"layer {layer} v")
         else:
-            assert_semi_orthogonal(rows, fused.model.config.head_dim if fused.op == "GroupQueryAttention" else 12, f"layer {layer} {role}")
+            assert_semi_orthogonal(
+                rows, fused.model.config.head_dim if fused.op == "GroupQueryAttention" else 12, f"layer {layer} {role}"
+            )
         assert not after[bias][bias_cols].any(), f"layer {layer} {role} bias"
         with torch.no_grad():
             params[w_name].copy_(rows)

@@ -45,7 +45,12 @@ def test_onnx_output_with_external_data_is_a_file_with_its_data_beside_it(bert, 
     assert files_under(tmp_path / "dest") == {"out.onnx", *expected}  # nothing else, no folder named out.onnx
     assert out.is_file()
     # locations are relative to the new file
-    locations = {e.value for t in onnx.load(str(out), load_external_data=False).graph.initializer for e in t.external_data if e.key == "location"}
+    locations = {
+        e.value
+        for t in onnx.load(str(out), load_external_data=False).graph.initializer
+        for e in t.external_data
+        if e.key == "location"
+    }
     assert locations == expected
     new = initializers(out)  # onnx.load reads the data through the new locations
     chosen = lambda tb: tb.module.startswith("encoder.layer.1.")  # noqa: E731
@@ -62,8 +67,14 @@ def test_onnx_output_beside_the_input_and_the_default(bert, tmp_path):
     before = tree_digest(src.parent)
     reinit_checkpoint(src, output=src.parent / "out.onnx", layers="0", device="cpu")
     reinit_checkpoint(src, layers="0", device="cpu")  # default: model.reinit.onnx beside the input
-    assert files_under(src.parent) == {"model.onnx", "model.onnx.data", "out.onnx", "out.onnx.data",
-                                       "model.reinit.onnx", "model.reinit.onnx.data"}
+    assert files_under(src.parent) == {
+        "model.onnx",
+        "model.onnx.data",
+        "out.onnx",
+        "out.onnx.data",
+        "model.reinit.onnx",
+        "model.reinit.onnx.data",
+    }
     assert {k: v for k, v in tree_digest(src.parent).items() if k in before} == before
     assert initializers(src.parent / "out.onnx").keys() == inits.keys()
     a, b = initializers(src.parent / "out.onnx"), initializers(src.parent / "model.reinit.onnx")

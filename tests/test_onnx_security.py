@@ -30,7 +30,9 @@ def _external(folder: Path, model: onnx.ModelProto | None = None) -> tuple[Path,
     """tiny_attention with every initializer in model.onnx.data; returns the path and the graph (no data)."""
     folder.mkdir(parents=True)
     path = folder / "model.onnx"
-    onnx.save_model(model or tiny_attention(), str(path), save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    onnx.save_model(
+        model or tiny_attention(), str(path), save_as_external_data=True, location="model.onnx.data", size_threshold=0
+    )
     return path, onnx.load(str(path), load_external_data=False)
 
 
@@ -75,10 +77,23 @@ def test_initializers_aliasing_the_same_bytes_are_refused_if_either_must_change(
     shared = f"{start}-{int(q.get('offset', 0)) + 256}"
     inspect_checkpoint(path)  # reading is fine
     for targets, layers in (("q", "0"), ("k", "0"), ("q,k,v", "all")):
-        msg = expect_cli_error(cli, tmp_path, "reinit", path, "--targets", targets, "--layers", layers, "-o", tmp_path / "out.onnx",
-                               match="share bytes " + shared + " of model.onnx.data, so changing")
+        msg = expect_cli_error(
+            cli,
+            tmp_path,
+            "reinit",
+            path,
+            "--targets",
+            targets,
+            "--layers",
+            layers,
+            "-o",
+            tmp_path / "out.onnx",
+            match="share bytes " + shared + " of model.onnx.data, so changing",
+        )
         assert "'onnx::MatMul_0q'" in msg and "'onnx::MatMul_0k'" in msg
-    expect_cli_error(cli, tmp_path, "reinit", path, "--targets", "q", "--layers", "0", "--in-place", match="share bytes " + shared)
+    expect_cli_error(
+        cli, tmp_path, "reinit", path, "--targets", "q", "--layers", "0", "--in-place", match="share bytes " + shared
+    )
     # neither aliased initializer changes: allowed, and only the chosen ones change
     out = tmp_path / "v.onnx"
     cli("reinit", path, "--targets", "v", "-o", out)
@@ -99,12 +114,20 @@ def test_a_copy_gets_a_name_no_part_of_the_graph_uses(cli, tmp_path):
     feeds = {**FEEDS, "q_shared.surgeon_copy": np.arange(3, dtype=np.int64)}
     out = tmp_path / "one.onnx"
     report = reinit_checkpoint(path, output=out, layers="0", device="cpu")
-    assert any("the chosen projections read a new copy of it, 'q_shared.surgeon_copy3'" in n for n in report.notes), report.notes
+    assert any("the chosen projections read a new copy of it, 'q_shared.surgeon_copy3'" in n for n in report.notes), (
+        report.notes
+    )
     after = initializers(out)
-    assert "q_shared.surgeon_copy3" in after and "q_shared.surgeon_copy" not in after and "q_shared.surgeon_copy2" not in after
+    assert (
+        "q_shared.surgeon_copy3" in after
+        and "q_shared.surgeon_copy" not in after
+        and "q_shared.surgeon_copy2" not in after
+    )
     # what onnx itself writes for the same change: layer 0 reads the copy, layer 1 the original
     expected = onnx.load(str(path))
-    expected.graph.initializer.append(numpy_helper.from_array(after["q_shared.surgeon_copy3"], "q_shared.surgeon_copy3"))
+    expected.graph.initializer.append(
+        numpy_helper.from_array(after["q_shared.surgeon_copy3"], "q_shared.surgeon_copy3")
+    )
     for t in expected.graph.initializer:
         t.CopyFrom(numpy_helper.from_array(after[t.name], t.name))
     for node in expected.graph.node:
@@ -146,17 +169,33 @@ def _weight_varint_coded(model: onnx.ModelProto) -> None:
     """A float16 query weight in int32_data (varint-coded, decoded by onnx) that claims 2**32 rows."""
     t = next(t for t in model.graph.initializer if t.name == "onnx::MatMul_0q")
     values = numpy_helper.to_array(t).astype(np.float16)
-    t.CopyFrom(helper.make_tensor(t.name, TensorProto.FLOAT16, [8, 8], values.view(np.uint16).astype(np.int32).ravel().tolist()))
+    t.CopyFrom(
+        helper.make_tensor(
+            t.name, TensorProto.FLOAT16, [8, 8], values.view(np.uint16).astype(np.int32).ravel().tolist()
+        )
+    )
     t.dims[:] = [2**32, 8]
 
 
 @pytest.mark.parametrize(
     "edit,match",
     [
-        (_constant_shape, "Constant shape4_const holds a tensor of shape [4294967296] whose data does not fill it: the model is corrupt"),
-        (_weight_without_data, "initializer 'onnx::MatMul_0q' holds no data for shape [4294967296, 4294967296]: the model is corrupt"),
-        (_weight_with_too_few_bytes, "initializer 'onnx::MatMul_0q' holds 256 bytes for shape [4294967296, 8]: the model is corrupt"),
-        (_weight_varint_coded, "initializer 'onnx::MatMul_0q' does not hold the values of its shape [4294967296, 8]: the model is corrupt"),
+        (
+            _constant_shape,
+            "Constant shape4_const holds a tensor of shape [4294967296] whose data does not fill it: the model is corrupt",
+        ),
+        (
+            _weight_without_data,
+            "initializer 'onnx::MatMul_0q' holds no data for shape [4294967296, 4294967296]: the model is corrupt",
+        ),
+        (
+            _weight_with_too_few_bytes,
+            "initializer 'onnx::MatMul_0q' holds 256 bytes for shape [4294967296, 8]: the model is corrupt",
+        ),
+        (
+            _weight_varint_coded,
+            "initializer 'onnx::MatMul_0q' does not hold the values of its shape [4294967296, 8]: the model is corrupt",
+        ),
     ],
 )
 def test_absurd_shapes_are_one_line(cli, tmp_path, edit, match):
@@ -194,8 +233,14 @@ def _identity_loops(model: onnx.ModelProto) -> None:
 @pytest.mark.parametrize(
     "edit,match",
     [
-        (_shape_from_a_long_computation, "cannot tell the heads of layers.0.attn (Softmax /layers.0/attn/Softmax): no Reshape splits its 8 query features"),
-        (_identity_loops, "K reaches no MatMul/Gemm with a constant weight (the walk stops at MatMul /layers.0/attn/k_proj/MatMul (two computed operands))"),
+        (
+            _shape_from_a_long_computation,
+            "cannot tell the heads of layers.0.attn (Softmax /layers.0/attn/Softmax): no Reshape splits its 8 query features",
+        ),
+        (
+            _identity_loops,
+            "K reaches no MatMul/Gemm with a constant weight (the walk stops at MatMul /layers.0/attn/k_proj/MatMul (two computed operands))",
+        ),
     ],
 )
 def test_graphs_that_loop_or_run_deep_end_in_one_line(tmp_path, edit, match):
@@ -205,7 +250,12 @@ def test_graphs_that_loop_or_run_deep_end_in_one_line(tmp_path, edit, match):
     folder.mkdir()
     onnx.save_model(model, str(folder / "model.onnx"))
     # a fresh process with a time limit: before, one hung and the other ended in a RecursionError
-    proc = subprocess.run([sys.executable, "-m", "surgeon", "inspect", str(folder / "model.onnx")], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "surgeon", "inspect", str(folder / "model.onnx")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1 and proc.stdout == "", proc.stderr
     assert proc.stderr.startswith("surgeon: error: ") and proc.stderr.count("\n") == 1, proc.stderr
     assert match in proc.stderr
@@ -213,7 +263,9 @@ def test_graphs_that_loop_or_run_deep_end_in_one_line(tmp_path, edit, match):
 
 # --- the walker's work is linear in the graph's size ---------------------------------------------
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_onnx_walker", Path(__file__).parents[1] / "benchmarks" / "bench_onnx_walker.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_onnx_walker", Path(__file__).parents[1] / "benchmarks" / "bench_onnx_walker.py"
+    )
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module

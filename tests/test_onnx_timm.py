@@ -37,7 +37,9 @@ class Vit(torch.nn.Module):
     def __init__(self, cls):
         super().__init__()
         self.norms = torch.nn.ModuleList([torch.nn.LayerNorm(DIM) for _ in range(2)])
-        self.blocks = torch.nn.ModuleList([cls(DIM, num_heads=HEADS, qkv_bias=True, fused_attn=False) for _ in range(2)])
+        self.blocks = torch.nn.ModuleList(
+            [cls(DIM, num_heads=HEADS, qkv_bias=True, fused_attn=False) for _ in range(2)]
+        )
 
     def forward(self, x):
         for norm, block in zip(self.norms, self.blocks):
@@ -57,7 +59,14 @@ def test_timm_fused_qkv(tmp_path, pick, exporter):
     path = tmp_path / "model.onnx"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(model, (x,), str(path), input_names=["x"], dynamo=exporter == "dynamo", opset_version=18 if exporter == "legacy" else None)
+        torch.onnx.export(
+            model,
+            (x,),
+            str(path),
+            input_names=["x"],
+            dynamo=exporter == "dynamo",
+            opset_version=18 if exporter == "legacy" else None,
+        )
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     inits = initializers(path)
     blocks = inspect_checkpoint(path, device="cpu").blocks
@@ -70,7 +79,7 @@ def test_timm_fused_qkv(tmp_path, pick, exporter):
             proj = block.projection(role)
             assert proj.weight.tensor == locate(params, inits, f"blocks.{i}.qkv.weight")[0]
             heads = head_matrices(weights.read(proj.weight.tensor).double(), proj.weight)
-            assert torch.equal(heads.reshape(-1, DIM), w[j * DIM:(j + 1) * DIM].double()), (i, role)
+            assert torch.equal(heads.reshape(-1, DIM), w[j * DIM : (j + 1) * DIM].double()), (i, role)
             assert proj.bias is not None and proj.bias.tensor == locate(params, inits, f"blocks.{i}.qkv.bias")[0]
     out = tmp_path / "out.onnx"
     reinit_checkpoint(path, output=out, layers="1", device="cpu")
@@ -84,8 +93,8 @@ def test_timm_fused_qkv(tmp_path, pick, exporter):
             reference.get_parameter(f"blocks.1.qkv.{leaf}").copy_(as_param(after, where))
     new_w = reference.get_parameter("blocks.1.qkv.weight").detach()
     assert_semi_orthogonal(new_w[:DIM], DIM // HEADS, "q")
-    assert_semi_orthogonal(new_w[DIM:2 * DIM], DIM // HEADS, "k")
-    assert_value_identity(new_w[2 * DIM:], "v")
+    assert_semi_orthogonal(new_w[DIM : 2 * DIM], DIM // HEADS, "k")
+    assert_value_identity(new_w[2 * DIM :], "v")
     assert not reference.get_parameter("blocks.1.qkv.bias").any()
     assert all(after[n].tobytes() == v.tobytes() for n, v in inits.items() if n not in changed)
     with torch.no_grad():
@@ -108,7 +117,7 @@ class SliceAttention(torch.nn.Module):
         B, N, _ = x.shape
         qkv = self.qkv(x)
         d = qkv.shape[-1] // 3
-        q, k, v = qkv[..., :d], qkv[..., d:2 * d], qkv[..., 2 * d:]
+        q, k, v = qkv[..., :d], qkv[..., d : 2 * d], qkv[..., 2 * d :]
         hd = d // HEADS
         q, k, v = (t.reshape(B, N, HEADS, hd).transpose(1, 2) for t in (q, k, v))
         a = (q @ k.transpose(-1, -2) / hd**0.5).softmax(-1)
@@ -124,10 +133,24 @@ def test_slice_bounds_computed_from_shapes(tmp_path, exporter):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if exporter == "legacy":  # batch and sequence dynamic: only the feature axis is static
-            torch.onnx.export(model, (x,), str(path), input_names=["x"], dynamo=False, opset_version=18, dynamic_axes={"x": {0: "b", 1: "n"}})
+            torch.onnx.export(
+                model,
+                (x,),
+                str(path),
+                input_names=["x"],
+                dynamo=False,
+                opset_version=18,
+                dynamic_axes={"x": {0: "b", 1: "n"}},
+            )
         else:
-            torch.onnx.export(model, (x,), str(path), input_names=["x"], dynamo=True,
-                              dynamic_shapes=({0: torch.export.Dim("b"), 1: torch.export.Dim("n")},))
+            torch.onnx.export(
+                model,
+                (x,),
+                str(path),
+                input_names=["x"],
+                dynamo=True,
+                dynamic_shapes=({0: torch.export.Dim("b"), 1: torch.export.Dim("n")},),
+            )
     blocks = inspect_checkpoint(path, device="cpu").blocks
     assert [(b.layer, b.heads, b.head_dim) for b in blocks] == [(0, HEADS, DIM // HEADS), (1, HEADS, DIM // HEADS)]
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -146,13 +169,17 @@ def test_slice_bounds_computed_from_shapes(tmp_path, exporter):
     new_w = reference.get_parameter("1.qkv.weight").detach()
     hd = DIM // HEADS
     for j, role in enumerate("qk"):
-        rows = new_w[j * DIM:(j + 1) * DIM].double()
+        rows = new_w[j * DIM : (j + 1) * DIM].double()
         assert_semi_orthogonal(rows, hd, role)
-        assert (rows[:hd] @ rows[hd:2 * hd].T).abs().max() > 1e-3, f"{role}: heads of {hd} rows orthogonal to each other (a wrong head size)"
-    assert_value_identity(new_w[2 * DIM:], "v")
+        assert (rows[:hd] @ rows[hd : 2 * hd].T).abs().max() > 1e-3, (
+            f"{role}: heads of {hd} rows orthogonal to each other (a wrong head size)"
+        )
+    assert_value_identity(new_w[2 * DIM :], "v")
     assert not reference.get_parameter("1.qkv.bias").any()
     assert after.keys() == inits.keys()
-    assert [n for n, v in inits.items() if n not in changed and after[n].tobytes() != v.tobytes()] == []  # layer 0 and the rest as they were
+    assert [
+        n for n, v in inits.items() if n not in changed and after[n].tobytes() != v.tobytes()
+    ] == []  # layer 0 and the rest as they were
     x2 = torch.randn(2, 6, DIM)  # other batch and sequence sizes: the bounds are computed at run time
     with torch.no_grad():
         want, old = reference(x2).numpy(), model(x2).numpy()
@@ -175,18 +202,24 @@ def test_weights_in_constant_nodes(tmp_path):
     moved = [t for t in model.graph.initializer if len(t.dims) == 2]
     for t in moved:
         model.graph.initializer.remove(t)
-    nodes = [onnx.helper.make_node("Constant", [], [t.name], value=t, name=f"const_{i}") for i, t in enumerate(moved)] + list(model.graph.node)
+    nodes = [
+        onnx.helper.make_node("Constant", [], [t.name], value=t, name=f"const_{i}") for i, t in enumerate(moved)
+    ] + list(model.graph.node)
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     consts = tmp_path / "consts.onnx"
     onnx.save_model(model, str(consts))
     blocks = inspect_checkpoint(consts, device="cpu").blocks
-    assert [b.q.weight.tensor for b in blocks] == [b.q.weight.tensor for b in inspect_checkpoint(path, device="cpu").blocks]
+    assert [b.q.weight.tensor for b in blocks] == [
+        b.q.weight.tensor for b in inspect_checkpoint(path, device="cpu").blocks
+    ]
     reinit_checkpoint(path, output=tmp_path / "a.onnx", layers="1", device="cpu")
     reinit_checkpoint(consts, output=tmp_path / "b.onnx", layers="1", device="cpu")
     a = initializers(tmp_path / "a.onnx")
     b = onnx.load(str(tmp_path / "b.onnx"))
-    values = {n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t) for n in b.graph.node if n.op_type == "Constant"}
+    values = {
+        n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t) for n in b.graph.node if n.op_type == "Constant"
+    }
     values |= {t.name: onnx.numpy_helper.to_array(t) for t in b.graph.initializer}
     assert all(values[n].tobytes() == v.tobytes() for n, v in a.items())
     old, new = consts.read_bytes(), (tmp_path / "b.onnx").read_bytes()
@@ -223,9 +256,18 @@ def test_module_paths_inside_a_called_sequential(tmp_path, exporter):
     path = tmp_path / "model.onnx"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(model, (torch.randn(1, 5, DIM),), str(path), input_names=["x"], dynamo=exporter == "dynamo",
-                          opset_version=18 if exporter == "legacy" else None)
+        torch.onnx.export(
+            model,
+            (torch.randn(1, 5, DIM),),
+            str(path),
+            input_names=["x"],
+            dynamo=exporter == "dynamo",
+            opset_version=18 if exporter == "legacy" else None,
+        )
     blocks = inspect_checkpoint(path, device="cpu").blocks
-    assert [(b.stack, b.layer, b.module) for b in blocks] == [("blocks", 0, "blocks.0.attn"), ("blocks", 1, "blocks.1.attn")]
+    assert [(b.stack, b.layer, b.module) for b in blocks] == [
+        ("blocks", 0, "blocks.0.attn"),
+        ("blocks", 1, "blocks.1.attn"),
+    ]
     report = reinit_checkpoint(path, output=tmp_path / "out.onnx", stack="blocks", layers="-1", device="cpu")
     assert {r.block.module for r in report.rows} == {"blocks.1.attn"}

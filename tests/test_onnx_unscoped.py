@@ -26,7 +26,9 @@ def unscoped(softmax_names: list[str] | None, path) -> tuple[object, dict[int, s
     for i, node in enumerate(model.graph.node):
         for layer in (0, 1):
             if node.name.startswith(f"/layers.{layer}/"):
-                per_layer[layer] |= {x for x in node.input if x in inits and "proj" in x or x.startswith("onnx::MatMul")}
+                per_layer[layer] |= {
+                    x for x in node.input if x in inits and "proj" in x or x.startswith("onnx::MatMul")
+                }
         node.name = next(softmaxes) if node.op_type == "Softmax" and softmax_names else f"{node.op_type}_{i}"
         del node.metadata_props[:]
     onnx.save_model(model, str(path))

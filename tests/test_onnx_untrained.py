@@ -39,9 +39,20 @@ def untrained(family: str) -> torch.nn.Module:
     if family == "vit":
         return ViTModel(ViTConfig(image_size=16, patch_size=4, **small)).eval()
     if family == "distilbert":
-        return DistilBertModel(DistilBertConfig(vocab_size=96, dim=32, n_layers=2, n_heads=4, hidden_dim=48, max_position_embeddings=32)).eval()
-    cfg = BartConfig(vocab_size=96, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
-                     encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=32)
+        return DistilBertModel(
+            DistilBertConfig(vocab_size=96, dim=32, n_layers=2, n_heads=4, hidden_dim=48, max_position_embeddings=32)
+        ).eval()
+    cfg = BartConfig(
+        vocab_size=96,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=48,
+        decoder_ffn_dim=48,
+        max_position_embeddings=32,
+    )
     return BartModel(cfg).eval()
 
 
@@ -53,7 +64,9 @@ def case(request, tmp_path_factory):
     family, exporter = request.param
     model = untrained(family)
     path = tmp_path_factory.mktemp(f"untrained-{family}-{exporter}") / "model.onnx"
-    feeds = export(model, "bart" if family == "bart" else "vit" if family == "vit" else "bert", path, dynamo=exporter == "dynamo")
+    feeds = export(
+        model, "bart" if family == "bart" else "vit" if family == "vit" else "bert", path, dynamo=exporter == "dynamo"
+    )
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     return model, path, feeds, params, initializers(path)
 

@@ -71,7 +71,9 @@ def same_points(got: np.ndarray, want: list[tuple[float, float]], what: str) -> 
     want = sorted(want)
     assert len(got) == len(want), f"{what}: {len(got)} points drawn, {len(want)} heads"
     assert [g[0] for g in got] == pytest.approx([w[0] for w in want]), f"{what}: points at the wrong blocks"
-    assert [g[1] for g in got] == pytest.approx([w[1] for w in want], rel=1e-4), f"{what}: the plotted kappas are not the weights'"
+    assert [g[1] for g in got] == pytest.approx([w[1] for w in want], rel=1e-4), (
+        f"{what}: the plotted kappas are not the weights'"
+    )
 
 
 def test_inspect_plot_of_the_real_minilm(cli, minilm_dir, tmp_path, saved_figures):
@@ -106,9 +108,19 @@ def test_reinit_plot_before_and_after(cli, minilm_dir, tmp_path, saved_figures):
     panels = drawn(figure)
     for role in ROLES:
         # the reset blocks only (layers 4 and 5, drawn at x 0 and 1), before shifted left and after right
-        same_points(panels[role, "before"], [(x - 0.12, k) for x, layer in enumerate(before[role][4:]) for k in layer], f"{role} before")
-        same_points(panels[role, "after"], [(x + 0.12, k) for x, layer in enumerate(after[role][4:]) for k in layer], f"{role} after")
-        assert after[role][4] == pytest.approx([1.0] * 12, abs=1e-4) and after[role][:4] == before[role][:4]  # only layers 4, 5 reset
+        same_points(
+            panels[role, "before"],
+            [(x - 0.12, k) for x, layer in enumerate(before[role][4:]) for k in layer],
+            f"{role} before",
+        )
+        same_points(
+            panels[role, "after"],
+            [(x + 0.12, k) for x, layer in enumerate(after[role][4:]) for k in layer],
+            f"{role} after",
+        )
+        assert (
+            after[role][4] == pytest.approx([1.0] * 12, abs=1e-4) and after[role][:4] == before[role][:4]
+        )  # only layers 4, 5 reset
         assert_pixels_drawn(png, figure, dpi, role, panels[role, "after"])
     from surgeon import reinit
     from surgeon.plot import points
@@ -121,4 +133,13 @@ def test_reinit_plot_before_and_after(cli, minilm_dir, tmp_path, saved_figures):
 
 def test_plot_refusals(cli, llama_dir, tmp_path):
     expect_cli_error(cli, llama_dir, "inspect", llama_dir, "--plot", tmp_path / "k.jpg", match="--plot writes a PNG")
-    expect_cli_error(cli, llama_dir, "reinit", llama_dir, "--dry-run", "--plot", tmp_path / "k.png", match="a --dry-run computes none")
+    expect_cli_error(
+        cli,
+        llama_dir,
+        "reinit",
+        llama_dir,
+        "--dry-run",
+        "--plot",
+        tmp_path / "k.png",
+        match="a --dry-run computes none",
+    )

@@ -30,7 +30,9 @@ def test_first_command_runs_the_main_job(tmp_path):
     argv = shlex.split(job)
     assert argv[:2] == ["surgeon", "reinit"]
     argv[argv.index("-o") + 1] = str(tmp_path / "out")
-    result = subprocess.run([sys.executable, "-m", "surgeon", *argv[1:]], cwd=ROOT, capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "surgeon", *argv[1:]], cwd=ROOT, capture_output=True, text=True, check=True
+    )
     assert "re-initialized: 6 projections in 2 blocks" in result.stdout
     assert re.search(r"encoder\.layer\.1 self +v +all +[\d.]+/[\d.]+/[\d.]+ -> 1\.00/1\.00/1\.00", result.stdout)
     assert (tmp_path / "out" / "model.safetensors").is_file()

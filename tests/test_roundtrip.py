@@ -14,7 +14,11 @@ from surgeon.formats.torchfile import TorchWeights
 
 from conftest import sha256, tiny_llama, tree_digest
 
-LAYER0 = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight")
+LAYER0 = (
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.0.self_attn.k_proj.weight",
+    "model.layers.0.self_attn.v_proj.weight",
+)
 
 
 def state(folder):

@@ -27,7 +27,11 @@ def raw_tensors(path):
 
 
 def test_unchanged_write_is_byte_identical(tmp_path):
-    tensors = {"b": torch.randn(3, 5), "a": torch.arange(7, dtype=torch.int64), "c": torch.randn(2, 2).to(torch.bfloat16)}
+    tensors = {
+        "b": torch.randn(3, 5),
+        "a": torch.arange(7, dtype=torch.int64),
+        "c": torch.randn(2, 2).to(torch.bfloat16),
+    }
     src = tmp_path / "in.safetensors"
     save_file(tensors, src, metadata={"format": "pt"})
     out = tmp_path / "out.safetensors"

@@ -50,7 +50,12 @@ def test_targets():
         with pytest.raises(SelectionError):
             parse_targets(bad)
     # only q, k and v: run-together and spelled-out names are refused with the spelling to use
-    for bad, hint in (("qk", "write q,k, comma-separated"), ("qkv", "write q,k,v"), ("query", "write q"), (["value"], "write v")):
+    for bad, hint in (
+        ("qk", "write q,k, comma-separated"),
+        ("qkv", "write q,k,v"),
+        ("query", "write q"),
+        (["value"], "write v"),
+    ):
         with pytest.raises(SelectionError, match=f"unknown target .*: {hint}"):
             parse_targets(bad)
 

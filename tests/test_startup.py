@@ -10,18 +10,42 @@ import subprocess
 import sys
 
 TORCH_FREE = [
-    "surgeon", "surgeon.cli", "surgeon.api", "surgeon.source", "surgeon.plan", "surgeon.report", "surgeon.output",
-    "surgeon.journal", "surgeon.journal_file", "surgeon.recovery", "surgeon.locks", "surgeon.errors",
-    "surgeon.hub", "surgeon.hub.ids", "surgeon.hub.read", "surgeon.hub.push", "surgeon.hub.translate",
-    "surgeon.detect", "surgeon.detect.by_name", "surgeon.detect.config", "surgeon.detect.families", "surgeon.detect.placement",
-    "surgeon.formats.registry", "surgeon.formats.safetensors", "surgeon.formats.torchfile",
+    "surgeon",
+    "surgeon.cli",
+    "surgeon.api",
+    "surgeon.source",
+    "surgeon.plan",
+    "surgeon.report",
+    "surgeon.output",
+    "surgeon.journal",
+    "surgeon.journal_file",
+    "surgeon.recovery",
+    "surgeon.locks",
+    "surgeon.errors",
+    "surgeon.hub",
+    "surgeon.hub.ids",
+    "surgeon.hub.read",
+    "surgeon.hub.push",
+    "surgeon.hub.translate",
+    "surgeon.detect",
+    "surgeon.detect.by_name",
+    "surgeon.detect.config",
+    "surgeon.detect.families",
+    "surgeon.detect.placement",
+    "surgeon.formats.registry",
+    "surgeon.formats.safetensors",
+    "surgeon.formats.torchfile",
 ]
 
 
 def test_cli_and_planning_modules_do_not_import_torch():
-    code = "import importlib, sys\n" + "".join(f"importlib.import_module({m!r})\n" for m in TORCH_FREE) + (
-        "bad = sorted(m for m in ('torch', 'numpy', 'onnx', 'transformers') if m in sys.modules)\n"
-        "assert not bad, bad\n"
+    code = (
+        "import importlib, sys\n"
+        + "".join(f"importlib.import_module({m!r})\n" for m in TORCH_FREE)
+        + (
+            "bad = sorted(m for m in ('torch', 'numpy', 'onnx', 'transformers') if m in sys.modules)\n"
+            "assert not bad, bad\n"
+        )
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -42,4 +66,6 @@ def test_a_dry_run_plans_without_torch(tmp_path):
         f"r = reinit_checkpoint('examples/tiny-bert', output={str(tmp_path / 'out')!r}, dry_run=True)\n"
         "assert len(r.rows) == 6 and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:3]\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parent.parent))
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parent.parent)
+    )

@@ -33,7 +33,7 @@ def observe_mha(mha: nn.MultiheadAttention, q_width: int, kv_width: int):
     mode = CaptureSDPA()
     with torch.enable_grad(), mode:  # grad on: keeps nn.MultiheadAttention off its fused fast path
         mha(xq, xkv, xkv, need_weights=False)
-    (q, k, v), = mode.calls
+    ((q, k, v),) = mode.calls
     return solve_heads(xq, q), solve_heads(xkv, k), solve_heads(xkv, v)
 
 
@@ -55,24 +55,46 @@ def same(a, b):
 
 def test_transformer_encoder_and_decoder(tmp_path):
     torch.manual_seed(0)
-    model = nn.Transformer(d_model=32, nhead=4, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=48, batch_first=True, dropout=0.0)
+    model = nn.Transformer(
+        d_model=32,
+        nhead=4,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        dim_feedforward=48,
+        batch_first=True,
+        dropout=0.0,
+    )
     for name, p in model.named_parameters():
         if name.endswith("in_proj_bias"):
             nn.init.normal_(p, std=0.1)  # make bias handling visible
     torch.save(model.state_dict(), tmp_path / "transformer.pt")
     report = inspect_checkpoint(tmp_path / "transformer.pt", num_heads=4)
     assert [(b.stack, b.layer, b.kind, b.layout) for b in report.blocks] == [
-        ("encoder.layers", 0, "self", "fused in_proj"), ("encoder.layers", 1, "self", "fused in_proj"),
-        ("decoder.layers", 0, "self", "fused in_proj"), ("decoder.layers", 0, "cross", "fused in_proj"),
-        ("decoder.layers", 1, "self", "fused in_proj"), ("decoder.layers", 1, "cross", "fused in_proj"),
+        ("encoder.layers", 0, "self", "fused in_proj"),
+        ("encoder.layers", 1, "self", "fused in_proj"),
+        ("decoder.layers", 0, "self", "fused in_proj"),
+        ("decoder.layers", 0, "cross", "fused in_proj"),
+        ("decoder.layers", 1, "self", "fused in_proj"),
+        ("decoder.layers", 1, "cross", "fused in_proj"),
     ]
     reinit_checkpoint(tmp_path / "transformer.pt", output=tmp_path / "out.pt", num_heads=4, layers="1", seed=3)
-    after = nn.Transformer(d_model=32, nhead=4, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=48, batch_first=True, dropout=0.0)
+    after = nn.Transformer(
+        d_model=32,
+        nhead=4,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        dim_feedforward=48,
+        batch_first=True,
+        dropout=0.0,
+    )
     after.load_state_dict(torch.load(tmp_path / "out.pt", weights_only=True))
     modules = {
-        "encoder.layers.0.self_attn": False, "encoder.layers.1.self_attn": True,
-        "decoder.layers.0.self_attn": False, "decoder.layers.0.multihead_attn": False,
-        "decoder.layers.1.self_attn": True, "decoder.layers.1.multihead_attn": True,
+        "encoder.layers.0.self_attn": False,
+        "encoder.layers.1.self_attn": True,
+        "decoder.layers.0.self_attn": False,
+        "decoder.layers.0.multihead_attn": False,
+        "decoder.layers.1.self_attn": True,
+        "decoder.layers.1.multihead_attn": True,
     }
     for name, changed in modules.items():
         new = observe_mha(after.get_submodule(name), 32, 32)
@@ -117,7 +139,9 @@ class TimmStyleAttention(nn.Module):
 class TimmStyleViT(nn.Module):
     def __init__(self, dim=48, heads=6, depth=3):
         super().__init__()
-        self.blocks = nn.ModuleList(nn.ModuleDict({"norm1": nn.LayerNorm(dim), "attn": TimmStyleAttention(dim, heads)}) for _ in range(depth))
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"norm1": nn.LayerNorm(dim), "attn": TimmStyleAttention(dim, heads)}) for _ in range(depth)
+        )
 
 
 def observe_timm(attn, dim):
@@ -126,7 +150,7 @@ def observe_timm(attn, dim):
     mode = CaptureSDPA()
     with torch.no_grad(), mode:
         attn(x)
-    (q, k, v), = mode.calls
+    ((q, k, v),) = mode.calls
     return solve_heads(x, q), solve_heads(x, k), solve_heads(x, v)
 
 

@@ -37,7 +37,14 @@ def _assert_clean(*texts: str) -> None:
 
 
 def test_read_path_error_that_echoes_the_authorization_header(hub, tmp_path):
-    hub.fail("GET", r"^/api/models/org/tiny", status=400, times=None, message=f"rejected credentials (also {STRANGER_TOKEN}):", echo_auth=True)
+    hub.fail(
+        "GET",
+        r"^/api/models/org/tiny",
+        status=400,
+        times=None,
+        message=f"rejected credentials (also {STRANGER_TOKEN}):",
+        echo_auth=True,
+    )
     run = Surgeon(tmp_path, hub.url)("inspect", "org/tiny", token=TOKEN, ok=False)
     assert any(r.auth == TOKEN for r in hub.requests)  # the token was sent, and the server echoed it
     error = run.error
@@ -50,7 +57,9 @@ def test_push_path_error_that_echoes_the_authorization_header(hub, source, tmp_p
     reinit_checkpoint(source, output=out, layers="0")
     hub.fail("POST", r"/preupload/", status=400, times=None, message="rejected credentials", echo_auth=True)
     surgeon = Surgeon(tmp_path, hub.url)
-    push, reinit = surgeon.many(["push", out, "me/x"], ["reinit", "org/tiny", "-o", "kept", "--push-to-hub", "me/y"], token=TOKEN)
+    push, reinit = surgeon.many(
+        ["push", out, "me/x"], ["reinit", "org/tiny", "-o", "kept", "--push-to-hub", "me/y"], token=TOKEN
+    )
     assert "rejected credentials Bearer ***" in push.error, push.error
     assert "wrote kept, but the push failed" in reinit.error and "Bearer ***" in reinit.error
     _assert_clean(push.stdout, push.stderr, reinit.stdout, reinit.stderr, all_text_under(tmp_path / "kept"))

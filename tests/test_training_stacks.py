@@ -70,7 +70,9 @@ def test_peft_merged_adapter_is_refused_in_one_line():
     model = lora_model()
     model.merge_adapter()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with pytest.raises(UnsupportedWeightsError, match=r"merged into the base weights; call model.unmerge_adapter\(\)") as err:
+    with pytest.raises(
+        UnsupportedWeightsError, match=r"merged into the base weights; call model.unmerge_adapter\(\)"
+    ) as err:
         surgeon.reinit_(model)
     assert "\n" not in str(err.value)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
@@ -81,7 +83,10 @@ def test_peft_quantized_base_is_refused_in_one_line():
     model = lora_model()
     q_proj = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer
     q_proj.weight = torch.nn.Parameter(torch.zeros(q_proj.weight.shape, dtype=torch.int8), requires_grad=False)
-    with pytest.raises(UnsupportedWeightsError, match=r"base layer is quantized \(Linear with int8 weights\); surgeon rewrites float weights only") as err:
+    with pytest.raises(
+        UnsupportedWeightsError,
+        match=r"base layer is quantized \(Linear with int8 weights\); surgeon rewrites float weights only",
+    ) as err:
         surgeon.reinit_(model)
     assert "\n" not in str(err.value)
 
@@ -92,7 +97,9 @@ def test_meta_device_is_refused_in_one_line():
     with torch.device("meta"):
         model = LlamaForCausalLM(FAMILIES["llama"].make().config)
     for fn in (surgeon.reinit_, surgeon.inspect):
-        with pytest.raises(OptionError, match=r"meta device .* call surgeon\.(reinit_|inspect) after materializing") as err:
+        with pytest.raises(
+            OptionError, match=r"meta device .* call surgeon\.(reinit_|inspect) after materializing"
+        ) as err:
             fn(model)
         assert "\n" not in str(err.value)
     assert surgeon.conditioned_init_(model) == 0  # at construction on meta: nothing to write yet
@@ -143,14 +150,29 @@ def test_trainer_callback_reinitializes_at_train_begin(tmp_path, capsys):
             seen["q"] = model.model.layers[1].self_attn.q_proj.weight.detach().clone()
             seen["opt_state"] = len(optimizer.state)
 
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, learning_rate=1e-3,
-                             report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True, dataloader_num_workers=0)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        use_cpu=True,
+        dataloader_num_workers=0,
+    )
     Trainer(model=model, args=args, train_dataset=data, callbacks=[callback, Watch()]).train()
     expected = expected_state(layers="-1-", seed=3)
     assert torch.equal(seen["q"], expected["model.layers.1.self_attn.q_proj.weight"]) and seen["opt_state"] == 0
-    assert callback.report is not None and "model.layers.1" in str(callback.report) and "model.layers.1" in capsys.readouterr().out
+    assert (
+        callback.report is not None
+        and "model.layers.1" in str(callback.report)
+        and "model.layers.1" in capsys.readouterr().out
+    )
     # two real steps moved the re-initialized weights on
-    assert not torch.equal(model.model.layers[1].self_attn.q_proj.weight, expected["model.layers.1.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        model.model.layers[1].self_attn.q_proj.weight, expected["model.layers.1.self_attn.q_proj.weight"]
+    )
 
 
 def test_callback_rejects_unknown_options():

@@ -84,7 +84,7 @@ def test_strength_moves_kappa_geometrically(saved_family, tmp_path):
             assert torch.allclose(s_new, s_old.sqrt(), rtol=1e-4)
     for row in report.rows:
         for k0, k1 in zip(row.before.head_kappas, row.after.head_kappas):
-            assert k1 == pytest.approx(k0 ** 0.5, rel=1e-4)
+            assert k1 == pytest.approx(k0**0.5, rel=1e-4)
 
 
 def test_keep_scale_preserves_each_heads_norm(saved_family, tmp_path):

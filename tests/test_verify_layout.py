@@ -48,7 +48,9 @@ def test_cli_prints_the_agreement_or_one_line_error(cli, tmp_path):
     FAMILIES["falcon_new"].make().save_pretrained(tmp_path)
     out = cli("inspect", tmp_path, "--verify-layout", "--json")
     notes = json.loads(out.stdout)["notes"]
-    assert notes[-1].startswith("layout verified: the 2 attention blocks found by name are the ones the forward of FalconForCausalLM uses")
+    assert notes[-1].startswith(
+        "layout verified: the 2 attention blocks found by name are the ones the forward of FalconForCausalLM uses"
+    )
     bad = cli("inspect", tmp_path, "--verify-layout", "--num-kv-heads", "8", ok=False)
     assert bad.exit_code != 0
     assert bad.stderr.count("\n") == 1 and bad.stderr.startswith("surgeon: error: ")
@@ -56,15 +58,27 @@ def test_cli_prints_the_agreement_or_one_line_error(cli, tmp_path):
 
 def test_needs_a_config(tmp_path):
     torch.save(FAMILIES["llama"].make().state_dict(), tmp_path / "model.pt")
-    with pytest.raises(OptionError, match=r"verify_layout=True builds the architecture from config.json, and .*model.pt has none; pass config=PATH") as err:
+    with pytest.raises(
+        OptionError,
+        match=r"verify_layout=True builds the architecture from config.json, and .*model.pt has none; pass config=PATH",
+    ) as err:
         verify_layout(tmp_path / "model.pt", num_heads=8, num_kv_heads=2)
     assert err.value.path == str(tmp_path / "model.pt")
-    assert re.search(r"--verify-layout builds the architecture from config.json, and .*model.pt has none; pass --config PATH", err.value.describe(cli_spelling))
+    assert re.search(
+        r"--verify-layout builds the architecture from config.json, and .*model.pt has none; pass --config PATH",
+        err.value.describe(cli_spelling),
+    )
 
 
 def test_needs_transformers(tmp_path, monkeypatch):
     FAMILIES["bert"].make().save_pretrained(tmp_path)
     monkeypatch.setitem(sys.modules, "transformers", None)  # what an environment without it raises
-    with pytest.raises(OptionError, match=r"^verify_layout=True needs transformers to build the architecture: pip install transformers$") as err:
+    with pytest.raises(
+        OptionError,
+        match=r"^verify_layout=True needs transformers to build the architecture: pip install transformers$",
+    ) as err:
         verify_layout(tmp_path)
-    assert err.value.describe(cli_spelling) == "--verify-layout needs transformers to build the architecture: pip install transformers"
+    assert (
+        err.value.describe(cli_spelling)
+        == "--verify-layout needs transformers to build the architecture: pip install transformers"
+    )

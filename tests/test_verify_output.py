@@ -35,7 +35,7 @@ def _rewrite_record(path, edit):
     records = json.loads(meta["surgeon"])
     edit(records[-1])
     raw = encode_header(with_metadata(header.entries, {**meta, "surgeon": json.dumps(records)}))
-    data = path.read_bytes()[header.data_start:]
+    data = path.read_bytes()[header.data_start :]
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
 
 
@@ -54,7 +54,9 @@ def test_verifies_a_conditioned_output_byte_for_byte(cli, llama_out, tmp_path):
     assert callable(surgeon.verify) and callable(verify_layout)
     src, out = llama_out
     result = cli("verify", src, out)
-    assert result.stdout.startswith(f"verified: {out} is {src} with 2 attention blocks re-initialized as recorded (mode conditioned, targets q,k,v, seed 5)")
+    assert result.stdout.startswith(
+        f"verified: {out} is {src} with 2 attention blocks re-initialized as recorded (mode conditioned, targets q,k,v, seed 5)"
+    )
     assert "re-derived byte for byte" in result.stdout and result.stdout.count("\n") == 1
     v = surgeon.verify(src, out)
     assert sorted(v.changed) == sorted(f"model.layers.{i}.self_attn.{p}_proj.weight" for i in (1, 2) for p in "qkv")
@@ -67,21 +69,49 @@ def test_a_changed_byte_anywhere_is_found(cli, llama_out, tmp_path):
     good = file.read_bytes()
     # outside the selection: layer 0's query is not re-initialized
     _flip_byte(file, _data_offset(file, "model.layers.0.self_attn.q_proj.weight") + 100)
-    msg = expect_cli_error(cli, tmp_path / "out", "verify", src, out, match="tensor 'model.layers.0.self_attn.q_proj.weight' is not in the recorded selection, but its bytes differ")
+    msg = expect_cli_error(
+        cli,
+        tmp_path / "out",
+        "verify",
+        src,
+        out,
+        match="tensor 'model.layers.0.self_attn.q_proj.weight' is not in the recorded selection, but its bytes differ",
+    )
     assert cli("verify", src, out, ok=False).exit_code == 3
     # inside the selection: one element of a re-initialized head
     file.write_bytes(good)
     _flip_byte(file, _data_offset(file, "model.layers.2.self_attn.k_proj.weight") + 4)
-    msg = expect_cli_error(cli, tmp_path / "out", "verify", src, out, match="tensor 'model.layers.2.self_attn.k_proj.weight': element [0, 1] is")
+    msg = expect_cli_error(
+        cli,
+        tmp_path / "out",
+        "verify",
+        src,
+        out,
+        match="tensor 'model.layers.2.self_attn.k_proj.weight': element [0, 1] is",
+    )
     assert "the recipe re-derived from the record's seed gives other values" in msg
     # a record that lies about the seed
     file.write_bytes(good)
     _rewrite_record(file, lambda r: r["options"].update(seed=6))
-    expect_cli_error(cli, tmp_path / "out", "verify", src, out, match="the recipe re-derived from the record's seed gives other values")
+    expect_cli_error(
+        cli,
+        tmp_path / "out",
+        "verify",
+        src,
+        out,
+        match="the recipe re-derived from the record's seed gives other values",
+    )
     # a record that lies about the selection
     file.write_bytes(good)
     _rewrite_record(file, lambda r: r["options"].update(layers="2-"))
-    expect_cli_error(cli, tmp_path / "out", "verify", src, out, match="its record lists re-initialized blocks that the recorded options do not select")
+    expect_cli_error(
+        cli,
+        tmp_path / "out",
+        "verify",
+        src,
+        out,
+        match="its record lists re-initialized blocks that the recorded options do not select",
+    )
     # the wrong original: same architecture, other weights
     other = tmp_path / "other"
     model = tiny_llama()
@@ -89,7 +119,10 @@ def test_a_changed_byte_anywhere_is_found(cli, llama_out, tmp_path):
         model.model.embed_tokens.weight.add_(1.0)
     model.save_pretrained(other)
     file.write_bytes(good)
-    with pytest.raises(surgeon.VerificationError, match="model.embed_tokens.weight' is not in the recorded selection, but its bytes differ"):
+    with pytest.raises(
+        surgeon.VerificationError,
+        match="model.embed_tokens.weight' is not in the recorded selection, but its bytes differ",
+    ):
         surgeon.verify(other, out)
 
 
@@ -117,8 +150,14 @@ def test_torch_folder_output_carries_its_record_in_the_card(cli, tmp_path):
     assert cli("verify", src, out).stdout.startswith("verified:")
     # a single .bin file output has no record anywhere: refused, not guessed
     cli("reinit", src / "pytorch_model.bin", "-o", tmp_path / "one.bin")
-    expect_cli_error(cli, tmp_path, "verify", src / "pytorch_model.bin", tmp_path / "one.bin",
-                     match="holds no surgeon record in the file (PyTorch files have no metadata slot) (a folder output carries it in its README.md")
+    expect_cli_error(
+        cli,
+        tmp_path,
+        "verify",
+        src / "pytorch_model.bin",
+        tmp_path / "one.bin",
+        match="holds no surgeon record in the file (PyTorch files have no metadata slot) (a folder output carries it in its README.md",
+    )
 
 
 def test_onnx_output(cli, tmp_path):
@@ -132,6 +171,8 @@ def test_onnx_output(cli, tmp_path):
 def test_no_record_to_verify_against(cli, tmp_path, llama_dir):
     copy = tmp_path / "copy"
     shutil.copytree(llama_dir, copy)
-    expect_cli_error(cli, tmp_path, "verify", llama_dir, copy, match="holds no surgeon record in its safetensors metadata")
+    expect_cli_error(
+        cli, tmp_path, "verify", llama_dir, copy, match="holds no surgeon record in its safetensors metadata"
+    )
     assert cli("verify", llama_dir, copy, ok=False).exit_code == 1
     expect_cli_error(cli, tmp_path, "verify", llama_dir, tmp_path / "missing", match="no such file or folder")

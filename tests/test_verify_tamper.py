@@ -40,7 +40,7 @@ def _rewrite_record(path, edit):
     value = edit(json.loads(meta["surgeon"]))
     text = value if isinstance(value, str) else json.dumps(value)
     raw = encode_header(with_metadata(header.entries, {**meta, "surgeon": text}))
-    data = path.read_bytes()[header.data_start:]
+    data = path.read_bytes()[header.data_start :]
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
 
 
@@ -48,6 +48,7 @@ def _last(change):
     def edit(records):
         change(records[-1])
         return records
+
     return edit
 
 
@@ -63,6 +64,7 @@ def made(tmp_path, llama_dir, cli):
 
 
 # --- folder outputs: every file ------------------------------------------------------------------
+
 
 def test_config_and_code_files_are_compared(cli, made):
     src, out = made
@@ -117,7 +119,7 @@ def test_extra_weights_a_loader_would_read(cli, tmp_path):
     shard.write_bytes(good)
     header = read_header(shard)
     raw = encode_header(with_metadata(header.entries, {**header.metadata, "format": "tf"}))
-    shard.write_bytes(struct.pack("<Q", len(raw)) + raw + good[header.data_start:])
+    shard.write_bytes(struct.pack("<Q", len(raw)) + raw + good[header.data_start :])
     _fails(cli, src, out, f"the metadata of {shard.name} differs from the original's beyond surgeon's record")
     shard.write_bytes(good)
     index = (out / "model.safetensors.index.json").read_bytes()
@@ -173,11 +175,14 @@ def test_torch_shards_none_of_whose_tensors_change_are_copied_as_they_are(cli, t
     cli("reinit", src, "--layers", "2", "-o", out)
     assert cli("verify", src, out).stdout.startswith("verified:")
     first = "pytorch_model-00001-of-00002.bin"
-    torch.save(torch.load(out / first, weights_only=True), out / first, _use_new_zipfile_serialization=False)  # same tensors, other file
+    torch.save(
+        torch.load(out / first, weights_only=True), out / first, _use_new_zipfile_serialization=False
+    )  # same tensors, other file
     _fails(cli, src, out, f"{first} differs from the original's, and surgeon copies it as it is")
 
 
 # --- ONNX: the graph node for node, the copies' tensors ------------------------------------------
+
 
 def _onnx_pair(cli, tmp_path, **kw):
     folder = tmp_path / "m"
@@ -206,27 +211,36 @@ def test_onnx_graph_is_compared_node_for_node(cli, tmp_path):
             if node.op_type == "Softmax":
                 node.op_type = "Sigmoid"
                 del node.attribute[:]
+
     _edit_onnx(out, sigmoid)
     _fails(cli, src, out, "is Sigmoid, the original's is Softmax")
     out.write_bytes(good)
     _edit_onnx(out, lambda m: m.graph.node.append(onnx.helper.make_node("Identity", ["x"], ["y2"])))
     _fails(cli, src, out, "its graph has")
     out.write_bytes(good)
-    _edit_onnx(out, lambda m: m.graph.output.append(onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, None)))
+    _edit_onnx(
+        out, lambda m: m.graph.output.append(onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, None))
+    )
     _fails(cli, src, out, "graph output 1 ('x') differs")
     out.write_bytes(good)
 
     def half_input(m):
         m.graph.input[0].type.tensor_type.elem_type = onnx.TensorProto.FLOAT16
+
     _edit_onnx(out, half_input)
     _fails(cli, src, out, "graph input 0 ('x') differs")
     out.write_bytes(good)
+
     def opset(m):
         m.opset_import[0].version -= 1
+
     _edit_onnx(out, opset)
     _fails(cli, src, out, "the model's opset_import differs")
     out.write_bytes(good)
-    _edit_onnx(out, lambda m: m.graph.value_info.append(onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT16, None)))
+    _edit_onnx(
+        out,
+        lambda m: m.graph.value_info.append(onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT16, None)),
+    )
     _fails(cli, src, out, "value info 0 ('x') differs")
     out.write_bytes(good)
 
@@ -234,6 +248,7 @@ def test_onnx_graph_is_compared_node_for_node(cli, tmp_path):
         node = next(n for n in m.graph.node if n.op_type == "Softmax")
         del node.attribute[:]
         node.attribute.append(onnx.helper.make_attribute("axis", 1))
+
     _edit_onnx(out, attribute)
     _fails(cli, src, out, "has another attribute 'axis'")
 
@@ -250,7 +265,9 @@ def test_onnx_weights_in_constant_nodes(cli, tmp_path):
     moved = [t for t in model.graph.initializer if len(t.dims) == 2]
     for t in moved:
         model.graph.initializer.remove(t)
-    nodes = [onnx.helper.make_node("Constant", [], [t.name], value=t, name=f"const_{i}") for i, t in enumerate(moved)] + list(model.graph.node)
+    nodes = [
+        onnx.helper.make_node("Constant", [], [t.name], value=t, name=f"const_{i}") for i, t in enumerate(moved)
+    ] + list(model.graph.node)
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     src, out = tmp_path / "consts.onnx", tmp_path / "out.onnx"
@@ -262,6 +279,7 @@ def test_onnx_weights_in_constant_nodes(cli, tmp_path):
         node = next(n for n in m.graph.node if n.name == "const_0")
         value = onnx.numpy_helper.to_array(node.attribute[0].t)
         node.attribute[0].t.CopyFrom(onnx.numpy_helper.from_array(value + np.float32(1e-3), node.output[0]))
+
     _edit_onnx(out, nudge)
     _fails(cli, src, out, "is not in the recorded selection, but its bytes differ")
 
@@ -279,24 +297,30 @@ def test_onnx_shared_initializer_copies(cli, tmp_path):
     def nudge_shared(m):
         t = tensor(m, "q_shared")
         t.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(t) + np.float32(1e-3), "q_shared"))
+
     _edit_onnx(out, nudge_shared)
     _fails(cli, src, out, "tensor 'q_shared' is not in the recorded selection, but its bytes differ")
     out.write_bytes(good)
+
     # the copy's values are re-derived
     def nudge_copy(m):
         t = tensor(m, "q_shared.surgeon_copy")
         t.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(t) * np.float32(2), t.name))
+
     _edit_onnx(out, nudge_copy)
     _fails(cli, src, out, "tensor 'q_shared.surgeon_copy': element")
     out.write_bytes(good)
+
     # layer 1 made to read the copy too
     def redirect(m):
         for node in m.graph.node:
             node.input[:] = ["q_shared.surgeon_copy" if x == "q_shared" else x for x in node.input]
+
     _edit_onnx(out, redirect)
     line = _fails(cli, src, out, "(/layers.1/attn/q_proj/MatMul) has inputs")
     assert "'q_shared.surgeon_copy'], surgeon's would be [" in line
     out.write_bytes(good)
+
     # the record lies about the copy's name
     def rename(m):
         for p in m.metadata_props:
@@ -304,13 +328,19 @@ def test_onnx_shared_initializer_copies(cli, tmp_path):
                 records = json.loads(p.value)
                 records[-1]["copies"] = {"q_shared": "x"}
                 p.value = json.dumps(records)
+
     _edit_onnx(out, rename)
     _fails(cli, src, out, "its record lists the copies {'q_shared': 'x'}, and the recorded plan needs")
     # a folder output with external data: the card carries the record without the copies the writer added
     ext = tmp_path / "ext"
     ext.mkdir()
-    onnx.save_model(tiny_attention(layers=2, share_q=True), str(ext / "model.onnx"), save_as_external_data=True,
-                    location="model.onnx.data", size_threshold=256)
+    onnx.save_model(
+        tiny_attention(layers=2, share_q=True),
+        str(ext / "model.onnx"),
+        save_as_external_data=True,
+        location="model.onnx.data",
+        size_threshold=256,
+    )
     cli("reinit", ext, "--layers", "0", "-o", tmp_path / "ext-out")
     assert cli("verify", ext, tmp_path / "ext-out").stdout.startswith("verified:")
     cli("reinit", ext / "model.onnx", "--layers", "0", "-o", tmp_path / "ext-out.onnx")  # data files renamed beside it
@@ -320,19 +350,20 @@ def test_onnx_shared_initializer_copies(cli, tmp_path):
 
 # --- polar: one ulp of the dtype ----------------------------------------------------------------
 
+
 def _shift(path, name, ulps: int, dtype) -> float:
     """Move the largest selected element of tensor ``name`` by ``ulps`` units in the last place (same binade)."""
     header = read_header(path)
     begin, end = header.entries[name]["data_offsets"]
     data = bytearray(path.read_bytes())
     start = header.data_start + begin
-    values = torch.frombuffer(bytearray(data[start:start + end - begin]), dtype=dtype).clone()
+    values = torch.frombuffer(bytearray(data[start : start + end - begin]), dtype=dtype).clone()
     bits = values.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
     i = int(values[:8].double().abs().argmax())  # a row of head 0, layer 0's q: re-initialized
     before = values[i].item()
     bits[i] += ulps if before > 0 else -ulps  # away from zero: the bit pattern counts ulps
-    assert torch.frexp(values[i:i + 1].double())[1] == torch.frexp(torch.tensor([before], dtype=torch.float64))[1]
-    data[start:start + end - begin] = values.view(torch.uint8).numpy().tobytes()
+    assert torch.frexp(values[i : i + 1].double())[1] == torch.frexp(torch.tensor([before], dtype=torch.float64))[1]
+    data[start : start + end - begin] = values.view(torch.uint8).numpy().tobytes()
     path.write_bytes(bytes(data))
     return before
 
@@ -369,6 +400,7 @@ def test_genuine_polar_outputs_of_other_layouts_verify(cli, saved_family, tmp_pa
 
 # --- chains and versions --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("fmt", ["safetensors", "torch"])
 def test_a_chain_verifies_against_the_last_record(cli, tmp_path, fmt):
     a = tmp_path / "A"
@@ -383,7 +415,9 @@ def test_a_chain_verifies_against_the_last_record(cli, tmp_path, fmt):
     cli("reinit", tmp_path / "B", "--layers", "1", "--seed", "3", "-o", tmp_path / "C")
     card = (tmp_path / "C" / "README.md").read_text()
     assert len(card_records(card)) == 2  # its own record, then B's in the source card
-    assert cli("verify", tmp_path / "B", tmp_path / "C").stdout.startswith(f"verified: {tmp_path / 'C'} is {tmp_path / 'B'} with 1 attention block")
+    assert cli("verify", tmp_path / "B", tmp_path / "C").stdout.startswith(
+        f"verified: {tmp_path / 'C'} is {tmp_path / 'B'} with 1 attention block"
+    )
     assert cli("verify", a, tmp_path / "B").stdout.startswith("verified:")
     assert cli("verify", a, tmp_path / "C", ok=False).exit_code == 3  # C is not A with one run
 
@@ -397,7 +431,13 @@ def test_another_versions_output_says_so(cli, made):
     _rewrite_record(file, _last(lambda r: r.update(version="0.1.0")))
     assert "(made by surgeon 0.1.0)" in cli("verify", src, out).stdout  # the same values: verified, and said
     _rewrite_record(file, _last(lambda r: r["options"].update(seed=6)))
-    line = _fails(cli, src, out, f"it was made by surgeon 0.1.0, and this is surgeon {__version__}, whose records and draws may differ", code=1)
+    line = _fails(
+        cli,
+        src,
+        out,
+        f"it was made by surgeon 0.1.0, and this is surgeon {__version__}, whose records and draws may differ",
+        code=1,
+    )
     assert "verify it with surgeon 0.1.0" in line and "element" in line
     # bytes that no version changes are a mismatch whatever the version
     _rewrite_record(file, _last(lambda r: r["options"].update(seed=5)))
@@ -455,6 +495,7 @@ def test_malformed_card_and_onnx_records(cli, tmp_path):
                 records = json.loads(p.value)
                 records[-1]["copies"] = ["q"]
                 p.value = json.dumps(records)
+
     _edit_onnx(out, copies_as_list)
     _fails(cli, src, out, "has 'copies' as a list, not dict", code=1)
     _edit_onnx(out, lambda m: m.metadata_props.append(onnx.StringStringEntryProto(key="surgeon", value="[]")))
@@ -472,15 +513,36 @@ def test_malformed_card_and_onnx_records(cli, tmp_path):
 # --- the record reader, fuzzed --------------------------------------------------------------------
 
 _json = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=12),
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=12),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
     max_leaves=20,
 )
 _GENUINE = {
-    "tool": "surgeon", "version": __version__, "method": "conditioned-initialization",
-    "options": {"layers": "1", "targets": ["q", "k", "v"], "heads": "all", "attention": "all", "stack": None,
-                "mode": "conditioned", "strength": None, "value_identity": "block", "keep_scale": False, "bias": "zero", "seed": 0},
-    "blocks": [{"module": "model.layers.1.self_attn", "stack": "model.layers", "layer": 1, "kind": "self", "targets": {"q": "all"}}],
+    "tool": "surgeon",
+    "version": __version__,
+    "method": "conditioned-initialization",
+    "options": {
+        "layers": "1",
+        "targets": ["q", "k", "v"],
+        "heads": "all",
+        "attention": "all",
+        "stack": None,
+        "mode": "conditioned",
+        "strength": None,
+        "value_identity": "block",
+        "keep_scale": False,
+        "bias": "zero",
+        "seed": 0,
+    },
+    "blocks": [
+        {
+            "module": "model.layers.1.self_attn",
+            "stack": "model.layers",
+            "layer": 1,
+            "kind": "self",
+            "targets": {"q": "all"},
+        }
+    ],
 }
 
 
@@ -523,7 +585,9 @@ def test_record_json_and_card_fuzz(text):
         assert all(isinstance(r, (dict, list, str, int, float, bool)) or r is None for r in found)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(record=records())
 def test_verify_on_fuzzed_records(tmp_path_factory, record):
     """Through the whole of surgeon.verify on a real output: a verdict or a one-line SurgeonError, nothing else."""
@@ -531,7 +595,9 @@ def test_verify_on_fuzzed_records(tmp_path_factory, record):
     if not (base / "out.safetensors").is_file():
         base.mkdir(exist_ok=True)
         tiny_llama().save_pretrained(base / "src")
-        surgeon.reinit_checkpoint(base / "src" / "model.safetensors", output=base / "out.safetensors", layers="1", device="cpu")
+        surgeon.reinit_checkpoint(
+            base / "src" / "model.safetensors", output=base / "out.safetensors", layers="1", device="cpu"
+        )
     work = base / "work.safetensors"
     shutil.copy(base / "out.safetensors", work)
     _rewrite_record(work, lambda records: [record])

@@ -63,8 +63,16 @@ class Verification:
         )
 
     def to_dict(self) -> dict:
-        return {"ok": True, "original": self.original, "output": self.output, "record": self.record,
-                "changed": self.changed, "identical": self.identical, "files": self.files, "summary": self.summary()}
+        return {
+            "ok": True,
+            "original": self.original,
+            "output": self.output,
+            "record": self.record,
+            "changed": self.changed,
+            "identical": self.identical,
+            "files": self.files,
+            "summary": self.summary(),
+        }
 
 
 def card_record(text: str) -> dict | None:
@@ -110,14 +118,20 @@ def verify(
 
         files = check_folder(src, out, output)
     if [w.format for w in src.weights] != [w.format for w in out.weights]:
-        raise VerificationError(f"{output} holds the weights in {', '.join(w.describe() for w in out.weights)}, {original} in "
-                                f"{', '.join(w.describe() for w in src.weights)}: surgeon rewrites each set its original has, and adds none")
+        raise VerificationError(
+            f"{output} holds the weights in {', '.join(w.describe() for w in out.weights)}, {original} in "
+            f"{', '.join(w.describe() for w in src.weights)}: surgeon rewrites each set its original has, and adds none"
+        )
     try:
-        changed, identical = _check_weights(src, out, record, earlier, Hints(num_heads, num_kv_heads, head_dim, force_hints), device, output, original)
+        changed, identical = _check_weights(
+            src, out, record, earlier, Hints(num_heads, num_kv_heads, head_dim, force_hints), device, output, original
+        )
     except DerivedMismatch as exc:
         if not record.other_version:
             raise
-        raise CheckpointError(f"{output}: {other_version_note(record.version)} (with this version: {str(exc).split(': ', 1)[-1]})") from None
+        raise CheckpointError(
+            f"{output}: {other_version_note(record.version)} (with this version: {str(exc).split(': ', 1)[-1]})"
+        ) from None
     if out.kind == "folder":
         from .files import check_card
 
@@ -127,17 +141,25 @@ def verify(
 
 def _check_kind(src, out, original, output) -> None:
     if out.format != src.format:
-        raise VerificationError(f"{output} is {out.format} and {original} is {src.format}: surgeon writes the input's format")
+        raise VerificationError(
+            f"{output} is {out.format} and {original} is {src.format}: surgeon writes the input's format"
+        )
     if (src.kind == "file") != (out.kind == "file") or (src.kind == "folder" and out.kind != "folder"):
-        raise VerificationError(f"{output} is a {out.kind} and {original} a {src.kind}: surgeon writes a {'file' if src.kind == 'file' else 'folder'} for it")
+        raise VerificationError(
+            f"{output} is a {out.kind} and {original} a {src.kind}: surgeon writes a {'file' if src.kind == 'file' else 'folder'} for it"
+        )
 
 
 def _read_record(out, output) -> tuple[Record, list | None, str]:
     """The last record (type-checked), the ones before it (None where the format keeps no history), where they are."""
     found, where = stored_history(out)
     if not found:
-        hint = " (a folder output carries it in its README.md; a single .bin/.pt file has none)" * (out.format == "torch")
-        raise CheckpointError(f"{output} holds no surgeon record in {where}{hint}: there is nothing to verify it against")
+        hint = " (a folder output carries it in its README.md; a single .bin/.pt file has none)" * (
+            out.format == "torch"
+        )
+        raise CheckpointError(
+            f"{output} holds no surgeon record in {where}{hint}: there is nothing to verify it against"
+        )
     return parse_record(found[-1], f"{output} ({where})"), (found[:-1] if out.format != "torch" else None), where
 
 
@@ -149,9 +171,18 @@ def _check_weights(src, out, record: Record, earlier, hints, device, output, ori
 
     detection = detect_source(src, hints)
     try:
-        plan = prepare(detection.blocks, record.options, config=src.config, shapes={n: t.shape for n, t in src.primary.tensors.items()}, fmt=src.format, depths=detection.depths)
+        plan = prepare(
+            detection.blocks,
+            record.options,
+            config=src.config,
+            shapes={n: t.shape for n, t in src.primary.tensors.items()},
+            fmt=src.format,
+            depths=detection.depths,
+        )
     except SurgeonError as exc:
-        raise DerivedMismatch(f"{output}: its recorded options do not fit {original} ({exc}); is ORIGINAL the model it was made from?") from None
+        raise DerivedMismatch(
+            f"{output}: its recorded options do not fit {original} ({exc}); is ORIGINAL the model it was made from?"
+        ) from None
     if plan.record()["blocks"] != record.blocks:
         raise DerivedMismatch(
             f"{output}: its record lists re-initialized blocks that the recorded options do not select in {original}; "
@@ -160,7 +191,9 @@ def _check_weights(src, out, record: Record, earlier, hints, device, output, ori
     if earlier is not None:
         before, _ = stored_history(src)
         if (before or []) != earlier:
-            raise VerificationError(f"{output}: its earlier surgeon records differ from {original}'s; is ORIGINAL the model it was made from?")
+            raise VerificationError(
+                f"{output}: its earlier surgeon records differ from {original}'s; is ORIGINAL the model it was made from?"
+            )
     copies = _copies(src, out, plan, detection, record, output) if src.format == "onnx" else {}
     engine = Engine(plan, resolve_device(device))
     changed, identical = set(engine.tensor_names), 0
@@ -184,10 +217,14 @@ def _copies(src, out, plan, detection, record: Record, output) -> dict[str, str]
     try:
         a.check_plan(plan, detection)
     except SurgeonError as exc:
-        raise DerivedMismatch(f"{output}: surgeon could not have carried out the recorded plan on the original ({exc})") from None
+        raise DerivedMismatch(
+            f"{output}: surgeon could not have carried out the recorded plan on the original ({exc})"
+        ) from None
     expected = {name: copy for name, (copy, _) in a.copies.items()}
     if record.copies != expected:
-        raise DerivedMismatch(f"{output}: its record lists the copies {record.copies or 'none'}, and the recorded plan needs {expected or 'none'}")
+        raise DerivedMismatch(
+            f"{output}: its record lists the copies {record.copies or 'none'}, and the recorded plan needs {expected or 'none'}"
+        )
     same = out.kind == "folder"
     renamed = {f: f for f in a.files[1:]} if same else renamed_data_files(a.files[1:], a.path.name, b.path.name)
     check_graph(a, b, a.copies, renamed, output)
@@ -201,7 +238,9 @@ def _check_set(a, b, engine, record: Record, earlier, copies: dict[str, str], ou
     expected = [n for n in a.tensors if n not in consts] + list(copies.values()) + [n for n in a.tensors if n in consts]
     if expected != list(b.tensors):
         missing = [n for n in expected if n not in b.tensors] + [n for n in b.tensors if n not in expected]
-        raise VerificationError(f"{output} and {original} do not hold the same tensors (first difference: {missing[0] if missing else 'their order'})")
+        raise VerificationError(
+            f"{output} and {original} do not hold the same tensors (first difference: {missing[0] if missing else 'their order'})"
+        )
     changed = set(engine.tensor_names) & set(a.tensors)
     if a.format == "safetensors":
         from .files import check_headers
@@ -211,7 +250,9 @@ def _check_set(a, b, engine, record: Record, earlier, copies: dict[str, str], ou
         from .files import check_unchanged_files
 
         check_unchanged_files(a, b, changed, output)
-    untouched = [n for n in a.tensors if n not in changed or n in copies]  # a shared initializer keeps its bytes; its copy changes
+    untouched = [
+        n for n in a.tensors if n not in changed or n in copies
+    ]  # a shared initializer keeps its bytes; its copy changes
     identical = check_untouched(a, b, untouched, output, original)
     check_changed(a, b, engine, [n for n in engine.tensor_names if n in changed], record.options, output, copies)
     return identical

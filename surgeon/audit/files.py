@@ -32,7 +32,9 @@ def output_files(folder: Path) -> dict[str, Path]:
             dirs[:] = [d for d in dirs if d not in SKIP_DIRS]
         for d in dirs:
             if (here / d).is_symlink():
-                raise VerificationError(f"{folder}: {(here / d).relative_to(folder).as_posix()} is a link to a folder; surgeon writes no links")
+                raise VerificationError(
+                    f"{folder}: {(here / d).relative_to(folder).as_posix()} is a link to a folder; surgeon writes no links"
+                )
         for f in files:
             found[(here / f).relative_to(folder).as_posix()] = here / f
     return found
@@ -55,9 +57,13 @@ def check_folder(src, out, output) -> int:
     for rel, path in found.items():
         _regular(path, rel, output)
     for rel in sorted(set(found) - weights - carried - {CARD} - HOSTING):
-        raise VerificationError(f"{output}: {rel} {_what_added(rel, src)}, which surgeon does not write: the output was changed after surgeon made it")
+        raise VerificationError(
+            f"{output}: {rel} {_what_added(rel, src)}, which surgeon does not write: the output was changed after surgeon made it"
+        )
     for rel in sorted((weights | carried) - set(found)):
-        raise VerificationError(f"{output}: {rel} of {src.path} is missing from it; surgeon writes every file of its original")
+        raise VerificationError(
+            f"{output}: {rel} of {src.path} is missing from it; surgeon writes every file of its original"
+        )
     for rel in sorted(carried):
         if not same_bytes(src.folder / rel, found[rel]):
             raise VerificationError(f"{output}: {rel} differs from {src.path}'s; surgeon carries it over byte for byte")
@@ -104,7 +110,9 @@ def check_card(src, out, record: Record, output) -> None:
     card = out.folder / CARD if (out.folder / CARD).is_file() else None
     if card is None:
         if theirs is not None and theirs.is_file():
-            raise VerificationError(f"{output}: {CARD} of {src.path} is missing from it, and surgeon writes a model card there")
+            raise VerificationError(
+                f"{output}: {CARD} of {src.path} is missing from it, and surgeon writes a model card there"
+            )
         return
     if theirs is not None and theirs.is_file() and same_bytes(theirs, card):
         return
@@ -112,7 +120,9 @@ def check_card(src, out, record: Record, output) -> None:
     if not own:
         raise VerificationError(f"{output}: its {CARD} is neither surgeon's model card nor {src.path}'s")
     if not isinstance(own[0], dict) or _without_copies(own[0]) != _without_copies(record.raw):
-        raise VerificationError(f"{output}: the record in its {CARD} is not the record of its weights: the card was changed after surgeon wrote it")
+        raise VerificationError(
+            f"{output}: the record in its {CARD} is not the record of its weights: the card was changed after surgeon wrote it"
+        )
 
 
 def check_headers(a, b, verified: list, output) -> None:
@@ -126,8 +136,12 @@ def check_headers(a, b, verified: list, output) -> None:
         raise VerificationError(f"{output} has {len(b.files)} safetensors files, the original {len(a.files)}")
     for file, out_file in zip(a.files, b.files):  # a single-file output may have another name than its input
         mine, theirs = a.metadata(file), b.metadata(out_file)
-        if {k: v for k, v in theirs.items() if k != METADATA_KEY} != {k: v for k, v in mine.items() if k != METADATA_KEY}:
-            raise VerificationError(f"{output}: the metadata of {out_file} differs from the original's beyond surgeon's record")
+        if {k: v for k, v in theirs.items() if k != METADATA_KEY} != {
+            k: v for k, v in mine.items() if k != METADATA_KEY
+        }:
+            raise VerificationError(
+                f"{output}: the metadata of {out_file} differs from the original's beyond surgeon's record"
+            )
         text = theirs.get(METADATA_KEY)
         if text != mine.get(METADATA_KEY) and (text is None or _history(json.loads(text)) != verified):
             raise VerificationError(f"{output}: {out_file} holds other surgeon records than the ones verified")
@@ -141,7 +155,9 @@ def check_unchanged_files(a, b, changed: set[str], output) -> None:
     """PyTorch files none of whose tensors change are copied as they are: byte for byte."""
     for mine, theirs in zip(a.files, b.files):
         if not any(a.tensors[n].file == mine for n in changed) and not same_bytes(a.folder / mine, b.folder / theirs):
-            raise VerificationError(f"{output}: {theirs} differs from the original's, and surgeon copies it as it is (none of its tensors change)")
+            raise VerificationError(
+                f"{output}: {theirs} differs from the original's, and surgeon copies it as it is (none of its tensors change)"
+            )
 
 
 def _without_copies(record: dict) -> dict:

@@ -15,7 +15,9 @@ import onnx
 
 from ..errors import VerificationError
 
-_DATA = frozenset(("raw_data", "float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data", "external_data"))
+_DATA = frozenset(
+    ("raw_data", "float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data", "external_data")
+)
 
 
 def check_graph(a, b, copies: dict[str, tuple[str, list[int]]], renamed: dict[str, str], output) -> None:
@@ -27,7 +29,9 @@ def check_graph(a, b, copies: dict[str, tuple[str, list[int]]], renamed: dict[st
         if field.name == "metadata_props":
             theirs = [(p.key, p.value) for p in mb.metadata_props if p.key != "surgeon"]
             if theirs != [(p.key, p.value) for p in ma.metadata_props if p.key != "surgeon"]:
-                raise VerificationError(f"{output}: its metadata_props differ from the original's beyond surgeon's record")
+                raise VerificationError(
+                    f"{output}: its metadata_props differ from the original's beyond surgeon's record"
+                )
         elif _value(ma, field.name) != _value(mb, field.name):
             raise VerificationError(f"{output}: the model's {field.name} differs from the original's")
     ga, gb = ma.graph, mb.graph
@@ -50,7 +54,9 @@ def _value(msg, name: str):
 def _first(ga, gb, name: str) -> str:
     """The first differing entry of a repeated graph field, for the message."""
     mine, theirs = getattr(ga, name), getattr(gb, name)
-    label = {"input": "graph input", "output": "graph output", "value_info": "value info"}.get(name, f"the graph's {name}")
+    label = {"input": "graph input", "output": "graph output", "value_info": "value info"}.get(
+        name, f"the graph's {name}"
+    )
     if not hasattr(mine, "__len__") or isinstance(mine, (str, bytes)):
         return label
     for i in range(max(len(mine), len(theirs))):
@@ -78,9 +84,14 @@ def _check_nodes(a, ga, gb, copies, output) -> None:
             expected.input[j] = renames.get(i, {}).get(x, x)
         found = theirs
         if mine.op_type == "Constant" and len(mine.output) == 1 and mine.output[0] in a.constants:
-            expected, found = _without_value(expected), _without_value(theirs)  # a re-initialized Constant: its value is checked as a tensor
+            expected, found = (
+                _without_value(expected),
+                _without_value(theirs),
+            )  # a re-initialized Constant: its value is checked as a tensor
         if expected.SerializeToString(deterministic=True) != found.SerializeToString(deterministic=True):
-            raise VerificationError(f"{output}: node {i} ({mine.name or mine.op_type}) {_node_difference(expected, found)}")
+            raise VerificationError(
+                f"{output}: node {i} ({mine.name or mine.op_type}) {_node_difference(expected, found)}"
+            )
 
 
 def _without_value(node: onnx.NodeProto) -> onnx.NodeProto:
@@ -98,7 +109,9 @@ def _node_difference(expected: onnx.NodeProto, found: onnx.NodeProto) -> str:
         return f"is {found.domain + '.' if found.domain else ''}{found.op_type}, the original's is {expected.domain + '.' if expected.domain else ''}{expected.op_type}"
     for what in ("input", "output"):
         if list(getattr(found, what)) != list(getattr(expected, what)):
-            return f"has {what}s {list(getattr(found, what))[:6]}, surgeon's would be {list(getattr(expected, what))[:6]}"
+            return (
+                f"has {what}s {list(getattr(found, what))[:6]}, surgeon's would be {list(getattr(expected, what))[:6]}"
+            )
     mine = {x.name: x.SerializeToString(deterministic=True) for x in expected.attribute}
     theirs = {x.name: x.SerializeToString(deterministic=True) for x in found.attribute}
     for key in sorted(set(mine) | set(theirs)):
@@ -110,15 +123,19 @@ def _node_difference(expected: onnx.NodeProto, found: onnx.NodeProto) -> str:
 def _check_initializers(a, ga, gb, copies, renamed: dict[str, str], output) -> None:
     values = set(a.tensors) | {copy for copy, _ in copies.values()}  # names whose values are checked as tensors
     expected = [_header(t, values, {}) for t in ga.initializer]
-    expected += [_header(onnx.TensorProto(name=copy, dims=a._protos[name].dims, data_type=a._protos[name].data_type), values, {})
-                 for name, (copy, _) in copies.items()]
+    expected += [
+        _header(onnx.TensorProto(name=copy, dims=a._protos[name].dims, data_type=a._protos[name].data_type), values, {})
+        for name, (copy, _) in copies.items()
+    ]
     back = {new: old for old, new in renamed.items()}
     found = [_header(t, values, back) for t in gb.initializer]
     if len(found) != len(expected):
         raise VerificationError(f"{output}: its graph has {len(found)} initializers, surgeon writes {len(expected)}")
     for mine, theirs, t in zip(expected, found, gb.initializer):
         if mine != theirs:
-            raise VerificationError(f"{output}: initializer {t.name!r} differs from the original's (its name, type, shape or storage)")
+            raise VerificationError(
+                f"{output}: initializer {t.name!r} differs from the original's (its name, type, shape or storage)"
+            )
 
 
 def _header(t: onnx.TensorProto, values: set[str], back: dict[str, str]) -> bytes:
@@ -131,4 +148,7 @@ def _header(t: onnx.TensorProto, values: set[str], back: dict[str, str]) -> byte
     for field in _DATA | {"data_location"}:
         out.ClearField(field)
     external = [(e.key, back.get(e.value, e.value) if e.key == "location" else e.value) for e in t.external_data]
-    return out.SerializeToString(deterministic=True) + repr((t.data_location == onnx.TensorProto.EXTERNAL, external)).encode()
+    return (
+        out.SerializeToString(deterministic=True)
+        + repr((t.data_location == onnx.TensorProto.EXTERNAL, external)).encode()
+    )

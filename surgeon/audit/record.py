@@ -25,7 +25,9 @@ from ..plan import BIAS_CHOICES, MODES, ReinitOptions
 from ..spectrum import VALUE_IDENTITIES
 
 METADATA_KEY = "surgeon"
-MAX_CARD = 16 * 1024 * 1024  # a model card this large is not one surgeon wrote (its own cards are a few KiB plus the source's)
+MAX_CARD = (
+    16 * 1024 * 1024
+)  # a model card this large is not one surgeon wrote (its own cards are a few KiB plus the source's)
 MAX_LIST = 1_000_000  # entries in any list of a record (blocks, layer/head numbers): beyond any real model
 MAX_TEXT = 100_000  # characters in any string of a record
 
@@ -65,7 +67,9 @@ def history(value: Any, where: str) -> list:
     if isinstance(value, dict):
         return [value]
     if not isinstance(value, list) or not value:
-        raise CheckpointError(f"{where}: surgeon's record is {_kind(value)}, not a list of records: it was not written by surgeon")
+        raise CheckpointError(
+            f"{where}: surgeon's record is {_kind(value)}, not a list of records: it was not written by surgeon"
+        )
     if len(value) > MAX_LIST:
         raise CheckpointError(f"{where}: surgeon's record holds {len(value)} records: it was not written by surgeon")
     return value
@@ -79,7 +83,7 @@ def card_records(text: str) -> list[dict]:
         end = text.find(CARD_CLOSE, start + len(CARD_OPEN))
         if end < 0:
             break
-        body = text[start + len(CARD_OPEN):end]
+        body = text[start + len(CARD_OPEN) : end]
         if body.startswith("{") and body.endswith("}"):
             found.append(parse_json(body, "the model card"))
         pos = end + len(CARD_CLOSE)
@@ -101,16 +105,22 @@ def read_card(path: Path) -> list[dict]:
 def parse_record(value: Any, where: str) -> Record:
     """The last record of an output, type-checked; a one-line CheckpointError for anything surgeon never writes."""
     if not isinstance(value, dict):
-        raise CheckpointError(f"{where}: the last surgeon record is {_kind(value)}, not a record: it was not written by surgeon")
+        raise CheckpointError(
+            f"{where}: the last surgeon record is {_kind(value)}, not a record: it was not written by surgeon"
+        )
     version = value.get("version")
     if not isinstance(version, str) or not 0 < len(version) <= 64 or not version.isprintable():
-        raise CheckpointError(f"{where}: the last surgeon record has no readable version ({_show(version)}): it was not written by surgeon")
+        raise CheckpointError(
+            f"{where}: the last surgeon record has no readable version ({_show(version)}): it was not written by surgeon"
+        )
     try:
         return _parse(value, version, where)
     except CheckpointError as exc:
         if version == __version__:
             raise
-        raise CheckpointError(f"{where}: {other_version_note(version)} (this version cannot read its record: {str(exc.args[0]).removeprefix(where + ': ')})") from None
+        raise CheckpointError(
+            f"{where}: {other_version_note(version)} (this version cannot read its record: {str(exc.args[0]).removeprefix(where + ': ')})"
+        ) from None
 
 
 # Records of surgeon 0.2.0 and older say this for every mode; since then each mode names its own method.
@@ -125,10 +135,14 @@ def _parse(value: dict, version: str, where: str) -> Record:
         raise CheckpointError(f"{where}: the last surgeon record {bad}")
     methods = {m.method for m in all_modes()} | {LEGACY_METHOD}
     if value["tool"] != "surgeon" or value["method"] not in methods:
-        raise CheckpointError(f"{where}: the last surgeon record names tool {_show(value['tool'])}, method {_show(value['method'])}: not surgeon's")
+        raise CheckpointError(
+            f"{where}: the last surgeon record names tool {_show(value['tool'])}, method {_show(value['method'])}: not surgeon's"
+        )
     options = parse_options(value["options"], where)
     if value["method"] not in (get_mode(options.mode).method, LEGACY_METHOD):
-        raise CheckpointError(f"{where}: the last surgeon record says method {_show(value['method'])} for mode {options.mode}: not surgeon's")
+        raise CheckpointError(
+            f"{where}: the last surgeon record says method {_show(value['method'])} for mode {options.mode}: not surgeon's"
+        )
     blocks = value["blocks"]
     for i, block in enumerate(blocks[: MAX_LIST + 1]):
         problem = _block_problem(block) if i < MAX_LIST else "is one too many"
@@ -146,13 +160,19 @@ def _text(s: str) -> bool:
 
 def _spec(v: Any) -> bool:
     """A layer or head selection as ReinitOptions.to_dict writes it: a spec string, one number or a list of numbers."""
-    if isinstance(v, str):  # a number of 19 digits or more is no layer or head (and int() of thousands of digits raises)
+    if isinstance(
+        v, str
+    ):  # a number of 19 digits or more is no layer or head (and int() of thousands of digits raises)
         return len(v) <= MAX_TEXT and not re.search(r"\d{19}", v)
     if v is None:
         return True
     if isinstance(v, int) and not isinstance(v, bool):
         return abs(v) < 2**31
-    return isinstance(v, list) and len(v) <= MAX_LIST and all(isinstance(i, int) and not isinstance(i, bool) and abs(i) < 2**31 for i in v)
+    return (
+        isinstance(v, list)
+        and len(v) <= MAX_LIST
+        and all(isinstance(i, int) and not isinstance(i, bool) and abs(i) < 2**31 for i in v)
+    )
 
 
 def _choice(v: Any, choices: tuple[str, ...]) -> bool:
@@ -166,9 +186,16 @@ def _number(v: Any) -> bool:
 _OPTIONS: dict[str, Any] = {
     "layers": _spec,
     "heads": _spec,
-    "targets": lambda v: isinstance(v, list) and 0 < len(v) <= 3 and all(_choice(t, ("q", "k", "v")) for t in v) and len(set(v)) == len(v),
+    "targets": lambda v: (
+        isinstance(v, list)
+        and 0 < len(v) <= 3
+        and all(_choice(t, ("q", "k", "v")) for t in v)
+        and len(set(v)) == len(v)
+    ),
     "attention": lambda v: _choice(v, ("self", "cross", "all")),
-    "stack": lambda v: v is None or (isinstance(v, list) and len(v) <= MAX_LIST and all(isinstance(s, str) and _text(s) for s in v)),
+    "stack": lambda v: (
+        v is None or (isinstance(v, list) and len(v) <= MAX_LIST and all(isinstance(s, str) and _text(s) for s in v))
+    ),
     "mode": lambda v: _choice(v, MODES),
     "strength": lambda v: v is None or (_number(v) and 0 < v <= 1),
     "value_identity": lambda v: _choice(v, VALUE_IDENTITIES),
@@ -186,7 +213,9 @@ def parse_options(options: dict, where: str) -> ReinitOptions:
         raise CheckpointError(f"{where}: the options of the last surgeon record: {bad}")
     for key, ok in _OPTIONS.items():
         if key in options and not ok(options[key]):
-            raise CheckpointError(f"{where}: the last surgeon record's option {key} is {_show(options[key])}, a value surgeon never records")
+            raise CheckpointError(
+                f"{where}: the last surgeon record's option {key} is {_show(options[key])}, a value surgeon never records"
+            )
     try:
         return ReinitOptions(**options).validated()
     except SurgeonError as exc:
@@ -230,7 +259,15 @@ def _index(v: Any) -> bool:
 
 
 def _kind(value: Any) -> str:
-    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number", type(None): "null"}
+    names = {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        type(None): "null",
+    }
     return names.get(type(value), type(value).__name__)
 
 
@@ -254,7 +291,13 @@ def stored_history(source) -> tuple[list | None, str]:
         found: list | None = None
         for file in weights.files:  # an in-place run adds its record to the shards whose header has room for it
             text = weights.metadata(file).get(METADATA_KEY)
-            records = None if text is None else history(parse_json(text, f"{weights.folder / file} ({where})"), f"{weights.folder / file} ({where})")
+            records = (
+                None
+                if text is None
+                else history(
+                    parse_json(text, f"{weights.folder / file} ({where})"), f"{weights.folder / file} ({where})"
+                )
+            )
             if records is not None and (found is None or len(records) > len(found)):
                 found = records
         return found, where
@@ -262,8 +305,12 @@ def stored_history(source) -> tuple[list | None, str]:
         where = "its ONNX metadata_props"
         texts = [p.value for p in weights.model.metadata_props if p.key == METADATA_KEY]
         if len(texts) > 1:
-            raise CheckpointError(f"{source.path}: its ONNX metadata_props hold {len(texts)} surgeon records where surgeon writes one")
-        return (history(parse_json(texts[0], f"{source.path} ({where})"), f"{source.path} ({where})") if texts else None), where
+            raise CheckpointError(
+                f"{source.path}: its ONNX metadata_props hold {len(texts)} surgeon records where surgeon writes one"
+            )
+        return (
+            history(parse_json(texts[0], f"{source.path} ({where})"), f"{source.path} ({where})") if texts else None
+        ), where
     card = source.folder / "README.md"
     if source.kind == "folder" and card.is_file():
         found = read_card(card)

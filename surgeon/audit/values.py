@@ -56,9 +56,13 @@ def check_untouched(a, b, names, output, original) -> int:
     for name in names:
         info, theirs = a.tensors[name], b.tensors[name]
         if (info.shape, info.dtype) != (theirs.shape, theirs.dtype):
-            raise VerificationError(f"{output}: tensor {name!r} is {theirs.dtype} {list(theirs.shape)}, the original {info.dtype} {list(info.shape)}")
+            raise VerificationError(
+                f"{output}: tensor {name!r} is {theirs.dtype} {list(theirs.shape)}, the original {info.dtype} {list(info.shape)}"
+            )
         if raw(a, name) != raw(b, name):
-            raise VerificationError(f"{output}: tensor {name!r} is not in the recorded selection, but its bytes differ from {original}'s")
+            raise VerificationError(
+                f"{output}: tensor {name!r} is not in the recorded selection, but its bytes differ from {original}'s"
+            )
     return len(names)
 
 
@@ -70,11 +74,15 @@ def check_changed(a, b, engine, names: list[str], options, output, copies: dict[
         new_name = copies.get(name, name)
         info, theirs = a.tensors[name], b.tensors[new_name]
         if (info.shape, info.element) != (theirs.shape, theirs.element):
-            raise VerificationError(f"{output}: tensor {new_name!r} is {theirs.dtype} {list(theirs.shape)}, the original {info.dtype} {list(info.shape)}")
+            raise VerificationError(
+                f"{output}: tensor {new_name!r} is {theirs.dtype} {list(theirs.shape)}, the original {info.dtype} {list(info.shape)}"
+            )
         found = b.read(new_name)
         if get_mode(options.mode).exact or not any(what == "weight" for _, what in engine.edits[name]):
             if raw(b, new_name) != tensor_bytes(expected):
-                raise DerivedMismatch(f"{output}: tensor {new_name!r}: {first_difference(expected, found)}; the recipe re-derived from the record's seed gives other values")
+                raise DerivedMismatch(
+                    f"{output}: tensor {new_name!r}: {first_difference(expected, found)}; the recipe re-derived from the record's seed gives other values"
+                )
         else:
             with single_threaded():  # small factorizations: LAPACK's threads only spin on a busy machine
                 check_polar(name, engine, original, expected, found, options, output)
@@ -119,7 +127,9 @@ def polar_tau(original: torch.Tensor, expected: torch.Tensor, change) -> list[fl
     old = head_matrices(original, rows, change.heads).double()
     new = head_matrices(expected, rows, change.heads).double()
     s = torch.linalg.svdvals(old)
-    kappa = torch.where(s[:, -1] > 0, s[:, 0] / s[:, -1].clamp_min(1e-300), torch.full_like(s[:, 0], 1 / EPS64)).clamp_max(1 / EPS64)
+    kappa = torch.where(
+        s[:, -1] > 0, s[:, 0] / s[:, -1].clamp_min(1e-300), torch.full_like(s[:, 0], 1 / EPS64)
+    ).clamp_max(1 / EPS64)
     m = max(old.shape[1], old.shape[2])
     return (8 * m * EPS64 * kappa * torch.linalg.matrix_norm(new)).tolist()
 

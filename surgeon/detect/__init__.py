@@ -35,7 +35,15 @@ def detect_source(source: Source, hints: Hints | None = None) -> Detection:
     if weights.format == "onnx":  # tensor names carry no structure: walk the graph
         from .onnx import find_attention
 
-        found = find_attention(weights.model, weights.const, source.config, hints, source=str(weights.path), constants=weights.constants)  # type: ignore[attr-defined]
+        onnx_weights: Any = weights  # an OnnxWeights: its graph, constants and path
+        found = find_attention(
+            onnx_weights.model,
+            onnx_weights.const,
+            source.config,
+            hints,
+            source=str(onnx_weights.path),
+            constants=onnx_weights.constants,
+        )
         found.detection.graph = found
         return found.detection
     from .by_name import detect as by_name

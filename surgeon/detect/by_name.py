@@ -34,7 +34,13 @@ from .result import Detection
 T = TypeVar("T")
 
 
-def detect(tensors: Mapping[str, TensorInfo], config: dict | None = None, hints: Hints | None = None, *, source: str = "the checkpoint") -> Detection:
+def detect(
+    tensors: Mapping[str, TensorInfo],
+    config: dict | None = None,
+    hints: Hints | None = None,
+    *,
+    source: str = "the checkpoint",
+) -> Detection:
     """Find every attention block. Raises NoAttentionFoundError if there is none."""
     view = ConfigView(config, hints)
     _refuse_quantized(tensors)
@@ -81,7 +87,12 @@ def _gated(blocks: list[AttentionBlock]) -> list[str]:
 
 def _adapters(blocks: list[AttentionBlock], view: ConfigView) -> list[str]:
     rule = SHARED_BLOCKS.get(view.model_type or "")
-    if rule is None or not rule.adapters_flag or view.config.get(rule.adapters_flag) is not True or not any(b.shared_layers for b in blocks):
+    if (
+        rule is None
+        or not rule.adapters_flag
+        or view.config.get(rule.adapters_flag) is not True
+        or not any(b.shared_layers for b in blocks)
+    ):
         return []
     return [
         f"each layer adds its own adapter to the shared block's q/k/v ({rule.adapters_flag}); the adapters are kept, so a "
@@ -100,11 +111,18 @@ def _refuse_mixed_widths(blocks: list[AttentionBlock], view: ConfigView) -> None
         widths.setdefault(b.heads * b.head_dim, []).append(b)
     if len(widths) < 2:
         return
-    listed = "; ".join(f"{w} wide: {', '.join(b.module or '(top level)' for b in bs[:2])}{', ...' if len(bs) > 2 else ''}" for w, bs in widths.items())
+    listed = "; ".join(
+        f"{w} wide: {', '.join(b.module or '(top level)' for b in bs[:2])}{', ...' if len(bs) > 2 else ''}"
+        for w, bs in widths.items()
+    )
     stacks = {w: {b.stack for b in bs} for w, bs in widths.items()}
     apart = all(not (a & b) for i, a in enumerate(stacks.values()) for b in list(stacks.values())[i + 1 :])
     per_stack = ",".join(f"{s}=N" for ss in stacks.values() for s in sorted(ss) if s)
-    how = f"give each stack its own count ({opt('num_heads', per_stack)})" if apart and per_stack else "describe the model"
+    how = (
+        f"give each stack its own count ({opt('num_heads', per_stack)})"
+        if apart and per_stack
+        else "describe the model"
+    )
     raise LayoutError(
         f"one {opt('num_heads', count)} for attention blocks of different widths ({listed}): a count that fits one splits "
         f"the others into heads they do not have; {how}, pass {opt('config', 'PATH')}, or {opt('force_hints', True)} to split every block into {count} heads"
@@ -127,7 +145,9 @@ def shared_blocks(blocks: list[AttentionBlock], view: ConfigView) -> list[Attent
             continue
         first = runs.index(block.layer) % count
         users = tuple(runs[first::count])
-        stored = [b.module for b in blocks if b.stack == block.stack and b.layer in users and rule.word in b.module.split(".")]
+        stored = [
+            b.module for b in blocks if b.stack == block.stack and b.layer in users and rule.word in b.module.split(".")
+        ]
         if len(stored) > 1:
             raise LayoutError(
                 f"layers {','.join(map(str, users))} of {block.stack} run one shared block, and the checkpoint stores it "
@@ -144,7 +164,9 @@ _CONVENTIONAL = {"fused qkv": "timm/nanoGPT", "fused to_qkv": "chunk(3)"}
 
 def _assumed_layouts(blocks: list[AttentionBlock], view: ConfigView) -> list[str]:
     """Say so when a fused layout rests on a naming convention alone (no model_type to confirm it)."""
-    if view.model_type or view.config.get("architecture"):  # a timm config names the model (FUSED_PACKING_BY_ARCHITECTURE)
+    if view.model_type or view.config.get(
+        "architecture"
+    ):  # a timm config names the model (FUSED_PACKING_BY_ARCHITECTURE)
         return []
     notes = []
     for layout in dict.fromkeys(b.layout for b in blocks):
@@ -232,7 +254,15 @@ def place_matches(matches: Mapping[str, T]) -> list[tuple[str, T, str, int, int 
     return placed
 
 
-def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, tensors: Mapping[str, TensorInfo], view: ConfigView) -> AttentionBlock:
+def _build(
+    module: str,
+    rule: Rule,
+    stack: str,
+    layer: int,
+    stage: int | None,
+    tensors: Mapping[str, TensorInfo],
+    view: ConfigView,
+) -> AttentionBlock:
     facts = view.facts(stack)
     heads = facts.pick(facts.heads, stage)
     where = module or "the top-level attention module"
@@ -254,7 +284,9 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
                 tensor=info.name,
             )
         if len(info.shape) != 2 and not _pointwise(info, view, stack, module):
-            raise LayoutError(f"{info.name} has shape {list(info.shape)}; a projection weight must be 2-D", tensor=info.name)
+            raise LayoutError(
+                f"{info.name} has shape {list(info.shape)}; a projection weight must be 2-D", tensor=info.name
+            )
         if 0 in info.shape:
             raise LayoutError(
                 f"{info.name} has shape {list(info.shape)}: an empty projection has no heads to re-initialize; "
@@ -274,15 +306,23 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
             if role not in ("q", "k", "v"):
                 continue  # a gate: not attention, left as it is
             bias = None
-            if bias_name is not None and bias_name in tensors and tensors[bias_name].shape == (packed_size(part.bias_packing or packing, heads, kv_heads, head_dim),):
+            if (
+                bias_name is not None
+                and bias_name in tensors
+                and tensors[bias_name].shape == (packed_size(part.bias_packing or packing, heads, kv_heads, head_dim),)
+            ):
                 bias = Rows(bias_name, 0, bias_offsets[role], head_dim)
             projections[role] = Projection(role, Rows(info.name, axis, offs, head_dim), bias, in_features)  # type: ignore[arg-type]
     block = AttentionBlock(
         stack=stack,
         layer=layer,
-        kind="self" if module.endswith("attn2") and view.config.get("double_self_attention") is True else kind(module),  # diffusers
+        kind="self"
+        if module.endswith("attn2") and view.config.get("double_self_attention") is True
+        else kind(module),  # diffusers
         module=module,
-        layout=rule.name + (", gated q" if "gated" in packings else "") + (f" [{module.partition('[')[2]}" if "[" in module else ""),
+        layout=rule.name
+        + (", gated q" if "gated" in packings else "")
+        + (f" [{module.partition('[')[2]}" if "[" in module else ""),
         heads=heads,
         kv_heads=kv_heads,
         head_dim=head_dim,
@@ -294,7 +334,9 @@ def _build(module: str, rule: Rule, stack: str, layer: int, stage: int | None, t
     return with_separate_biases(block, {name: info.shape for name, info in tensors.items()})  # timm EVA
 
 
-def with_companions(blocks: list[AttentionBlock], tensors: Mapping[str, TensorInfo] | Mapping[str, tuple[int, ...]]) -> list[AttentionBlock]:
+def with_companions(
+    blocks: list[AttentionBlock], tensors: Mapping[str, TensorInfo] | Mapping[str, tuple[int, ...]]
+) -> list[AttentionBlock]:
     """Each block followed by its second stream, where it has one (joint attention's context)."""
     shapes = {name: info if isinstance(info, tuple) else info.shape for name, info in tensors.items()}
     out = []
@@ -306,7 +348,9 @@ def with_companions(blocks: list[AttentionBlock], tensors: Mapping[str, TensorIn
     return out
 
 
-def _heads_from_head_dim(module: str, rule: Rule, tensors: Mapping[str, TensorInfo], view: ConfigView, stack: str, head_dim: int) -> int | None:
+def _heads_from_head_dim(
+    module: str, rule: Rule, tensors: Mapping[str, TensorInfo], view: ConfigView, stack: str, head_dim: int
+) -> int | None:
     """Query heads from the first projection's output features and the head size, where the packing
     says how many head-sized slots a query head takes (None where it cannot tell)."""
     part = rule.parts[0]
@@ -314,7 +358,11 @@ def _heads_from_head_dim(module: str, rule: Rule, tensors: Mapping[str, TensorIn
     if part.orientation == "shape" or len(info.shape) < 2 or any(n != 1 for n in info.shape[2:]):
         return None
     out = info.shape[0 if part.orientation == "linear" else 1]
-    packing = part.packing if part.packing in ("q", "k", "v") else view.fused_packing(part.weight.rsplit(".", 1)[0], stack, module)
+    packing = (
+        part.packing
+        if part.packing in ("q", "k", "v")
+        else view.fused_packing(part.weight.rsplit(".", 1)[0], stack, module)
+    )
     per_head = {"q": 1, "qkv": 3, "interleaved": 3}.get(packing or part.packing)
     if per_head is None or out % (per_head * head_dim) or view.hints.num_kv_heads is not None:
         return None
@@ -327,7 +375,11 @@ def _pointwise(info: TensorInfo, view: ConfigView, stack: str, module: str) -> b
     if len(info.shape) < 3 or any(n != 1 for n in info.shape[2:]):
         return False
     tensor = info.name.removeprefix(module + ".").rsplit(".", 1)[0] if module else info.name.rsplit(".", 1)[0]
-    fused = not any(part.packing in ("q", "k", "v") and join(module, part.weight) == info.name for rule in RULES for part in rule.parts)
+    fused = not any(
+        part.packing in ("q", "k", "v") and join(module, part.weight) == info.name
+        for rule in RULES
+        for part in rule.parts
+    )
     if fused and view.fused_packing(tensor, stack, module) is None:
         raise LayoutError(
             f"{info.name} is a fused 1x1-convolution projection {list(info.shape)} whose packing surgeon cannot tell: timm packs "
@@ -341,12 +393,18 @@ def _pointwise(info: TensorInfo, view: ConfigView, stack: str, module: str) -> b
 def _packing(part: Part, view: ConfigView, stack: str, module: str, where: str) -> str:
     if part.packing in ("q", "k", "v"):  # a family may pack more into it (gated attention's q_proj)
         return view.fused_packing(part.weight.rsplit(".", 1)[0], stack, module) or part.packing
-    packing = view.fused_packing(part.weight.rsplit(".", 1)[0], stack, module) or (None if part.packing == "auto" else part.packing)
+    packing = view.fused_packing(part.weight.rsplit(".", 1)[0], stack, module) or (
+        None if part.packing == "auto" else part.packing
+    )
     if packing is None:
         raise LayoutError(
             f"cannot tell how {join(where, part.weight)} packs query/key/value: it is interleaved per head in "
             "GPT-NeoX/Bloom and grouped in Falcon, and "
-            + ("config.json (model_type) does not say" if view.has_config else "there is no config.json beside the weights")
+            + (
+                "config.json (model_type) does not say"
+                if view.has_config
+                else "there is no config.json beside the weights"
+            )
             + f"; pass {opt('config', 'PATH')}"
         )
     return packing
@@ -369,7 +427,9 @@ def _solve(parts, packings, heads: int, kv_hint, head_dim_hint, hidden, where: s
                 if sizes == outs:
                     return head_dim, kv_heads, orientations
                 tried.append(f"{heads} heads x {head_dim} (kv {kv_heads}) needs {sizes} output features")
-    shapes = ", ".join(f"{info.name.rsplit('.', 2)[-2] if '.' in info.name else info.name} {list(info.shape)}" for _, info in parts)
+    shapes = ", ".join(
+        f"{info.name.rsplit('.', 2)[-2] if '.' in info.name else info.name} {list(info.shape)}" for _, info in parts
+    )
     raise LayoutError(
         f"the shapes of {where} ({shapes}) do not fit {heads} heads from {source}"
         f"{' (' + tried[0] + ')' if tried else ''}; check the config or pass {opt('num_heads')}/{opt('num_kv_heads')}/{opt('head_dim')}"

@@ -24,7 +24,9 @@ from .libraries import fused_packing as library_packing
 from .libraries import normalize_config, stack_scope
 
 HintValue = int | dict[str, int] | None  # a hint once read: one count, or one per stack
-HintInput = int | str | Mapping[str, int] | None  # what a caller may pass: 16, "16", "encoder=16,decoder=4", {"encoder": 16}
+HintInput = (
+    int | str | Mapping[str, int] | None
+)  # what a caller may pass: 16, "16", "encoder=16,decoder=4", {"encoder": 16}
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,9 @@ class Hints:
             for key in value if isinstance(value, dict) else ():
                 if not any(_names(key, s) for s in stacks):
                     shown = ", ".join(s or "(top level)" for s in stacks)
-                    raise LayoutError(f"{opt(name, _spelled(value))} names {key!r}, which is no stack of this model: its stacks are {shown}")
+                    raise LayoutError(
+                        f"{opt(name, _spelled(value))} names {key!r}, which is no stack of this model: its stacks are {shown}"
+                    )
 
     def spelled(self, name: str) -> str | None:
         """The hint as a command line writes it (``16``, ``encoder=16,decoder=4``), or None."""
@@ -94,14 +98,22 @@ def parse_hint(name: str, value: object) -> HintValue:
         else:
             pairs = [item.partition("=") for item in text.split(",") if item.strip()]
             if any(not k.strip() or not v.strip().isdigit() for k, _, v in pairs):
-                raise OptionError(f"cannot read {opt(name, text)}: give one count (16) or one per stack (encoder=16,decoder=4)")
+                raise OptionError(
+                    f"cannot read {opt(name, text)}: give one count (16) or one per stack (encoder=16,decoder=4)"
+                )
             value = {k.strip(): int(v) for k, _, v in pairs}
     if isinstance(value, Mapping):
-        if not value or any(not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int) or v < 1 for k, v in value.items()):
-            raise OptionError(f"{opt(name)} per stack must map stack names to counts of 1 or more, e.g. encoder=16,decoder=4")
+        if not value or any(
+            not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int) or v < 1 for k, v in value.items()
+        ):
+            raise OptionError(
+                f"{opt(name)} per stack must map stack names to counts of 1 or more, e.g. encoder=16,decoder=4"
+            )
         return dict(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise OptionError(f"{opt(name)} must be a count of 1 or more, or one per stack (encoder=16,decoder=4), not {value!r}")
+        raise OptionError(
+            f"{opt(name)} must be a count of 1 or more, or one per stack (encoder=16,decoder=4), not {value!r}"
+        )
     return value
 
 
@@ -123,7 +135,9 @@ class StackFacts:
 
 class ConfigView:
     def __init__(self, config: dict | None, hints: Hints | None = None) -> None:
-        self.config = normalize_config(config) or {}  # a library's own config (diffusers, open_clip, timm) in these terms
+        self.config = (
+            normalize_config(config) or {}
+        )  # a library's own config (diffusers, open_clip, timm) in these terms
         self.has_config = config is not None
         self.hints = hints or Hints()
 
@@ -149,11 +163,15 @@ class ConfigView:
 
     def facts(self, stack: str) -> StackFacts:
         scope, source = self._scope(stack)
-        nested = [scope] + [v for k, v in scope.items() if k in ("attn_config", "attention_config") and isinstance(v, dict)]
+        nested = [scope] + [
+            v for k, v in scope.items() if k in ("attn_config", "attention_config") and isinstance(v, dict)
+        ]
         decoder = any("decoder" in w for w in stack.lower().split("."))
         side = "decoder" if decoder else "encoder"
         # per-stack keys first: encoder_attention_heads (BART), encoder_num_attention_heads (Moonshine)
-        heads = _first(nested, (f"{side}_attention_heads", f"num_{side}_attention_heads") + _sided(side, HEADS_KEYS) + HEADS_KEYS)
+        heads = _first(
+            nested, (f"{side}_attention_heads", f"num_{side}_attention_heads") + _sided(side, HEADS_KEYS) + HEADS_KEYS
+        )
         kv_heads = _first(nested, _sided(side, KV_HEADS_KEYS) + KV_HEADS_KEYS)
         # Multi-query flags win over a kv-heads count that the model does not use (Falcon, GPTBigCode).
         if scope.get("new_decoder_architecture"):
@@ -178,7 +196,13 @@ class ConfigView:
             kv_heads = hinted["num_kv_heads"]
         if hinted["head_dim"] is not None:
             head_dim = hinted["head_dim"]
-        return StackFacts(heads, kv_heads, head_dim if isinstance(head_dim, int) else None, hidden if isinstance(hidden, int) else None, source)
+        return StackFacts(
+            heads,
+            kv_heads,
+            head_dim if isinstance(head_dim, int) else None,
+            hidden if isinstance(hidden, int) else None,
+            source,
+        )
 
     def fused_packing(self, tensor: str, stack: str, module: str = "") -> str | None:
         """How the fused tensor ``tensor`` (e.g. "query_key_value") of this model packs its rows,

@@ -57,7 +57,8 @@ RULES: tuple[Rule, ...] = (
         (Part("q_attn.weight", "q_attn.bias", "q", "conv1d"), Part("c_attn.weight", "c_attn.bias", "kv", "conv1d")),
     ),
     Rule(  # lucidrains-style (vit-pytorch, perceivers, IgFold): to_q, and to_kv chunked into [K | V]
-        "fused to_kv", (Part("to_q.weight", "to_q.bias", "q"), Part("to_kv.weight", "to_kv.bias", "kv")),
+        "fused to_kv",
+        (Part("to_q.weight", "to_q.bias", "q"), Part("to_kv.weight", "to_kv.bias", "kv")),
     ),
     _fused("c_attn", "qkv", "shape"),  # GPT-2 (Conv1D), nanoGPT and GPTBigCode (Linear)
     _fused("query_key_value", "auto"),  # GPT-NeoX, Bloom (interleaved), Falcon (three layouts)
@@ -170,7 +171,9 @@ class SharedBlocks:
 
 SHARED_BLOCKS = {
     "zamba": SharedBlocks("shared_transf", "layers_block_type", "hybrid"),
-    "zamba2": SharedBlocks("shared_transformer", "layers_block_type", "hybrid", "num_mem_blocks", "use_shared_attention_adapter"),
+    "zamba2": SharedBlocks(
+        "shared_transformer", "layers_block_type", "hybrid", "num_mem_blocks", "use_shared_attention_adapter"
+    ),
 }
 
 
@@ -200,9 +203,7 @@ REFUSED = (
 # --- a second query/key/value set in one module ----------------------------------------------
 # (tag, rule): where a module that matched a rule also holds these projections, they form a second
 # block named "<module>[tag]" (Longformer's global attention: query_global, key_global, value_global).
-SECOND_SETS: tuple[tuple[str, Rule], ...] = (
-    ("global", _separate("query_global", "key_global", "value_global")),
-)
+SECOND_SETS: tuple[tuple[str, Rule], ...] = (("global", _separate("query_global", "key_global", "value_global")),)
 
 
 # --- libraries beyond transformers (README "Libraries") ----------------------------------
@@ -230,8 +231,13 @@ COMPANION_STREAMS = (("add_q_proj", "add_k_proj", "add_v_proj", ":context"),)
 # is unset): unet_2d_condition.py and its kin say "num_attention_heads = num_attention_heads or
 # attention_head_dim". UNet2DModel and the transformers read it as a head size.
 DIFFUSERS_HEADS_AS_HEAD_DIM = (
-    "UNet2DConditionModel", "UNet3DConditionModel", "ControlNetModel", "ControlNetUnionModel", "SparseControlNetModel",
-    "UNetFlatConditionModel", "AudioLDM2UNet2DConditionModel",
+    "UNet2DConditionModel",
+    "UNet3DConditionModel",
+    "ControlNetModel",
+    "ControlNetUnionModel",
+    "SparseControlNetModel",
+    "UNetFlatConditionModel",
+    "AudioLDM2UNet2DConditionModel",
 )
 
 # Cross-attention by the module's role in its block (not a word that says "cross"): diffusers'
@@ -253,12 +259,33 @@ MAXXVIT_WORDS = ("attn_block", "attn_grid")
 # timm defaults where config.json names an architecture but no model_args: heads per architecture
 # prefix (lists: per stage), or head_dim where the heads follow from each stage's width.
 TIMM_HEADS: dict[str, int | list[int]] = {
-    "vit_tiny": 3, "vit_small": 6, "vit_medium": 8, "vit_base": 12, "vit_large": 16, "vit_huge": 16,
-    "deit_tiny": 3, "deit_small": 6, "deit_base": 12, "deit3_small": 6, "deit3_base": 12, "deit3_large": 16,
-    "eva02_tiny": 3, "eva02_small": 6, "eva02_base": 12, "eva02_large": 16,
-    "swin_tiny": [3, 6, 12, 24], "swin_small": [3, 6, 12, 24], "swin_base": [4, 8, 16, 32], "swin_large": [6, 12, 24, 48],
+    "vit_tiny": 3,
+    "vit_small": 6,
+    "vit_medium": 8,
+    "vit_base": 12,
+    "vit_large": 16,
+    "vit_huge": 16,
+    "deit_tiny": 3,
+    "deit_small": 6,
+    "deit_base": 12,
+    "deit3_small": 6,
+    "deit3_base": 12,
+    "deit3_large": 16,
+    "eva02_tiny": 3,
+    "eva02_small": 6,
+    "eva02_base": 12,
+    "eva02_large": 16,
+    "swin_tiny": [3, 6, 12, 24],
+    "swin_small": [3, 6, 12, 24],
+    "swin_base": [4, 8, 16, 32],
+    "swin_large": [6, 12, 24, 48],
 }
-TIMM_HEAD_DIM = {"maxvit": 32, "maxxvit": 32, "coatnet": 32, "coatnext": 32}  # maxxvit.py MaxxVitTransformerCfg.dim_head
+TIMM_HEAD_DIM = {
+    "maxvit": 32,
+    "maxxvit": 32,
+    "coatnet": 32,
+    "coatnext": 32,
+}  # maxxvit.py MaxxVitTransformerCfg.dim_head
 
 # Layer lists whose entries alternate attention and feedforward, where the second attention entry
 # between two feedforwards is cross-attention: x-transformers AttentionLayers (x_transformers.py:

@@ -70,7 +70,9 @@ def _open_clip(config: dict) -> dict | None:
     # open_clip model_configs/*.json: vision_cfg (width, head_width = 64) and text_cfg (width, heads = 8);
     # the text tower sits at the top level of the state dict (transformer.resblocks), the vision tower
     # under visual.
-    if isinstance(config.get("model_cfg"), dict):  # open_clip_config.json of a Hub repo: {"model_cfg": ..., "preprocess_cfg": ...}
+    if isinstance(
+        config.get("model_cfg"), dict
+    ):  # open_clip_config.json of a Hub repo: {"model_cfg": ..., "preprocess_cfg": ...}
         config = config["model_cfg"]
     vision, text = config.get("vision_cfg"), config.get("text_cfg")
     if not isinstance(vision, dict) or not isinstance(text, dict):
@@ -78,7 +80,13 @@ def _open_clip(config: dict) -> dict | None:
     facts: dict[str, dict] = {}
     width, head_width = vision.get("width", 768), vision.get("head_width", 64)
     timm_tower = vision.get("timm_model_name")  # a timm trunk (visual.trunk): its own heads, not width // head_width
-    if not timm_tower and isinstance(width, int) and isinstance(head_width, int) and head_width > 0 and width % head_width == 0:
+    if (
+        not timm_tower
+        and isinstance(width, int)
+        and isinstance(head_width, int)
+        and head_width > 0
+        and width % head_width == 0
+    ):
         facts["visual"] = {"num_attention_heads": width // head_width, "hidden_size": width}
     text_facts = {"num_attention_heads": text.get("heads", 8), "hidden_size": text.get("width", 512)}
     facts["transformer"] = facts["text"] = text_facts
@@ -174,10 +182,18 @@ def companion_block(block: AttentionBlock, shapes: Mapping[str, tuple[int, ...]]
             offsets = slot_offsets(role, block.heads, block.kv_heads, block.head_dim)[role]
             bias = f"{name}.bias" if shapes.get(f"{name}.bias") == (shape[0],) else None
             projections[role] = Projection(
-                role, Rows(f"{name}.weight", 0, offsets, block.head_dim), Rows(bias, 0, offsets, block.head_dim) if bias else None, shape[1]  # type: ignore[arg-type]
+                role,  # type: ignore[arg-type]
+                Rows(f"{name}.weight", 0, offsets, block.head_dim),
+                Rows(bias, 0, offsets, block.head_dim) if bias else None,
+                shape[1],
             )
         return dataclasses.replace(
-            block, module=block.module + suffix, layout="joint context", q=projections["q"], k=projections["k"], v=projections["v"]
+            block,
+            module=block.module + suffix,
+            layout="joint context",
+            q=projections["q"],
+            k=projections["k"],
+            v=projections["v"],
         )
     return None
 
@@ -204,8 +220,11 @@ def _second_of_run(block: AttentionBlock, names: Mapping[str, Any]) -> bool:
         index = int(entry)
         # the entry before it is an attention entry (not a feedforward, and it exists)
         before = f"{block.stack}.{index - 1}"
-        return index > 0 and not any(n.startswith(before + ff) for n in names) and any(n.startswith(before + ".") for n in names) and (
-            index < 2 or any(n.startswith(f"{block.stack}.{index - 2}{ff}") for n in names)
+        return (
+            index > 0
+            and not any(n.startswith(before + ff) for n in names)
+            and any(n.startswith(before + ".") for n in names)
+            and (index < 2 or any(n.startswith(f"{block.stack}.{index - 2}{ff}") for n in names))
         )
     return False
 

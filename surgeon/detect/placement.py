@@ -82,7 +82,10 @@ def place(modules: Iterable[str], *, lone: str = "module") -> dict[str, Place]:
     for stack, depth, key, _ in raw.values():
         ranks[(stack, depth)].add(key)
     order = {k: sorted(v) for k, v in ranks.items()}
-    return {m: Place(stack, key[0] if depth == 1 else order[(stack, depth)].index(key), stage) for m, (stack, depth, key, stage) in raw.items()}
+    return {
+        m: Place(stack, key[0] if depth == 1 else order[(stack, depth)].index(key), stage)
+        for m, (stack, depth, key, stage) in raw.items()
+    }
 
 
 def stack_depths(stacks: Iterable[str], names: Iterable[str]) -> dict[str, int]:

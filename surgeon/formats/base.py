@@ -71,7 +71,9 @@ class WeightSet(ABC):
 
     def _check_index(self, found: dict[str, str]) -> None:
         if self.index is not None:
-            check_index_against_shards(self.folder / self.index, read_index(self.folder / self.index, self.shard_suffix), found)
+            check_index_against_shards(
+                self.folder / self.index, read_index(self.folder / self.index, self.shard_suffix), found
+            )
 
     @property
     def all_files(self) -> list[str]:

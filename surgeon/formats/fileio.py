@@ -19,7 +19,9 @@ class Cancelled(Exception):
     """A background copy was stopped because the run failed."""
 
 
-def copy_range(src, dst, src_offset: int, dst_offset: int, count: int, *, cancel: threading.Event | None = None) -> None:
+def copy_range(
+    src, dst, src_offset: int, dst_offset: int, count: int, *, cancel: threading.Event | None = None
+) -> None:
     """Copy ``count`` bytes of file ``src`` at ``src_offset`` to file ``dst`` at ``dst_offset``.
 
     Kernel-side (``copy_file_range``, reflinks where the file system has them) where possible,
@@ -32,7 +34,9 @@ def copy_range(src, dst, src_offset: int, dst_offset: int, count: int, *, cancel
         while done < count:
             if cancel is not None and cancel.is_set():
                 raise Cancelled
-            n = os.copy_file_range(src.fileno(), dst.fileno(), min(count - done, _KERNEL_CHUNK), src_offset + done, dst_offset + done)
+            n = os.copy_file_range(
+                src.fileno(), dst.fileno(), min(count - done, _KERNEL_CHUNK), src_offset + done, dst_offset + done
+            )
             if n == 0:
                 break
             done += n

@@ -53,7 +53,9 @@ DTYPES: dict[int, tuple[torch.dtype, int]] = {
     onnx.TensorProto.FLOAT8E4M3FN: (torch.float8_e4m3fn, 1),
     onnx.TensorProto.FLOAT8E5M2: (torch.float8_e5m2, 1),
 }
-_FLOATS = frozenset((onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE))
+_FLOATS = frozenset(
+    (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE)
+)
 _SMALL = 4096  # constants the graph walker may read (shapes, axes, split sizes)
 
 
@@ -66,7 +68,6 @@ class _Stored:
     length: int
     in_place: bool  # the bytes are the tensor's little-endian values and can be overwritten as they are
     field: tuple[int, int] | None = None  # embedded: the initializer's whole field in the .onnx
-
 
 
 def open_onnx(path: str | Path) -> OnnxWeights:
@@ -99,17 +100,29 @@ class OnnxWeights(WeightSet):
             else:
                 stored = self._embedded(t, nbytes)
             name = onnx.TensorProto.DataType.Name(t.data_type)
-            self._infos[t.name] = TensorInfo(t.name, tuple(int(d) for d in t.dims), name, str(dtype).removeprefix("torch."), stored.file, nbytes)
+            self._infos[t.name] = TensorInfo(
+                t.name, tuple(int(d) for d in t.dims), name, str(dtype).removeprefix("torch."), stored.file, nbytes
+            )
             self.stored[t.name] = stored
             self._protos[t.name] = t
         self.files = [path.name] + external
         # 2-D float weights kept in Constant nodes: read and patched in place like embedded initializers
         self.constants: dict[str, onnx.TensorProto] = {}
         for node in self.model.graph.node:
-            found = self.layout.constants.get(node.output[0]) if node.op_type == "Constant" and len(node.output) == 1 else None
+            found = (
+                self.layout.constants.get(node.output[0])
+                if node.op_type == "Constant" and len(node.output) == 1
+                else None
+            )
             value = next((a.t for a in node.attribute if a.name == "value" and a.HasField("t")), None)
             name = node.output[0] if found else ""
-            if found is None or value is None or len(value.dims) != 2 or name in self._infos or value.data_type not in _FLOATS:
+            if (
+                found is None
+                or value is None
+                or len(value.dims) != 2
+                or name in self._infos
+                or value.data_type not in _FLOATS
+            ):
                 continue
             data_field, dstart, dend, one_piece = found
             dtype, itemsize = DTYPES[value.data_type]
@@ -119,8 +132,14 @@ class OnnxWeights(WeightSet):
             proto = onnx.TensorProto()
             proto.CopyFrom(value)
             proto.name = name
-            self._infos[name] = TensorInfo(name, tuple(int(d) for d in value.dims), onnx.TensorProto.DataType.Name(value.data_type),
-                                           str(dtype).removeprefix("torch."), path.name, nbytes)
+            self._infos[name] = TensorInfo(
+                name,
+                tuple(int(d) for d in value.dims),
+                onnx.TensorProto.DataType.Name(value.data_type),
+                str(dtype).removeprefix("torch."),
+                path.name,
+                nbytes,
+            )
             self.stored[name] = _Stored(path.name, dstart, nbytes, True)
             self._protos[name] = proto
             self.constants[name] = proto
@@ -129,15 +148,21 @@ class OnnxWeights(WeightSet):
     def _embedded(self, t: onnx.TensorProto, nbytes: int) -> _Stored:
         entry = self.layout.tensors.get(t.name)
         if entry is None:
-            raise CheckpointError(f"{self.path}: initializer {t.name!r} could not be located in the file; re-save the model with onnx.save")
+            raise CheckpointError(
+                f"{self.path}: initializer {t.name!r} could not be located in the file; re-save the model with onnx.save"
+            )
         fstart, fend, data_field, dstart, dend, one_piece = entry
-        raw = data_field == wire.TENSOR_RAW or (data_field == wire.TENSOR_FLOAT and t.data_type == onnx.TensorProto.FLOAT) or (
-            data_field == wire.TENSOR_DOUBLE and t.data_type == onnx.TensorProto.DOUBLE
+        raw = (
+            data_field == wire.TENSOR_RAW
+            or (data_field == wire.TENSOR_FLOAT and t.data_type == onnx.TensorProto.FLOAT)
+            or (data_field == wire.TENSOR_DOUBLE and t.data_type == onnx.TensorProto.DOUBLE)
         )
         if data_field is None and nbytes == 0:
             raw = True
         if data_field is None and nbytes:
-            raise CheckpointError(f"{self.path}: initializer {t.name!r} holds no data for shape {list(t.dims)}: the model is corrupt")
+            raise CheckpointError(
+                f"{self.path}: initializer {t.name!r} holds no data for shape {list(t.dims)}: the model is corrupt"
+            )
         if raw and one_piece and dend - dstart != nbytes:
             raise CheckpointError(
                 f"{self.path}: initializer {t.name!r} holds {dend - dstart} bytes for shape {list(t.dims)}: the model is corrupt"
@@ -151,7 +176,14 @@ class OnnxWeights(WeightSet):
         outside = CheckpointError(
             f"{self.path}: initializer {t.name!r} points to external data {location[:80]!r}, which is not a path inside the model's folder"
         )
-        if not location or "\x00" in location or rel.is_absolute() or ".." in rel.parts or rel.parts[:1] and ":" in rel.parts[0]:
+        if (
+            not location
+            or "\x00" in location
+            or rel.is_absolute()
+            or ".." in rel.parts
+            or rel.parts[:1]
+            and ":" in rel.parts[0]
+        ):
             raise outside
         file = self.folder / rel
         try:  # a link that leads out of the folder is outside too: surgeon never reads (or writes) there
@@ -163,7 +195,9 @@ class OnnxWeights(WeightSet):
             offset = int(info.get("offset", 0))
             length = int(info.get("length", nbytes))
         except ValueError:
-            raise CheckpointError(f"{self.path}: initializer {t.name!r} has a malformed external data offset or length") from None
+            raise CheckpointError(
+                f"{self.path}: initializer {t.name!r} has a malformed external data offset or length"
+            ) from None
         refuse_self_location(self.path, file, t.name, location)
         if not file.is_file():
             raise CheckpointError(
@@ -171,7 +205,9 @@ class OnnxWeights(WeightSet):
                 f"it must be in {self.folder} as the model says; copy it there or re-export the model"
             )
         if length != nbytes:
-            raise CheckpointError(f"{self.path}: initializer {t.name!r} has {length} bytes of external data for shape {list(t.dims)}: the model is corrupt")
+            raise CheckpointError(
+                f"{self.path}: initializer {t.name!r} has {length} bytes of external data for shape {list(t.dims)}: the model is corrupt"
+            )
         size = file.stat().st_size
         if offset < 0 or offset + length > size:
             raise CheckpointError(
@@ -187,8 +223,10 @@ class OnnxWeights(WeightSet):
             try:
                 array = onnx.numpy_helper.to_array(self._protos[name])
             except ValueError:  # more or fewer values than its shape holds
-                raise CheckpointError(f"{self.path}: initializer {name!r} does not hold the values of its shape {list(info.shape)}: "
-                                      "the model is corrupt") from None
+                raise CheckpointError(
+                    f"{self.path}: initializer {name!r} does not hold the values of its shape {list(info.shape)}: "
+                    "the model is corrupt"
+                ) from None
             return _to_torch(array, info)
         if stored.length == 0:
             return torch.empty(info.shape, dtype=info.torch_dtype)
@@ -201,11 +239,17 @@ class OnnxWeights(WeightSet):
 
     def describe(self) -> str:
         extra = len(self.files) - 1
-        return f"onnx ({self.path.name}" + (f" + {extra} external data file{'s' if extra > 1 else ''})" if extra else ")")
+        return f"onnx ({self.path.name}" + (
+            f" + {extra} external data file{'s' if extra > 1 else ''})" if extra else ")"
+        )
 
     def const(self, name: str) -> np.ndarray | None:
         info = self._infos.get(name)
-        if info is None or info.nbytes > _SMALL * 8 or info.torch_dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+        if (
+            info is None
+            or info.nbytes > _SMALL * 8
+            or info.torch_dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+        ):
             return None
         return self.read(name).numpy()
 
@@ -240,7 +284,15 @@ class OnnxWeights(WeightSet):
         self._save(dest, name, names, updates, record, names)
         return [name, *names.values()]
 
-    def _save(self, dest: Path, name: str, names: dict[str, str], updates: UpdatesFn, record: dict, renamed: dict[str, str] | None) -> None:
+    def _save(
+        self,
+        dest: Path,
+        name: str,
+        names: dict[str, str],
+        updates: UpdatesFn,
+        record: dict,
+        renamed: dict[str, str] | None,
+    ) -> None:
         if not self.copies:  # each file's new values computed while the one before is written
             self._write_model(dest / name, dict(updates(self.path.name)), record, renamed)
             for file in self.files[1:]:
@@ -266,7 +318,11 @@ class OnnxWeights(WeightSet):
 
     # --- writing the .onnx ----------------------------------------------------------------------
     def _write_model(
-        self, target: Path, changed: dict[str, torch.Tensor], record: dict, renamed: dict[str, str] | None = None,
+        self,
+        target: Path,
+        changed: dict[str, torch.Tensor],
+        record: dict,
+        renamed: dict[str, str] | None = None,
         copies: dict[str, torch.Tensor] | None = None,
     ) -> None:
         layout = self.layout
@@ -301,7 +357,9 @@ class OnnxWeights(WeightSet):
                     history += old if isinstance(old, list) else [old]
                 except ValueError:
                     history.append(value)
-        entry = wire.field(1, METADATA_KEY.encode()) + wire.field(2, json.dumps(history + [record], separators=(",", ":"), sort_keys=True).encode())
+        entry = wire.field(1, METADATA_KEY.encode()) + wire.field(
+            2, json.dumps(history + [record], separators=(",", ":"), sort_keys=True).encode()
+        )
         with open(self.path, "rb") as src, open(target, "wb") as out:
             pos = 0
             for start, end, data in sorted(edits):
@@ -318,8 +376,15 @@ class OnnxWeights(WeightSet):
         inputs: dict[int, dict[str, str]] = {}
         for name, tensor in copies.items():
             copy, readers = self.copies[name]
-            proto = onnx.TensorProto(name=copy, dims=self._protos[name].dims, data_type=self._protos[name].data_type, raw_data=self._bytes(name, tensor))
-            edits.append((layout.graph[2], layout.graph[2], wire.field(wire.GRAPH_INITIALIZER, proto.SerializeToString())))
+            proto = onnx.TensorProto(
+                name=copy,
+                dims=self._protos[name].dims,
+                data_type=self._protos[name].data_type,
+                raw_data=self._bytes(name, tensor),
+            )
+            edits.append(
+                (layout.graph[2], layout.graph[2], wire.field(wire.GRAPH_INITIALIZER, proto.SerializeToString()))
+            )
             for n in readers:
                 inputs.setdefault(n, {})[name] = copy
         for n, renames in inputs.items():
@@ -340,7 +405,9 @@ class OnnxWeights(WeightSet):
                 continue
             span = self.layout.tensors.get(t.name)
             if span is None:
-                raise CheckpointError(f"{self.path}: initializer {t.name!r} could not be located in the file; re-save the model with onnx.save")
+                raise CheckpointError(
+                    f"{self.path}: initializer {t.name!r} could not be located in the file; re-save the model with onnx.save"
+                )
             edits.append((span[0], span[1], wire.field(wire.GRAPH_INITIALIZER, moved.SerializeToString())))
         return edits
 
@@ -376,7 +443,11 @@ def _load(path: Path) -> onnx.ModelProto:
 
 def _to_torch(array: np.ndarray, info: TensorInfo) -> torch.Tensor:
     array = np.ascontiguousarray(array)
-    if array.dtype.kind in "biuf" and array.dtype.name not in ("bfloat16",) and array.dtype.itemsize == torch.empty((), dtype=info.torch_dtype).element_size():
+    if (
+        array.dtype.kind in "biuf"
+        and array.dtype.name not in ("bfloat16",)
+        and array.dtype.itemsize == torch.empty((), dtype=info.torch_dtype).element_size()
+    ):
         try:
             return torch.from_numpy(array.copy()).view(_dtype(info)).reshape(info.shape)
         except TypeError:
@@ -391,5 +462,3 @@ def _dtype(info: TensorInfo) -> torch.dtype:
     if dtype is None:
         raise CheckpointError(f"initializer {info.name!r} has dtype {info.dtype}, which torch cannot hold")
     return dtype
-
-

@@ -17,8 +17,23 @@ if TYPE_CHECKING:
 
 # nodes that pass an initializer's values on to others (a copy read through them must reach only the chosen projections)
 PASS_ON = frozenset(
-    ("Identity", "Transpose", "Cast", "CastLike", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Split", "Slice", "Gather",
-     "Concat", "Expand", "Tile", "DequantizeLinear")
+    (
+        "Identity",
+        "Transpose",
+        "Cast",
+        "CastLike",
+        "Reshape",
+        "Squeeze",
+        "Unsqueeze",
+        "Flatten",
+        "Split",
+        "Slice",
+        "Gather",
+        "Concat",
+        "Expand",
+        "Tile",
+        "DequantizeLinear",
+    )
 )
 
 
@@ -40,8 +55,13 @@ def plan_sharing(weights: OnnxWeights, plan, detection) -> tuple[list[str], dict
         if plan.options.zero_bias and proj.bias is not None:
             allowed.setdefault(proj.bias.tensor, set()).update(users["bias"])
     graph = found.graph
-    refuse_aliased(plan.tensors(), aliased(weights.folder, [(n, st.file, st.offset, st.length) for n, st in weights.stored.items()
-                                                         if st.file != weights.path.name]))
+    refuse_aliased(
+        plan.tensors(),
+        aliased(
+            weights.folder,
+            [(n, st.file, st.offset, st.length) for n, st in weights.stored.items() if st.file != weights.path.name],
+        ),
+    )
     copies: dict[str, tuple[str, list[int]]] = {}
     notes: list[str] = []
     behind = unchosen_readers(plan, detection)
@@ -55,7 +75,10 @@ def plan_sharing(weights: OnnxWeights, plan, detection) -> tuple[list[str], dict
         if name not in weight_names and weights.all_zero_bytes(name):
             unchanged.append(name)
             continue
-        what = through + [f"block {found.owners[n][0]} ({found.owners[n][1]})" if n in found.owners else graph.describe(n) for n in others]
+        what = through + [
+            f"block {found.owners[n][0]} ({found.owners[n][1]})" if n in found.owners else graph.describe(n)
+            for n in others
+        ]
         what = list(dict.fromkeys(what)) + (["a graph output"] if name in graph.outputs else [])
         if leak:  # read only by the chosen projections' nodes, but one of those passes it on to others
             raise SharedInitializerError(
@@ -66,10 +89,14 @@ def plan_sharing(weights: OnnxWeights, plan, detection) -> tuple[list[str], dict
         why = _copy(weights, copies, name, allowed.get(name, set()), graph)
         if why is None:
             copy = copies[name][0]
-            notes.append(f"initializer {name!r} is shared with {shown}: the chosen projections read a new copy of it, {copy!r}, and the others keep the original")
+            notes.append(
+                f"initializer {name!r} is shared with {shown}: the chosen projections read a new copy of it, {copy!r}, and the others keep the original"
+            )
             continue
         is_bias = any(c.projection.bias is not None and c.projection.bias.tensor == name for c in plan.changes)
-        fix = f"select them too ({opt('layers')}/{opt('stack')}/{opt('attention')})" + (f", or keep the biases ({opt('bias', 'keep')})" if is_bias else "")
+        fix = f"select them too ({opt('layers')}/{opt('stack')}/{opt('attention')})" + (
+            f", or keep the biases ({opt('bias', 'keep')})" if is_bias else ""
+        )
         raise SharedInitializerError(
             f"initializer {name!r} is shared: besides the projections chosen, {shown} read{'s' if len(what) == 1 else ''} it, "
             f"so changing it would change them too, and the chosen ones cannot have a copy of their own ({why}); {fix}, or leave those projections out"
@@ -77,8 +104,11 @@ def plan_sharing(weights: OnnxWeights, plan, detection) -> tuple[list[str], dict
     if not unchanged:
         return notes, copies
     shown = ", ".join(unchanged[:3]) + (f" and {len(unchanged) - 3} more" if len(unchanged) > 3 else "")
-    return notes + [f"bias initializer{'s' if len(unchanged) > 1 else ''} {shown}, shared with other nodes, "
-            f"{'are' if len(unchanged) > 1 else 'is'} zero already: zeroing the chosen heads' biases leaves {'them' if len(unchanged) > 1 else 'it'} as {'they were' if len(unchanged) > 1 else 'it was'}"], copies
+    return notes + [
+        f"bias initializer{'s' if len(unchanged) > 1 else ''} {shown}, shared with other nodes, "
+        f"{'are' if len(unchanged) > 1 else 'is'} zero already: zeroing the chosen heads' biases leaves {'them' if len(unchanged) > 1 else 'it'} as {'they were' if len(unchanged) > 1 else 'it was'}"
+    ], copies
+
 
 def _copy(weights: OnnxWeights, copies: dict, name: str, readers: set[int], graph) -> str | None:
     """Give the chosen projections' nodes (``readers``) their own copy of initializer ``name``:

@@ -34,7 +34,9 @@ class Layout:
     ]  # name -> field start/end, data field, data start/end, one piece
     metadata: list[tuple[int, int, str, str]]  # top-level metadata_props: field start/end, key, value
     nodes: list[tuple[int, int]]  # the graph's nodes in order: field start/end
-    constants: dict[str, tuple[int | None, int, int, bool]]  # Constant node output -> data field, data start/end, one piece
+    constants: dict[
+        str, tuple[int | None, int, int, bool]
+    ]  # Constant node output -> data field, data start/end, one piece
 
 
 def renamed_data_files(files: list[str], model_name: str, new_name: str) -> dict[str, str]:
@@ -44,7 +46,7 @@ def renamed_data_files(files: list[str], model_name: str, new_name: str) -> dict
     out = {}
     for rel in files:
         if "/" not in rel and rel.startswith(model_name) and rel != model_name:
-            out[rel] = new_name + rel[len(model_name):]
+            out[rel] = new_name + rel[len(model_name) :]
         else:
             out[rel] = f"{new_name}.{rel.replace('/', '_')}"
     if len(set(out.values())) < len(out) or new_name in out.values():

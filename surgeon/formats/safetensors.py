@@ -109,7 +109,9 @@ def read_header_fd(fd: int, path: Path) -> Header:
             raise CheckpointError(f"{path} is not a safetensors file: it is only {size} bytes long", path=path)
         (length,) = struct.unpack("<Q", prefix)
         if length > _MAX_HEADER or 8 + length > size:
-            raise CheckpointError(f"{path} has a corrupt or truncated safetensors header (it claims {length} header bytes, the file has {size})")
+            raise CheckpointError(
+                f"{path} has a corrupt or truncated safetensors header (it claims {length} header bytes, the file has {size})"
+            )
         raw = os.pread(fd, length, 8)
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
@@ -125,9 +127,13 @@ def parse_header(path: Path, length: int, raw: bytes, size: int) -> Header:
             f"{path} has a corrupt safetensors header: {exc.args[0]!r} is listed twice; re-download or re-save it"
         ) from None
     except RecursionError:
-        raise CheckpointError(f"{path} has a corrupt safetensors header (JSON nested too deeply); re-download or re-save it", path=path) from None
+        raise CheckpointError(
+            f"{path} has a corrupt safetensors header (JSON nested too deeply); re-download or re-save it", path=path
+        ) from None
     except (UnicodeDecodeError, ValueError):
-        raise CheckpointError(f"{path} has a corrupt safetensors header (not valid JSON); re-download or re-save it", path=path) from None
+        raise CheckpointError(
+            f"{path} has a corrupt safetensors header (not valid JSON); re-download or re-save it", path=path
+        ) from None
     if not isinstance(entries, dict):
         raise CheckpointError(f"{path} has a corrupt safetensors header (not a JSON object)", path=path)
     header = Header(path=path, length=length, entries=entries, file_size=size)
@@ -158,9 +164,21 @@ def _validate(header: Header) -> None:
         raise CheckpointError(f"{path} has corrupt __metadata__ (must map strings to strings)", path=path)
     spans = []
     for name, entry in header.tensor_entries().items():
-        dtype, shape, offsets = (entry.get(k) for k in ("dtype", "shape", "data_offsets")) if isinstance(entry, dict) else (None,) * 3
-        if not (isinstance(dtype, str) and _naturals(shape) and _naturals(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]):
-            raise CheckpointError(f"{path} has a corrupt header entry for tensor {name!r}: {json.dumps(entry)[:120]}", path=path, tensor=name)
+        dtype, shape, offsets = (
+            (entry.get(k) for k in ("dtype", "shape", "data_offsets")) if isinstance(entry, dict) else (None,) * 3
+        )
+        if not (
+            isinstance(dtype, str)
+            and _naturals(shape)
+            and _naturals(offsets)
+            and len(offsets) == 2
+            and offsets[0] <= offsets[1]
+        ):
+            raise CheckpointError(
+                f"{path} has a corrupt header entry for tensor {name!r}: {json.dumps(entry)[:120]}",
+                path=path,
+                tensor=name,
+            )
         begin, end = offsets
         if dtype not in DTYPES:
             raise CheckpointError(
@@ -168,7 +186,11 @@ def _validate(header: Header) -> None:
             )
         bits = math.prod(shape) * DTYPES[dtype][1]
         if bits % 8 or end - begin != bits // 8:
-            raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {shape} {dtype}: corrupt header", path=path, tensor=name)
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has {end - begin} bytes for shape {shape} {dtype}: corrupt header",
+                path=path,
+                tensor=name,
+            )
         if end > data_size:
             raise CheckpointError(
                 f"{path} is truncated: tensor {name!r} ends at data byte {end} but the file holds only "
@@ -179,7 +201,9 @@ def _validate(header: Header) -> None:
     cursor = 0
     for begin, end, name in spans:
         if begin < cursor:
-            raise CheckpointError(f"{path}: tensor {name!r} overlaps another tensor's bytes: corrupt header", path=path, tensor=name)
+            raise CheckpointError(
+                f"{path}: tensor {name!r} overlaps another tensor's bytes: corrupt header", path=path, tensor=name
+            )
         if begin > cursor:
             raise CheckpointError(
                 f"{path}: data bytes {cursor}-{begin - 1} before tensor {name!r} belong to no tensor (a hole in the data "
@@ -211,7 +235,11 @@ def read_tensor(header: Header, name: str) -> torch.Tensor:
     element, _ = DTYPES.get(entry["dtype"], (None, None))
     dtype = getattr(torch, element, None) if element else None
     if dtype is None:
-        raise CheckpointError(f"{header.path}: tensor {name!r} has dtype {entry['dtype']}, which this torch cannot decode", path=header.path, tensor=name)
+        raise CheckpointError(
+            f"{header.path}: tensor {name!r} has dtype {entry['dtype']}, which this torch cannot decode",
+            path=header.path,
+            tensor=name,
+        )
     begin, end = entry["data_offsets"]
     shape = tuple(entry["shape"])
     if end == begin:
@@ -220,7 +248,11 @@ def read_tensor(header: Header, name: str) -> torch.Tensor:
     with open(header.path, "rb") as f:
         f.seek(header.data_start + begin)
         if f.readinto(buf) != len(buf):
-            raise CheckpointError(f"{header.path} ended while reading tensor {name!r}: the file is truncated", path=header.path, tensor=name)
+            raise CheckpointError(
+                f"{header.path} ended while reading tensor {name!r}: the file is truncated",
+                path=header.path,
+                tensor=name,
+            )
     return torch.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
@@ -310,7 +342,10 @@ def patch(header: Header, path: Path, data_start: int, updates) -> list[str]:
     with open(path, "r+b") as out:
         for name, tensor in updates:
             entry = header.entries[name]
-            if tuple(tensor.shape) != tuple(entry["shape"]) or _NAMES.get(str(tensor.dtype).removeprefix("torch.")) != entry["dtype"]:
+            if (
+                tuple(tensor.shape) != tuple(entry["shape"])
+                or _NAMES.get(str(tensor.dtype).removeprefix("torch.")) != entry["dtype"]
+            ):
                 raise AssertionError(f"update of {name} changes its shape or dtype")
             os.pwrite(out.fileno(), tensor_bytes(tensor), data_start + entry["data_offsets"][0])
             written.append(name)
@@ -369,5 +404,3 @@ class SafetensorsWeights(WeightSet):
                 job.result()
         if self.index:
             shutil.copyfile(self.folder / self.index, dest / self.index)
-
-

@@ -29,8 +29,11 @@ CONFIG_KEYS = ("model_args", "hyper_parameters")  # nanoGPT ckpt.pt, PyTorch Lig
 def _is_state_dict(obj) -> bool:
     import torch
 
-    return isinstance(obj, Mapping) and bool(obj) and all(isinstance(k, str) for k in obj) and any(
-        isinstance(v, torch.Tensor) for v in obj.values()
+    return (
+        isinstance(obj, Mapping)
+        and bool(obj)
+        and all(isinstance(k, str) for k in obj)
+        and any(isinstance(v, torch.Tensor) for v in obj.values())
     )
 
 
@@ -60,8 +63,12 @@ def load_file(path: Path) -> tuple[object, str | None, Mapping]:
         ) from None
     except Exception as exc:  # torch raises RuntimeError/EOFError/... for damaged files
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{path} is not a readable PyTorch checkpoint ({first[:160]}); re-download or re-save it") from None
-    if isinstance(obj, Mapping) and not _all_tensors(obj):  # a training checkpoint: the model's entry, not a stray tensor beside it
+        raise CheckpointError(
+            f"{path} is not a readable PyTorch checkpoint ({first[:160]}); re-download or re-save it"
+        ) from None
+    if isinstance(obj, Mapping) and not _all_tensors(
+        obj
+    ):  # a training checkpoint: the model's entry, not a stray tensor beside it
         for key in WRAPPER_KEYS:  # (nanoGPT's ckpt.pt keeps best_val_loss, a tensor, beside "model")
             if _is_state_dict(obj.get(key)):
                 return obj, key, obj[key]
@@ -69,7 +76,9 @@ def load_file(path: Path) -> tuple[object, str | None, Mapping]:
         return obj, None, obj
     if isinstance(obj, Mapping):
         keys = ", ".join(map(str, list(obj)[:8]))
-        raise CheckpointError(f"{path} holds no state dict (top-level keys: {keys}); expected tensors or a 'state_dict'/'model' entry")
+        raise CheckpointError(
+            f"{path} holds no state dict (top-level keys: {keys}); expected tensors or a 'state_dict'/'model' entry"
+        )
     raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a state dict of tensors")
 
 
@@ -111,7 +120,9 @@ class TorchWeights(WeightSet):
         found: dict[str, str] = {}
         for file in files:
             if not (folder / file).is_file():
-                raise CheckpointError(f"missing shard {file}: {index or 'the checkpoint'} lists it but it is not in {folder}")
+                raise CheckpointError(
+                    f"missing shard {file}: {index or 'the checkpoint'} lists it but it is not in {folder}"
+                )
             loaded = self._loaded[file] = load_file(folder / file)
             for name, value in loaded[2].items():
                 if not isinstance(value, torch.Tensor):
@@ -120,7 +131,14 @@ class TorchWeights(WeightSet):
                     raise CheckpointError(f"tensor {name!r} is in both {found[name]} and {file}")
                 found[name] = file
                 nbytes = value.numel() * value.element_size()
-                self._infos[name] = TensorInfo(name, tuple(value.shape), str(value.dtype).removeprefix("torch."), str(value.dtype).removeprefix("torch."), file, nbytes)
+                self._infos[name] = TensorInfo(
+                    name,
+                    tuple(value.shape),
+                    str(value.dtype).removeprefix("torch."),
+                    str(value.dtype).removeprefix("torch."),
+                    file,
+                    nbytes,
+                )
         self._check_index(found)
 
     def embedded_config(self) -> dict | None:

@@ -135,7 +135,9 @@ def push_folder(
     files = _folder_files(folder)
     journal = next((f for f in files if f.endswith((SUFFIX, SUFFIX + ".tmp"))), None)
     if journal is not None:
-        raise OptionError(f"{folder / journal} is an in-place run's undo journal, never pushed; run `surgeon recover` on its checkpoint first")
+        raise OptionError(
+            f"{folder / journal} is an in-place run's undo journal, never pushed; run `surgeon recover` on its checkpoint first"
+        )
     _check_card(folder)
     api = HfApi(token=token)
     branch = revision or "main"

@@ -38,7 +38,11 @@ class Snapshot:
 
 
 def open_model(
-    model: str | Path, *, config: str | Path | None = None, revision: str | None = None, progress: bool = False,
+    model: str | Path,
+    *,
+    config: str | Path | None = None,
+    revision: str | None = None,
+    progress: bool = False,
     recover: bool = False,
 ) -> Source:
     """Open MODEL: a local path when one exists by that name, otherwise a Hub id (``org/name`` or ``hf://org/name``).

@@ -26,12 +26,20 @@ class ReinitCallback(TrainerCallback):
     def __init__(self, **options: Any) -> None:
         from ..plan import ReinitOptions
 
-        allowed = set(ReinitOptions.__dataclass_fields__) | {"num_heads", "num_kv_heads", "head_dim", "example_inputs", "full"}
+        allowed = set(ReinitOptions.__dataclass_fields__) | {
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "example_inputs",
+            "full",
+        }
         unknown = sorted(set(options) - allowed)
         if unknown:
             from ..errors import OptionError
 
-            raise OptionError(f"ReinitCallback: unknown option(s) {', '.join(unknown)}; it takes the keyword options of surgeon.reinit_")
+            raise OptionError(
+                f"ReinitCallback: unknown option(s) {', '.join(unknown)}; it takes the keyword options of surgeon.reinit_"
+            )
         self.options = options
         self.report = None
 
@@ -42,7 +50,9 @@ class ReinitCallback(TrainerCallback):
         if optimizer is not None and any(optimizer.state.values()):
             from ..errors import OptionError
 
-            raise OptionError("ReinitCallback: the optimizer already holds state for these weights; re-initialize before the first step")
+            raise OptionError(
+                "ReinitCallback: the optimizer already holds state for these weights; re-initialize before the first step"
+            )
         from ..modules import reinit_
 
         self.report = reinit_(model, **self.options)

@@ -25,6 +25,8 @@ __all__ = ["CONDITIONED_BIBTEX", "CONDITIONED_PAPER", "Mode", "NAMES", "all_mode
 
 _REGISTRY: dict[str, Mode] = {m.name: m for m in (Conditioned(), Polar(), Redraw(), Mimetic())}
 NAMES: tuple[str, ...] = tuple(_REGISTRY)
+
+
 def get_mode(name: str) -> Mode:
     """The mode called ``name`` (KeyError for an unknown name: ReinitOptions.validated says it in words)."""
     return _REGISTRY[name]

@@ -39,7 +39,9 @@ class Mode:
     sharded: ClassVar[bool]  # supported on sharded (FSDP2 / DTensor) parameters
     citation: ClassVar[str | None]  # BibTeX for the card, None: nothing to cite
 
-    def draw(self, change: Change, old: torch.Tensor | None, options: ReinitOptions, *, key: str, device: Any) -> torch.Tensor:
+    def draw(
+        self, change: Change, old: torch.Tensor | None, options: ReinitOptions, *, key: str, device: Any
+    ) -> torch.Tensor:
         """New per-head matrices ``(len(change.heads), d, in)`` (float64), PyTorch (out, in) orientation.
 
         ``old`` holds the heads' current values where the mode reads them (``not fresh``), else None;

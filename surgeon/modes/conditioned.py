@@ -32,8 +32,12 @@ class Conditioned(Mode):
         proj = change.projection
         d, n_in = proj.head_dim, proj.in_features
         if change.role == "v":
-            return torch.stack([value_identity(h, d, n_in, options.value_identity, device=device) for h in change.heads])
-        new = semi_orthogonal_batch(d, n_in, [head_seed(options.seed, key, change.role, h) for h in change.heads], device=device)
+            return torch.stack(
+                [value_identity(h, d, n_in, options.value_identity, device=device) for h in change.heads]
+            )
+        new = semi_orthogonal_batch(
+            d, n_in, [head_seed(options.seed, key, change.role, h) for h in change.heads], device=device
+        )
         if options.gain is not None and options.gain != 1:
             new = new * float(options.gain)
         return new

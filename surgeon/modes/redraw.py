@@ -38,7 +38,9 @@ class Redraw(Mode):
         from ..baselines import is_xavier
 
         xavier = any(is_xavier(b.q.weight.tensor) for b in blocks)
-        return f"redraw, normal std {options.get('std')}" + (", xavier_uniform for nn.MultiheadAttention" if xavier else "")
+        return f"redraw, normal std {options.get('std')}" + (
+            ", xavier_uniform for nn.MultiheadAttention" if xavier else ""
+        )
 
     def card_intro(self, options: dict) -> str:
         return (

@@ -145,7 +145,12 @@ def _resolve(runs: dict[str, Watch], i: int, targets: Targets, hints: Hints) -> 
         rows = _head_rows(*decoded[role], hint, sequences, role, targets.names)
         unique = list(dict.fromkeys(rows))
         if len(rows) == heads and len(unique) < heads:  # key/value heads repeated to the query heads
-            found = [m for m, to in KV_MAPS.items() if heads % len(unique) == 0 and all(unique.index(rows[h]) == to(h, heads, len(unique)) for h in range(heads))]
+            found = [
+                m
+                for m, to in KV_MAPS.items()
+                if heads % len(unique) == 0
+                and all(unique.index(rows[h]) == to(h, heads, len(unique)) for h in range(heads))
+            ]
             if not found:
                 raise Unresolved(
                     f"its {_ROLE[role]} heads are shared by query heads in an order other than consecutive groups or h % key/value heads"
@@ -163,7 +168,13 @@ def _resolve(runs: dict[str, Watch], i: int, targets: Targets, hints: Hints) -> 
         )
     if len(maps) > 1:
         raise Unresolved("its key and value heads are shared by query heads in different orders")
-    return {"q": q_heads, "k": kv["k"], "v": kv["v"], "dims": {r: decoded[r][2].shape[1] for r in "qkv"}, "kv_map": maps.pop() if maps else "blocked"}
+    return {
+        "q": q_heads,
+        "k": kv["k"],
+        "v": kv["v"],
+        "dims": {r: decoded[r][2].shape[1] for r in "qkv"},
+        "kv_map": maps.pop() if maps else "blocked",
+    }
 
 
 def _block_from(resolved: dict, cap: Capture, targets: Targets) -> AttentionBlock:

@@ -74,7 +74,9 @@ def detect_module(module: nn.Module, *, hints: Hints | None = None, example_inpu
     if rest:
         probed = probe_blocks(module, example_inputs=example_inputs, hints=hints, skip=handled)
         shapes = {n: tuple(p.shape) for n, p in params.items()}
-        probed = with_companions([with_separate_biases(b, shapes) for b in probed], shapes)  # EVA's q_bias, joint attention's context
+        probed = with_companions(
+            [with_separate_biases(b, shapes) for b in probed], shapes
+        )  # EVA's q_bias, joint attention's context
         own += probed
         routes.update({b.module: "forward" for b in probed})
         _refuse_unseen(module, rest, probed, example_inputs)

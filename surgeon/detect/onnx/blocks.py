@@ -74,14 +74,18 @@ def find_attention(
             users[(module, role)] = {"weight": set(p.weight_nodes), "bias": set(p.bias_nodes)}
             for m in p.weight_nodes | p.bias_nodes:
                 owners.setdefault(m, (block.label, role))
-    return OnnxDetection(Detection(blocks, len(graph.inits), notes, depths=_depths(graph, blocks)), graph, users, owners)
+    return OnnxDetection(
+        Detection(blocks, len(graph.inits), notes, depths=_depths(graph, blocks)), graph, users, owners
+    )
 
 
 def _depths(graph: Graph, blocks: list[AttentionBlock]) -> dict[str, int]:
     """Layers per stack, those without attention included: from initializer names (legacy and dynamo
     exports keep parameter paths), else from every node's scope (read only when the names say nothing)."""
     stacks = [b.stack for b in blocks]
-    return stack_depths(stacks, graph.inits) or stack_depths(stacks, (s for s in map(graph.scope, range(len(graph.nodes))) if s))
+    return stack_depths(stacks, graph.inits) or stack_depths(
+        stacks, (s for s in map(graph.scope, range(len(graph.nodes))) if s)
+    )
 
 
 def _refuse_named(graph: Graph, source: str) -> None:
@@ -91,7 +95,9 @@ def _refuse_named(graph: Graph, source: str) -> None:
     for rule in REFUSED:
         leaves = [w.rsplit(".", 1)[0] for w in rule.weights]
         if all(any(leaf in name for name in names) for leaf in leaves):
-            raise UnsupportedWeightsError(f"{source} uses {rule.name} ({', '.join(leaves)}), which surgeon does not re-initialize: {rule.why}")
+            raise UnsupportedWeightsError(
+                f"{source} uses {rule.name} ({', '.join(leaves)}), which surgeon does not re-initialize: {rule.why}"
+            )
 
 
 def _weight_set(core: Core) -> tuple:

@@ -109,7 +109,10 @@ class Graph:
     """Nodes by index, who produces and who consumes each tensor, small constant values."""
 
     def __init__(
-        self, model: onnx.ModelProto, const: Callable[[str], np.ndarray | None], constants: dict[str, onnx.TensorProto] | None = None
+        self,
+        model: onnx.ModelProto,
+        const: Callable[[str], np.ndarray | None],
+        constants: dict[str, onnx.TensorProto] | None = None,
     ) -> None:
         g = model.graph
         self.nodes = list(g.node)
@@ -324,7 +327,11 @@ def _constant_value(where: str, a: onnx.AttributeProto) -> np.ndarray | None:
     file here); a tensor whose data does not fill its shape (dims like 2**32) is a corrupt model."""
     if a.name != "value":
         value = onnx.helper.get_attribute_value(a)
-        return np.array(value) if isinstance(value, (int, float, list)) and len(np.atleast_1d(value)) <= SMALL_VALUES else None
+        return (
+            np.array(value)
+            if isinstance(value, (int, float, list)) and len(np.atleast_1d(value)) <= SMALL_VALUES
+            else None
+        )
     if a.t.data_location == onnx.TensorProto.EXTERNAL or a.t.data_type == onnx.TensorProto.STRING:
         return None
     size = math.prod(a.t.dims)
@@ -338,8 +345,10 @@ def _constant_value(where: str, a: onnx.AttributeProto) -> np.ndarray | None:
             pass
     from ...errors import CheckpointError
 
-    raise CheckpointError(f"{where} holds a tensor of shape {list(a.t.dims)} whose data does not fill it: the model is corrupt; "
-                          "re-export or re-download it")
+    raise CheckpointError(
+        f"{where} holds a tensor of shape {list(a.t.dims)} whose data does not fill it: the model is corrupt; "
+        "re-export or re-download it"
+    )
 
 
 _INTS: dict[int, int] = {onnx.TensorProto.INT64: 8, onnx.TensorProto.INT32: 4}

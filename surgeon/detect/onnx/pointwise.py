@@ -41,12 +41,19 @@ def read_channels(g: Graph, p: Proj, path, role: str) -> None:
         if op == "Reshape":
             found = g.target_shape(g.nodes[n].input[1])
             shape = found[0] if found else []
-            if not (len(shape) >= 3 and isinstance(shape[1], int) and isinstance(shape[2], int) and shape[1] * shape[2] == p.width):
+            if not (
+                len(shape) >= 3
+                and isinstance(shape[1], int)
+                and isinstance(shape[2], int)
+                and shape[1] * shape[2] == p.width
+            ):
                 raise Fail(f"{what} is reshaped by {g.describe(n)} in a way surgeon does not follow")
             # a cut after the split would take q, k or v out of each head's slot (a fused per-head qkv)
             cut = next((m for m, _, _ in path[i + 1 :] if g.nodes[m].op_type in ("Split", "Slice", "Gather")), None)
             if cut is not None:
-                raise Fail(f"{what} is cut by {g.describe(cut)} after its head split, a fused packing surgeon does not follow")
+                raise Fail(
+                    f"{what} is cut by {g.describe(cut)} after its head split, a fused packing surgeon does not follow"
+                )
             p.heads, p.head_dim = shape[1], shape[2]
             return
         if op in ("Split", "Slice", "Gather", "Transpose", "Add"):

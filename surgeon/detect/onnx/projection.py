@@ -116,7 +116,9 @@ class ProjectionWalk:
         projections = list(dict.fromkeys(n for n, _ in found))
         if not projections:
             stops = ", ".join(list(dict.fromkeys(dead))[:3]) or "nothing"
-            raise Fail(f"{role} reaches no MatMul/Gemm with a constant weight{self._near()} (the walk stops at {stops})")
+            raise Fail(
+                f"{role} reaches no MatMul/Gemm with a constant weight{self._near()} (the walk stops at {stops})"
+            )
         if len(projections) > 1:
             raise Fail(
                 f"{role} comes from {len(projections)} projections ({', '.join(g.describe(p) for p in projections[:3])})"
@@ -169,7 +171,17 @@ class ProjectionWalk:
         node = g.nodes[n]
         weight, extra_nodes = self._weight_initializer(node.input[1], n, role, transpose=False)
         dims = list(g.inits[weight].dims)
-        p = Proj(n, "Conv", weight, 0, dims[1], 0, dims[0], same_data_source(g, node.input[0]), weight_nodes={n, *extra_nodes})
+        p = Proj(
+            n,
+            "Conv",
+            weight,
+            0,
+            dims[1],
+            0,
+            dims[0],
+            same_data_source(g, node.input[0]),
+            weight_nodes={n, *extra_nodes},
+        )
         read_channels(g, p, path, role)
         return p
 
@@ -346,7 +358,14 @@ class ProjectionWalk:
         node = g.nodes[n]
         starts, ends, axes = g.ints(node.input[1]), g.ints(node.input[2]), g.ints(node.input[3])
         steps = g.ints(node.input[4]) if len(node.input) > 4 and node.input[4] else None
-        if starts is None or ends is None or axes is None or pending.rank is None or pending.axis is None or not isinstance(count, int):
+        if (
+            starts is None
+            or ends is None
+            or axes is None
+            or pending.rank is None
+            or pending.axis is None
+            or not isinstance(count, int)
+        ):
             return None
         i = [a % pending.rank for a in axes].index(pending.axis)
         if steps and steps[i] != 1:
