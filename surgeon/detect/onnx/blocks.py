@@ -17,8 +17,8 @@ from ..config import ConfigView, Hints
 from ..families import REFUSED
 from ..placement import place, stack_depths
 from ..result import Detection
+from .found import Core, Proj
 from .graph import Fail, Graph
-from .projection import Core, Proj
 from .walker import Walker
 
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import ast
-import math
 from collections import defaultdict
 from collections.abc import Callable
 
 import numpy as np
 import onnx
+
+from .protos import constant_value, infer_ranks, subgraph_inputs
 
 MS = "com.microsoft"
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
@@ -68,7 +69,6 @@ QUANTIZED = {
 # it is wired (a chain of thousands of Softmax nodes, each of which could otherwise walk the whole chain).
 WALK_DEPTH = 32
 WALK_STEPS = 2048
-SMALL_VALUES = 4096  # constants read for their values (shapes, axes, split sizes): at most this many
 # Ops a source tensor passes through unchanged in content (for self/cross: do Q and K read the same input?)
 SAME_DATA = {"Reshape", "Flatten", "Cast", "Identity", "Squeeze", "Unsqueeze"}
 
@@ -128,11 +128,11 @@ class Graph:
             for out in node.output:
                 if out:
                     self.producer[out] = i
-            for name in dict.fromkeys(list(node.input) + _subgraph_inputs(node)):
+            for name in dict.fromkeys(list(node.input) + subgraph_inputs(node)):
                 if name:
                     self.consumers[name].append(i)
         self.dims: dict[str, list[int | None]] = {}  # static shapes from shape inference (None: computed at run time)
-        self.ranks = _infer_ranks(model, self.dims)
+        self.ranks = infer_ranks(model, self.dims)
         self._values: dict[str, np.ndarray | None] = {}
         self._const_memo: dict[str, bool] = {}
 
@@ -180,7 +180,7 @@ class Graph:
             n = self.producer[tensor]
             node = self.nodes[n]
             if node.op_type == "Constant" and node.attribute:
-                out = _constant_value(self.describe(n), node.attribute[0])
+                out = constant_value(self.describe(n), node.attribute[0])
             elif node.op_type in ("Shape", "Gather") and node.domain in ("", "ai.onnx"):
                 out = self._static_shape_entries(n, depth)
             if out is None and node.op_type in _FOLD and node.domain in ("", "ai.onnx") and len(node.output) == 1:
@@ -320,99 +320,6 @@ class Graph:
             # a called container and its child: /blocks/blocks.0/attn is the module blocks.0.attn
             return ".".join(p for p, after in zip(parts, parts[1:] + [""]) if not after.startswith(p + "."))
         return None
-
-
-def _constant_value(where: str, a: onnx.AttributeProto) -> np.ndarray | None:
-    """A small Constant's value; None for a large one or one with external data (never read from a
-    file here); a tensor whose data does not fill its shape (dims like 2**32) is a corrupt model."""
-    if a.name != "value":
-        value = onnx.helper.get_attribute_value(a)
-        return (
-            np.array(value)
-            if isinstance(value, (int, float, list)) and len(np.atleast_1d(value)) <= SMALL_VALUES
-            else None
-        )
-    if a.t.data_location == onnx.TensorProto.EXTERNAL or a.t.data_type == onnx.TensorProto.STRING:
-        return None
-    size = math.prod(a.t.dims)
-    if size > SMALL_VALUES:
-        if a.t.data_type not in _INTS or _held(a.t) == size:
-            return None
-    else:
-        try:
-            return onnx.numpy_helper.to_array(a.t)
-        except ValueError:
-            pass
-    from ...errors import CheckpointError
-
-    raise CheckpointError(
-        f"{where} holds a tensor of shape {list(a.t.dims)} whose data does not fill it: the model is corrupt; "
-        "re-export or re-download it"
-    )
-
-
-_INTS: dict[int, int] = {onnx.TensorProto.INT64: 8, onnx.TensorProto.INT32: 4}
-
-
-def _held(t: onnx.TensorProto) -> int:
-    """How many values an INT64/INT32 tensor holds, from its raw bytes or its repeated field."""
-    if t.HasField("raw_data"):
-        return len(t.raw_data) // _INTS[t.data_type]
-    return len(t.int64_data) if t.data_type == onnx.TensorProto.INT64 else len(t.int32_data)
-
-
-def _subgraph_inputs(node: onnx.NodeProto) -> list[str]:
-    """Outer-scope tensors read inside If/Loop/Scan bodies (they are users too)."""
-    names: list[str] = []
-    for a in node.attribute:
-        graphs = (
-            [a.g]
-            if a.type == onnx.AttributeProto.GRAPH
-            else list(a.graphs)
-            if a.type == onnx.AttributeProto.GRAPHS
-            else []
-        )
-        for sub in graphs:
-            for inner in sub.node:
-                names += list(inner.input) + _subgraph_inputs(inner)
-    return names
-
-
-def _infer_ranks(model: onnx.ModelProto, dims: dict[str, list[int | None]] | None = None) -> dict[str, int]:
-    """Tensor ranks from ONNX shape inference on a copy of the graph without the weights' data;
-    ``dims`` gets each tensor's static shape (None where an axis is only known at run time)."""
-    g = model.graph
-    stubs = []
-    for t in g.initializer:
-        if t.data_location != onnx.TensorProto.EXTERNAL and math.prod(t.dims) <= 64:
-            stubs.append(t)  # small constants (shapes, axes) keep their values
-        else:
-            stubs.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
-    inits = [t for t in stubs if isinstance(t, onnx.TensorProto)]
-    listed = {i.name for i in g.input}
-    extra_inputs = [t for t in stubs if not isinstance(t, onnx.TensorProto) and t.name not in listed]
-    lite = onnx.helper.make_graph(
-        list(g.node), g.name or "g", list(g.input) + extra_inputs, list(g.output), inits, value_info=list(g.value_info)
-    )
-    lite_model = onnx.helper.make_model(lite, opset_imports=list(model.opset_import), functions=list(model.functions))
-    lite_model.ir_version = model.ir_version
-    ranks: dict[str, int] = {}
-    try:
-        inferred = onnx.shape_inference.infer_shapes(
-            lite_model, check_type=False, strict_mode=False, data_prop=True
-        ).graph
-        infos = list(inferred.value_info) + list(inferred.input) + list(inferred.output)
-    except Exception:  # noqa: BLE001 - inference is a help, not a requirement
-        infos = list(g.value_info) + list(g.input) + list(g.output)
-    for vi in infos:
-        t = vi.type.tensor_type
-        if t.HasField("shape"):
-            ranks[vi.name] = len(t.shape.dim)
-            if dims is not None:
-                dims[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
-    for t in g.initializer:
-        ranks[t.name] = len(t.dims)
-    return ranks
 
 
 def data_inputs(g: Graph, node: onnx.NodeProto, which) -> list[str]:

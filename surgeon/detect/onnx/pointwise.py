@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from .graph import Fail, Graph
 
 if TYPE_CHECKING:
-    from .projection import Proj
+    from .found import Proj
 
 
 def is_pointwise_conv(g: Graph, n: int) -> bool:

@@ -6,8 +6,9 @@ from collections import deque
 from collections.abc import Callable
 
 from ...spec import slot_offsets
+from .found import Core, Proj
 from .graph import CORES, MS, PROB_FORWARD, PRODUCTS, SCORE_BACK, WALK_DEPTH, WALK_STEPS, Fail, Graph, data_inputs
-from .projection import Core, Proj, ProjectionWalk
+from .projection import ProjectionWalk
 
 
 # --- the walker --------------------------------------------------------------------------------
