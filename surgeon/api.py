@@ -184,7 +184,7 @@ def reinit_checkpoint(
     _check_push_output(push, source)
     if in_place:  # refused before any write: a second copy of the weights left stale; for a byte patch, shared bytes
         refuse_second_copies(source)
-        if source.format == "safetensors":
+        if source.primary.patches_in_place:
             check_in_place(source)
     hints = Hints(num_heads, num_kv_heads, head_dim, force_hints)
     detection = detect_source(source, hints)
@@ -193,7 +193,7 @@ def reinit_checkpoint(
         opts,
         config=source.config,
         shapes={n: t.shape for n, t in source.primary.tensors.items()},
-        fmt=source.format,
+        whole_tensors=source.primary.rewrites_whole_tensors,
         depths=detection.depths,
     )
     opts = plan.options  # with the mode's defaults from config (redraw: the family's std)
@@ -285,7 +285,7 @@ def _run_and_write(
     _check_secondary_sets(source, plan.tensors())
     run = _Run(plan, device, whole=full, progress=progress, total=len(plan.tensors()) * len(source.weights))
     try:
-        if in_place and source.format == "safetensors":
+        if in_place and source.primary.patches_in_place:
             from .journal import patch_in_place
 
             report.notes += patch_in_place(source, run.updates_for(source.primary, record=True), plan.record())

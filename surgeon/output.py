@@ -34,7 +34,7 @@ def default_output(source: Source, *, folder: bool = False) -> Path:
 
 
 def _onnx_with_data(source: Source) -> bool:
-    return source.kind == "index" and source.format == "onnx"
+    return source.kind == "index" and source.primary.graph  # a graph with external data files named after it
 
 
 def output_kind(source: Source, dest: Path | None = None) -> str:

@@ -245,21 +245,23 @@ def prepare(
     *,
     config: Any = None,
     shapes: dict[str, tuple[int, ...]] | None = None,
-    fmt: str = "",
+    whole_tensors: bool = True,
     depths: dict[str, int] | None = None,
 ) -> Plan:
     """The one planning step of every entry point (checkpoints, verify, models in memory, init hooks).
 
     Checks the options, fills in what the mode takes from the model's ``config``, makes the plan and
     adds the extra tensors the mode writes (W_O, found among ``shapes``: tensor name -> shape).
-    ``fmt``: the weights' format, for the mode's support check; ``depths``: each stack's number of layers,
+    ``whole_tensors``: whether the weights' format can rewrite tensors besides Q/K/V
+    (``WeightSet.rewrites_whole_tensors``), for modes that write more (W_O); ``depths``: each stack's number of layers,
     those without attention included (Detection.depths), so that layer numbers are the model's own.
     """
     options = options.validated()
     mode = get_mode(options.mode)
-    if fmt == "onnx" and not mode.onnx:
+    if mode.writes_outputs and not whole_tensors:
         raise OptionError(
-            f"{opt('mode', mode.name)} is not supported on ONNX graphs: use a safetensors/PyTorch checkpoint"
+            f"{opt('mode', mode.name)} is not supported on these weights: it rewrites W_O too, and in this format "
+            "(an ONNX graph) surgeon patches Q/K/V initializers only; use a safetensors/PyTorch checkpoint"
         )
     plan = make_plan(blocks, mode.with_defaults(options, config), depths)
     mode.add_outputs(plan, shapes or {})

@@ -155,12 +155,12 @@ def _read_record(out, output) -> tuple[Record, list | None, str]:
     found, where = stored_history(out)
     if not found:
         hint = " (a folder output carries it in its README.md; a single .bin/.pt file has none)" * (
-            out.format == "torch"
+            not out.primary.record_slot
         )
         raise CheckpointError(
             f"{output} holds no surgeon record in {where}{hint}: there is nothing to verify it against"
         )
-    return parse_record(found[-1], f"{output} ({where})"), (found[:-1] if out.format != "torch" else None), where
+    return parse_record(found[-1], f"{output} ({where})"), (found[:-1] if out.primary.record_slot else None), where
 
 
 def _check_weights(src, out, record: Record, earlier, hints, device, output, original) -> tuple[set[str], int]:
@@ -176,7 +176,7 @@ def _check_weights(src, out, record: Record, earlier, hints, device, output, ori
             record.options,
             config=src.config,
             shapes={n: t.shape for n, t in src.primary.tensors.items()},
-            fmt=src.format,
+            whole_tensors=src.primary.rewrites_whole_tensors,
             depths=detection.depths,
         )
     except SurgeonError as exc:
@@ -194,7 +194,9 @@ def _check_weights(src, out, record: Record, earlier, hints, device, output, ori
             raise VerificationError(
                 f"{output}: its earlier surgeon records differ from {original}'s; is ORIGINAL the model it was made from?"
             )
-    copies = _copies(src, out, plan, detection, record, output) if src.format == "onnx" else {}
+    copies = (
+        _copies(src, out, plan, detection, record, output) if src.primary.graph else {}
+    )  # only graphs share initializers
     engine = Engine(plan, resolve_device(device))
     changed, identical = set(engine.tensor_names), 0
     for i, (a, b) in enumerate(zip(src.weights, out.weights)):

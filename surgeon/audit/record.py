@@ -283,34 +283,29 @@ def _short(exc: BaseException) -> str:
 def stored_history(source) -> tuple[list | None, str]:
     """surgeon's records stored in an opened checkpoint (oldest first; None: none stored), and where they are.
 
-    safetensors: ``__metadata__["surgeon"]`` of its files (the longest history: the last run's); ONNX: the ``metadata_props`` entry
-    ``surgeon`` (one at most); PyTorch files: the model card README.md of a folder, its own record."""
+    Formats with a record slot (safetensors ``__metadata__``, ONNX ``metadata_props``): the entry ``surgeon`` of
+    their files, one at most per file, the longest history (the last run's); formats without one (PyTorch
+    files): the model card README.md of a folder, its own record."""
     weights = source.primary
-    if weights.format == "safetensors":
-        where = "its safetensors metadata"
+    if weights.record_slot:
+        where = f"its {weights.format} metadata"
         found: list | None = None
-        for file in weights.files:  # an in-place run adds its record to the shards whose header has room for it
-            text = weights.metadata(file).get(METADATA_KEY)
-            records = (
-                None
-                if text is None
-                else history(
-                    parse_json(text, f"{weights.folder / file} ({where})"), f"{weights.folder / file} ({where})"
+        for (
+            file,
+            texts,
+        ) in (
+            weights.record_texts()
+        ):  # in place, a record goes only where a header has room: the longest is the last run's
+            label = f"{weights.folder / file} ({where})"
+            if len(texts) > 1:
+                raise CheckpointError(
+                    f"{weights.folder / file}: its {weights.format} metadata entries hold {len(texts)} surgeon records "
+                    "where surgeon writes one"
                 )
-            )
+            records = history(parse_json(texts[0], label), label) if texts else None
             if records is not None and (found is None or len(records) > len(found)):
                 found = records
         return found, where
-    if weights.format == "onnx":
-        where = "its ONNX metadata_props"
-        texts = [p.value for p in weights.model.metadata_props if p.key == METADATA_KEY]
-        if len(texts) > 1:
-            raise CheckpointError(
-                f"{source.path}: its ONNX metadata_props hold {len(texts)} surgeon records where surgeon writes one"
-            )
-        return (
-            history(parse_json(texts[0], f"{source.path} ({where})"), f"{source.path} ({where})") if texts else None
-        ), where
     card = source.folder / "README.md"
     if source.kind == "folder" and card.is_file():
         found = read_card(card)

@@ -23,7 +23,7 @@ import torch
 
 from ..conditioning import single_threaded
 from ..errors import VerificationError
-from ..formats.safetensors import tensor_bytes
+from ..formats.base import tensor_bytes
 from ..modes import get_mode
 
 EPS64 = 2.0**-52
@@ -34,21 +34,8 @@ class DerivedMismatch(VerificationError):
 
 
 def raw(weights, name: str) -> bytes:
-    """A tensor's stored bytes, read by byte range where the format allows (no decoding)."""
-    if weights.format == "safetensors":
-        info = weights.tensors[name]
-        header = weights.headers[info.file]
-        begin, end = header.entries[name]["data_offsets"]
-        with open(header.path, "rb") as f:
-            f.seek(header.data_start + begin)
-            return f.read(end - begin)
-    if weights.format == "onnx":
-        stored = weights.stored[name]
-        if stored.in_place:
-            with open(weights.folder / stored.file, "rb") as f:
-                f.seek(stored.offset)
-                return f.read(stored.length)
-    return tensor_bytes(weights.read(name))
+    """A tensor's stored bytes (``WeightSet.raw``: by byte range where the format allows, no decoding)."""
+    return weights.raw(name)
 
 
 def check_untouched(a, b, names, output, original) -> int:

@@ -32,7 +32,7 @@ def detect(what: Any, hints: Hints | None = None, **module_options: Any) -> Any:
 
 def detect_source(source: Source, hints: Hints | None = None) -> Detection:
     weights = source.primary
-    if weights.format == "onnx":  # tensor names carry no structure: walk the graph
+    if weights.graph:  # tensor names carry no structure: walk the graph
         from .onnx import find_attention
 
         onnx_weights: Any = weights  # an OnnxWeights: its graph, constants and path

@@ -56,6 +56,11 @@ class WeightSet(ABC):
 
     format: str  # "safetensors", "torch", "onnx"
     shard_suffix: str = ""  # what every shard named by an index file must end with
+    # What the format can do, asked by the rest of surgeon instead of the format's name:
+    patches_in_place: bool = False  # --in-place rewrites byte ranges (journaled) instead of replacing files
+    rewrites_whole_tensors: bool = True  # can rewrite any tensor (a mode's extra ones, W_O), not only Q/K/V
+    graph: bool = False  # attention is found by walking the model's graph, not by tensor names
+    record_slot: bool = False  # the files carry surgeon's record themselves (else a folder's model card does)
 
     def __init__(self, folder: Path, files: list[str], index: str | None) -> None:
         self.folder = folder
@@ -112,12 +117,28 @@ class WeightSet(ABC):
         """Model arguments the weight file itself carries (a training checkpoint's), if any."""
         return None
 
+    def raw(self, name: str) -> bytes:
+        """A tensor's stored bytes (formats that can, read them by byte range without decoding)."""
+        return tensor_bytes(self.read(name))
+
+    def record_texts(self) -> list[tuple[str, list[str]]]:
+        """surgeon's record entries as stored, per file: (file, the texts under surgeon's key); [] without a slot."""
+        return []
+
     def nbytes(self) -> int:
         return sum((self.folder / f).stat().st_size for f in self.all_files)
 
     def describe(self) -> str:
         shards = f"{len(self.files)} shards" if len(self.files) > 1 else self.files[0]
         return f"{self.format} ({shards})"
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """The little-endian bytes of a tensor, as safetensors stores them."""
+    import torch
+
+    flat = tensor.detach().contiguous().cpu().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes()
 
 
 def read_index(path: Path, suffix: str) -> dict[str, str]:

@@ -76,6 +76,9 @@ def open_onnx(path: str | Path) -> OnnxWeights:
 
 class OnnxWeights(WeightSet):
     format = "onnx"
+    rewrites_whole_tensors = False  # only Q/K/V initializers are patched in a graph
+    graph = True
+    record_slot = True
 
     def __init__(self, path: Path) -> None:
         super().__init__(path.parent, [path.name], None)
@@ -236,6 +239,17 @@ class OnnxWeights(WeightSet):
             if f.readinto(buf) != len(buf):
                 raise CheckpointError(f"{stored.file} ended while reading initializer {name!r}: the file is truncated")
         return torch.frombuffer(buf, dtype=_dtype(info)).reshape(info.shape)
+
+    def raw(self, name: str) -> bytes:
+        stored = self.stored[name]
+        if not stored.in_place:
+            return super().raw(name)
+        with open(self.folder / stored.file, "rb") as f:
+            f.seek(stored.offset)
+            return f.read(stored.length)
+
+    def record_texts(self) -> list[tuple[str, list[str]]]:
+        return [(self.path.name, [p.value for p in self.model.metadata_props if p.key == METADATA_KEY])]
 
     def describe(self) -> str:
         extra = len(self.files) - 1

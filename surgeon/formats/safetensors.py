@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeGuard
 
 from ..errors import CheckpointError
-from .base import TensorInfo, UpdatesFn, WeightSet
+from .base import TensorInfo, UpdatesFn, WeightSet, tensor_bytes
 from .fileio import BackgroundCopies, copy_range
 
 if TYPE_CHECKING:
@@ -256,14 +256,6 @@ def read_tensor(header: Header, name: str) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
-def tensor_bytes(tensor: torch.Tensor) -> bytes:
-    """The little-endian bytes of a tensor, as safetensors stores them."""
-    import torch
-
-    flat = tensor.detach().contiguous().cpu().reshape(-1)
-    return flat.view(torch.uint8).numpy().tobytes()
-
-
 def encode_header(entries: dict) -> bytes:
     raw = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     return raw + b" " * (-len(raw) % 8)  # pad to 8 bytes, as the reference writer does
@@ -354,6 +346,8 @@ def patch(header: Header, path: Path, data_start: int, updates) -> list[str]:
 
 class SafetensorsWeights(WeightSet):
     format = "safetensors"
+    patches_in_place = True
+    record_slot = True
     shard_suffix = ".safetensors"
 
     def __init__(self, folder: Path, files: list[str], index: str | None = None) -> None:
@@ -377,6 +371,22 @@ class SafetensorsWeights(WeightSet):
     def read(self, name: str) -> torch.Tensor:
         info = self._infos[name]
         return read_tensor(self.headers[info.file], name)
+
+    def raw(self, name: str) -> bytes:
+        info = self.tensors[name]
+        header = self.headers[info.file]
+        begin, end = header.entries[name]["data_offsets"]
+        with open(header.path, "rb") as f:
+            f.seek(header.data_start + begin)
+            return f.read(end - begin)
+
+    def record_texts(self) -> list[tuple[str, list[str]]]:
+        # an in-place run adds its record only to the shards whose header has room for it
+        out = []
+        for file in self.files:
+            text = self.metadata(file).get(METADATA_KEY)
+            out.append((file, [] if text is None else [text]))
+        return out
 
     def metadata(self, file: str | None = None) -> dict[str, str]:
         return self.headers[file or self.files[0]].metadata

@@ -35,7 +35,6 @@ class Mode:
     exact: ClassVar[bool]  # verify re-derives the bytes exactly (else within verify_bound)
     verify_bound: ClassVar[str]  # how verify checks it, in words (for its report and the README)
     writes_outputs: ClassVar[bool]  # also rewrites each block's output projection W_O
-    onnx: ClassVar[bool]  # supported on ONNX graphs
     sharded: ClassVar[bool]  # supported on sharded (FSDP2 / DTensor) parameters
     citation: ClassVar[str | None]  # BibTeX for the card, None: nothing to cite
 

@@ -20,7 +20,6 @@ class Conditioned(Mode):
     exact = True
     verify_bound = "re-derived byte for byte from the seed"
     writes_outputs = False
-    onnx = True
     sharded = True
     citation = CONDITIONED_BIBTEX
 

@@ -28,7 +28,6 @@ class Mimetic(Mode):
     exact = True
     verify_bound = "re-derived byte for byte from the seed"
     writes_outputs = True
-    onnx = False  # W_O is not rewritten in ONNX graphs
     sharded = False
     citation = MIMETIC_BIBTEX
 

@@ -20,7 +20,6 @@ class Polar(Mode):
     exact = False
     verify_bound = "semi-orthogonal/polar within the dtype's rounding (1 ulp)"
     writes_outputs = False
-    onnx = True
     sharded = True
     citation = CONDITIONED_BIBTEX
 
