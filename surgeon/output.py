@@ -16,9 +16,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import OutputError, opt
+from .formats.registry import OTHER_FORMAT_SUFFIXES, WEIGHT_SUFFIXES
 from .source import Source
 
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".onnx", ".h5", ".gguf", ".msgpack", ".json")
+_WEIGHT_SUFFIXES = (
+    WEIGHT_SUFFIXES + OTHER_FORMAT_SUFFIXES + (".json",)
+)  # what a folder output's path must not look like
 
 
 def default_output(source: Source, *, folder: bool = False) -> Path:

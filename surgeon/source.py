@@ -11,11 +11,13 @@ from .errors import CheckpointError
 from .formats.base import WeightSet
 from .formats.registry import (  # noqa: F401  (NOT_WEIGHTS, TORCH_NAMES: importable from here as before)
     ALONE_SUFFIXES,
+    EXPORT_DIRS,
     FORMATS,
     NOT_WEIGHTS,
     OTHER_FORMAT_SUFFIXES,
     STATE_DICT_SUFFIXES,
     TORCH_NAMES,
+    WEIGHT_SUFFIXES,
     format_of,
 )
 
@@ -24,7 +26,7 @@ OPEN_CLIP_CONFIG = "open_clip_config.json"
 # Copies of the weights in formats surgeon does not rewrite here. Carried over unchanged they would
 # still hold the old attention weights, so a folder output leaves them out and says so.
 STALE_WEIGHT_SUFFIXES = OTHER_FORMAT_SUFFIXES + ALONE_SUFFIXES
-STALE_WEIGHT_DIRS = {"onnx", "openvino", "coreml", "tflite", "gguf"}
+STALE_WEIGHT_DIRS = EXPORT_DIRS
 
 
 @dataclass
@@ -168,7 +170,7 @@ def _open_folder(folder: Path) -> Source:
         parts = sorted(
             p.name
             for p in folder.iterdir()
-            if p.is_dir() and any(f.suffix in (".safetensors", ".bin") for f in p.iterdir())
+            if p.is_dir() and any(f.name.endswith(WEIGHT_SUFFIXES) for f in p.iterdir())
         )
         raise CheckpointError(
             f"{folder} is a diffusers pipeline (model_index.json): point surgeon at one of its components "

@@ -22,6 +22,9 @@ TORCH_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 TORCH_NAMES = ("pytorch_model.bin", "model.bin", "model.pt", "model.pth", "model.ckpt")
 # Weights in formats surgeon does not rewrite.
 OTHER_FORMAT_SUFFIXES = (".h5", ".msgpack", ".ot", ".gguf", ".tflite", ".mlmodel")
+# Exports of the weights to other runtimes that a model folder may carry: folders by name, files by suffix.
+EXPORT_DIRS = frozenset(("onnx", "openvino", "coreml", "tflite", "gguf"))
+EXPORT_SUFFIXES = (".xml", ".npz", ".keras")  # OpenVINO, NumPy, Keras
 
 
 def _is_torch(name: str) -> bool:

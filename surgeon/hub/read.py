@@ -15,7 +15,14 @@ from ..errors import (
     SurgeonError,
     opt,
 )
-from ..formats.registry import DATA_SUFFIXES, OTHER_FORMAT_SUFFIXES, WEIGHT_SUFFIXES, is_weight, pick_weights
+from ..formats.registry import (
+    DATA_SUFFIXES,
+    EXPORT_SUFFIXES,
+    OTHER_FORMAT_SUFFIXES,
+    WEIGHT_SUFFIXES,
+    is_weight,
+    pick_weights,
+)
 from ..redact import remember
 from ..source import Source, open_source
 from .ids import HF_PREFIX, hf_progress, parse_repo_id
@@ -175,7 +182,7 @@ def _cached_files(repo_id: str, resolved) -> tuple[list[str], bool]:
 # Weights in formats surgeon does not rewrite. A top-level folder holding weights (onnx/, openvino/,
 # coreml/, checkpoint-500/) is another copy or export of the model and is left out whole, except the
 # numbered module folders of sentence-transformers (1_Pooling/, 2_Dense/): those belong to the model.
-_OTHER_WEIGHTS = OTHER_FORMAT_SUFFIXES + DATA_SUFFIXES + (".xml", ".npz", ".keras")  # + OpenVINO, NumPy, Keras exports
+_OTHER_WEIGHTS = OTHER_FORMAT_SUFFIXES + DATA_SUFFIXES + EXPORT_SUFFIXES
 _ST_MODULE = re.compile(r"\d+_\w+")
 _TOKENIZER_NAMES = {"vocab.txt", "vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json"}
 
