@@ -63,7 +63,7 @@ def _bamba():
     )
 
 
-def _zamba2():  # one shared transformer block, run by layers 1 and 3
+def zamba2(**overrides):  # one shared transformer block, run by layers 1 and 3
     return tf.Zamba2ForCausalLM(
         tf.Zamba2Config(
             **_SMALL,
@@ -79,6 +79,7 @@ def _zamba2():  # one shared transformer block, run by layers 1 and 3
             n_mamba_heads=8,
             num_mem_blocks=1,
             chunk_size=16,
+            **overrides,
         )
     )
 
@@ -178,7 +179,7 @@ def _deepseek_v2():  # multi-head latent attention, q_proj full rank (q_lora_ran
 BUILDERS = {
     "jamba": _jamba,
     "bamba": _bamba,
-    "zamba2": _zamba2,
+    "zamba2": zamba2,
     "lfm2": _lfm2,
     "recurrent_gemma": _recurrent_gemma,
     "qwen3_next": _qwen3_next,

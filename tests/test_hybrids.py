@@ -15,7 +15,7 @@ from surgeon import reinit_checkpoint
 from surgeon.api import inspect_checkpoint
 from surgeon.errors import SelectionError
 
-from _hybrids import HYBRIDS, attention_calls, build, load
+from _hybrids import HYBRIDS, attention_calls, build, load, zamba2
 from conftest import expect_cli_error
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -124,29 +124,8 @@ def test_the_module_route_uses_the_same_numbers():
 
 def test_zamba2_adapters_on_the_shared_block_are_named(tmp_path):
     """With use_shared_attention_adapter, each layer adds its own LoRA to q/k/v: kept, and the report says so."""
-    import transformers as tf
-
     torch.manual_seed(0)
-    config = tf.Zamba2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
-        mamba_d_state=4,
-        mamba_d_conv=2,
-        mamba_expand=2,
-        mamba_ngroups=1,
-        mamba_headdim=8,
-        n_mamba_heads=8,
-        num_mem_blocks=1,
-        chunk_size=16,
-        use_shared_attention_adapter=True,
-        adapter_rank=4,
-    )
-    tf.Zamba2ForCausalLM(config).save_pretrained(tmp_path / "m")
+    zamba2(use_shared_attention_adapter=True, adapter_rank=4).save_pretrained(tmp_path / "m")
     report = inspect_checkpoint(tmp_path / "m")
     assert [b.users for b in report.blocks] == [(1, 3)]
     assert any("use_shared_attention_adapter" in n and "adapters are kept" in n for n in report.notes), report.notes
