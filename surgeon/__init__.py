@@ -40,6 +40,8 @@ _EXPORTS = {
     "HubOfflineError": "errors",
     "PushError": "errors",
     "PushResult": "hub",
+    "PushTarget": "hub",
+    "Hints": "detect.config",
     "push_folder": "hub",
     "ReinitOptions": "plan",
     "Report": "report",
@@ -69,6 +71,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from .api import inspect_checkpoint, reinit_checkpoint
     from .audit import Verification, verify
+    from .detect.config import Hints
     from .errors import (
         CheckpointError,
         HubAccessError,
@@ -86,7 +89,7 @@ if TYPE_CHECKING:
         UnsupportedWeightsError,
         VerificationError,
     )
-    from .hub import PushResult, push_folder
+    from .hub import PushResult, PushTarget, push_folder
     from .init_hooks import conditioned_init_
     from .jacobian import JacobianReport, jacobian_report
     from .journal import recover

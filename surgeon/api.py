@@ -3,27 +3,26 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import hub
 from ._version import __version__
+from .compute import Compute, Progress
 from .detect import Detection, detect_source
-from .detect.config import HintInput, Hints
+from .detect.config import HINT_KEYWORDS, HintInput, Hints
 from .errors import CheckpointError, HubError, OptionError, opt
-from .journal import check_in_place, hold, refuse_second_copies
+from .hub import PushTarget
+from .journal import hold
 from .modes import get_mode
-from .output import companion_files, copy_extras, output_kind, resolve_output, staged, tree_size
+from .output import Destination, resolve_destination
 from .plan import Plan, ReinitOptions, prepare
 from .report import ProjectionRow, Report
 from .source import Source
 
 if TYPE_CHECKING:  # torch is imported when tensors are first touched, so that opening, planning and
     import torch  # the byte copies of a reinit run while it loads
-
-    from .apply import Engine
 
 
 def load(
@@ -59,28 +58,32 @@ def check_device(device: str | torch.device | None) -> None:
 def inspect_checkpoint(
     model: str | Path,
     *,
+    hints: Hints | None = None,
     revision: str | None = None,
     config: str | Path | None = None,
-    num_heads: HintInput = None,
-    num_kv_heads: HintInput = None,
-    head_dim: HintInput = None,
-    force_hints: bool = False,
     device: str | torch.device = "auto",
     full: bool = False,
     progress: bool = False,
     verify_layout: bool = False,
     jacobian: bool = False,
     inputs: str | Path | None = None,
+    **hint_keywords: HintInput | bool,
 ) -> Report:
     """Find the attention blocks of a checkpoint and the condition numbers of their projections.
 
     ``model`` is a path (safetensors, PyTorch, ONNX file or folder) or a Hugging Face Hub id (``org/name``,
-    at ``revision``); ONNX blocks are found by walking the graph. Per-head condition numbers are always computed; the whole-projection kappa and spectral norm with ``full=True``.
+    at ``revision``); ONNX blocks are found by walking the graph. ``hints`` (a :class:`~surgeon.detect.config.Hints`),
+    or its fields as keywords (``num_heads``, ``num_kv_heads``, ``head_dim``, ``force_hints``), say what
+    config.json does not. Per-head condition numbers are always computed; the whole-projection kappa and
+    spectral norm with ``full=True``.
     ``verify_layout=True`` also checks the blocks against the forward of the architecture config.json names
     (:func:`surgeon.layout_check.verify_layout`; a note, or a LayoutError); ``jacobian=True`` adds the attention
     Jacobian report (``report.jacobian``; ``inputs``: text lines or a .pt of token ids). The checkpoint is
     opened and detected once for all of them.
+
+    >>> report = inspect_checkpoint("model.safetensors", num_heads=12)  # doctest: +SKIP
     """
+    hints = Hints.build(hints, **hint_keywords)
     if inputs is not None and not jacobian:
         raise OptionError(f"{opt('inputs')} goes with {opt('jacobian', True)}")
     from .apply import inspect_blocks, resolve_device
@@ -88,24 +91,29 @@ def inspect_checkpoint(
     dev = resolve_device(device)
     start = time.perf_counter()
     source = load(model, config=config, revision=revision, progress=progress)
-    detection = detect_source(source, Hints(num_heads, num_kv_heads, head_dim, force_hints))
+    detection = detect_source(source, hints)
     weights = source.primary
-    with (
-        hold(source, exclusive=False),
-        _progress(progress, len({p.weight.tensor for b in detection.blocks for p in b.projections}), "inspect") as bar,
-    ):
+    tensors = {p.weight.tensor for b in detection.blocks for p in b.projections}
+    with hold(source, exclusive=False), Progress(progress, len(tensors), "inspect") as bar:
         spectra = inspect_blocks(detection.blocks, weights.read, dev, progress=bar.update if bar else None, whole=full)
+    notes = source.notes + detection.notes[:5]
+    if verify_layout:
+        from .layout_check import check_layout
+
+        notes.append(check_layout(source, detection.blocks).summary())
+    report_jacobian = None
+    if jacobian:
+        from .jacobian import source_jacobian
+
+        report_jacobian = source_jacobian(source, inputs=inputs)
     rows = [
         ProjectionRow(
-            block,
-            proj.role,
-            spectra[(block.module, proj.role)],
-            dtype=weights.tensors[proj.weight.tensor].element or "",
+            block, p.role, spectra[(block.module, p.role)], dtype=weights.tensors[p.weight.tensor].element or ""
         )
         for block in detection.blocks
-        for proj in block.projections
+        for p in block.projections
     ]
-    report = Report(
+    return Report(
         "inspect",
         _label(source),
         weights.describe(),
@@ -113,80 +121,56 @@ def inspect_checkpoint(
         rows,
         seconds=time.perf_counter() - start,
         device=str(dev),
-        notes=source.notes + detection.notes[:5],
+        notes=notes,
+        jacobian=report_jacobian,
     )
-    if verify_layout:
-        from .layout_check import check_layout
-
-        report.notes.append(check_layout(source, detection.blocks).summary())
-    if jacobian:
-        from .jacobian import source_jacobian
-
-        report.jacobian = source_jacobian(source, inputs=inputs)
-    return report
-
-
-@dataclass(frozen=True)
-class PushTarget:
-    """Where and how a reinit's output folder is pushed (``push_to_hub`` and its companions)."""
-
-    repo_id: str
-    private: bool = False
-    revision: str | None = None
-    create_pr: bool = False
-    commit_message: str | None = None
-    token: str | None = None
 
 
 def reinit_checkpoint(
     model: str | Path,
     *,
     options: ReinitOptions | None = None,
-    revision: str | None = None,
+    hints: Hints | None = None,
     output: str | Path | None = None,
     in_place: bool = False,
     overwrite: bool = False,
     dry_run: bool = False,
+    push: PushTarget | str | None = None,
     device: str | torch.device = "auto",
+    revision: str | None = None,
     config: str | Path | None = None,
-    num_heads: HintInput = None,
-    num_kv_heads: HintInput = None,
-    head_dim: HintInput = None,
-    force_hints: bool = False,
     full: bool = False,
     progress: bool = False,
-    push_to_hub: str | None = None,
-    private: bool = False,
-    push_revision: str | None = None,
-    create_pr: bool = False,
-    commit_message: str | None = None,
-    token: str | None = None,
-    **option_keywords: Any,
+    **keywords: Any,
 ) -> Report:
     """Re-initialize the chosen Q/K/V projections of a checkpoint and write a new one beside it.
 
-    How: ``options`` (a :class:`~surgeon.plan.ReinitOptions`), or its fields as keywords (``layers``,
-    ``targets``, ``heads``, ``attention``, ``stack``, ``mode``, ``strength``, ``value_identity``,
-    ``keep_scale``, ``bias``, ``seed``, ``gain``, ``std``), which replace those of ``options``. ``model``: a path (safetensors, PyTorch, ONNX file or folder) or a Hub id (``org/name``, at ``revision``).
-    A folder output gets a model card. ONNX: ``output="out.onnx"`` for an .onnx with external data writes
-    out.onnx with its data beside it (``out.onnx.data``), a path without .onnx a folder; a shared initializer
-    that must change becomes a copy for the chosen projections. ``push_to_hub="org/name"`` uploads the output
-    folder in one commit (see :func:`surgeon.hub.push_folder`: ``private``, ``push_revision``, ``create_pr``, ``token``).
-    ``in_place=True`` on safetensors patches only the changed byte ranges, journaled (see
-    :mod:`surgeon.journal`). ``full=True`` also measures each whole projection's kappa and spectral norm.
+    ``model``: a path (safetensors, PyTorch, ONNX file or folder) or a Hub id (``org/name``, at ``revision``).
+    What to do: ``options`` (a :class:`~surgeon.plan.ReinitOptions`); what config.json does not say:
+    ``hints`` (a :class:`~surgeon.detect.config.Hints`). The fields of either may also be given as
+    keywords (``layers``, ``targets``, ``heads``, ``mode``, ``seed``, ...; ``num_heads``, ``head_dim``, ...),
+    which replace those of the objects.
+    Where: ``output`` (default: beside the input), or ``in_place=True`` (safetensors: only the changed
+    byte ranges are patched, journaled; see :mod:`surgeon.journal`). A folder output gets a model card.
+    ONNX: ``output="out.onnx"`` for an .onnx with external data writes out.onnx with its data beside it
+    (``out.onnx.data``), a path without .onnx a folder; a shared initializer that must change becomes a
+    copy for the chosen projections. ``push`` (a repo id, or a :class:`~surgeon.hub.PushTarget` for a
+    branch, a pull request, a private repo or a token) uploads the output folder in one commit.
+    ``full=True`` also measures each whole projection's kappa and spectral norm.
+
+    >>> reinit_checkpoint("model.safetensors", layers="0-11", output="reset.safetensors")  # doctest: +SKIP
+    >>> reinit_checkpoint("./bert", options=ReinitOptions(targets="q,k"), push="me/bert-reset")  # doctest: +SKIP
     """
-    opts = ReinitOptions.build(options, **option_keywords)
-    push = _push_target(push_to_hub, private, push_revision, create_pr, commit_message, token, in_place=in_place)
+    hint_keywords = {k: keywords.pop(k) for k in HINT_KEYWORDS if k in keywords}
+    opts, hints = ReinitOptions.build(options, **keywords), Hints.build(hints, **hint_keywords)
+    target = _push_target(push, in_place=in_place)
     opts = opts.validated()
     check_device(device)
     start = time.perf_counter()
     source = load(model, config=config, revision=revision, progress=progress, recover=in_place and not dry_run)
-    _check_push_output(push, source)
-    if in_place:  # refused before any write: a second copy of the weights left stale; for a byte patch, shared bytes
-        refuse_second_copies(source)
-        if source.primary.patches_in_place:
-            check_in_place(source)
-    hints = Hints(num_heads, num_kv_heads, head_dim, force_hints)
+    dest = resolve_destination(
+        source, output, in_place=in_place, overwrite=overwrite or dry_run, push=target is not None
+    )
     detection = detect_source(source, hints)
     plan = prepare(
         detection.blocks,
@@ -196,150 +180,102 @@ def reinit_checkpoint(
         whole_tensors=source.primary.rewrites_whole_tensors,
         depths=detection.depths,
     )
-    opts = plan.options  # with the mode's defaults from config (redraw: the family's std)
-    dest = resolve_output(source, output, in_place=in_place, overwrite=overwrite or dry_run, folder=push is not None)
-    report = Report(
-        "reinit",
-        _label(source),
-        source.describe(),
-        detection.blocks,
-        options=opts.to_dict(),
-        output=str(dest),
-        dry_run=dry_run,
-        device=str(device),
-        notes=source.notes + detection.notes[:5] + plan.notes,
-    )
+    notes = source.notes + detection.notes[:5] + plan.notes
     if dry_run:
-        return _plan_report(report, source, plan, dest, overwrite=overwrite, in_place=in_place, push=push)
+        notes += _dry_run_notes(dest, overwrite=overwrite, push=target)
+        return _report(source, detection, plan, dest, _planned_rows(source, plan), notes, device=str(device))
+    title = target.repo_id if target is not None else dest.path.name
     with hold(source, exclusive=in_place):  # in place: alone; a copy: never while an in-place run patches it
-        _run_and_write(
-            report,
+        rows, used, size = _carry_out(
             source,
             detection,
             plan,
             dest,
+            notes,
             device=device,
             full=full,
             progress=progress,
-            in_place=in_place,
-            push=push,
-            command=lambda: _reproduce(model, source, opts, hints, dest),
+            title=title,
+            command=lambda: _reproduce(model, source, plan.options, hints, dest.path),
         )
-    report.seconds = time.perf_counter() - start
-    if push is not None:
-        _push(report, dest, push, source, plan, progress=progress)
-    return report
+    seconds = time.perf_counter() - start
+    if target is not None:
+        notes += _push(dest, target, source, plan, progress=progress)
+    return _report(
+        source, detection, plan, dest, rows, notes, device=used, seconds=seconds, bytes_written=size, dry_run=False
+    )
 
 
-def _push_target(
-    repo_id: str | None,
-    private: bool,
-    revision: str | None,
-    create_pr: bool,
-    commit_message: str | None,
-    token: str | None,
-    *,
-    in_place: bool,
-) -> PushTarget | None:
-    """The push a reinit asks for, checked before anything is opened; None without ``push_to_hub``."""
-    if repo_id is None:
-        if private or revision or create_pr or commit_message:
-            raise OptionError(
-                f"{opt('private')}, {opt('push_revision')}, {opt('create_pr')} and {opt('commit_message')} "
-                f"go with {opt('push_to_hub', 'org/name')}"
-            )
+def _push_target(push: PushTarget | str | None, *, in_place: bool) -> PushTarget | None:
+    """The push a reinit asks for, checked before anything is opened."""
+    if push is None:
         return None
     if in_place:
         raise OptionError(
             f"{opt('push_to_hub')} pushes a new output folder; it cannot be combined with {opt('in_place', True)}"
         )
-    repo_id = hub.check_push(repo_id, revision=revision, create_pr=create_pr, token=token)
-    return PushTarget(repo_id, private, revision, create_pr, commit_message, token)
+    target = push if isinstance(push, PushTarget) else PushTarget(push)
+    target.check_token()
+    return target
 
 
-def _check_push_output(push: PushTarget | None, source: Source) -> None:
-    if push is not None and output_kind(source) == "file":
-        raise OptionError(
-            f"{opt('push_to_hub')} uploads a model folder, and the output of {source.path.name} is a single file: "
-            "give the model folder as MODEL"
-        )
-
-
-def _run_and_write(
-    report: Report,
+def _carry_out(
     source: Source,
     detection: Detection,
     plan: Plan,
-    dest: Path,
+    dest: Destination,
+    notes: list[str],
     *,
     device,
     full: bool,
     progress: bool,
-    in_place: bool,
-    push: PushTarget | None,
-    command,
-) -> None:
-    """Compute the new values and write them (a patch in place, or a copy); fill in the report's rows."""
-    for weights in source.weights:
-        report.notes += weights.check_plan(plan, detection)
-    _check_secondary_sets(source, plan.tensors())
-    run = _Run(plan, device, whole=full, progress=progress, total=len(plan.tensors()) * len(source.weights))
-    try:
-        if in_place and source.primary.patches_in_place:
-            from .journal import patch_in_place
+    title: str,
+    command: Callable[[], str],
+) -> tuple[list[ProjectionRow], str, int]:
+    """Compute the new values and write them to ``dest``: the rows, the device used, the bytes written.
 
-            report.notes += patch_in_place(source, run.updates_for(source.primary, record=True), plan.record())
-            kind = "patch"
-        else:
-            title = push.repo_id if push is not None else dest.name
-            kind = _write_copy(
-                source, plan, run, dest, in_place=in_place, title=title, notes=report.notes, command=command
-            )
+    ``command()`` gives the model card's reproduce command; it is made after the weights, so that
+    nothing delays the start of the byte copies."""
+    for weights in source.weights:
+        notes += weights.check_plan(plan, detection)
+    _check_secondary_sets(source, plan.tensors())
+    run = Compute(plan, device, whole=full, progress=progress, total=len(plan.tensors()) * len(source.weights))
+
+    def card(folder: Path) -> None:
+        from .card import write_card
+
+        write_card(folder, source=source, plan=plan, results=run.results(), command=command(), title=title)
+
+    try:
+        dest.write(source, run.updates_for, plan.record(), card=card, notes=notes)
     finally:
         run.close()
-    if run.started:
-        report.device = str(run.engine.device)
-        report.rows = [
-            ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed)
-            for r in run.engine.ordered_results()
-        ]
-    else:
-        report.rows = []
-    if kind == "patch":
-        report.bytes_written = run.bytes_changed
-    elif kind == "merge":
-        report.bytes_written = sum((dest / f).stat().st_size for w in source.weights for f in w.all_files)
-    elif kind == "files":
-        report.bytes_written = sum(p.stat().st_size for p in [dest, *companion_files(source, dest)])
-    else:
-        report.bytes_written = tree_size(dest)
+    rows = [ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed) for r in run.results()]
+    used = str(run.engine.device) if run.started else str(device)
+    return rows, used, dest.size(source, patched=run.bytes_changed)
 
 
-def _push(report: Report, dest: Path, push: PushTarget, source: Source, plan: Plan, *, progress: bool) -> None:
+def _push(dest: Destination, target: PushTarget, source: Source, plan: Plan, *, progress: bool) -> list[str]:
     try:
-        pushed = hub.push_folder(
-            dest,
-            push.repo_id,
-            private=push.private,
-            revision=push.revision,
-            create_pr=push.create_pr,
-            commit_message=push.commit_message or _commit_message(source, plan),
-            token=push.token,
-            progress=progress,
-        )
+        pushed = target.push(dest.path, default_message=_commit_message(source, plan), progress=progress)
     except HubError as exc:  # the output is on disk: say so, and keep the error's type
-        exc.context = f"wrote {dest}, but the push failed: "
+        exc.context = f"wrote {dest.path}, but the push failed: "
         raise
-    report.notes += pushed.notes + [pushed.summary()]
+    return pushed.notes + [pushed.summary()]
 
 
-def _plan_report(
-    report: Report, source: Source, plan: Plan, dest: Path, *, overwrite: bool, in_place: bool, push: PushTarget | None
-) -> Report:
-    """A dry run: the plan as rows, nothing computed or written."""
-    if dest.exists() and not overwrite and not in_place:
-        report.notes.append(f"{dest} exists: the real run needs {opt('overwrite', True)} or another {opt('output')}")
-    report.rows = [
+def _dry_run_notes(dest: Destination, *, overwrite: bool, push: PushTarget | None) -> list[str]:
+    notes = []
+    if dest.path.exists() and not overwrite and not dest.in_place:
+        notes.append(f"{dest.path} exists: the real run needs {opt('overwrite', True)} or another {opt('output')}")
+    if push is not None:
+        notes.append(f"the real run pushes {dest.path.name} to {push.repo_id}")
+    return notes
+
+
+def _planned_rows(source: Source, plan: Plan) -> list[ProjectionRow]:
+    """A dry run's rows: what the real run would change, nothing computed."""
+    return [
         ProjectionRow(
             c.block,
             c.role,
@@ -350,89 +286,36 @@ def _plan_report(
         )
         for c in plan.changes
     ]
-    if push is not None:
-        report.notes.append(f"the real run pushes {dest.name} to {push.repo_id}")
-    return report
 
 
-def _write_copy(
-    source: Source, plan: Plan, run: _Run, dest: Path, *, in_place: bool, command, title: str, notes: list[str]
-) -> str:
-    """Write the re-initialized checkpoint into a staging folder, then move it into place.
-
-    ``command()`` gives the model card's reproduce command; it is made after the weights, so that
-    nothing delays the start of the byte copies.
-    """
-    kind = "merge" if in_place and source.kind != "file" else output_kind(source, dest)
-    if kind == "files":  # an .onnx with external data, written as the file dest with its data beside it
-        with staged(dest, kind, file_name=dest.name, notes=notes) as tmp:
-            source.primary.save_as(tmp, dest.name, run.updates_for(source.primary, record=True), plan.record())
-        return kind
-    with staged(dest, kind, file_name=source.path.name, notes=notes) as tmp:
-        for i, weights in enumerate(source.weights):
-            weights.save(tmp, run.updates_for(weights, record=i == 0), plan.record())
-        if kind == "folder" and source.kind == "folder":
-            copy_extras(source, tmp)
-        if kind == "folder":
-            from .card import write_card
-
-            write_card(
-                tmp, source=source, plan=plan, results=run.engine.ordered_results(), command=command(), title=title
-            )
-    return kind
-
-
-class _Updates:
-    """The new values of one weight set's changing tensors, computed one at a time (see UpdatesFn)."""
-
-    def __init__(self, run: _Run, weights, record: bool) -> None:
-        self.run, self.weights, self.record = run, weights, record
-        self.order = [n for n in run.plan.tensors() if n in weights.tensors]
-        self.names = frozenset(self.order)
-
-    def __call__(self, file: str) -> Iterator[tuple[str, torch.Tensor]]:
-        run = self.run
-        for name in self.order:
-            info = self.weights.tensors[name]
-            if info.file != file:
-                continue
-            yield name, run.engine.update(name, self.weights.read(name), record=self.record)
-            run.bytes_changed += info.nbytes
-            if run._bar.bar is not None:
-                run._bar.bar.update(1)
-
-
-class _Run:
-    """The compute side of a reinit: the Engine, made (and torch imported) on first use.
-
-    Formats call ``updates(file)`` once per file after starting that file's byte copy, so the
-    torch import and the math overlap the copying.
-    """
-
-    def __init__(self, plan: Plan, device, *, whole: bool, progress: bool, total: int) -> None:
-        self.plan, self.device, self.whole = plan, device, whole
-        self._engine: Engine | None = None
-        self._bar = _progress(progress, total, "reinit")
-        self.bytes_changed = 0
-
-    @property
-    def started(self) -> bool:
-        return self._engine is not None
-
-    @property
-    def engine(self) -> Engine:
-        if self._engine is None:
-            from .apply import Engine, resolve_device
-
-            self._engine = Engine(self.plan, resolve_device(self.device), whole=self.whole)
-            self._bar.__enter__()
-        return self._engine
-
-    def updates_for(self, weights, *, record: bool) -> _Updates:
-        return _Updates(self, weights, record)
-
-    def close(self) -> None:
-        self._bar.__exit__(None, None, None)
+def _report(
+    source: Source,
+    detection: Detection,
+    plan: Plan,
+    dest: Destination,
+    rows: list[ProjectionRow],
+    notes: list[str],
+    *,
+    device: str,
+    seconds: float = 0.0,
+    bytes_written: int = 0,
+    dry_run: bool = True,
+) -> Report:
+    """The reinit's report, made once from what was planned or done."""
+    return Report(
+        "reinit",
+        _label(source),
+        source.describe(),
+        detection.blocks,
+        rows,
+        options=plan.options.to_dict(),  # with the mode's defaults from config (redraw: the family's std)
+        output=str(dest.path),
+        dry_run=dry_run,
+        seconds=seconds,
+        bytes_written=bytes_written,
+        device=device,
+        notes=notes,
+    )
 
 
 def _reproduce(model: str | Path, source: Source, options: ReinitOptions, hints: Hints, dest: Path) -> str:
@@ -463,21 +346,3 @@ def _check_secondary_sets(source: Source, tensors: list[str]) -> None:
                     f"{source.folder} holds two weight sets ({source.primary.describe()} and {other.describe()}) "
                     f"that disagree on {name!r}; point surgeon at one file, or remove the stale copy"
                 )
-
-
-class _progress:
-    """A tqdm bar on stderr that appears only for runs longer than a second."""
-
-    def __init__(self, enabled: bool, total: int, desc: str) -> None:
-        self.enabled, self.total, self.desc, self.bar = enabled, total, desc, None
-
-    def __enter__(self):
-        if self.enabled and self.total:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=self.total, desc=self.desc, unit="tensor", delay=1.0, leave=False)
-        return self.bar
-
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            self.bar.close()

@@ -285,15 +285,13 @@ def inspect(
     ONNX: blocks are found by walking the graph; stacks and layers come from the exporter's scopes.
     """
     from . import api
+    from .detect.config import Hints
 
     report = api.inspect_checkpoint(
         model,
+        hints=Hints(num_heads, num_kv_heads, head_dim, force_hints),
         revision=revision,
         config=config,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        force_hints=force_hints,
         device=device,
         full=full,
         progress=not as_json and sys.stderr.isatty(),
@@ -402,31 +400,33 @@ def reinit(
     given to the chosen projections as a copy of their own (the report says so).
     """
     from . import api
+    from .detect.config import Hints
+    from .hub.push import PushTarget
     from .plan import ReinitOptions
 
     if plot and dry_run:
         raise OptionError("--plot draws the condition numbers before and after, and a --dry-run computes none")
+    push = PushTarget.build(
+        push_to_hub,
+        private=private,
+        revision=push_revision,
+        create_pr=create_pr,
+        commit_message=commit_message,
+    )
     report = api.reinit_checkpoint(
         model,
         options=ReinitOptions.build(**{k: v for k, v in options.items() if v is not None}),
-        revision=revision,
+        hints=Hints(num_heads, num_kv_heads, head_dim, force_hints),
         output=output,
         in_place=in_place,
         overwrite=overwrite,
         dry_run=dry_run,
+        push=push,
         device=device,
+        revision=revision,
         config=config,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        force_hints=force_hints,
         full=full,
         progress=not as_json and sys.stderr.isatty(),
-        push_to_hub=push_to_hub,
-        private=private,
-        push_revision=push_revision,
-        create_pr=create_pr,
-        commit_message=commit_message,
     )
     if plot:
         from .plot import plot_kappas

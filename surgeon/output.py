@@ -1,27 +1,130 @@
-"""Where the output goes, and putting it there atomically.
+"""Where a reinit's output goes: one frozen :class:`Destination`, resolved before anything is written.
 
-Everything is written into a temporary folder beside the destination and renamed into place at
-the end, so a failed or interrupted run leaves no partial output and never touches the input.
+Its kind (an :class:`OutputKind`) is decided here, once, from the source and what the user asked
+for; the destination then owns how its kind is staged and put in place (``staging.py``) and how big
+the result is. Every check that can refuse an output runs in :func:`resolve_destination`, so a
+refused output writes nothing.
 """
 
 from __future__ import annotations
 
-import os
-import re
+import enum
 import shutil
-import socket
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .errors import OutputError, opt
+from .errors import OptionError, OutputError, opt
 from .formats.registry import OTHER_FORMAT_SUFFIXES, WEIGHT_SUFFIXES
 from .source import Source
+from .staging import staged
+
+if TYPE_CHECKING:
+    from .formats.base import UpdatesFn, WeightSet
 
 _WEIGHT_SUFFIXES = (
     WEIGHT_SUFFIXES + OTHER_FORMAT_SUFFIXES + (".json",)
 )  # what a folder output's path must not look like
+
+
+class OutputKind(str, enum.Enum):
+    FILE = "file"  # one weight file (a file input; also in place, replaced atomically)
+    FILES = "files"  # an .onnx with external data written as a file, its data files beside it
+    FOLDER = "folder"  # a new model folder, with a model card
+    MERGE = "merge"  # in place on a folder: each weight file replaced atomically, nothing else touched
+    PATCH = "patch"  # in place on safetensors: only the changed byte ranges, journaled
+
+
+@dataclass(frozen=True)
+class Destination:
+    """A resolved output: its path, kind, the files written beside it, and whether it is the input."""
+
+    path: Path
+    kind: OutputKind
+    staged_name: str  # the main file's name in the staging folder (file kinds)
+    companions: tuple[Path, ...] = ()  # FILES: the data files written beside ``path``
+    in_place: bool = False
+
+    @property
+    def gets_card(self) -> bool:
+        return self.kind is OutputKind.FOLDER
+
+    def write(
+        self,
+        source: Source,
+        updates: Callable[[WeightSet, bool], UpdatesFn],
+        record: dict,
+        *,
+        card: Callable[[Path], None],
+        notes: list[str],
+    ) -> None:
+        """Write the output: ``updates(weights, record)`` gives each weight set's new tensors (the record
+        goes into the first set only); ``card(folder)`` writes the model card of a folder output."""
+        if self.kind is OutputKind.PATCH:
+            from .journal import patch_in_place
+
+            notes += patch_in_place(source, updates(source.primary, True), record)
+            return
+        with staged(self.path, self.kind, file_name=self.staged_name, notes=notes) as tmp:
+            if self.kind is OutputKind.FILES:
+                source.primary.save_as(tmp, self.path.name, updates(source.primary, True), record)
+                return
+            for i, weights in enumerate(source.weights):
+                weights.save(tmp, updates(weights, i == 0), record)
+            if self.kind is OutputKind.FOLDER:
+                if source.kind == "folder":
+                    copy_extras(source, tmp)
+                card(tmp)
+
+    def size(self, source: Source, *, patched: int) -> int:
+        """The bytes the output holds (``patched``: the bytes a patch rewrote)."""
+        if self.kind is OutputKind.PATCH:
+            return patched
+        if self.kind is OutputKind.MERGE:
+            return sum((self.path / f).stat().st_size for w in source.weights for f in w.all_files)
+        if self.kind is OutputKind.FOLDER:
+            return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
+        return sum(p.stat().st_size for p in (self.path, *self.companions))
+
+
+def resolve_destination(
+    source: Source, output: str | Path | None, *, in_place: bool, overwrite: bool, push: bool = False
+) -> Destination:
+    """The destination, after every check that can fail before anything is written.
+
+    ``push``: the output is uploaded, so it must be a folder (even for an .onnx with external data)."""
+    if in_place:
+        return _in_place(source, output)
+    if push and source.kind == "file":
+        raise OptionError(
+            f"{opt('push_to_hub')} uploads a model folder, and the output of {source.path.name} is a single file: "
+            "give the model folder as MODEL"
+        )
+    dest = Path(output) if output is not None else default_output(source, folder=push)
+    kind = _kind(source, dest)
+    if kind is OutputKind.FILES and push:
+        raise OutputError(
+            f"{opt('push_to_hub')} uploads a model folder, and {opt('output', output)} names an .onnx file: "
+            f"give a folder path (e.g. {opt('output', dest.with_suffix(''))})"
+        )
+    companions: tuple[Path, ...] = ()
+    if kind is OutputKind.FILES:
+        companions = tuple(dest.parent / n for n in source.primary.files_as(dest.name)[1:])
+        _check_companions(source, dest, companions, overwrite=overwrite)
+    if kind is OutputKind.FILE and dest.is_dir():
+        dest = dest / source.path.name  # like cp: a folder given for a file output receives the file
+    if kind is OutputKind.FOLDER:
+        _check_folder(source, dest, output)
+    _check_not_input(source, dest, kind)
+    if dest.exists() and not overwrite:
+        raise OutputError(
+            f"{dest} already exists; pass {opt('overwrite', True)} to replace it, or choose another path with {opt('output')}",
+            path=dest,
+        )
+    if kind is OutputKind.FILES:
+        return Destination(dest, kind, dest.name, companions)
+    return Destination(dest, kind, source.path.name)
 
 
 def default_output(source: Source, *, folder: bool = False) -> Path:
@@ -40,82 +143,63 @@ def _onnx_with_data(source: Source) -> bool:
     return source.kind == "index" and source.primary.graph  # a graph with external data files named after it
 
 
-def output_kind(source: Source, dest: Path | None = None) -> str:
-    """ "file", "folder", or "files": an .onnx with external data written as the file ``dest`` with its
-    data files beside it (a folder only when the user names one: a path without the .onnx suffix)."""
+def _kind(source: Source, dest: Path) -> OutputKind:
+    """A file input gives a file; an .onnx with external data gives files when ``dest`` names an .onnx
+    (a folder only when the user names one: a path without the .onnx suffix); anything else a folder."""
     if source.kind == "file":
-        return "file"
-    if _onnx_with_data(source) and dest is not None and dest.suffix.lower() == ".onnx" and not dest.is_dir():
-        return "files"
-    return "folder"
+        return OutputKind.FILE
+    if _onnx_with_data(source) and dest.suffix.lower() == ".onnx" and not dest.is_dir():
+        return OutputKind.FILES
+    return OutputKind.FOLDER
 
 
-def companion_files(source: Source, dest: Path) -> list[Path]:
-    """The files written beside ``dest`` when the output kind is "files" (an .onnx's renamed data files)."""
-    from .formats.onnx_wire import renamed_data_files
-
-    primary = source.primary
-    return [dest.parent / n for n in renamed_data_files(primary.files[1:], source.path.name, dest.name).values()]
-
-
-def resolve_output(
-    source: Source, output: str | Path | None, *, in_place: bool, overwrite: bool, folder: bool = False
-) -> Path:
-    """The destination path, after every check that can fail before anything is written.
-
-    ``folder``: the output must be a folder (a push), even for an .onnx with external data."""
-    if in_place:
-        if output is not None:
-            raise OutputError(f"use either {opt('output')} or {opt('in_place', True)}, not both")
-        if source.hub_id is not None:
-            raise OutputError(
-                f"{opt('in_place', True)} cannot write into the Hugging Face cache; use {opt('output')} to choose an output folder"
-            )
-        from .journal import refuse_second_copies
-
-        refuse_second_copies(source)  # e.g. diffusers' fp16 variant beside the full weights: both would have to change
-        return source.path if source.kind == "file" else source.folder
-    dest = Path(output) if output is not None else default_output(source, folder=folder)
-    kind = output_kind(source, dest)
-    if kind == "files" and folder:
+def _in_place(source: Source, output: str | Path | None) -> Destination:
+    if output is not None:
+        raise OutputError(f"use either {opt('output')} or {opt('in_place', True)}, not both")
+    if source.hub_id is not None:
         raise OutputError(
-            f"{opt('push_to_hub')} uploads a model folder, and {opt('output', output)} names an .onnx file: "
-            f"give a folder path (e.g. {opt('output', dest.with_suffix(''))})"
+            f"{opt('in_place', True)} cannot write into the Hugging Face cache; use {opt('output')} to choose an output folder"
         )
-    if kind == "files":
-        _check_companions(source, dest, overwrite=overwrite)
-    if kind == "file" and dest.is_dir():
-        dest = dest / source.path.name  # like cp: a folder given for a file output receives the file
-    if kind == "folder" and not dest.is_dir() and dest.suffix.lower() in _WEIGHT_SUFFIXES:
+    from .journal import check_in_place, refuse_second_copies
+
+    refuse_second_copies(source)  # e.g. diffusers' fp16 variant beside the full weights: both would have to change
+    if source.primary.patches_in_place:
+        check_in_place(source)  # shared bytes (Hub cache links, hard links) would change elsewhere too
+        return Destination(source.path if source.kind == "file" else source.folder, OutputKind.PATCH, "", in_place=True)
+    if source.kind == "file":
+        return Destination(source.path, OutputKind.FILE, source.path.name, in_place=True)
+    return Destination(source.folder, OutputKind.MERGE, source.path.name, in_place=True)
+
+
+def _check_folder(source: Source, dest: Path, output: str | Path | None) -> None:
+    if not dest.is_dir() and dest.suffix.lower() in _WEIGHT_SUFFIXES:
         raise OutputError(
             f"{opt('output', output)} names a {dest.suffix} file, but the output of a {source.kind} input is a folder: "
             f"give a folder path (e.g. {opt('output', dest.with_suffix(''))}), or give the weight file itself as MODEL"
         )
-    if kind == "folder" and dest.is_file():
+    if dest.is_file():
         raise OutputError(
             f"{dest} is a file, but the output of a {source.kind} input is a folder; choose a folder path with {opt('output')}",
             path=dest,
         )
-    inputs = {source.path.resolve(), source.folder.resolve()} if kind == "folder" else {source.path.resolve()}
+
+
+def _check_not_input(source: Source, dest: Path, kind: OutputKind) -> None:
+    folder = kind is OutputKind.FOLDER
+    inputs = {source.path.resolve(), source.folder.resolve()} if folder else {source.path.resolve()}
     if dest.resolve() in inputs:
         raise OutputError(
             f"{dest} is the input; surgeon writes a new copy unless you pass {opt('in_place', True)}", path=dest
         )
-    if kind == "folder" and source.folder.resolve() in dest.resolve().parents:
+    if folder and source.folder.resolve() in dest.resolve().parents:
         raise OutputError(f"{dest} is inside the input folder {source.folder}; choose an output outside it")
     if dest.resolve() in source.path.resolve().parents:
         raise OutputError(f"{dest} holds the input {source.path}; choose an output that does not contain it")
-    if dest.exists() and not overwrite:
-        raise OutputError(
-            f"{dest} already exists; pass {opt('overwrite', True)} to replace it, or choose another path with {opt('output')}",
-            path=dest,
-        )
-    return dest
 
 
-def _check_companions(source: Source, dest: Path, *, overwrite: bool) -> None:
+def _check_companions(source: Source, dest: Path, companions: tuple[Path, ...], *, overwrite: bool) -> None:
     inputs = {(source.folder / f).resolve() for f in source.primary.all_files}
-    for path in companion_files(source, dest):
+    for path in companions:
         if path.resolve() in inputs:
             raise OutputError(
                 f"{dest} would write its data file {path.name} over the input's; choose another name with {opt('output')}",
@@ -133,149 +217,9 @@ def _check_companions(source: Source, dest: Path, *, overwrite: bool) -> None:
             )
 
 
-@contextmanager
-def staged(dest: Path, kind: str, file_name: str | None = None, notes: list[str] | None = None) -> Iterator[Path]:
-    """Yield a temporary folder to write into; on success move its content to ``dest``.
-
-    ``kind`` "file": the folder must end up holding ``file_name``, which becomes ``dest``.
-    ``kind`` "files": each file in the folder goes beside ``dest`` (its name is kept), ``file_name``
-    last, becoming ``dest``: an .onnx whose data files are there before it is.
-    ``kind`` "folder": the folder itself becomes ``dest`` (replacing an existing one).
-    ``kind`` "merge": each file in the folder replaces its namesake in the existing folder ``dest``
-    (in-place runs on a folder: every file is replaced atomically, nothing else is touched).
-
-    The temporary folder's name records the process id and host of the run that made it
-    (``.model.safetensors.pid123@host.x8k2.surgeon-tmp``). A run killed with SIGKILL cannot remove
-    it; the next run writing to the same destination removes those whose process is gone, and adds a
-    line to ``notes`` for any it cannot judge (another host, an older surgeon, a run still going).
-    """
-    dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    where = dest if kind == "merge" else dest.parent
-    found = clean_stale(where, dest.name)
-    if notes is not None:
-        notes.extend(found)
-    tmp = Path(tempfile.mkdtemp(prefix=_owner_prefix(dest.name), suffix=STAGING_SUFFIX, dir=where))
-    try:
-        yield tmp
-        if kind == "merge":
-            for p in sorted(tmp.rglob("*")):
-                if p.is_file():
-                    os.replace(p, dest / p.relative_to(tmp))
-            shutil.rmtree(tmp)
-        elif kind == "file":
-            os.replace(tmp / (file_name or dest.name), dest)
-            shutil.rmtree(tmp)
-        elif kind == "files":
-            main = tmp / (file_name or dest.name)
-            for p in sorted(tmp.iterdir()):
-                if p != main:
-                    os.replace(p, dest.parent / p.name)
-            os.replace(main, dest)
-            shutil.rmtree(tmp)
-        else:
-            os.chmod(tmp, 0o777 & ~_umask())
-            if dest.exists():
-                old = Path(tempfile.mkdtemp(prefix=_owner_prefix(dest.name), suffix=OLD_SUFFIX, dir=dest.parent))
-                os.rename(dest, old / "x")
-                os.rename(tmp, dest)
-                shutil.rmtree(old)
-            else:
-                os.rename(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-STAGING_SUFFIX = ".surgeon-tmp"
-OLD_SUFFIX = ".surgeon-old"
-_OWNED = re.compile(r"pid(\d+)@([A-Za-z0-9-]*)\.[A-Za-z0-9_]+\.surgeon-(tmp|old)")
-_LEGACY = re.compile(r"[A-Za-z0-9_]{8}\.surgeon-(tmp|old)")
-
-
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:64]
-
-
-def _owner_prefix(name: str) -> str:
-    return f".{name}.pid{os.getpid()}@{_host()}."
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    except OverflowError:
-        return False
-    try:  # a killed process its parent has not reaped yet is a zombie: gone for our purposes
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        return state != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def stale_staging(where: Path, name: str) -> list[tuple[Path, str | None]]:
-    """surgeon's temporary folders for destination ``name`` in ``where``: (path, why it is not removed,
-    or None where its process is gone and it can be)."""
-    out: list[tuple[Path, str | None]] = []
-    prefix = f".{name}."
-    try:
-        entries = list(Path(where).iterdir())
-    except OSError:
-        return out
-    for p in entries:
-        if not p.name.startswith(prefix) or not p.is_dir() or p.is_symlink():
-            continue
-        rest = p.name[len(prefix) :]
-        owned = _OWNED.fullmatch(rest)
-        if owned:
-            pid, host = int(owned.group(1)), owned.group(2)
-            if host != _host():
-                out.append((p, f"it was made by process {pid} on host {host}"))
-            elif _alive(pid):
-                out.append((p, f"process {pid} that made it is still running"))
-            else:
-                out.append((p, None))
-        elif _LEGACY.fullmatch(rest):
-            out.append((p, "an older surgeon made it and recorded no process"))
-    return out
-
-
-def clean_stale(where: Path, name: str) -> list[str]:
-    """Remove the temporary folders of killed runs for destination ``name``; a note for each one left."""
-    notes = []
-    for path, why in stale_staging(where, name):
-        if why is None:
-            shutil.rmtree(path, ignore_errors=True)
-            if not path.exists():
-                continue
-            why = "it could not be removed"
-        notes.append(
-            f"left {path} in place ({why}): a temporary folder of an interrupted surgeon run; remove it once no run is writing there"
-        )
-    return notes
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def copy_extras(source: Source, dest: Path) -> None:
     """Carry every non-weight file of a folder input over unchanged (tokenizer, configs, ...)."""
     for rel in source.extra_files:
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source.folder / rel, target)
-
-
-def tree_size(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from surgeon.output import STAGING_SUFFIX, _owner_prefix
+from surgeon.staging import STAGING_SUFFIX, _owner_prefix
 
 from _kill import watch
 from conftest import tiny_llama, tree_digest

@@ -113,11 +113,14 @@ def test_help_and_docstrings_name_onnx(cli):
 
 
 def test_a_push_needs_a_folder(bert, tmp_path):
-    from surgeon.output import resolve_output
+    from surgeon.output import OutputKind, resolve_destination
     from surgeon.source import open_source
 
     source = open_source(save_variant(bert[1], tmp_path / "src", "one-file"))
     with pytest.raises(OutputError, match="uploads a model folder"):
-        resolve_output(source, tmp_path / "out.onnx", in_place=False, overwrite=False, folder=True)
-    assert resolve_output(source, None, in_place=False, overwrite=False, folder=True) == tmp_path / "src-reinit"
-    assert resolve_output(source, None, in_place=False, overwrite=False) == tmp_path / "src" / "model.reinit.onnx"
+        resolve_destination(source, tmp_path / "out.onnx", in_place=False, overwrite=False, push=True)
+    pushed = resolve_destination(source, None, in_place=False, overwrite=False, push=True)
+    assert (pushed.path, pushed.kind, pushed.companions) == (tmp_path / "src-reinit", OutputKind.FOLDER, ())
+    beside = resolve_destination(source, None, in_place=False, overwrite=False)
+    assert (beside.path, beside.kind) == (tmp_path / "src" / "model.reinit.onnx", OutputKind.FILES)
+    assert [p.name for p in beside.companions] == ["model.reinit.onnx.data"]

@@ -17,6 +17,8 @@ TORCH_FREE = [
     "surgeon.plan",
     "surgeon.report",
     "surgeon.output",
+    "surgeon.staging",
+    "surgeon.compute",
     "surgeon.journal",
     "surgeon.journal_file",
     "surgeon.recovery",

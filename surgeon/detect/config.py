@@ -8,7 +8,7 @@ turns all of that into one answer per stack of layers.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import LayoutError, OptionError, opt
@@ -27,6 +27,9 @@ HintValue = int | dict[str, int] | None  # a hint once read: one count, or one p
 HintInput = (
     int | str | Mapping[str, int] | None
 )  # what a caller may pass: 16, "16", "encoder=16,decoder=4", {"encoder": 16}
+
+
+HINT_KEYWORDS = ("num_heads", "num_kv_heads", "head_dim", "force_hints")  # as the API's keywords spell them
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,16 @@ class Hints:
                 if _names(key, word):
                     return count
         return None
+
+    @classmethod
+    def build(cls, hints: Hints | None = None, /, **keywords: Any) -> Hints:
+        """``hints`` (default: none) with the hints given as keywords replaced (``force_hints`` is ``force``)."""
+        unknown = sorted(set(keywords) - set(HINT_KEYWORDS))
+        if unknown:
+            raise TypeError(f"unexpected keyword argument {unknown[0]!r}; the hints are {', '.join(HINT_KEYWORDS)}")
+        if "force_hints" in keywords:
+            keywords["force"] = keywords.pop("force_hints")
+        return replace(hints if hints is not None else cls(), **keywords)
 
     def check_stacks(self, stacks: list[str]) -> None:
         """Every per-stack key names a stack of the model."""

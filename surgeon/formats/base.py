@@ -107,6 +107,10 @@ class WeightSet(ABC):
         cannot be renamed do not have it."""
         raise NotImplementedError(f"{self.format} weights cannot be written under another name")
 
+    def files_as(self, name: str) -> list[str]:
+        """The names :meth:`save_as` would write for ``name``: the file itself, then the files beside it."""
+        raise NotImplementedError(f"{self.format} weights cannot be written under another name")
+
     def check_plan(self, plan, detection) -> list[str]:
         """Refuse a plan this format cannot carry out safely (e.g. an ONNX initializer shared with
         nodes outside the plan), given the detection the plan was made from: raise a SurgeonError.

@@ -298,6 +298,9 @@ class OnnxWeights(WeightSet):
         self._save(dest, name, names, updates, record, names)
         return [name, *names.values()]
 
+    def files_as(self, name: str) -> list[str]:
+        return [name, *wire.renamed_data_files(self.files[1:], self.path.name, name).values()]
+
     def _save(
         self,
         dest: Path,

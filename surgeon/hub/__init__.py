@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ..errors import HubAccessError, HubAuthError, HubError, HubNotFoundError, HubOfflineError, PushError
 from .ids import HF_PREFIX, parse_repo_id
-from .push import PushResult, check_push, push_folder
+from .push import PushResult, PushTarget, check_push, push_folder
 from .read import Snapshot, download, open_model, pick_files
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "HubOfflineError",
     "PushError",
     "PushResult",
+    "PushTarget",
     "Snapshot",
     "check_push",
     "download",

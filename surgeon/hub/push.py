@@ -75,8 +75,68 @@ class PushResult:
         return f"pushed {what} to {self.repo_id} (branch {self.revision}) in one commit: {self.commit_url}"
 
 
+@dataclass(frozen=True)
+class PushTarget:
+    """Where and how a reinit's output folder is pushed; checked when made, before anything is opened
+    (the repo id, the branch, a token with write access)."""
+
+    repo_id: str
+    private: bool = False
+    revision: str | None = None  # the branch to commit to (created from main if missing)
+    create_pr: bool = False
+    commit_message: str | None = None  # default: what was re-initialized
+    token: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:  # the token is checked by check_token, where the caller chooses
+        object.__setattr__(self, "repo_id", _check_target(self.repo_id, self.revision, self.create_pr))
+
+    def check_token(self) -> None:
+        """A token with which to push is there (the argument, HF_TOKEN or `hf auth login`)."""
+        _push_token(self.token)
+
+    @classmethod
+    def build(
+        cls,
+        repo_id: str | None,
+        *,
+        private: bool = False,
+        revision: str | None = None,
+        create_pr: bool = False,
+        commit_message: str | None = None,
+        token: str | None = None,
+    ) -> PushTarget | None:
+        """The push the options ask for; None without a repo id (and then none of its options may be given)."""
+        if repo_id is None:
+            if private or revision or create_pr or commit_message:
+                raise OptionError(
+                    f"{opt('private')}, {opt('push_revision')}, {opt('create_pr')} and {opt('commit_message')} "
+                    f"go with {opt('push_to_hub', 'org/name')}"
+                )
+            return None
+        return cls(repo_id, private, revision, create_pr, commit_message, token)
+
+    def push(self, folder: Path, *, default_message: str, progress: bool = False) -> PushResult:
+        return push_folder(
+            folder,
+            self.repo_id,
+            private=self.private,
+            revision=self.revision,
+            create_pr=self.create_pr,
+            commit_message=self.commit_message or default_message,
+            token=self.token,
+            progress=progress,
+        )
+
+
 def check_push(repo_id: str, *, revision: str | None = None, create_pr: bool = False, token: str | None = None) -> str:
     """Everything about a push that can fail before anything is written; returns the repo id."""
+    repo_id = _check_target(repo_id, revision, create_pr)
+    _push_token(token)
+    return repo_id
+
+
+def _check_target(repo_id: str, revision: str | None, create_pr: bool) -> str:
+    """The repo id and branch of a push are well formed; returns the repo id."""
     repo_id = require_repo_id(repo_id, "push target")
     if create_pr and revision not in (None, "main"):
         raise OptionError(
@@ -92,7 +152,6 @@ def check_push(repo_id: str, *, revision: str | None = None, create_pr: bool = F
         raise OptionError(
             f"{revision!r} is not a branch to push to: give a branch name (or refs/pr/N to add to a pull request)"
         )
-    _push_token(token)
     return repo_id
 
 
