@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -161,8 +162,7 @@ def reinit_checkpoint(
     >>> reinit_checkpoint("model.safetensors", layers="0-11", output="reset.safetensors")  # doctest: +SKIP
     >>> reinit_checkpoint("./bert", options=ReinitOptions(targets="q,k"), push="me/bert-reset")  # doctest: +SKIP
     """
-    hint_keywords = {k: keywords.pop(k) for k in HINT_KEYWORDS if k in keywords}
-    opts, hints = ReinitOptions.build(options, **keywords), Hints.build(hints, **hint_keywords)
+    opts, hints = _options_and_hints(options, hints, keywords)
     target = _push_target(push, in_place=in_place)
     opts = opts.validated()
     check_device(device)
@@ -204,6 +204,21 @@ def reinit_checkpoint(
     return _report(
         source, detection, plan, dest, rows, notes, device=used, seconds=seconds, bytes_written=size, dry_run=False
     )
+
+
+def _options_and_hints(
+    options: ReinitOptions | None, hints: Hints | None, keywords: dict[str, Any]
+) -> tuple[ReinitOptions, Hints]:
+    """The options and hints objects, with their fields given as keywords replaced."""
+    option_names = [f.name for f in fields(ReinitOptions)]
+    unknown = sorted(set(keywords) - set(option_names) - set(HINT_KEYWORDS))
+    if unknown:
+        raise TypeError(
+            f"unexpected keyword argument {unknown[0]!r}; the options are {', '.join(option_names)}, "
+            f"the hints {', '.join(HINT_KEYWORDS)}"
+        )
+    hint_keywords = {k: keywords.pop(k) for k in HINT_KEYWORDS if k in keywords}
+    return ReinitOptions.build(options, **keywords), Hints.build(hints, **hint_keywords)
 
 
 def _push_target(push: PushTarget | str | None, *, in_place: bool) -> PushTarget | None:
