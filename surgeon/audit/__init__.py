@@ -244,14 +244,7 @@ def _check_set(a, b, engine, record: Record, earlier, copies: dict[str, str], ou
             f"{output} and {original} do not hold the same tensors (first difference: {missing[0] if missing else 'their order'})"
         )
     changed = set(engine.tensor_names) & set(a.tensors)
-    if a.format == "safetensors":
-        from .files import check_headers
-
-        check_headers(a, b, (earlier or []) + [record.raw], output)
-    if a.format == "torch":
-        from .files import check_unchanged_files
-
-        check_unchanged_files(a, b, changed, output)
+    a.check_non_tensor(b, changed, (earlier or []) + [record.raw], output)  # metadata, files copied as they are
     untouched = [
         n for n in a.tensors if n not in changed or n in copies
     ]  # a shared initializer keeps its bytes; its copy changes

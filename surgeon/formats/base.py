@@ -113,6 +113,14 @@ class WeightSet(ABC):
         Returns notes for the report on how the plan will be carried out."""
         return []  # most formats can carry out any plan
 
+    @abstractmethod
+    def check_non_tensor(self, out: WeightSet, changed: set[str], history: list, output: object) -> None:
+        """``surgeon verify``: everything but the tensors of ``out``, surgeon's output of this set, is as
+        surgeon writes it; raise a VerificationError naming ``output`` at the first difference.
+
+        ``changed``: the tensors the verified plan changes; ``history``: the surgeon records ``out`` must
+        carry (the original's and the verified run's). The tensors themselves are checked by surgeon.audit."""
+
     def embedded_config(self) -> dict | None:
         """Model arguments the weight file itself carries (a training checkpoint's), if any."""
         return None
