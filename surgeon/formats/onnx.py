@@ -109,8 +109,12 @@ class OnnxWeights(WeightSet):
             self.stored[t.name] = stored
             self._protos[t.name] = t
         self.files = [path.name] + external
-        # 2-D float weights kept in Constant nodes: read and patched in place like embedded initializers
         self.constants: dict[str, onnx.TensorProto] = {}
+        self._find_constants()
+
+    def _find_constants(self) -> None:
+        """2-D float weights kept in Constant nodes: read and patched in place like embedded initializers."""
+        path = self.path
         for node in self.model.graph.node:
             found = (
                 self.layout.constants.get(node.output[0])
