@@ -45,7 +45,8 @@ def output_kind(source: Source, dest: Path | None = None) -> str:
     data files beside it (a folder only when the user names one: a path without the .onnx suffix)."""
     if source.kind == "file":
         return "file"
-    if _onnx_with_data(source) and dest is not None and dest.suffix.lower() == ".onnx" and not dest.is_dir():
+    # a file named like the model (out.onnx): its data files go beside it
+    if _onnx_with_data(source) and dest is not None and dest.suffix.lower() == source.path.suffix and not dest.is_dir():
         return "files"
     return "folder"
 

@@ -236,8 +236,7 @@ def _copies(src, out, plan, detection, record: Record, output) -> dict[str, str]
 def _check_set(a, b, engine, record: Record, earlier, copies: dict[str, str], output, original) -> int:
     """One weight set: the same tensors, in order (an ONNX output adds the copies after the initializers),
     the untouched ones byte-identical, the changed ones re-derived. Returns how many were byte-identical."""
-    consts = getattr(a, "constants", {})
-    expected = [n for n in a.tensors if n not in consts] + list(copies.values()) + [n for n in a.tensors if n in consts]
+    expected = a.output_names(list(copies.values()))
     if expected != list(b.tensors):
         missing = [n for n in expected if n not in b.tensors] + [n for n in b.tensors if n not in expected]
         raise VerificationError(

@@ -76,6 +76,7 @@ def open_onnx(path: str | Path) -> OnnxWeights:
 
 class OnnxWeights(WeightSet):
     format = "onnx"
+    patches_in_place = False  # an .onnx is rewritten whole (its graph's length prefixes move)
     rewrites_whole_tensors = False  # only Q/K/V initializers are patched in a graph
     graph = True
     record_slot = True
@@ -301,6 +302,11 @@ class OnnxWeights(WeightSet):
         names = wire.renamed_data_files(self.files[1:], self.path.name, name)
         onnx_write.save(self, dest, name, names, updates, record, names)
         return [name, *names.values()]
+
+    def output_names(self, copies: list[str]) -> list[str]:
+        """The initializers, then the copies (appended to the graph's initializers), then the Constant nodes' weights."""
+        consts = self.constants
+        return [n for n in self.tensors if n not in consts] + copies + [n for n in self.tensors if n in consts]
 
     def check_non_tensor(self, out: WeightSet, changed: set[str], history: list, output: object) -> None:
         """Nothing to add here: the model and graph around the initializers are compared by

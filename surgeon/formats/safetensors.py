@@ -35,7 +35,8 @@ from .safetensors_header import (  # noqa: F401  (the header's names stay import
 if TYPE_CHECKING:
     import torch
 
-INDEX_SUFFIX = ".safetensors.index.json"
+FILE_SUFFIX = ".safetensors"
+INDEX_SUFFIX = FILE_SUFFIX + ".index.json"
 _NAMES = {dtype: name for name, (dtype, _) in DTYPES.items() if dtype is not None}
 
 
@@ -133,8 +134,10 @@ def patch(header: Header, path: Path, data_start: int, updates) -> list[str]:
 class SafetensorsWeights(WeightSet):
     format = "safetensors"
     patches_in_place = True
+    rewrites_whole_tensors = True
+    graph = False
     record_slot = True
-    shard_suffix = ".safetensors"
+    shard_suffix = FILE_SUFFIX
 
     def __init__(self, folder: Path, files: list[str], index: str | None = None) -> None:
         super().__init__(folder, files, index)

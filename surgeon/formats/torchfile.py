@@ -111,6 +111,10 @@ def _unsafe_detail(message: str) -> str:
 
 class TorchWeights(WeightSet):
     format = "torch"
+    patches_in_place = False  # torch.save rewrites the whole file
+    rewrites_whole_tensors = True
+    graph = False
+    record_slot = False  # torch files have no metadata slot loaders ignore: a folder's model card carries the record
     shard_suffix = ".bin"
 
     def __init__(self, folder: Path, files: list[str], index: str | None = None) -> None:
