@@ -148,7 +148,8 @@ def _kind(source: Source, dest: Path) -> OutputKind:
     (a folder only when the user names one: a path without the .onnx suffix); anything else a folder."""
     if source.kind == "file":
         return OutputKind.FILE
-    if _onnx_with_data(source) and dest.suffix.lower() == ".onnx" and not dest.is_dir():
+    # a file named like the model (out.onnx): its data files go beside it
+    if _onnx_with_data(source) and dest.suffix.lower() == source.path.suffix.lower() and not dest.is_dir():
         return OutputKind.FILES
     return OutputKind.FOLDER
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from . import journal_file as jf
 from . import locks
 from .errors import CheckpointError, OutputError
-from .formats.safetensors import INDEX_SUFFIX, Header, read_header_fd
+from .formats.safetensors import FILE_SUFFIX, INDEX_SUFFIX, Header, read_header_fd
 from .journal_file import SUFFIX
 
 _MAX_INDEX = 64 << 20
@@ -101,7 +101,7 @@ def checkpoint_files(folder: Path, key: str) -> list[str]:
             f"a journal in {folder} belongs to {key}, which is missing; restore {key} or delete the journal"
         )
     if not key.endswith(INDEX_SUFFIX):
-        if not key.endswith(".safetensors"):
+        if not key.endswith(FILE_SUFFIX):
             raise CheckpointError(
                 f"a journal in {folder} names {key}, which is not a safetensors checkpoint; surgeon never wrote it"
             )
@@ -114,7 +114,7 @@ def checkpoint_files(folder: Path, key: str) -> list[str]:
             f"cannot read index {folder / key}: expected JSON with a 'weight_map'", path=folder / key
         ) from None
     for shard in shards:
-        if not (isinstance(shard, str) and shard.endswith(".safetensors") and "/" not in shard and "\\" not in shard):
+        if not (isinstance(shard, str) and shard.endswith(FILE_SUFFIX) and "/" not in shard and "\\" not in shard):
             raise CheckpointError(
                 f"index {folder / key} names {str(shard)[:80]!r}, which is not a safetensors file beside it"
             )

@@ -236,22 +236,14 @@ def _copies(src, out, plan, detection, record: Record, output) -> dict[str, str]
 def _check_set(a, b, engine, record: Record, earlier, copies: dict[str, str], output, original) -> int:
     """One weight set: the same tensors, in order (an ONNX output adds the copies after the initializers),
     the untouched ones byte-identical, the changed ones re-derived. Returns how many were byte-identical."""
-    consts = getattr(a, "constants", {})
-    expected = [n for n in a.tensors if n not in consts] + list(copies.values()) + [n for n in a.tensors if n in consts]
+    expected = a.output_names(list(copies.values()))
     if expected != list(b.tensors):
         missing = [n for n in expected if n not in b.tensors] + [n for n in b.tensors if n not in expected]
         raise VerificationError(
             f"{output} and {original} do not hold the same tensors (first difference: {missing[0] if missing else 'their order'})"
         )
     changed = set(engine.tensor_names) & set(a.tensors)
-    if a.format == "safetensors":
-        from .files import check_headers
-
-        check_headers(a, b, (earlier or []) + [record.raw], output)
-    if a.format == "torch":
-        from .files import check_unchanged_files
-
-        check_unchanged_files(a, b, changed, output)
+    a.check_non_tensor(b, changed, (earlier or []) + [record.raw], output)  # metadata, files copied as they are
     untouched = [
         n for n in a.tensors if n not in changed or n in copies
     ]  # a shared initializer keeps its bytes; its copy changes

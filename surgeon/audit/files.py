@@ -15,6 +15,7 @@ import stat
 from pathlib import Path
 
 from ..errors import VerificationError
+from ..formats.fileio import same_bytes
 from ..source import SKIP_DIRS
 from .record import Record, read_card
 
@@ -70,20 +71,6 @@ def check_folder(src, out, output) -> int:
     return len(carried)
 
 
-def same_bytes(a: Path, b: Path, chunk: int = 1 << 20) -> bool:
-    """Byte for byte, without filecmp's cache (keyed on size and mtime: a file changed within the same
-    tick would compare as before)."""
-    if a.stat().st_size != b.stat().st_size:
-        return False
-    with open(a, "rb") as fa, open(b, "rb") as fb:
-        while True:
-            x, y = fa.read(chunk), fb.read(chunk)
-            if x != y:
-                return False
-            if not x:
-                return True
-
-
 def _regular(path: Path, rel: str, output) -> None:
     try:
         mode = os.stat(path).st_mode  # a link to a regular file (a Hub cache snapshot) is read through
@@ -123,41 +110,6 @@ def check_card(src, out, record: Record, output) -> None:
         raise VerificationError(
             f"{output}: the record in its {CARD} is not the record of its weights: the card was changed after surgeon wrote it"
         )
-
-
-def check_headers(a, b, verified: list, output) -> None:
-    """safetensors: each file's metadata is the original's but for surgeon's record, and a file's records are
-    the ``verified`` history (or, where an in-place run could not fit its record in, the original's)."""
-    import json
-
-    from .record import METADATA_KEY
-
-    if len(a.files) != len(b.files):
-        raise VerificationError(f"{output} has {len(b.files)} safetensors files, the original {len(a.files)}")
-    for file, out_file in zip(a.files, b.files):  # a single-file output may have another name than its input
-        mine, theirs = a.metadata(file), b.metadata(out_file)
-        if {k: v for k, v in theirs.items() if k != METADATA_KEY} != {
-            k: v for k, v in mine.items() if k != METADATA_KEY
-        }:
-            raise VerificationError(
-                f"{output}: the metadata of {out_file} differs from the original's beyond surgeon's record"
-            )
-        text = theirs.get(METADATA_KEY)
-        if text != mine.get(METADATA_KEY) and (text is None or _history(json.loads(text)) != verified):
-            raise VerificationError(f"{output}: {out_file} holds other surgeon records than the ones verified")
-
-
-def _history(value) -> list:
-    return value if isinstance(value, list) else [value]
-
-
-def check_unchanged_files(a, b, changed: set[str], output) -> None:
-    """PyTorch files none of whose tensors change are copied as they are: byte for byte."""
-    for mine, theirs in zip(a.files, b.files):
-        if not any(a.tensors[n].file == mine for n in changed) and not same_bytes(a.folder / mine, b.folder / theirs):
-            raise VerificationError(
-                f"{output}: {theirs} differs from the original's, and surgeon copies it as it is (none of its tensors change)"
-            )
 
 
 def _without_copies(record: dict) -> dict:

@@ -24,7 +24,6 @@ from ..modes import all_modes, get_mode
 from ..plan import BIAS_CHOICES, MODES, ReinitOptions
 from ..spectrum import VALUE_IDENTITIES
 
-METADATA_KEY = "surgeon"
 MAX_CARD = (
     16 * 1024 * 1024
 )  # a model card this large is not one surgeon wrote (its own cards are a few KiB plus the source's)

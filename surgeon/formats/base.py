@@ -61,6 +61,8 @@ class WeightSet(ABC):
     rewrites_whole_tensors: bool = True  # can rewrite any tensor (a mode's extra ones, W_O), not only Q/K/V
     graph: bool = False  # attention is found by walking the model's graph, not by tensor names
     record_slot: bool = False  # the files carry surgeon's record themselves (else a folder's model card does)
+    # every format declares each of these in its own class, even where the default fits (tests/test_format_interface.py)
+    CAPABILITIES = ("patches_in_place", "rewrites_whole_tensors", "graph", "record_slot")
 
     def __init__(self, folder: Path, files: list[str], index: str | None) -> None:
         self.folder = folder
@@ -116,6 +118,19 @@ class WeightSet(ABC):
         nodes outside the plan), given the detection the plan was made from: raise a SurgeonError.
         Returns notes for the report on how the plan will be carried out."""
         return []  # most formats can carry out any plan
+
+    @abstractmethod
+    def check_non_tensor(self, out: WeightSet, changed: set[str], history: list, output: object) -> None:
+        """``surgeon verify``: everything but the tensors of ``out``, surgeon's output of this set, is as
+        surgeon writes it; raise a VerificationError naming ``output`` at the first difference.
+
+        ``changed``: the tensors the verified plan changes; ``history``: the surgeon records ``out`` must
+        carry (the original's and the verified run's). The tensors themselves are checked by surgeon.audit."""
+
+    def output_names(self, copies: list[str]) -> list[str]:
+        """The tensors surgeon's output of this set holds, in order, where it added ``copies`` (the copies
+        of shared initializers a graph's chosen projections read, see ``check_plan``)."""
+        return list(self.tensors) + copies
 
     def embedded_config(self) -> dict | None:
         """Model arguments the weight file itself carries (a training checkpoint's), if any."""

@@ -12,7 +12,8 @@ own, so models over 2 GB work. Writing patches bytes instead of re-serializing t
 * external data files are copied with only the changed tensors' byte ranges rewritten, at the
   same offsets, so the graph's ``external_data`` entries stay valid.
 
-The protobuf wire format is walked directly (``wire.scan``) to find where each initializer's bytes are.
+The protobuf wire format is walked directly (``wire.scan``) to find where each initializer's bytes are;
+writing is in ``onnx_write``, the checks of a plan against shared initializers in ``onnx_sharing``.
 """
 
 from __future__ import annotations
@@ -29,11 +30,10 @@ import torch
 
 from ..errors import CheckpointError
 from . import onnx_wire as wire
+from . import onnx_write
 from .base import TensorInfo, UpdatesFn, WeightSet
-from .fileio import copy_file_sparse
 from .onnx_checks import graph_names, refuse_self_location
-
-METADATA_KEY = "surgeon"
+from .onnx_write import METADATA_KEY
 
 # ONNX TensorProto.DataType -> (torch dtype, bytes per element)
 DTYPES: dict[int, tuple[torch.dtype, int]] = {
@@ -76,6 +76,7 @@ def open_onnx(path: str | Path) -> OnnxWeights:
 
 class OnnxWeights(WeightSet):
     format = "onnx"
+    patches_in_place = False  # an .onnx is rewritten whole (its graph's length prefixes move)
     rewrites_whole_tensors = False  # only Q/K/V initializers are patched in a graph
     graph = True
     record_slot = True
@@ -109,8 +110,12 @@ class OnnxWeights(WeightSet):
             self.stored[t.name] = stored
             self._protos[t.name] = t
         self.files = [path.name] + external
-        # 2-D float weights kept in Constant nodes: read and patched in place like embedded initializers
         self.constants: dict[str, onnx.TensorProto] = {}
+        self._find_constants()
+
+    def _find_constants(self) -> None:
+        """2-D float weights kept in Constant nodes: read and patched in place like embedded initializers."""
+        path = self.path
         for node in self.model.graph.node:
             found = (
                 self.layout.constants.get(node.output[0])
@@ -289,150 +294,27 @@ class OnnxWeights(WeightSet):
         return not bool(self.read(name).reshape(-1).view(torch.uint8).any())
 
     def save(self, dest: Path, updates: UpdatesFn, record: dict) -> None:
-        self._save(dest, self.path.name, {f: f for f in self.files[1:]}, updates, record, None)
+        onnx_write.save(self, dest, self.path.name, {f: f for f in self.files[1:]}, updates, record, None)
 
     def save_as(self, dest: Path, name: str, updates: UpdatesFn, record: dict) -> list[str]:
         """The model as ``dest/name``, its external data files renamed beside it
         (``wire.renamed_data_files``) and the graph's ``location`` entries rewritten to match."""
         names = wire.renamed_data_files(self.files[1:], self.path.name, name)
-        self._save(dest, name, names, updates, record, names)
+        onnx_write.save(self, dest, name, names, updates, record, names)
         return [name, *names.values()]
 
     def files_as(self, name: str) -> list[str]:
         return [name, *wire.renamed_data_files(self.files[1:], self.path.name, name).values()]
 
-    def _save(
-        self,
-        dest: Path,
-        name: str,
-        names: dict[str, str],
-        updates: UpdatesFn,
-        record: dict,
-        renamed: dict[str, str] | None,
-    ) -> None:
-        if not self.copies:  # each file's new values computed while the one before is written
-            self._write_model(dest / name, dict(updates(self.path.name)), record, renamed)
-            for file in self.files[1:]:
-                self._write_data(file, dest / names[file], dict(updates(file)))
-            return
-        # shared initializers with a copy: their new values go into the .onnx as new initializers
-        changed = {file: dict(updates(file)) for file in self.files}
-        copies = {n: changed[f].pop(n) for f in changed for n in list(changed[f]) if n in self.copies}
-        self._write_model(dest / name, changed[self.path.name], record, renamed, copies)
-        for file in self.files[1:]:
-            self._write_data(file, dest / names[file], changed[file])
+    def output_names(self, copies: list[str]) -> list[str]:
+        """The initializers, then the copies (appended to the graph's initializers), then the Constant nodes' weights."""
+        consts = self.constants
+        return [n for n in self.tensors if n not in consts] + copies + [n for n in self.tensors if n in consts]
 
-    def _write_data(self, file: str, target: Path, changed: dict[str, torch.Tensor]) -> None:
-        """An external data file copied with only the changed tensors' byte ranges rewritten."""
-        target.parent.mkdir(parents=True, exist_ok=True)
-        copy_file_sparse(self.folder / file, target)
-        if changed:
-            with open(target, "r+b") as out:
-                for name, tensor in changed.items():
-                    data = self._bytes(name, tensor)
-                    out.seek(self.stored[name].offset)
-                    out.write(data)
-
-    # --- writing the .onnx ----------------------------------------------------------------------
-    def _write_model(
-        self,
-        target: Path,
-        changed: dict[str, torch.Tensor],
-        record: dict,
-        renamed: dict[str, str] | None = None,
-        copies: dict[str, torch.Tensor] | None = None,
-    ) -> None:
-        layout = self.layout
-        edits = self._copy_edits(copies or {}) + self._relocation_edits(renamed or {})
-        graph_growth = sum(len(new) - (end - start) for start, end, new in edits)
-        if copies:  # surgeon verify reads the copies' values under their new names
-            record = {**record, "copies": {name: self.copies[name][0] for name in copies}}
-        for name, tensor in changed.items():
-            data = self._bytes(name, tensor)
-            stored = self.stored[name]
-            if stored.in_place:
-                edits.append((stored.offset, stored.offset + stored.length, data))
-                continue
-            proto = onnx.TensorProto()
-            proto.CopyFrom(self._protos[name])
-            for f in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data"):
-                proto.ClearField(f)
-            proto.raw_data = data
-            start, end = stored.field  # type: ignore[misc]
-            new = wire.field(wire.GRAPH_INITIALIZER, proto.SerializeToString())
-            edits.append((start, end, new))
-            graph_growth += len(new) - (end - start)
-        if graph_growth:
-            gstart, pstart, pend = layout.graph
-            edits.append((gstart, pstart, wire.key(wire.MODEL_GRAPH) + wire.varint(pend - pstart + graph_growth)))
-        history: list = []
-        for start, end, key, value in layout.metadata:
-            if key == METADATA_KEY:
-                edits.append((start, end, b""))
-                try:
-                    old = json.loads(value)
-                    history += old if isinstance(old, list) else [old]
-                except ValueError:
-                    history.append(value)
-        entry = wire.field(1, METADATA_KEY.encode()) + wire.field(
-            2, json.dumps(history + [record], separators=(",", ":"), sort_keys=True).encode()
-        )
-        with open(self.path, "rb") as src, open(target, "wb") as out:
-            pos = 0
-            for start, end, data in sorted(edits):
-                wire.copy(src, out, pos, start - pos)
-                out.write(data)
-                pos = end
-            wire.copy(src, out, pos, layout.size - pos)
-            out.write(wire.field(wire.MODEL_METADATA, entry))
-
-    def _copy_edits(self, copies: dict[str, torch.Tensor]) -> list[tuple[int, int, bytes]]:
-        """New initializers for the copies of shared ones (at the end of the graph), and the chosen
-        projections' nodes re-encoded to read them."""
-        layout, edits = self.layout, []
-        inputs: dict[int, dict[str, str]] = {}
-        for name, tensor in copies.items():
-            copy, readers = self.copies[name]
-            proto = onnx.TensorProto(
-                name=copy,
-                dims=self._protos[name].dims,
-                data_type=self._protos[name].data_type,
-                raw_data=self._bytes(name, tensor),
-            )
-            edits.append(
-                (layout.graph[2], layout.graph[2], wire.field(wire.GRAPH_INITIALIZER, proto.SerializeToString()))
-            )
-            for n in readers:
-                inputs.setdefault(n, {})[name] = copy
-        for n, renames in inputs.items():
-            node = onnx.NodeProto()
-            node.CopyFrom(self.model.graph.node[n])
-            for i, x in enumerate(node.input):
-                node.input[i] = renames.get(x, x)
-            start, end = layout.nodes[n]
-            edits.append((start, end, wire.field(wire.GRAPH_NODE, node.SerializeToString())))
-        return edits
-
-    def _relocation_edits(self, renamed: dict[str, str]) -> list[tuple[int, int, bytes]]:
-        """External initializers re-encoded with their data files' new names."""
-        edits = []
-        for t in self.model.graph.initializer if renamed else ():
-            moved = wire.relocated(t, renamed)
-            if moved is None:
-                continue
-            span = self.layout.tensors.get(t.name)
-            if span is None:
-                raise CheckpointError(
-                    f"{self.path}: initializer {t.name!r} could not be located in the file; re-save the model with onnx.save"
-                )
-            edits.append((span[0], span[1], wire.field(wire.GRAPH_INITIALIZER, moved.SerializeToString())))
-        return edits
-
-    def _bytes(self, name: str, tensor: torch.Tensor) -> bytes:
-        info = self._infos[name]
-        if tuple(tensor.shape) != info.shape or tensor.dtype != info.torch_dtype:
-            raise AssertionError(f"update of {name} changes its shape or dtype")
-        return tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    def check_non_tensor(self, out: WeightSet, changed: set[str], history: list, output: object) -> None:
+        """Nothing to add here: the model and graph around the initializers are compared by
+        surgeon.audit.graph (it needs the plan's copies of shared initializers), and the record by
+        surgeon.audit.record."""
 
 
 def surgeon_records(model: onnx.ModelProto) -> list[dict]:

@@ -47,14 +47,7 @@ def plan_sharing(weights: OnnxWeights, plan, detection) -> tuple[list[str], dict
     if found is None:
         return [], {}
     weight_names = {c.projection.weight.tensor for c in plan.changes}
-    unchanged: list[str] = []
-    allowed: dict[str, set[int]] = {}
-    for change in plan.changes:
-        proj, users = change.projection, found.users[(change.block.module, change.role)]
-        allowed.setdefault(proj.weight.tensor, set()).update(users["weight"])
-        if plan.options.zero_bias and proj.bias is not None:
-            allowed.setdefault(proj.bias.tensor, set()).update(users["bias"])
-    graph = found.graph
+    allowed = _chosen_readers(plan, found)
     refuse_aliased(
         plan.tensors(),
         aliased(
@@ -64,50 +57,84 @@ def plan_sharing(weights: OnnxWeights, plan, detection) -> tuple[list[str], dict
     )
     copies: dict[str, tuple[str, list[int]]] = {}
     notes: list[str] = []
+    unchanged: list[str] = []
     behind = unchosen_readers(plan, detection)
     for name in plan.tensors():
-        others = [n for n in graph.consumers.get(name, []) if n not in allowed.get(name, set())]
-        # a node on the way to a chosen projection (an Identity the exporter put there) that feeds another too
-        through = [label for label, nodes in behind.get(name, {}).items() if nodes & allowed.get(name, set())]
-        leak = None if others or through else passed_on(name, allowed.get(name, set()), graph)
-        if not others and not through and not leak and name not in graph.outputs:
+        shared = _other_readers(name, allowed.get(name, set()), behind.get(name, {}), found)
+        if shared is None:
             continue
         if name not in weight_names and weights.all_zero_bytes(name):
             unchanged.append(name)
             continue
-        what = through + [
-            f"block {found.owners[n][0]} ({found.owners[n][1]})" if n in found.owners else graph.describe(n)
-            for n in others
-        ]
-        what = list(dict.fromkeys(what)) + (["a graph output"] if name in graph.outputs else [])
-        if leak:  # read only by the chosen projections' nodes, but one of those passes it on to others
-            raise SharedInitializerError(
-                f"initializer {name!r} is read through nodes that feed more than the projections chosen ({leak}), "
-                "so changing it would change those too; leave those projections out"
-            )
-        shown = ", ".join(what[:3]) + (f" and {len(what) - 3} more" if len(what) > 3 else "")
-        why = _copy(weights, copies, name, allowed.get(name, set()), graph)
-        if why is None:
-            copy = copies[name][0]
-            notes.append(
-                f"initializer {name!r} is shared with {shown}: the chosen projections read a new copy of it, {copy!r}, and the others keep the original"
-            )
-            continue
-        is_bias = any(c.projection.bias is not None and c.projection.bias.tensor == name for c in plan.changes)
-        fix = f"select them too ({opt('layers')}/{opt('stack')}/{opt('attention')})" + (
-            f", or keep the biases ({opt('bias', 'keep')})" if is_bias else ""
-        )
+        what, leak = shared
+        notes.append(_share(weights, plan, copies, name, what, leak, allowed.get(name, set()), found.graph))
+    return notes + _already_zero(unchanged), copies
+
+
+def _chosen_readers(plan, found) -> dict[str, set[int]]:
+    """initializer -> the nodes through which the chosen projections read it (biases only when zeroed)."""
+    allowed: dict[str, set[int]] = {}
+    for change in plan.changes:
+        proj, users = change.projection, found.users[(change.block.module, change.role)]
+        allowed.setdefault(proj.weight.tensor, set()).update(users["weight"])
+        if plan.options.zero_bias and proj.bias is not None:
+            allowed.setdefault(proj.bias.tensor, set()).update(users["bias"])
+    return allowed
+
+
+def _other_readers(
+    name: str, allowed: set[int], behind: dict[str, set[int]], found
+) -> tuple[list[str], str | None] | None:
+    """Who reads initializer ``name`` besides the chosen projections (``allowed``: their nodes;
+    ``behind``: the unchosen projections' nodes that read it), as labels, and where one of the chosen
+    nodes passes it on to others (None: none does); None when no one else reads it."""
+    graph = found.graph
+    others = [n for n in graph.consumers.get(name, []) if n not in allowed]
+    # a node on the way to a chosen projection (an Identity the exporter put there) that feeds another too
+    through = [label for label, nodes in behind.items() if nodes & allowed]
+    leak = None if others or through else passed_on(name, allowed, graph)
+    if not others and not through and not leak and name not in graph.outputs:
+        return None
+    what = through + [
+        f"block {found.owners[n][0]} ({found.owners[n][1]})" if n in found.owners else graph.describe(n) for n in others
+    ]
+    return list(dict.fromkeys(what)) + (["a graph output"] if name in graph.outputs else []), leak
+
+
+def _share(
+    weights: OnnxWeights, plan, copies: dict, name: str, what: list[str], leak: str | None, readers: set[int], graph
+) -> str:
+    """The note for a shared initializer the chosen projections (``readers``) get a copy of (made in
+    ``copies``); a SharedInitializerError where they cannot have one."""
+    if leak:  # read only by the chosen projections' nodes, but one of those passes it on to others
         raise SharedInitializerError(
-            f"initializer {name!r} is shared: besides the projections chosen, {shown} read{'s' if len(what) == 1 else ''} it, "
-            f"so changing it would change them too, and the chosen ones cannot have a copy of their own ({why}); {fix}, or leave those projections out"
+            f"initializer {name!r} is read through nodes that feed more than the projections chosen ({leak}), "
+            "so changing it would change those too; leave those projections out"
         )
+    shown = ", ".join(what[:3]) + (f" and {len(what) - 3} more" if len(what) > 3 else "")
+    why = _copy(weights, copies, name, readers, graph)
+    if why is None:
+        copy = copies[name][0]
+        return f"initializer {name!r} is shared with {shown}: the chosen projections read a new copy of it, {copy!r}, and the others keep the original"
+    is_bias = any(c.projection.bias is not None and c.projection.bias.tensor == name for c in plan.changes)
+    fix = f"select them too ({opt('layers')}/{opt('stack')}/{opt('attention')})" + (
+        f", or keep the biases ({opt('bias', 'keep')})" if is_bias else ""
+    )
+    raise SharedInitializerError(
+        f"initializer {name!r} is shared: besides the projections chosen, {shown} read{'s' if len(what) == 1 else ''} it, "
+        f"so changing it would change them too, and the chosen ones cannot have a copy of their own ({why}); {fix}, or leave those projections out"
+    )
+
+
+def _already_zero(unchanged: list[str]) -> list[str]:
+    """The note on shared biases left as they are because they are zero already."""
     if not unchanged:
-        return notes, copies
+        return []
     shown = ", ".join(unchanged[:3]) + (f" and {len(unchanged) - 3} more" if len(unchanged) > 3 else "")
-    return notes + [
+    return [
         f"bias initializer{'s' if len(unchanged) > 1 else ''} {shown}, shared with other nodes, "
         f"{'are' if len(unchanged) > 1 else 'is'} zero already: zeroing the chosen heads' biases leaves {'them' if len(unchanged) > 1 else 'it'} as {'they were' if len(unchanged) > 1 else 'it was'}"
-    ], copies
+    ]
 
 
 def _copy(weights: OnnxWeights, copies: dict, name: str, readers: set[int], graph) -> str | None:

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, VerificationError
 from .base import TensorInfo, UpdatesFn, WeightSet
+from .fileio import same_bytes
 
 SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 INDEX_SUFFIX = ".bin.index.json"
@@ -110,6 +111,10 @@ def _unsafe_detail(message: str) -> str:
 
 class TorchWeights(WeightSet):
     format = "torch"
+    patches_in_place = False  # torch.save rewrites the whole file
+    rewrites_whole_tensors = True
+    graph = False
+    record_slot = False  # torch files have no metadata slot loaders ignore: a folder's model card carries the record
     shard_suffix = ".bin"
 
     def __init__(self, folder: Path, files: list[str], index: str | None = None) -> None:
@@ -147,6 +152,17 @@ class TorchWeights(WeightSet):
 
     def read(self, name: str) -> torch.Tensor:
         return self._loaded[self._infos[name].file][2][name]
+
+    def check_non_tensor(self, out: WeightSet, changed: set[str], history: list, output: object) -> None:
+        """Files none of whose tensors change are copied as they are: byte for byte. (The rest of a
+        rewritten file is what torch.save writes around the tensors; no record is stored in it.)"""
+        for mine, theirs in zip(self.files, out.files):
+            if not any(self.tensors[n].file == mine for n in changed) and not same_bytes(
+                self.folder / mine, out.folder / theirs
+            ):
+                raise VerificationError(
+                    f"{output}: {theirs} differs from the original's, and surgeon copies it as it is (none of its tensors change)"
+                )
 
     def save(self, dest: Path, updates: UpdatesFn, record: dict) -> None:
         import shutil
