@@ -2,210 +2,30 @@
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 import sys
 
 import click
 
 from ._version import __version__
-from .errors import OptionError, SurgeonError, spell
-from .errors import shell_spelling as cli_spelling  # how the shell names an option the core names by keyword
+from .errors import OptionError
+from .shell import (
+    CONTEXT,
+    OneLineErrors,
+    _out,
+    cli_spelling,
+    full_option,
+    handle_errors,
+    model_options,
+    plot_option,
+    push_options,
+    reinit_options,
+)
+
+__all__ = ["cli_spelling", "main"]
 
 # The commands import surgeon.api (and through it torch) when they run, so that --help and
 # --version answer at once.
-
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
-
-
-def _fail(message: str, code: int = 1) -> None:
-    from .redact import redact
-
-    click.echo(f"surgeon: error: {redact(message)}", err=True)
-    sys.exit(code)
-
-
-def _out(text: str) -> None:
-    """Reports and notes on stdout, never with a token in them."""
-    from .redact import redact
-
-    click.echo(redact(spell(text, cli_spelling)))
-
-
-def handle_errors(fn):
-    """Bad input ends in one line on stderr and a non-zero exit code, never a traceback."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except SurgeonError as exc:
-            _fail(exc.describe(cli_spelling), exc.exit_code)
-        except OSError as exc:  # disk full, permission denied, ... while reading or writing
-            where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
-            _fail(f"{exc.strerror or exc}{where}")
-        except KeyboardInterrupt:
-            _fail("interrupted; nothing was written", 130)
-
-    return wrapper
-
-
-full_option = click.option(
-    "--full",
-    is_flag=True,
-    help="Also the kappa and spectral norm of each whole projection (one D x D eigensolve each: "
-    "~15 s for D = 4096 on a CPU). Per-head kappas are always computed.",
-)
-
-
-plot_option = click.option(
-    "--plot",
-    type=click.Path(dir_okay=False),
-    metavar="FILE.png",
-    help="Also draw, per layer, each head's kappa of q/k/v (before and after, for reinit) into FILE.png (needs matplotlib).",
-)
-
-
-class _Hint(click.ParamType):
-    """A head count: ``16``, or one per stack, ``encoder=16,decoder=4`` (read by surgeon.detect.config)."""
-
-    name = "N|STACK=N,..."
-
-    def convert(self, value, param, ctx):
-        from .detect.config import parse_hint
-        from .errors import OptionError
-
-        try:
-            return parse_hint(param.name if param else "num_heads", value)
-        except OptionError:
-            self.fail(f"{value!r} is not a count of 1 or more, nor one per stack (encoder=16,decoder=4)", param, ctx)
-
-
-HINT = _Hint()
-
-
-def model_options(fn):
-    """Options that tell surgeon about the checkpoint when its config.json does not."""
-    for decorator in reversed(
-        [
-            click.option(
-                "--revision",
-                metavar="REV",
-                help="Branch, tag or commit hash of a Hub MODEL (default: its main branch).",
-            ),
-            click.option(
-                "--config",
-                "config",
-                type=click.Path(dir_okay=False),
-                help="config.json to read heads from (default: the one beside the weights).",
-            ),
-            click.option(
-                "--num-heads",
-                type=HINT,
-                help="Number of query heads, when there is no config.json; one per stack: encoder=16,decoder=4.",
-            ),
-            click.option(
-                "--num-kv-heads",
-                type=HINT,
-                help="Number of key/value heads (grouped-query attention); may be per stack.",
-            ),
-            click.option(
-                "--head-dim", type=HINT, help="Head dimension, when it is not width / heads; may be per stack."
-            ),
-            click.option(
-                "--force-hints",
-                is_flag=True,
-                help="Use --num-heads/--num-kv-heads/--head-dim even where config.json says otherwise.",
-            ),
-            click.option(
-                "--device",
-                default="auto",
-                show_default=True,
-                help="Where generation and factorizations run: auto, cpu, cuda, cuda:N.",
-            ),
-            click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout."),
-        ]
-    ):
-        fn = decorator(fn)
-    return fn
-
-
-def reinit_options(fn):
-    """The options of surgeon.plan.ReinitOptions as --flags, made from its fields (one spelling)."""
-    from .plan import AS_FIELD, ReinitOptions, option_infos
-
-    defaults = ReinitOptions()
-    for name, info in reversed(option_infos()):
-        default = getattr(defaults, name) if info.shell_default == AS_FIELD else info.shell_default
-        kwargs: dict = {"help": info.help}
-        if info.switch:
-            kwargs["is_flag"] = True
-        else:
-            kwargs["default"] = default
-            kwargs["show_default"] = default is not None
-            if info.choices:
-                kwargs["type"] = click.Choice(list(info.choices))
-            elif info.kind is not None:
-                kwargs["type"] = info.kind
-        fn = click.option(cli_spelling(name, None), name, **kwargs)(fn)
-    return fn
-
-
-def _debugging(args: list[str]) -> tuple[list[str], bool]:
-    """``args`` without ``--debug`` (accepted anywhere before ``--``), and whether it or SURGEON_DEBUG asks for tracebacks."""
-    end = args.index("--") if "--" in args else len(args)
-    debug = "--debug" in args[:end] or os.environ.get("SURGEON_DEBUG", "") not in ("", "0")
-    return [a for i, a in enumerate(args) if i >= end or a != "--debug"], debug
-
-
-def _internal_error(exc: Exception, debug: bool) -> None:
-    """A bug (an exception no code path expects) is one redacted line too; its traceback only when asked."""
-    import traceback
-
-    from .redact import redact
-
-    if debug:
-        click.echo(redact("".join(traceback.format_exception(exc))).rstrip("\n"), err=True)
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    what = f"{type(exc).__name__}: {lines[0][:300]}" if lines else type(exc).__name__
-    hint = "the traceback is above" if debug else "run with --debug (or SURGEON_DEBUG=1) for the traceback"
-    click.echo(redact(f"surgeon: internal error: {what} (this is a bug: please report it; {hint})"), err=True)
-    sys.exit(1)
-
-
-class OneLineErrors(click.Group):
-    """Usage errors (a bad option value, a missing argument, an unknown command) are one line too.
-
-    click prints a usage block and a hint around them; surgeon prints ``surgeon: error: ...`` with the
-    command's ``--help`` to look at, and exits 2 as click does. Anything else that escapes a command
-    (a bug, or a third-party library failing in a way surgeon does not translate) is one line,
-    redacted, with exit code 1; ``--debug`` or SURGEON_DEBUG=1 adds the (redacted) traceback.
-    """
-
-    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
-        from .redact import redact_library_output
-
-        redact_library_output()
-        args, debug = _debugging(list(sys.argv[1:] if args is None else args))
-        try:
-            rv = super().main(args, "surgeon", complete_var, standalone_mode=False, **extra)
-        except click.exceptions.NoArgsIsHelpError as exc:  # bare `surgeon`: the help, as before
-            click.echo(exc.ctx.get_help() if exc.ctx else "", err=True)
-            sys.exit(exc.exit_code)
-        except click.UsageError as exc:
-            message = " ".join(line.strip() for line in exc.format_message().splitlines() if line.strip())
-            path = exc.ctx.command_path if exc.ctx is not None else "surgeon"
-            _fail(f"{message[:1].lower()}{message[1:].rstrip('.')} (see {path} --help)", exc.exit_code)
-        except click.ClickException as exc:
-            _fail(" ".join(exc.format_message().split()), exc.exit_code)
-        except click.Abort:
-            _fail("interrupted; nothing was written", 130)
-        except Exception as exc:  # noqa: BLE001 - the one guard: never a traceback, never a secret
-            _internal_error(exc, debug)
-        if not standalone_mode:
-            return rv
-        sys.exit(rv if isinstance(rv, int) else 0)
 
 
 @click.group(cls=OneLineErrors, context_settings=CONTEXT)
@@ -345,22 +165,7 @@ negative numbers count from the end (-1 is the last). Each stack of layers is nu
 )
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
 @plot_option
-@click.option(
-    "--push-to-hub",
-    "push_to_hub",
-    metavar="ORG/NAME",
-    help="Upload the output folder to this Hub model repo (created if needed) in one commit.",
-)
-@click.option("--private", is_flag=True, help="With --push-to-hub: create the repo as private.")
-@click.option(
-    "--push-revision",
-    metavar="BRANCH",
-    help="With --push-to-hub: commit to this branch (created from main if missing).",
-)
-@click.option(
-    "--create-pr", is_flag=True, help="With --push-to-hub: open a pull request against main instead of committing."
-)
-@click.option("--commit-message", help="With --push-to-hub: the commit message (default: what was re-initialized).")
+@push_options
 @model_options
 @full_option
 @handle_errors
@@ -508,16 +313,14 @@ def verify(original, output, revision, config, num_heads, num_kv_heads, head_dim
     one-line verdict; at the first mismatch, says what differs and exits non-zero.
     """
     from .audit import verify as check
+    from .detect.config import Hints
 
     result = check(
         original,
         output,
         revision=revision,
         config=config,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        force_hints=force_hints,
+        hints=Hints(num_heads, num_kv_heads, head_dim, force_hints),
         device="cpu" if device == "auto" else device,
     )
     _out(json.dumps(result.to_dict(), indent=2) if as_json else result.summary())

@@ -18,6 +18,7 @@ TORCH_FREE = [
     "surgeon.report",
     "surgeon.output",
     "surgeon.staging",
+    "surgeon.shell",
     "surgeon.compute",
     "surgeon.journal",
     "surgeon.journal_file",

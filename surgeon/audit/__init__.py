@@ -30,7 +30,7 @@ import torch
 
 from .._version import __version__
 from ..card import card_comment
-from ..detect.config import HintInput
+from ..detect.config import HintInput, Hints
 from ..errors import CheckpointError, SurgeonError, VerificationError
 from ..modes import get_mode
 from .record import Record, card_records, other_version_note, parse_record, stored_history
@@ -87,19 +87,17 @@ def verify(
     *,
     revision: str | None = None,
     config: str | Path | None = None,
-    num_heads: HintInput = None,
-    num_kv_heads: HintInput = None,
-    head_dim: HintInput = None,
-    force_hints: bool = False,
+    hints: Hints | None = None,
     device: str | torch.device = "cpu",
+    **hint_keywords: HintInput | bool,
 ) -> Verification:
     """Check that ``output`` is exactly what surgeon's record in it says was made from ``original``.
 
     Returns a :class:`Verification` (``.summary()`` is a one-line verdict); raises
     :class:`VerificationError` at the first mismatch, and a :class:`SurgeonError` (CheckpointError) when it
     cannot verify: no record, a malformed one, or one of another surgeon version whose values differ.
+    ``hints`` (or their fields as keywords, ``num_heads=8``): what the run needed to be told about heads.
     """
-    from ..detect.config import Hints
     from ..hub import open_model
     from ..source import open_source
 
@@ -124,7 +122,7 @@ def verify(
         )
     try:
         changed, identical = _check_weights(
-            src, out, record, earlier, Hints(num_heads, num_kv_heads, head_dim, force_hints), device, output, original
+            src, out, record, earlier, Hints.build(hints, **hint_keywords), device, output, original
         )
     except DerivedMismatch as exc:
         if not record.other_version:
