@@ -124,3 +124,14 @@ def test_a_push_needs_a_folder(bert, tmp_path):
     beside = resolve_destination(source, None, in_place=False, overwrite=False)
     assert (beside.path, beside.kind) == (tmp_path / "src" / "model.reinit.onnx", OutputKind.FILES)
     assert [p.name for p in beside.companions] == ["model.reinit.onnx.data"]
+
+
+def test_saving_before_the_plan_is_checked_is_refused(bert, tmp_path):
+    """The copies of shared initializers are decided by check_plan; a save that skipped it fails loudly
+    instead of writing a shared initializer's new values for every reader."""
+    from surgeon.source import open_source
+
+    weights = open_source(bert[1]).primary
+    with pytest.raises(RuntimeError, match="check_plan"):
+        weights.save(tmp_path, lambda file: iter(()), {})
+    assert not list(tmp_path.iterdir())

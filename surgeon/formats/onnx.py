@@ -88,9 +88,7 @@ class OnnxWeights(WeightSet):
         self.layout = wire.scan(path)
         self.stored: dict[str, _Stored] = {}
         self._protos: dict[str, onnx.TensorProto] = {}
-        # shared initializers the plan changes for some of their readers: name -> (the copy's name,
-        # the nodes that read the copy instead); see check_plan
-        self.copies: dict[str, tuple[str, list[int]]] = {}
+        self._copies: dict[str, tuple[str, list[int]]] | None = None  # decided by check_plan
         external: list[str] = []
         for t in self.model.graph.initializer:
             if t.data_type not in DTYPES:
@@ -278,8 +276,17 @@ class OnnxWeights(WeightSet):
         the copies it decides on are kept as ``self.copies``, which :meth:`save` writes."""
         from .onnx_sharing import plan_sharing
 
-        notes, self.copies = plan_sharing(self, plan, detection)
+        notes, self._copies = plan_sharing(self, plan, detection)
         return notes
+
+    @property
+    def copies(self) -> dict[str, tuple[str, list[int]]]:
+        """Shared initializers the plan changes for some of their readers: name -> (the copy's name, the
+        nodes that read the copy instead). Decided by :meth:`check_plan`; asking before it ran is a bug,
+        never an empty answer (a save would otherwise change a shared initializer for every reader)."""
+        if self._copies is None:
+            raise RuntimeError("OnnxWeights.check_plan(plan, detection) must run before the copies are read or saved")
+        return self._copies
 
     @functools.cached_property
     def names(self) -> set[str]:
