@@ -206,12 +206,28 @@ def reinit_checkpoint(
     )
 
 
+_PUSH_KEYWORDS = {  # reinit_checkpoint's keywords before PushTarget -> the PushTarget field
+    "push_to_hub": "repo_id",
+    "private": "private",
+    "push_revision": "revision",
+    "create_pr": "create_pr",
+    "commit_message": "commit_message",
+    "token": "token",
+}
+
+
 def _options_and_hints(
     options: ReinitOptions | None, hints: Hints | None, keywords: dict[str, Any]
 ) -> tuple[ReinitOptions, Hints]:
     """The options and hints objects, with their fields given as keywords replaced."""
     option_names = [f.name for f in fields(ReinitOptions)]
     unknown = sorted(set(keywords) - set(option_names) - set(HINT_KEYWORDS))
+    pushed = [k for k in unknown if k in _PUSH_KEYWORDS]
+    if pushed:  # 0.2.0's spelling
+        raise TypeError(
+            f"unexpected keyword argument {pushed[0]!r}: a push is push='org/name', or "
+            f"push=PushTarget('org/name', {_PUSH_KEYWORDS[pushed[0]]}=...) for its other settings"
+        )
     if unknown:
         raise TypeError(
             f"unexpected keyword argument {unknown[0]!r}; the options are {', '.join(option_names)}, "
