@@ -92,39 +92,14 @@ def reproduce_command(model: str, *, revision: str | None, options: dict, hints:
 
 def build_card(*, source: Source, plan: Plan, results: list[ProjectionResult], command: str, title: str):
     """The card as a ``huggingface_hub.ModelCard`` (metadata validated by its own parser)."""
-    from huggingface_hub import ModelCard, ModelCardData, constants
+    from huggingface_hub import ModelCard
 
     original = SourceCard.read(source.folder / "README.md") if source.kind == "folder" else None
-    meta = original.metadata if original else {}
-    kept = {k: meta[k] for k in KEPT_METADATA if meta.get(k) is not None}
-    if "library_name" not in kept and isinstance(source.config, dict) and source.config.get("model_type"):
-        kept["library_name"] = "transformers"  # a config.json with a model_type is a transformers model
-    source_tags = meta.get("tags") or []
-    mode, options = get_mode(plan.options.mode), plan.options.to_dict()
-    tags = list(
-        dict.fromkeys(
-            [TAG, mode.tag] + [str(t) for t in (source_tags if isinstance(source_tags, list) else [source_tags])]
-        )
-    )
-    data = ModelCardData(base_model=source.hub_id, tags=tags, **kept)
-
-    endpoint = constants.ENDPOINT.rstrip("/")
-    if source.hub_id:
-        commit = f" (commit `{source.hub_commit[:12]}`)" if source.hub_commit else ""
-        origin = f"[`{source.hub_id}`]({endpoint}/{source.hub_id}){commit}"
-    else:
-        origin = f"`{source.path.name}`"
+    mode = get_mode(plan.options.mode)
+    data = _card_data(source, original.metadata if original else {}, mode.tag)
     parts = [
         f"# {title}",
-        f"This is {origin} with the attention query/key/value projections of {len(plan.touched_blocks)} of its "
-        f"{len(plan.blocks)} attention block{'s' if len(plan.blocks) != 1 else ''} re-initialized by surgeon {__version__} "
-        f"{mode.card_intro(options)}. Every other tensor"
-        + (
-            " (except the output projections W_O of those blocks, rewritten by this mode)"
-            if mode.writes_outputs
-            else ""
-        )
-        + " is byte for byte the source's.",
+        _intro(source, plan),
         mode.card_caveat(),
         "## What was done",
         _options_table(plan),
@@ -155,6 +130,46 @@ def build_card(*, source: Source, plan: Plan, results: list[ProjectionResult], c
         ]
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(parts) + "\n")
     return card
+
+
+def _card_data(source: Source, meta: dict, mode_tag: str):
+    """The front matter: the source's metadata that still holds (KEPT_METADATA), its tags and surgeon's."""
+    from huggingface_hub import ModelCardData
+
+    kept = {k: meta[k] for k in KEPT_METADATA if meta.get(k) is not None}
+    if "library_name" not in kept and isinstance(source.config, dict) and source.config.get("model_type"):
+        kept["library_name"] = "transformers"  # a config.json with a model_type is a transformers model
+    source_tags = meta.get("tags") or []
+    tags = list(
+        dict.fromkeys(
+            [TAG, mode_tag] + [str(t) for t in (source_tags if isinstance(source_tags, list) else [source_tags])]
+        )
+    )
+    return ModelCardData(base_model=source.hub_id, tags=tags, **kept)
+
+
+def _intro(source: Source, plan: Plan) -> str:
+    """The card's first paragraph: which model, how many blocks changed, by which mode."""
+    from huggingface_hub import constants
+
+    mode, options = get_mode(plan.options.mode), plan.options.to_dict()
+    endpoint = constants.ENDPOINT.rstrip("/")
+    if source.hub_id:
+        commit = f" (commit `{source.hub_commit[:12]}`)" if source.hub_commit else ""
+        origin = f"[`{source.hub_id}`]({endpoint}/{source.hub_id}){commit}"
+    else:
+        origin = f"`{source.path.name}`"
+    return (
+        f"This is {origin} with the attention query/key/value projections of {len(plan.touched_blocks)} of its "
+        f"{len(plan.blocks)} attention block{'s' if len(plan.blocks) != 1 else ''} re-initialized by surgeon {__version__} "
+        f"{mode.card_intro(options)}. Every other tensor"
+        + (
+            " (except the output projections W_O of those blocks, rewritten by this mode)"
+            if mode.writes_outputs
+            else ""
+        )
+        + " is byte for byte the source's."
+    )
 
 
 def _record_comment(plan: Plan) -> str:

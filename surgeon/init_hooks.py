@@ -29,8 +29,8 @@ from torch import nn
 
 from .apply import Engine
 from .detect.config import HintInput, Hints
-from .detect.module import detect_module
-from .plan import ReinitOptions, prepare
+from .detect.module import ModuleDetection, detect_module
+from .plan import Plan, ReinitOptions, prepare
 
 _PLANS: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
@@ -86,10 +86,13 @@ def conditioned_init_(
     else:
         mine = [c for c in plan.changes if c.block.module == path or c.block.module.startswith(path + ".")]
         done.update(c.block.module for c in mine)
-    if not mine:
-        return 0
-    device = found.params[mine[0].projection.weight.tensor].device
-    engine = Engine(replace(plan, changes=mine), device, seed_names=found.seed_names)
+    return _write(found, replace(plan, changes=mine)) if mine else 0
+
+
+def _write(found: ModuleDetection, plan: Plan) -> int:
+    """Write ``plan``'s new heads into the parameters ``found`` holds; returns how many were written."""
+    device = found.params[plan.changes[0].projection.weight.tensor].device
+    engine = Engine(plan, device, seed_names=found.seed_names)
     with torch.no_grad():
         for name in engine.tensor_names:
             param = found.params[name]

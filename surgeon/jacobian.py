@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .detect.config import HintInput
+    from .spec import AttentionBlock
 
 SAMPLE_TEXT = [
     "The quick brown fox jumps over the lazy dog.",
@@ -183,28 +184,48 @@ def jacobian_report(
     each; a list of them for several). ``exact``: compute the exact kappa(J) (default: when J has at
     most ``exact_limit`` entries). The model is run in eval mode without gradients and left unchanged.
     """
-    import torch
-
-    from .apply import head_matrices
     from .detect.config import Hints
     from .detect.module import detect_module
-    from .errors import OptionError
 
     calls = _calls(inputs)
     found = detect_module(model, hints=Hints(num_heads, num_kv_heads, head_dim), example_inputs=calls[0])
-    streams = [b for b in found.blocks if ":" in b.module]  # a joint block's second stream: not a module of its own
-    blocks = [b for b in found.blocks if b.kind == "self" and ":" not in b.module]
     report = JacobianReport([])
+    blocks = _self_attention(found.blocks, report)
+    captured = _run_captured(model, blocks, calls)
+    _add_head_rows(report, found.params, blocks, captured, exact, exact_limit)
+    if exact is None and not any(r.exact is not None for r in report.rows):
+        report.notes.append(
+            f"exact kappa(J) skipped: J has more than {exact_limit:,} entries (shorter inputs, or exact=True)"
+        )
+    report.notes.append(
+        "head function: softmax(X Wq Wk^T X^T / sqrt(d)) X Wv, float64, without the model's biases, masks or rotary embeddings"
+    )
+    return report
+
+
+def _self_attention(detected: list[AttentionBlock], report: JacobianReport) -> list[AttentionBlock]:
+    """The self-attention blocks the theorem is about; the report notes what else was skipped."""
+    from .errors import OptionError
+
+    streams = [b for b in detected if ":" in b.module]  # a joint block's second stream: not a module of its own
+    blocks = [b for b in detected if b.kind == "self" and ":" not in b.module]
     if streams:
         report.notes.append(
             f"{len(streams)} joint-attention context streams skipped: their heads attend together with their block's"
         )
-    if len(blocks) + len(streams) < len(found.blocks):
+    if len(blocks) + len(streams) < len(detected):
         report.notes.append(
-            f"{len(found.blocks) - len(blocks) - len(streams)} cross-attention blocks skipped: the theorem is about self-attention"
+            f"{len(detected) - len(blocks) - len(streams)} cross-attention blocks skipped: the theorem is about self-attention"
         )
     if not blocks:
         raise OptionError("the Jacobian report needs self-attention blocks, and this model has only cross-attention")
+    return blocks
+
+
+def _run_captured(model, blocks: list[AttentionBlock], calls: list) -> dict[str, list]:
+    """Run ``model`` on every call (eval mode, no gradients) and return each block's captured inputs."""
+    import torch
+
     captured: dict[str, list] = {b.module: [] for b in blocks}
     hooks = []
     for b in blocks:
@@ -225,10 +246,26 @@ def jacobian_report(
         for h in hooks:
             h.remove()
         model.train(was_training)
+    return captured
+
+
+def _add_head_rows(
+    report: JacobianReport,
+    params: dict,
+    blocks: list[AttentionBlock],
+    captured: dict[str, list],
+    exact: bool | None,
+    exact_limit: int,
+) -> None:
+    """One row per (input, block, head): the Theorem 3.1 terms of that head on that input."""
+    import torch
+
+    from .apply import head_matrices
+
     with torch.no_grad():
         for b in blocks:
             mats = {
-                p.role: head_matrices(found.params[p.weight.tensor].detach(), p.weight).to(torch.float64)
+                p.role: head_matrices(params[p.weight.tensor].detach(), p.weight).to(torch.float64)
                 for p in b.projections
             }
             xs = [x for batch in captured[b.module] for x in batch]
@@ -239,14 +276,6 @@ def jacobian_report(
                     g = b.kv_head(h)
                     terms = head_terms(x, mats["q"][h].T, mats["k"][g].T, mats["v"][g].T, exact=do_exact)
                     report.rows.append(HeadJacobian(i, b.module, b.layer, h, n, **terms))
-    if exact is None and not any(r.exact is not None for r in report.rows):
-        report.notes.append(
-            f"exact kappa(J) skipped: J has more than {exact_limit:,} entries (shorter inputs, or exact=True)"
-        )
-    report.notes.append(
-        "head function: softmax(X Wq Wk^T X^T / sqrt(d)) X Wv, float64, without the model's biases, masks or rotary embeddings"
-    )
-    return report
 
 
 def _calls(inputs) -> list:

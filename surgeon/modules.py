@@ -22,7 +22,7 @@ from .detect.module import ModuleDetection, detect_module
 from .distributed import any_sharded, inspect_sharded, refuse_meta, unwrapped, write_params
 from .errors import OptionError, opt
 from .modes import get_mode
-from .plan import ReinitOptions, prepare
+from .plan import Plan, ReinitOptions, prepare
 from .report import ProjectionRow, Report
 from .selection import IndexSpec
 
@@ -76,21 +76,35 @@ def reinit_(
     start = time.perf_counter()
     with unwrapped(module) as inner:  # DDP, torch.compile, PEFT: the model inside, LoRA bases in place
         found = detect_module(inner, hints=Hints(num_heads, num_kv_heads, head_dim), example_inputs=example_inputs)
-        plan = prepare(
-            found.blocks,
-            options,
-            config=getattr(inner, "config", None),
-            shapes={n: tuple(p.shape) for n, p in found.params.items()},
-            depths=found.depths,
+        plan, engine, device = _change_in_place(inner, found, options, full)
+    return _reinit_report(module, found, plan, engine, device, start)
+
+
+def _change_in_place(
+    inner: nn.Module, found: ModuleDetection, options: ReinitOptions, full: bool
+) -> tuple[Plan, Engine, torch.device]:
+    """Plan on the detected blocks and write the new heads into ``found``'s parameters."""
+    plan = prepare(
+        found.blocks,
+        options,
+        config=getattr(inner, "config", None),
+        shapes={n: tuple(p.shape) for n, p in found.params.items()},
+        depths=found.depths,
+    )
+    options = plan.options
+    device = found.params[plan.changes[0].projection.weight.tensor].device
+    engine = Engine(plan, device, seed_names=found.seed_names, whole=full)
+    if any_sharded(found.params, engine.tensor_names) and not get_mode(options.mode).sharded:  # FSDP2 / DTensor
+        raise OptionError(
+            f"{opt('mode', options.mode)} on sharded (FSDP2/DTensor) parameters is not supported: reinit before sharding"
         )
-        options = plan.options
-        device = found.params[plan.changes[0].projection.weight.tensor].device
-        engine = Engine(plan, device, seed_names=found.seed_names, whole=full)
-        if any_sharded(found.params, engine.tensor_names) and not get_mode(options.mode).sharded:  # FSDP2 / DTensor
-            raise OptionError(
-                f"{opt('mode', options.mode)} on sharded (FSDP2/DTensor) parameters is not supported: reinit before sharding"
-            )
-        write_params(engine, found.params)
+    write_params(engine, found.params)
+    return plan, engine, device
+
+
+def _reinit_report(
+    module: nn.Module, found: ModuleDetection, plan: Plan, engine: Engine, device: torch.device, start: float
+) -> Report:
     rows = [
         ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed)
         for r in engine.ordered_results()
@@ -107,7 +121,7 @@ def reinit_(
         _describe(module),
         found.blocks,
         rows,
-        options=options.to_dict(),
+        options=plan.options.to_dict(),
         seconds=seconds,
         device=str(device),
         notes=notes,

@@ -2,172 +2,31 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, field, fields, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from ._version import __version__
 from .errors import OptionError, SelectionError, opt
-from .modes import NAMES as MODES
-from .modes import all_modes, get_mode, owner_of
+from .modes import get_mode
+
+# The options live in surgeon.options; importable from here as before.
+from .options import AS_FIELD, BIAS_CHOICES, MODES, OptionInfo, ReinitOptions, option_infos, stacks_of
 from .selection import IndexSpec, format_indices, parse_attention, parse_targets, resolve_indices
 from .spec import AttentionBlock, Projection
-from .spectrum import VALUE_IDENTITIES
 
-BIAS_CHOICES = ("auto", "zero", "keep")
-
-
-AS_FIELD = "(the field's default)"  # OptionInfo.shell_default when a shell shows the field's own default
-
-
-@dataclass(frozen=True)
-class OptionInfo:
-    """What a user-facing shell needs to know about one option of :class:`ReinitOptions`.
-
-    The CLI makes its ``--flags`` from these (surgeon.cli), the model card its reproduce command
-    (surgeon.card): the options are spelt once, as the fields of ReinitOptions.
-    """
-
-    help: str
-    choices: tuple[str, ...] | None = None  # the values a shell offers (None: any)
-    kind: type | None = None  # int / float where the value is a number
-    switch: bool = False  # a bool field: given or not (--keep-scale)
-    shell_default: Any = AS_FIELD  # the default a shell shows, where it differs from the field's
-    spec: bool = False  # an index spec (may start with "-": a command line writes --layers=SPEC)
-    recorded: Callable[[dict], bool] | None = None  # recorded options -> whether a reproduce command needs it
-
-
-def _option(default: Any, help: str, **info: Any) -> Any:
-    return field(default=default, metadata={"shell": OptionInfo(help, **info)})
-
-
-def option_infos() -> list[tuple[str, OptionInfo]]:
-    """(field name, OptionInfo) of every option, in field order."""
-    return [(f.name, f.metadata["shell"]) for f in fields(ReinitOptions)]
-
-
-@dataclass(frozen=True)
-class ReinitOptions:
-    """How to re-initialize; the defaults are the paper's conditioned reset of every layer.
-
-    The one spelling of the options: the Python API takes a ReinitOptions or keywords that build one
-    (:meth:`build`), the CLI and the model card's reproduce command are made from its fields.
-    """
-
-    layers: IndexSpec = _option("all", "Layers to re-initialize, per stack.", spec=True)
-    targets: str | Iterable[str] = _option(
-        ("q", "k", "v"), "Projections to re-initialize: any of q,k,v.", shell_default="q,k,v"
-    )
-    heads: IndexSpec = _option("all", "Query heads to re-initialize (K/V: the key/value heads they use).", spec=True)
-    attention: str = _option("all", "Self-attention, cross-attention or both.", choices=("self", "cross", "all"))
-    stack: str | Iterable[str] | None = _option(
-        None, "Only these stacks, by path or name part (e.g. encoder, decoder); comma-separated."
-    )
-    mode: str = _option("conditioned", " ".join(f"{m.name}: {m.help}." for m in all_modes()), choices=MODES)
-    strength: float | None = _option(
-        None,
-        "Polar mode: sigma -> sigma^(1-t) for t in (0, 1] (kappa -> kappa^(1-t)). Default 1.",
-        kind=float,
-        recorded=lambda o: o.get("strength") is not None,
-    )
-    value_identity: str = _option(
-        "block",
-        "block: the whole value projection is the rectangular identity; per-head: every head is I.",
-        choices=("block", "per-head"),
-        recorded=lambda o: get_mode(o["mode"]).fresh,
-    )
-    keep_scale: bool = _option(False, "Rescale each new head matrix to the original's Frobenius norm.", switch=True)
-    bias: str = _option(
-        "auto",
-        "Biases of re-initialized heads. Default: zero for the fresh modes ("
-        + ", ".join(m.name for m in all_modes() if m.fresh)
-        + "), keep for "
-        + ", ".join(m.name for m in all_modes() if not m.fresh)
-        + ".",
-        choices=("zero", "keep"),
-        shell_default=None,
-    )
-    seed: int = _option(0, "Random seed; each head's draw depends only on (seed, tensor, head).", kind=int)
-    gain: float | None = _option(
-        None,
-        "Conditioned mode: scale of the semi-orthogonal q/k heads (default 1; 0.02 * sqrt(width) matches a "
-        "normal(0, 0.02) init's scale).",
-        kind=float,
-        recorded=lambda o: o.get("gain") is not None,
-    )
-    std: float | None = _option(
-        None,
-        "Redraw mode: std of the normal draws (default: config.json's initializer_range, else 0.02; "
-        "nn.MultiheadAttention tensors use xavier_uniform).",
-        kind=float,
-        recorded=lambda o: o.get("std") is not None,
-    )
-
-    @classmethod
-    def build(cls, options: ReinitOptions | None = None, /, **keywords: Any) -> ReinitOptions:
-        """``options`` (default: the defaults) with the options given as keywords replaced."""
-        names = {f.name for f in fields(cls)}
-        for key in keywords:
-            if key not in names:
-                raise TypeError(f"unexpected keyword argument {key!r}; the options are {', '.join(sorted(names))}")
-        return replace(options if options is not None else cls(), **keywords)
-
-    def validated(self) -> ReinitOptions:
-        if self.mode not in MODES:
-            raise OptionError(
-                f"unknown mode {self.mode!r}: use " + "; ".join(f"{m.name} ({m.help})" for m in all_modes())
-            )
-        for name, value in (("gain", self.gain), ("std", self.std)):
-            if value is None:
-                continue
-            owner = owner_of(name)
-            if owner is not None and self.mode != owner.name:
-                raise OptionError(f"{opt(name)} applies to {opt('mode', owner.name)} only")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise OptionError(f"{opt(name)} must be a finite number above 0, not {value!r}")
-        if self.gain is not None and self.keep_scale:
-            raise OptionError(
-                f"{opt('gain')} and {opt('keep_scale', True)} both set the scale of the new heads: use one of them"
-            )
-        if self.strength is not None:
-            if get_mode(self.mode).option != "strength":
-                owner = owner_of("strength")
-                raise OptionError(
-                    f"{opt('strength')} applies to {opt('mode', owner.name if owner else None)} only (the conditioned reset always reaches kappa = 1)"
-                )
-            if not 0.0 < float(self.strength) <= 1.0:
-                raise OptionError(f"{opt('strength')} must be in (0, 1], not {self.strength}")
-        if self.value_identity not in VALUE_IDENTITIES:
-            raise OptionError(f"unknown value identity {self.value_identity!r}: use block or per-head")
-        if self.bias not in BIAS_CHOICES:
-            raise OptionError(f"unknown bias policy {self.bias!r}: use zero, keep or auto")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise OptionError(f"seed must be an integer, not {self.seed!r}")
-        return self
-
-    @property
-    def effective_strength(self) -> float:
-        return 1.0 if self.strength is None else float(self.strength)
-
-    @property
-    def zero_bias(self) -> bool:
-        # A fresh reset starts from zero biases; conditioning pretrained weights keeps them.
-        return self.bias == "zero" or (self.bias == "auto" and get_mode(self.mode).fresh)
-
-    def to_dict(self) -> dict:
-        out = asdict(self)
-        for key in ("layers", "heads"):
-            value = out[key]
-            out[key] = value if value is None or isinstance(value, (str, int)) else list(value)
-        out["targets"] = list(parse_targets(self.targets))
-        out["stack"] = None if self.stack is None else _stacks(self.stack)
-        out["strength"] = self.effective_strength if get_mode(self.mode).option == "strength" else None
-        out["bias"] = "zero" if self.zero_bias else "keep"
-        for key in ("gain", "std"):  # only where set: records of the other modes stay as they were
-            if out[key] is None:
-                del out[key]
-        return out
+__all__ = [
+    "AS_FIELD",
+    "BIAS_CHOICES",
+    "MODES",
+    "Change",
+    "OptionInfo",
+    "Plan",
+    "ReinitOptions",
+    "make_plan",
+    "option_infos",
+    "prepare",
+]
 
 
 @dataclass(frozen=True)
@@ -268,11 +127,6 @@ def prepare(
     return plan
 
 
-def _stacks(spec: str | Iterable[str]) -> list[str]:
-    items = spec.split(",") if isinstance(spec, str) else list(spec)
-    return [s.strip() for s in items if s.strip()]
-
-
 def _stack_matches(stack: str, wanted: list[str]) -> bool:
     comps = stack.split(".")
     return any(w == stack or w in comps for w in wanted)
@@ -286,7 +140,7 @@ def make_plan(blocks: list[AttentionBlock], options: ReinitOptions, depths: Mapp
     kinds = parse_attention(options.attention)
     chosen = [b for b in blocks if b.kind in kinds]
     if options.stack is not None:
-        wanted = _stacks(options.stack)
+        wanted = stacks_of(options.stack)
         stacks = list(dict.fromkeys(b.stack for b in blocks))
         unknown = [w for w in wanted if not any(_stack_matches(s, [w]) for s in stacks)]
         if unknown:

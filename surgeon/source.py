@@ -6,6 +6,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 from .errors import CheckpointError
 from .formats.base import WeightSet
@@ -146,6 +147,21 @@ def _variant_indexes(folder: Path, top: list[str], sets: list[WeightSet]) -> lis
 
 def _open_folder(folder: Path) -> Source:
     top = sorted(p.name for p in folder.iterdir() if p.is_file())
+    sets = _weight_sets(folder, top)
+    if not sets:
+        _refuse_no_weights(folder)
+    extras, stale = _other_files(folder, {f for s in sets for f in s.all_files})
+    notes = []
+    if stale:
+        names = ", ".join(dict.fromkeys(stale))
+        notes.append(
+            f"left out other copies of the weights that surgeon does not rewrite here: {names} (re-export them from the output)"
+        )
+    return Source(folder, "folder", sets, extra_files=extras, notes=notes)
+
+
+def _weight_sets(folder: Path, top: list[str]) -> list[WeightSet]:
+    """The weight sets among the folder's top-level files ``top``, in the formats' order of preference."""
     sets: list[WeightSet] = []
     for fmt in FORMATS:  # the same weights may be there twice (safetensors and .bin): the preferred first
         if fmt.alone and sets:
@@ -165,8 +181,12 @@ def _open_folder(folder: Path) -> Source:
             continue
         for files in _split_variants(picked):  # diffusers' x.fp16.safetensors beside x.safetensors: each its own set
             sets.append(fmt.open(folder, files))
-    sets += _variant_indexes(folder, top, sets)
-    if not sets and (folder / "model_index.json").is_file():
+    return sets + _variant_indexes(folder, top, sets)
+
+
+def _refuse_no_weights(folder: Path) -> NoReturn:
+    """A folder without weights: say where they are if it is a diffusers pipeline, else what was expected."""
+    if (folder / "model_index.json").is_file():
         parts = sorted(
             p.name
             for p in folder.iterdir()
@@ -177,13 +197,15 @@ def _open_folder(folder: Path) -> Source:
             f"({', '.join(f'{folder / p}' for p in parts) or 'none holds weights'})",
             path=folder,
         )
-    if not sets:
-        raise CheckpointError(
-            f"no weights in folder {folder}: expected model.safetensors, model.safetensors.index.json, "
-            "pytorch_model.bin(.index.json) or a .onnx file",
-            path=folder,
-        )
-    weight_files = {f for s in sets for f in s.all_files}
+    raise CheckpointError(
+        f"no weights in folder {folder}: expected model.safetensors, model.safetensors.index.json, "
+        "pytorch_model.bin(.index.json) or a .onnx file",
+        path=folder,
+    )
+
+
+def _other_files(folder: Path, weight_files: set[str]) -> tuple[list[str], list[str]]:
+    """The folder's files besides the weights: (those copied to the output, stale weight copies left out)."""
     extras, stale = [], []
     for p in sorted(folder.rglob("*")):
         rel = p.relative_to(folder)
@@ -201,10 +223,4 @@ def _open_folder(folder: Path) -> Source:
             stale.append(rel.parts[0] + "/" if len(rel.parts) > 1 else str(rel))
             continue
         extras.append(str(rel))
-    notes = []
-    if stale:
-        names = ", ".join(dict.fromkeys(stale))
-        notes.append(
-            f"left out other copies of the weights that surgeon does not rewrite here: {names} (re-export them from the output)"
-        )
-    return Source(folder, "folder", sets, extra_files=extras, notes=notes)
+    return extras, stale

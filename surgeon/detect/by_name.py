@@ -14,7 +14,7 @@ from typing import TypeVar
 from ..errors import LayoutError, NoAttentionFoundError, UnsupportedWeightsError, opt
 from ..formats.base import TensorInfo
 from ..spec import AttentionBlock, Projection, Rows, packed_size, slot_offsets
-from .config import ConfigView, Hints
+from .config import ConfigView, Hints, StackFacts
 from .families import (  # noqa: F401
     CROSS_WORDS,
     KV_SLOTS,
@@ -28,6 +28,7 @@ from .families import (  # noqa: F401
     projection_names,
 )
 from .libraries import companion_block, kv_map, library_notes, roles_by_position, with_separate_biases
+from .notes import block_notes
 from .placement import join, kind, place, stack_depths
 from .result import Detection
 from .shapes import heads_from_head_dim, pointwise, solve
@@ -61,7 +62,7 @@ def detect(
     _refuse_mixed_widths(blocks, view)
     blocks = shared_blocks(blocks, view)
     depths = stack_depths([b.stack for b in blocks], tensors)
-    notes = _assumed_layouts(blocks, view) + _gated(blocks) + _adapters(blocks, view) + library_notes(blocks) + notes
+    notes = block_notes(blocks, view) + library_notes(blocks) + notes
     return Detection(blocks, len(tensors), notes, depths=depths)
 
 
@@ -75,31 +76,6 @@ def _refused(tensors: Mapping[str, TensorInfo]) -> list[str]:
             where = f"{modules[0]}" + (f" and {len(modules) - 1} more" if len(modules) > 1 else "")
             out.append(f"{where} use {rule.name}, which surgeon does not re-initialize: {rule.why}")
     return out
-
-
-def _gated(blocks: list[AttentionBlock]) -> list[str]:
-    gated = [b for b in blocks if b.layout.endswith("gated q")]
-    if not gated:
-        return []
-    return [
-        f"gated attention: {gated[0].q.weight.tensor.rsplit('.', 1)[0]} (and {len(gated) - 1} more) holds per head {gated[0].head_dim} query rows, "
-        "then the output gate's rows; the query rows are re-initialized, the gate rows are kept byte for byte"
-    ]
-
-
-def _adapters(blocks: list[AttentionBlock], view: ConfigView) -> list[str]:
-    rule = SHARED_BLOCKS.get(view.model_type or "")
-    if (
-        rule is None
-        or not rule.adapters_flag
-        or view.config.get(rule.adapters_flag) is not True
-        or not any(b.shared_layers for b in blocks)
-    ):
-        return []
-    return [
-        f"each layer adds its own adapter to the shared block's q/k/v ({rule.adapters_flag}); the adapters are kept, so a "
-        "layer's query/key/value maps are the re-initialized weights plus its adapter"
-    ]
 
 
 def _refuse_mixed_widths(blocks: list[AttentionBlock], view: ConfigView) -> None:
@@ -158,27 +134,6 @@ def shared_blocks(blocks: list[AttentionBlock], view: ConfigView) -> list[Attent
             )
         out.append(replace(block, shared_layers=users) if len(users) > 1 else block)
     return out
-
-
-# Fused tensors whose packing is a naming convention rather than something config.json states.
-_CONVENTIONAL = {"fused qkv": "timm/nanoGPT", "fused to_qkv": "chunk(3)"}
-
-
-def _assumed_layouts(blocks: list[AttentionBlock], view: ConfigView) -> list[str]:
-    """Say so when a fused layout rests on a naming convention alone (no model_type to confirm it)."""
-    if view.model_type or view.config.get(
-        "architecture"
-    ):  # a timm config names the model (FUSED_PACKING_BY_ARCHITECTURE)
-        return []
-    notes = []
-    for layout in dict.fromkeys(b.layout for b in blocks):
-        if layout in _CONVENTIONAL:
-            tensor = layout.split()[1]
-            notes.append(
-                f"{tensor} tensors are read as blocked [Q | K | V] (the {_CONVENTIONAL[layout]} convention; no config.json "
-                "model_type confirms it); if your model interleaves heads, check with the Python API (surgeon.inspect(module))"
-            )
-    return notes
 
 
 def _refuse_quantized(tensors: Mapping[str, TensorInfo]) -> None:
@@ -266,55 +221,18 @@ def _build(
     view: ConfigView,
 ) -> AttentionBlock:
     facts = view.facts(stack)
-    heads = facts.pick(facts.heads, stage)
     where = module or "the top-level attention module"
-    if heads is None and facts.head_dim:  # the head size alone settles the heads (timm MaxViT, --head-dim)
-        heads = heads_from_head_dim(module, rule, tensors, view, stack, facts.head_dim)
-    if heads is None:
-        raise LayoutError(
-            f"cannot tell the number of heads of {where}: "
-            f"{facts.source + ' does not say' if view.has_config else 'there is no config.json beside the weights'}; "
-            f"pass {opt('num_heads', 'N')} (or one per stack, {opt('num_heads', f'{stack or where}=N')}; and {opt('num_kv_heads')} for grouped-query attention), or {opt('config', 'PATH')}"
-        )
+    heads = _heads(module, rule, stack, stage, tensors, view, facts, where)
     kv_hint = facts.pick(facts.kv_heads, stage)
     parts = [(p, tensors[join(owner(module), p.weight)]) for p in rule.parts]
     for _, info in parts:
-        if not info.is_float:
-            raise UnsupportedWeightsError(
-                f"{info.name} is {info.dtype}, not a float matrix: it looks quantized or integer; "
-                "surgeon rewrites float16/bfloat16/float32 projections only",
-                tensor=info.name,
-            )
-        if len(info.shape) != 2 and not pointwise(info, view, stack, module):
-            raise LayoutError(
-                f"{info.name} has shape {list(info.shape)}; a projection weight must be 2-D", tensor=info.name
-            )
-        if 0 in info.shape:
-            raise LayoutError(
-                f"{info.name} has shape {list(info.shape)}: an empty projection has no heads to re-initialize; "
-                "the checkpoint is damaged or not a model surgeon can rewrite",
-                tensor=info.name,
-            )
+        _check_part(info, view, stack, module)
     packings = [part_packing(p, view, stack, module, where) for p, _ in parts]
     layout = solve(parts, packings, heads, kv_hint, facts.head_dim, facts.hidden, where, facts.source)
     head_dim, kv_heads, orientations = layout
     projections = {}
     for (part, info), packing, axis in zip(parts, packings, orientations):
-        offsets = slot_offsets(packing, heads, kv_heads, head_dim)
-        in_features = info.shape[1 - axis]
-        bias_name = join(owner(module), part.bias) if part.bias else None
-        bias_offsets = slot_offsets(part.bias_packing or packing, heads, kv_heads, head_dim)
-        for role, offs in offsets.items():
-            if role not in ("q", "k", "v"):
-                continue  # a gate: not attention, left as it is
-            bias = None
-            if (
-                bias_name is not None
-                and bias_name in tensors
-                and tensors[bias_name].shape == (packed_size(part.bias_packing or packing, heads, kv_heads, head_dim),)
-            ):
-                bias = Rows(bias_name, 0, bias_offsets[role], head_dim)
-            projections[role] = Projection(role, Rows(info.name, axis, offs, head_dim), bias, in_features)  # type: ignore[arg-type]
+        projections.update(_part_projections(module, part, info, packing, axis, heads, kv_heads, head_dim, tensors))
     block = AttentionBlock(
         stack=stack,
         layer=layer,
@@ -334,6 +252,80 @@ def _build(
         kv_map=kv_map(module),
     )
     return with_separate_biases(block, {name: info.shape for name, info in tensors.items()})  # timm EVA
+
+
+def _heads(
+    module: str,
+    rule: Rule,
+    stack: str,
+    stage: int | None,
+    tensors: Mapping[str, TensorInfo],
+    view: ConfigView,
+    facts: StackFacts,
+    where: str,
+) -> int:
+    """The block's number of (query) heads: from the config or hints, else from the head size; or refuse."""
+    heads = facts.pick(facts.heads, stage)
+    if heads is None and facts.head_dim:  # the head size alone settles the heads (timm MaxViT, --head-dim)
+        heads = heads_from_head_dim(module, rule, tensors, view, stack, facts.head_dim)
+    if heads is None:
+        raise LayoutError(
+            f"cannot tell the number of heads of {where}: "
+            f"{facts.source + ' does not say' if view.has_config else 'there is no config.json beside the weights'}; "
+            f"pass {opt('num_heads', 'N')} (or one per stack, {opt('num_heads', f'{stack or where}=N')}; and {opt('num_kv_heads')} for grouped-query attention), or {opt('config', 'PATH')}"
+        )
+    return heads
+
+
+def _check_part(info: TensorInfo, view: ConfigView, stack: str, module: str) -> None:
+    """A projection weight surgeon can rewrite: a float, non-empty 2-D matrix (or a pointwise convolution)."""
+    if not info.is_float:
+        raise UnsupportedWeightsError(
+            f"{info.name} is {info.dtype}, not a float matrix: it looks quantized or integer; "
+            "surgeon rewrites float16/bfloat16/float32 projections only",
+            tensor=info.name,
+        )
+    if len(info.shape) != 2 and not pointwise(info, view, stack, module):
+        raise LayoutError(
+            f"{info.name} has shape {list(info.shape)}; a projection weight must be 2-D", tensor=info.name
+        )
+    if 0 in info.shape:
+        raise LayoutError(
+            f"{info.name} has shape {list(info.shape)}: an empty projection has no heads to re-initialize; "
+            "the checkpoint is damaged or not a model surgeon can rewrite",
+            tensor=info.name,
+        )
+
+
+def _part_projections(
+    module: str,
+    part: Part,
+    info: TensorInfo,
+    packing: str,
+    axis: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    tensors: Mapping[str, TensorInfo],
+) -> dict[str, Projection]:
+    """The q/k/v projections one weight tensor holds (a gate's rows are not attention: left out)."""
+    projections = {}
+    offsets = slot_offsets(packing, heads, kv_heads, head_dim)
+    in_features = info.shape[1 - axis]
+    bias_name = join(owner(module), part.bias) if part.bias else None
+    bias_offsets = slot_offsets(part.bias_packing or packing, heads, kv_heads, head_dim)
+    for role, offs in offsets.items():
+        if role not in ("q", "k", "v"):
+            continue  # a gate: not attention, left as it is
+        bias = None
+        if (
+            bias_name is not None
+            and bias_name in tensors
+            and tensors[bias_name].shape == (packed_size(part.bias_packing or packing, heads, kv_heads, head_dim),)
+        ):
+            bias = Rows(bias_name, 0, bias_offsets[role], head_dim)
+        projections[role] = Projection(role, Rows(info.name, axis, offs, head_dim), bias, in_features)  # type: ignore[arg-type]
+    return projections
 
 
 def with_companions(

@@ -191,21 +191,10 @@ def push_folder(
         refuse_journals(folder, unfinished=True)
     repo_id = check_push(repo_id, revision=revision, create_pr=create_pr, token=token)
     token = _push_token(token)
-    files = _folder_files(folder)
-    journal = next((f for f in files if f.endswith((SUFFIX, SUFFIX + ".tmp"))), None)
-    if journal is not None:
-        raise OptionError(
-            f"{folder / journal} is an in-place run's undo journal, never pushed; run `surgeon recover` on its checkpoint first"
-        )
-    _check_card(folder)
+    files = _files_to_push(folder)
     api = HfApi(token=token)
     branch = revision or "main"
-    try:
-        created, notes = _ensure_repo(api, repo_id, private=private)
-        if revision is not None and not create_pr and not revision.startswith("refs/pr/"):
-            api.create_branch(repo_id, branch=revision, exist_ok=True)
-    except Exception as exc:
-        raise write_error(exc, repo_id, token, "prepare") from None
+    created, notes = _prepare_repo(api, repo_id, token, private=private, revision=revision, create_pr=create_pr)
     ops = [CommitOperationAdd(path_in_repo=f, path_or_fileobj=str(folder / f)) for f in files]
     where = {"revision": revision, "create_pr": create_pr, "private": private}  # for messages about a partial push
     with hf_progress(progress):
@@ -229,6 +218,31 @@ def push_folder(
     return PushResult(
         repo_id, url, branch, created, info.oid, info.commit_url, info.pr_url, files, large, unchanged, sent, notes
     )
+
+
+def _files_to_push(folder: Path) -> list[str]:
+    """The folder's files; refused if one is an in-place run's undo journal or the Hub would refuse its README.md."""
+    files = _folder_files(folder)
+    journal = next((f for f in files if f.endswith((SUFFIX, SUFFIX + ".tmp"))), None)
+    if journal is not None:
+        raise OptionError(
+            f"{folder / journal} is an in-place run's undo journal, never pushed; run `surgeon recover` on its checkpoint first"
+        )
+    _check_card(folder)
+    return files
+
+
+def _prepare_repo(
+    api, repo_id: str, token: str, *, private: bool, revision: str | None, create_pr: bool
+) -> tuple[bool, list[str]]:
+    """Create the repo and the branch where they do not exist: (whether the repo was created, notes)."""
+    try:
+        created, notes = _ensure_repo(api, repo_id, private=private)
+        if revision is not None and not create_pr and not revision.startswith("refs/pr/"):
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+    except Exception as exc:
+        raise write_error(exc, repo_id, token, "prepare") from None
+    return created, notes
 
 
 def _preupload(api, repo_id: str, token: str, folder: Path, ops: list, **where) -> list[str]:

@@ -25,7 +25,8 @@ no bias added after the op). Only the first token is read, where rotary embeddin
 identity. Anything that does not decode exactly is reported as unresolved, never guessed.
 """
 
-from .decode import hf_inputs, probe_blocks
+from .decode import probe_blocks
+from .inputs import hf_inputs
 from .probe import PROBE_TOKENS
 from .routes import ModuleDetection, checkpoint_names, detect_module
 

@@ -25,53 +25,7 @@ class ProjectionWalk(WindowWalk):
     # --- from an operand of the core back to its projection ------------------------------------
     def _projection(self, tensor: str, role: str) -> Proj:
         g = self.g
-        self.cut_short = False
-        parent: dict[str, tuple[int, str]] = {}  # tensor -> (node that consumes it on the way, that node's output)
-        seen, queue, steps = {tensor}, deque([(tensor, 0)]), 0
-        found: list[tuple[int, str]] = []  # (projection node, its output tensor)
-        dead: list[str] = []
-        while queue:
-            t, depth = queue.popleft()
-            n = g.producer.get(t)
-            if n is None:
-                if t in g.inputs:
-                    dead.append(f"graph input {t}")
-                continue
-            node = g.nodes[n]
-            op = g.op(n)
-            if node.op_type in QUANTIZED or op.split(".")[-1] in QUANTIZED:
-                raise UnsupportedWeightsError(
-                    f"the {role} projection of this model is quantized ({g.describe(n)}): surgeon rewrites float weights only; "
-                    "re-initialize the float model, then quantize"
-                )
-            if node.op_type in ("MatMul", "Gemm") and node.domain in ("", "ai.onnx"):
-                if node.op_type == "MatMul" and not g.is_const(node.input[1]) and node.input[1] not in g.inputs:
-                    dead.append(f"{g.describe(n)} (two computed operands)")
-                    continue
-                if (n, t) not in found:
-                    found.append((n, t))
-                continue
-            if is_pointwise_conv(g, n):  # a 1x1 convolution is a projection too (VITS conv_q/conv_k/conv_v)
-                if (n, t) not in found:
-                    found.append((n, t))
-                continue
-            which = (
-                PASS_BACK.get(node.op_type)
-                if node.domain in ("", "ai.onnx") or node.op_type == "RotaryEmbedding"
-                else None
-            )
-            if which is None:
-                dead.append(g.describe(n))
-                continue
-            steps += len(node.input)
-            if depth >= WALK_DEPTH or steps > WALK_STEPS:
-                self.cut_short = True
-                continue
-            for i in data_inputs(g, node, which):
-                if i not in seen:
-                    seen.add(i)
-                    parent[i] = (n, t)
-                    queue.append((i, depth + 1))
+        found, parent, dead = self._walk_back(tensor, role)
         projections = list(dict.fromkeys(n for n, _ in found))
         if not projections:
             stops = ", ".join(list(dict.fromkeys(dead))[:3]) or "nothing"
@@ -90,6 +44,68 @@ class ProjectionWalk(WindowWalk):
             path.append((m, t, t_out))
             t = t_out
         return self._read_projection(n, path, role)
+
+    def _walk_back(self, tensor: str, role: str) -> tuple[list[tuple[int, str]], dict[str, tuple[int, str]], list[str]]:
+        """Breadth-first from ``tensor`` back through the ops that pass data (within the walk's bounds):
+        the projections reached (node, its output), each tensor's way back toward ``tensor``, and where it stopped."""
+        g = self.g
+        self.cut_short = False
+        parent: dict[str, tuple[int, str]] = {}  # tensor -> (node that consumes it on the way, that node's output)
+        seen, queue, steps = {tensor}, deque([(tensor, 0)]), 0
+        found: list[tuple[int, str]] = []  # (projection node, its output tensor)
+        dead: list[str] = []
+        while queue:
+            t, depth = queue.popleft()
+            n = g.producer.get(t)
+            if n is None:
+                if t in g.inputs:
+                    dead.append(f"graph input {t}")
+                continue
+            node = g.nodes[n]
+            which = self._visit(n, t, role, found, dead)
+            if which is None:
+                continue
+            steps += len(node.input)
+            if depth >= WALK_DEPTH or steps > WALK_STEPS:
+                self.cut_short = True
+                continue
+            for i in data_inputs(g, node, which):
+                if i not in seen:
+                    seen.add(i)
+                    parent[i] = (n, t)
+                    queue.append((i, depth + 1))
+        return found, parent, dead
+
+    def _visit(
+        self, n: int, t: str, role: str, found: list[tuple[int, str]], dead: list[str]
+    ) -> tuple[int, ...] | str | None:
+        """What node ``n`` (producing ``t``) is to the walk: a projection (added to ``found``), a dead end
+        (added to ``dead``), both None; else the inputs it passes data back through (PASS_BACK)."""
+        g = self.g
+        node = g.nodes[n]
+        op = g.op(n)
+        if node.op_type in QUANTIZED or op.split(".")[-1] in QUANTIZED:
+            raise UnsupportedWeightsError(
+                f"the {role} projection of this model is quantized ({g.describe(n)}): surgeon rewrites float weights only; "
+                "re-initialize the float model, then quantize"
+            )
+        if node.op_type in ("MatMul", "Gemm") and node.domain in ("", "ai.onnx"):
+            if node.op_type == "MatMul" and not g.is_const(node.input[1]) and node.input[1] not in g.inputs:
+                dead.append(f"{g.describe(n)} (two computed operands)")
+                return None
+            if (n, t) not in found:
+                found.append((n, t))
+            return None
+        if is_pointwise_conv(g, n):  # a 1x1 convolution is a projection too (VITS conv_q/conv_k/conv_v)
+            if (n, t) not in found:
+                found.append((n, t))
+            return None
+        which = (
+            PASS_BACK.get(node.op_type) if node.domain in ("", "ai.onnx") or node.op_type == "RotaryEmbedding" else None
+        )
+        if which is None:
+            dead.append(g.describe(n))
+        return which
 
     def _read_projection(self, n: int, path, role: str) -> Proj:
         g = self.g
