@@ -18,7 +18,7 @@ from .hub import PushTarget
 from .journal import hold
 from .modes import get_mode
 from .output import Destination, resolve_destination
-from .plan import Plan, ReinitOptions, prepare
+from .plan import Plan, ReinitOptions, prepare_checkpoint
 from .report import ProjectionRow, Report
 from .source import Source
 
@@ -172,14 +172,7 @@ def reinit_checkpoint(
         source, output, in_place=in_place, overwrite=overwrite or dry_run, push=target is not None
     )
     detection = detect_source(source, hints)
-    plan = prepare(
-        detection.blocks,
-        opts,
-        config=source.config,
-        shapes={n: t.shape for n, t in source.primary.tensors.items()},
-        whole_tensors=source.primary.rewrites_whole_tensors,
-        depths=detection.depths,
-    )
+    plan = prepare_checkpoint(source, detection, opts)
     notes = source.notes + detection.notes[:5] + plan.notes
     if dry_run:
         notes += _dry_run_notes(dest, overwrite=overwrite, push=target)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 from .errors import OptionError, SelectionError, opt
@@ -14,6 +14,10 @@ from .modes import get_mode
 from .options import AS_FIELD, BIAS_CHOICES, MODES, OptionInfo, ReinitOptions, option_infos, stacks_of
 from .selection import IndexSpec, format_indices, parse_attention, parse_targets, resolve_indices
 from .spec import AttentionBlock, Projection
+
+if TYPE_CHECKING:
+    from .detect.result import Detection
+    from .source import Source
 
 __all__ = [
     "AS_FIELD",
@@ -96,6 +100,20 @@ class Plan:
             "blocks": blocks,
         }
         return redact_obj(record)  # never a token, even one typed into an option
+
+
+def prepare_checkpoint(source: Source, detection: Detection, options: ReinitOptions) -> Plan:
+    """:func:`prepare` for a checkpoint on disk (a reinit, and verify re-deriving one): its config, its
+    tensors' shapes, whether its format rewrites whole tensors, and its stacks' depths."""
+    weights = source.primary
+    return prepare(
+        detection.blocks,
+        options,
+        config=source.config,
+        shapes={n: t.shape for n, t in weights.tensors.items()},
+        whole_tensors=weights.rewrites_whole_tensors,
+        depths=detection.depths,
+    )
 
 
 def prepare(

@@ -15,6 +15,7 @@ TORCH_FREE = [
     "surgeon.api",
     "surgeon.source",
     "surgeon.plan",
+    "surgeon.options",
     "surgeon.report",
     "surgeon.output",
     "surgeon.staging",

@@ -165,18 +165,11 @@ def _check_weights(src, out, record: Record, earlier, hints, device, output, ori
     """The plan made again from the record; every weight set's tensors checked. Returns (changed, identical)."""
     from ..apply import Engine, resolve_device
     from ..detect import detect_source
-    from ..plan import prepare
+    from ..plan import prepare_checkpoint
 
     detection = detect_source(src, hints)
     try:
-        plan = prepare(
-            detection.blocks,
-            record.options,
-            config=src.config,
-            shapes={n: t.shape for n, t in src.primary.tensors.items()},
-            whole_tensors=src.primary.rewrites_whole_tensors,
-            depths=detection.depths,
-        )
+        plan = prepare_checkpoint(src, detection, record.options)
     except SurgeonError as exc:
         raise DerivedMismatch(
             f"{output}: its recorded options do not fit {original} ({exc}); is ORIGINAL the model it was made from?"

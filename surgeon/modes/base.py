@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     import torch
 
-    from ..plan import Change, ReinitOptions
+    from ..options import ReinitOptions
+    from ..plan import Change
 
 CONDITIONED_PAPER = "[Saratchandran & Lucey](https://openreview.net/forum?id=cKNOCYPo2W)"
 CONDITIONED_BIBTEX = """\
