@@ -74,21 +74,13 @@ class Header:
 def read_header(path: Path) -> Header:
     """Parse and validate a safetensors header; every problem is a one-line CheckpointError."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise CheckpointError(f"{path} is not a safetensors file: it is only {size} bytes long", path=path)
-            (length,) = struct.unpack("<Q", prefix)
-            if length > _MAX_HEADER or 8 + length > size:
-                raise CheckpointError(
-                    f"{path} has a corrupt or truncated safetensors header (it claims {length} header "
-                    f"bytes, the file has {size}); re-download or re-save it"
-                )
-            raw = f.read(length)
+        fd = os.open(path, os.O_RDONLY)
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
-    return parse_header(path, length, raw, size)
+    try:
+        return read_header_fd(fd, path)
+    finally:
+        os.close(fd)
 
 
 def read_header_fd(fd: int, path: Path) -> Header:
@@ -101,7 +93,8 @@ def read_header_fd(fd: int, path: Path) -> Header:
         (length,) = struct.unpack("<Q", prefix)
         if length > _MAX_HEADER or 8 + length > size:
             raise CheckpointError(
-                f"{path} has a corrupt or truncated safetensors header (it claims {length} header bytes, the file has {size})"
+                f"{path} has a corrupt or truncated safetensors header (it claims {length} header "
+                f"bytes, the file has {size}); re-download or re-save it"
             )
         raw = os.pread(fd, length, 8)
     except OSError as exc:
