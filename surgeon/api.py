@@ -238,6 +238,8 @@ def _push_target(push: PushTarget | str | None, *, in_place: bool) -> PushTarget
         raise OptionError(
             f"{opt('push_to_hub')} pushes a new output folder; it cannot be combined with {opt('in_place', True)}"
         )
+    if not isinstance(push, (PushTarget, str)):
+        raise TypeError(f"push must be a repo id 'org/name' or a surgeon.PushTarget, not {type(push).__name__}")
     target = push if isinstance(push, PushTarget) else PushTarget(push)
     target.check_token()
     return target

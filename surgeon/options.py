@@ -109,6 +109,8 @@ class ReinitOptions:
         for key in keywords:
             if key not in names:
                 raise TypeError(f"unexpected keyword argument {key!r}; the options are {', '.join(sorted(names))}")
+        if options is not None and not isinstance(options, cls):
+            raise TypeError(f"options must be a surgeon.ReinitOptions, not {type(options).__name__}")
         return replace(options if options is not None else cls(), **keywords)
 
     def validated(self) -> ReinitOptions:

@@ -114,6 +114,13 @@ def test_grouped_objects_and_their_keywords(saved, tmp_path):
         TypeError, match=r"'push_revision': a push is push='org/name', or push=PushTarget\('org/name', revision=...\)"
     ):
         reinit_checkpoint(bare, push_revision="dev")
+    for wrong, what in (
+        (dict(hints="8"), "hints must be a surgeon.Hints, not str"),
+        (dict(options={"layers": "0"}), "options must be a surgeon.ReinitOptions, not dict"),
+        (dict(push=7), "push must be a repo id 'org/name' or a surgeon.PushTarget, not int"),
+    ):
+        with pytest.raises(TypeError, match=what):
+            reinit_checkpoint(bare, **wrong)
     with pytest.raises(TypeError, match="the hints are num_heads"):
         Hints.build(hints, layers="0")
 

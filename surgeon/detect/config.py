@@ -70,6 +70,8 @@ class Hints:
         unknown = sorted(set(keywords) - set(HINT_KEYWORDS))
         if unknown:
             raise TypeError(f"unexpected keyword argument {unknown[0]!r}; the hints are {', '.join(HINT_KEYWORDS)}")
+        if hints is not None and not isinstance(hints, cls):
+            raise TypeError(f"hints must be a surgeon.Hints, not {type(hints).__name__}")
         if "force_hints" in keywords:
             keywords["force"] = keywords.pop("force_hints")
         return replace(hints if hints is not None else cls(), **keywords)
