@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import hub
 from ._version import __version__
@@ -47,7 +47,7 @@ def _label(source: Source) -> str:
 
 
 def check_device(device: str | torch.device | None) -> None:
-    """Refuse a misspelt --device before anything is opened (whether it exists is checked with torch)."""
+    """Refuse a misspelt device before anything is opened (whether it exists is checked with torch)."""
     text = "auto" if device is None else str(device)
     kind, _, index = text.partition(":")
     if kind in ("meta", "mps", "xpu", "xla", "hpu", "mtia", "privateuseone"):
@@ -179,12 +179,11 @@ def reinit_checkpoint(
         return _report(source, detection, plan, dest, _planned_rows(source, plan), notes, device=str(device))
     title = target.repo_id if target is not None else dest.path.name
     with hold(source, exclusive=in_place):  # in place: alone; a copy: never while an in-place run patches it
-        rows, used, size = _carry_out(
+        done = _carry_out(
             source,
             detection,
             plan,
             dest,
-            notes,
             device=device,
             full=full,
             progress=progress,
@@ -192,10 +191,20 @@ def reinit_checkpoint(
             command=lambda: _reproduce(model, source, plan.options, hints, dest.path),
         )
     seconds = time.perf_counter() - start
+    notes += done.notes
     if target is not None:
         notes += _push(dest, target, source, plan, progress=progress)
     return _report(
-        source, detection, plan, dest, rows, notes, device=used, seconds=seconds, bytes_written=size, dry_run=False
+        source,
+        detection,
+        plan,
+        dest,
+        done.rows,
+        notes,
+        device=done.device,
+        seconds=seconds,
+        bytes_written=done.bytes_written,
+        dry_run=False,
     )
 
 
@@ -245,25 +254,32 @@ def _push_target(push: PushTarget | str | None, *, in_place: bool) -> PushTarget
     return target
 
 
+class _Done(NamedTuple):
+    """What carrying out a plan gave: the report's rows and notes, the device used, the bytes written."""
+
+    rows: list[ProjectionRow]
+    notes: list[str]
+    device: str
+    bytes_written: int
+
+
 def _carry_out(
     source: Source,
     detection: Detection,
     plan: Plan,
     dest: Destination,
-    notes: list[str],
     *,
     device,
     full: bool,
     progress: bool,
     title: str,
     command: Callable[[], str],
-) -> tuple[list[ProjectionRow], str, int]:
-    """Compute the new values and write them to ``dest``: the rows, the device used, the bytes written.
+) -> _Done:
+    """Compute the new values and write them to ``dest``.
 
     ``command()`` gives the model card's reproduce command; it is made after the weights, so that
     nothing delays the start of the byte copies."""
-    for weights in source.weights:
-        notes += weights.check_plan(plan, detection)
+    notes = [note for weights in source.weights for note in weights.check_plan(plan, detection)]
     _check_secondary_sets(source, plan.tensors())
     run = Compute(plan, device, whole=full, progress=progress, total=len(plan.tensors()) * len(source.weights))
 
@@ -273,12 +289,12 @@ def _carry_out(
         write_card(folder, source=source, plan=plan, results=run.results(), command=command(), title=title)
 
     try:
-        dest.write(source, run.updates_for, plan.record(), card=card, notes=notes)
+        notes += dest.write(source, run.updates_for, plan.record(), card=card)
     finally:
         run.close()
     rows = [ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed) for r in run.results()]
     used = str(run.engine.device) if run.started else str(device)
-    return rows, used, dest.size(source, patched=run.bytes_changed)
+    return _Done(rows, notes, used, dest.size(source, patched=run.bytes_changed))
 
 
 def _push(dest: Destination, target: PushTarget, source: Source, plan: Plan, *, progress: bool) -> list[str]:

@@ -57,25 +57,26 @@ class Destination:
         record: dict,
         *,
         card: Callable[[Path], None],
-        notes: list[str],
-    ) -> None:
+    ) -> list[str]:
         """Write the output: ``updates(weights, record)`` gives each weight set's new tensors (the record
-        goes into the first set only); ``card(folder)`` writes the model card of a folder output."""
+        goes into the first set only); ``card(folder)`` writes the model card of a folder output.
+        Returns notes for the report (temporary folders of killed runs left in place, a patch's notes)."""
         if self.kind is OutputKind.PATCH:
             from .journal import patch_in_place
 
-            notes += patch_in_place(source, updates(source.primary, True), record)
-            return
+            return patch_in_place(source, updates(source.primary, True), record)
+        notes: list[str] = []
         with staged(self.path, self.kind, file_name=self.staged_name, notes=notes) as tmp:
             if self.kind is OutputKind.FILES:
                 source.primary.save_as(tmp, self.path.name, updates(source.primary, True), record)
-                return
+                return notes
             for i, weights in enumerate(source.weights):
                 weights.save(tmp, updates(weights, i == 0), record)
             if self.kind is OutputKind.FOLDER:
                 if source.kind == "folder":
                     copy_extras(source, tmp)
                 card(tmp)
+        return notes
 
     def size(self, source: Source, *, patched: int) -> int:
         """The bytes the output holds (``patched``: the bytes a patch rewrote)."""
