@@ -389,3 +389,28 @@ def test_recovered_weights_load_and_run(llama_dir, cli):
     cli("recover", llama_dir)
     after = LlamaForCausalLM.from_pretrained(llama_dir)(ids).logits
     assert torch.equal(before, after)
+
+
+def test_verify_waits_for_an_in_place_run_on_the_output(tmp_path, cli):
+    """verify reads under the checkpoints' shared lock: it never reads an output half-way through a patch."""
+    folder = sharded(tmp_path)
+    out = tmp_path / "out"
+    cli("reinit", folder, "-o", out, "--layers", "0")
+    run = Paused(tmp_path, "before-journal", "reinit", out, "--in-place", "--layers", "1", "--seed", "3")
+    waiting = tmp_path / "waiting"
+    check = subprocess.Popen(
+        [sys.executable, "-c", SAYS_WHEN_WAITING, str(waiting), "verify", str(folder), str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for _ in range(6000):  # sequencing: until verify is waiting on the in-place run's lock
+        if waiting.exists() or check.poll() is not None:
+            break
+        time.sleep(0.05)
+    assert waiting.exists(), check.communicate()
+    run.go()
+    _, stderr = check.communicate(timeout=300)
+    # it read the finished patch: layer 1 changed outside the recorded selection (layer 0), so exit 3
+    assert check.returncode == 3 and stderr.count("\n") == 1, stderr
+    assert "model.layers.1.self_attn" in stderr and "is not in the recorded selection" in stderr

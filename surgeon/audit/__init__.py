@@ -32,6 +32,7 @@ from .._version import __version__
 from ..card import card_comment
 from ..detect.config import HintInput, Hints
 from ..errors import CheckpointError, SurgeonError, VerificationError
+from ..journal import hold
 from ..modes import get_mode
 from .record import Record, card_records, other_version_note, parse_record, stored_history
 from .values import DerivedMismatch, check_changed, check_untouched
@@ -108,6 +109,11 @@ def verify(
     if not out_path.is_dir() and not out_path.is_file():  # a FIFO or a device would hang the readers
         raise CheckpointError(f"{output} is not a regular file or folder: give the output of surgeon reinit as OUTPUT")
     out = open_source(out_path, config=config)
+    with hold(src, exclusive=False), hold(out, exclusive=False):  # never while an in-place run patches either
+        return _verify_opened(src, out, Hints.build(hints, **hint_keywords), device, original, output)
+
+
+def _verify_opened(src, out, hints: Hints, device, original, output) -> Verification:
     _check_kind(src, out, original, output)
     record, earlier, where = _read_record(out, output)
     files = 0
@@ -121,9 +127,7 @@ def verify(
             f"{', '.join(w.describe() for w in src.weights)}: surgeon rewrites each set its original has, and adds none"
         )
     try:
-        changed, identical = _check_weights(
-            src, out, record, earlier, Hints.build(hints, **hint_keywords), device, output, original
-        )
+        changed, identical = _check_weights(src, out, record, earlier, hints, device, output, original)
     except DerivedMismatch as exc:
         if not record.other_version:
             raise
