@@ -162,7 +162,7 @@ def _intro(source: Source, plan: Plan) -> str:
     return (
         f"This is {origin} with the attention query/key/value projections of {len(plan.touched_blocks)} of its "
         f"{len(plan.blocks)} attention block{'s' if len(plan.blocks) != 1 else ''} re-initialized by surgeon {__version__} "
-        f"{mode.card_intro(options)}. Every other tensor"
+        f"{mode.card_intro(options, plan.touched_blocks)}. Every other tensor"
         + (
             " (except the output projections W_O of those blocks, rewritten by this mode)"
             if mode.writes_outputs
@@ -201,7 +201,7 @@ def write_card(folder: Path, **kwargs) -> Path:
 def _options_table(plan: Plan) -> str:
     o = plan.options.to_dict()
     rows = [
-        ("mode", get_mode(o["mode"]).card_row(o)),
+        ("mode", get_mode(o["mode"]).card_row(o, plan.touched_blocks)),
         ("projections", ", ".join(o["targets"])),
         ("layers", str(o["layers"]) if not isinstance(o["layers"], list) else format_indices(o["layers"])),
         ("heads", str(o["heads"]) if not isinstance(o["heads"], list) else format_indices(o["heads"])),

@@ -64,12 +64,12 @@ class Mode:
         """What the report's reader should know about the condition numbers this mode leaves ('' for nothing)."""
         return ""
 
-    def card_intro(self, options: dict) -> str:
-        """Completes "... re-initialized by surgeon X " in the model card: what was done, in words."""
+    def card_intro(self, options: dict, blocks: list) -> str:
+        """Completes "... re-initialized by surgeon X " in the model card: what was done to ``blocks``, in words."""
         raise NotImplementedError
 
-    def card_row(self, options: dict) -> str:
-        """The "mode" row of the card's options table."""
+    def card_row(self, options: dict, blocks: list) -> str:
+        """The "mode" row of the card's options table (``blocks``: the re-initialized ones)."""
         raise NotImplementedError
 
     def card_caveat(self) -> str:

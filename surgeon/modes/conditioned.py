@@ -52,10 +52,10 @@ class Conditioned(Mode):
             + ("; the block value identity is kappa 1 as a whole." if options.get("value_identity") == "block" else ".")
         )
 
-    def card_intro(self, options: dict) -> str:
+    def card_intro(self, options: dict, blocks: list) -> str:
         return f"with conditioned initialization ({CONDITIONED_PAPER})"
 
-    def card_row(self, options: dict) -> str:
+    def card_row(self, options: dict, blocks: list) -> str:
         gain = f"; q/k gain {options['gain']}" if options.get("gain") is not None else ""
         return (
             "conditioned: independent semi-orthogonal query and key per head, value = rectangular identity "

@@ -48,11 +48,11 @@ class Mimetic(Mode):
             "the output projections W_O are rewritten too)"
         )
 
-    def card_intro(self, options: dict) -> str:
+    def card_intro(self, options: dict, blocks: list) -> str:
         return (
             "with mimetic initialization (Trockman & Kolter, ICML 2023: W_Q W_K^T ~ 0.7 Z + 0.7 I per head, "
             "W_V W_O ~ 0.4 Z - 0.4 I per layer), the output projections W_O included"
         )
 
-    def card_row(self, options: dict) -> str:
+    def card_row(self, options: dict, blocks: list) -> str:
         return "mimetic: W_Q W_K^T ~ 0.7 Z + 0.7 I per head, W_V W_O ~ 0.4 Z - 0.4 I per layer (W_O rewritten)"

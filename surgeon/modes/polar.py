@@ -32,13 +32,13 @@ class Polar(Mode):
     def summary(self, options: dict, blocks: list) -> str:
         return f"polar, strength {options.get('strength')}"
 
-    def card_intro(self, options: dict) -> str:
+    def card_intro(self, options: dict, blocks: list) -> str:
         return (
             f"by polar conditioning of the existing weights (strength {options.get('strength')}): each head keeps its "
             f"singular vectors and its singular values move toward 1, the condition of {CONDITIONED_PAPER}"
         )
 
-    def card_row(self, options: dict) -> str:
+    def card_row(self, options: dict, blocks: list) -> str:
         return (
             f"polar, strength {options.get('strength')}: each head's singular values sigma -> sigma^(1 - strength), "
             "singular vectors kept"

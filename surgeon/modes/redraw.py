@@ -34,19 +34,26 @@ class Redraw(Mode):
         return options if options.std is not None else replace(options, std=config_std(config)[0])
 
     def summary(self, options: dict, blocks: list) -> str:
-        from ..baselines import is_xavier
+        return f"redraw, {_draws(options, blocks)}"
 
-        xavier = any(is_xavier(b.q.weight.tensor) for b in blocks)
-        return f"redraw, normal std {options.get('std')}" + (
-            ", xavier_uniform for nn.MultiheadAttention" if xavier else ""
-        )
-
-    def card_intro(self, options: dict) -> str:
+    def card_intro(self, options: dict, blocks: list) -> str:
         return (
-            f"with a fresh draw of the family's own default initialization (normal(0, {options.get('std')}); "
-            "xavier_uniform for nn.MultiheadAttention tensors). This is the control of a comparison, "
-            "not conditioned initialization"
+            f"with a fresh draw of the family's own default initialization ({_draws(options, blocks)}). "
+            "This is the control of a comparison, not conditioned initialization"
         )
 
-    def card_row(self, options: dict) -> str:
-        return f"redraw: the family's default init drawn again, normal std {options.get('std')} (xavier_uniform for nn.MultiheadAttention)"
+    def card_row(self, options: dict, blocks: list) -> str:
+        return f"redraw: the family's default init drawn again, {_draws(options, blocks)}"
+
+
+def _draws(options: dict, blocks: list) -> str:
+    """The draws the blocks get, in words: normal(0, std), and xavier_uniform only where nn.MultiheadAttention
+    tensors are among them (that is its own default init)."""
+    from ..baselines import is_xavier
+
+    kinds = {is_xavier(p.weight.tensor) for b in blocks for p in b.projections}
+    normal = f"normal(0, {options.get('std')})"
+    xavier = "xavier_uniform for nn.MultiheadAttention tensors"
+    if kinds == {True}:
+        return xavier
+    return f"{normal}; {xavier}" if True in kinds else normal
