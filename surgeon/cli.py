@@ -90,10 +90,7 @@ def inspect(
     plot,
     revision,
     config,
-    num_heads,
-    num_kv_heads,
-    head_dim,
-    force_hints,
+    hints,
     device,
     full,
     as_json,
@@ -105,11 +102,10 @@ def inspect(
     ONNX: blocks are found by walking the graph; stacks and layers come from the exporter's scopes.
     """
     from . import api
-    from .detect.config import Hints
 
     report = api.inspect_checkpoint(
         model,
-        hints=Hints(num_heads, num_kv_heads, head_dim, force_hints),
+        hints=hints,
         revision=revision,
         config=config,
         device=device,
@@ -183,10 +179,7 @@ def reinit(
     commit_message,
     revision,
     config,
-    num_heads,
-    num_kv_heads,
-    head_dim,
-    force_hints,
+    hints,
     device,
     full,
     as_json,
@@ -205,7 +198,6 @@ def reinit(
     given to the chosen projections as a copy of their own (the report says so).
     """
     from . import api
-    from .detect.config import Hints
     from .hub.push import PushTarget
     from .plan import ReinitOptions
 
@@ -221,7 +213,7 @@ def reinit(
     report = api.reinit_checkpoint(
         model,
         options=ReinitOptions.build(**{k: v for k, v in options.items() if v is not None}),
-        hints=Hints(num_heads, num_kv_heads, head_dim, force_hints),
+        hints=hints,
         output=output,
         in_place=in_place,
         overwrite=overwrite,
@@ -303,7 +295,7 @@ malformed one, bad input, or another surgeon version's output whose draws differ
 @click.argument("output", type=click.Path())
 @model_options
 @handle_errors
-def verify(original, output, revision, config, num_heads, num_kv_heads, head_dim, force_hints, device, as_json):
+def verify(original, output, revision, config, hints, device, as_json):
     """Check that OUTPUT is exactly what surgeon made from ORIGINAL, by the record surgeon wrote in it.
 
     Every file of a folder output must be one surgeon writes (carried-over files byte for byte, nothing
@@ -313,14 +305,13 @@ def verify(original, output, revision, config, num_heads, num_kv_heads, head_dim
     one-line verdict; at the first mismatch, says what differs and exits non-zero.
     """
     from .audit import verify as check
-    from .detect.config import Hints
 
     result = check(
         original,
         output,
         revision=revision,
         config=config,
-        hints=Hints(num_heads, num_kv_heads, head_dim, force_hints),
+        hints=hints,
         device="cpu" if device == "auto" else device,
     )
     _out(json.dumps(result.to_dict(), indent=2) if as_json else result.summary())

@@ -82,7 +82,18 @@ HINT = _Hint()
 
 
 def model_options(fn):
-    """Options that tell surgeon about the checkpoint when its config.json does not."""
+    """Options that tell surgeon about the checkpoint when its config.json does not. The command gets the
+    head hints as one ``hints`` argument (a surgeon.Hints), as the Python API takes them."""
+
+    command = fn
+
+    @functools.wraps(command)
+    def with_hints(*args, num_heads, num_kv_heads, head_dim, force_hints, **kwargs):
+        from .detect.config import Hints
+
+        return command(*args, hints=Hints(num_heads, num_kv_heads, head_dim, force_hints), **kwargs)
+
+    fn = with_hints
     for decorator in reversed(
         [
             click.option(
