@@ -43,43 +43,28 @@ def build(name):
         )
         return tf.EncoderDecoderModel(config=tf.EncoderDecoderConfig.from_encoder_decoder_configs(enc, dec))
     if name == "clip":  # two towers, each with its own nested config
-        text = dict(
-            vocab_size=64,
-            hidden_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            intermediate_size=48,
-            max_position_embeddings=16,
-            eos_token_id=2,
-        )
-        vision = dict(
-            hidden_size=48,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            intermediate_size=64,
-            image_size=16,
-            patch_size=8,
-        )
-        return tf.CLIPModel(tf.CLIPConfig(text_config=text, vision_config=vision))
+        text, vision = _towers()
+        return tf.CLIPModel(tf.CLIPConfig(text_config=dict(text, eos_token_id=2), vision_config=vision))
     if name == "siglip":  # an attention pooling head outside any numbered layer list
-        text = dict(
-            vocab_size=64,
-            hidden_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            intermediate_size=48,
-            max_position_embeddings=16,
-        )
-        vision = dict(
-            hidden_size=48,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            intermediate_size=64,
-            image_size=16,
-            patch_size=8,
-        )
+        text, vision = _towers()
         return tf.SiglipModel(tf.SiglipConfig(text_config=text, vision_config=vision))
     raise KeyError(name)
+
+
+def _towers() -> tuple[dict, dict]:
+    """A tiny text tower and vision tower config of different widths and head counts (CLIP, SigLIP)."""
+    text = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=48,
+        max_position_embeddings=16,
+    )
+    vision = dict(
+        hidden_size=48, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, image_size=16, patch_size=8
+    )
+    return text, vision
 
 
 # (SigLIP's forward cannot be probed by --verify-layout yet: its pooling head is checked below.)
