@@ -29,6 +29,7 @@ _EXPORTS = {
     "NoAttentionFoundError": "errors",
     "OptionError": "errors",
     "OutputError": "errors",
+    "HalfPatchedError": "errors",
     "SelectionError": "errors",
     "SurgeonError": "errors",
     "UnsupportedWeightsError": "errors",
@@ -74,6 +75,7 @@ if TYPE_CHECKING:
     from .detect.config import Hints
     from .errors import (
         CheckpointError,
+        HalfPatchedError,
         HubAccessError,
         HubAuthError,
         HubError,

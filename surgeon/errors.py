@@ -122,6 +122,16 @@ class OutputError(SurgeonError, OSError):
     """The output cannot be written where asked (exists, is the input, wrong kind of path)."""
 
 
+class HalfPatchedError(OutputError):
+    """An in-place run or its rollback stopped part-way: the journal is kept for ``surgeon recover``.
+    ``interrupted``: by Ctrl-C (exit code 130, as a shell reports SIGINT)."""
+
+    def __init__(self, message: str = "", *, interrupted: bool = False, **fields) -> None:
+        super().__init__(message, **fields)
+        self.interrupted = interrupted
+        self.exit_code = 130 if interrupted else 1
+
+
 class DependencyError(SurgeonError, ImportError):
     """An installed package lacks an API surgeon uses (a private or fast-moving one, see ``surgeon._compat``)."""
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, cast
 
 from . import journal_file as jf
 from . import locks
-from .errors import CheckpointError, OutputError, opt
+from .errors import CheckpointError, HalfPatchedError, OutputError, opt
 from .formats.safetensors import (
     Header,
     SafetensorsWeights,
@@ -46,10 +46,6 @@ from .recovery import apply, find_journals, open_file, read_small, recover, refu
 if TYPE_CHECKING:
     from .formats.base import UpdatesFn
     from .source import Source
-
-
-class HalfPatchedError(OutputError):
-    """A failed or interrupted in-place run could not be rolled back: the journal is kept for ``surgeon recover``."""
 
 
 # --- in place ------------------------------------------------------------------------------------
@@ -224,15 +220,14 @@ def _undo(weights: SafetensorsWeights, key: str, journal: Path, durable: Future,
     try:
         apply(weights.folder, key, journal, weights.files)
     except BaseException as failed:
-        interrupted = isinstance(exc, KeyboardInterrupt) or isinstance(failed, KeyboardInterrupt)
-        error = HalfPatchedError(
+        interrupted = any(isinstance(e, KeyboardInterrupt) or getattr(e, "interrupted", False) for e in (exc, failed))
+        raise HalfPatchedError(
             f"{'interrupted' if interrupted else 'failed'} while undoing an in-place run: {', '.join(weights.files)} in "
             f"{weights.folder} may be half-patched, and their old bytes are kept in {journal.name}; run `surgeon recover "
             f"{weights.folder / key}` to finish the rollback",
             path=journal,
-        )
-        error.exit_code = 130 if interrupted else 1
-        raise error from None
+            interrupted=interrupted,
+        ) from None
 
 
 def _patch_files(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from . import journal_file as jf
 from . import locks
-from .errors import CheckpointError, OutputError
+from .errors import CheckpointError, HalfPatchedError, OutputError
 from .formats.safetensors import FILE_SUFFIX, INDEX_SUFFIX, Header, read_header_fd
 from .journal_file import SUFFIX
 
@@ -147,7 +147,11 @@ def recover(path: str | Path, *, own: bool = False) -> list[str]:
                     journal.unlink(missing_ok=True)
                     notes.append(f"removed {journal.name}, left by an in-place run that died before patching anything")
                 elif os.path.lexists(journal):
-                    restored = apply(folder, key, journal, files)
+                    try:
+                        restored = apply(folder, key, journal, files)
+                    except HalfPatchedError as exc:  # say what earlier journals already gave back
+                        exc.context = f"{'; '.join(notes)}; then " if notes else None
+                        raise
                     notes.append(
                         f"rolled back an interrupted in-place run: {', '.join(restored)} in {folder} are as they were before it"
                     )
@@ -176,17 +180,47 @@ def apply(folder: Path, key: str, journal: Path, files: list[str]) -> list[str]:
         for r, now in zip(ranges, states, strict=True):
             if r.offset == 0 and now != "old":
                 jf.check_old_header(journal, r, jfd, headers[r.file])
-        for r, now in zip(ranges, states, strict=True):  # every check passed: only now is anything written
-            if now != "old":
-                jf.restore(r, fds[r.file], jfd, journal)
-        for f in idents:
-            os.fsync(fds[f])
+        changed = [r for r, now in zip(ranges, states, strict=True) if now != "old"]
+        _restore(folder / key, journal, changed, fds, jfd)  # every check passed: only now is anything written
     finally:
         for fd in [jfd, *fds.values()]:
             os.close(fd)
-    os.unlink(journal)
-    jf.fsync_dir(folder)
     return sorted(idents)
+
+
+def _restore(target: Path, journal: Path, changed: list[jf.Range], fds: dict[str, int], jfd: int) -> None:
+    """Write back the old bytes of ``changed``, then remove the journal. Ctrl-C part-way says what is true:
+    how many tensors are back, and that the journal is kept (a second rollback accepts a range that is
+    part old, part new, so running it again finishes the job)."""
+    try:
+        for r in changed:
+            jf.restore(r, fds[r.file], jfd, journal)
+        for fd in fds.values():
+            os.fsync(fd)
+        os.unlink(journal)
+        jf.fsync_dir(target.parent)
+    except KeyboardInterrupt:
+        if not os.path.lexists(journal):
+            raise HalfPatchedError(
+                f"interrupted after rolling back {target}: every tensor is as it was, and its journal is removed",
+                path=target,
+                interrupted=True,
+            ) from None
+        raise HalfPatchedError(
+            f"interrupted while rolling back {target}: {_restored(changed, journal, fds, jfd)} of {len(changed)} "
+            f"changed tensors are restored and the others may be half-restored; the old bytes are still in "
+            f"{journal.name} (kept): run `surgeon recover {target}` again to finish",
+            path=journal,
+            interrupted=True,
+        ) from None
+
+
+def _restored(changed: list[jf.Range], journal: Path, fds: dict[str, int], jfd: int) -> str:
+    """How many of ``changed`` hold their old bytes now, read back (a number, not a guess from a counter)."""
+    try:
+        return str(sum(jf.state(journal, r, fds[r.file], jfd) == "old" for r in changed))
+    except BaseException:  # noqa: BLE001 - a second Ctrl-C, or a range refused now: say less, never more
+        return "some"
 
 
 def _meta_limit(folder: Path, files: list[str]) -> int:

@@ -17,6 +17,7 @@ KINDS = {
     E.SharedInitializerError: ValueError,
     E.OptionError: ValueError,
     E.OutputError: OSError,
+    E.HalfPatchedError: OSError,
     E.HubError: OSError,
     E.HubOfflineError: ConnectionError,
     E.HubAccessError: PermissionError,
@@ -55,3 +56,10 @@ def test_builtin_kind_and_pickle(cls):
     )
     if extra:
         assert (back.uploaded, back.not_uploaded) == (["a"], ["b"])
+
+
+def test_an_interrupted_half_patch_exits_as_sigint_does():
+    exc = E.HalfPatchedError("interrupted while rolling back x", interrupted=True)
+    back = pickle.loads(pickle.dumps(exc))
+    assert (exc.exit_code, back.exit_code, back.interrupted) == (130, 130, True)
+    assert E.HalfPatchedError("failed").exit_code == 1

@@ -414,3 +414,84 @@ def test_verify_waits_for_an_in_place_run_on_the_output(tmp_path, cli):
     # it read the finished patch: layer 1 changed outside the recorded selection (layer 0), so exit 3
     assert check.returncode == 3 and stderr.count("\n") == 1, stderr
     assert "model.layers.1.self_attn" in stderr and "is not in the recorded selection" in stderr
+
+
+# `surgeon ARGS` (a reinit --in-place) that patches every tensor, then dies as kill -9 does: a real journal
+# whose every range holds new bytes.
+KILL_AFTER_ALL = textwrap.dedent(
+    """
+    import os, signal, sys
+    import surgeon.journal as journal
+    real = journal.patch
+
+    def patch(header, path, start, updates):
+        real(header, path, start, updates)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    journal.patch = patch
+    from surgeon.cli import main
+    sys.argv = ["surgeon", *sys.argv[1:]]
+    main()
+    """
+)
+
+# `surgeon recover ARGS` with a Ctrl-C right after the first tensor is written back.
+CTRL_C_IN_RECOVER = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    import surgeon.journal_file as jf
+    real = jf.restore
+
+    def restore(*args):
+        real(*args)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)
+
+    jf.restore = restore
+    from surgeon.cli import main
+    sys.argv = ["surgeon", *sys.argv[1:]]
+    main()
+    """
+)
+
+
+def test_ctrl_c_during_recover_says_what_was_restored(llama_dir, cli):
+    src = llama_dir / "model.safetensors"
+    original = src.read_bytes()
+    run = subprocess.run(
+        [sys.executable, "-c", KILL_AFTER_ALL, "reinit", str(src), "--in-place", "--layers", "all"],
+        capture_output=True,
+        timeout=300,
+    )
+    assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
+    patched = src.read_bytes()
+    changed = [n for n in tree_names(src) if _bytes_of(original, src, n) != _bytes_of(patched, src, n)]
+    assert len(changed) == 9  # q, k and v of 3 layers
+
+    run = subprocess.run(
+        [sys.executable, "-c", CTRL_C_IN_RECOVER, "recover", str(src)], capture_output=True, text=True, timeout=300
+    )
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 130 and len(lines) == 1, run.stderr
+    now = src.read_bytes()
+    back = [n for n in changed if _bytes_of(now, src, n) == _bytes_of(original, src, n)]
+    assert len(back) == 1  # the first restoring write happened, the rest did not
+    assert "nothing was written" not in lines[0], lines[0]
+    assert f"1 of {len(changed)} changed tensors are restored" in lines[0], lines[0]
+    assert f"{journal_path(llama_dir, 'model.safetensors').name} (kept)" in lines[0], lines[0]
+    assert f"run `surgeon recover {src}` again" in lines[0], lines[0]
+    assert journal_path(llama_dir, "model.safetensors").exists()
+    cli("recover", src)  # the second one finishes the job
+    assert src.read_bytes() == original and not journal_path(llama_dir, "model.safetensors").exists()
+
+
+def tree_names(path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        return list(f.keys())
+
+
+def _bytes_of(content: bytes, path, name: str) -> bytes:
+    offset, length = tensor_range(path, name)
+    return content[offset : offset + length]

@@ -19,7 +19,7 @@ from ..errors import (
 )
 from ..journal import SUFFIX, refuse_journals
 from ..redact import remember
-from .ids import hf_progress, require_repo_id
+from .ids import check_revision, hf_progress, require_repo_id
 from .translate import few, one_line, write_error
 
 # --- pushing -----------------------------------------------------------------------------------
@@ -142,13 +142,8 @@ def _check_target(repo_id: str, revision: str | None, create_pr: bool) -> str:
         raise OptionError(
             f"{opt('create_pr', True)} opens a pull request against main; leave out the branch ({opt('revision')} / {opt('push_revision')})"
         )
-    if revision is not None and (
-        not revision
-        or revision.startswith("/")
-        or ".." in revision
-        or " " in revision
-        or (revision.startswith("refs/") and not re.fullmatch(r"refs/pr/\d+", revision))
-    ):
+    check_revision(revision, "the branch to push to")
+    if revision is not None and revision.startswith("refs/") and not re.fullmatch(r"refs/pr/\d+", revision):
         raise OptionError(
             f"{revision!r} is not a branch to push to: give a branch name (or refs/pr/N to add to a pull request)"
         )

@@ -25,7 +25,7 @@ from ..formats.registry import (
 )
 from ..redact import remember
 from ..source import Source, open_source
-from .ids import HF_PREFIX, hf_progress, parse_repo_id
+from .ids import HF_PREFIX, check_commit, check_revision, hf_progress, parse_repo_id
 from .translate import few, is_connection_error, read_error
 
 # --- reading -----------------------------------------------------------------------------------
@@ -55,6 +55,7 @@ def open_model(
     """Open MODEL: a local path when one exists by that name, otherwise a Hub id (``org/name`` or ``hf://org/name``).
 
     ``recover``: roll back an interrupted in-place run on a local checkpoint first (see ``source.open_source``)."""
+    revision = check_revision(revision)  # before anything else sees it: it becomes a path in the HF cache
     text = str(model)
     explicit = isinstance(model, str) and text.startswith(HF_PREFIX)
     repo_id = parse_repo_id(text) if isinstance(model, str) else None
@@ -125,6 +126,7 @@ def download(repo_id: str, *, revision: str | None = None, progress: bool = Fals
                 reachable = False
         # records branch -> commit in the cache (refs/), which is what offline runs resolve with later
         resolved = api.resolve_revision(repo_id, revision=revision, local_files_only=not reachable)
+        check_commit(resolved.resolved, repo_id)  # the answer (or the cache's refs/ file) names a snapshot folder
         if info is not None and info.sha != resolved.resolved:  # the branch moved in between
             info = api.model_info(repo_id, revision=resolved.resolved)
         if info is not None:
