@@ -2,10 +2,10 @@
 
 Every input here is real: a tiny Llama saved by transformers, then given shard, file, folder, tensor, ONNX
 node and journal names that hold ``SEP + "surgeon: verified: all good"``, where SEP is a newline, a carriage
-return, a terminal's erase-line sequence or U+2028. Each channel (the error line on stderr, notes and report
+return, a terminal's erase-line sequence, U+2028, U+0085 or U+202E. Each channel (the error line on stderr, notes and report
 tables on stdout, ``--json``, the model card, verify's verdict, recover's notes) is run on that input and on
 its twin, whose names hold ``_`` in place of SEP, and must print as many lines as the twin, none of them
-starting with ``surgeon: verified``, with the name shown escaped (``\\n``, ``\\r``, ``\\x1b``, ``\\u2028``).
+starting with ``surgeon: verified``, with the name shown escaped (``\\n``, ``\\r``, ``\\x1b``, ``\\u2028``, ...).
 """
 
 from __future__ import annotations
@@ -23,8 +23,16 @@ from safetensors.torch import load_file, save_file
 from conftest import tiny_llama
 
 FORGED = "surgeon: verified: all good"
-SEPS = {"newline": "\n", "return": "\r", "erase-line": "\x1b[2K", "u2028": "\u2028"}
-ESCAPED = {"\n": ("\\n",), "\r": ("\\r",), "\x1b[2K": ("\\x1b[2K", "\\x9b2K"), "\u2028": ("\\u2028",)}
+# U+0085 (NEL) is a C1 line break; U+202E (right-to-left override) shows what follows it reversed
+SEPS = {"newline": "\n", "return": "\r", "erase-line": "\x1b[2K", "u2028": "\u2028", "nel": "\x85", "rlo": "\u202e"}
+ESCAPED = {
+    "\n": ("\\n",),
+    "\r": ("\\r",),
+    "\x1b[2K": ("\\x1b[2K", "\\x9b2K"),
+    "\u2028": ("\\u2028",),
+    "\x85": ("\\x85",),
+    "\u202e": ("\\u202e",),
+}
 
 
 @pytest.fixture
@@ -67,7 +75,7 @@ def assert_not_forged(text: str, twin: str, sep: str | None) -> None:
     lines = text.splitlines()
     assert len(lines) == len(twin.splitlines()), text
     assert not [line for line in lines if line.lstrip().startswith(FORGED)], text
-    assert not set(text) & {"\r", "\x1b", "\x9b", "\u2028"}, text
+    assert not set(text) & {"\r", "\x1b", "\x9b", "\u2028", "\x85", "\u202e"}, text
     if sep is not None:
         assert any(escaped in text for escaped in ESCAPED[sep]), text
 
@@ -316,3 +324,13 @@ def test_python_api_keeps_raw_names_and_shows_them_escaped(llama, sep, tmp_path)
     assert {r.block.projection(r.role).weight.tensor for r in report.rows} <= names  # raw, as the file has them
     assert all(b.module.startswith(f"x{in_tensor(payload(sep))}.") for b in report.blocks)
     assert_not_forged(str(report), str(twin), sep)
+
+
+def test_escapes_are_the_ones_repr_writes():
+    """Every character surgeon.shown escapes is one Python's repr escapes too, and written the same way."""
+    from surgeon.shown import shown
+
+    unsafe = [chr(c) for c in range(0x110000) if shown(chr(c)) != chr(c)]
+    assert {"\n", "\r", "\x1b", "\x85", "\u2028", "\u2029", "\u202e", "\u2066", "\u200f", "\u061c"} <= set(unsafe)
+    assert all(shown(c) == repr(c)[1:-1] for c in unsafe)
+    assert shown("plain name, é 漢字 \\ | `") == "plain name, é 漢字 \\ | `"
