@@ -21,6 +21,7 @@ from .modes import get_mode
 from .plan import Plan
 from .report import fmt_kappa
 from .selection import format_indices
+from .shown import shown
 from .source import Source
 
 TAG = "surgeon"  # every card; the mode adds its own (conditioned-initialization, default-init-redraw, ...)
@@ -61,7 +62,7 @@ def reproduce_command(model: str, *, revision: str | None, options: dict, hints:
     from .errors import shell_spelling as flag
     from .plan import option_infos
 
-    q = shlex.quote
+    q = _quoted
 
     def spec(value) -> str:
         return (
@@ -98,7 +99,7 @@ def build_card(*, source: Source, plan: Plan, results: list[ProjectionResult], c
     mode = get_mode(plan.options.mode)
     data = _card_data(source, original.metadata if original else {}, mode.tag)
     parts = [
-        f"# {title}",
+        f"# {shown(title)}",
         _intro(source, plan),
         mode.card_caveat(),
         "## What was done",
@@ -158,7 +159,7 @@ def _intro(source: Source, plan: Plan) -> str:
         commit = f" (commit `{source.hub_commit[:12]}`)" if source.hub_commit else ""
         origin = f"[`{source.hub_id}`]({endpoint}/{source.hub_id}){commit}"
     else:
-        origin = f"`{source.path.name}`"
+        origin = _code(source.path.name)
     return (
         f"This is {origin} with the attention query/key/value projections of {len(plan.touched_blocks)} of its "
         f"{len(plan.blocks)} attention block{'s' if len(plan.blocks) != 1 else ''} re-initialized by surgeon {__version__} "
@@ -211,7 +212,7 @@ def _options_table(plan: Plan) -> str:
         ("seed", str(o["seed"])),
         ("surgeon", __version__),
     ]
-    return "| | |\n| --- | --- |\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
+    return "| | |\n| --- | --- |\n" + "\n".join(f"| {k} | {_cell(v)} |" for k, v in rows)
 
 
 def _blocks_table(plan: Plan) -> str:
@@ -230,7 +231,7 @@ def _blocks_table(plan: Plan) -> str:
                     if len(change.heads) == total
                     else f"heads {format_indices(change.heads)} of {total}"
                 )
-        lines.append(f"| `{block.module}` | {block.kind} | " + " | ".join(cells) + " |")
+        lines.append(f"| {_cell(_code(block.module))} | {block.kind} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -238,7 +239,7 @@ def _plan_notes(plan: Plan) -> list[str]:
     """What the selection skipped, and shared blocks that change several layers (as the report says)."""
     from .errors import shell_spelling, spell
 
-    return ["\n".join(f"- {spell(n, shell_spelling)}" for n in plan.notes)] if plan.notes else []
+    return ["\n".join(f"- {shown(spell(n, shell_spelling))}" for n in plan.notes)] if plan.notes else []
 
 
 def _kappa_table(results: list[ProjectionResult]) -> str:
@@ -254,5 +255,37 @@ def _kappa_table(results: list[ProjectionResult]) -> str:
         assert r.before is not None and r.after is not None
         heads = lambda s: "/".join(fmt_kappa(x) for x in (s.head_min, s.head_median, s.head_max))  # noqa: E731
         cells = f"{fmt_kappa(r.before.kappa)} | {fmt_kappa(r.after.kappa)} | " if whole else ""
-        lines.append(f"| `{r.block.module}` | {r.role} | {cells}{heads(r.before)} | {heads(r.after)} |")
+        lines.append(f"| {_cell(_code(r.block.module))} | {r.role} | {cells}{heads(r.before)} | {heads(r.after)} |")
     return "\n".join(lines)
+
+
+# --- names in the card: a name from a file can hold a newline, "|" or "`" -----------------------------
+
+
+def _code(name: str) -> str:
+    """``name`` as inline code on one line (escaped), fenced by more backticks than it holds in a row."""
+    name = shown(name)
+    fence = "`" * (max((len(run) for run in re.findall("`+", name)), default=0) + 1)
+    pad = " " if name.startswith("`") or name.endswith("`") else ""
+    return f"{fence}{pad}{name}{pad}{fence}"
+
+
+def _cell(text: str) -> str:
+    """A table cell: one line, and a "|" in it does not end the cell."""
+    return shown(text).replace("|", "\\|")
+
+
+def _quoted(arg: str) -> str:
+    """A shell word on one line: shlex's quoting, or bash's $'...' where the word holds a control character
+    (the command still gives back the same path; a raw newline could end the card's code block)."""
+    if shown(arg) == arg:
+        return shlex.quote(arg)
+
+    def char(c: str) -> str:
+        if c in "\\'":
+            return "\\" + c
+        if shown(c) == c:
+            return c
+        return "".join(f"\\x{byte:02x}" for byte in c.encode())  # its UTF-8 bytes: bash's \u needs a UTF-8 locale
+
+    return "$'" + "".join(map(char, arg)) + "'"

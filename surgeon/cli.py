@@ -21,6 +21,7 @@ from .shell import (
     push_options,
     reinit_options,
 )
+from .shown import note_lines, shown
 
 __all__ = ["cli_spelling", "main"]
 
@@ -275,7 +276,7 @@ def push(folder, repo_id, private, revision, create_pr, commit_message, as_json)
     if as_json:
         _out(json.dumps(result.to_dict(), indent=2))
     else:
-        _out("\n".join([f"note: {n}" for n in result.notes] + [result.summary()]))
+        _out("\n".join([*note_lines(result.notes), result.summary()]))
 
 
 @main.command(
@@ -342,7 +343,7 @@ def recover(path):
     from .journal import recover as roll_back
 
     notes = roll_back(path)
-    click.echo("\n".join(f"note: {n}" for n in notes) if notes else f"nothing to recover at {path}")
+    _out("\n".join(note_lines(notes)) if notes else shown(f"nothing to recover at {path}"))
 
 
 if __name__ == "__main__":

@@ -74,11 +74,12 @@ class SurgeonError(Exception):
         return self.options[0] if self.options else None
 
     def describe(self, spelling: Spelling = python_spelling) -> str:
-        """The one-line message, options spelt by ``spelling``; a token echoed by a server never appears."""
-        from .redact import redact
+        """The one-line message, options spelt by ``spelling``; a token echoed by a server never appears, and a
+        name with a newline in it cannot add a line (:func:`surgeon.shown.shown`; ``tensor``/``path`` stay raw)."""
+        from .shown import one_line
 
         text = spell(self.message, spelling)
-        return redact(f"{self.context}{text}" if self.context else text)
+        return one_line(f"{self.context}{text}" if self.context else text)
 
     def __str__(self) -> str:
         return self.describe()

@@ -85,12 +85,14 @@ class JacobianReport:
         return out
 
     def render(self) -> str:
+        from .shown import note_lines, shown
+
         head = ["module", "kX", "kLambda", "kP", "kWq", "kWk", "kWv", "bound", "exact kJ", "holds"]
         table = []
         for e in self.by_layer():
             table.append(
                 [
-                    e["module"],
+                    shown(e["module"]),
                     *(
                         _fmt(e[k])
                         for k in ("kappa_x", "kappa_lambda", "kappa_p", "kappa_q", "kappa_k", "kappa_v", "bound")
@@ -109,7 +111,7 @@ class JacobianReport:
             "kLambda is a pseudo-condition number (tolerance sigma_max * N^2 * eps); exact kJ from torch.func.jacrev "
             "where small enough, holds = heads whose exact kJ <= bound"
         )
-        return "\n".join([*lines, "", legend, *[f"note: {n}" for n in self.notes]])
+        return "\n".join([*lines, "", legend, *note_lines(self.notes)])
 
 
 def _fmt(x: float) -> str:

@@ -11,6 +11,7 @@ from .errors import Spelling, opt, python_spelling, spell
 from .modes import NAMES as MODES
 from .modes import get_mode
 from .selection import format_indices
+from .shown import note_lines, shown
 from .spec import AttentionBlock
 from .spectrum import Spectrum
 
@@ -45,6 +46,8 @@ def _spec_cells(s: Spectrum | None) -> list[str]:
 
 
 def table(headers: list[str], rows: list[list[str]], right: frozenset[int] | set[int] = frozenset()) -> str:
+    """Aligned columns, one line per row: every cell is shown escaped (a name may hold a newline)."""
+    headers, rows = [shown(h) for h in headers], [[shown(c) for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
 
     def line(cells):
@@ -146,10 +149,10 @@ class Report:
             parts.append(self._reinit_table())
         if self.command == "reinit" and not self.dry_run and self.rows:
             parts.append(spell(self._legend(), spelling))
-        parts += [f"note: {spell(n, spelling)}" for n in self.nonfinite_notes() + self.notes]
+        parts += note_lines(spell(n, spelling) for n in self.nonfinite_notes() + self.notes)
         if self.command == "reinit" and not self.dry_run and self.output:
             parts.append(
-                f"wrote {self.output} ({fmt_bytes(self.bytes_written)}) in {self.seconds:.2f} s on {self.device}"
+                shown(f"wrote {self.output} ({fmt_bytes(self.bytes_written)}) in {self.seconds:.2f} s on {self.device}")
             )
         if self.jacobian is not None:
             parts.append(self.jacobian.render())
@@ -182,7 +185,9 @@ class Report:
 
     def _summary(self) -> str:
         stacks = list(dict.fromkeys(b.stack for b in self.blocks))
-        head = f"{self.source} ({self.format}): {_count(len(self.blocks), 'attention block')} in {_count(len(stacks), 'stack')}"
+        head = shown(
+            f"{self.source} ({self.format}): {_count(len(self.blocks), 'attention block')} in {_count(len(stacks), 'stack')}"
+        )
         if self.command == "inspect":
             return head
         o = self.options or {}
@@ -192,7 +197,9 @@ class Report:
             ", keep scale" if o.get("keep_scale") else ""
         )
         touched = len({r.block.module for r in self.rows})
-        return f"{head}\n{what}: {_count(len(self.rows), 'projection')} in {_count(touched, 'block')}; {extras}"
+        return f"{head}\n" + shown(
+            f"{what}: {_count(len(self.rows), 'projection')} in {_count(touched, 'block')}; {extras}"
+        )
 
     def _stacks_table(self) -> str:
         groups: dict[tuple, list[AttentionBlock]] = {}

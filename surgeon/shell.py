@@ -16,9 +16,10 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
 def _fail(message: str, code: int = 1) -> None:
-    from .redact import redact
+    """An error is one line: no token in it, and no name from a file can start another (surgeon.shown)."""
+    from .shown import one_line
 
-    click.echo(f"surgeon: error: {redact(message)}", err=True)
+    click.echo(f"surgeon: error: {one_line(message)}", err=True)
     sys.exit(code)
 
 
@@ -171,13 +172,14 @@ def _internal_error(exc: Exception, debug: bool) -> None:
     import traceback
 
     from .redact import redact
+    from .shown import one_line
 
     if debug:
         click.echo(redact("".join(traceback.format_exception(exc))).rstrip("\n"), err=True)
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     what = f"{type(exc).__name__}: {lines[0][:300]}" if lines else type(exc).__name__
     hint = "the traceback is above" if debug else "run with --debug (or SURGEON_DEBUG=1) for the traceback"
-    click.echo(redact(f"surgeon: internal error: {what} (this is a bug: please report it; {hint})"), err=True)
+    click.echo(one_line(f"surgeon: internal error: {what} (this is a bug: please report it; {hint})"), err=True)
     sys.exit(1)
 
 

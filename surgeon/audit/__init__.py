@@ -34,6 +34,7 @@ from ..detect.config import HintInput, Hints
 from ..errors import CheckpointError, SurgeonError, VerificationError
 from ..journal import hold
 from ..modes import get_mode
+from ..shown import shown
 from .record import Record, card_records, other_version_note, parse_record, stored_history
 from .values import DerivedMismatch, check_changed, check_untouched
 
@@ -51,12 +52,13 @@ class Verification:
     files: int = 0  # other files of a folder output checked byte-identical
 
     def summary(self) -> str:
+        """The one-line verdict (names shown escaped: a path with a newline in it stays on the line)."""
         o = self.record.get("options", {})
         how = get_mode(self.mode).verify_bound
         n = len(self.record.get("blocks", []))
         files = f", {self.files} other file{'s' if self.files != 1 else ''} byte-identical" if self.files else ""
         made = f" (made by surgeon {self.record.get('version')})" if self.record.get("version") != __version__ else ""
-        return (
+        return shown(
             f"verified: {self.output} is {self.original} with {n} attention block{'s' if n != 1 else ''} re-initialized as recorded "
             f"(mode {self.mode}, targets {','.join(o.get('targets', []))}, seed {o.get('seed')}): {len(self.changed)} changed "
             f"tensor{'s' if len(self.changed) != 1 else ''} {how}, {self.identical} other tensor{'s' if self.identical != 1 else ''} "

@@ -62,17 +62,21 @@ class PushResult:
         }
 
     def summary(self) -> str:
+        """One line (names shown escaped)."""
         from ..report import fmt_bytes
+        from ..shown import shown
 
         changed = len(self.files) - len(self.unchanged)
         if not changed:
-            return f"nothing to push: all {len(self.files)} files are on {self.repo_id} (branch {self.revision}) already, unchanged"
+            return shown(
+                f"nothing to push: all {len(self.files)} files are on {self.repo_id} (branch {self.revision}) already, unchanged"
+            )
         what = f"{changed} files ({fmt_bytes(self.bytes)}, {len(self.large_files)} through the large-file path)"
         if self.unchanged:
             what += f" ({len(self.unchanged)} files already there unchanged)"
         if self.pr_url:
-            return f"opened a pull request on {self.repo_id} with {what}: {self.pr_url}"
-        return f"pushed {what} to {self.repo_id} (branch {self.revision}) in one commit: {self.commit_url}"
+            return shown(f"opened a pull request on {self.repo_id} with {what}: {self.pr_url}")
+        return shown(f"pushed {what} to {self.repo_id} (branch {self.revision}) in one commit: {self.commit_url}")
 
 
 @dataclass(frozen=True)
