@@ -39,6 +39,37 @@ def test_deeply_nested_header_is_one_line(cli, tmp_path):
     expect_error(cli, tmp_path, "reinit", path, match="JSON nested too deeply")
 
 
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("encoder.layer.1.", "encoder.layer.1\x1b[2K."),  # an ANSI erase-line in a layer's path
+        ("attention.self.", "attention.se[lf."),
+        ("encoder.layer", "enc[oder.layer"),
+        ("attention.self.", "attention.self:context."),  # what a joint attention's second stream is named
+    ],
+)
+def test_attention_under_a_path_with_a_marker_is_refused(cli, tmp_path, old, new):
+    """'[' and ':' name a block's second set or stream: a real path holding one was an internal error (a
+    KeyError), and a path ending in ':context' would read another module's tensors."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32)
+    tensors = {k.replace(old, new): v.contiguous() for k, v in BertModel(cfg).state_dict().items()}
+    assert any(new in k for k in tensors)
+    save_file(tensors, tmp_path / "model.safetensors")
+    for command in ("inspect", "reinit"):
+        expect_error(
+            cli,
+            tmp_path,
+            command,
+            tmp_path / "model.safetensors",
+            "--num-heads",
+            "4",
+            match="which surgeon uses to name",
+        )
+
+
 def test_zero_size_projection_is_one_line(cli, tmp_path):
     save_file({f"layers.0.attn.{p}_proj.weight": torch.zeros(0, 32) for p in "qkv"}, tmp_path / "empty.safetensors")
     expect_error(

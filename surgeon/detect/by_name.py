@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import TypeVar
 
-from ..errors import LayoutError, NoAttentionFoundError, UnsupportedWeightsError, opt
+from ..errors import CheckpointError, LayoutError, NoAttentionFoundError, UnsupportedWeightsError, opt
 from ..formats.base import TensorInfo
 from ..spec import AttentionBlock, Projection, Rows, packed_size, slot_offsets
 from .config import ConfigView, Hints, StackFacts
@@ -162,6 +162,7 @@ def match_modules(tensors: Mapping[str, TensorInfo]) -> dict[str, Rule]:
     for module in candidates:
         for rule in RULES:
             if all(join(module, p.weight) in tensors for p in rule.parts):
+                _refuse_marker_names(module)
                 found[module] = rule
                 break
     # A module that is itself a projection of a matched parent (e.g. "...attn.qkv" inside timm
@@ -171,6 +172,21 @@ def match_modules(tensors: Mapping[str, TensorInfo]) -> dict[str, Rule]:
             if all(join(module, p.weight) in tensors for p in rule.parts):
                 found[f"{module}[{tag}]"] = rule
     return found
+
+
+# surgeon names a module's second set "x[global]" and a joint attention's second stream "x:context"
+MODULE_MARKERS = "[]:"
+
+
+def _refuse_marker_names(module: str) -> None:
+    """A module path from the checkpoint that holds a marker could not be told from a block surgeon names."""
+    bad = next((c for c in MODULE_MARKERS if c in module), None)
+    if bad is not None:
+        raise CheckpointError(
+            f"the tensors under {module} look like attention projections, but their module path holds {bad!r}, "
+            "which surgeon uses to name a block's second set or stream: rename the tensors (e.g. with "
+            "safetensors' save_file) so their paths hold only letters, digits, '_' and '.'"
+        )
 
 
 def owner(module: str) -> str:
