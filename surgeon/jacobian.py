@@ -208,9 +208,10 @@ def jacobian_report(
 def _self_attention(detected: list[AttentionBlock], report: JacobianReport) -> list[AttentionBlock]:
     """The self-attention blocks the theorem is about; the report notes what else was skipped."""
     from .errors import OptionError
+    from .spec import split_module
 
-    streams = [b for b in detected if ":" in b.module]  # a joint block's second stream: not a module of its own
-    blocks = [b for b in detected if b.kind == "self" and ":" not in b.module]
+    streams = [b for b in detected if split_module(b.module)[1]]  # a joint block's second stream: not a module
+    blocks = [b for b in detected if b.kind == "self" and not split_module(b.module)[1]]
     if streams:
         report.notes.append(
             f"{len(streams)} joint-attention context streams skipped: their heads attend together with their block's"

@@ -12,7 +12,7 @@ from .modes import NAMES as MODES
 from .modes import get_mode
 from .selection import format_indices
 from .shown import note_lines, shown
-from .spec import AttentionBlock
+from .spec import AttentionBlock, split_module
 from .spectrum import Spectrum
 
 
@@ -286,8 +286,6 @@ def _where(block: AttentionBlock) -> str:
 
 def _tensor_names(block: AttentionBlock) -> str:
     names = block.tensors()
-    owner = block.module.partition(":")[0].partition("[")[
-        0
-    ]  # a second stream (":context") or set ("[global]") of the module
+    owner = split_module(block.module)[0]  # a second stream (":context") or set ("[global]") of the module
     prefix = owner + "." if owner else ""
     return ", ".join(n.removeprefix(prefix) for n in names)

@@ -8,6 +8,7 @@ single entry of :data:`PACKINGS`; every other part of surgeon works on :class:`P
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -16,6 +17,20 @@ Role = Literal["q", "k", "v"]
 ROLES: tuple[Role, ...] = ("q", "k", "v")
 
 Slot = tuple[str, int]  # (role, head): one block of head_dim output features
+
+# surgeon's own suffixes on a block's module path: the second stream of a joint attention ("x:context")
+# and a second set of a module's projections ("x[global]", Longformer). Only these, at the end, are
+# markers; a checkpoint path that itself ends so is refused at detection (it would read as one).
+STREAMS = ("context",)
+SET_TAGS = ("global",)
+_MARKED = re.compile(rf"(.*?)(?::({'|'.join(STREAMS)}))?(?:\[({'|'.join(SET_TAGS)})\])?", re.S)
+
+
+def split_module(module: str) -> tuple[str, str, str]:
+    """(the module that holds the tensors, its stream or "", its set tag or "") of a block's module path."""
+    match = _MARKED.fullmatch(module)
+    assert match is not None  # the pattern matches any text
+    return match[1], match[2] or "", match[3] or ""
 
 
 @dataclass(frozen=True)
@@ -99,9 +114,8 @@ class AttentionBlock:
     @property
     def label(self) -> str:
         layers = ",".join(map(str, self.users))
-        tag = self.module.partition("[")[2].rstrip("]")  # a second set of the module: Longformer's [global]
-        tag = f" [{tag}]" if tag and not tag.isdigit() else ""
-        stream = self.module.partition(":")[2]  # a second stream of the layer's attention (":context")
+        _, stream, tag = split_module(self.module)
+        tag = f" [{tag}]" if tag else ""
         base = f"{self.stack}.{layers}" if self.stack else layers
         return base + (f":{stream}" if stream else "") + tag
 

@@ -39,35 +39,52 @@ def test_deeply_nested_header_is_one_line(cli, tmp_path):
     expect_error(cli, tmp_path, "reinit", path, match="JSON nested too deeply")
 
 
-@pytest.mark.parametrize(
-    "old, new",
-    [
-        ("encoder.layer.1.", "encoder.layer.1\x1b[2K."),  # an ANSI erase-line in a layer's path
-        ("attention.self.", "attention.se[lf."),
-        ("encoder.layer", "enc[oder.layer"),
-        ("attention.self.", "attention.self:context."),  # what a joint attention's second stream is named
-    ],
-)
-def test_attention_under_a_path_with_a_marker_is_refused(cli, tmp_path, old, new):
-    """'[' and ':' name a block's second set or stream: a real path holding one was an internal error (a
-    KeyError), and a path ending in ':context' would read another module's tensors."""
+def _bert_tensors(old: str, new: str) -> dict:
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
     cfg = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32)
     tensors = {k.replace(old, new): v.contiguous() for k, v in BertModel(cfg).state_dict().items()}
     assert any(new in k for k in tensors)
-    save_file(tensors, tmp_path / "model.safetensors")
+    return tensors
+
+
+@pytest.mark.parametrize(
+    "old, new", [("attention.self.", "attention.self:context."), ("attention.self.", "attention.self[global].")]
+)
+def test_attention_under_a_path_ending_like_a_marker_is_refused(cli, tmp_path, old, new):
+    """surgeon names a joint attention's second stream "x:context" and a second set "x[global]": a real path
+    ending so would read as one (and its tensors be looked up under another module)."""
+    save_file(_bert_tensors(old, new), tmp_path / "model.safetensors")
     for command in ("inspect", "reinit"):
         expect_error(
-            cli,
-            tmp_path,
-            command,
-            tmp_path / "model.safetensors",
-            "--num-heads",
-            "4",
-            match="which surgeon uses to name",
+            cli, tmp_path, command, tmp_path / "model.safetensors", "--num-heads", "4", match="ends like the name"
         )
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("encoder.layer", "enc\x1b[2Koder.layer"),  # an ANSI erase-line in a stack's path
+        ("attention.self.", "attention.se[lf."),
+        ("encoder.layer", "enc[oder:layer"),
+    ],
+)
+def test_attention_under_a_path_holding_brackets_or_colons_is_read(cli, tmp_path, old, new):
+    """'[' and ':' inside a path were an internal error (a KeyError: the path was cut at the first '[')."""
+    tensors = _bert_tensors(old, new)
+    save_file(tensors, tmp_path / "model.safetensors")
+    out = tmp_path / "out.safetensors"
+    cli("reinit", tmp_path / "model.safetensors", "--num-heads", "4", "--layers", "0", "-o", out)
+    after = load_file(out)
+    changed = {k for k in tensors if not torch.equal(tensors[k], after[k])}
+    layer0 = "encoder.layer.0.".replace(old, new)
+    assert changed == {
+        k for k in tensors if k.startswith(layer0) and k.endswith(("query.weight", "key.weight", "value.weight"))
+    }
+    for name in (k for k in changed if k.endswith("query.weight")):  # conditioned: each head's rows orthonormal
+        w = after[name].double().reshape(4, 8, 32)
+        assert torch.allclose(w @ w.transpose(1, 2), torch.eye(8, dtype=torch.float64).expand(4, 8, 8), atol=1e-5)
 
 
 def test_zero_size_projection_is_one_line(cli, tmp_path):

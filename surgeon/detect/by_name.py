@@ -13,7 +13,7 @@ from typing import TypeVar
 
 from ..errors import CheckpointError, LayoutError, NoAttentionFoundError, UnsupportedWeightsError, opt
 from ..formats.base import TensorInfo
-from ..spec import AttentionBlock, Projection, Rows, packed_size, slot_offsets
+from ..spec import AttentionBlock, Projection, Rows, packed_size, slot_offsets, split_module
 from .config import ConfigView, Hints, StackFacts
 from .families import (  # noqa: F401
     CROSS_WORDS,
@@ -174,24 +174,19 @@ def match_modules(tensors: Mapping[str, TensorInfo]) -> dict[str, Rule]:
     return found
 
 
-# surgeon names a module's second set "x[global]" and a joint attention's second stream "x:context"
-MODULE_MARKERS = "[]:"
-
-
 def _refuse_marker_names(module: str) -> None:
-    """A module path from the checkpoint that holds a marker could not be told from a block surgeon names."""
-    bad = next((c for c in MODULE_MARKERS if c in module), None)
-    if bad is not None:
+    """A checkpoint's module path that ends like a block surgeon names ("x:context", "x[global]") would read as one."""
+    if split_module(module)[0] != module:
         raise CheckpointError(
-            f"the tensors under {module} look like attention projections, but their module path holds {bad!r}, "
-            "which surgeon uses to name a block's second set or stream: rename the tensors (e.g. with "
-            "safetensors' save_file) so their paths hold only letters, digits, '_' and '.'"
+            f"the tensors under {module} look like attention projections, but their module path ends like the name "
+            "surgeon gives a block's second stream or set (':context', '[global]'): rename the tensors (e.g. with "
+            "safetensors' save_file) so their paths do not end so"
         )
 
 
 def owner(module: str) -> str:
     """The module that holds a block's tensors: "x.attention.self" for its second set "x.attention.self[global]"."""
-    return module.partition("[")[0]
+    return split_module(module)[0]
 
 
 def _partial_matches(tensors: Mapping[str, TensorInfo], matches: dict[str, Rule]) -> list[str]:
@@ -258,7 +253,7 @@ def _build(
         module=module,
         layout=rule.name
         + (", gated q" if "gated" in packings else "")
-        + (f" [{module.partition('[')[2]}" if "[" in module else ""),
+        + (f" [{split_module(module)[2]}]" if split_module(module)[2] else ""),
         heads=heads,
         kv_heads=kv_heads,
         head_dim=head_dim,

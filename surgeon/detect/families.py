@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..spec import SET_TAGS, STREAMS
+
 
 @dataclass(frozen=True)
 class Part:
@@ -203,7 +205,7 @@ REFUSED = (
 # --- a second query/key/value set in one module ----------------------------------------------
 # (tag, rule): where a module that matched a rule also holds these projections, they form a second
 # block named "<module>[tag]" (Longformer's global attention: query_global, key_global, value_global).
-SECOND_SETS: tuple[tuple[str, Rule], ...] = (("global", _separate("query_global", "key_global", "value_global")),)
+SECOND_SETS: tuple[tuple[str, Rule], ...] = ((SET_TAGS[0], _separate("query_global", "key_global", "value_global")),)
 
 
 # --- libraries beyond transformers (README "Libraries") ----------------------------------
@@ -225,7 +227,7 @@ SEPARATE_BIASES = {"qkv": {"q": "q_bias", "k": "k_bias", "v": "v_bias"}}
 # stream of diffusers' joint attention (SD3, Flux: attention_processor.py JointAttnProcessor2_0 and
 # FluxAttnProcessor concatenate add_q/k/v_proj(encoder_hidden_states) with to_q/k/v(hidden_states)).
 # Re-initialized with its block, reported as the block's module + the suffix.
-COMPANION_STREAMS = (("add_q_proj", "add_k_proj", "add_v_proj", ":context"),)
+COMPANION_STREAMS = (("add_q_proj", "add_k_proj", "add_v_proj", ":" + STREAMS[0]),)
 
 # diffusers classes whose config's attention_head_dim is the number of heads (when num_attention_heads
 # is unset): unet_2d_condition.py and its kin say "num_attention_heads = num_attention_heads or

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import LayoutError, opt
-from ..spec import AttentionBlock, Projection, Rows, slot_offsets
+from ..spec import AttentionBlock, Projection, Rows, slot_offsets, split_module
 from .families import (
     COMPANION_STREAMS,
     CROSS_BY_POSITION,
@@ -240,10 +240,10 @@ def library_notes(blocks: list[AttentionBlock]) -> list[str]:
             f"{b.stack}: query head h reads key/value head h % {b.kv_heads} (key/value head 0 serves query heads {group}); "
             "select whole groups to re-initialize keys and values"
         )
-    second = next((b for b in blocks if ":" in b.module), None)
+    second = next((b for b in blocks if split_module(b.module)[1]), None)
     if second is not None:
         notes.append(
-            f"joint attention: the {second.module.partition(':')[2]} stream's projections (add_q/k/v_proj) are re-initialized "
+            f"joint attention: the {split_module(second.module)[1]} stream's projections (add_q/k/v_proj) are re-initialized "
             f"with their block, the same heads (reported as {second.label})"
         )
     return notes
