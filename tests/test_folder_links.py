@@ -20,6 +20,7 @@ import pytest
 
 from _hub import TOKEN, Surgeon, build_cache, make_source
 from _hub_server import HubServer
+from _onnx_graphs import tiny_attention
 from conftest import expect_cli_error, tiny_llama
 
 SECRET = b"-----BEGIN OPENSSH PRIVATE KEY----- surgeon-folder-links-0f3a9c61 -----END-----"
@@ -255,3 +256,53 @@ def test_push_dry_run_lists_exactly_the_files_and_sends_nothing(source, tmp_path
         pushed = surgeon("push", out, "me/z", token=TOKEN)
         arrived = sorted(f for f in hub.files("me/z") if f != ".gitattributes")
         assert [line[2:] for line in pushed.stdout.splitlines() if line.startswith("  ")] == arrived == expected
+
+
+def test_verify_reads_no_link_out_of_either_folder(tmp_path, cli):
+    secret = tmp_path / "id_rsa"
+    secret.write_bytes(SECRET)
+    folder = tmp_path / "model"
+    tiny_llama().save_pretrained(folder)
+    (folder / "tokenizer.json").write_text('{"version": "1.0"}')
+    out = tmp_path / "out"
+    cli("reinit", folder, "-o", out, "--layers", "0")
+    (out / "tokenizer.json").unlink()
+    (out / "tokenizer.json").symlink_to(secret)  # an output changed after surgeon made it
+    line = expect_cli_error(
+        cli, tmp_path, "verify", folder, out, match=f"tokenizer.json in {out} is a link to {secret}"
+    )
+    assert SECRET.decode() not in line
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer.json").symlink_to(secret)
+    expect_cli_error(cli, tmp_path, "verify", folder, out, match=f"tokenizer.json in {folder} is a link to {secret}")
+
+
+def test_onnx_external_data_in_a_hub_cache_snapshot_is_read_from_its_blobs(tmp_path, cli):
+    import onnx
+
+    src = tmp_path / "src"
+    src.mkdir()
+    model = tiny_attention(layers=1)
+    onnx.save_model(
+        model, str(src / "model.onnx"), save_as_external_data=True, location="model.onnx_data", size_threshold=0
+    )
+    files = {p.name: p.read_bytes() for p in src.iterdir()}
+    snapshot = tmp_path / "hub" / "models--org--o" / "snapshots" / build_cache(tmp_path, "org/o", files)
+    assert (snapshot / "model.onnx_data").is_symlink()
+    cli("reinit", snapshot / "model.onnx", "-o", tmp_path / "out.onnx", "--layers", "0")
+    assert onnx.load(str(tmp_path / "out.onnx")).graph.node == onnx.load(str(src / "model.onnx")).graph.node
+    # the same data, but in another repo's blob store: not this snapshot's to read
+    build_cache(tmp_path, "org/other", {"model.onnx_data": files["model.onnx_data"]})
+    data = snapshot / "model.onnx_data"
+    target = os.path.realpath(data).replace("models--org--o", "models--org--other")
+    data.unlink()
+    data.symlink_to(os.path.relpath(target, snapshot))
+    expect_cli_error(
+        cli,
+        tmp_path,
+        "reinit",
+        snapshot / "model.onnx",
+        "-o",
+        tmp_path / "x.onnx",
+        match=f"model.onnx_data in {snapshot} is a link to {target}",
+    )
