@@ -95,7 +95,9 @@ def build_card(*, source: Source, plan: Plan, results: list[ProjectionResult], c
     """The card as a ``huggingface_hub.ModelCard`` (metadata validated by its own parser)."""
     from huggingface_hub import ModelCard
 
-    readme = file_in(source.folder, "README.md") if source.kind == "folder" else None  # never a link out of it
+    # only a README.md the folder's walk took as its own (folder_files), checked again as it is read
+    own = source.kind == "folder" and "README.md" in source.extra_files
+    readme = file_in(source.folder, "README.md") if own else None
     original = SourceCard.read(readme) if readme is not None else None
     mode = get_mode(plan.options.mode)
     data = _card_data(source, original.metadata if original else {}, mode.tag)

@@ -135,10 +135,11 @@ def test_linked_folders_and_fifos_are_left_out_never_walked_or_opened(source, tm
     (folder / "tok").mkdir()
     (folder / "tok" / "merges.txt").write_text("h e\n")
     (folder / "inner").symlink_to("tok")  # a folder inside: never walked either (its files would come twice)
-    (folder / "vocab.txt").unlink()
-    os.mkfifo(folder / "vocab.txt")  # opening it would hang
+    for fifo in ("vocab.txt", "README.md"):
+        (folder / fifo).unlink()
+        os.mkfifo(folder / fifo)  # opening it would hang
     expected = own_files(folder)
-    assert "vocab.txt" not in expected and "tok/merges.txt" in expected
+    assert "vocab.txt" not in expected and "README.md" not in expected and "tok/merges.txt" in expected
     with hub_with(source) as hub:
         reinit, dry, pushed = Surgeon(tmp_path, hub.url).many(
             ["reinit", folder, "-o", tmp_path / "out"],
@@ -147,10 +148,14 @@ def test_linked_folders_and_fifos_are_left_out_never_walked_or_opened(source, tm
             token=TOKEN,
         )
         assert reinit.rc == 0 and dry.rc == 0 and pushed.rc == 0, reinit.stderr + dry.stderr + pushed.stderr
-        left = f"extra/ (a link to a folder, {secret_dir}), inner/ (a link to a folder, {folder / 'tok'}), vocab.txt (a FIFO)"
+        left = (
+            f"README.md (a FIFO), extra/ (a link to a folder, {secret_dir}), "
+            f"inner/ (a link to a folder, {folder / 'tok'}), vocab.txt (a FIFO)"
+        )
         assert f"left out, never opened (surgeon reads only regular files from a folder): {left}" in reinit.stdout
         out = tmp_path / "out"
-        assert own_files(out) == expected  # the weights rewritten, README.md the new card, the rest carried over
+        assert own_files(out) == sorted({*expected, "README.md"})  # README.md: the new card, without a source card
+        assert "## Source model card" not in (out / "README.md").read_text()
         assert not (out / "extra").exists() and not (out / "inner").exists() and not (out / "vocab.txt").exists()
         report = json.loads(dry.stdout)
         assert report["files"] == expected and report["dry_run"] is True and left in report["notes"][0]
