@@ -17,7 +17,7 @@ from .errors import CheckpointError, HubError, OptionError, opt
 from .hub import PushTarget
 from .journal import hold
 from .modes import get_mode
-from .output import Destination, resolve_destination
+from .output import Destination, folder_output_files, resolve_destination
 from .plan import Plan, ReinitOptions, prepare_checkpoint
 from .report import ProjectionRow, Report
 from .source import Source
@@ -175,7 +175,7 @@ def reinit_checkpoint(
     plan = prepare_checkpoint(source, detection, opts)
     notes = source.notes + detection.notes[:5] + plan.notes
     if dry_run:
-        notes += _dry_run_notes(dest, overwrite=overwrite, push=target)
+        notes += _dry_run_notes(source, dest, overwrite=overwrite, push=target)
         return _report(source, detection, plan, dest, _planned_rows(source, plan), notes, device=str(device))
     title = target.repo_id if target is not None else dest.path.name
     with hold(source, exclusive=in_place):  # in place: alone; a copy: never while an in-place run patches it
@@ -303,15 +303,17 @@ def _push(dest: Destination, target: PushTarget, source: Source, plan: Plan, *, 
     except HubError as exc:  # the output is on disk: say so, and keep the error's type
         exc.context = f"wrote {dest.path}, but the push failed: "
         raise
-    return pushed.notes + [pushed.summary()]
+    return pushed.notes + [pushed.summary(), f"files pushed: {', '.join(pushed.files)}"]
 
 
-def _dry_run_notes(dest: Destination, *, overwrite: bool, push: PushTarget | None) -> list[str]:
+def _dry_run_notes(source: Source, dest: Destination, *, overwrite: bool, push: PushTarget | None) -> list[str]:
     notes = []
     if dest.path.exists() and not overwrite and not dest.in_place:
         notes.append(f"{dest.path} exists: the real run needs {opt('overwrite', True)} or another {opt('output')}")
     if push is not None:
-        notes.append(f"the real run pushes {dest.path.name} to {push.repo_id}")
+        weights, carried = folder_output_files(source)
+        files = sorted({*weights, *carried, "README.md"})  # the folder surgeon writes, its model card included
+        notes.append(f"the real run pushes {dest.path.name} to {push.repo_id}: {len(files)} files, {', '.join(files)}")
     return notes
 
 

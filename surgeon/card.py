@@ -17,6 +17,7 @@ from pathlib import Path
 from ._version import __version__
 from .apply import ProjectionResult
 from .detect.config import Hints
+from .folder_files import file_in
 from .modes import get_mode
 from .plan import Plan
 from .report import fmt_kappa
@@ -95,7 +96,10 @@ def build_card(*, source: Source, plan: Plan, results: list[ProjectionResult], c
     """The card as a ``huggingface_hub.ModelCard`` (metadata validated by its own parser)."""
     from huggingface_hub import ModelCard
 
-    original = SourceCard.read(source.folder / "README.md") if source.kind == "folder" else None
+    # only a README.md the folder's walk took as its own (folder_files), checked again as it is read
+    own = source.kind == "folder" and "README.md" in source.extra_files
+    readme = file_in(source.folder, "README.md") if own else None
+    original = SourceCard.read(readme) if readme is not None else None
     mode = get_mode(plan.options.mode)
     data = _card_data(source, original.metadata if original else {}, mode.tag)
     parts = [

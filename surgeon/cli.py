@@ -241,6 +241,7 @@ Examples:
   surgeon push ./llama-reinit org/llama-reinit --private
   surgeon push ./llama-reinit org/llama-reinit --revision reset-v2   # to a branch
   surgeon push ./llama-reinit org/llama-reinit --create-pr           # as a pull request
+  surgeon push ./llama-reinit org/llama-reinit --dry-run             # the files it would upload
 \b
 The token comes from HF_TOKEN or `hf auth login`; HF_ENDPOINT selects another Hub.
 """,
@@ -253,14 +254,16 @@ The token comes from HF_TOKEN or `hf auth login`; HF_ENDPOINT selects another Hu
 )
 @click.option("--create-pr", is_flag=True, help="Open a pull request against main instead of committing.")
 @click.option("--commit-message", help="The commit message (default: Upload FOLDER with surgeon VERSION).")
+@click.option("--dry-run", is_flag=True, help="Print the files that would be uploaded and send nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was pushed as JSON on stdout.")
 @handle_errors
-def push(folder, repo_id, private, revision, create_pr, commit_message, as_json):
+def push(folder, repo_id, private, revision, create_pr, commit_message, dry_run, as_json):
     """Upload FOLDER (e.g. an output of surgeon reinit) to the Hub model repo ORG/NAME.
 
     Creates the repo if needed and uploads every file in one commit, large files through
-    the Hub client's large-file path. If the push stops part-way, running it again sends
-    only what is missing and commits.
+    the Hub client's large-file path, and prints the files uploaded. Only the folder's own
+    files go: a link that leads out of it is refused. If the push stops part-way, running
+    it again sends only what is missing and commits.
     """
     from .hub import push_folder
 
@@ -272,11 +275,12 @@ def push(folder, repo_id, private, revision, create_pr, commit_message, as_json)
         create_pr=create_pr,
         commit_message=commit_message,
         progress=not as_json and sys.stderr.isatty(),
+        dry_run=dry_run,
     )
     if as_json:
         _out(json.dumps(result.to_dict(), indent=2))
     else:
-        _out("\n".join([*note_lines(result.notes), result.summary()]))
+        _out("\n".join([*note_lines(result.notes), result.summary(), *result.listing()]))
 
 
 @main.command(

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import OptionError, OutputError, opt
+from .errors import CheckpointError, OptionError, OutputError, opt
+from .folder_files import file_in
 from .formats.registry import OTHER_FORMAT_SUFFIXES, WEIGHT_SUFFIXES
 from .source import Source
 from .staging import staged
@@ -222,6 +223,18 @@ def _check_companions(source: Source, dest: Path, companions: tuple[Path, ...], 
 def copy_extras(source: Source, dest: Path) -> None:
     """Carry every non-weight file of a folder input over unchanged (tokenizer, configs, ...)."""
     for rel in source.extra_files:
+        path = file_in(source.folder, rel)  # checked when the folder was opened; again, as it is copied now
+        if path is None:
+            raise CheckpointError(f"{rel} of {source.folder} is gone since the folder was opened; run this again")
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source.folder / rel, target)
+        shutil.copyfile(path, target)
+
+
+def folder_output_files(source: Source) -> tuple[list[str], list[str]]:
+    """What a folder output of ``source`` holds besides its model card: (the weight files surgeon rewrites,
+    the files it carries over byte for byte: index files and, from a folder, its other files)."""
+    weights = [f for w in source.weights for f in w.files]
+    indexes = [w.index for w in source.weights if w.index]
+    carried = source.extra_files if source.kind == "folder" else []
+    return sorted(set(weights)), sorted(set(indexes + carried))

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import NoReturn
 
 from .errors import CheckpointError
+from .folder_files import file_in, walk
 from .formats.base import WeightSet
 from .formats.registry import (  # noqa: F401  (NOT_WEIGHTS, TORCH_NAMES: importable from here as before)
     ALONE_SUFFIXES,
@@ -72,12 +74,10 @@ def open_source(path: str | Path, *, config: str | Path | None = None, recover: 
     recovered = roll_back(path, own=True) if recover else []
     refuse_journals(path)
     source = _open_folder(path) if path.is_dir() else _open_file(path)
-    if config is not None:
+    if config is not None:  # given by the user: theirs to choose, wherever it is
         source.config_path = Path(config)
-    elif source.config_path is None and (source.folder / "config.json").is_file():
-        source.config_path = source.folder / "config.json"
-    elif source.config_path is None and (source.folder / OPEN_CLIP_CONFIG).is_file():  # open_clip's Hub repos
-        source.config_path = source.folder / OPEN_CLIP_CONFIG
+    elif source.config_path is None:  # found beside the weights: only the folder's own (folder_files)
+        source.config_path = file_in(source.folder, "config.json") or file_in(source.folder, OPEN_CLIP_CONFIG)
     if source.config_path is not None:
         source.config = read_config(source.config_path)
     elif (embedded := source.primary.embedded_config()) is not None:
@@ -99,7 +99,7 @@ def read_config(path: Path) -> dict:
     return config
 
 
-def _other_weights(rel: Path) -> bool:
+def _other_weights(rel: PurePosixPath) -> bool:
     """A top-level weight file outside the chosen set (e.g. Mistral's consolidated.safetensors)."""
     if len(rel.parts) > 1 or rel.name in NOT_WEIGHTS or rel.name.startswith(("rng_state", "optimizer", "scheduler")):
         return False
@@ -146,18 +146,38 @@ def _variant_indexes(folder: Path, top: list[str], sets: list[WeightSet]) -> lis
 
 
 def _open_folder(folder: Path) -> Source:
-    top = sorted(p.name for p in folder.iterdir() if p.is_file())
+    # One walk, before any file is opened: a link out of the folder is refused here, FIFOs and linked
+    # folders are left out (folder_files), so nothing from outside reaches the weights, the card or the output.
+    found = walk(folder, prune=_not_read)
+    top = [f for f in found.files if "/" not in f]
     sets = _weight_sets(folder, top)
     if not sets:
         _refuse_no_weights(folder)
-    extras, stale = _other_files(folder, {f for s in sets for f in s.all_files})
+    extras, stale = _other_files(found.files, {f for s in sets for f in s.all_files})
+    stale = sorted(stale + [f"{d}/" for d in STALE_WEIGHT_DIRS if _holds_anything(folder / d)])
     notes = []
     if stale:
         names = ", ".join(dict.fromkeys(stale))
         notes.append(
             f"left out other copies of the weights that surgeon does not rewrite here: {names} (re-export them from the output)"
         )
-    return Source(folder, "folder", sets, extra_files=extras, notes=notes)
+    return Source(folder, "folder", sets, extra_files=extras, notes=notes + found.note())
+
+
+_LEFTOVERS = (".surgeon-tmp", ".surgeon-old", ".surgeon-journal", ".surgeon-journal.tmp")  # a run's
+
+
+def _not_read(rel: PurePosixPath, is_folder: bool) -> bool:
+    """What a folder's walk skips: bookkeeping, a run's leftovers, and export folders of the old weights."""
+    top = rel.parts[0]
+    return top in SKIP_DIRS or top.endswith(_LEFTOVERS) or (is_folder and str(rel) in STALE_WEIGHT_DIRS)
+
+
+def _holds_anything(path: Path) -> bool:
+    if not path.is_dir():
+        return False
+    with os.scandir(path) as entries:
+        return any(True for _ in entries)
 
 
 def _weight_sets(folder: Path, top: list[str]) -> list[WeightSet]:
@@ -204,23 +224,16 @@ def _refuse_no_weights(folder: Path) -> NoReturn:
     )
 
 
-def _other_files(folder: Path, weight_files: set[str]) -> tuple[list[str], list[str]]:
-    """The folder's files besides the weights: (those copied to the output, stale weight copies left out)."""
+def _other_files(files: list[str], weight_files: set[str]) -> tuple[list[str], list[str]]:
+    """The folder's files (``files``, already walked) besides the weights: (those copied to the output,
+    stale weight copies left out)."""
     extras, stale = [], []
-    for p in sorted(folder.rglob("*")):
-        rel = p.relative_to(folder)
-        if rel.parts[0] in SKIP_DIRS or not p.is_file() or str(rel) in weight_files:
+    for name in files:
+        rel = PurePosixPath(name)
+        if name in weight_files:
             continue
-        if rel.parts[0].endswith(
-            (".surgeon-tmp", ".surgeon-old", ".surgeon-journal", ".surgeon-journal.tmp")
-        ):  # a run's leftovers
+        if rel.name.endswith(STALE_WEIGHT_SUFFIXES) or _other_weights(rel):
+            stale.append(rel.parts[0] + "/" if len(rel.parts) > 1 else name)
             continue
-        if (
-            (len(rel.parts) > 1 and rel.parts[0] in STALE_WEIGHT_DIRS)
-            or p.name.endswith(STALE_WEIGHT_SUFFIXES)
-            or _other_weights(rel)
-        ):
-            stale.append(rel.parts[0] + "/" if len(rel.parts) > 1 else str(rel))
-            continue
-        extras.append(str(rel))
+        extras.append(name)
     return extras, stale

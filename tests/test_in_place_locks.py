@@ -200,7 +200,8 @@ def hub_cache_like(tmp_path, *, shard: str | None = None):
     """A snapshot folder whose files are links to content-named blobs, as in the Hugging Face cache."""
     src = tmp_path / "src"
     tiny_llama().save_pretrained(src, **({"max_shard_size": shard} if shard else {}))
-    blobs, snap = tmp_path / "hub" / "blobs", tmp_path / "hub" / "snapshots" / "abc123"
+    repo = tmp_path / "hub" / "models--org--tiny"  # the cache's own layout: only these links are followed
+    blobs, snap = repo / "blobs", repo / "snapshots" / "abc123"
     blobs.mkdir(parents=True)
     snap.mkdir(parents=True)
     for p in src.iterdir():

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..errors import VerificationError
 from ..formats.fileio import same_bytes
+from ..output import folder_output_files
 from ..source import SKIP_DIRS
 from .record import Record, read_card
 
@@ -44,10 +45,8 @@ def output_files(folder: Path) -> dict[str, Path]:
 def expected_files(src) -> tuple[set[str], set[str]]:
     """(weight files surgeon rewrites, files it copies byte for byte: index files and, from a folder, the
     non-weight files) in a folder output of ``src``."""
-    weights = {f for w in src.weights for f in w.files}
-    indexes = {w.index for w in src.weights if w.index}  # copied as they are
-    carried = set(src.extra_files) if src.kind == "folder" else set()
-    return weights, (carried | indexes) - {CARD}
+    weights, carried = folder_output_files(src)
+    return set(weights), set(carried) - {CARD}
 
 
 def check_folder(src, out, output) -> int:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from ..errors import CheckpointError
+from ..folder_files import file_in
 
 if TYPE_CHECKING:
     import torch
@@ -74,7 +75,10 @@ class WeightSet(ABC):
     def from_index(cls, index_path: Path) -> WeightSet:
         """The shards an index file names, in the order of their names."""
         weight_map = read_index(index_path, cls.shard_suffix)
-        return cls(index_path.parent, shard_order(weight_map), index_path.name)
+        shards = shard_order(weight_map)
+        for shard in shards:  # before any is opened: a link out of the folder or a FIFO is refused (folder_files)
+            file_in(index_path.parent, shard)
+        return cls(index_path.parent, shards, index_path.name)
 
     def _check_index(self, found: dict[str, str]) -> None:
         if self.index is not None:

@@ -29,6 +29,7 @@ import onnx
 import torch
 
 from ..errors import CheckpointError
+from ..folder_files import file_in
 from . import onnx_wire as wire
 from . import onnx_write
 from .base import TensorInfo, UpdatesFn, WeightSet
@@ -192,10 +193,11 @@ class OnnxWeights(WeightSet):
         ):
             raise outside
         file = self.folder / rel
-        try:  # a link that leads out of the folder is outside too: surgeon never reads (or writes) there
-            if file.exists() and self.folder.resolve() not in file.resolve().parents:
-                raise outside
-        except (OSError, ValueError):
+        try:  # a link that leads out of the folder (but for a Hub cache snapshot's blobs) is refused there
+            file_in(self.folder, rel.as_posix())
+        except CheckpointError:
+            raise
+        except (OSError, ValueError):  # a name the file system cannot take (too long, ...)
             raise outside from None
         try:
             offset = int(info.get("offset", 0))

@@ -17,6 +17,7 @@ from ..errors import (
     PushError,
     opt,
 )
+from ..folder_files import walk
 from ..journal import SUFFIX, refuse_journals
 from ..redact import remember
 from .ids import check_revision, hf_progress, require_repo_id
@@ -44,6 +45,7 @@ class PushResult:
     unchanged: list[str]  # already on the Hub with the same content: left out of the commit
     bytes: int
     notes: list[str] = field(default_factory=list)
+    dry_run: bool = False  # nothing was sent: ``files`` is what the push would upload
 
     def to_dict(self) -> dict:
         return {
@@ -59,6 +61,7 @@ class PushResult:
             "unchanged": self.unchanged,
             "bytes": self.bytes,
             "notes": self.notes,
+            "dry_run": self.dry_run,
         }
 
     def summary(self) -> str:
@@ -66,6 +69,11 @@ class PushResult:
         from ..report import fmt_bytes
         from ..shown import shown
 
+        if self.dry_run:
+            return (
+                f"dry run: would push these {len(self.files)} files ({fmt_bytes(self.bytes)}) to {self.repo_id} "
+                f"(branch {self.revision}); nothing was sent"
+            )
         changed = len(self.files) - len(self.unchanged)
         if not changed:
             return shown(
@@ -77,6 +85,13 @@ class PushResult:
         if self.pr_url:
             return shown(f"opened a pull request on {self.repo_id} with {what}: {self.pr_url}")
         return shown(f"pushed {what} to {self.repo_id} (branch {self.revision}) in one commit: {self.commit_url}")
+
+    def listing(self) -> list[str]:
+        """Every file of the push, one line each (the exact list uploaded, or that a dry run would upload)."""
+        from ..shown import shown
+
+        unchanged = set(self.unchanged)
+        return [f"  {shown(f)}{' (already there, unchanged)' if f in unchanged else ''}" for f in self.files]
 
 
 @dataclass(frozen=True)
@@ -175,25 +190,31 @@ def push_folder(
     commit_description: str | None = None,
     token: str | None = None,
     progress: bool = False,
+    dry_run: bool = False,
 ) -> PushResult:
     """Upload every file of ``folder`` to the model repo ``repo_id`` in one commit.
 
     Creates the repo (``private`` when asked) and the branch ``revision`` when they do not exist, or opens
     a pull request against main with ``create_pr``. Large files are uploaded before the commit, one at a
     time, so a failure can say which reached the Hub; running the same push again uploads only the rest
-    (the Hub already holds the others) and commits.
+    (the Hub already holds the others) and commits. ``dry_run``: every check, then the files that would be
+    uploaded (``PushResult.files``), with nothing sent: no request is made.
     """
-    from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub import CommitOperationAdd, HfApi, constants
 
     folder = Path(folder)
     if folder.is_dir():  # a half-patched folder (an in-place run's journal beside its weights) is never offered
         refuse_journals(folder, unfinished=True)
     repo_id = check_push(repo_id, revision=revision, create_pr=create_pr, token=token)
     token = _push_token(token)
-    files = _files_to_push(folder)
-    api = HfApi(token=token)
+    files, left_out = _files_to_push(folder)
     branch = revision or "main"
+    if dry_run:
+        url, size = f"{constants.ENDPOINT.rstrip('/')}/{repo_id}", sum((folder / f).stat().st_size for f in files)
+        return PushResult(repo_id, url, branch, False, "", "", None, files, [], [], size, left_out, dry_run=True)
+    api = HfApi(token=token)
     created, notes = _prepare_repo(api, repo_id, token, private=private, revision=revision, create_pr=create_pr)
+    notes = left_out + notes
     ops = [CommitOperationAdd(path_in_repo=f, path_or_fileobj=str(folder / f)) for f in files]
     where = {"revision": revision, "create_pr": create_pr, "private": private}  # for messages about a partial push
     with hf_progress(progress):
@@ -219,16 +240,17 @@ def push_folder(
     )
 
 
-def _files_to_push(folder: Path) -> list[str]:
-    """The folder's files; refused if one is an in-place run's undo journal or the Hub would refuse its README.md."""
-    files = _folder_files(folder)
+def _files_to_push(folder: Path) -> tuple[list[str], list[str]]:
+    """The folder's files and a note on what was left out; refused if one is a link out of the folder, an
+    in-place run's undo journal, or the Hub would refuse its README.md."""
+    files, left_out = _folder_files(folder)
     journal = next((f for f in files if f.endswith((SUFFIX, SUFFIX + ".tmp"))), None)
     if journal is not None:
         raise OptionError(
             f"{folder / journal} is an in-place run's undo journal, never pushed; run `surgeon recover` on its checkpoint first"
         )
     _check_card(folder)
-    return files
+    return files, left_out
 
 
 def _prepare_repo(
@@ -257,18 +279,16 @@ def _preupload(api, repo_id: str, token: str, folder: Path, ops: list, **where) 
     return done
 
 
-def _folder_files(folder: Path) -> list[str]:
+def _folder_files(folder: Path) -> tuple[list[str], list[str]]:
+    """What a push uploads: the folder's own files (a link out of it is refused, see folder_files), and a note
+    on what it leaves out (links to folders, FIFOs and the like)."""
     if not folder.is_dir():
         what = "a file" if folder.is_file() else "not there"
         raise OptionError(f"{folder} is {what}: surgeon push uploads a model folder (the output of surgeon reinit)")
-    files = sorted(
-        p.relative_to(folder).as_posix()
-        for p in folder.rglob("*")
-        if p.is_file() and not (set(p.relative_to(folder).parts[:-1]) & _PUSH_SKIP) and p.name != ".DS_Store"
-    )
-    if not files:
+    found = walk(folder, prune=lambda rel, is_folder: (is_folder and rel.name in _PUSH_SKIP) or rel.name == ".DS_Store")
+    if not found.files:
         raise OptionError(f"{folder} is empty: nothing to push")
-    return files
+    return found.files, found.note()
 
 
 def _check_card(folder: Path) -> None:
