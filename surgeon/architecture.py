@@ -44,13 +44,14 @@ def build_architecture(
     model_type = config.get("model_type")
     if not model_type or not isinstance(model_type, str):
         raise OptionError(f"{purpose} needs config.json to name its model_type (a transformers architecture)")
-    _check_layer_counts(config, tensors, purpose, where)
+    _check_counts(config, tensors, purpose, where)
     settings = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
     try:
         cfg = transformers.AutoConfig.for_model(model_type, **settings)
-    except (ValueError, KeyError) as exc:
+    except Exception as exc:  # a model_type it does not know, or values its config class refuses
         raise OptionError(
-            f"{purpose}: transformers {transformers.__version__} does not know model_type {model_type!r} ({exc})"
+            f"{purpose}: transformers {transformers.__version__} cannot make a {model_type!r} config from {where}: "
+            f"{_line(exc)}"
         ) from None
     names = config.get("architectures") or []
     cls = (
@@ -92,9 +93,7 @@ def _built(build, device: str, label: str, purpose: str, tensors: Mapping[str, T
             f"tensors{f' ({field} is more than any tensor supports)' if field else ''}; is the config this checkpoint's?"
         ) from None
     except Exception as exc:  # an architecture transformers cannot build from this config
-        raise OptionError(
-            f"{purpose}: cannot build {label} from config.json: {type(exc).__name__}: {str(exc)[:200]}"
-        ) from None
+        raise OptionError(f"{purpose}: cannot build {label} from config.json: {_line(exc)}") from None
     finally:
         if hook is not None:
             hook.remove()
@@ -102,6 +101,12 @@ def _built(build, device: str, label: str, purpose: str, tensors: Mapping[str, T
 
 class _TooManyModules(Exception):
     pass
+
+
+def _line(exc: Exception) -> str:
+    """An exception from transformers or torch as one short line (theirs may span many)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
 
 
 def _int_fields(config: dict, prefix: str = "") -> Iterator[tuple[str, int]]:
@@ -118,9 +123,12 @@ def _field_over(config: dict, bound: int) -> str | None:
     return "{1}={0}".format(*max(fields)) if fields else None
 
 
-def _check_layer_counts(config: dict, tensors: Mapping[str, TensorInfo], purpose: str, where: str) -> None:
-    """A layer holds one tensor at least: more layers than tensors is a number no tensor supports."""
+def _check_counts(config: dict, tensors: Mapping[str, TensorInfo], purpose: str, where: str) -> None:
+    """A layer holds one tensor at least: more layers than tensors is a number no tensor supports; so is
+    a number past what a tensor's size can be (torch's sizes are 64-bit)."""
     for key, value in _int_fields(config):
+        if abs(value) >= 1 << 63:
+            raise CheckpointError(f"{purpose}: {where} says {key}={value}, more than any size a tensor can have")
         if _LAYER_COUNT.fullmatch(key.rsplit(".", 1)[-1]) and value > len(tensors):
             raise CheckpointError(
                 f"{purpose}: {where} says {key}={value}, but the checkpoint has {len(tensors)} tensors: "
