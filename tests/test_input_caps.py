@@ -94,8 +94,8 @@ def test_an_oversized_config_is_refused_before_it_is_read(cli, llama_dir, tmp_pa
     args = ["inspect", llama_dir] if command == "inspect" else ["reinit", llama_dir, "-o", out]
     before = {p.name: p.stat().st_mtime_ns for p in llama_dir.iterdir()}
     result, peak = python_peak(lambda: cli(*args, ok=False))
-    one_line_error(result, f"config {config} is {768 * MiB} bytes: too large (surgeon reads at most 16 MiB of it)")
     assert peak < 32 * MiB, peak  # the file was never read
+    one_line_error(result, f"config {config} is {768 * MiB} bytes: too large (surgeon reads at most 16 MiB of it)")
     assert {p.name: p.stat().st_mtime_ns for p in llama_dir.iterdir()} == before and not out.exists()
 
 
@@ -118,8 +118,9 @@ def test_an_oversized_model_card_is_refused(cli, llama_dir, tmp_path):
         f.write("---\nlicense: mit\n---\n")
         f.truncate(256 * MiB)
     result, peak = python_peak(lambda: cli("reinit", llama_dir, "-o", tmp_path / "out", ok=False))
+    assert peak < 64 * MiB, peak
     one_line_error(result, f"model card {llama_dir / 'README.md'} is {256 * MiB} bytes: too large")
-    assert peak < 64 * MiB and not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists()
 
 
 # --- config numbers against the tensors ---------------------------------------------------------------
@@ -132,13 +133,13 @@ def test_an_absurd_vocab_is_refused_before_anything_is_allocated(cli, llama64, v
     extra = ["--inputs", llama64.parent / "ids.pt"] if flag == "--jacobian" else []
     with TorchAllocations() as torch_bytes:
         result, peak = python_peak(lambda: cli("inspect", llama64, flag, *extra, ok=False))
+    # the embedding alone would be vocab x 64 float32 (1.28 GB for 5M rows); the checkpoint is 0.4 MB
+    assert torch_bytes.largest < MiB and torch_bytes.total < 8 * MiB, (torch_bytes.largest, torch_bytes.total)
+    assert peak < 256 * MiB, peak  # Python's own: transformers' import and the meta model
     line = one_line_error(
         result, f"config.json says vocab_size={vocab}, but the checkpoint's model.embed_tokens.weight"
     )
     assert "is [64, 64]" in line and f"needs [{vocab}, 64]" in line
-    # the embedding alone would be vocab x 64 float32 (1.28 GB for 5M rows); the checkpoint is 0.4 MB
-    assert torch_bytes.largest < MiB and torch_bytes.total < 8 * MiB, (torch_bytes.largest, torch_bytes.total)
-    assert peak < 256 * MiB, peak  # Python's own: transformers' import and the meta model
 
 
 @pytest.mark.parametrize("flag", ["--verify-layout", "--jacobian"])
@@ -160,8 +161,8 @@ def test_a_layer_count_no_tensor_supports_names_the_field(cli, llama64):
     edit_config(llama64, num_hidden_layers=10**9)
     with TorchAllocations() as torch_bytes:
         result, peak = python_peak(lambda: cli("inspect", llama64, "--verify-layout", ok=False))
+    assert peak < 64 * MiB and torch_bytes.total < MiB, (peak, torch_bytes.total)
     one_line_error(result, "config.json says num_hidden_layers=1000000000, but the checkpoint has 30 tensors")
-    assert peak < 64 * MiB and torch_bytes.total < MiB
 
 
 def test_a_count_that_makes_millions_of_modules_is_refused(cli, llama64):
@@ -182,16 +183,16 @@ def test_a_count_that_makes_millions_of_modules_is_refused(cli, llama64):
     )
     args = ("inspect", llama64, "--verify-layout", "--num-heads", 8, "--num-kv-heads", 2)
     result, peak = python_peak(lambda: cli(*args, ok=False))
+    assert peak < 256 * MiB, peak  # a million experts as modules: gigabytes
     one_line_error(result, "SwitchTransformersModel as configured would have more than 6016 modules")
     assert "(num_experts=1000000 is more than any tensor supports)" in result.stderr
-    assert peak < 256 * MiB, peak  # a million experts as modules: gigabytes
 
 
 def test_a_head_count_no_tensor_supports_is_refused_in_bounded_memory(cli, llama_dir):
     edit_config(llama_dir, num_attention_heads=10**7)
     result, peak = python_peak(lambda: cli("inspect", llama_dir, ok=False))
-    one_line_error(result, "do not fit 10000000 heads from config.json")
     assert peak < 64 * MiB, peak  # a slot listed per head: over a gigabyte
+    one_line_error(result, "do not fit 10000000 heads from config.json")
 
 
 def test_a_probe_image_is_capped(cli, tmp_path):
@@ -333,10 +334,10 @@ def test_jacobian_inputs_that_are_not_token_ids(cli, llama64, tmp_path):
     result, peak = python_peak(
         lambda: cli("inspect", llama64, "--jacobian", "--inputs", tmp_path / "huge.pt", ok=False)
     )
+    assert peak < 32 * MiB, peak
     one_line_error(
         result, f"inputs {tmp_path / 'huge.pt'} is {1 << 30} bytes: too large (surgeon reads at most 64 MiB of it)"
     )
-    assert peak < 32 * MiB
 
 
 def test_jacobian_token_ids_outside_the_embedding(cli, llama64, tmp_path):
