@@ -176,10 +176,10 @@ def _field_in(config: dict, needed: tuple[int, ...], stored: tuple[int, ...]) ->
 
 def _refuse_shape(tensor: str, needed, stored, config: dict, purpose: str, where: str) -> None:
     field = _field_in(config, needed, stored)
-    says = f"{where} says {field}, but" if field else f"the architecture built from {where} needs {list(needed)} for"
+    says = f"{where} says {field}, but" if field else f"the architecture built from {where} does not fit:"
     raise CheckpointError(
-        f"{purpose}: {says} the checkpoint's {tensor} is {list(stored)}"
-        f"{f' (the architecture needs {list(needed)})' if field else ''}: is {where} this checkpoint's?",
+        f"{purpose}: {says} the checkpoint's {tensor} is {list(stored)} (the architecture needs {list(needed)}): "
+        f"is {where} this checkpoint's?",
         tensor=tensor,
     )
 
