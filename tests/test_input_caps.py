@@ -8,12 +8,14 @@ counting the storage of every tensor its dispatcher creates (tracemalloc does no
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
 import tracemalloc
 import unittest.mock
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -338,6 +340,18 @@ def test_jacobian_inputs_that_are_not_token_ids(cli, llama64, tmp_path):
     one_line_error(
         result, f"inputs {tmp_path / 'huge.pt'} is {1 << 30} bytes: too large (surgeon reads at most 64 MiB of it)"
     )
+
+
+def test_jacobian_inputs_that_unpack_past_the_cap(cli, llama64, tmp_path):
+    """torch.load reads deflated zip members: 400 KiB on disk can hold a 400 MB tensor."""
+    saved = io.BytesIO()
+    torch.save(torch.zeros(100 * MiB // 4), saved)
+    with zipfile.ZipFile(saved) as src, zipfile.ZipFile(tmp_path / "bomb.pt", "w", zipfile.ZIP_DEFLATED) as out:
+        for member in src.infolist():
+            out.writestr(member.filename, src.read(member.filename))
+    assert (tmp_path / "bomb.pt").stat().st_size < MiB
+    result = cli("inspect", llama64, "--jacobian", "--inputs", tmp_path / "bomb.pt", ok=False)
+    one_line_error(result, f"--inputs {tmp_path / 'bomb.pt'} is a zip that unpacks past 64 MiB")
 
 
 def test_jacobian_token_ids_outside_the_embedding(cli, llama64, tmp_path):
