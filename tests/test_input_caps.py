@@ -115,13 +115,17 @@ def test_a_fifo_as_config_is_refused_without_waiting_for_a_writer(llama_dir, tmp
     assert run.stderr.strip() == f"surgeon: error: cannot read config {fifo}: not a regular file"
 
 
-def test_an_oversized_model_card_is_refused(cli, llama_dir, tmp_path):
-    with open(llama_dir / "README.md", "w") as f:
+@pytest.mark.parametrize("command", ["reinit", "push"])
+def test_an_oversized_model_card_is_refused(cli, llama_dir, tmp_path, monkeypatch, command):
+    card = llama_dir / "README.md"
+    with open(card, "w") as f:
         f.write("---\nlicense: mit\n---\n")
         f.truncate(256 * MiB)
-    result, peak = python_peak(lambda: cli("reinit", llama_dir, "-o", tmp_path / "out", ok=False))
+    monkeypatch.setenv("HF_TOKEN", "hf_" + "x" * 34)  # push checks the card before it talks to any Hub
+    args = ["reinit", llama_dir, "-o", tmp_path / "out"] if command == "reinit" else ["push", llama_dir, "me/model"]
+    result, peak = python_peak(lambda: cli(*args, ok=False))
     assert peak < 64 * MiB, peak
-    one_line_error(result, f"model card {llama_dir / 'README.md'} is {256 * MiB} bytes: too large")
+    one_line_error(result, f"model card {card} is {256 * MiB} bytes: too large (surgeon reads at most 16 MiB of it)")
     assert not (tmp_path / "out").exists()
 
 
