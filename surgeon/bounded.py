@@ -79,25 +79,24 @@ def loads(text: str | bytes, *, where: str) -> Any:
     """``json.loads`` of text from an input; nested more than MAX_DEPTH levels, or not JSON, is one line
     ``{where} is not valid JSON (why)`` (``where``: what it is and whose, e.g. "config /m/config.json")."""
     data = text.encode("utf-8", errors="surrogatepass") if isinstance(text, str) else text
-    problem = nesting_problem(data)
-    if problem is not None:
-        raise CheckpointError(f"{where} is not valid JSON ({problem})")
+    if too_deep(data):
+        raise CheckpointError(f"{where} is not valid JSON (nested too deeply): it may nest {MAX_DEPTH} levels at most")
     try:
         return json.loads(data)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise CheckpointError(f"{where} is not valid JSON ({str(exc)[:120]})") from None
 
 
-def nesting_problem(data: bytes, limit: int = MAX_DEPTH) -> str | None:
-    """Why ``data`` cannot be parsed without deep recursion (nested over ``limit`` levels), or None.
+def too_deep(data: bytes, limit: int = MAX_DEPTH) -> bool:
+    """Whether ``data`` nests over ``limit`` levels: json.loads would recurse deeper.
 
     json.loads recurses once per bracket opened and not yet closed outside a string, and stops at the
     first closing bracket too many; so does this count."""
     if data.count(b"[") + data.count(b"{") <= limit:
-        return None
+        return False
     unescaped = data.replace(b"\\\\", b"").replace(b'\\"', b"")  # escaped backslashes, then escaped quotes
     deep = _deeper_than_numpy if len(unescaped) > _NUMPY_FROM else _deeper_than
-    return f"nested too deeply: more than {limit} levels" if deep(unescaped, limit) else None
+    return deep(unescaped, limit)
 
 
 def _deeper_than(data: bytes, limit: int) -> bool:

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from surgeon import bounded
-from surgeon.bounded import MAX_DEPTH, nesting_problem
+from surgeon.bounded import MAX_DEPTH, too_deep
 
 from conftest import expect_cli_error, tiny_llama
 
@@ -219,7 +219,7 @@ def test_a_probe_image_is_capped(cli, tmp_path):
 def test_a_deeply_nested_config_is_one_line(cli, llama_dir, deep):
     (llama_dir / "config.json").write_bytes(deep)
     result = cli("inspect", llama_dir, ok=False)
-    one_line_error(result, "config.json is not valid JSON (nested too deeply: more than 64 levels)")
+    one_line_error(result, "config.json is not valid JSON (nested too deeply): it may nest 64 levels at most")
 
 
 def test_nesting_up_to_the_cap_is_read(cli, llama_dir):
@@ -239,7 +239,7 @@ def test_a_deeply_nested_record_in_safetensors_metadata(cli, llama_dir, tmp_path
     weights = llama_dir / "model.safetensors"
     save_file(load_file(weights), weights, metadata={"format": "pt", "surgeon": deep})
     result = cli("verify", llama_dir, llama_dir, ok=False)
-    one_line_error(result, "surgeon's record is not valid JSON (nested too deeply: more than 64 levels)")
+    one_line_error(result, "surgeon's record is not valid JSON (nested too deeply): it may nest 64 levels at most")
     # reinit keeps a record it cannot read as the text it is, before its own
     cli("reinit", weights, "--layers", "1", "-o", tmp_path / "out.safetensors")
     from safetensors import safe_open
@@ -272,8 +272,7 @@ def test_nesting_scan_agrees_with_the_parsed_depth(value, limit, chunk, numpy):
     both of its paths (the numpy one chunk by chunk)."""
     data = json.dumps(value).encode()
     with unittest.mock.patch.object(bounded, "_NUMPY_FROM", chunk if numpy else 1 << 30):
-        got = nesting_problem(data, limit)
-    assert (got is not None) == (_depth(value) > limit), (data, limit)
+        assert too_deep(data, limit) == (_depth(value) > limit), (data, limit)
 
 
 # --- library configs ----------------------------------------------------------------------------------

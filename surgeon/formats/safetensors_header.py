@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeGuard
 
-from ..bounded import loads, nesting_problem
+from ..bounded import MAX_DEPTH, loads, too_deep
 from ..errors import CheckpointError
 
 METADATA_KEY = "surgeon"
@@ -105,9 +105,10 @@ def read_header_fd(fd: int, path: Path) -> Header:
 
 def parse_header(path: Path, length: int, raw: bytes, size: int) -> Header:
     """A header from its bytes (``raw``: the N bytes after the length); ``size``: the whole file's size."""
-    if (deep := nesting_problem(raw)) is not None:  # before json.loads can recurse
+    if too_deep(raw):  # before json.loads can recurse
         raise CheckpointError(
-            f"{path} has a corrupt safetensors header (JSON {deep}); re-download or re-save it",
+            f"{path} has a corrupt safetensors header (JSON nested too deeply: over {MAX_DEPTH} levels); "
+            "re-download or re-save it",
             path=path,
         )
     try:
