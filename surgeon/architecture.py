@@ -168,10 +168,15 @@ def _check_against_tensors(
 
 
 def _field_in(config: dict, needed: tuple[int, ...], stored: tuple[int, ...]) -> str | None:
-    """The config field whose value is a size of ``needed`` that ``stored`` does not have (``key=value``)."""
-    sizes = [n for i, n in enumerate(needed) if len(needed) != len(stored) or stored[i] != n]
-    hits = [f"{key}={value}" for key, value in _int_fields(config) if value in sizes and value > 1]
-    return hits[0] if hits else None
+    """The config field whose value is a size of ``needed`` that ``stored`` does not have, the largest
+    such size first (``key=value``)."""
+    sizes = {n for i, n in enumerate(needed) if len(needed) != len(stored) or stored[i] != n}
+    fields = list(_int_fields(config))
+    for size in sorted(sizes, reverse=True):
+        hits = [f"{key}={value}" for key, value in fields if value == size and value > 1]
+        if hits:
+            return hits[0]
+    return None
 
 
 def _refuse_shape(tensor: str, needed, stored, config: dict, purpose: str, where: str) -> None:

@@ -163,6 +163,22 @@ def test_a_config_that_fits_the_tensors_still_builds(cli, llama64, flag):
     assert torch_bytes.total >= weights
 
 
+def test_tensors_the_checkpoint_lacks_are_bounded_too(cli, llama64):
+    """Embeddings under names the architecture does not use are not compared by shape: their bytes count."""
+    weights = load_file(llama64 / "model.safetensors")
+    weights["embedding.weight"] = weights.pop("model.embed_tokens.weight")
+    weights["output.weight"] = weights.pop("lm_head.weight")
+    save_file(weights, llama64 / "model.safetensors", metadata={"format": "pt"})
+    edit_config(llama64, vocab_size=5_000_000)
+    with TorchAllocations() as torch_bytes:
+        result = cli("inspect", llama64, "--verify-layout", ok=False)
+    assert torch_bytes.largest < MiB, torch_bytes.largest
+    one_line_error(
+        result, "config.json says vocab_size=5000000, and the architecture built from config.json would hold"
+    )
+    assert "(the largest model.embed_tokens.weight [5000000, 64])" in result.stderr
+
+
 def test_a_layer_count_no_tensor_supports_names_the_field(cli, llama64):
     edit_config(llama64, num_hidden_layers=10**9)
     with TorchAllocations() as torch_bytes:
