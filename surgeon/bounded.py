@@ -53,7 +53,9 @@ def read_bytes(path: str | Path, *, what: str, limit: int) -> bytes:
                 path=path,
             )
         chunks, total = [], 0
-        while chunk := os.read(fd, limit + 1 - total):  # a file growing while it is read stops at the cap too
+        # its size and one byte more (os.read allocates what it is asked for), then on: a file growing while
+        # it is read stops at the cap too
+        while chunk := os.read(fd, min(max(st.st_size + 1 - total, 1 << 16), limit + 1 - total)):
             chunks.append(chunk)
             total += len(chunk)
             if total > limit:

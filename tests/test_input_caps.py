@@ -101,6 +101,25 @@ def test_an_oversized_config_is_refused_before_it_is_read(cli, llama_dir, tmp_pa
     assert {p.name: p.stat().st_mtime_ns for p in llama_dir.iterdir()} == before and not out.exists()
 
 
+def test_a_small_file_costs_its_size_not_the_cap(llama_dir):
+    config, peak = python_peak(lambda: bounded.read_json(llama_dir / "config.json"))
+    assert config == json.loads((llama_dir / "config.json").read_text())
+    assert peak < MiB, peak  # the cap is 16 MiB: reading must not ask the kernel for that much
+
+
+def test_an_oversized_index_is_refused_before_it_is_read(cli, tmp_path):
+    shards = tmp_path / "sharded"
+    tiny_llama().save_pretrained(shards, max_shard_size="100KB")
+    index = shards / "model.safetensors.index.json"
+    assert index.is_file()
+    with open(index, "w") as f:
+        f.write('{"weight_map": {')
+        f.truncate(80 * MiB)
+    result, peak = python_peak(lambda: cli("inspect", index, ok=False))
+    assert peak < 32 * MiB, peak
+    one_line_error(result, f"index {index} is {80 * MiB} bytes: too large (surgeon reads at most 64 MiB of it)")
+
+
 def test_a_fifo_as_config_is_refused_without_waiting_for_a_writer(llama_dir, tmp_path):
     fifo = tmp_path / "config.json"
     os.mkfifo(fifo)
