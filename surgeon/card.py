@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ._version import __version__
 from .apply import ProjectionResult
+from .bounded import CARD_LIMIT, read_text
 from .detect.config import Hints
 from .folder_files import file_in
 from .modes import get_mode
@@ -45,7 +46,7 @@ class SourceCard:
             return None
         from huggingface_hub import ModelCard
 
-        text = path.read_text(encoding="utf-8", errors="replace")
+        text = read_text(path, what="model card", limit=CARD_LIMIT)
         try:
             card = ModelCard(text, ignore_metadata_errors=True)
             return cls(card.data.to_dict(), card.text)

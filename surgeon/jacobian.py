@@ -32,12 +32,6 @@ if TYPE_CHECKING:
     from .detect.config import HintInput
     from .spec import AttentionBlock
 
-SAMPLE_TEXT = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Attention layers mix information across the tokens of a sequence.",
-    "A well-conditioned Jacobian makes gradient descent better behaved.",
-    "Paris is the capital and most populous city of France.",
-]
 EXACT_LIMIT = 4_000_000  # entries of J (N*d x 3*D*d) up to which the exact kappa(J) is computed
 
 
@@ -327,15 +321,19 @@ def source_jacobian(source, *, inputs: str | Path | None = None, exact: bool | N
     """:func:`checkpoint_jacobian` on a checkpoint already opened (a :class:`surgeon.source.Source`)."""
     import torch
 
-    from .architecture import CheckpointNames, build_architecture
+    from .architecture import CheckpointNames, build_architecture, config_name
     from .detect.module import checkpoint_names
     from .errors import CheckpointError, OptionError, opt
+    from .token_inputs import check_ids, token_ids
 
     if not source.config:
         raise OptionError(
             f"{opt('jacobian', True)} builds the architecture from config.json, and {source.path} has none; pass {opt('config', 'PATH')}"
         )
-    arch = build_architecture(source.config, purpose=opt("jacobian", True))
+    ids = token_ids(source, inputs)  # a bad --inputs is refused before anything is built
+    arch = build_architecture(
+        source.config, purpose=opt("jacobian", True), tensors=source.primary.tensors, where=config_name(source)
+    )
     names = CheckpointNames(checkpoint_names(arch), set(source.primary.tensors))
     state = arch.state_dict()
     loaded = 0
@@ -349,7 +347,7 @@ def source_jacobian(source, *, inputs: str | Path | None = None, exact: bool | N
         raise CheckpointError(
             f"{opt('jacobian', True)}: none of {type(arch).__name__}'s parameters are in {source.path}; is config.json this checkpoint's?"
         )
-    ids = _token_ids(source, inputs)
+    check_ids(ids, arch, inputs)
     report = jacobian_report(arch, ids, exact=exact)
     report.notes.insert(
         0,
@@ -357,33 +355,3 @@ def source_jacobian(source, *, inputs: str | Path | None = None, exact: bool | N
         f"{len(ids)} inputs of {', '.join(str(t.shape[-1]) for t in ids)} tokens",
     )
     return report
-
-
-def _token_ids(source, inputs):
-    import torch
-
-    from .errors import OptionError, opt
-
-    if inputs is not None and str(inputs).endswith(".pt"):
-        ids = torch.load(inputs, weights_only=True)
-        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32) or ids.dim() not in (1, 2):
-            raise OptionError(f"{opt('inputs', inputs)}: a .pt file must hold a 1-D or 2-D integer tensor of token ids")
-        return [t[None].long() for t in (ids if ids.dim() == 2 else ids[None])]
-    if inputs is not None:
-        text = [line.strip() for line in Path(inputs).read_text().splitlines() if line.strip()]
-        if not text:
-            raise OptionError(f"{opt('inputs', inputs)} holds no text lines")
-    else:
-        text = SAMPLE_TEXT
-    folder = source.folder if source.kind == "folder" else None
-    try:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(folder)) if folder is not None else None
-    except Exception:  # no tokenizer files, or ones this transformers cannot read
-        tok = None
-    if tok is None:
-        raise OptionError(
-            f"{opt('jacobian', True)} needs token ids: this model has no tokenizer beside it; pass {opt('inputs', 'FILE.pt')} (a tensor of token ids)"
-        )
-    return [tok(t, return_tensors="pt")["input_ids"] for t in text]

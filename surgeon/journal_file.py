@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from .bounded import loads
 from .errors import CheckpointError
 from .formats.safetensors import Header, parse_header
 
@@ -194,8 +195,8 @@ def read_meta(fd: int, path: Path, limit: int) -> tuple[dict, int]:
         raise refuse(path, f"it is damaged (its range list claims {n} bytes; this checkpoint needs at most {limit})")
     raw = os.pread(fd, n, _HEAD)
     try:
-        meta = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
+        meta = loads(raw, where="range list")
+    except CheckpointError:
         raise refuse(path, "it is damaged (unreadable range list)") from None
     return meta, n
 

@@ -58,7 +58,7 @@ def verify_layout(
 
 def check_layout(source: Source, blocks: list[AttentionBlock]) -> LayoutCheck:
     """:func:`verify_layout` on a checkpoint already opened and detected (``blocks``)."""
-    from .architecture import CheckpointNames, build_architecture
+    from .architecture import CheckpointNames, build_architecture, config_name
     from .detect.module import checkpoint_names, probe_blocks
 
     purpose = opt("verify_layout", True)
@@ -67,7 +67,7 @@ def check_layout(source: Source, blocks: list[AttentionBlock]) -> LayoutCheck:
             f"{purpose} builds the architecture from config.json, and {source.path} has none; pass {opt('config', 'PATH')}",
             path=source.path,
         )
-    arch = build_architecture(source.config, purpose=purpose)
+    arch = build_architecture(source.config, purpose=purpose, tensors=source.primary.tensors, where=config_name(source))
     try:
         probed = probe_blocks(arch)
     except LayoutError as exc:

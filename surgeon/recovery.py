@@ -9,19 +9,16 @@ writes the old bytes back. See :mod:`surgeon.journal` for the whole story.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import stat
 from pathlib import Path
 
 from . import journal_file as jf
 from . import locks
+from .bounded import INDEX_LIMIT, loads
 from .errors import CheckpointError, HalfPatchedError, OutputError
 from .formats.safetensors import FILE_SUFFIX, INDEX_SUFFIX, Header, read_header_fd
 from .journal_file import SUFFIX
-
-_MAX_INDEX = 64 << 20
-
 
 # --- finding journals (by name only: nothing is opened or followed) -------------------------------
 
@@ -87,7 +84,7 @@ def read_small(path: Path) -> bytes:
     fd = open_file(path, write=False)
     try:
         size = os.fstat(fd).st_size
-        if size > _MAX_INDEX:
+        if size > INDEX_LIMIT:
             raise CheckpointError(f"index {path} is {size} bytes: too large for an index file", path=path)
         return os.pread(fd, size, 0)
     finally:
@@ -107,9 +104,9 @@ def checkpoint_files(folder: Path, key: str) -> list[str]:
             )
         return [key]
     try:
-        weight_map = json.loads(read_small(folder / key))["weight_map"]
+        weight_map = loads(read_small(folder / key), where=f"index {folder / key}")["weight_map"]
         shards = sorted(set(weight_map.values()))
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+    except (KeyError, TypeError, AttributeError):
         raise CheckpointError(
             f"cannot read index {folder / key}: expected JSON with a 'weight_map'", path=folder / key
         ) from None

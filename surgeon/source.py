@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import NoReturn
 
+from .bounded import read_json
 from .errors import CheckpointError
 from .folder_files import file_in, walk
 from .formats.base import WeightSet
@@ -88,12 +88,7 @@ def open_source(path: str | Path, *, config: str | Path | None = None, recover: 
 
 
 def read_config(path: Path) -> dict:
-    try:
-        config = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"no such config file: {path}") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read config {path}: {exc}") from None
+    config = read_json(path, what="config")
     if not isinstance(config, dict):
         raise CheckpointError(f"config {path} is not a JSON object")
     return config

@@ -10,7 +10,6 @@ version's records (and draws) may differ from this one's.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -18,15 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from .._version import __version__
+from ..bounded import CARD_LIMIT, loads, read_text
 from ..card import CARD_CLOSE, CARD_OPEN
 from ..errors import CheckpointError, SurgeonError
 from ..modes import all_modes, get_mode
 from ..plan import BIAS_CHOICES, MODES, ReinitOptions
 from ..spectrum import VALUE_IDENTITIES
 
-MAX_CARD = (
-    16 * 1024 * 1024
-)  # a model card this large is not one surgeon wrote (its own cards are a few KiB plus the source's)
 MAX_LIST = 1_000_000  # entries in any list of a record (blocks, layer/head numbers): beyond any real model
 MAX_TEXT = 100_000  # characters in any string of a record
 
@@ -55,10 +52,7 @@ def other_version_note(version: str) -> str:
 
 def parse_json(text: str, where: str) -> Any:
     """JSON from a file someone else wrote: any failure (bad syntax, nesting too deep, a number too long) is one line."""
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError, TypeError) as exc:
-        raise CheckpointError(f"{where}: surgeon's record is not valid JSON ({_short(exc)})") from None
+    return loads(text, where=f"{where}: surgeon's record")
 
 
 def history(value: Any, where: str) -> list:
@@ -91,14 +85,7 @@ def card_records(text: str) -> list[dict]:
 
 def read_card(path: Path) -> list[dict]:
     """The records in the model card ``path`` (its own first); a card too large or unreadable is one line."""
-    try:
-        size = path.stat().st_size
-        if size > MAX_CARD:
-            raise CheckpointError(f"{path} is {size} bytes: not a model card surgeon wrote ({MAX_CARD} at most)")
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError as exc:
-        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
-    return card_records(text)
+    return card_records(read_text(path, what="model card", limit=CARD_LIMIT))
 
 
 def parse_record(value: Any, where: str) -> Record:
@@ -273,10 +260,6 @@ def _kind(value: Any) -> str:
 def _show(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _short(exc: BaseException) -> str:
-    return "nested too deeply" if isinstance(exc, RecursionError) else _show(str(exc)).strip("'\"")
 
 
 def stored_history(source) -> tuple[list | None, str]:

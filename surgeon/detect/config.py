@@ -158,7 +158,8 @@ class ConfigView:
 
     @property
     def model_type(self) -> str | None:
-        return self.config.get("model_type")
+        model_type = self.config.get("model_type")
+        return model_type if isinstance(model_type, str) else None  # a list or object names no family
 
     def _scope(self, stack: str) -> tuple[dict, str]:
         """The (sub)config that describes ``stack``, and its name.
@@ -223,7 +224,8 @@ class ConfigView:
         """How the fused tensor ``tensor`` (e.g. "query_key_value") of this model packs its rows,
         or None when the config does not say (the rule's default applies where it has one)."""
         scope, _ = self._scope(stack)
-        model_type = scope.get("model_type") or self.model_type or ""
+        model_type = scope.get("model_type")
+        model_type = model_type if isinstance(model_type, str) and model_type else self.model_type or ""
         if tensor == "query_key_value":
             if model_type == "falcon" or "new_decoder_architecture" in scope:
                 if scope.get("new_decoder_architecture"):

@@ -13,11 +13,12 @@ Nothing here imports torch, numpy or onnx.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import LayoutError, opt
+from ..errors import CheckpointError, LayoutError, opt
 from ..spec import AttentionBlock, Projection, Rows, slot_offsets, split_module
 from .families import (
     COMPANION_STREAMS,
@@ -51,9 +52,15 @@ def _diffusers_unet(config: dict) -> dict | None:
     # quirk kept for old configs): per down block, reversed for the up blocks, the last for the mid block.
     if config.get("_class_name") not in DIFFUSERS_HEADS_AS_HEAD_DIM or "down_block_types" not in config:
         return None
+    types = config["down_block_types"]
+    if not isinstance(types, list) or not types or not all(isinstance(t, str) for t in types):
+        raise CheckpointError(
+            f"the config's down_block_types is {_shown(types)}: a diffusers {config['_class_name']} config lists "
+            "the class names of its down blocks there; is it the model's own config?"
+        )
     heads = config.get("num_attention_heads") or config.get("attention_head_dim")
-    blocks = len(config["down_block_types"])
-    per = [heads] * blocks if isinstance(heads, int) else list(heads or [])
+    blocks = len(types)
+    per = [heads] * blocks if isinstance(heads, int) else heads if isinstance(heads, list) else []
     if len(per) != blocks or not all(isinstance(h, int) and h > 0 for h in per):
         return None
     return {
@@ -64,6 +71,11 @@ def _diffusers_unet(config: dict) -> dict | None:
             "mid_block": {"num_attention_heads": per[-1]},
         },
     }
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _open_clip(config: dict) -> dict | None:

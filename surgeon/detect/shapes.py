@@ -88,6 +88,11 @@ def solve(parts, packings, heads: int, kv_hint, head_dim_hint, hidden, where: st
             for kv_heads in _kv_candidates(packings, outs, heads, head_dim, kv_hint):
                 if heads % kv_heads:
                     continue
+                if heads * head_dim > sum(outs):  # before slots are listed per head: a config's count may be absurd
+                    tried.append(
+                        f"{heads} heads x {head_dim} need {heads * head_dim} output features, more than all {sum(outs)}"
+                    )
+                    continue
                 try:
                     sizes = [packed_size(p, heads, kv_heads, head_dim) for p in packings]
                 except ValueError:

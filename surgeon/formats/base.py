@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from ..bounded import INDEX_LIMIT, read_json
 from ..errors import CheckpointError
 from ..folder_files import file_in
 
@@ -166,10 +166,10 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
 
 def read_index(path: Path, suffix: str) -> dict[str, str]:
     """The ``weight_map`` of a sharded checkpoint's index file, validated."""
+    index = read_json(path, what="index", limit=INDEX_LIMIT)
     try:
-        index = json.loads(path.read_text())
         weight_map = index["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (KeyError, TypeError) as exc:
         raise CheckpointError(f"cannot read index {path}: {exc}; expected JSON with a 'weight_map'") from None
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"index {path} has an empty or malformed 'weight_map'")

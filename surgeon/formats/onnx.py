@@ -19,7 +19,6 @@ writing is in ``onnx_write``, the checks of a plan against shared initializers i
 from __future__ import annotations
 
 import functools
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -28,6 +27,7 @@ import numpy as np
 import onnx
 import torch
 
+from ..bounded import loads
 from ..errors import CheckpointError
 from ..folder_files import file_in
 from . import onnx_wire as wire
@@ -330,7 +330,7 @@ def surgeon_records(model: onnx.ModelProto) -> list[dict]:
     """surgeon's records in a model's ``metadata_props`` (oldest first)."""
     for p in model.metadata_props:
         if p.key == METADATA_KEY:
-            value = json.loads(p.value)
+            value = loads(p.value, where="surgeon's record in the model's metadata_props")
             return value if isinstance(value, list) else [value]
     return []
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import onnx
 import torch
 
+from ..bounded import loads
 from ..errors import CheckpointError
 from . import onnx_wire as wire
 from .base import UpdatesFn
@@ -128,9 +129,9 @@ def _record_entry(weights: OnnxWeights, record: dict) -> bytes:
     for _, _, key, value in weights.layout.metadata:
         if key == METADATA_KEY:
             try:
-                old = json.loads(value)
+                old = loads(value, where="surgeon's record")
                 history += old if isinstance(old, list) else [old]
-            except ValueError:
+            except CheckpointError:  # not JSON: kept as the text it is
                 history.append(value)
     return wire.field(1, METADATA_KEY.encode()) + wire.field(
         2, json.dumps(history + [record], separators=(",", ":"), sort_keys=True).encode()

@@ -9,13 +9,13 @@ as bytes, never decoded.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
+from ..bounded import loads
 from ..errors import CheckpointError, VerificationError
 from .base import TensorInfo, UpdatesFn, WeightSet, tensor_bytes
 from .fileio import BackgroundCopies, copy_range
@@ -195,7 +195,9 @@ class SafetensorsWeights(WeightSet):
                     f"{output}: the metadata of {out_file} differs from the original's beyond surgeon's record"
                 )
             text = theirs.get(METADATA_KEY)
-            if text != mine.get(METADATA_KEY) and (text is None or _history(json.loads(text)) != history):
+            if text != mine.get(METADATA_KEY) and (
+                text is None or _history(loads(text, where=f"{output}: the record of {out_file}")) != history
+            ):
                 raise VerificationError(f"{output}: {out_file} holds other surgeon records than the ones verified")
 
     def save(self, dest: Path, updates: UpdatesFn, record: dict) -> None:

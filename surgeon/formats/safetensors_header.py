@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeGuard
 
+from ..bounded import MAX_DEPTH, loads, too_deep
 from ..errors import CheckpointError
 
 METADATA_KEY = "surgeon"
@@ -104,15 +105,17 @@ def read_header_fd(fd: int, path: Path) -> Header:
 
 def parse_header(path: Path, length: int, raw: bytes, size: int) -> Header:
     """A header from its bytes (``raw``: the N bytes after the length); ``size``: the whole file's size."""
+    if too_deep(raw):  # before json.loads can recurse
+        raise CheckpointError(
+            f"{path} has a corrupt safetensors header (JSON nested too deeply: over {MAX_DEPTH} levels); "
+            "re-download or re-save it",
+            path=path,
+        )
     try:
         entries = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except _DuplicateKey as exc:
         raise CheckpointError(
             f"{path} has a corrupt safetensors header: {exc.args[0]!r} is listed twice; re-download or re-save it"
-        ) from None
-    except RecursionError:
-        raise CheckpointError(
-            f"{path} has a corrupt safetensors header (JSON nested too deeply); re-download or re-save it", path=path
         ) from None
     except (UnicodeDecodeError, ValueError):
         raise CheckpointError(
@@ -222,9 +225,9 @@ def add_record(metadata: dict[str, str], record: dict) -> dict[str, str]:
     history = []
     if METADATA_KEY in metadata:
         try:
-            history = json.loads(metadata[METADATA_KEY])
+            history = loads(metadata[METADATA_KEY], where="surgeon's record")
             history = history if isinstance(history, list) else [history]
-        except ValueError:
+        except CheckpointError:  # not JSON: kept as the text it is
             history = [metadata[METADATA_KEY]]
     return {**metadata, METADATA_KEY: json.dumps(history + [record], separators=(",", ":"), sort_keys=True)}
 
@@ -233,5 +236,5 @@ def records(metadata: dict[str, str]) -> list[dict]:
     """surgeon's records in a file's metadata (oldest first)."""
     if METADATA_KEY not in metadata:
         return []
-    value = json.loads(metadata[METADATA_KEY])
+    value = loads(metadata[METADATA_KEY], where="surgeon's record")
     return value if isinstance(value, list) else [value]

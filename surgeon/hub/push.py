@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._version import __version__
+from ..bounded import CARD_LIMIT, read_bytes
 from ..errors import (
     CheckpointError,
     HubAccessError,
@@ -298,8 +299,9 @@ def _check_card(folder: Path) -> None:
         return
     from huggingface_hub import ModelCard
 
+    raw = read_bytes(readme, what="model card", limit=CARD_LIMIT)
     try:
-        ModelCard(readme.read_text(encoding="utf-8"))
+        ModelCard(raw.decode("utf-8"))
     except Exception as exc:
         raise CheckpointError(
             f"{readme}: the model card's metadata does not parse ({one_line(exc)}); fix or remove it before pushing"

@@ -11,6 +11,8 @@ from torch import nn
 from ...errors import LayoutError
 from .probe import PROBE_TOKENS
 
+MAX_IMAGE_SIZE = 4096  # pixels a side of a probe image (Donut's encoder, among the largest, reads 2560)
+
 
 def hf_inputs(model: nn.Module, *, tokens: int = PROBE_TOKENS) -> dict:
     """Small inputs for a transformers model, built from its config (token ids, pixels or audio features)."""
@@ -31,6 +33,11 @@ def hf_inputs(model: nn.Module, *, tokens: int = PROBE_TOKENS) -> dict:
 
     def pixels(c):
         size = c.image_size if isinstance(c.image_size, int) else c.image_size[0]
+        if not isinstance(size, int) or not 0 < size <= MAX_IMAGE_SIZE:  # no tensor holds it in every model (Swin)
+            raise LayoutError(
+                f"cannot build a probe input for {type(model).__name__}: its config's image_size is {size!r}, "
+                f"where surgeon probes images of 1 to {MAX_IMAGE_SIZE} pixels a side"
+            )
         return torch.randn(1, get("num_channels", scope=c) or 3, size, size, generator=gen).to(dev, dtype)
 
     main = getattr(model, "main_input_name", "input_ids")
