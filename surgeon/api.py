@@ -281,12 +281,15 @@ def _carry_out(
     nothing delays the start of the byte copies."""
     notes = [note for weights in source.weights for note in weights.check_plan(plan, detection)]
     _check_secondary_sets(source, plan.tensors())
+    from .card import source_card, write_card
+
+    original = source_card(source) if dest.gets_card else None  # a card that cannot be read refuses here
     run = Compute(plan, device, whole=full, progress=progress, total=len(plan.tensors()) * len(source.weights))
 
     def card(folder: Path) -> None:
-        from .card import write_card
-
-        write_card(folder, source=source, plan=plan, results=run.results(), command=command(), title=title)
+        write_card(
+            folder, source=source, original=original, plan=plan, results=run.results(), command=command(), title=title
+        )
 
     try:
         notes += dest.write(source, run.updates_for, plan.record(), card=card)

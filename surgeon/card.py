@@ -93,14 +93,27 @@ def reproduce_command(model: str, *, revision: str | None, options: dict, hints:
     return " ".join(args + [flag("output", q(output))])
 
 
-def build_card(*, source: Source, plan: Plan, results: list[ProjectionResult], command: str, title: str):
-    """The card as a ``huggingface_hub.ModelCard`` (metadata validated by its own parser)."""
-    from huggingface_hub import ModelCard
-
-    # only a README.md the folder's walk took as its own (folder_files), checked again as it is read
+def source_card(source: Source) -> SourceCard | None:
+    """The input folder's own model card, read (and capped) before anything is written: only a README.md
+    the folder's walk took as its own (folder_files), checked again as it is read."""
     own = source.kind == "folder" and "README.md" in source.extra_files
     readme = file_in(source.folder, "README.md") if own else None
-    original = SourceCard.read(readme) if readme is not None else None
+    return SourceCard.read(readme) if readme is not None else None
+
+
+def build_card(
+    *,
+    source: Source,
+    original: SourceCard | None,
+    plan: Plan,
+    results: list[ProjectionResult],
+    command: str,
+    title: str,
+):
+    """The card as a ``huggingface_hub.ModelCard`` (metadata validated by its own parser); ``original``:
+    the input's card (:func:`source_card`), whose metadata and text it keeps."""
+    from huggingface_hub import ModelCard
+
     mode = get_mode(plan.options.mode)
     data = _card_data(source, original.metadata if original else {}, mode.tag)
     parts = [

@@ -148,6 +148,17 @@ def test_an_oversized_model_card_is_refused(cli, llama_dir, tmp_path, monkeypatc
     assert not (tmp_path / "out").exists()
 
 
+def test_the_model_card_is_read_before_anything_is_written(cli, llama_dir, tmp_path):
+    """Its cap refuses before the output is staged: where staging would fail (the output's parent is a file),
+    the card's refusal is what the user sees."""
+    with open(llama_dir / "README.md", "w") as f:
+        f.write("---\nlicense: mit\n---\n")
+        f.truncate(32 * MiB)
+    (tmp_path / "a-file").write_text("")
+    result = cli("reinit", llama_dir, "-o", tmp_path / "a-file" / "out", ok=False)
+    one_line_error(result, "bytes: too large (surgeon reads at most 16 MiB of it)")
+
+
 # --- config numbers against the tensors ---------------------------------------------------------------
 
 
