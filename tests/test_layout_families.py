@@ -98,3 +98,36 @@ def test_siglip_pooling_head_is_its_own_stack(tmp_path):
     assert [(b.stack, b.layer, b.heads) for b in head] == [("vision_model.head.attention", 0, 4)]
     report = reinit_checkpoint(src, output=tmp_path / "out", stack="vision_model.head.attention")
     assert {r.block.module for r in report.rows} == {"vision_model.head.attention"}
+
+
+@pytest.mark.parametrize("ratio", [2, 8])  # 8 > 4 heads: ConvBERT then keeps one head
+def test_convbert_head_ratio_gives_the_heads_its_attention_computes(ratio, tmp_path):
+    """ConvBERT's attention computes num_attention_heads // head_ratio heads of hidden // num_attention_heads;
+    judged by the model's own attention modules (their num_attention_heads and attention_head_size)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.ConvBertConfig(
+        vocab_size=64,
+        hidden_size=64,
+        embedding_size=64,
+        num_attention_heads=4,
+        head_ratio=ratio,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
+    tf.ConvBertModel(cfg).save_pretrained(tmp_path / "in")
+    reinit_checkpoint(tmp_path / "in", output=tmp_path / "out", layers="all")
+    model = tf.ConvBertModel.from_pretrained(tmp_path / "out").eval()
+    blocks = inspect_checkpoint(tmp_path / "in").blocks
+    attentions = [layer.attention.self for layer in model.encoder.layer]
+    assert [(b.heads, b.head_dim) for b in blocks] == [
+        (a.num_attention_heads, a.attention_head_size) for a in attentions
+    ]
+    for a in attentions:  # every head the model splits off is semi-orthogonal (q, k) or the identity slice (v)
+        h, d = a.num_attention_heads, a.attention_head_size
+        for proj in (a.query, a.key):
+            w = proj.weight.detach().double().reshape(h, d, -1)
+            assert torch.allclose(w @ w.transpose(1, 2), torch.eye(d, dtype=torch.float64).expand(h, d, d), atol=1e-5)
+        assert torch.equal(a.value.weight.detach(), torch.eye(h * d, cfg.hidden_size))

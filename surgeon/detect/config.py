@@ -15,6 +15,7 @@ from ..errors import LayoutError, OptionError, opt
 from .families import (  # noqa: F401
     FUSED_PACKING_BY_MODEL_TYPE,
     HEAD_DIM_KEYS,
+    HEAD_RATIOS,
     HEADS_KEYS,
     HIDDEN_KEYS,
     KV_HEADS_KEYS,
@@ -198,6 +199,11 @@ class ConfigView:
             kv_heads = None
         head_dim = _first(nested, _sided(side, HEAD_DIM_KEYS) + HEAD_DIM_KEYS)
         hidden = _first(nested, HIDDEN_KEYS)
+        for key, share in HEAD_RATIOS.items():  # heads divided by a ratio, of a share of the width (ConvBERT)
+            ratio = _first(nested, (key,))
+            if isinstance(ratio, int) and isinstance(heads, int) and isinstance(hidden, int) and head_dim is None:
+                heads = max(1, heads // ratio)
+                head_dim = hidden // heads // share
         hinted = {name: self.hints.get(name, stack) for name in ("num_heads", "num_kv_heads", "head_dim")}
         for flag, said in (("num_heads", heads), ("num_kv_heads", kv_heads), ("head_dim", head_dim)):
             hint = hinted[flag]

@@ -111,6 +111,11 @@ KV_HEADS_KEYS = (
     "multi_query_group_num",
 )
 HEAD_DIM_KEYS = ("head_dim", "d_kv", "attention_head_dim", "kv_channels", "head_size")
+# A config key that divides the attention's heads, and how much of the width those heads keep: ConvBERT
+# (modeling_convbert.py ConvBertSelfAttention) computes max(1, num_attention_heads // head_ratio) heads of
+# (hidden_size // heads) // 2; the other half of the width goes to its span-based convolution. Only
+# ConvBERT's config has head_ratio (transformers 5.24).
+HEAD_RATIOS = {"head_ratio": 2}  # key -> the width divisor
 HIDDEN_KEYS = ("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim", "width")
 # Where a tower's config is nested (CLIP, SigLIP, LLaVA, encoder-decoder wrappers): the words in a
 # stack's module path that select it.
