@@ -326,21 +326,9 @@ def test_nesting_scan_agrees_with_the_parsed_depth(value, limit, chunk, numpy):
 
 @pytest.mark.parametrize("value", [3, None, [], ["CrossAttnDownBlock2D", 1], "CrossAttnDownBlock2D"])
 def test_diffusers_down_block_types_of_the_wrong_type(cli, tmp_path, value):
-    import diffusers
+    from test_libraries_diffusers import unet  # the tiny UNet those tests judge through its own forward
 
-    torch.manual_seed(0)
-    diffusers.UNet2DConditionModel(
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
-        block_out_channels=(8, 16),
-        layers_per_block=1,
-        norm_num_groups=4,
-        down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=12,
-        attention_head_dim=(2, 4),
-    ).save_pretrained(tmp_path / "unet")
+    unet().save_pretrained(tmp_path / "unet")
     edit_config(tmp_path / "unet", down_block_types=value)
     expect_cli_error(
         cli, tmp_path, "inspect", tmp_path / "unet", match=f"the config's down_block_types is {json.dumps(value)}"
