@@ -231,7 +231,7 @@ def _build(
     tensors: Mapping[str, TensorInfo],
     view: ConfigView,
 ) -> AttentionBlock:
-    facts = view.facts(stack)
+    facts = view.facts(stack, cross=kind(module) == "cross")
     where = module or "the top-level attention module"
     heads = _heads(module, rule, stack, stage, tensors, view, facts, where)
     kv_hint = facts.pick(facts.kv_heads, stage)

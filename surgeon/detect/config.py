@@ -19,6 +19,7 @@ from .families import (  # noqa: F401
     HEADS_KEYS,
     HIDDEN_KEYS,
     KV_HEADS_KEYS,
+    SUBCONFIG_BY_PATH,
     SUBCONFIG_WORDS,
 )
 from .libraries import fused_packing as library_packing
@@ -165,20 +166,26 @@ class ConfigView:
     def _scope(self, stack: str) -> tuple[dict, str]:
         """The (sub)config that describes ``stack``, and its name.
 
-        The first word of the path that names a tower decides: ``decoder.bert.encoder.layer`` (the
-        decoder of an EncoderDecoderModel) is described by ``decoder``, not by ``encoder``.
+        Each word of the path in turn may name a tower nested in the config chosen so far
+        (:func:`_subconfig`): ``vlm.language_model.layers`` is described by ``vlm_config``'s
+        ``text_config``; ``decoder.bert.encoder.layer`` (an EncoderDecoderModel's decoder) by ``decoder``.
         """
         library = stack_scope(self.config, stack)
         if library is not None:
             return library, "the library's config"
+        scope, names = self.config, []
+        overrides = SUBCONFIG_BY_PATH.get(self.model_type or "", {})
         for word in (w.lower() for w in stack.split(".")):
-            for key, markers in SUBCONFIG_WORDS.items():
-                sub = self.config.get(key)
-                if isinstance(sub, dict) and any(m in word for m in markers):
-                    return sub, f"config.json {key}"
-        return self.config, "config.json"
+            key = overrides.get(word) if scope is self.config else None
+            key = key if isinstance(scope.get(key or ""), dict) else _subconfig(scope, word)
+            if key is not None:
+                scope = scope[key]
+                names.append(key)
+        return scope, "config.json " + ".".join(names) if names else "config.json"
 
-    def facts(self, stack: str) -> StackFacts:
+    def facts(self, stack: str, *, cross: bool = False) -> StackFacts:
+        """Heads, key/value heads, head size and width of ``stack``'s attention (``cross``: its
+        cross-attention, where the config gives that its own: Dia's cross_num_attention_heads)."""
         scope, source = self._scope(stack)
         nested = [scope] + [
             v for k, v in scope.items() if k in ("attn_config", "attention_config") and isinstance(v, dict)
@@ -186,10 +193,20 @@ class ConfigView:
         decoder = any("decoder" in w for w in stack.lower().split("."))
         side = "decoder" if decoder else "encoder"
         # per-stack keys first: encoder_attention_heads (BART), encoder_num_attention_heads (Moonshine)
+        crossed = _sided("cross", HEADS_KEYS + KV_HEADS_KEYS + HEAD_DIM_KEYS) if cross else ()
         heads = _first(
-            nested, (f"{side}_attention_heads", f"num_{side}_attention_heads") + _sided(side, HEADS_KEYS) + HEADS_KEYS
+            nested,
+            tuple(k for k in crossed if k.removeprefix("cross_") in HEADS_KEYS)
+            + (f"{side}_attention_heads", f"num_{side}_attention_heads")
+            + _sided(side, HEADS_KEYS)
+            + HEADS_KEYS,
         )
-        kv_heads = _first(nested, _sided(side, KV_HEADS_KEYS) + KV_HEADS_KEYS)
+        kv_heads = _first(
+            nested,
+            tuple(k for k in crossed if k.removeprefix("cross_") in KV_HEADS_KEYS)
+            + _sided(side, KV_HEADS_KEYS)
+            + KV_HEADS_KEYS,
+        )
         # Multi-query flags win over a kv-heads count that the model does not use (Falcon, GPTBigCode).
         if scope.get("new_decoder_architecture"):
             pass
@@ -197,7 +214,12 @@ class ConfigView:
             kv_heads = 1
         elif self.model_type == "falcon" or "multi_query" in scope or scope.get("multi_query_attention") is False:
             kv_heads = None
-        head_dim = _first(nested, _sided(side, HEAD_DIM_KEYS) + HEAD_DIM_KEYS)
+        head_dim = _first(
+            nested,
+            tuple(k for k in crossed if k.removeprefix("cross_") in HEAD_DIM_KEYS)
+            + _sided(side, HEAD_DIM_KEYS)
+            + HEAD_DIM_KEYS,
+        )
         hidden = _first(nested, HIDDEN_KEYS)
         for key, share in HEAD_RATIOS.items():  # heads divided by a ratio, of a share of the width (ConvBERT)
             ratio = _first(nested, (key,))
@@ -243,6 +265,31 @@ class ConfigView:
         if tensor == "c_attn" and model_type == "gpt_bigcode" and scope.get("multi_query") is False:
             return "interleaved"  # GPTBigCode without multi-query views c_attn as (heads, 3 * d)
         return FUSED_PACKING_BY_MODEL_TYPE.get((tensor, model_type)) or library_packing(tensor, module, self.config)
+
+
+def _subconfig(scope: dict, word: str) -> str | None:
+    """The key of the config nested in ``scope`` that a module-path word names, or None: a word of
+    SUBCONFIG_WORDS (``visual`` names ``vision_config``), or the key's own stem (``qformer`` names
+    ``qformer_config``, ``image_model`` names ``image_config``, ``image_encoder`` names ``image_model_config``);
+    the closest spelling wins."""
+    best, best_score = None, 0
+    for key, value in scope.items():
+        if not isinstance(value, dict) or not any(k in value for k in ("model_type",) + HEADS_KEYS + HIDDEN_KEYS):
+            continue
+        stem = key.removesuffix("_config")
+        if word == stem:
+            score = 4
+        elif any(m in word for m in SUBCONFIG_WORDS.get(key, ())):
+            score = 3
+        elif word.startswith(stem + "_") or stem.startswith(word + "_"):
+            score = 2
+        elif len(word) > 2 and word.split("_")[0] == stem.split("_")[0] and stem != word.split("_")[0] + "s":
+            score = 1
+        else:
+            continue
+        if score > best_score:
+            best, best_score = key, score
+    return best
 
 
 def _sided(side: str, keys: tuple[str, ...]) -> tuple[str, ...]:

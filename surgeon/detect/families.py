@@ -110,7 +110,7 @@ KV_HEADS_KEYS = (
     "num_kv_heads_per_layer",
     "multi_query_group_num",
 )
-HEAD_DIM_KEYS = ("head_dim", "d_kv", "attention_head_dim", "kv_channels", "head_size")
+HEAD_DIM_KEYS = ("head_dim", "d_kv", "attention_head_dim", "kv_channels", "head_size", "dim_head")
 # A config key that divides the attention's heads, and how much of the width those heads keep: ConvBERT
 # (modeling_convbert.py ConvBertSelfAttention) computes max(1, num_attention_heads // head_ratio) heads of
 # (hidden_size // heads) // 2; the other half of the width goes to its span-based convolution. Only
@@ -125,7 +125,13 @@ SUBCONFIG_WORDS = {
     "audio_config": ("audio", "speech"),
     "encoder": ("encoder",),
     "decoder": ("decoder",),
+    # a detection or segmentation model's backbone (MaskFormer, Mask2Former, OneFormer keep it in
+    # pixel_level_module.encoder): its heads are the backbone's own, often one per stage
+    "backbone_config": ("backbone", "pixel_level_module"),
 }
+# Towers whose heads another tower's config gives, by model type and the path word that holds them:
+# Aria's projector cross-attention runs config.vision_config.num_attention_heads heads (modeling_aria.py).
+SUBCONFIG_BY_PATH = {"aria": {"multi_modal_projector": "vision_config"}}
 # How a fused tensor packs q/k/v where a family departs from the default of its tensor name
 # (spec.PACKINGS); flag-dependent families (Falcon, ChatGLM, GPTBigCode) are in ConfigView.fused_packing.
 FUSED_PACKING_BY_MODEL_TYPE = {

@@ -1,0 +1,128 @@
+"""The census: every model type the installed transformers knows, built tiny offline, re-initialized by surgeon
+with --layers all and --layers -1, and judged against the model's own forward (tests/_census.py).
+
+    HF_HUB_OFFLINE=1 python scripts/census.py                 # every type: the table, then one summary line
+    HF_HUB_OFFLINE=1 python scripts/census.py --types bert,t5  # some types
+    HF_HUB_OFFLINE=1 python scripts/census.py --update         # rewrite tests/census_expected.json
+
+Exits 1 when a type is silently wrong or crashes, or (with --check) when a verdict differs from the
+expectations file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+EXPECTED = ROOT / "tests" / "census_expected.json"
+TIMEOUT_S = 240
+
+
+def _alarm(signum, frame):
+    raise TimeoutError(f"over {TIMEOUT_S} s")
+
+
+def _worker_init() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ["TQDM_DISABLE"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGALRM, _alarm)
+
+
+def _one(model_type: str) -> dict:
+    from _census import Verdict, census_one
+
+    signal.alarm(TIMEOUT_S)
+    try:
+        verdict = census_one(model_type)
+    except TimeoutError as e:
+        verdict = Verdict(model_type, f"crash: {e}")
+    except Exception as e:  # noqa: BLE001 - one type's failure is its verdict, not the census's
+        verdict = Verdict(model_type, f"crash: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+    finally:
+        signal.alarm(0)
+    return {"type": model_type, "verdict": verdict.verdict, "detail": verdict.detail, "seconds": verdict.seconds}
+
+
+def all_types() -> list[str]:
+    from transformers import CONFIG_MAPPING
+
+    return sorted(CONFIG_MAPPING.keys())
+
+
+def expected_verdict(verdict: str) -> str:
+    """What the expectations file keeps of a verdict: its kind and refusal reason, not the free text."""
+    kind, _, rest = verdict.partition(": ")
+    return verdict if kind == "refused" else kind
+
+
+def run(types: list[str], jobs: int) -> list[dict]:
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(jobs, initializer=_worker_init, maxtasksperchild=25) as pool:
+        out = []
+        for row in pool.imap_unordered(_one, types):
+            out.append(row)
+            print(f"{row['type']:32s} {row['seconds']:6.1f}s  {row['verdict'][:110]}", flush=True)
+    return sorted(out, key=lambda r: r["type"])
+
+
+def summary(rows: list[dict]) -> str:
+    import transformers
+
+    kinds = [r["verdict"].split(":")[0] for r in rows]
+    counts = {k: kinds.count(k) for k in ("right", "refused", "wrong", "crash", "unjudged", "unbuildable")}
+    return (
+        f"census of {len(rows)} model types (transformers {transformers.__version__}): {counts['right']} right, "
+        f"{counts['refused']} refused, {counts['wrong']} silently wrong, {counts['crash']} crashed, "
+        f"{counts['unjudged']} built but not judged (their forward could not be run), "
+        f"{counts['unbuildable']} not buildable offline"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--types", help="comma-separated model types (default: every type)")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--json", type=Path, help="also write every row here")
+    parser.add_argument("--update", action="store_true", help="rewrite tests/census_expected.json")
+    parser.add_argument("--check", action="store_true", help="fail when a verdict differs from the expectations")
+    args = parser.parse_args()
+    types = args.types.split(",") if args.types else all_types()
+    start = time.perf_counter()
+    rows = run(types, args.jobs)
+    print()
+    for kind in ("wrong", "crash", "refused"):
+        for r in (r for r in rows if r["verdict"].startswith(kind)):
+            print(f"{kind:8s} {r['type']:28s} {r['verdict'][len(kind) + 2 :]} | {r['detail'][:200]}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    expected = json.loads(EXPECTED.read_text())["verdicts"] if EXPECTED.is_file() else {}
+    changed = [r for r in rows if expected.get(r["type"]) != expected_verdict(r["verdict"])]
+    for r in changed:
+        print(f"changed  {r['type']:28s} {expected.get(r['type'])} -> {expected_verdict(r['verdict'])}")
+    if args.update:
+        import transformers
+
+        new = dict(expected) | {r["type"]: expected_verdict(r["verdict"]) for r in rows}
+        EXPECTED.write_text(
+            json.dumps({"transformers": transformers.__version__, "verdicts": dict(sorted(new.items()))}, indent=1)
+            + "\n"
+        )
+    print(summary(rows) + f" ({time.perf_counter() - start:.0f} s)")
+    bad = any(r["verdict"].split(":")[0] in ("wrong", "crash") for r in rows)
+    return 1 if bad or (args.check and changed) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,718 @@
+"""The census of every transformers model type: build the smallest random model of each type offline,
+re-initialize its checkpoint with surgeon, and judge the result against the model's own code.
+
+One type, :func:`census_one`, ends in one verdict:
+
+* ``right``: every attention module the model's forward runs (caught where it hands q/k/v to an attention
+  kernel: transformers' AttentionInterface, ``scaled_dot_product_attention``, or a softmax over a score
+  matrix) is re-initialized with the heads, key/value heads and head size its forward uses, or named in the
+  report as left alone; nothing else changed; the output loads back into the model's own class with every
+  key; ``--layers -1`` changes exactly the last layer of each attention stack.
+* ``refused: REASON``: surgeon stopped with its one-line error; REASON is a word of :data:`REASONS`.
+* ``wrong: WHAT``: a silent wrong answer (exit 0) -- the worst bug there is.
+* ``crash: ...``: an exception that is not one of surgeon's errors.
+* ``unbuildable: WHY`` / ``unjudged: WHY``: transformers cannot build the type from its config offline, or
+  its forward could not be run to judge it (such a type is never counted right).
+
+Nothing here reads surgeon's tables: heads come from the shapes the model's forward hands its kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import inspect
+import re
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+MAX_PARAMS = 80_000_000
+WIDTH_KEYS = ("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim", "width", "hidden_dim")
+HEAD_KEYS = (
+    "num_attention_heads",
+    "num_heads",
+    "n_head",
+    "n_heads",
+    "attention_heads",
+    "encoder_attention_heads",
+    "decoder_attention_heads",
+    "encoder_num_attention_heads",
+    "decoder_num_attention_heads",
+)
+KV_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "kv_n_heads", "multi_query_group_num")
+LAYER_KEY = re.compile(
+    r"^(num_(hidden_)?layers|n_layers?|num_\w*_layers|\w*_layers|encoder_layers|decoder_layers|depth)$"
+)
+FFN_KEY = re.compile(r"intermediate_size|ffn_dim|d_ff|n_inner|ffn_hidden|mlp_dim|\w*_intermediate_size$")
+# The refusal vocabulary: the first pattern found in surgeon's message names the reason.
+REASONS = (
+    ("latent attention (MLA)", r"latent attention"),
+    ("quantized", r"quantized"),
+    ("no attention", r"no attention found"),
+    ("needs --num-heads", r"cannot tell the number of heads"),
+    ("shapes do not fit", r"do not fit"),
+    ("packing unknown", r"packs query/key/value|packing surgeon cannot tell"),
+    ("unreadable block", r"cannot be read|unknown projections|left untouched"),
+    ("shared block", r"shared block"),
+    ("not 2-D", r"must be 2-D"),
+    ("format", r"cannot read|not a|unsupported"),
+)
+
+
+@dataclass
+class Verdict:
+    model_type: str
+    verdict: str  # right | refused: R | wrong: W | crash: E | unbuildable: W | unjudged: W
+    detail: str = ""
+    blocks: int = 0
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def kind(self) -> str:
+        return self.verdict.split(":")[0]
+
+
+# ------------------------------------------------------------------------------------------ build
+def _configs(config):
+    """The config and every config nested in it (sub-configs, backbones), each once."""
+    from transformers import PretrainedConfig
+
+    seen, out = set(), []
+
+    def walk(cfg):
+        if id(cfg) in seen:
+            return
+        seen.add(id(cfg))
+        out.append(cfg)
+        for value in list(vars(cfg).values()):
+            if isinstance(value, PretrainedConfig):
+                walk(value)
+            elif isinstance(value, (list, tuple)):
+                for v in value:
+                    if isinstance(v, PretrainedConfig):
+                        walk(v)
+
+    walk(config)
+    return out
+
+
+def _shrink(cfg, width: bool) -> None:
+    """Fewer layers (enough for every layer type), fewer experts, narrower feed-forwards; ``width``: also
+    fewer, narrower heads where the config spells width and heads as plain numbers."""
+    d = vars(cfg)
+    per_layer = [k for k, v in d.items() if isinstance(v, list) and k in ("layer_types", "layers_block_type")]
+    periods = [
+        v
+        for k, v in d.items()
+        if re.search(r"interval|period|offset|every|pattern", k)
+        and isinstance(v, int)
+        and not isinstance(v, bool)
+        and 0 < v < 12
+    ]
+    for key, value in list(d.items()):
+        if isinstance(value, bool) or not isinstance(value, int) or not LAYER_KEY.match(key) or value <= 2:
+            continue
+        if isinstance(d.get("depths"), list) and len(d["depths"]) == value:
+            continue  # the number of stages (Swin): their lists stay whole
+        n = max([2] + [p + 1 for p in periods])
+        for k in per_layer:
+            types = d[k]
+            if len(types) == value:
+                firsts = [types.index(t) for t in dict.fromkeys(types)]
+                n = max(n, max(firsts) + 1)
+        n = min(n, value)
+        d[key] = n
+        for k in per_layer:
+            if len(d[k]) == value:
+                d[k] = d[k][:n]
+        for k, v in list(d.items()):  # per-layer lists of the same length (per-layer head counts)
+            if k not in per_layer and "layer" in k and isinstance(v, list) and len(v) == value and value > n:
+                d[k] = v[:n]
+    if isinstance(d.get("depths"), list):
+        d["depths"] = [min(v, 2) if isinstance(v, int) else v for v in d["depths"]]
+    for key, value in list(d.items()):
+        if isinstance(value, int) and not isinstance(value, bool):
+            if (
+                re.fullmatch(r"(num_|n_)?(local_|routed_)?experts|num_experts|n_routed_experts|moe_num_experts", key)
+                and value > 4
+            ):
+                d[key] = 4
+            elif key in ("num_experts_per_tok", "moe_k", "top_k", "num_selected_experts") and value > 2:
+                d[key] = 2
+    if not width:
+        return
+    wkey = next((k for k in WIDTH_KEYS if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)), None)
+    hkeys = [k for k in HEAD_KEYS if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)]
+    if wkey is None or not hkeys or d[wkey] < 64:
+        return
+    heads = {k: d[k] for k in hkeys}
+    new_heads = {k: min(4, v) for k, v in heads.items()}
+    head_dim = d.get("head_dim") if isinstance(d.get("head_dim"), int) else None
+    hd = 16
+    for key in WIDTH_KEYS:  # every width of this config (a vision tower's embed_dim and its output hidden_size)
+        if isinstance(d.get(key), int) and not isinstance(d.get(key), bool) and d[key] >= 64:
+            d[key] = max(new_heads.values()) * hd
+    d.update(new_heads)
+    if head_dim is not None:
+        d["head_dim"] = hd
+    for k in KV_KEYS:
+        if isinstance(d.get(k), int) and not isinstance(d.get(k), bool):
+            d[k] = 1 if d[k] == 1 else (2 if d[k] < max(heads.values()) else max(new_heads.values()))
+    for key in ("rope_parameters", "rope_scaling"):  # multimodal rope sections cover half a head
+        rope = d.get(key)
+        section = rope.get("mrope_section") if isinstance(rope, dict) else None
+        if (
+            isinstance(rope, dict)
+            and section is None
+            and "mrope_section" in getattr(cfg, "ignore_keys_at_rope_validation", ())
+        ):
+            section = [16, 24, 24]  # the Qwen2-VL family's default when the config gives none
+        if isinstance(section, list) and section and all(isinstance(x, int) for x in section):
+            total, half = sum(section), hd // 2
+            new = [max(1, x * half // total) for x in section]
+            new[0] += half - sum(new)
+            d[key] = {**rope, "mrope_section": new}
+    for key, value in list(d.items()):
+        if FFN_KEY.search(key) and isinstance(value, int) and not isinstance(value, bool) and value > 2 * d[wkey]:
+            d[key] = 2 * d[wkey]
+
+
+def build(model_type: str, folder: Path):
+    """The smallest model of ``model_type`` that builds, saved to ``folder``; (model, config) or raise."""
+    from transformers import AutoConfig
+
+    errors: list[Exception] = []
+    for width in (True, False):
+        try:
+            config = AutoConfig.for_model(model_type)
+            for cfg in _configs(config):
+                _shrink(cfg, width)
+            with torch.device("meta"):  # count first: a shrunk config may still be huge
+                n = sum(p.numel() for p in _instantiate(config).parameters())
+            if n > MAX_PARAMS:
+                raise RuntimeError(f"{n / 1e6:.0f}M parameters even shrunk")
+            model = _instantiate(config)
+        except Exception as e:  # noqa: BLE001 - the census records why a type does not build
+            errors.append(e)
+            continue
+        model.eval()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.save_pretrained(folder)
+        return model, config
+    raise RuntimeError(_one_line(errors[0]))
+
+
+def _instantiate(config):
+    """The model class transformers' own Auto mappings give the config (the base model first)."""
+    import transformers.models.auto.modeling_auto as auto
+
+    for mapping in (
+        "MODEL_MAPPING",
+        "MODEL_FOR_CAUSAL_LM_MAPPING",
+        "MODEL_FOR_PRETRAINING_MAPPING",
+        "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING",
+        "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING",
+        "MODEL_FOR_TEXT_TO_WAVEFORM_MAPPING",
+        "MODEL_FOR_BACKBONE_MAPPING",
+    ):
+        table = getattr(auto, mapping, None)
+        try:
+            cls = table[type(config)] if table is not None else None
+        except KeyError:
+            continue
+        torch.manual_seed(0)
+        return cls(config)
+    cls = _model_of_module(config)  # a tower's own config (clap_audio_model): its model class in the same module
+    if cls is None:
+        raise RuntimeError("no model class in transformers' Auto mappings or the config's own module")
+    torch.manual_seed(0)
+    return cls(config)
+
+
+def _model_of_module(config):
+    import importlib
+
+    from transformers import PreTrainedModel
+
+    module = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
+    found = [
+        c
+        for c in vars(module).values()
+        if isinstance(c, type)
+        and issubclass(c, PreTrainedModel)
+        and getattr(c, "config_class", None) is type(config)
+        and c.__name__.endswith("Model")
+    ]
+    return min(found, key=lambda c: len(c.__name__)) if found else None
+
+
+# ------------------------------------------------------------------------------------------ observe
+@dataclass
+class Seen:
+    heads: int | None
+    kv_heads: int | None
+    head_dim: int | None
+    via: str
+
+
+class _Watch(TorchFunctionMode):
+    """Which modules hand q/k/v to an attention kernel, and with what shapes (the innermost module)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.names = {m: n for n, m in model.named_modules()}
+        self.stack: list = []
+        self.seen: dict[str, Seen] = {}
+        self.in_kernel = 0
+        self.last_product: dict = {}
+
+    def pre(self, module, args):
+        self.stack.append(module)
+
+    def post(self, module, args, out):
+        if self.stack and self.stack[-1] is module:
+            self.stack.pop()
+
+    def record(self, module, seen: Seen) -> None:
+        name = self.names.get(module)
+        if name is not None and name not in self.seen:
+            self.seen[name] = seen
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.in_kernel and self.stack:
+            if func is torch.nn.functional.scaled_dot_product_attention and len(args) >= 3:
+                q, k = args[0], args[1]
+                if q.dim() == 4:
+                    self.record(self.stack[-1], Seen(q.shape[1], k.shape[1], q.shape[-1], "sdpa"))
+            elif func is torch.nn.functional.multi_head_attention_forward:
+                heads = args[4] if len(args) > 4 else kwargs.get("num_heads")
+                self.record(self.stack[-1], Seen(heads, heads, args[0].shape[-1] // heads, "multi_head_attention"))
+            elif func in (torch.matmul, torch.Tensor.matmul, torch.bmm, torch.Tensor.__matmul__):
+                self.last_product[self.stack[-1]] = args[0]
+            elif func in (torch.baddbmm, torch.Tensor.baddbmm):
+                self.last_product[self.stack[-1]] = kwargs.get("batch1", args[1] if len(args) > 1 else None)
+            elif func in (torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax) and args:
+                x = args[0]
+                if isinstance(x, torch.Tensor) and x.dim() in (3, 4) and x.shape[-1] > 0:
+                    module = self.stack[-1]
+                    if "softmax" in type(module).__name__.lower() and len(self.stack) > 1:
+                        module = self.stack[-2]  # a softmax module counts for its caller
+                    self.record(module, self._scores(module, x))
+        return func(*args, **kwargs)
+
+    def _scores(self, module, scores: torch.Tensor) -> Seen:
+        """Heads and head size of an eager softmax(Q K^T): from the query of the module's last product
+        before it, (1, H, L, d) or (1 * H, L, d) -- the census runs batch 1."""
+        q = self.last_product.get(module)
+        if isinstance(q, torch.Tensor) and q.dim() == scores.dim() and q.shape[-2] == scores.shape[-2]:
+            heads = q.shape[1] if q.dim() == 4 else q.shape[0]
+            if q.shape[:-2] == scores.shape[:-2]:
+                return Seen(heads, None, q.shape[-1], "softmax")
+        return Seen(None, None, None, "softmax")
+
+
+_WATCH: _Watch | None = None
+
+
+def _kernel(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+    if _WATCH is not None:
+        _WATCH.record(module, Seen(query.shape[1], key.shape[1], query.shape[-1], "attention-interface"))
+        _WATCH.in_kernel += 1
+    try:
+        h, kvh = query.shape[1], key.shape[1]
+        if kvh != h and h % kvh == 0:
+            key = key.repeat_interleave(h // kvh, dim=1)
+            value = value.repeat_interleave(h // kvh, dim=1)
+        s = query.shape[-1] ** -0.5 if scaling is None else scaling
+        w = torch.softmax((query @ key.transpose(-1, -2)) * s, dim=-1)
+        if attention_mask is not None and attention_mask.dtype == torch.bool:
+            pass
+        return (w @ value).transpose(1, 2).contiguous(), None
+    finally:
+        if _WATCH is not None:
+            _WATCH.in_kernel -= 1
+
+
+def _inputs(model, config) -> list[dict]:
+    """Small inputs to try, in turn, for the forward: its main input (and a decoder's), from the config's
+    own sizes; then text and image together (CLIP-like models need both)."""
+    sig = inspect.signature(model.forward).parameters
+    cfgs = _configs(config)
+
+    def get(*keys, default=None):
+        for cfg in cfgs:
+            for k in keys:
+                v = getattr(cfg, k, None)
+                if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                    return v
+                if isinstance(v, (list, tuple)) and v and isinstance(v[0], int):
+                    return v[0]
+        return default
+
+    vocab = get("vocab_size", default=100)
+    ids = torch.randint(3, max(4, min(vocab, 100)), (1, 8))
+    size = get("image_size", "img_size", "input_size", default=224)
+    pixels = torch.randn(1, get("num_channels", "in_channels", "in_chans", default=3), size, size)
+    text: dict = {"input_ids": ids} if "input_ids" in sig else {}
+    if "decoder_input_ids" in sig and getattr(config, "is_encoder_decoder", False):
+        text["decoder_input_ids"] = ids
+    main = model.main_input_name
+    tries = []
+    if main == "input_features":
+        mel = get("num_mel_bins", "feature_size", "input_feat_per_channel", default=80)
+        frames = 3000 if "whisper" in str(config.model_type) else 64
+        tries.append(
+            {"input_features": torch.randn(1, mel, frames)} | {k: v for k, v in text.items() if k != "input_ids"}
+        )
+    elif main == "input_values":
+        tries.append({"input_values": torch.randn(1, 4000)} | {k: v for k, v in text.items() if k != "input_ids"})
+    elif main == "pixel_values" or ("pixel_values" in sig and not text):
+        tries.append({"pixel_values": pixels} | {k: v for k, v in text.items() if k != "input_ids"})
+    if text:
+        tries.append(text)
+    if "pixel_values" in sig and text:
+        tries.append(text | {"pixel_values": pixels})
+    return tries
+
+
+def observe(model, config) -> dict[str, Seen]:
+    """The attention modules the model's forward runs, by qualified name; towers its forward did not run
+    (a vision tower under text inputs) are run on their own inputs, each a model of transformers' own.
+    Raises the first forward's error when no forward ran any attention."""
+    from transformers import PreTrainedModel
+
+    seen: dict[str, Seen] = {}
+    errors: list[Exception] = []
+    for inputs in _inputs(model, config):
+        try:
+            seen.update(_observe(model, config, inputs))
+        except Exception as e:  # noqa: BLE001 - the next inputs may fit
+            errors.append(e)
+    for name, sub in model.named_modules():
+        if name and isinstance(sub, PreTrainedModel) and not any(_inside(a, name) for a in seen):
+            for inputs in _inputs(sub, sub.config):
+                try:
+                    seen.update({f"{name}.{a}": s for a, s in _observe(sub, sub.config, inputs).items()})
+                    break
+                except Exception as e:  # noqa: BLE001
+                    errors.append(e)
+    if not seen and errors:
+        raise errors[0]
+    return seen
+
+
+def _observe(model, config, inputs: dict) -> dict[str, Seen]:
+    """One forward under the census kernel; where a family's code does not take it, under eager attention
+    (its sdpa or softmax is then what is caught)."""
+    try:
+        return _observe_with(model, config, inputs, "census")
+    except Exception:  # noqa: BLE001
+        return _observe_with(model, config, inputs, "eager")
+
+
+def _observe_with(model, config, inputs: dict, implementation: str) -> dict[str, Seen]:
+    import transformers
+
+    global _WATCH
+    if "census" not in transformers.AttentionInterface._global_mapping:
+        transformers.AttentionInterface.register("census", _kernel)
+    for cfg in _configs(config):
+        with contextlib.suppress(Exception):
+            cfg._attn_implementation_internal = implementation
+    watch = _Watch(model)
+    handles = [
+        torch.nn.modules.module.register_module_forward_pre_hook(watch.pre),
+        torch.nn.modules.module.register_module_forward_hook(watch.post, always_call=True),
+    ]
+    _WATCH = watch
+    try:
+        torch.manual_seed(0)
+        with torch.no_grad(), watch:
+            model(
+                **inputs, **({"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {})
+            )
+    finally:
+        _WATCH = None
+        for h in handles:
+            h.remove()
+    return watch.seen
+
+
+# ------------------------------------------------------------------------------------------ judge
+def _reason(message: str) -> str:
+    for name, pattern in REASONS:
+        if re.search(pattern, message):
+            return name
+    return "other"
+
+
+def _one_line(e: BaseException | None) -> str:
+    text = f"{type(e).__name__}: {e}" if e is not None else "?"
+    return text.splitlines()[0][:300] if text else "?"
+
+
+def _layer_of(name: str, model) -> tuple[str, tuple[int, ...]] | None:
+    """(stack, layer) of module ``name`` in the model's own terms: the stack is the outermost list of
+    repeated blocks on its path, the layer the indices in every such list below it (Swin: stage, block).
+    A list whose entries are all of different classes (T5's self-, cross-attention, feed-forward) is the
+    parts of one layer, not layers."""
+    parts = name.split(".")
+    stack, key = None, []
+    for i, part in enumerate(parts):
+        if part.isdigit() and i:
+            parent = model.get_submodule(".".join(parts[:i]))
+            if isinstance(parent, (torch.nn.ModuleList, torch.nn.Sequential)):
+                classes = [type(m) for m in parent]
+                if len(parent) == 1 or len(set(classes)) < len(classes):
+                    stack = stack if stack is not None else ".".join(parts[:i])
+                    key.append(int(part))
+    return (stack, tuple(key)) if stack is not None else None
+
+
+def _inside(inner: str, outer: str) -> bool:
+    return outer == "" or inner == outer or inner.startswith(outer + ".")
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _key(t: torch.Tensor) -> tuple:
+    t = t.detach().contiguous()
+    return (t.dtype, tuple(t.shape), t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+
+def census_one(model_type: str, work: Path | None = None) -> Verdict:
+    import time
+
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=work) as tmp:
+        folder = Path(tmp) / "model"
+        try:
+            model, config = build(model_type, folder)
+        except Exception as e:  # noqa: BLE001
+            return Verdict(model_type, f"unbuildable: {_one_line(e)}", seconds=time.perf_counter() - start)
+        try:
+            v = _judge(model_type, model, config, folder, Path(tmp))
+        finally:
+            del model
+            gc.collect()
+        v.seconds = time.perf_counter() - start
+        return v
+
+
+class _Names:
+    """Checkpoint tensor names <-> the model's own parameter names, matched by their bytes (a checkpoint may
+    spell names another way than the modules: transformers' key mappings)."""
+
+    def __init__(self, model, saved: dict[str, torch.Tensor]):
+        by_bytes: dict[tuple, list[str]] = {}
+        for name, t in model.state_dict(keep_vars=False).items():
+            by_bytes.setdefault(_key(t), []).append(name)
+        self.to_model = {n: by_bytes.get(_key(t), []) or self._by_name(model, n) for n, t in saved.items()}
+
+    @staticmethod
+    def _by_name(model, tensor: str) -> list[str]:
+        """A tensor the model stores otherwise (transformers converts some on save): the deepest module of
+        the model its name (or the name less the base model's prefix) leads to."""
+        modules = dict(model.named_modules())
+        prefix = getattr(model, "base_model_prefix", "")
+        for name in (tensor, tensor.removeprefix(prefix + ".") if prefix else tensor):
+            parts = name.split(".")
+            for i in range(len(parts) - 1, 0, -1):
+                if ".".join(parts[:i]) in modules:
+                    return [".".join(parts[: i + 1])]
+        return []
+
+    def modules(self, tensor: str) -> list[str]:
+        """The model modules that own checkpoint tensor ``tensor``."""
+        return [m.rpartition(".")[0] for m in self.to_model.get(tensor, [])]
+
+
+def _judge(model_type: str, model, config, folder: Path, tmp: Path) -> Verdict:
+    import surgeon
+    from surgeon.errors import SurgeonError
+
+    try:
+        seen = observe(model, config)
+        why = ""
+    except Exception as e:  # noqa: BLE001
+        seen, why = None, _one_line(e)
+    reports = {}
+    for layers in ("all", "-1"):
+        try:
+            reports[layers] = surgeon.reinit_checkpoint(folder, layers=layers, output=tmp / f"out{layers}", seed=0)
+        except SurgeonError as e:
+            if layers == "-1" and "selects only layers without attention" in str(e):
+                reports[layers] = None  # judged below: the model's own last layer must run no attention
+                continue
+            return Verdict(model_type, f"refused: {_reason(str(e))}", str(e).splitlines()[0][:400])
+        except Exception as e:  # noqa: BLE001
+            return Verdict(model_type, f"crash: {_one_line(e)}")
+    n = len(reports["all"].blocks)
+    if seen is None:
+        return Verdict(model_type, f"unjudged: the forward did not run ({why})", blocks=n)
+    saved = _tensors(folder)
+    names = _Names(model, saved)
+    problems = []
+    for layers, report in reports.items():
+        if report is None:
+            problems += _no_last_attention(model, seen)
+            continue
+        problems += [
+            f"{p} (--layers {layers})"
+            for p in _problems(model, seen, report, saved, names, tmp / f"out{layers}", layers == "-1")
+        ]
+    wrong = [p for p in problems if not p.startswith("unjudged: ")]
+    if problems and not wrong:
+        return Verdict(model_type, problems[0], "; ".join(problems[:4]), blocks=n, notes=reports["all"].notes)
+    if wrong:
+        problems = wrong
+        return Verdict(
+            model_type, f"wrong: {problems[0]}", "; ".join(problems[:4]), blocks=n, notes=reports["all"].notes
+        )
+    return Verdict(
+        model_type, "right", f"{n} blocks, {len(seen)} attention modules run", blocks=n, notes=reports["all"].notes
+    )
+
+
+def _problems(model, seen, report, saved, names: _Names, out: Path, last_only: bool) -> list[str]:
+    problems: list[str] = []
+    after = _tensors(out)
+    problems += [f"the output lacks {n}" for n in saved if n not in after][:1]
+    loaded, why = _load(model, out)
+    if loaded is not None:  # judged on the model's own parameters, as its loader reads the output
+        old = model.state_dict()
+        new = loaded.state_dict()
+        changed_params = {n: new[n] for n in old if n in new and not torch.equal(old[n], new[n])}
+        changed_modules = {n.rpartition(".")[0] for n in changed_params}
+    else:
+        if why and not _load(model, out.parent / "model")[1]:
+            problems.append(f"the output does not load back: {why}")
+        changed = [n for n, t in saved.items() if n in after and not torch.equal(after[n], t)]
+        changed_params = {}
+        changed_modules = {m for n in changed for m in names.modules(n)}
+
+    def attention_of(module: str) -> str | None:
+        owners = [a for a in seen if _inside(module, a) or _inside(a, module)]
+        return max(owners, key=len) if owners else None
+
+    ran = [name for name, _ in model.named_modules() if any(_inside(a, name) or _inside(name, a) for a in seen)]
+    for m in sorted(changed_modules):
+        if attention_of(m) is None:
+            if not any(_inside(m, r) for r in ran if r):
+                problems.append(f"unjudged: {m} changed, and no forward runs it")
+            elif "attention" in type(model.get_submodule(m.rpartition(".")[0] or m)).__name__.lower():
+                problems.append(f"unjudged: {m} changed in an attention class whose softmax is not torch's")
+            else:
+                problems.append(f"{m} changed, but the forward computes no softmax attention there")
+    for name, weight in changed_params.items():
+        a = attention_of(name.rpartition(".")[0])
+        if a is not None:
+            problems += _conditioned_per_head(name, weight, seen[a])
+    for row in report.rows:
+        block = row.block
+        if row.role != "q" or block.module.endswith(":context"):
+            continue
+        for m in names.modules(block.q.weight.tensor):
+            a = attention_of(m)
+            s = seen.get(a) if a else None
+            if s is None:
+                continue
+            for what, ours, theirs in (
+                ("heads", block.heads, s.heads),
+                ("kv heads", block.kv_heads, s.kv_heads),
+                ("head size", block.head_dim, s.head_dim),
+            ):
+                if theirs is not None and ours != theirs:
+                    problems.append(f"{m}: {ours} {what}, the forward uses {theirs}")
+    notes = " ".join(report.notes)
+    last: dict[str, tuple[int, ...]] = {}
+    for a in seen:
+        place = _layer_of(a, model)
+        if place is not None:
+            last[place[0]] = max(last.get(place[0], ()), place[1])
+    for a in seen:
+        place = _layer_of(a, model)
+        wanted = not last_only or place is None or place[1] == last.get(place[0])
+        touched = any(_inside(m, a) or _inside(a, m) for m in changed_modules)
+        if wanted and not touched and not _named(a, names, notes):
+            problems.append(f"{a} runs attention, left untouched without a word")
+        if last_only and touched and not wanted:
+            problems.append(f"{a} changed, not in the last layer")
+    return problems
+
+
+def _conditioned_per_head(name: str, weight: torch.Tensor, seen: Seen) -> list[str]:
+    """A re-initialized projection weight with one row block per head of the forward (heads x head size
+    output features): each head's block has condition number 1, and -- unless it is the value identity --
+    two neighbouring heads are independent draws, not one orthonormal block cut in two."""
+    if weight.dim() != 2 or not seen.head_dim:
+        return []
+    d = seen.head_dim
+    counts = {c for c in (seen.heads, seen.kv_heads) if c}
+    rows = weight.shape[0]
+    if rows not in {c * d for c in counts} or weight.shape[1] < 2 * d:
+        return []
+    w = weight.double()
+    blocks = w.reshape(rows // d, d, -1)
+    sv = torch.linalg.svdvals(blocks)
+    kappa = (sv[:, 0] / sv[:, -1].clamp_min(1e-30)).max().item()
+    if kappa > 1.001:
+        return [f"{name}: a head of the forward ({d} rows) has condition number {kappa:.3g}, not 1"]
+    identity = bool(((w == 0) | (w == w.abs().max())).all())
+    if rows // d > 1 and not identity:
+        cross = (blocks[0] @ blocks[1].T).abs().max().item() / (sv[0, 0].item() ** 2)
+        if cross < 1e-6:
+            return [f"{name}: heads 0 and 1 of the forward are one orthonormal block (the heads were cut wider)"]
+    return []
+
+
+def _no_last_attention(model, seen) -> list[str]:
+    """surgeon said the last layer runs no attention: the model's own modules must agree."""
+    places = [p for p in (_layer_of(a, model) for a in seen) if p is not None]
+    problems = []
+    for stack in {p[0] for p in places}:
+        children = model.get_submodule(stack)
+        last = len(children) - 1
+        if any(p[0] == stack and p[1][0] == last for p in places):
+            problems.append(f"--layers -1 refused, but layer {last} of {stack} runs attention")
+    return problems
+
+
+def _named(attention: str, names: _Names, notes: str) -> bool:
+    """Whether the report names the attention module (by its checkpoint path, or its layer's)."""
+    for tensor, modules in names.to_model.items():
+        if any(_inside(m, attention) for m in modules):
+            parts = tensor.split(".")
+            for i in range(len(parts) - 1, 0, -1):
+                if ".".join(parts[:i]) in notes:
+                    return True
+    return False
+
+
+def _load(model, folder: Path):
+    """(the model's own class loaded from ``folder``, None) with every key, or (None, why)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loaded, info = type(model).from_pretrained(folder, output_loading_info=True)
+    except Exception as e:  # noqa: BLE001
+        return None, _one_line(e)
+    bad = list(info.get("missing_keys", [])) + list(info.get("unexpected_keys", []))
+    if bad:
+        return None, f"{type(model).__name__} misses or does not expect {sorted(bad)[:2]}"
+    return loaded, ""
