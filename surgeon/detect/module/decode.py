@@ -15,7 +15,7 @@ from ...errors import LayoutError, opt
 from ...spec import KV_MAPS, AttentionBlock, Projection, Rows
 from ..by_name import place_matches
 from ..config import Hints
-from ..placement import join
+from ..placement import join, kind
 from .inputs import hf_inputs
 from .probe import FILLS, PROBE_TOKENS, Capture, Op, Targets, Unresolved, Watch, probing, watch_all
 
@@ -207,12 +207,14 @@ def _block_from(resolved: dict, cap: Capture, targets: Targets) -> AttentionBloc
         layout = f"forward: fused {leaf(tensors[0]).removesuffix('.weight')}"
     else:
         layout = "forward: " + ", ".join(dict.fromkeys(leaf(t).removesuffix(".weight") for t in tensors))
-    kind: Literal["self", "cross"] = "self" if sources["q"] is not None and sources["q"] == sources["k"] else "cross"
+    # what the forward did, unless the module's path says cross (the probe may have called it without its context)
+    same = sources["q"] is not None and sources["q"] == sources["k"]
+    observed: Literal["self", "cross"] = "self" if same and kind(module) == "self" else "cross"
     q = projections["q"]
     return AttentionBlock(
         "",
         0,
-        kind,
+        observed,
         module,
         layout,
         q.heads,

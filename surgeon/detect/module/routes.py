@@ -12,7 +12,7 @@ from ...formats.base import TensorInfo
 from ...spec import AttentionBlock, Projection, Rows, slot_offsets
 from ..by_name import detect, match_modules, with_companions
 from ..config import Hints
-from ..libraries import with_separate_biases
+from ..libraries import roles_by_position, with_separate_biases
 from ..placement import join, kind, stack_depths
 from .decode import placed, prefixed, probe_blocks, under
 
@@ -74,9 +74,9 @@ def detect_module(module: nn.Module, *, hints: Hints | None = None, example_inpu
     if rest:
         probed = probe_blocks(module, example_inputs=example_inputs, hints=hints, skip=handled)
         shapes = {n: tuple(p.shape) for n, p in params.items()}
-        probed = with_companions(
-            [with_separate_biases(b, shapes) for b in probed], shapes
-        )  # EVA's q_bias, joint attention's context
+        probed = with_companions(  # EVA's q_bias, joint attention's context; kinds the names settle (SD3.5's attn2)
+            roles_by_position([with_separate_biases(b, shapes) for b in probed], shapes), shapes
+        )
         own += probed
         routes.update({b.module: "forward" for b in probed})
         _refuse_unseen(module, rest, probed, example_inputs)
