@@ -135,3 +135,40 @@ def test_sd35_dual_attention_attn2_is_self_attention(tmp_path):
     # the module route reads the same kinds
     report = surgeon.inspect(sd35(), example_inputs=SD3_INPUTS)
     assert {b.module: b.kind for b in report.blocks if ":" not in b.module} == truth
+
+
+# --------------------------------------------------------------------------- joint attention: one block, two streams
+
+
+def test_joint_attention_is_one_block_with_a_context_stream_in_table_json_card_and_verdict(tmp_path, cli):
+    import json
+
+    model = sd35()
+    model.save_pretrained(tmp_path / "src")
+    modules = {n: m for n, m in model.named_modules() if isinstance(m, diffusers.models.attention_processor.Attention)}
+    joint = {n for n, m in modules.items() if m.add_q_proj is not None}  # attention_processor.py: added_kv_proj_dim
+    assert joint and joint != set(modules)
+    report = json.loads(cli("inspect", tmp_path / "src", "--json").stdout)
+    assert [b["module"] for b in report["blocks"]] == list(modules)
+    for b in report["blocks"]:
+        streams = b.get("streams", {})
+        assert set(streams) == ({"context"} if b["module"] in joint else set())
+        if streams:
+            context = streams["context"]
+            assert [context[r]["weight"]["tensor"] for r in "qkv"] == [f"{b['module']}.add_{r}_proj.weight" for r in "qkv"]
+            assert context["heads"] == modules[b["module"]].heads
+    context_rows = {(p["tensor"], p["stream"]) for p in report["projections"] if "stream" in p}
+    assert context_rows == {(f"{n}.add_{r}_proj.weight", "context") for n in joint for r in "qkv"}
+    table = cli("inspect", tmp_path / "src").stdout
+    assert f"{len(modules)} attention blocks in 1 stack ({len(joint)} with a context stream)" in table.splitlines()[0]
+    assert "joint context" not in table and "separate + context stream" in table
+    cli("reinit", tmp_path / "src", "-o", tmp_path / "out", "--layers", "0")
+    card = (tmp_path / "out" / "README.md").read_text()
+    touched = [n for n in modules if n.startswith("transformer_blocks.0.")]
+    assert f"of {len(touched)} of its {len(modules)} attention blocks" in card
+    rows = [line for line in card.splitlines() if line.startswith("| `transformer_blocks.")]
+    block_rows = [r for r in rows if r.count("|") == 6]  # | block | kind | q | k | v |
+    assert [r.split("`")[1] for r in block_rows] == touched
+    assert "(and its context stream)" in next(r for r in block_rows if "`transformer_blocks.0.attn`" in r)
+    verdict = cli("verify", tmp_path / "src", tmp_path / "out").stdout
+    assert f"with {len(touched)} attention blocks re-initialized" in verdict
