@@ -155,7 +155,9 @@ def test_joint_attention_is_one_block_with_a_context_stream_in_table_json_card_a
         assert set(streams) == ({"context"} if b["module"] in joint else set())
         if streams:
             context = streams["context"]
-            assert [context[r]["weight"]["tensor"] for r in "qkv"] == [f"{b['module']}.add_{r}_proj.weight" for r in "qkv"]
+            assert [context[r]["weight"]["tensor"] for r in "qkv"] == [
+                f"{b['module']}.add_{r}_proj.weight" for r in "qkv"
+            ]
             assert context["heads"] == modules[b["module"]].heads
     context_rows = {(p["tensor"], p["stream"]) for p in report["projections"] if "stream" in p}
     assert context_rows == {(f"{n}.add_{r}_proj.weight", "context") for n in joint for r in "qkv"}
