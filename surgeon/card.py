@@ -21,10 +21,11 @@ from .detect.config import Hints
 from .folder_files import file_in
 from .modes import get_mode
 from .plan import Plan
-from .report import fmt_kappa
+from .report import fmt_kappa, with_streams
 from .selection import format_indices
 from .shown import shown
 from .source import Source
+from .spec import AttentionBlock, split_module
 
 TAG = "surgeon"  # every card; the mode adds its own (conditioned-initialization, default-init-redraw, ...)
 # Source metadata that still describes the re-initialized model. Evaluation results (model-index),
@@ -178,9 +179,10 @@ def _intro(source: Source, plan: Plan) -> str:
         origin = f"[`{source.hub_id}`]({endpoint}/{source.hub_id}){commit}"
     else:
         origin = _code(source.path.name)
+    touched, blocks = len(with_streams(plan.touched_blocks)[0]), len(with_streams(plan.blocks)[0])
     return (
-        f"This is {origin} with the attention query/key/value projections of {len(plan.touched_blocks)} of its "
-        f"{len(plan.blocks)} attention block{'s' if len(plan.blocks) != 1 else ''} re-initialized by surgeon {__version__} "
+        f"This is {origin} with the attention query/key/value projections of {touched} of its "
+        f"{blocks} attention block{'s' if blocks != 1 else ''} re-initialized by surgeon {__version__} "
         f"{mode.card_intro(options, plan.touched_blocks)}. Every other tensor"
         + (
             " (except the output projections W_O of those blocks, rewritten by this mode)"
@@ -234,23 +236,33 @@ def _options_table(plan: Plan) -> str:
 
 
 def _blocks_table(plan: Plan) -> str:
-    lines = ["| block | kind | " + " | ".join(plan.options.to_dict()["targets"]) + " |"]
-    lines.append("| --- | --- |" + " --- |" * len(plan.options.to_dict()["targets"]))
-    for block in plan.touched_blocks:
+    """One row per attention block; a joint block's context stream is in its cells, not a row of its own."""
+    targets = plan.options.to_dict()["targets"]
+    lines = ["| block | kind | " + " | ".join(targets) + " |"]
+    lines.append("| --- | --- |" + " --- |" * len(targets))
+    attention, streams = with_streams(plan.touched_blocks)
+    orphans = [s for owner, ss in streams.items() if owner not in {b.module for b in attention} for s in ss]
+    for block in attention + orphans:
         cells = []
-        for role in plan.options.to_dict()["targets"]:
-            change = next((c for c in plan.changes if c.block.module == block.module and c.role == role), None)
-            if change is None:
-                cells.append("-")
+        for role in targets:
+            own = _heads_cell(plan, block, role)
+            extra = [(split_module(s.module)[1], _heads_cell(plan, s, role)) for s in streams.get(block.module, ())]
+            extra = [(name, text) for name, text in extra if text != "-"]
+            if extra and all(text == own for _, text in extra):
+                own += "".join(f" (and its {name} stream)" for name, _ in extra)
             else:
-                total = change.projection.heads
-                cells.append(
-                    f"all {total} heads"
-                    if len(change.heads) == total
-                    else f"heads {format_indices(change.heads)} of {total}"
-                )
+                own += "".join(f"; {name} stream: {text}" for name, text in extra)
+            cells.append(own)
         lines.append(f"| {_cell(_code(block.module))} | {block.kind} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _heads_cell(plan: Plan, block: AttentionBlock, role: str) -> str:
+    change = next((c for c in plan.changes if c.block.module == block.module and c.role == role), None)
+    if change is None:
+        return "-"
+    total = change.projection.heads
+    return f"all {total} heads" if len(change.heads) == total else f"heads {format_indices(change.heads)} of {total}"
 
 
 def _plan_notes(plan: Plan) -> list[str]:

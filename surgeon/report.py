@@ -86,6 +86,9 @@ class ProjectionRow:
             "dtype": self.dtype,
             "before": self.before.to_dict() if self.before else None,
         }
+        stream = split_module(self.block.module)[1]
+        if stream:  # a joint block's second stream: its projections, reported as that block's
+            out["stream"] = stream
         if self.after is not None:
             out["after"] = self.after.to_dict()
         if self.after is not None or self.heads_changed:  # a dry run: what the real run would change
@@ -122,7 +125,7 @@ class Report:
             "seconds": round(self.seconds, 4),
             "bytes_written": self.bytes_written,
             "options": self.options,
-            "blocks": [b.to_dict() for b in self.blocks],
+            "blocks": block_dicts(self.blocks),
             "projections": [r.to_dict() for r in self.rows],
             "notes": [spell(n, spelling) for n in self.notes],
         }
@@ -185,8 +188,11 @@ class Report:
 
     def _summary(self) -> str:
         stacks = list(dict.fromkeys(b.stack for b in self.blocks))
+        attention, streams = with_streams(self.blocks)
+        joint = sum(1 for b in attention if streams.get(b.module))
         head = shown(
-            f"{self.source} ({self.format}): {_count(len(self.blocks), 'attention block')} in {_count(len(stacks), 'stack')}"
+            f"{self.source} ({self.format}): {_count(len(attention), 'attention block')} in {_count(len(stacks), 'stack')}"
+            + (f" ({joint} with a context stream)" if joint else "")
         )
         if self.command == "inspect":
             return head
@@ -196,17 +202,20 @@ class Report:
         extras = f"mode {mode}, bias {o.get('bias')}, seed {o.get('seed')}" + (
             ", keep scale" if o.get("keep_scale") else ""
         )
-        touched = len({r.block.module for r in self.rows})
+        touched = len({split_module(r.block.module)[0] for r in self.rows})
         return f"{head}\n" + shown(
             f"{what}: {_count(len(self.rows), 'projection')} in {_count(touched, 'block')}; {extras}"
         )
 
     def _stacks_table(self) -> str:
+        attention, streams = with_streams(self.blocks)
         groups: dict[tuple, list[AttentionBlock]] = {}
-        for b in self.blocks:
-            groups.setdefault((b.stack, b.kind, b.layout, b.heads, b.kv_heads, b.head_dim), []).append(b)
+        for b in attention:
+            layout = b.layout + "".join(f" + {split_module(s.module)[1]} stream" for s in streams.get(b.module, ()))
+            groups.setdefault((b.stack, b.kind, layout, b.heads, b.kv_heads, b.head_dim), []).append(b)
         rows = []
         for (stack, kind, layout, heads, kv, d), members in groups.items():
+            first = members[0]
             rows.append(
                 [
                     stack or "(top)",
@@ -216,7 +225,7 @@ class Report:
                     str(kv),
                     str(d),
                     layout,
-                    _tensor_names(members[0]),
+                    ", ".join(_tensor_names(b) for b in (first, *streams.get(first.module, ()))),
                 ]
             )
         return table(
@@ -274,6 +283,31 @@ class Report:
         if whole:
             return table(["block", "proj", "heads", "kappa", "head kappa min/med/max", "||W||2"], rows)
         return table(["block", "proj", "heads", "head kappa min/med/max"], rows)
+
+
+def with_streams(blocks: list[AttentionBlock]) -> tuple[list[AttentionBlock], dict[str, list[AttentionBlock]]]:
+    """The attention blocks as the model has them, and each one's second streams by its module: a joint
+    block's context projections (module "<attention>:context") are a stream of that attention, not a block."""
+    attention = [b for b in blocks if not split_module(b.module)[1]]
+    streams: dict[str, list[AttentionBlock]] = {}
+    for b in blocks:
+        if split_module(b.module)[1]:
+            streams.setdefault(b.module.rpartition(":")[0], []).append(b)
+    return attention, streams
+
+
+def block_dicts(blocks: list[AttentionBlock]) -> list[dict]:
+    """``--json``'s blocks: one entry per attention block, its second streams under "streams" by name."""
+    attention, streams = with_streams(blocks)
+    out = []
+    for b in attention:
+        entry = b.to_dict()
+        if streams.get(b.module):
+            entry["streams"] = {split_module(s.module)[1]: s.to_dict() for s in streams[b.module]}
+        out.append(entry)
+    owners = {b.module for b in attention}
+    # a stream whose block was not found (cannot happen from detection): listed, so that nothing is hidden
+    return out + [s.to_dict() for owner, ss in streams.items() if owner not in owners for s in ss]
 
 
 def _count(n: int, noun: str) -> str:

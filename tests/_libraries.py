@@ -393,3 +393,157 @@ class TorchvisionSwin(nn.Module):
             )
             layers.append(nn.Linear(dim, 2 * dim))  # PatchMerging's reduction
         self.features = nn.Sequential(*layers)
+
+
+# --------------------------------------------------------------- vit-pytorch cross_vit.py (CrossViT)
+
+
+class CrossVitAttention(nn.Module):
+    """Attention: norm, to_q Linear(dim, inner, bias=False), to_kv Linear(dim, 2 * inner, bias=False) chunked
+    k | v, einsum products around a softmax; ``context`` (default: x) feeds to_kv, with x prepended when
+    kv_include_self (the CLS token also attends to itself)."""
+
+    def __init__(self, dim: int, heads: int, dim_head: int):
+        super().__init__()
+        inner = heads * dim_head
+        self.heads, self.scale = heads, dim_head**-0.5
+        self.norm = nn.LayerNorm(dim)
+        self.attend = nn.Softmax(dim=-1)
+        self.to_q = nn.Linear(dim, inner, bias=False)
+        self.to_kv = nn.Linear(dim, inner * 2, bias=False)
+        self.to_out = nn.Sequential(nn.Linear(inner, dim), nn.Dropout(0.0))
+
+    def forward(self, x, context=None, kv_include_self=False):
+        x = self.norm(x)
+        context = x if context is None else context
+        if kv_include_self:
+            context = torch.cat((x, context), dim=1)
+        qkv = (self.to_q(x), *self.to_kv(context).chunk(2, dim=-1))
+        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in qkv)
+        attn = self.attend(torch.einsum("b h i d, b h j d -> b h i j", q, k) * self.scale)
+        out = torch.einsum("b h i j, b h j d -> b h i d", attn, v)
+        return self.to_out(out.transpose(1, 2).flatten(2))
+
+
+class CrossVitFeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class CrossVitTransformer(nn.Module):
+    """Transformer: layers.{j} = [Attention, FeedForward], norm (one branch's self-attention)."""
+
+    def __init__(self, dim: int, depth: int, heads: int, dim_head: int, mlp_dim: int):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.ModuleList([CrossVitAttention(dim, heads, dim_head), CrossVitFeedForward(dim, mlp_dim)])
+            for _ in range(depth)
+        )
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x):
+        for attn, ff in self.layers:
+            x = attn(x) + x
+            x = ff(x) + x
+        return self.norm(x)
+
+
+class CrossVitProjectInOut(nn.Module):
+    """ProjectInOut: project_in / project_out Linear where the two branches' widths differ, around fn."""
+
+    def __init__(self, dim_in: int, dim_out: int, fn: nn.Module):
+        super().__init__()
+        self.fn = fn
+        self.project_in = nn.Linear(dim_in, dim_out) if dim_in != dim_out else nn.Identity()
+        self.project_out = nn.Linear(dim_out, dim_in) if dim_in != dim_out else nn.Identity()
+
+    def forward(self, x, *args, **kwargs):
+        return self.project_out(self.fn(self.project_in(x), *args, **kwargs))
+
+
+class CrossVitCrossTransformer(nn.Module):
+    """CrossTransformer: layers.{j} = [sm_attend_lg, lg_attend_sm]; each branch's CLS token attends to the
+    other branch's patch tokens (context=..., kv_include_self=True)."""
+
+    def __init__(self, sm_dim: int, lg_dim: int, depth: int, heads: int, dim_head: int):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.ModuleList(
+                [
+                    CrossVitProjectInOut(sm_dim, lg_dim, CrossVitAttention(lg_dim, heads, dim_head)),
+                    CrossVitProjectInOut(lg_dim, sm_dim, CrossVitAttention(sm_dim, heads, dim_head)),
+                ]
+            )
+            for _ in range(depth)
+        )
+
+    def forward(self, sm_tokens, lg_tokens):
+        (sm_cls, sm_patch), (lg_cls, lg_patch) = ((t[:, :1], t[:, 1:]) for t in (sm_tokens, lg_tokens))
+        for sm_attend_lg, lg_attend_sm in self.layers:
+            sm_cls = sm_attend_lg(sm_cls, context=lg_patch, kv_include_self=True) + sm_cls
+            lg_cls = lg_attend_sm(lg_cls, context=sm_patch, kv_include_self=True) + lg_cls
+        return torch.cat((sm_cls, sm_patch), dim=1), torch.cat((lg_cls, lg_patch), dim=1)
+
+
+class CrossVitPatches(nn.Module):
+    """einops Rearrange('b c (h p1) (w p2) -> b (h w) (p1 p2 c)'): no parameters."""
+
+    def __init__(self, patch: int):
+        super().__init__()
+        self.patch = patch
+
+    def forward(self, img):
+        b, c, h, w = img.shape
+        p = self.patch
+        x = img.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1)
+        return x.reshape(b, (h // p) * (w // p), p * p * c)
+
+
+class CrossVitImageEmbedder(nn.Module):
+    def __init__(self, dim: int, image_size: int, patch_size: int, channels: int = 3):
+        super().__init__()
+        patches, patch_dim = (image_size // patch_size) ** 2, channels * patch_size**2
+        self.to_patch_embedding = nn.Sequential(
+            CrossVitPatches(patch_size), nn.LayerNorm(patch_dim), nn.Linear(patch_dim, dim), nn.LayerNorm(dim)
+        )
+        self.pos_embedding = nn.Parameter(torch.randn(1, patches + 1, dim))
+        self.cls_token = nn.Parameter(torch.randn(1, 1, dim))
+
+    def forward(self, img):
+        x = self.to_patch_embedding(img)
+        x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
+        return x + self.pos_embedding[:, : x.shape[1]]
+
+
+class CrossViT(nn.Module):
+    """CrossViT: sm/lg image embedders, multi_scale_encoder.layers.{i} = [sm Transformer, lg Transformer,
+    CrossTransformer], sm/lg MLP heads (the logits summed)."""
+
+    def __init__(self, image_size=8, sm_dim=16, lg_dim=24, sm_patch=2, lg_patch=4, heads=2, dim_head=8, depth=1):
+        super().__init__()
+        self.sm_image_embedder = CrossVitImageEmbedder(sm_dim, image_size, sm_patch)
+        self.lg_image_embedder = CrossVitImageEmbedder(lg_dim, image_size, lg_patch)
+        encoder = nn.Module()
+        encoder.layers = nn.ModuleList(
+            nn.ModuleList(
+                [
+                    CrossVitTransformer(sm_dim, 1, heads, dim_head, 2 * sm_dim),
+                    CrossVitTransformer(lg_dim, 2, heads, dim_head, 2 * lg_dim),
+                    CrossVitCrossTransformer(sm_dim, lg_dim, 1, heads, dim_head),
+                ]
+            )
+            for _ in range(depth)
+        )
+        self.multi_scale_encoder = encoder
+        self.sm_mlp_head = nn.Sequential(nn.LayerNorm(sm_dim), nn.Linear(sm_dim, 3))
+        self.lg_mlp_head = nn.Sequential(nn.LayerNorm(lg_dim), nn.Linear(lg_dim, 3))
+
+    def forward(self, img):
+        sm, lg = self.sm_image_embedder(img), self.lg_image_embedder(img)
+        for sm_enc, lg_enc, cross_attend in self.multi_scale_encoder.layers:
+            sm, lg = cross_attend(sm_enc(sm), lg_enc(lg))
+        return self.sm_mlp_head(sm[:, 0]) + self.lg_mlp_head(lg[:, 0])

@@ -194,17 +194,28 @@ def test_multihead_attention_with_kdim_vdim():
     assert got.v[2:].abs().max() == 0  # value heads 2-3 have no features left in a 16-wide input
 
 
-def test_qk_norm_is_refused_in_one_line():
-    torch.manual_seed(0)
-    vit = TimmVisionTransformer(qk_norm=True, depth=1).eval()
-    state = snapshot(vit)
+def test_normalization_written_as_ops_is_refused_in_one_line():
+    # Swin-v2-style cosine attention: F.normalize on q and k is no norm module, so the probe cannot read through
+    # it (LayerNorm/RMSNorm modules it can: tests/test_modules_qk_norm.py)
+    class CosineAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4).unbind(0)
+            q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+
+    model = CosineAttention()
+    state = snapshot(model)
     with pytest.raises(LayoutError) as err:
-        surgeon.reinit_(vit)
+        surgeon.reinit_(model)
     message = str(err.value)
     assert "\n" not in message
-    assert message.startswith("cannot resolve the attention in blocks.0.attn: its query is not")
-    assert "QK-norm" in message
-    assert_only_changed(vit, state, [])
+    assert message.startswith("cannot resolve the attention in CosineAttention: its query is not")
+    assert "normalization written as ops" in message or "F.normalize" in message
+    assert_only_changed(model, state, [])
 
 
 def test_heads_split_over_several_tensors_are_refused():

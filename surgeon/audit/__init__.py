@@ -35,6 +35,7 @@ from ..errors import CheckpointError, SurgeonError, VerificationError
 from ..journal import hold
 from ..modes import get_mode
 from ..shown import shown
+from ..spec import split_module
 from .record import Record, card_records, other_version_note, parse_record, stored_history
 from .values import DerivedMismatch, check_changed, check_untouched
 
@@ -55,7 +56,8 @@ class Verification:
         """The one-line verdict (names shown escaped: a path with a newline in it stays on the line)."""
         o = self.record.get("options", {})
         how = get_mode(self.mode).verify_bound
-        n = len(self.record.get("blocks", []))
+        # a joint block's context stream ("<module>:context") is recorded beside its block: one attention block
+        n = len({split_module(str(b.get("module", "")))[0] for b in self.record.get("blocks", [])})
         files = f", {self.files} other file{'s' if self.files != 1 else ''} byte-identical" if self.files else ""
         made = f" (made by surgeon {self.record.get('version')})" if self.record.get("version") != __version__ else ""
         return shown(

@@ -257,6 +257,15 @@ DIFFUSERS_HEADS_AS_HEAD_DIM = (
 # BasicTransformerBlock (attention.py) and PixArt/Transformer2DModel blocks hold self-attention in
 # attn1 and cross-attention in attn2 (unless the config sets double_self_attention / only_cross_attention).
 CROSS_ROLES = (("transformer_blocks", "attn2"),)
+# Where an attn2 is not that: the block also holds joint attention (an ``attn`` with the context stream's
+# add_q_proj), so it is diffusers' JointTransformerBlock with use_dual_attention (SD3.5), whose forward calls
+# self.attn2(hidden_states=norm_hidden_states2): a second self-attention over the same tokens. (leaf, sibling tensor)
+SELF_BESIDE = (("attn2", "attn.add_q_proj.weight"),)
+# Cross-attention by the whole module path, where the library's module tree says so and no word does: vit-pytorch
+# cross_vit.py, whose MultiScaleEncoder layers are [small-patch Transformer, large-patch Transformer, CrossTransformer];
+# each CrossTransformer layer holds two ProjectInOut(fn=Attention) whose CLS token reads the other branch's patch
+# tokens (sm_attend_lg(sm_cls, context=lg_patch_tokens, kv_include_self=True)).
+CROSS_BY_PATH = (r"(^|\.)multi_scale_encoder\.layers\.\d+\.2\.layers\.\d+\.[01]\.fn$",)
 
 # timm fused qkv whose packing depends on the model, by config.json "architecture" (first match wins).
 # maxxvit.py (MaxViT, MaxxViT, CoAtNet): head_first=True packs per head [q_h | k_h | v_h] ("interleaved"),

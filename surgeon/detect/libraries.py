@@ -28,6 +28,7 @@ from .families import (
     FUSED_PACKING_BY_ARCHITECTURE,
     KV_MAP_BY_PATH,
     MAXXVIT_WORDS,
+    SELF_BESIDE,
     SEPARATE_BIASES,
     TIMM_HEAD_DIM,
     TIMM_HEADS,
@@ -211,15 +212,26 @@ def companion_block(block: AttentionBlock, shapes: Mapping[str, tuple[int, ...]]
 
 
 def roles_by_position(blocks: list[AttentionBlock], names: Mapping[str, Any]) -> list[AttentionBlock]:
-    """Cross-attention in the stacks of CROSS_BY_POSITION, told by the entry's place among its stack's
-    entries, or by keys that read another width than the queries (x-transformers' dim_context)."""
+    """Each block's kind where its place among the other names settles it: cross-attention in the stacks
+    of CROSS_BY_POSITION, told by the entry's place among its stack's entries, or by keys that read another
+    width than the queries (x-transformers' dim_context); self-attention where a role that is usually
+    cross sits beside joint attention (SELF_BESIDE: SD3.5's dual attention)."""
     out = []
     for block in blocks:
         wider = block.k.in_features != block.q.in_features
         family = any(block.stack.endswith(stack) for stack in CROSS_BY_POSITION)
         cross = (family and (wider or _second_of_run(block, names))) or (block.layout in CROSS_BY_WIDTH and wider)
-        out.append(dataclasses.replace(block, kind="cross") if cross and block.kind == "self" else block)
+        if cross and block.kind == "self":
+            block = dataclasses.replace(block, kind="cross")
+        elif block.kind == "cross" and not wider and _beside_joint(block.module, names):
+            block = dataclasses.replace(block, kind="self")
+        out.append(block)
     return out
+
+
+def _beside_joint(module: str, names: Mapping[str, Any]) -> bool:
+    parent, _, leaf = module.rpartition(".")
+    return any(leaf == role and f"{parent}.{sibling}" in names for role, sibling in SELF_BESIDE)
 
 
 def _second_of_run(block: AttentionBlock, names: Mapping[str, Any]) -> bool:

@@ -17,10 +17,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from .families import CROSS_ROLES, CROSS_WORDS, INDEXED_NAMES
+from .families import CROSS_BY_PATH, CROSS_ROLES, CROSS_WORDS, INDEXED_NAMES
 
 NUMERIC = re.compile(r"^\d+$")
 _INDEXED = tuple(re.compile(p) for p in INDEXED_NAMES)
+_CROSS_PATHS = tuple(re.compile(p) for p in CROSS_BY_PATH)
 
 
 def _number(part: str) -> int | None:
@@ -39,10 +40,15 @@ def join(module: str, leaf: str) -> str:
 
 
 def kind(module: str) -> Literal["self", "cross"]:
-    """ "cross" when one of the last two path components is a cross-attention word, else "self"."""
+    """ "cross" when one of the last two path components is a cross-attention word, the path is one a library
+    writes for cross-attention (CROSS_BY_PATH) or the module's role in its block says so (CROSS_ROLES), else "self".
+    What a path cannot tell (SELF_BESIDE, CROSS_BY_POSITION) is settled with the other names in
+    :func:`surgeon.detect.libraries.roles_by_position`."""
     comps = module.split(".")
     leaf_words = [w.lower() for w in comps[-2:]]
     if any(w in CROSS_WORDS for w in leaf_words):
+        return "cross"
+    if any(p.search(module) for p in _CROSS_PATHS):  # the library's module tree (CROSS_BY_PATH): vit-pytorch CrossViT
         return "cross"
     # the module's role in its block (CROSS_ROLES): diffusers' transformer_blocks.N.attn2
     return "cross" if any(comps[-3:-2] == [block] and comps[-1] == leaf for block, leaf in CROSS_ROLES) else "self"

@@ -20,8 +20,10 @@ How the forward is read: a ``TorchFunctionMode`` replaces the output of every pr
 with four codings -- all ones, the feature's row index, the parameter's number, a random value --
 give, for every entry of q/k/v at the first token, ``value = s * code`` for an unknown scale ``s``
 (the 1/sqrt(d) some modules fold into q), so the ratios to the all-ones forward name the parameter
-and row exactly, and the random coding proves the path is a plain selection (no QK-norm, no clamp,
-no bias added after the op). Only the first token is read, where rotary embeddings are the
+and row exactly, and the random coding proves the path is a plain selection (no clamp, no
+normalization written as ops, no bias added after the op). A LayerNorm/RMSNorm module applied to a
+projection's codes (timm's qk_norm, Qwen3's q_norm/k_norm) hands them on unchanged: it is part of the
+model, kept as it is, and named in a note. Only the first token is read, where rotary embeddings are the
 identity. Anything that does not decode exactly is reported as unresolved, never guessed.
 """
 

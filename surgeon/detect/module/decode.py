@@ -15,7 +15,7 @@ from ...errors import LayoutError, opt
 from ...spec import KV_MAPS, AttentionBlock, Projection, Rows
 from ..by_name import place_matches
 from ..config import Hints
-from ..placement import join
+from ..placement import join, kind
 from .inputs import hf_inputs
 from .probe import FILLS, PROBE_TOKENS, Capture, Op, Targets, Unresolved, Watch, probing, watch_all
 
@@ -64,14 +64,16 @@ def _decode(
     if not torch.isfinite(ones).all() or (ones.abs() < 1e-30).any():
         raise Unresolved(
             f"its {_ROLE[role]} is not a plain selection of projection outputs (zero or not finite where every projection "
-            "output was 1): a normalization such as QK-norm, or values from outside the module's parameters"
+            "output was 1): a normalization written as ops (a LayerNorm/RMSNorm module is read through), or values from "
+            "outside the module's parameters"
         )
     rows, pids = index / ones, param / ones
     for ratio, what in ((rows, "row"), (pids, "parameter")):
         if ((ratio - ratio.round()).abs() > 1e-3 + 2e-7 * ratio.abs()).any() or (ratio.round() < 1).any():
             raise Unresolved(
                 f"its {_ROLE[role]} is not a plain selection of projection outputs (the {what} codes do not come through): "
-                "something mixes features between the projection and the attention product (QK-norm? a bias or position "
+                "something mixes features between the projection and the attention product (a normalization written as ops? "
+                "a bias or position "
                 "term added after the projection?)"
             )
     code = pids.round().long() - 1
@@ -90,7 +92,8 @@ def _decode(
             if not torch.allclose(rand[mask], expected, rtol=1e-4, atol=0.0):
                 raise Unresolved(
                     f"its {_ROLE[role]} is not a linear selection of projection outputs (a random coding does not come through "
-                    "unchanged): a non-linearity such as QK-norm or a clamp sits between the projection and the attention product"
+                    "unchanged): a non-linearity such as F.normalize or a clamp sits between the projection and the attention "
+                    "product (LayerNorm/RMSNorm modules there are read through)"
                 )
     return pid, axis, row
 
@@ -207,12 +210,14 @@ def _block_from(resolved: dict, cap: Capture, targets: Targets) -> AttentionBloc
         layout = f"forward: fused {leaf(tensors[0]).removesuffix('.weight')}"
     else:
         layout = "forward: " + ", ".join(dict.fromkeys(leaf(t).removesuffix(".weight") for t in tensors))
-    kind: Literal["self", "cross"] = "self" if sources["q"] is not None and sources["q"] == sources["k"] else "cross"
+    # what the forward did, unless the module's path says cross (the probe may have called it without its context)
+    same = sources["q"] is not None and sources["q"] == sources["k"]
+    observed: Literal["self", "cross"] = "self" if same and kind(module) == "self" else "cross"
     q = projections["q"]
     return AttentionBlock(
         "",
         0,
-        kind,
+        observed,
         module,
         layout,
         q.heads,
@@ -257,6 +262,7 @@ def probe_blocks(
     hints: Hints | None = None,
     prefix: str = "",
     skip: list[str] | None = None,
+    notes: list[str] | None = None,
 ) -> list[AttentionBlock]:
     """Attention blocks of ``module`` read from its forward alone (no names, no config).
 
@@ -264,14 +270,17 @@ def probe_blocks(
     what the module is called with; without it, a Hugging Face model gets token ids / pixels / audio
     features built from its config, anything else a float tensor (1, tokens, width) tried on the
     module and then on its submodules. ``prefix`` is prepended to every name (``module`` sits there
-    inside a larger model); modules under ``skip`` (paths inside ``module``) are ignored.
+    inside a larger model); modules under ``skip`` (paths inside ``module``) are ignored. ``notes`` gets
+    one line for the normalizations found between a block's projections and its attention (kept as they are).
     """
     hints = hints or Hints()
     with probing(module):
         targets = Targets(module)
         names = {m: n for n, m in module.named_modules()}
         blocks: dict[tuple, AttentionBlock] = {}
+        norms: dict[str, str] = {}  # norm module -> the tensor whose codes it normalized
         for runs in _call_sites(module, example_inputs, names, targets, skip or []):
+            norms.update((path, targets.names[pid]) for path, pid in runs["ones"].kept_norms)
             for i, cap in enumerate(runs["ones"].captures):
                 if skip and under(cap.module, skip):
                     continue
@@ -284,7 +293,31 @@ def probe_blocks(
                     raise LayoutError(f"cannot resolve the attention in {where}: {exc}") from None
                 if not (skip and under(block.module, skip)):
                     blocks.setdefault(tuple((p.weight.tensor, p.weight.offsets) for p in block.projections), block)
-    return [prefixed(b, prefix) for b in placed(list(blocks.values()))] if blocks else []
+    found = [prefixed(b, prefix) for b in placed(list(blocks.values()))] if blocks else []
+    if notes is not None:
+        notes += kept_norms_note({join(prefix, m): join(prefix, t) for m, t in norms.items()}, found)
+    return found
+
+
+def kept_norms_note(norms: Mapping[str, str], blocks: list[AttentionBlock]) -> list[str]:
+    """One line naming the normalizations (norm module -> the projection tensor it reads) that sit between
+    a block's query/key projections and its attention: part of the model, kept as they are."""
+    per_block: dict[str, list[str]] = {}
+    for block in blocks:
+        tensors = {p.weight.tensor for p in block.projections}
+        owner = block.module + "." if block.module else ""
+        leaves = [n.removeprefix(owner) for n, t in norms.items() if t in tensors]
+        if leaves:
+            per_block[block.module] = leaves
+    if not per_block:
+        return []
+    first, leaves = next(iter(per_block.items()))
+    more = len(per_block) - 1
+    where = first + (f" and {more} more block{'s' if more > 1 else ''}" if more else "")
+    return [
+        f"{where}: {', '.join(leaves)} normalize{'s' if len(leaves) == 1 else ''} projection outputs before the "
+        "attention; kept as they are (part of the model): surgeon conditions the q/k/v projections before them"
+    ]
 
 
 def _call_sites(module, example_inputs, names, targets, skip) -> list[dict[str, Watch]]:

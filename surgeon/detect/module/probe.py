@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -105,6 +106,10 @@ class Targets:
         return self._random[key]
 
 
+# Normalization modules (torch's LayerNorm/RMSNorm, transformers' Qwen3RMSNorm, diffusers' RMSNorm, timm's
+# LayerNorm) by class name. Applied to a projection's output (timm qk_norm, Qwen3 q_norm/k_norm) they are part
+# of the model, not a mixing of features: the probe passes the codes through them and notes them (kept_norms).
+NORMS = re.compile(r"(LayerNorm|RMSNorm)$")
 _PROJ_OPS = {"linear", "addmm", "matmul", "__matmul__", "mm"}
 _PROD_OPS = {"matmul", "__matmul__", "bmm", "baddbmm", "einsum"}
 _ADD_OPS = {"add", "__add__", "__radd__", "add_", "__iadd__"}
@@ -127,6 +132,8 @@ class Watch(TorchFunctionMode):
         self.ops: list[Op] = []
         self.captures: list[Capture] = []
         self.produced: dict[int, tuple[torch.Tensor, Op]] = {}  # coded outputs, for a bias added afterwards
+        self.coded: dict[int, Op] = {}  # storage of every coded output (views of it share it) -> its op
+        self.kept_norms: list[tuple[str, int]] = []  # (norm module, parameter number) passed through
 
     # module stack: which module's own forward an op runs in
     def pre_hook(self, module, args):
@@ -140,6 +147,15 @@ class Watch(TorchFunctionMode):
         if self.frames and not any(True for _ in module.children()):
             # a leaf module such as nn.Softmax: its events belong to its caller's pattern
             self.frames[-1][1].extend(e for e in events if e[0] == "softmax")
+
+    def norm_hook(self, module, args, output):
+        """A normalization applied to a projection's codes (or a view of them) hands them on unchanged."""
+        x = args[0] if args else None
+        op = self.coded.get(x.untyped_storage().data_ptr()) if isinstance(x, torch.Tensor) else None
+        if op is None or not isinstance(output, torch.Tensor) or output.shape != x.shape:
+            return None
+        self.kept_norms.append((self.names.get(module, ""), op.pid))
+        return x
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -205,6 +221,7 @@ class Watch(TorchFunctionMode):
     def _coded(self, op: Op, out: torch.Tensor) -> torch.Tensor:
         coded = self._codes(op, out)
         self.produced[id(coded)] = (coded, op)
+        self.coded[coded.untyped_storage().data_ptr()] = op
         return coded
 
     def _codes(self, op: Op, out: torch.Tensor) -> torch.Tensor:
@@ -305,6 +322,8 @@ def _hooks(module: nn.Module, watch: Watch) -> list:
     for m in module.modules():
         handles.append(m.register_forward_pre_hook(watch.pre_hook))
         handles.append(m.register_forward_hook(watch.post_hook, always_call=True))
+        if NORMS.search(type(m).__name__):
+            handles.append(m.register_forward_hook(watch.norm_hook))
     return handles
 
 

@@ -12,9 +12,10 @@ from ...formats.base import TensorInfo
 from ...spec import AttentionBlock, Projection, Rows, slot_offsets
 from ..by_name import detect, match_modules, with_companions
 from ..config import Hints
-from ..libraries import with_separate_biases
+from ..libraries import roles_by_position, with_separate_biases
 from ..placement import join, kind, stack_depths
-from .decode import placed, prefixed, probe_blocks, under
+from .decode import kept_norms_note, placed, prefixed, probe_blocks, under
+from .probe import NORMS
 
 
 @dataclass
@@ -47,7 +48,7 @@ def detect_module(module: nn.Module, *, hints: Hints | None = None, example_inpu
             if hints.num_heads is not None:  # the user said how many heads: the names were the way
                 raise
             try:  # names and config do not settle it: ask the forward
-                blocks = probe_blocks(hf, example_inputs=example_inputs, hints=hints, prefix=prefix)
+                blocks = probe_blocks(hf, example_inputs=example_inputs, hints=hints, prefix=prefix, notes=found.notes)
             except SurgeonError as probe_exc:
                 raise LayoutError(f"{exc} (the forward did not settle it either: {probe_exc})") from None
             _add(found, blocks, "forward")
@@ -64,6 +65,7 @@ def detect_module(module: nn.Module, *, hints: Hints | None = None, example_inpu
                 rel = name[len(prefix) + 1 :] if prefix else name
                 found.seed_names[name] = renames.get(rel, rel)
         found.notes += detection.notes[:5]
+        found.notes += kept_norms_note(_norms_in(module, blocks), blocks)
     own: list[AttentionBlock] = []
     for path, mha in module.named_modules():
         if isinstance(mha, nn.MultiheadAttention) and not under(path, handled):
@@ -72,11 +74,11 @@ def detect_module(module: nn.Module, *, hints: Hints | None = None, example_inpu
     routes = {b.module: "class" for b in own}
     rest = [n for n in params if params[n].dim() == 2 and params[n].is_floating_point() and not under(n, handled)]
     if rest:
-        probed = probe_blocks(module, example_inputs=example_inputs, hints=hints, skip=handled)
+        probed = probe_blocks(module, example_inputs=example_inputs, hints=hints, skip=handled, notes=found.notes)
         shapes = {n: tuple(p.shape) for n, p in params.items()}
-        probed = with_companions(
-            [with_separate_biases(b, shapes) for b in probed], shapes
-        )  # EVA's q_bias, joint attention's context
+        probed = with_companions(  # EVA's q_bias, joint attention's context; kinds the names settle (SD3.5's attn2)
+            roles_by_position([with_separate_biases(b, shapes) for b in probed], shapes), shapes
+        )
         own += probed
         routes.update({b.module: "forward" for b in probed})
         _refuse_unseen(module, rest, probed, example_inputs)
@@ -95,6 +97,20 @@ def _add(
     found.blocks += blocks
     for b in blocks:
         found.routes[b.module] = route or (routes or {}).get(b.module, "forward")
+
+
+def _norms_in(module: nn.Module, blocks: list[AttentionBlock]) -> dict[str, str]:
+    """Per-head normalizations inside attention modules found by name (Qwen3's q_norm/k_norm over head_dim):
+    they can only act on the per-head queries/keys. norm module -> the block's query tensor."""
+    out = {}
+    by_module = {b.module: b for b in blocks}
+    for path, m in module.named_modules():
+        block = by_module.get(path.rpartition(".")[0])
+        weight = getattr(m, "weight", None)
+        if block and NORMS.search(type(m).__name__) and isinstance(weight, nn.Parameter):
+            if weight.numel() == block.head_dim:
+                out[path] = block.q.weight.tensor
+    return out
 
 
 def _tensor_infos(module: nn.Module) -> dict[str, TensorInfo]:
