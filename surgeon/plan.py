@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
+from .detect.placement import kind
 from .errors import OptionError, SelectionError, opt
 from .modes import get_mode
 
 # The options live in surgeon.options; importable from here as before.
 from .options import AS_FIELD, BIAS_CHOICES, MODES, OptionInfo, ReinitOptions, option_infos, stacks_of
 from .selection import IndexSpec, format_indices, parse_attention, parse_targets, resolve_indices
-from .spec import AttentionBlock, Projection
+from .spec import AttentionBlock, Projection, Unreadable
 
 if TYPE_CHECKING:
     from .detect.result import Detection
@@ -113,6 +114,7 @@ def prepare_checkpoint(source: Source, detection: Detection, options: ReinitOpti
         shapes={n: t.shape for n, t in weights.tensors.items()},
         whole_tensors=weights.rewrites_whole_tensors,
         depths=detection.depths,
+        unreadable=detection.unreadable,
     )
 
 
@@ -124,6 +126,7 @@ def prepare(
     shapes: dict[str, tuple[int, ...]] | None = None,
     whole_tensors: bool = True,
     depths: dict[str, int] | None = None,
+    unreadable: Sequence[Unreadable] = (),
 ) -> Plan:
     """The one planning step of every entry point (checkpoints, verify, models in memory, init hooks).
 
@@ -140,7 +143,7 @@ def prepare(
             f"{opt('mode', mode.name)} is not supported on these weights: it rewrites W_O too, and in this format "
             "(an ONNX graph) surgeon patches Q/K/V initializers only; use a safetensors/PyTorch checkpoint"
         )
-    plan = make_plan(blocks, mode.with_defaults(options, config), depths)
+    plan = make_plan(blocks, mode.with_defaults(options, config), depths, unreadable)
     mode.add_outputs(plan, shapes or {})
     return plan
 
@@ -150,10 +153,17 @@ def _stack_matches(stack: str, wanted: list[str]) -> bool:
     return any(w == stack or w in comps for w in wanted)
 
 
-def make_plan(blocks: list[AttentionBlock], options: ReinitOptions, depths: Mapping[str, int] | None = None) -> Plan:
+def make_plan(
+    blocks: list[AttentionBlock],
+    options: ReinitOptions,
+    depths: Mapping[str, int] | None = None,
+    unreadable: Sequence[Unreadable] = (),
+) -> Plan:
     """The changes ``options`` select. Layers are the model's own numbers; ``depths`` (stack -> its
-    layers, those without attention included) lets ``-1`` and ranges reach past the last attention layer."""
+    layers, those without attention included) lets ``-1`` and ranges reach past the last attention layer.
+    ``unreadable``: attention detection could not read; a selection that includes one is refused."""
     options = options.validated()
+    left = _check_unreadable(blocks, unreadable, options, depths or {})
     targets = parse_targets(options.targets)
     kinds = parse_attention(options.attention)
     chosen = [b for b in blocks if b.kind in kinds]
@@ -168,7 +178,7 @@ def make_plan(blocks: list[AttentionBlock], options: ReinitOptions, depths: Mapp
         chosen = [b for b in chosen if _stack_matches(b.stack, wanted)]
     if not chosen:
         raise SelectionError(f"no {options.attention}-attention blocks in this model (it has {_kinds_present(blocks)})")
-    plan = Plan(options=options, blocks=blocks)
+    plan = Plan(options=options, blocks=blocks, notes=left)
     by_stack: dict[str, list[AttentionBlock]] = {}
     for b in chosen:
         by_stack.setdefault(b.stack, []).append(b)
@@ -201,6 +211,32 @@ def make_plan(blocks: list[AttentionBlock], options: ReinitOptions, depths: Mapp
             f"the selection picks no projection: check {opt('layers')}, {opt('heads')}, {opt('targets')} and {opt('attention')}"
         )
     return plan
+
+
+def _check_unreadable(
+    blocks: list[AttentionBlock], unreadable: Sequence[Unreadable], options: ReinitOptions, depths: Mapping[str, int]
+) -> list[str]:
+    """Refuse a selection that includes attention surgeon cannot read; name the rest as left untouched."""
+    kinds = parse_attention(options.attention)
+    wanted = stacks_of(options.stack) if options.stack is not None else None
+    notes = []
+    for u in unreadable:
+        depth = max([depths.get(u.stack, 0), u.layer + 1] + [max(b.users) + 1 for b in blocks if b.stack == u.stack])
+        try:
+            layers = set(resolve_indices(options.layers, depth, what="layer", where=u.stack or "the model"))
+        except SelectionError:
+            layers = set()
+        if u.layer in layers and kind(u.module) in kinds and (wanted is None or _stack_matches(u.stack, wanted)):
+            others = sorted(layers - {x.layer for x in unreadable if x.stack == u.stack})
+            skip = (
+                opt("layers", format_indices(others)) if others else opt("stack", "OTHER") if wanted is None else None
+            )
+            raise SelectionError(
+                f"layer {u.layer} of {u.stack or 'the model'} holds attention surgeon cannot read, so it would be left "
+                f"as it is: {u.why}; leave it out of the selection" + (f" ({skip})" if skip else "")
+            )
+        notes.append(f"left untouched: {u.why}")
+    return notes[:1] + ([f"and {len(notes) - 1} more such blocks left untouched"] if len(notes) > 1 else [])
 
 
 _PICK_A_STACK = f" (pick a stack with {opt('stack')})"

@@ -71,6 +71,17 @@ class Projection:
 
 
 @dataclass(frozen=True)
+class Unreadable:
+    """Attention surgeon found but cannot re-initialize faithfully (its heads, packing or projections are
+    not known): never touched; a selection that includes it is refused, one that does not goes ahead."""
+
+    stack: str
+    layer: int
+    module: str
+    why: str  # one line: what is unknown
+
+
+@dataclass(frozen=True)
 class AttentionBlock:
     """One attention layer: its place in the model and its three projections."""
 

@@ -13,7 +13,7 @@ from typing import TypeVar
 
 from ..errors import CheckpointError, LayoutError, NoAttentionFoundError, UnsupportedWeightsError, opt
 from ..formats.base import TensorInfo
-from ..spec import AttentionBlock, Projection, Rows, packed_size, slot_offsets, split_module
+from ..spec import AttentionBlock, Projection, Rows, Unreadable, packed_size, slot_offsets, split_module
 from .config import ConfigView, Hints, StackFacts
 from .families import (  # noqa: F401
     CROSS_WORDS,
@@ -28,7 +28,7 @@ from .families import (  # noqa: F401
     projection_names,
 )
 from .libraries import companion_block, kv_map, library_notes, roles_by_position, with_separate_biases
-from .notes import block_notes
+from .notes import block_notes, linear_notes, unknown_attention
 from .placement import join, kind, place, stack_depths
 from .result import Detection
 from .shapes import heads_from_head_dim, pointwise, solve
@@ -51,30 +51,50 @@ def detect(
     notes = _partial_matches(tensors, matches)
     placed = place_matches(matches)
     view.hints.check_stacks(list(dict.fromkeys(stack for _, _, stack, _, _ in placed)))
-    blocks = [_build(module, rule, stack, layer, stage, tensors, view) for module, rule, stack, layer, stage in placed]
+    blocks: list[AttentionBlock] = []
+    unreadable: list[Unreadable] = []
+    errors: list[LayoutError] = []
+    linear: dict[str, list[int]] = {}
+    for module, rule, stack, layer, stage in placed:
+        if view.linear_layer(stack, layer):  # linear attention (gated delta-net, ...): not softmax attention
+            linear.setdefault(stack, []).append(layer)
+            continue
+        facts = view.facts(stack, cross=kind(module) == "cross", layer=layer)  # a contradicted hint: refused here
+        try:
+            blocks.append(_build(module, rule, stack, layer, stage, tensors, view, facts))
+        except LayoutError as e:  # this block cannot be read; the others still can
+            unreadable.append(Unreadable(stack, layer, module, e.message))
+            errors.append(e)
     blocks = with_companions(roles_by_position(blocks, tensors), tensors)
     refused = _refused(tensors)
+    unknown, left_alone = unknown_attention(tensors, [owner(p[0]) for p in placed])
+    unreadable += refused + unknown
     if not blocks:
+        if errors:
+            raise errors[0]
         if refused:
-            raise UnsupportedWeightsError(refused[0])
-        raise NoAttentionFoundError(_nothing_found(tensors, notes, source))
-    notes = [f"left untouched: {r}" for r in refused] + notes
+            more = sum(1 for u in refused if u.why.endswith(refused[0].why.partition(" uses ")[2])) - 1
+            where = refused[0].module + (f" and {more} more use " if more else " uses ")
+            raise UnsupportedWeightsError(where + refused[0].why.partition(" uses ")[2])
+        raise NoAttentionFoundError(_nothing_found(tensors, notes + [u.why for u in unknown], source))
+    notes = linear_notes(linear) + left_alone + notes
     _refuse_mixed_widths(blocks, view)
     blocks = shared_blocks(blocks, view)
     depths = stack_depths([b.stack for b in blocks], tensors)
     notes = block_notes(blocks, view) + library_notes(blocks) + notes
-    return Detection(blocks, len(tensors), notes, depths=depths)
+    return Detection(blocks, len(tensors), notes, depths=depths, unreadable=unreadable)
 
 
-def _refused(tensors: Mapping[str, TensorInfo]) -> list[str]:
-    """One message per refused layout present (REFUSED), naming its modules and why."""
+def _refused(tensors: Mapping[str, TensorInfo]) -> list[Unreadable]:
+    """The modules of each refused layout present (REFUSED), each with why."""
     out = []
     for rule in REFUSED:
         modules = [n[: -len(rule.weights[0]) - 1] for n in tensors if n.endswith("." + rule.weights[0])]
         modules = [m for m in modules if all(join(m, w) in tensors for w in rule.weights)]
-        if modules:
-            where = f"{modules[0]}" + (f" and {len(modules) - 1} more" if len(modules) > 1 else "")
-            out.append(f"{where} use {rule.name}, which surgeon does not re-initialize: {rule.why}")
+        places = place(modules)
+        for m in modules:
+            why = f"{m} uses {rule.name}, which surgeon does not re-initialize: {rule.why}"
+            out.append(Unreadable(places[m].stack, places[m].layer, m, why))
     return out
 
 
@@ -230,8 +250,8 @@ def _build(
     stage: int | None,
     tensors: Mapping[str, TensorInfo],
     view: ConfigView,
+    facts: StackFacts,
 ) -> AttentionBlock:
-    facts = view.facts(stack, cross=kind(module) == "cross")
     where = module or "the top-level attention module"
     heads = _heads(module, rule, stack, stage, tensors, view, facts, where)
     kv_hint = facts.pick(facts.kv_heads, stage)

@@ -19,6 +19,11 @@ from .families import (  # noqa: F401
     HEADS_KEYS,
     HIDDEN_KEYS,
     KV_HEADS_KEYS,
+    LAYER_TYPE_KEYS,
+    LAYER_TYPE_PREFIXES,
+    LINEAR_LAYER_TYPES,
+    PER_LAYER_CONFIG_KEYS,
+    PER_LAYER_SUFFIX,
     SUBCONFIG_BY_PATH,
     SUBCONFIG_WORDS,
 )
@@ -183,13 +188,50 @@ class ConfigView:
                 names.append(key)
         return scope, "config.json " + ".".join(names) if names else "config.json"
 
-    def facts(self, stack: str, *, cross: bool = False) -> StackFacts:
+    def linear_layer(self, stack: str, layer: int) -> bool:
+        """Whether the config says layer ``layer`` of ``stack`` is linear attention (LINEAR_LAYER_TYPES)."""
+        return self._layer_type(self._scope(stack)[0], layer) in LINEAR_LAYER_TYPES
+
+    @staticmethod
+    def _layer_type(scope: dict, layer: int | None) -> str | None:
+        for key in LAYER_TYPE_KEYS:
+            types = scope.get(key)
+            if layer is not None and isinstance(types, list) and layer < len(types) and isinstance(types[layer], str):
+                return types[layer]
+        return None
+
+    def _layer_facts(self, scope: dict, layer: int | None) -> list[dict]:
+        """What the config says of layer ``layer`` alone, first: its per-layer entries, the keys of its
+        layer type (LAYER_TYPE_PREFIXES), its entry in per-layer lists."""
+        if layer is None:
+            return []
+        out = []
+        for key in PER_LAYER_CONFIG_KEYS:
+            table = scope.get(key)
+            if isinstance(table, dict):
+                out += [
+                    v for k, v in table.items() if isinstance(v, dict) and str(k).strip().isdigit() and int(k) == layer
+                ]
+        prefix = LAYER_TYPE_PREFIXES.get(self._layer_type(scope, layer) or "")
+        if prefix:
+            out.append({k.removeprefix(prefix): v for k, v in scope.items() if k.startswith(prefix)})
+        lists = {
+            k.removesuffix(PER_LAYER_SUFFIX): v[layer]
+            for k, v in scope.items()
+            if k.endswith(PER_LAYER_SUFFIX) and isinstance(v, list) and layer < len(v) and isinstance(v[layer], int)
+        }
+        return out + ([lists] if lists else [])
+
+    def facts(self, stack: str, *, cross: bool = False, layer: int | None = None) -> StackFacts:
         """Heads, key/value heads, head size and width of ``stack``'s attention (``cross``: its
-        cross-attention, where the config gives that its own: Dia's cross_num_attention_heads)."""
+        cross-attention, where the config gives that its own: Dia's cross_num_attention_heads; ``layer``:
+        of that layer, where the config says more of it: Gemma-4's per_layer_config)."""
         scope, source = self._scope(stack)
-        nested = [scope] + [
-            v for k, v in scope.items() if k in ("attn_config", "attention_config") and isinstance(v, dict)
-        ]
+        nested = (
+            self._layer_facts(scope, layer)
+            + [scope]
+            + [v for k, v in scope.items() if k in ("attn_config", "attention_config") and isinstance(v, dict)]
+        )
         decoder = any("decoder" in w for w in stack.lower().split("."))
         side = "decoder" if decoder else "encoder"
         # per-stack keys first: encoder_attention_heads (BART), encoder_num_attention_heads (Moonshine)

@@ -167,6 +167,28 @@ def projection_names() -> list[str]:
     return list(dict.fromkeys("/".join(p.weight.removesuffix(".weight") for p in rule.parts) for rule in RULES))
 
 
+# --- layers whose facts differ from the stack's ------------------------------------------------
+# Config lists naming each layer's type (Qwen3-Next, Kimi-Linear, Gemma, Inkling).
+LAYER_TYPE_KEYS = ("layer_types", "layers_block_type")
+# Layer types that are not softmax attention: their projections (often q_proj/k_proj/v_proj too, e.g.
+# Kimi-Linear's delta attention) are left alone, with a note.
+LINEAR_LAYER_TYPES = ("linear_attention",)
+# Layer types whose heads use keys of their own, by the prefix those keys carry: Inkling's sliding layers
+# ("hybrid_sliding") run swa_num_attention_heads heads of swa_head_dim (modeling_inkling.py).
+LAYER_TYPE_PREFIXES = {"hybrid_sliding": "swa_"}
+# Per-layer overrides: a dict from layer number to facts (Gemma-4's per_layer_config, {"05": {"head_dim":
+# 512}}: its full-attention layers' head size), or a list per layer of a fact (Laguna's
+# num_attention_heads_per_layer: the fact is the key less this suffix).
+PER_LAYER_CONFIG_KEYS = ("per_layer_config",)
+PER_LAYER_SUFFIX = "_per_layer"
+
+# Modules named like attention whose tensors no rule reads are named in the report; these are attention
+# without a query-key product, left alone with a note rather than refused: the tensor that marks them.
+NOT_QK_ATTENTION = {"sampling_offsets": "multi-scale deformable attention (sampled points, no query-key product)"}
+ATTENTION_WORDS = ("attn", "attention")  # a module-path word holding one of these names attention
+NOT_ATTENTION_WORDS = ("norm", "linear_attn", "linear_attention")  # ...unless it holds one of these
+
+
 # --- hybrids: blocks that several layers run -------------------------------------------------
 @dataclass(frozen=True)
 class SharedBlocks:

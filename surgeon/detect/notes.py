@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from ..spec import AttentionBlock
+from collections.abc import Mapping
+
+from ..formats.base import TensorInfo
+from ..selection import format_indices
+from ..spec import AttentionBlock, Unreadable
 from .config import ConfigView
-from .families import SHARED_BLOCKS
+from .families import ATTENTION_WORDS, NOT_ATTENTION_WORDS, NOT_QK_ATTENTION, SHARED_BLOCKS, projection_names
+from .placement import place
 
 
 def block_notes(blocks: list[AttentionBlock], view: ConfigView) -> list[str]:
@@ -56,3 +61,53 @@ def _adapters(blocks: list[AttentionBlock], view: ConfigView) -> list[str]:
         f"each layer adds its own adapter to the shared block's q/k/v ({rule.adapters_flag}); the adapters are kept, so a "
         "layer's query/key/value maps are the re-initialized weights plus its adapter"
     ]
+
+
+def linear_notes(linear: dict[str, list[int]]) -> list[str]:
+    """One note per stack whose config marks layers as linear attention, which surgeon leaves alone."""
+    return [
+        f"left alone: {len(layers)} linear-attention layer{'s' if len(layers) > 1 else ''} of {stack or 'the model'} "
+        f"({format_indices(sorted(layers))}): config.json marks them linear attention, not softmax attention"
+        for stack, layers in linear.items()
+    ]
+
+
+def unknown_attention(tensors: Mapping[str, TensorInfo], matched: list[str]) -> tuple[list[Unreadable], list[str]]:
+    """Modules named like attention (ATTENTION_WORDS) that hold projection-like matrices no rule reads and
+    no found block is in or around: attention surgeon cannot read (refused when selected), or attention
+    without a query-key product (NOT_QK_ATTENTION: only named). Returns both."""
+    owners = matched  # the modules that hold the found blocks' tensors
+    found: dict[str, list[str]] = {}
+    for name, info in tensors.items():
+        if len(info.shape) < 2:
+            continue
+        parts = name.split(".")[:-1]
+        hits = [i for i, p in enumerate(parts) if any(w in p.lower() for w in ATTENTION_WORDS)]
+        if not hits or any(w in parts[hits[-1]].lower() for w in NOT_ATTENTION_WORDS):
+            continue
+        module = ".".join(parts[: hits[-1] + 1])
+        if any(_inside(o, module) or _inside(module, o) for o in owners):
+            continue
+        found.setdefault(module, []).append(name[len(module) + 1 :])
+    found = {m: names for m, names in found.items() if len(names) >= 2}
+    places = place(found)
+    unread, notes = [], []
+    for module, names in found.items():
+        other = next((why for mark, why in NOT_QK_ATTENTION.items() if any(n.startswith(mark) for n in names)), None)
+        if other is not None:
+            notes.append(module)
+            continue
+        why = (
+            f"{module} looks like attention ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}) but holds no "
+            f"projections named as surgeon knows them ({', '.join(projection_names()[:6])}, ...)"
+        )
+        unread.append(Unreadable(places[module].stack, places[module].layer, module, why))
+    if not notes:
+        return unread, []
+    kind = next(why for mark, why in NOT_QK_ATTENTION.items() if any(n.startswith(mark) for n in found[notes[0]]))
+    more = f" and {len(notes) - 1} more like it" if len(notes) > 1 else ""
+    return unread, [f"left alone: {notes[0]}{more}: {kind}"]
+
+
+def _inside(inner: str, outer: str) -> bool:
+    return outer == "" or inner == outer or inner.startswith(outer + ".")

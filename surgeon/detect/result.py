@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..spec import AttentionBlock
+from ..spec import AttentionBlock, Unreadable
 
 
 @dataclass
@@ -15,6 +15,7 @@ class Detection:
     notes: list[str] = field(default_factory=list)  # why candidates were rejected, for "nothing found"
     graph: Any = None  # what a route knows beyond the blocks (ONNX: which nodes read each initializer)
     depths: dict[str, int] = field(default_factory=dict)  # stack -> its layers, with those without attention
+    unreadable: list[Unreadable] = field(default_factory=list)  # attention left alone; refused when selected
 
     def stacks(self) -> list[str]:
         seen: list[str] = []
