@@ -81,9 +81,10 @@ def summary(rows: list[dict]) -> str:
     import transformers
 
     kinds = [r["verdict"].split(":")[0] for r in rows]
-    counts = {k: kinds.count(k) for k in ("right", "refused", "wrong", "crash", "unjudged", "unbuildable")}
+    counts = {k: kinds.count(k) for k in ("right", "none", "refused", "wrong", "crash", "unjudged", "unbuildable")}
     return (
         f"census of {len(rows)} model types (transformers {transformers.__version__}): {counts['right']} right, "
+        f"{counts['none']} without attention (surgeon and the forward agree), "
         f"{counts['refused']} refused, {counts['wrong']} silently wrong, {counts['crash']} crashed, "
         f"{counts['unjudged']} built but not judged (their forward could not be run), "
         f"{counts['unbuildable']} not buildable offline"

@@ -9,6 +9,7 @@ One type, :func:`census_one`, ends in one verdict:
   report as left alone; nothing else changed; the output loads back into the model's own class with every
   key; ``--layers -1`` changes exactly the last layer of each attention stack.
 * ``refused: REASON``: surgeon stopped with its one-line error; REASON is a word of :data:`REASONS`.
+* ``none``: surgeon finds no attention, and the model's forward runs none either (a CNN, an SSM).
 * ``wrong: WHAT``: a silent wrong answer (exit 0) -- the worst bug there is.
 * ``crash: ...``: an exception that is not one of surgeon's errors.
 * ``unbuildable: WHY`` / ``unjudged: WHY``: transformers cannot build the type from its config offline, or
@@ -20,7 +21,6 @@ Nothing here reads surgeon's tables: heads come from the shapes the model's forw
 from __future__ import annotations
 
 import contextlib
-import gc
 import inspect
 import re
 import tempfile
@@ -297,6 +297,8 @@ class _Watch(TorchFunctionMode):
                 self.record(self.stack[-1], Seen(heads, heads, args[0].shape[-1] // heads, "multi_head_attention"))
             elif func in (torch.matmul, torch.Tensor.matmul, torch.bmm, torch.Tensor.__matmul__):
                 self.last_product[self.stack[-1]] = args[0]
+            elif func is torch.einsum and len(args) > 1:
+                self.last_product[self.stack[-1]] = None  # a product whose operands' roles it does not say
             elif func in (torch.baddbmm, torch.Tensor.baddbmm):
                 self.last_product[self.stack[-1]] = kwargs.get("batch1", args[1] if len(args) > 1 else None)
             elif func in (torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax) and args:
@@ -305,17 +307,16 @@ class _Watch(TorchFunctionMode):
                     module = self.stack[-1]
                     if "softmax" in type(module).__name__.lower() and len(self.stack) > 1:
                         module = self.stack[-2]  # a softmax module counts for its caller
-                    self.record(module, self._scores(module, x))
+                    if module in self.last_product:  # scores from a product: attention, not a softmax over channels
+                        self.record(module, self._scores(module, x))
         return func(*args, **kwargs)
 
     def _scores(self, module, scores: torch.Tensor) -> Seen:
         """Heads and head size of an eager softmax(Q K^T): from the query of the module's last product
-        before it, (1, H, L, d) or (1 * H, L, d) -- the census runs batch 1."""
+        before it, (B, H, L, d); (B * H, L, d) gives the head size only (B may hold windows)."""
         q = self.last_product.get(module)
-        if isinstance(q, torch.Tensor) and q.dim() == scores.dim() and q.shape[-2] == scores.shape[-2]:
-            heads = q.shape[1] if q.dim() == 4 else q.shape[0]
-            if q.shape[:-2] == scores.shape[:-2]:
-                return Seen(heads, None, q.shape[-1], "softmax")
+        if isinstance(q, torch.Tensor) and q.dim() == scores.dim() and q.shape[:-1] == scores.shape[:-1]:
+            return Seen(q.shape[1] if q.dim() == 4 else None, None, q.shape[-1], "softmax")
         return Seen(None, None, None, "softmax")
 
 
@@ -509,7 +510,6 @@ def census_one(model_type: str, work: Path | None = None) -> Verdict:
             v = _judge(model_type, model, config, folder, Path(tmp))
         finally:
             del model
-            gc.collect()
         v.seconds = time.perf_counter() - start
         return v
 
@@ -559,7 +559,10 @@ def _judge(model_type: str, model, config, folder: Path, tmp: Path) -> Verdict:
             if layers == "-1" and "selects only layers without attention" in str(e):
                 reports[layers] = None  # judged below: the model's own last layer must run no attention
                 continue
-            return Verdict(model_type, f"refused: {_reason(str(e))}", str(e).splitlines()[0][:400])
+            reason = _reason(str(e))
+            if reason == "no attention" and seen is not None and not seen:
+                return Verdict(model_type, "none: no attention, and the forward runs none", str(e)[:200])
+            return Verdict(model_type, f"refused: {reason}", str(e).splitlines()[0][:400])
         except Exception as e:  # noqa: BLE001
             return Verdict(model_type, f"crash: {_one_line(e)}")
     n = len(reports["all"].blocks)
@@ -622,6 +625,9 @@ def _problems(model, seen, report, saved, names: _Names, out: Path, last_only: b
     for name, weight in changed_params.items():
         a = attention_of(name.rpartition(".")[0])
         if a is not None:
+            layer = loaded.get_submodule(name.rpartition(".")[0]) if loaded is not None else None
+            if type(layer).__name__ == "Conv1D":  # GPT-2's Conv1D stores (in, out)
+                weight = weight.T
             problems += _conditioned_per_head(name, weight, seen[a])
     for row in report.rows:
         block = row.block

@@ -18,6 +18,7 @@ from .config import ConfigView, Hints, StackFacts
 from .families import (  # noqa: F401
     CROSS_WORDS,
     KV_SLOTS,
+    MODULE_FACTS,
     QUANT_PARAMS,
     REFUSED,
     RULES,
@@ -59,9 +60,15 @@ def detect(
         if view.linear_layer(stack, layer):  # linear attention (gated delta-net, ...): not softmax attention
             linear.setdefault(stack, []).append(layer)
             continue
-        facts = view.facts(stack, cross=kind(module) == "cross", layer=layer)  # a contradicted hint: refused here
+        fixed = MODULE_FACTS.get((view.model_type or "", module.rpartition(".")[2]))
+        facts = view.facts(
+            stack, cross=kind(module) == "cross" or fixed is not None, layer=layer
+        )  # a contradicted hint: refused here
+        if fixed is not None:
+            facts = replace(facts, heads=fixed[0], kv_heads=fixed[0], head_dim=None, source=f"{view.model_type}'s code")
         try:
-            blocks.append(_build(module, rule, stack, layer, stage, tensors, view, facts))
+            block = _build(module, rule, stack, layer, stage, tensors, view, facts)
+            blocks.append(replace(block, kind=fixed[1]) if fixed is not None else block)
         except LayoutError as e:  # this block cannot be read; the others still can
             unreadable.append(Unreadable(stack, layer, module, e.message))
             errors.append(e)
@@ -181,7 +188,9 @@ def match_modules(tensors: Mapping[str, TensorInfo]) -> dict[str, Rule]:
     found: dict[str, Rule] = {}
     for module in candidates:
         for rule in RULES:
-            if all(join(module, p.weight) in tensors for p in rule.parts):
+            if all(join(module, p.weight) in tensors for p in rule.parts) and all(
+                join(module, r) in tensors for r in rule.requires
+            ):
                 _refuse_marker_names(module)
                 found[module] = rule
                 break

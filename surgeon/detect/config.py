@@ -186,6 +186,9 @@ class ConfigView:
             if key is not None:
                 scope = scope[key]
                 names.append(key)
+            elif (prefixed := _prefixed_scope(scope, word)) is not None:
+                scope, prefix = prefixed
+                names.append(prefix + "*")
         return scope, "config.json " + ".".join(names) if names else "config.json"
 
     def linear_layer(self, stack: str, layer: int) -> bool:
@@ -332,6 +335,17 @@ def _subconfig(scope: dict, word: str) -> str | None:
         if score > best_score:
             best, best_score = key, score
     return best
+
+
+def _prefixed_scope(scope: dict, word: str) -> tuple[dict, str] | None:
+    """A tower whose facts sit in the config under a prefix its module's name starts with (SeamlessM4T's
+    t2u_model: t2u_decoder_attention_heads, t2u_hidden_size, ...), as a config of its own."""
+    prefix = word.split("_")[0] + "_"
+    if len(prefix) < 3 or word == prefix[:-1]:
+        return None
+    sub = {k.removeprefix(prefix): v for k, v in scope.items() if k.startswith(prefix)}
+    heads = HEADS_KEYS + tuple(f"{side}_attention_heads" for side in ("encoder", "decoder"))
+    return ({**sub, "model_type": scope.get("model_type")}, prefix) if any(k in sub for k in heads) else None
 
 
 def _sided(side: str, keys: tuple[str, ...]) -> tuple[str, ...]:

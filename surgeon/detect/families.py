@@ -34,6 +34,9 @@ class Part:
 class Rule:
     name: str
     parts: tuple[Part, ...]
+    requires: tuple[
+        str, ...
+    ] = ()  # other tensors the module must hold for the rule to apply (a name alone is ambiguous)
 
 
 def _separate(q: str, k: str, v: str) -> Rule:
@@ -54,6 +57,12 @@ RULES: tuple[Rule, ...] = (
     _separate("wq", "wk", "wv"),  # Meta Llama reference code
     _separate("to_q", "to_k", "to_v"),  # diffusers and lucidrains-style modules
     _separate("q", "k", "v"),  # T5
+    _separate(
+        "linear_q", "linear_k", "linear_v"
+    ),  # Conformer: wav2vec2-BERT, wav2vec2-Conformer, SeamlessM4T, FastSpeech2
+    _separate("project_q", "project_k", "project_v"),  # CPM-Ant
+    _separate("Wq", "Wk", "Wv"),  # CTRL
+    _separate("q_head", "k_head", "v_head"),  # Funnel Transformer
     Rule(
         "fused cross c_attn",  # GPT-2 cross-attention: Conv1D q_attn, Conv1D c_attn holding [K | V]
         (Part("q_attn.weight", "q_attn.bias", "q", "conv1d"), Part("c_attn.weight", "c_attn.bias", "kv", "conv1d")),
@@ -68,6 +77,10 @@ RULES: tuple[Rule, ...] = (
     _fused("qkv_proj", "qkv"),  # Phi-3
     _fused("qkv", "qkv"),  # timm ViT, nanoGPT-style
     _fused("to_qkv", "qkv"),
+    _fused("att_proj", "qkv"),  # Bark, OLMo-1: split(embed_dim) into [Q | K | V]
+    # DeBERTa (v1): in_proj views rows as (heads, 3 * head_dim), biases in q_bias/v_bias; in_proj alone is a
+    # Mamba mixer's input projection, so the biases must be there too
+    Rule("fused in_proj + q_bias", (Part("in_proj.weight", None, "interleaved"),), requires=("q_bias", "v_bias")),
     Rule("fused in_proj", (Part("in_proj_weight", "in_proj_bias", "qkv"),)),  # nn.MultiheadAttention
     Rule(  # nn.MultiheadAttention with kdim/vdim != embed_dim: separate weights, one packed bias
         "separate in_proj",
@@ -189,6 +202,12 @@ ATTENTION_WORDS = ("attn", "attention")  # a module-path word holding one of the
 NOT_ATTENTION_WORDS = ("norm", "linear_attn", "linear_attention")  # ...unless it holds one of these
 
 
+# Attention modules whose heads and kind their family fixes in code, by model type and the module's name:
+# GroupViT's token assignment (modeling_groupvit.py GroupViTAssignAttention) is one head over the whole
+# width, its queries the group tokens and its keys the image tokens.
+MODULE_FACTS: dict[tuple[str, str], tuple[int, str]] = {("groupvit", "assign"): (1, "cross")}
+
+
 # --- hybrids: blocks that several layers run -------------------------------------------------
 @dataclass(frozen=True)
 class SharedBlocks:
@@ -254,7 +273,7 @@ KV_MAP_BY_PATH = {"attn_layers.layers": "interleaved"}
 
 # Separate bias parameters beside a fused weight without its own bias: tensor -> role -> bias name.
 # timm EVA (eva.py EvaAttention, qkv_fused): qkv.weight with q_bias, v_bias (k_bias is a zero buffer).
-SEPARATE_BIASES = {"qkv": {"q": "q_bias", "k": "k_bias", "v": "v_bias"}}
+SEPARATE_BIASES = {"qkv": {"q": "q_bias", "k": "k_bias", "v": "v_bias"}, "in_proj": {"q": "q_bias", "v": "v_bias"}}
 
 # A second stream's projections in the same attention (its own rows, the same heads): the context
 # stream of diffusers' joint attention (SD3, Flux: attention_processor.py JointAttnProcessor2_0 and
