@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from ..spec import SET_TAGS, STREAMS
 
@@ -205,7 +206,7 @@ NOT_ATTENTION_WORDS = ("norm", "linear_attn", "linear_attention")  # ...unless i
 # Attention modules whose heads and kind their family fixes in code, by model type and the module's name:
 # GroupViT's token assignment (modeling_groupvit.py GroupViTAssignAttention) is one head over the whole
 # width, its queries the group tokens and its keys the image tokens.
-MODULE_FACTS: dict[tuple[str, str], tuple[int, str]] = {("groupvit", "assign"): (1, "cross")}
+MODULE_FACTS: dict[tuple[str, str], tuple[int, Literal["self", "cross"]]] = {("groupvit", "assign"): (1, "cross")}
 
 
 # --- hybrids: blocks that several layers run -------------------------------------------------
