@@ -229,7 +229,11 @@ def _check_unreadable(
         if u.layer in layers and kind(u.module) in kinds and (wanted is None or _stack_matches(u.stack, wanted)):
             others = sorted(layers - {x.layer for x in unreadable if x.stack == u.stack})
             skip = (
-                opt("layers", format_indices(others)) if others else opt("stack", "OTHER") if wanted is None else None
+                f"e.g. {opt('layers', format_indices(others))}"
+                if others
+                else f"name the other stacks with {opt('stack', 'NAME')}"
+                if wanted is None
+                else None
             )
             raise SelectionError(
                 f"layer {u.layer} of {u.stack or 'the model'} holds attention surgeon cannot read, so it would be left "

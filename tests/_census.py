@@ -134,6 +134,11 @@ def _shrink(cfg, width: bool) -> None:
         for k, v in list(d.items()):  # per-layer lists of the same length (per-layer head counts)
             if k not in per_layer and "layer" in k and isinstance(v, list) and len(v) == value and value > n:
                 d[k] = v[:n]
+    if isinstance(d.get("_out_indices"), (list, tuple)) and isinstance(d.get("stage_names"), list):
+        layers = next((d[k] for k in ("num_hidden_layers", "num_layers") if isinstance(d.get(k), int)), None)
+        if layers is not None and len(d["stage_names"]) > layers + 1:  # a backbone's outputs: stages it still has
+            d["stage_names"] = d["stage_names"][: layers + 1]
+            d["_out_features"], d["_out_indices"] = [d["stage_names"][-1]], [layers]
     if isinstance(d.get("depths"), list):
         d["depths"] = [min(v, 2) if isinstance(v, int) else v for v in d["depths"]]
     for key, value in list(d.items()):
@@ -526,16 +531,12 @@ class _Names:
 
     @staticmethod
     def _by_name(model, tensor: str) -> list[str]:
-        """A tensor the model stores otherwise (transformers converts some on save): the deepest module of
-        the model its name (or the name less the base model's prefix) leads to."""
-        modules = dict(model.named_modules())
+        """A tensor the model stores otherwise (transformers converts some on save): the model's parameter of
+        that name, or of that name less the base model's prefix, if there is one."""
+        params = dict(model.named_parameters())
         prefix = getattr(model, "base_model_prefix", "")
-        for name in (tensor, tensor.removeprefix(prefix + ".") if prefix else tensor):
-            parts = name.split(".")
-            for i in range(len(parts) - 1, 0, -1):
-                if ".".join(parts[:i]) in modules:
-                    return [".".join(parts[: i + 1])]
-        return []
+        names = (tensor, tensor.removeprefix(prefix + ".")) if prefix else (tensor,)
+        return [n for n in dict.fromkeys(names) if n in params][:1]
 
     def modules(self, tensor: str) -> list[str]:
         """The model modules that own checkpoint tensor ``tensor``."""
@@ -603,11 +604,14 @@ def _problems(model, seen, report, saved, names: _Names, out: Path, last_only: b
         changed_params = {n: new[n] for n in old if n in new and not torch.equal(old[n], new[n])}
         changed_modules = {n.rpartition(".")[0] for n in changed_params}
     else:
-        if why and not _load(model, out.parent / "model")[1]:
-            problems.append(f"the output does not load back: {why}")
+        original = _load(model, out.parent / "model")[1]
+        if not original:
+            return problems + [f"the output does not load back: {why}"]
         changed = [n for n, t in saved.items() if n in after and not torch.equal(after[n], t)]
         changed_params = {}
         changed_modules = {m for n in changed for m in names.modules(n)}
+        if any(not names.modules(n) for n in changed):  # a tensor saved otherwise than the model holds it
+            return problems + [f"unjudged: the model's own class does not load its own checkpoint ({original[:120]})"]
 
     def attention_of(module: str) -> str | None:
         owners = [a for a in seen if _inside(module, a) or _inside(a, module)]

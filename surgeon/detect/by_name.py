@@ -14,7 +14,7 @@ from typing import TypeVar
 from ..errors import CheckpointError, LayoutError, NoAttentionFoundError, UnsupportedWeightsError, opt
 from ..formats.base import TensorInfo
 from ..spec import AttentionBlock, Projection, Rows, Unreadable, packed_size, slot_offsets, split_module
-from .config import ConfigView, Hints, StackFacts
+from .config import ConfigView, Hints, StackFacts, with_transformers_defaults
 from .families import (  # noqa: F401
     CROSS_WORDS,
     KV_SLOTS,
@@ -44,8 +44,10 @@ def detect(
     hints: Hints | None = None,
     *,
     source: str = "the checkpoint",
+    defaults: bool = False,
 ) -> Detection:
-    """Find every attention block. Raises NoAttentionFoundError if there is none."""
+    """Find every attention block. Raises NoAttentionFoundError if there is none. Where config.json leaves
+    out what a block needs, its model type's defaults in transformers are tried (``defaults``: this is that try)."""
     view = ConfigView(config, hints)
     _refuse_quantized(tensors)
     matches = match_modules(tensors)
@@ -60,7 +62,14 @@ def detect(
         if view.linear_layer(stack, layer):  # linear attention (gated delta-net, ...): not softmax attention
             linear.setdefault(stack, []).append(layer)
             continue
-        fixed = MODULE_FACTS.get((view.model_type or "", module.rpartition(".")[2]))
+        fixed = next(
+            (
+                MODULE_FACTS[(view.model_type or "", w)]
+                for w in module.split(".")
+                if (view.model_type or "", w) in MODULE_FACTS
+            ),
+            None,
+        )
         facts = view.facts(
             stack, cross=kind(module) == "cross" or fixed is not None, layer=layer
         )  # a contradicted hint: refused here
@@ -74,6 +83,20 @@ def detect(
             errors.append(e)
     blocks = with_companions(roles_by_position(blocks, tensors), tensors)
     refused = _refused(tensors)
+    if errors and not defaults and (filled := with_transformers_defaults(config)) is not None:
+        try:
+            again = detect(tensors, filled, hints, source=source, defaults=True)
+        except LayoutError:
+            again = None
+        if again is not None and len(again.unreadable) < len(errors) + len(_refused(tensors)) + len(
+            unknown_attention(tensors, [owner(p[0]) for p in placed])[0]
+        ):
+            again.notes.insert(
+                0,
+                f"config.json leaves out facts of {view.model_type} blocks (save_pretrained writes only what differs "
+                f"from the defaults): read from transformers' defaults for {view.model_type}",
+            )
+            return again
     unknown, left_alone = unknown_attention(tensors, [owner(p[0]) for p in placed])
     unreadable += refused + unknown
     if not blocks:

@@ -16,6 +16,7 @@ from .families import (  # noqa: F401
     FUSED_PACKING_BY_MODEL_TYPE,
     HEAD_DIM_KEYS,
     HEAD_RATIOS,
+    HEAD_WIDTHS,
     HEADS_KEYS,
     HIDDEN_KEYS,
     KV_HEADS_KEYS,
@@ -181,9 +182,14 @@ class ConfigView:
         scope, names = self.config, []
         overrides = SUBCONFIG_BY_PATH.get(self.model_type or "", {})
         for word in (w.lower() for w in stack.split(".")):
-            key = overrides.get(word) if scope is self.config else None
-            key = key if isinstance(scope.get(key or ""), dict) else _subconfig(scope, word)
-            if key is not None:
+            key, _, prefix = (overrides.get(word, "") if scope is self.config else "").partition("/")
+            if isinstance(scope.get(key), dict) and prefix:
+                scope = {k.removeprefix(prefix): v for k, v in scope[key].items() if k.startswith(prefix)}
+                names.append(f"{key}.{prefix}*")
+                continue
+            found = key if isinstance(scope.get(key), dict) else _subconfig(scope, word)
+            if found is not None:
+                key = found
                 scope = scope[key]
                 names.append(key)
             elif (prefixed := _prefixed_scope(scope, word)) is not None:
@@ -242,6 +248,7 @@ class ConfigView:
         heads = _first(
             nested,
             tuple(k for k in crossed if k.removeprefix("cross_") in HEADS_KEYS)
+            + (f"{side}_{'cross' if cross else 'self'}_attention_heads",)  # LW-DETR, RF-DETR
             + (f"{side}_attention_heads", f"num_{side}_attention_heads")
             + _sided(side, HEADS_KEYS)
             + HEADS_KEYS,
@@ -271,6 +278,9 @@ class ConfigView:
             if isinstance(ratio, int) and isinstance(heads, int) and isinstance(hidden, int) and head_dim is None:
                 heads = max(1, heads // ratio)
                 head_dim = hidden // heads // share
+        width = HEAD_WIDTHS.get(str(scope.get("model_type")))
+        if heads is None and width and isinstance(hidden, int) and hidden % width == 0:
+            heads, head_dim = hidden // width, width  # the family's code derives them (HEAD_WIDTHS)
         hinted = {name: self.hints.get(name, stack) for name in ("num_heads", "num_kv_heads", "head_dim")}
         for flag, said in (("num_heads", heads), ("num_kv_heads", kv_heads), ("head_dim", head_dim)):
             hint = hinted[flag]
@@ -312,6 +322,39 @@ class ConfigView:
         return FUSED_PACKING_BY_MODEL_TYPE.get((tensor, model_type)) or library_packing(tensor, module, self.config)
 
 
+def with_transformers_defaults(config: dict | None) -> dict | None:
+    """``config`` with what its model type's config class defaults to filled in, where transformers is
+    installed and knows the type (None otherwise): save_pretrained writes only the values that differ from
+    those defaults, so a config.json may leave out the heads of a tower it nests. Nothing is read from the
+    folder for this; the defaults are transformers' own code."""
+    defaults = _defaults(config.get("model_type") if config else None)
+    return None if defaults is None or config is None else _merged(defaults, config)
+
+
+def _defaults(model_type: object) -> dict | None:
+    if not isinstance(model_type, str) or not model_type:
+        return None
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(model_type).to_dict()
+    except Exception:  # noqa: BLE001 - transformers absent, or a type it does not know: no defaults
+        return None
+
+
+def _merged(defaults: dict, config: dict) -> dict:
+    out = dict(defaults)
+    for key, value in config.items():
+        base = out.get(key)
+        if isinstance(value, dict) and isinstance(base, dict):
+            if value.get("model_type", base.get("model_type")) != base.get("model_type"):
+                base = _defaults(value.get("model_type")) or {}  # a nested config of another type than the default's
+            out[key] = _merged(base, value)
+        else:
+            out[key] = value
+    return out
+
+
 def _subconfig(scope: dict, word: str) -> str | None:
     """The key of the config nested in ``scope`` that a module-path word names, or None: a word of
     SUBCONFIG_WORDS (``visual`` names ``vision_config``), or the key's own stem (``qformer`` names
@@ -340,12 +383,14 @@ def _subconfig(scope: dict, word: str) -> str | None:
 def _prefixed_scope(scope: dict, word: str) -> tuple[dict, str] | None:
     """A tower whose facts sit in the config under a prefix its module's name starts with (SeamlessM4T's
     t2u_model: t2u_decoder_attention_heads, t2u_hidden_size, ...), as a config of its own."""
-    prefix = word.split("_")[0] + "_"
-    if len(prefix) < 3 or word == prefix[:-1]:
-        return None
-    sub = {k.removeprefix(prefix): v for k, v in scope.items() if k.startswith(prefix)}
     heads = HEADS_KEYS + tuple(f"{side}_attention_heads" for side in ("encoder", "decoder"))
-    return ({**sub, "model_type": scope.get("model_type")}, prefix) if any(k in sub for k in heads) else None
+    for prefix in (word + "_", word.split("_")[0] + "_"):  # SAM2-video's memory_attention_num_attention_heads
+        if len(prefix) < 3 or (prefix == word.split("_")[0] + "_" and word == prefix[:-1]):
+            continue
+        sub = {k.removeprefix(prefix): v for k, v in scope.items() if k.startswith(prefix)}
+        if any(k in sub for k in heads):
+            return {**sub, "model_type": scope.get("model_type")}, prefix
+    return None
 
 
 def _sided(side: str, keys: tuple[str, ...]) -> tuple[str, ...]:

@@ -130,6 +130,9 @@ HEAD_DIM_KEYS = ("head_dim", "d_kv", "attention_head_dim", "kv_channels", "head_
 # (hidden_size // heads) // 2; the other half of the width goes to its span-based convolution. Only
 # ConvBERT's config has head_ratio (transformers 5.24).
 HEAD_RATIOS = {"head_ratio": 2}  # key -> the width divisor
+# Families whose code derives the heads from the width, by model type: BridgeTower's vision tower runs
+# nn.MultiheadAttention(hidden_size, hidden_size // 64) (modeling_bridgetower.py), its config has no heads.
+HEAD_WIDTHS = {"bridgetower_vision_model": 64}
 HIDDEN_KEYS = ("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim", "width")
 # Where a tower's config is nested (CLIP, SigLIP, LLaVA, encoder-decoder wrappers): the words in a
 # stack's module path that select it.
@@ -145,7 +148,23 @@ SUBCONFIG_WORDS = {
 }
 # Towers whose heads another tower's config gives, by model type and the path word that holds them:
 # Aria's projector cross-attention runs config.vision_config.num_attention_heads heads (modeling_aria.py).
-SUBCONFIG_BY_PATH = {"aria": {"multi_modal_projector": "vision_config"}}
+# Towers whose heads another tower's config gives, by model type and the path word that holds them
+# (the modeling file named builds that module from that config); "key/prefix" also takes the keys of
+# that config under a prefix (X-CLIP's mit: vision_config.mit_num_attention_heads).
+SUBCONFIG_BY_PATH = {
+    "aria": {"multi_modal_projector": "vision_config"},  # AriaCrossAttention: vision_config.num_attention_heads
+    "bridgetower": {"cross_modal_image_layers": "text_config", "cross_modal_text_layers": "text_config"},
+    "clvp": {"conditioning_encoder": "decoder_config"},  # mel_attn_blocks: ClvpSelfAttention(decoder_config)
+    "deepseek_ocr2_vision": {"vision_encoder": "encoder_config", "sam_encoder": "sam_config"},
+    "ernie4_5_vl_moe": {"layers": "text_config"},  # the language model's layers at the top level
+    "grounding-dino": {"text_backbone": "text_config"},
+    "mm-grounding-dino": {"text_backbone": "text_config"},
+    "pix2struct": {"decoder": "text_config", "encoder": "vision_config"},
+    "pp_formulanet": {"decoder": "text_config", "encoder": "vision_config"},
+    "unlimited_ocr": {"layers": "text_config"},
+    "video_llava": {"video_tower": "vision_config"},  # video and image towers: one CLIP vision config
+    "xclip": {"mit": "vision_config/mit_"},  # the multi-frame integration transformer
+}
 # How a fused tensor packs q/k/v where a family departs from the default of its tensor name
 # (spec.PACKINGS); flag-dependent families (Falcon, ChatGLM, GPTBigCode) are in ConfigView.fused_packing.
 FUSED_PACKING_BY_MODEL_TYPE = {
@@ -203,10 +222,15 @@ ATTENTION_WORDS = ("attn", "attention")  # a module-path word holding one of the
 NOT_ATTENTION_WORDS = ("norm", "linear_attn", "linear_attention")  # ...unless it holds one of these
 
 
-# Attention modules whose heads and kind their family fixes in code, by model type and the module's name:
-# GroupViT's token assignment (modeling_groupvit.py GroupViTAssignAttention) is one head over the whole
-# width, its queries the group tokens and its keys the image tokens.
-MODULE_FACTS: dict[tuple[str, str], tuple[int, Literal["self", "cross"]]] = {("groupvit", "assign"): (1, "cross")}
+# Attention modules whose heads and kind their family fixes in code, by model type and a word of the
+# module's path: GroupViT's token assignment (modeling_groupvit.py GroupViTAssignAttention) is one head over
+# the whole width, its queries the group tokens and its keys the image tokens; WavTokenizer's positional net
+# (WavTokenizerVocosAttention) is single-head self-attention over time.
+MODULE_FACTS: dict[tuple[str, str], tuple[int, Literal["self", "cross"]]] = {
+    ("groupvit", "assign"): (1, "cross"),
+    ("groupvit_vision_model", "assign"): (1, "cross"),
+    ("wavtokenizer", "pos_net"): (1, "self"),
+}
 
 
 # --- hybrids: blocks that several layers run -------------------------------------------------
