@@ -97,7 +97,8 @@ def inspect_checkpoint(
     tensors = {p.weight.tensor for b in detection.blocks for p in b.projections}
     with hold(source, exclusive=False), Progress(progress, len(tensors), "inspect") as bar:
         spectra = inspect_blocks(detection.blocks, weights.read, dev, progress=bar.update if bar else None, whole=full)
-    notes = source.notes + detection.notes[:5]
+    unread = [f"cannot be read, left as it is by any reinit: {u.why}" for u in detection.unreadable]
+    notes = source.notes + detection.left_alone + unread[:3] + detection.notes[:5]
     if verify_layout:
         from .layout_check import check_layout
 

@@ -107,7 +107,7 @@ def prepare_checkpoint(source: Source, detection: Detection, options: ReinitOpti
     """:func:`prepare` for a checkpoint on disk (a reinit, and verify re-deriving one): its config, its
     tensors' shapes, whether its format rewrites whole tensors, and its stacks' depths."""
     weights = source.primary
-    return prepare(
+    plan = prepare(
         detection.blocks,
         options,
         config=source.config,
@@ -116,6 +116,8 @@ def prepare_checkpoint(source: Source, detection: Detection, options: ReinitOpti
         depths=detection.depths,
         unreadable=detection.unreadable,
     )
+    plan.notes[:0] = detection.left_alone  # named in the report and the card with the selection's notes
+    return plan
 
 
 def prepare(

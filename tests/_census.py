@@ -618,6 +618,12 @@ def _problems(model, seen, report, saved, names: _Names, out: Path, last_only: b
         return max(owners, key=len) if owners else None
 
     ran = [name for name, _ in model.named_modules() if any(_inside(a, name) or _inside(name, a) for a in seen)]
+    seen = dict(seen)
+    for m in sorted(changed_modules):
+        if attention_of(m) is None and not any(_inside(m, r) for r in ran if r):
+            found = _declared(model, m)  # no forward ran it: the heads its attention module declares
+            if found is not None:
+                seen[found[0]] = found[1]
     for m in sorted(changed_modules):
         if attention_of(m) is None:
             if not any(_inside(m, r) for r in ran if r):
@@ -664,6 +670,31 @@ def _problems(model, seen, report, saved, names: _Names, out: Path, last_only: b
         if last_only and touched and not wanted:
             problems.append(f"{a} changed, not in the last layer")
     return problems
+
+
+HEADS_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_attention_heads_per_partition")
+KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "head_size", "dim_head", "d_head", "key_value_proj_dim")
+
+
+def _declared(model, module: str) -> tuple[str, Seen] | None:
+    """The nearest module at or above ``module`` that declares its heads and head size as attributes (the
+    model's own ``self.num_heads``, ``self.head_dim``), for attention no forward of the census ran."""
+    parts = module.split(".")
+    for i in range(len(parts), 0, -1):
+        name = ".".join(parts[:i])
+        m = model.get_submodule(name)
+
+        heads, head_dim = _attr(m, HEADS_ATTRS), _attr(m, HEAD_DIM_ATTRS)
+        if heads and head_dim:
+            groups = getattr(m, "num_key_value_groups", None)
+            kv = _attr(m, KV_ATTRS) or (heads // groups if isinstance(groups, int) and groups > 0 else None)
+            return name, Seen(heads, kv, head_dim, "attributes")
+    return None
+
+
+def _attr(module, names) -> int | None:
+    return next((v for v in (getattr(module, n, None) for n in names) if isinstance(v, int) and v > 0), None)
 
 
 def _conditioned_per_head(name: str, weight: torch.Tensor, seen: Seen) -> list[str]:

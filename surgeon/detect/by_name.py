@@ -107,12 +107,13 @@ def detect(
             where = refused[0].module + (f" and {more} more use " if more else " uses ")
             raise UnsupportedWeightsError(where + refused[0].why.partition(" uses ")[2])
         raise NoAttentionFoundError(_nothing_found(tensors, notes + [u.why for u in unknown], source))
-    notes = linear_notes(linear) + left_alone + notes
     _refuse_mixed_widths(blocks, view)
     blocks = shared_blocks(blocks, view)
     depths = stack_depths([b.stack for b in blocks], tensors)
     notes = block_notes(blocks, view) + library_notes(blocks) + notes
-    return Detection(blocks, len(tensors), notes, depths=depths, unreadable=unreadable)
+    return Detection(
+        blocks, len(tensors), notes, depths=depths, unreadable=unreadable, left_alone=linear_notes(linear) + left_alone
+    )
 
 
 def _refused(tensors: Mapping[str, TensorInfo]) -> list[Unreadable]:

@@ -16,6 +16,7 @@ class Detection:
     graph: Any = None  # what a route knows beyond the blocks (ONNX: which nodes read each initializer)
     depths: dict[str, int] = field(default_factory=dict)  # stack -> its layers, with those without attention
     unreadable: list[Unreadable] = field(default_factory=list)  # attention left alone; refused when selected
+    left_alone: list[str] = field(default_factory=list)  # what is not softmax attention, named in every report and card
 
     def stacks(self) -> list[str]:
         seen: list[str] = []
