@@ -57,6 +57,7 @@ REASONS = (
     ("needs --num-heads", r"cannot tell the number of heads"),
     ("shapes do not fit", r"do not fit"),
     ("packing unknown", r"packs query/key/value|packing surgeon cannot tell"),
+    ("unknown projections", r"looks like attention"),
     ("unreadable block", r"cannot be read|unknown projections|left untouched"),
     ("shared block", r"shared block"),
     ("not 2-D", r"must be 2-D"),

@@ -183,9 +183,10 @@ class ConfigView:
         overrides = SUBCONFIG_BY_PATH.get(self.model_type or "", {})
         for word in (w.lower() for w in stack.split(".")):
             key, _, prefix = (overrides.get(word, "") if scope is self.config else "").partition("/")
-            if isinstance(scope.get(key), dict) and prefix:
-                scope = {k.removeprefix(prefix): v for k, v in scope[key].items() if k.startswith(prefix)}
-                names.append(f"{key}.{prefix}*")
+            if prefix and (not key or isinstance(scope.get(key), dict)):  # "key/prefix", or "/prefix" of this config
+                base = scope[key] if key else scope
+                scope = {k.removeprefix(prefix): v for k, v in base.items() if k.startswith(prefix)}
+                names.append(f"{key + '.' if key else ''}{prefix}*")
                 continue
             found = key if isinstance(scope.get(key), dict) else _subconfig(scope, word)
             if found is not None:

@@ -164,6 +164,7 @@ SUBCONFIG_BY_PATH = {
     "unlimited_ocr": {"layers": "text_config"},
     "video_llava": {"video_tower": "vision_config"},  # video and image towers: one CLIP vision config
     "xclip": {"mit": "vision_config/mit_"},  # the multi-frame integration transformer
+    "vjepa2": {"predictor": "/pred_"},  # the predictor: pred_num_attention_heads, pred_hidden_size
 }
 # How a fused tensor packs q/k/v where a family departs from the default of its tensor name
 # (spec.PACKINGS); flag-dependent families (Falcon, ChatGLM, GPTBigCode) are in ConfigView.fused_packing.
