@@ -37,7 +37,8 @@ def randomized(model, seed=0):
     return model
 
 
-def sd3():
+def sd3(**extra):
+    """A tiny SD3 transformer (``extra``: more of its arguments, e.g. SD3.5's dual_attention_layers)."""
     torch.manual_seed(0)
     return randomized(
         diffusers.SD3Transformer2DModel(
@@ -52,6 +53,7 @@ def sd3():
             pooled_projection_dim=8,
             out_channels=4,
             pos_embed_max_size=8,
+            **extra,
         )
     )
 

@@ -14,6 +14,7 @@ from surgeon.api import inspect_checkpoint, reinit_checkpoint
 
 from _libraries import CrossViT, CrossVitAttention
 from test_libraries import changed, save
+from test_libraries_diffusers import sd3
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -85,21 +86,7 @@ diffusers = pytest.importorskip("diffusers")
 
 
 def sd35():
-    torch.manual_seed(0)
-    return diffusers.SD3Transformer2DModel(
-        sample_size=8,
-        patch_size=2,
-        in_channels=4,
-        num_layers=2,
-        attention_head_dim=8,
-        num_attention_heads=2,
-        joint_attention_dim=16,
-        caption_projection_dim=16,
-        pooled_projection_dim=8,
-        out_channels=4,
-        pos_embed_max_size=8,
-        dual_attention_layers=(0,),
-    )
+    return sd3(dual_attention_layers=(0,))
 
 
 SD3_INPUTS = dict(

@@ -54,24 +54,11 @@ def test_old_gpt2_mask_buffers_and_rotary_buffers(tmp_path):
 
 
 def test_qk_norm_weights_are_left_alone(tmp_path):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=32,
-    )
-    model = Qwen3ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
-                p.uniform_(0.5, 1.5)
+    from test_modules_qk_norm import tiny_qwen3
+
+    model = tiny_qwen3()  # its q/k norm weights away from 1, so that a rewrite of them would show
     model.save_pretrained(tmp_path / "qwen3")
     report = reinit_checkpoint(tmp_path / "qwen3", output=tmp_path / "out")
     assert len(report.blocks) == 2 and all(r.after.head_max < 1 + 1e-5 for r in report.rows)
