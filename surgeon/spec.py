@@ -210,6 +210,13 @@ def _gated(heads: int, kv_heads: int) -> list[Slot]:
     return [(r, h) for h in range(heads) for r in ("q", "gate")]
 
 
+def _gate_qkv(heads: int, kv_heads: int) -> list[Slot]:
+    # [gate | Q | K | V], chunk(4) of equal parts (HRM's gqkv_proj); the gate is no projection of attention
+    if heads != kv_heads:
+        raise ValueError("a [gate | Q | K | V] chunk(4) layout has as many key/value heads as query heads")
+    return [(r, h) for r in ("gate", "q", "k", "v") for h in range(heads)]
+
+
 PACKINGS: dict[str, Packing] = {
     "q": _single("q"),
     "k": _single("k"),
@@ -220,6 +227,7 @@ PACKINGS: dict[str, Packing] = {
     "grouped": _grouped,
     "codegen": _codegen,
     "gated": _gated,
+    "gate_qkv": _gate_qkv,
 }
 
 

@@ -157,6 +157,8 @@ def _shrink(cfg, width: bool) -> None:
     hkeys = [k for k in HEAD_KEYS if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)]
     if wkey is None or not hkeys or d[wkey] < 64:
         return
+    if any(isinstance(v, list) and re.search(r"dim|hidden|width|channel", k) for k, v in d.items()):
+        return  # widths per stage (SAM 2's Hiera embed_dim_per_stage): the scalar width is not the blocks' own
     heads = {k: d[k] for k in hkeys}
     new_heads = {k: min(4, v) for k, v in heads.items()}
     head_dim = d.get("head_dim") if isinstance(d.get("head_dim"), int) else None
@@ -167,9 +169,18 @@ def _shrink(cfg, width: bool) -> None:
     d.update(new_heads)
     if head_dim is not None:
         d["head_dim"] = hd
-    for k in KV_KEYS:
+    for k in ("d_kv", "kv_channels", "attention_head_dim", "head_size", "dim_head"):  # the head size, spelled otherwise
+        if isinstance(d.get(k), int) and not isinstance(d.get(k), bool) and d[k] > hd:
+            d[k] = hd
+
+    def kv(n: int) -> int:  # never more than the query heads
+        return 1 if n == 1 else (2 if n < max(heads.values()) else max(new_heads.values()))
+
+    for k in [k for k in d if k in KV_KEYS or re.search(r"key_value\w*heads", k)]:
         if isinstance(d.get(k), int) and not isinstance(d.get(k), bool):
-            d[k] = 1 if d[k] == 1 else (2 if d[k] < max(heads.values()) else max(new_heads.values()))
+            d[k] = kv(d[k])
+        elif isinstance(d.get(k), list) and all(isinstance(n, int) and not isinstance(n, bool) for n in d[k]):
+            d[k] = [kv(n) for n in d[k]]  # per layer (Sapiens2's num_key_value_heads_per_layer)
     for key in ("rope_parameters", "rope_scaling"):  # multimodal rope sections cover half a head
         rope = d.get(key)
         section = rope.get("mrope_section") if isinstance(rope, dict) else None
@@ -288,7 +299,9 @@ class _Watch(TorchFunctionMode):
 
     def record(self, module, seen: Seen) -> None:
         name = self.names.get(module)
-        if name is not None and name not in self.seen:
+        # what the module hands a kernel says more than a softmax it computed before (SAM 2 also softmaxes an
+        # unused product of its (B, L, heads, d) query and key)
+        if name is not None and (name not in self.seen or (self.seen[name].via == "softmax" != seen.via)):
             self.seen[name] = seen
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -302,14 +315,19 @@ class _Watch(TorchFunctionMode):
                 heads = args[4] if len(args) > 4 else kwargs.get("num_heads")
                 self.record(self.stack[-1], Seen(heads, heads, args[0].shape[-1] // heads, "multi_head_attention"))
             elif func in (torch.matmul, torch.Tensor.matmul, torch.bmm, torch.Tensor.__matmul__):
-                self.last_product[self.stack[-1]] = args[0]
+                # a product with a parameter (SwiftFormer's query @ w_g) scores tokens against a fixed vector, not
+                # against each other's keys: no softmax(QK^T) follows from it
+                if not any(isinstance(a, torch.nn.Parameter) for a in args[:2]):
+                    self.last_product[self.stack[-1]] = args[0]
+                else:
+                    self.last_product.pop(self.stack[-1], None)
             elif func is torch.einsum and len(args) > 1:
                 self.last_product[self.stack[-1]] = None  # a product whose operands' roles it does not say
             elif func in (torch.baddbmm, torch.Tensor.baddbmm):
                 self.last_product[self.stack[-1]] = kwargs.get("batch1", args[1] if len(args) > 1 else None)
             elif func in (torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax) and args:
                 x = args[0]
-                if isinstance(x, torch.Tensor) and x.dim() in (3, 4) and x.shape[-1] > 0:
+                if isinstance(x, torch.Tensor) and x.dim() in (3, 4) and x.shape[-1] > 1:  # over one score: all 1
                     module = self.stack[-1]
                     if "softmax" in type(module).__name__.lower() and len(self.stack) > 1:
                         module = self.stack[-2]  # a softmax module counts for its caller
@@ -564,6 +582,8 @@ def _judge(model_type: str, model, config, folder: Path, tmp: Path) -> Verdict:
             reason = _reason(str(e))
             if reason == "no attention" and seen is not None and not seen:
                 return Verdict(model_type, "none: no attention, and the forward runs none", str(e)[:200])
+            if reason == "no attention" and seen is None and not _attention_modules(model):
+                return Verdict(model_type, "none: no attention, and the model's code has no attention module", why)
             return Verdict(model_type, f"refused: {reason}", str(e).splitlines()[0][:400])
         except Exception as e:  # noqa: BLE001
             return Verdict(model_type, f"crash: {_one_line(e)}")
@@ -676,6 +696,16 @@ def _problems(model, seen, report, saved, names: _Names, out: Path, last_only: b
 HEADS_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_attention_heads_per_partition")
 KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "head_size", "dim_head", "d_head", "key_value_proj_dim")
+
+
+def _attention_modules(model) -> list[str]:
+    """The model's modules that its own code names or shapes as attention: a class called so, torch's
+    MultiheadAttention, or a module declaring its heads (for a model whose forward the census cannot run)."""
+    return [
+        name
+        for name, m in model.named_modules()
+        if re.search(r"att(ention|n)|multihead|mha", type(m).__name__, re.I) or _attr(m, HEADS_ATTRS)
+    ]
 
 
 def _declared(model, module: str) -> tuple[str, Seen] | None:

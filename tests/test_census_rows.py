@@ -30,6 +30,18 @@ ROWS = {
     "video_llava": "SUBCONFIG_BY_PATH video_tower -> vision_config",
     "colpali": "transformers' defaults where config.json leaves a tower's heads out",
     "lw_detr": "decoder_self_attention_heads",
+    "cvt": "rule projection_query/projection_key/projection_value",
+    "hrm_text": "rule gqkv_proj, packing gate_qkv ([gate | Q | K | V])",
+    "moshi": "rule q_proj.linear/k_proj.linear/v_proj.linear (a Linear inside a wrapper module)",
+    "inkling2_text": "rule wq_du/wk_dv/wv_dv, NO_PROJECTION_ATTENTION attn_queries",
+    "mimo_v2_flash": "V_HEAD_DIM_KEYS v_head_dim, LAYER_TYPE_SCALES (sliding layers' kv heads)",
+    "sam2_hiera_det_model": "BLOCKS_PER_STAGE_KEYS and num_attention_heads_per_stage over a flat block list",
+    "hiera": "the head size from the tensor's own width (a pyramid stage narrower than hidden_size)",
+    "deimv2": "HEAD_DIM_SIDE: the config's head_dim is the decoder's",
+    "t5gemma2": "SUBCONFIG_BY_PATH, a whole stack path (encoder.layers -> encoder.text_config)",
+    "xclip": "SUBCONFIG_BY_PATH prompts_generator -> prompt_*",
+    "edgetam_video": "SUBCONFIG_BY_PATH spatial_perceiver -> perceiver_resampler_*",
+    "unlimited_ocr_vision": "SUBCONFIG_BY_PATH vision_encoder -> encoder_config",
 }
 
 
@@ -43,19 +55,20 @@ def test_row_makes_the_type_right(model_type, tmp_path):
 
 
 def test_one_unreadable_block_refuses_only_a_selection_that_includes_it(tmp_path):
-    """D-FINE's encoder attention does not fit its config's heads: --layers all is refused naming it; the
-    decoder alone is re-initialized, and every encoder tensor stays byte for byte."""
+    """Reformer's LSH attention (layer 1: one shared query_key projection) is no layout surgeon reads:
+    --layers all is refused naming it; layer 0's local attention alone is re-initialized, and every tensor
+    of layer 1 stays byte for byte."""
     from safetensors.torch import load_file
 
-    model, _ = build("d_fine", tmp_path / "model")
+    build("reformer", tmp_path / "model")
     with pytest.raises(
-        SelectionError, match=r"encoder\.encoder\.0\.layers\.0\.self_attn.*leave it out of the selection"
+        SelectionError, match=r"encoder\.layers\.1\.attention\.self_attention.*leave it out of the selection"
     ):
         surgeon.reinit_checkpoint(tmp_path / "model", layers="all", output=tmp_path / "all")
     assert not (tmp_path / "all").exists()
-    report = surgeon.reinit_checkpoint(tmp_path / "model", stack="decoder.layers", output=tmp_path / "out")
-    assert any("left untouched" in n and "encoder.encoder.0.layers.0.self_attn" in n for n in report.notes)
+    report = surgeon.reinit_checkpoint(tmp_path / "model", layers="0", output=tmp_path / "out")
+    assert any("left untouched" in n and "encoder.layers.1.attention.self_attention" in n for n in report.notes)
     before = load_file(next((tmp_path / "model").glob("*.safetensors")))
     after = load_file(next((tmp_path / "out").glob("*.safetensors")))
     changed = {n for n in before if not (before[n] == after[n]).all()}
-    assert changed and all(n.startswith("decoder.layers.") for n in changed), sorted(changed)[:4]
+    assert changed and all(n.startswith("encoder.layers.0.attention.") for n in changed), sorted(changed)[:4]

@@ -29,7 +29,7 @@ from .families import (  # noqa: F401
     projection_names,
 )
 from .libraries import companion_block, kv_map, library_notes, roles_by_position, with_separate_biases
-from .notes import block_notes, linear_notes, unknown_attention
+from .notes import block_notes, linear_notes, projectionless, unknown_attention
 from .placement import join, kind, place, stack_depths
 from .result import Detection
 from .shapes import heads_from_head_dim, pointwise, solve
@@ -112,7 +112,12 @@ def detect(
     depths = stack_depths([b.stack for b in blocks], tensors)
     notes = block_notes(blocks, view) + library_notes(blocks) + notes
     return Detection(
-        blocks, len(tensors), notes, depths=depths, unreadable=unreadable, left_alone=linear_notes(linear) + left_alone
+        blocks,
+        len(tensors),
+        notes,
+        depths=depths,
+        unreadable=unreadable,
+        left_alone=linear_notes(linear) + left_alone + projectionless(tensors),
     )
 
 
@@ -292,11 +297,13 @@ def _build(
     for _, info in parts:
         _check_part(info, view, stack, module)
     packings = [part_packing(p, view, stack, module, where) for p, _ in parts]
-    layout = solve(parts, packings, heads, kv_hint, facts.head_dim, facts.hidden, where, facts.source)
+    v_dim = facts.v_head_dim if "v" in packings else None
+    layout = solve(parts, packings, heads, kv_hint, facts.head_dim, facts.hidden, where, facts.source, v_dim)
     head_dim, kv_heads, orientations = layout
     projections = {}
     for (part, info), packing, axis in zip(parts, packings, orientations):
-        projections.update(_part_projections(module, part, info, packing, axis, heads, kv_heads, head_dim, tensors))
+        size = v_dim if packing == "v" and v_dim else head_dim
+        projections.update(_part_projections(module, part, info, packing, axis, heads, kv_heads, size, tensors))
     block = AttentionBlock(
         stack=stack,
         layer=layer,

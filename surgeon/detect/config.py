@@ -13,8 +13,10 @@ from typing import Any
 
 from ..errors import LayoutError, OptionError, opt
 from .families import (  # noqa: F401
+    BLOCKS_PER_STAGE_KEYS,
     FUSED_PACKING_BY_MODEL_TYPE,
     HEAD_DIM_KEYS,
+    HEAD_DIM_SIDE,
     HEAD_RATIOS,
     HEAD_WIDTHS,
     HEADS_KEYS,
@@ -22,11 +24,14 @@ from .families import (  # noqa: F401
     KV_HEADS_KEYS,
     LAYER_TYPE_KEYS,
     LAYER_TYPE_PREFIXES,
+    LAYER_TYPE_SCALES,
     LINEAR_LAYER_TYPES,
     PER_LAYER_CONFIG_KEYS,
     PER_LAYER_SUFFIX,
+    PER_STAGE_SUFFIX,
     SUBCONFIG_BY_PATH,
     SUBCONFIG_WORDS,
+    V_HEAD_DIM_KEYS,
 )
 from .libraries import fused_packing as library_packing
 from .libraries import normalize_config, stack_scope
@@ -147,6 +152,7 @@ class StackFacts:
     head_dim: int | None
     hidden: int | None
     source: str  # where the numbers came from, for messages
+    v_head_dim: int | None = None  # a value head size of its own (MiMo-V2-Flash's v_head_dim), where it differs
 
     def pick(self, value, stage: int | None):
         if isinstance(value, list):  # per-stage lists (Swin): indexed by the stage number
@@ -181,17 +187,19 @@ class ConfigView:
             return library, "the library's config"
         scope, names = self.config, []
         overrides = SUBCONFIG_BY_PATH.get(self.model_type or "", {})
+        if "." in stack and isinstance(nested := _nested(scope, overrides.get(stack.lower(), "")), dict):
+            return nested, f"config.json {overrides[stack.lower()]}"  # a whole stack's own entry (T5Gemma 2)
         for word in (w.lower() for w in stack.split(".")):
             key, _, prefix = (overrides.get(word, "") if scope is self.config else "").partition("/")
-            if prefix and (not key or isinstance(scope.get(key), dict)):  # "key/prefix", or "/prefix" of this config
-                base = scope[key] if key else scope
+            if prefix and (not key or isinstance(_nested(scope, key), dict)):  # "key/prefix", "/prefix" of this config
+                base = _nested(scope, key) if key else scope
                 scope = {k.removeprefix(prefix): v for k, v in base.items() if k.startswith(prefix)}
                 names.append(f"{key + '.' if key else ''}{prefix}*")
                 continue
-            found = key if isinstance(scope.get(key), dict) else _subconfig(scope, word)
+            found = key if isinstance(_nested(scope, key), dict) else _subconfig(scope, word)
             if found is not None:
                 key = found
-                scope = scope[key]
+                scope = _nested(scope, key)
                 names.append(key)
             elif (prefixed := _prefixed_scope(scope, word)) is not None:
                 scope, prefix = prefixed
@@ -222,15 +230,40 @@ class ConfigView:
                 out += [
                     v for k, v in table.items() if isinstance(v, dict) and str(k).strip().isdigit() and int(k) == layer
                 ]
-        prefix = LAYER_TYPE_PREFIXES.get(self._layer_type(scope, layer) or "")
+        layer_type = self._layer_type(scope, layer) or ""
+        prefix = LAYER_TYPE_PREFIXES.get(layer_type)
         if prefix:
             out.append({k.removeprefix(prefix): v for k, v in scope.items() if k.startswith(prefix)})
+        scales = LAYER_TYPE_SCALES.get((str(scope.get("model_type")), layer_type), {})
+        scaled = {k: scope[k] * f for k, f in scales.items() if isinstance(scope.get(k), int)}
+        out += [scaled] if scaled else []
         lists = {
             k.removesuffix(PER_LAYER_SUFFIX): v[layer]
             for k, v in scope.items()
             if k.endswith(PER_LAYER_SUFFIX) and isinstance(v, list) and layer < len(v) and isinstance(v[layer], int)
         }
-        return out + ([lists] if lists else [])
+        return out + ([lists] if lists else []) + self._stage_facts(scope, layer)
+
+    @staticmethod
+    def _stage_facts(scope: dict, layer: int) -> list[dict]:
+        """The per-stage entries (``*_per_stage``) of the stage that flat block ``layer`` belongs to, where
+        the config counts each stage's blocks (BLOCKS_PER_STAGE_KEYS)."""
+        for key in BLOCKS_PER_STAGE_KEYS:
+            counts = scope.get(key)
+            if not (isinstance(counts, list) and all(isinstance(c, int) and c >= 0 for c in counts)):
+                continue
+            ends = [sum(counts[: i + 1]) for i in range(len(counts))]
+            stage = next((i for i, end in enumerate(ends) if layer < end), None)
+            if stage is None:
+                return []
+            return [
+                {
+                    k: v[stage]
+                    for k, v in scope.items()
+                    if k.endswith(PER_STAGE_SUFFIX) and isinstance(v, list) and len(v) == len(counts)
+                }
+            ]
+        return []
 
     def facts(self, stack: str, *, cross: bool = False, layer: int | None = None) -> StackFacts:
         """Heads, key/value heads, head size and width of ``stack``'s attention (``cross``: its
@@ -271,7 +304,7 @@ class ConfigView:
             nested,
             tuple(k for k in crossed if k.removeprefix("cross_") in HEAD_DIM_KEYS)
             + _sided(side, HEAD_DIM_KEYS)
-            + HEAD_DIM_KEYS,
+            + (HEAD_DIM_KEYS if HEAD_DIM_SIDE.get(str(scope.get("model_type")), side) == side else ()),
         )
         hidden = _first(nested, HIDDEN_KEYS)
         for key, share in HEAD_RATIOS.items():  # heads divided by a ratio, of a share of the width (ConvBERT)
@@ -296,12 +329,14 @@ class ConfigView:
             kv_heads = hinted["num_kv_heads"]
         if hinted["head_dim"] is not None:
             head_dim = hinted["head_dim"]
+        v_head_dim = _first(nested, V_HEAD_DIM_KEYS)
         return StackFacts(
             heads,
             kv_heads,
             head_dim if isinstance(head_dim, int) else None,
             hidden if isinstance(hidden, int) else None,
             source,
+            v_head_dim if isinstance(v_head_dim, int) and not isinstance(v_head_dim, bool) and v_head_dim > 0 else None,
         )
 
     def fused_packing(self, tensor: str, stack: str, module: str = "") -> str | None:
@@ -396,6 +431,14 @@ def _prefixed_scope(scope: dict, word: str) -> tuple[dict, str] | None:
 
 def _sided(side: str, keys: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(f"{side}_{key}" for key in keys)
+
+
+def _nested(scope: dict, path: str) -> Any:
+    """The entry of ``scope`` at a dotted path of keys ("structure_head.diffusion_module"), or None."""
+    value: Any = scope if path else None
+    for key in path.split(".") if path else ():
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
 
 
 def _first(scopes: list[dict], keys: tuple[str, ...]) -> Any:

@@ -52,6 +52,8 @@ def _fused(module: str, packing: str, orientation: str = "linear") -> Rule:
 # (q_attn + c_attn) is not taken for a self-attention c_attn.
 RULES: tuple[Rule, ...] = (
     _separate("q_proj", "k_proj", "v_proj"),  # Llama, Mistral, Qwen2, Gemma, Phi, OPT, GPT-J, BART, Whisper, CLIP
+    # the Linear inside a wrapper module (Gemma-4's clippable linear, Moshi's and Inkling's projections)
+    _separate("q_proj.linear", "k_proj.linear", "v_proj.linear"),
     _separate("query", "key", "value"),  # BERT, RoBERTa, ELECTRA, ViT, DeiT, Swin
     _separate("q_lin", "k_lin", "v_lin"),  # DistilBERT
     _separate("query_proj", "key_proj", "value_proj"),  # DeBERTa-v2
@@ -63,7 +65,10 @@ RULES: tuple[Rule, ...] = (
     ),  # Conformer: wav2vec2-BERT, wav2vec2-Conformer, SeamlessM4T, FastSpeech2
     _separate("project_q", "project_k", "project_v"),  # CPM-Ant
     _separate("Wq", "Wk", "Wv"),  # CTRL
+    _separate("wq_du", "wk_dv", "wv_dv"),  # Inkling 2 (checkpoint names; the model's are q_proj.linear, ...)
     _separate("q_head", "k_head", "v_head"),  # Funnel Transformer
+    # CvT: each Linear after a depthwise convolution (and its BatchNorm) that mixes neighbouring tokens
+    _separate("projection_query", "projection_key", "projection_value"),
     Rule(
         "fused cross c_attn",  # GPT-2 cross-attention: Conv1D q_attn, Conv1D c_attn holding [K | V]
         (Part("q_attn.weight", "q_attn.bias", "q", "conv1d"), Part("c_attn.weight", "c_attn.bias", "kv", "conv1d")),
@@ -79,6 +84,7 @@ RULES: tuple[Rule, ...] = (
     _fused("qkv", "qkv"),  # timm ViT, nanoGPT-style
     _fused("to_qkv", "qkv"),
     _fused("att_proj", "qkv"),  # Bark, OLMo-1: split(embed_dim) into [Q | K | V]
+    _fused("gqkv_proj", "gate_qkv"),  # HRM: chunk(4) into [gate | Q | K | V] (transformers' conversion_mapping)
     # DeBERTa (v1): in_proj views rows as (heads, 3 * head_dim), biases in q_bias/v_bias; in_proj alone is a
     # Mamba mixer's input projection, so the biases must be there too
     Rule("fused in_proj + q_bias", (Part("in_proj.weight", None, "interleaved"),), requires=("q_bias", "v_bias")),
@@ -115,7 +121,16 @@ QUANT_PARAMS = (
     "quant_state",
 )
 
-HEADS_KEYS = ("num_attention_heads", "num_heads", "n_head", "n_heads", "attention_heads", "heads")
+# A per-stage list first: SAM 2's Hiera keeps a stale scalar num_attention_heads beside it
+HEADS_KEYS = (
+    "num_attention_heads_per_stage",
+    "num_attention_heads",
+    "num_heads",
+    "n_head",
+    "n_heads",
+    "attention_heads",
+    "heads",
+)
 KV_HEADS_KEYS = (
     "num_key_value_heads",
     "num_kv_heads",
@@ -125,10 +140,16 @@ KV_HEADS_KEYS = (
     "multi_query_group_num",
 )
 HEAD_DIM_KEYS = ("head_dim", "d_kv", "attention_head_dim", "kv_channels", "head_size", "dim_head")
+# Where the value heads are of another size than query and key (MiMo-V2-Flash: v_head_dim), read for a
+# separate value projection only
+V_HEAD_DIM_KEYS = ("v_head_dim",)
 # A config key that divides the attention's heads, and how much of the width those heads keep: ConvBERT
 # (modeling_convbert.py ConvBertSelfAttention) computes max(1, num_attention_heads // head_ratio) heads of
 # (hidden_size // heads) // 2; the other half of the width goes to its span-based convolution. Only
 # ConvBERT's config has head_ratio (transformers 5.24).
+# Families whose config head_dim describes one side only (D-FINE, DEIMv2: d_model // decoder_attention_heads,
+# configuration_d_fine.py); the other side's attention derives its own from its width.
+HEAD_DIM_SIDE = {"d_fine": "decoder", "deimv2": "decoder"}
 HEAD_RATIOS = {"head_ratio": 2}  # key -> the width divisor
 # Families whose code derives the heads from the width, by model type: BridgeTower's vision tower runs
 # nn.MultiheadAttention(hidden_size, hidden_size // 64) (modeling_bridgetower.py), its config has no heads.
@@ -146,11 +167,11 @@ SUBCONFIG_WORDS = {
     # pixel_level_module.encoder): its heads are the backbone's own, often one per stage
     "backbone_config": ("backbone", "pixel_level_module"),
 }
-# Towers whose heads another tower's config gives, by model type and the path word that holds them:
-# Aria's projector cross-attention runs config.vision_config.num_attention_heads heads (modeling_aria.py).
 # Towers whose heads another tower's config gives, by model type and the path word that holds them
-# (the modeling file named builds that module from that config); "key/prefix" also takes the keys of
-# that config under a prefix (X-CLIP's mit: vision_config.mit_num_attention_heads).
+# (the modeling file named builds that module from that config): Aria's projector cross-attention runs
+# config.vision_config.num_attention_heads heads (modeling_aria.py). The config may be nested ("a.b"); a
+# "key/prefix" takes the keys of that config under a prefix (X-CLIP's mit: vision_config.mit_num_attention_heads);
+# a whole stack path (with a dot) names the config of that stack alone.
 SUBCONFIG_BY_PATH = {
     "aria": {"multi_modal_projector": "vision_config"},  # AriaCrossAttention: vision_config.num_attention_heads
     "bridgetower": {"cross_modal_image_layers": "text_config", "cross_modal_text_layers": "text_config"},
@@ -161,9 +182,25 @@ SUBCONFIG_BY_PATH = {
     "mm-grounding-dino": {"text_backbone": "text_config"},
     "pix2struct": {"decoder": "text_config", "encoder": "vision_config"},
     "pp_formulanet": {"decoder": "text_config", "encoder": "vision_config"},
-    "unlimited_ocr": {"layers": "text_config"},
+    # the checkpoint's own names: sam_model (SAM encoder), vision_model (CLIP encoder), layers (language model)
+    "unlimited_ocr": {
+        "layers": "text_config",
+        "sam_model": "vision_config.sam_config",
+        "vision_model": "vision_config.encoder_config",
+    },
     "video_llava": {"video_tower": "vision_config"},  # video and image towers: one CLIP vision config
-    "xclip": {"mit": "vision_config/mit_"},  # the multi-frame integration transformer
+    "xclip": {"mit": "vision_config/mit_", "prompts_generator": "/prompt_"},  # multi-frame integration, prompts
+    "x_clip": {"mit": "vision_config/mit_", "prompts_generator": "/prompt_"},
+    "edgetam_video": {"spatial_perceiver": "/perceiver_resampler_"},  # EdgeTamVideoPerceiverResampler
+    # the structure head is built from its diffusion_module config, its atom decoder's layers from that
+    # config's atom_encoder (modeling_esmfold2.py EsmFold2AtomDecoder)
+    "esmfold2": {
+        "structure_head": "structure_head.diffusion_module",
+        "structure_head.atom_decoder.layers": "structure_head.diffusion_module.atom_encoder",
+    },
+    "t5gemma2": {"encoder.layers": "encoder.text_config"},  # the encoder's text layers; its vision tower apart
+    "unlimited_ocr_vision": {"vision_encoder": "encoder_config", "sam_encoder": "sam_config"},
+    "videoprism": {"video_model": "vision_config"},
     "vjepa2": {"predictor": "/pred_"},  # the predictor: pred_num_attention_heads, pred_hidden_size
 }
 # How a fused tensor packs q/k/v where a family departs from the default of its tensor name
@@ -193,6 +230,7 @@ KV_SLOTS: dict[str, Callable[[int, int], int | None]] = {
     "interleaved": lambda slots, heads: None,  # as many key/value heads as query heads
     "codegen": lambda slots, heads: None,  # as many key/value heads as query heads
     "gated": lambda slots, heads: None,  # queries and gates only
+    "gate_qkv": lambda slots, heads: None,  # as many key/value heads as query heads
 }
 
 
@@ -210,15 +248,28 @@ LINEAR_LAYER_TYPES = ("linear_attention",)
 # Layer types whose heads use keys of their own, by the prefix those keys carry: Inkling's sliding layers
 # ("hybrid_sliding") run swa_num_attention_heads heads of swa_head_dim (modeling_inkling.py).
 LAYER_TYPE_PREFIXES = {"hybrid_sliding": "swa_"}
+# Layer types whose facts a family's code scales from the config's: (model type, layer type) -> key -> factor.
+# MiMo-V2-Flash's sliding layers run twice num_key_value_heads (modeling_mimo_v2_flash.py).
+LAYER_TYPE_SCALES = {("mimo_v2_flash", "sliding_attention"): {"num_key_value_heads": 2}}
 # Per-layer overrides: a dict from layer number to facts (Gemma-4's per_layer_config, {"05": {"head_dim":
 # 512}}: its full-attention layers' head size), or a list per layer of a fact (Laguna's
 # num_attention_heads_per_layer: the fact is the key less this suffix).
 PER_LAYER_CONFIG_KEYS = ("per_layer_config",)
 PER_LAYER_SUFFIX = "_per_layer"
+# Per-stage lists over one flat list of blocks: the key that gives each stage's number of blocks, and the
+# suffix of the per-stage lists it indexes (SAM 2's Hiera: blocks_per_stage, num_attention_heads_per_stage).
+BLOCKS_PER_STAGE_KEYS = ("blocks_per_stage",)
+PER_STAGE_SUFFIX = "_per_stage"
 
 # Modules named like attention whose tensors no rule reads are named in the report; these are attention
 # without a query-key product, left alone with a note rather than refused: the tensor that marks them.
 NOT_QK_ATTENTION = {"sampling_offsets": "multi-scale deformable attention (sampled points, no query-key product)"}
+# Attention with no query/key/value projections to re-initialize, by the module word that holds its tensors:
+# named in the report as left alone. Inkling 2's attention residuals (modeling_inkling2.py
+# Inkling2BlockAttentionResidual) attend from a learned query over the normalized outputs of earlier layers.
+NO_PROJECTION_ATTENTION = {
+    "attn_queries": "attention residuals (a learned query over earlier layers' outputs, no query/key/value projections)"
+}
 ATTENTION_WORDS = ("attn", "attention")  # a module-path word holding one of these names attention
 NOT_ATTENTION_WORDS = ("norm", "linear_attn", "linear_attention")  # ...unless it holds one of these
 

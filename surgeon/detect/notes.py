@@ -8,8 +8,15 @@ from ..formats.base import TensorInfo
 from ..selection import format_indices
 from ..spec import AttentionBlock, Unreadable
 from .config import ConfigView
-from .families import ATTENTION_WORDS, NOT_ATTENTION_WORDS, NOT_QK_ATTENTION, SHARED_BLOCKS, projection_names
-from .placement import place
+from .families import (
+    ATTENTION_WORDS,
+    NO_PROJECTION_ATTENTION,
+    NOT_ATTENTION_WORDS,
+    NOT_QK_ATTENTION,
+    SHARED_BLOCKS,
+    projection_names,
+)
+from .placement import join, place
 
 
 def block_notes(blocks: list[AttentionBlock], view: ConfigView) -> list[str]:
@@ -70,6 +77,19 @@ def linear_notes(linear: dict[str, list[int]]) -> list[str]:
         f"({format_indices(sorted(layers))}): config.json marks them linear attention, not softmax attention"
         for stack, layers in linear.items()
     ]
+
+
+def projectionless(tensors: Mapping[str, TensorInfo]) -> list[str]:
+    """One note per kind of attention that has no projections to re-initialize (NO_PROJECTION_ATTENTION)."""
+    notes = []
+    for word, what in NO_PROJECTION_ATTENTION.items():
+        modules = list(
+            dict.fromkeys(f".{n}".rpartition(f".{word}.")[0][1:] for n in tensors if f".{word}." in f".{n}.")
+        )
+        if modules:
+            more = f" and {len(modules) - 1} more" if len(modules) > 1 else ""
+            notes.append(f"left alone: {join(modules[0], word)}{more}: {what}")
+    return notes
 
 
 def unknown_attention(tensors: Mapping[str, TensorInfo], matched: list[str]) -> tuple[list[Unreadable], list[str]]:

@@ -78,8 +78,9 @@ def packing(part: Part, view: ConfigView, stack: str, module: str, where: str) -
     return packing
 
 
-def solve(parts, packings, heads: int, kv_hint, head_dim_hint, hidden, where: str, source: str):
-    """Find (head_dim, kv_heads, output axis per part) that fit every tensor's shape."""
+def solve(parts, packings, heads: int, kv_hint, head_dim_hint, hidden, where: str, source: str, v_head_dim=None):
+    """Find (head_dim, kv_heads, output axis per part) that fit every tensor's shape; a separate value
+    projection has heads of ``v_head_dim`` where that is given."""
     tried = []
     for orientations in _orientation_choices(parts):
         outs = [info.shape[axis] for (_, info), axis in zip(parts, orientations)]
@@ -94,7 +95,10 @@ def solve(parts, packings, heads: int, kv_hint, head_dim_hint, hidden, where: st
                     )
                     continue
                 try:
-                    sizes = [packed_size(p, heads, kv_heads, head_dim) for p in packings]
+                    sizes = [
+                        packed_size(p, heads, kv_heads, v_head_dim if p == "v" and v_head_dim else head_dim)
+                        for p in packings
+                    ]
                 except ValueError:
                     continue
                 if sizes == outs:
@@ -121,13 +125,19 @@ def _head_dim_candidates(parts, packings, outs, ins, heads, hint, hidden):
     if hint:
         return [hint]
     cands = []
-    for packing, out in zip(packings, outs):
+    for (part, _), packing, out in zip(parts, packings, outs):
         per_head = 2 if packing == "gated" else 1  # gated: a query and a gate block per head
         if packing in ("q", "gated") and out % (heads * per_head) == 0:
             cands.append(out // (heads * per_head))
-    width = hidden or ins[0]
-    if width % heads == 0:
-        cands.append(width // heads)
+        # [Q | K | V] of as many heads each (a config without key/value heads means as many), where the
+        # output axis is known (a guessed one would fit a Conv1D read the wrong way round); before the
+        # width, which would read a pyramid stage (Hiera: 3 x heads x d, d not width / heads) as grouped
+        if packing == "qkv" and part.orientation == "linear" and out % (3 * heads) == 0:
+            cands.append(out // (3 * heads))
+    # the width: the config's, then the tensor's own (a stage of a pyramid transformer is narrower)
+    for width in (hidden, ins[0]):
+        if width and width % heads == 0:
+            cands.append(width // heads)
     return list(dict.fromkeys(cands))
 
 
