@@ -49,7 +49,10 @@ def model_keys(layout: Layout, folder: Path) -> tuple[str | None, dict[str, str]
     """(the wrapper key the model's tensors sit under, or None; the model's name -> DCP key of each)."""
     tensors = [k for k, e in layout.entries.items() if isinstance(e, TensorEntry)]
     for wrapper in WRAPPER_KEYS:
-        under = {layout.paths[k][1]: k for k in tensors if len(layout.paths[k]) == 2 and layout.paths[k][0] == wrapper}
+        keys = [k for k in tensors if len(layout.paths[k]) == 2 and layout.paths[k][0] == wrapper]
+        under = {layout.paths[k][1]: k for k in keys}
+        if len(under) != len(keys):  # planner data naming two entries alike: which is the model's is unknown
+            raise CheckpointError(f"DCP checkpoint {folder}: its planner data gives two tensors one name", path=folder)
         if under and all(isinstance(n, str) for n in under):
             return wrapper, cast(dict[str, str], under)
     top = {k: k for k in tensors if len(layout.paths[k]) == 1}
