@@ -30,7 +30,9 @@ OPEN_CLIP_CONFIG = "open_clip_config.json"
 # Copies of the weights in formats surgeon does not rewrite here. Carried over unchanged they would
 # still hold the old attention weights, so a folder output leaves them out and says so.
 STALE_WEIGHT_SUFFIXES = OTHER_FORMAT_SUFFIXES + ALONE_SUFFIXES
-STALE_WEIGHT_DIRS = EXPORT_DIRS
+# sharded/: the per-rank shards torch's HuggingFaceStorageWriter keeps beside the consolidated safetensors it
+# writes from them (torchtitan's last_save_in_hf): the same weights again.
+STALE_WEIGHT_DIRS = EXPORT_DIRS | {"sharded"}
 
 
 @dataclass

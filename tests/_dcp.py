@@ -30,10 +30,10 @@ class Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-def save(state: dict, folder: Path, config=None) -> Path:
+def save(state: dict, folder: Path, config=None, storage_writer=None) -> Path:
     with warnings.catch_warnings():  # "torch.distributed is disabled ... assuming ... a single process": yes
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save(state, checkpoint_id=str(folder))
+        dcp.save(state, checkpoint_id=None if storage_writer else str(folder), storage_writer=storage_writer)
     if config is not None:
         config.save_pretrained(folder)
     return folder

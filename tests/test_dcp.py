@@ -253,3 +253,26 @@ def test_hostile_layouts_are_refused_before_reading(full, tmp_path, cli, spoil, 
     ):
         expect_cli_error(cli, bad, *args, match=match)
     assert tree_digest(tmp_path) == before and not (tmp_path / "o").exists()
+
+
+def test_hf_export_keeps_no_old_sharded_copy(tmp_path, cli):
+    """torch's HF storage writer with consolidation (torchtitan's last_save_in_hf) writes the consolidated
+    safetensors and, in sharded/, the ranks' shards of the same weights: those are left out, with a note."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    model = tiny_llama()
+    sd = model.state_dict()
+    folder = tmp_path / "step-10"
+    writer = HuggingFaceStorageWriter(
+        path=str(folder), save_distributed=True, enable_consolidation=True, fqn_to_index_mapping=dict.fromkeys(sd, 1)
+    )
+    _dcp.save(sd, folder, model.config, storage_writer=writer)
+    (shard,) = (folder / "sharded").glob("*.safetensors")
+    assert torch.equal(load_file(shard)[Q.format(0)], sd[Q.format(0)])  # the same weights again
+    report = cli("reinit", folder, "-o", tmp_path / "out").stdout
+    assert "left out other copies of the weights" in report and "sharded/" in report
+    assert not (tmp_path / "out" / "sharded").exists()
+    (out,) = (tmp_path / "out").glob("model-*.safetensors")
+    assert not torch.equal(load_file(out)[Q.format(0)], sd[Q.format(0)])
+    cli("verify", folder, tmp_path / "out")
