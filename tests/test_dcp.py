@@ -276,3 +276,30 @@ def test_hf_export_keeps_no_old_sharded_copy(tmp_path, cli):
     (out,) = (tmp_path / "out").glob("model-*.safetensors")
     assert not torch.equal(load_file(out)[Q.format(0)], sd[Q.format(0)])
     cli("verify", folder, tmp_path / "out")
+
+
+def test_safetensors_serialization_is_refused_naming_it(tmp_path, cli):
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter, SerializationFormat
+
+    model = tiny_llama()
+    folder = tmp_path / "ckpt"
+    writer = FileSystemWriter(str(folder), serialization_format=SerializationFormat.SAFETENSORS)
+    _dcp.save(model.state_dict(), folder, model.config, storage_writer=writer)
+    expect_cli_error(cli, folder, "inspect", folder, match="not in DCP's default torch_save serialization")
+
+
+def test_flattened_training_state_reads_top_level_tensors(tmp_path, cli):
+    """torchtitan flattens the model's entries to the top of its state, beside "optimizer" and "train_state"."""
+    model = tiny_llama()
+    state = _dcp.training_state(model)
+    flat = {**state["model"], "optimizer": state["optim"], "train_state": state["train_state"]}
+    src = _dcp.save(flat, tmp_path / "step-1", model.config)
+    assert "model tensors at the top level" in cli("inspect", src).stdout
+    cli("reinit", src, "-o", tmp_path / "out", "--layers", "0")
+    a, b = _dcp.spans(src), _dcp.spans(tmp_path / "out")
+    assert {k[0] for k in a if a[k] != b[k]} == {f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"}
+    loaded = fresh()
+    sd = loaded.state_dict()
+    _dcp.load(sd, tmp_path / "out")
+    loaded.load_state_dict(sd)
+    conditioned(observe(loaded)["model.layers.0.self_attn"])

@@ -296,6 +296,14 @@ def _check_files(folder: Path, layout: Layout, path: Path) -> None:
                 f"{path} names the data file {rel}, which is not in {folder}: the checkpoint is incomplete", path=path
             )
         sizes[rel] = os.stat(found).st_size
+        with open(found, "rb") as f:
+            head = f.read(4)
+        if head and head != b"PK\x03\x04":  # each item of torch_save serialization is a torch.save zip archive
+            raise CheckpointError(
+                f"{path}: its data file {rel} is not in DCP's default torch_save serialization (it starts with "
+                f"{head!r}; FileSystemWriter's safetensors serialization?): re-save the checkpoint with the default",
+                path=path,
+            )
     by_file: dict[str, list[tuple[int, int, str]]] = {}
     for key, span in all_spans(layout):
         if span.offset + span.length > sizes[span.file]:
