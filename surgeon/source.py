@@ -22,6 +22,7 @@ from .formats.registry import (  # noqa: F401  (NOT_WEIGHTS, TORCH_NAMES: import
     TORCH_NAMES,
     WEIGHT_SUFFIXES,
     format_of,
+    pick_dcp,
 )
 
 SKIP_DIRS = {".git", ".cache"}
@@ -29,7 +30,9 @@ OPEN_CLIP_CONFIG = "open_clip_config.json"
 # Copies of the weights in formats surgeon does not rewrite here. Carried over unchanged they would
 # still hold the old attention weights, so a folder output leaves them out and says so.
 STALE_WEIGHT_SUFFIXES = OTHER_FORMAT_SUFFIXES + ALONE_SUFFIXES
-STALE_WEIGHT_DIRS = EXPORT_DIRS
+# sharded/: the per-rank shards torch's HuggingFaceStorageWriter keeps beside the consolidated safetensors it
+# writes from them (torchtitan's last_save_in_hf): the same weights again.
+STALE_WEIGHT_DIRS = EXPORT_DIRS | {"sharded"}
 
 
 @dataclass
@@ -84,6 +87,7 @@ def open_source(path: str | Path, *, config: str | Path | None = None, recover: 
         source.config = embedded
         source.notes.append(f"head counts from the model arguments saved in {source.primary.files[0]}")
     source.notes[:0] = recovered
+    source.notes += [note for w in source.weights for note in w.notes]
     return source
 
 
@@ -147,7 +151,7 @@ def _open_folder(folder: Path) -> Source:
     top = [f for f in found.files if "/" not in f]
     sets = _weight_sets(folder, top)
     if not sets:
-        _refuse_no_weights(folder)
+        _refuse_no_weights(folder, found.files)
     extras, stale = _other_files(found.files, {f for s in sets for f in s.all_files})
     stale = sorted(stale + [f"{d}/" for d in STALE_WEIGHT_DIRS if _holds_anything(folder / d)])
     notes = []
@@ -199,8 +203,29 @@ def _weight_sets(folder: Path, top: list[str]) -> list[WeightSet]:
     return sets + _variant_indexes(folder, top, sets)
 
 
-def _refuse_no_weights(folder: Path) -> NoReturn:
-    """A folder without weights: say where they are if it is a diffusers pipeline, else what was expected."""
+def _dcp_folders(files: list[str]) -> list[str]:
+    """The folders among ``files`` (relative paths) that hold a DCP checkpoint: a .metadata and .distcp files
+    (torchtitan's step-N/, OLMo-core's stepN/model_and_optim/, Megatron's iter_N/)."""
+    parents: dict[str, set[str]] = {}
+    for rel in files:
+        parent, _, name = rel.rpartition("/")
+        if parent:
+            parents.setdefault(parent, set()).add(name)
+    return sorted(p for p, names in parents.items() if pick_dcp(sorted(names)))
+
+
+def _refuse_no_weights(folder: Path, files: list[str]) -> NoReturn:
+    """A folder without weights: say where they are if it is a diffusers pipeline or holds DCP checkpoints,
+    else what was expected."""
+    dcp = _dcp_folders(files)
+    if dcp:
+        more = f" (and {len(dcp) - 3} more)" if len(dcp) > 3 else ""
+        raise CheckpointError(
+            f"{folder} holds no weights itself but {'a DCP checkpoint' if len(dcp) == 1 else 'DCP checkpoints'} "
+            f"(torch.distributed.checkpoint) in {', '.join(str(folder / d) for d in dcp[:3])}{more}: "
+            "point surgeon at that folder",
+            path=folder,
+        )
     if (folder / "model_index.json").is_file():
         parts = sorted(
             p.name
@@ -214,7 +239,7 @@ def _refuse_no_weights(folder: Path) -> NoReturn:
         )
     raise CheckpointError(
         f"no weights in folder {folder}: expected model.safetensors, model.safetensors.index.json, "
-        "pytorch_model.bin(.index.json) or a .onnx file",
+        "pytorch_model.bin(.index.json), a .onnx file or a DCP checkpoint (.metadata and .distcp files)",
         path=folder,
     )
 

@@ -70,6 +70,7 @@ class WeightSet(ABC):
         self.files = files  # weight files (shards), relative to folder, in index order
         self.index = index  # the index file (model.safetensors.index.json), if sharded
         self._infos: dict[str, TensorInfo] = {}
+        self.notes: list[str] = []  # for the report: how the set was read (a DCP state's model entries)
 
     @classmethod
     def from_index(cls, index_path: Path) -> WeightSet:

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from .base import WeightSet
 
 # Files a training run leaves in a model folder that are pickles but not weights.
-NOT_WEIGHTS = {"training_args.bin", "optimizer.pt", "optimizer.bin", "scheduler.pt", "scaler.pt"}
+# (Megatron's common.pt: the run's arguments and counters beside the .distcp files of a DCP checkpoint.)
+NOT_WEIGHTS = {"training_args.bin", "optimizer.pt", "optimizer.bin", "scheduler.pt", "scaler.pt", "common.pt"}
 TORCH_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 TORCH_NAMES = ("pytorch_model.bin", "model.bin", "model.pt", "model.pth", "model.ckpt")
 # Weights in formats surgeon does not rewrite.
@@ -63,6 +64,15 @@ def _pick_onnx(top: list[str]) -> list[str]:
     return onnx[:1] + [n for n in top if n.startswith(tuple(onnx[0] + d for d in ONNX_DATA))]
 
 
+DCP_METADATA, DCP_SUFFIX = ".metadata", ".distcp"  # torch.distributed.checkpoint
+
+
+def pick_dcp(top: list[str]) -> list[str]:
+    """A DCP folder: its .metadata, then the data files beside it (the metadata names the ones it reads)."""
+    distcp = sorted(n for n in top if n.endswith(DCP_SUFFIX))
+    return [DCP_METADATA] + distcp if DCP_METADATA in top and distcp else []
+
+
 @dataclass(frozen=True)
 class Format:
     name: str
@@ -99,6 +109,7 @@ FORMATS: tuple[Format, ...] = (  # in order of preference
         _pick_safetensors,
     ),
     Format("torch", ".torchfile:TorchWeights", TORCH_SUFFIXES, (".bin.index.json", ".pt.index.json"), _pick_torch),
+    Format("dcp", ".dcp:DcpWeights", (DCP_SUFFIX,), (DCP_METADATA,), pick_dcp, opener=".dcp:open_dcp"),
     Format(
         "onnx", ".onnx:OnnxWeights", (".onnx",), (), _pick_onnx, alone=True, opener=".onnx:open_onnx", data=ONNX_DATA
     ),

@@ -1,0 +1,257 @@
+"""torch.distributed.checkpoint (DCP) folders: ``.metadata`` plus one ``.distcp`` file per rank (or more).
+
+Read without running code from the folder (``dcp_metadata``): tensor chunks load with
+``torch.load(weights_only=True)`` from byte ranges checked against the files, non-tensor entries (train state,
+RNG state, an optimizer's hyper-parameters) are never unpickled. Only the model's tensors are offered to
+the rest of surgeon: a full training state keeps them under a wrapper key (``{"model": ..., "optim": ...}``,
+as DCP's planner data records), a model-only one (or torchtitan's, which flattens the model to the top)
+at the top level; they are named as the model names them, and keep their DCP keys in the output.
+
+The output has the same files, the same ``.metadata`` byte for byte (so the same keys and chunking), and
+every byte but the re-initialized chunks' copied: a changed chunk is the ``torch.save`` archive DCP writes
+of it, which has the same length for the same shape, strides and dtype, so no offset moves. Each file's
+work is separate (:meth:`DcpWeights.chunks_in`): a rank could read and write only its own files.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+from ..errors import CheckpointError, VerificationError
+from .base import TensorInfo, UpdatesFn, WeightSet
+from .dcp_metadata import METADATA, SUFFIX, Chunk, Layout, TensorEntry, all_spans, read_layout
+from .fileio import same_bytes
+
+if TYPE_CHECKING:
+    import torch
+
+WRAPPER_KEYS = ("model", "state_dict", "model_state_dict", "module")  # where a training state keeps the model
+
+
+def open_dcp(path: str | Path) -> DcpWeights:
+    """The DCP checkpoint whose ``.metadata`` is ``path``; a ``.distcp`` file alone is one rank's part of it."""
+    path = Path(path)
+    if path.name.endswith(SUFFIX):
+        raise CheckpointError(
+            f"{path} is one data file of a DCP checkpoint (torch.distributed.checkpoint); point surgeon at its "
+            f"folder {path.parent}",
+            path=path,
+        )
+    return DcpWeights(path.parent)
+
+
+def model_keys(layout: Layout, folder: Path) -> tuple[str | None, dict[str, str]]:
+    """(the wrapper key the model's tensors sit under, or None; the model's name -> DCP key of each)."""
+    tensors = [k for k, e in layout.entries.items() if isinstance(e, TensorEntry)]
+    for wrapper in WRAPPER_KEYS:
+        keys = [k for k in tensors if len(layout.paths[k]) == 2 and layout.paths[k][0] == wrapper]
+        under = {layout.paths[k][1]: k for k in keys}
+        if len(under) != len(keys):  # planner data naming two entries alike: which is the model's is unknown
+            raise CheckpointError(f"DCP checkpoint {folder}: its planner data gives two tensors one name", path=folder)
+        if under and all(isinstance(n, str) for n in under):
+            return wrapper, cast(dict[str, str], under)
+    top = {k: k for k in tensors if len(layout.paths[k]) == 1}
+    if not top:
+        keys = sorted({str(p[0]) for p in layout.paths.values()})
+        raise CheckpointError(
+            f"DCP checkpoint {folder} holds no model tensors: none at its top level nor under "
+            f"{'/'.join(WRAPPER_KEYS)} (its top-level keys: {', '.join(keys[:8]) or 'none'})",
+            path=folder,
+        )
+    return None, top
+
+
+class DcpWeights(WeightSet):
+    format = "dcp"
+    patches_in_place = False  # chunks are torch.save archives: rewritten whole, each in its own byte range
+    rewrites_whole_tensors = True
+    graph = False
+    record_slot = False  # DCP has no slot loaders ignore: the output folder's model card carries the record
+    shard_suffix = SUFFIX
+
+    def __init__(self, folder: Path, files: list[str] | None = None, index: str | None = METADATA) -> None:
+        layout = read_layout(folder)
+        super().__init__(folder, list(layout.files), METADATA)
+        self.layout = layout
+        self.wrapper, names = model_keys(layout, folder)
+        self.keys = names  # model name -> DCP key
+        for name, key in names.items():
+            entry = cast(TensorEntry, layout.entries[key])
+            element = entry.dtype
+            itemsize = _itemsize(element)
+            first = entry.chunks[0].span.file if entry.chunks else self.files[0]
+            self._infos[name] = TensorInfo(name, entry.shape, element, element, first, entry.numel * itemsize)
+        carried = len(layout.entries) - len(names)
+        where = f"under {self.wrapper!r}" if self.wrapper else "at the top level"
+        self.notes = [
+            f"DCP checkpoint: {len(names)} model tensors {where}; "
+            f"{carried} other entr{'y' if carried == 1 else 'ies'} (optimizer, train state) carried over byte for byte, never loaded"
+        ]
+
+    def describe(self) -> str:
+        return f"dcp ({len(self.files)} {SUFFIX} file{'s' if len(self.files) != 1 else ''})"
+
+    def entry(self, name: str) -> TensorEntry:
+        return cast(TensorEntry, self.layout.entries[self.keys[name]])
+
+    def chunks_in(self, file: str) -> list[tuple[str, Chunk]]:
+        """(model name, chunk) of every model chunk stored in ``file``: one rank's share of the work."""
+        return [(n, c) for n in self.keys for c in self.entry(n).chunks if c.span.file == file]
+
+    def _load_chunk(self, name: str, chunk: Chunk, folder: Path | None = None) -> torch.Tensor:
+        """One chunk, from its torch.save archive (weights_only: no code runs), checked against the metadata."""
+        import torch
+
+        span, entry = chunk.span, self.entry(name)
+        with open((folder or self.folder) / span.file, "rb") as f:
+            f.seek(span.offset)
+            data = f.read(span.length)
+        where = f"{span.file} (bytes {span.offset}..{span.offset + span.length})"
+        if len(data) != span.length:
+            raise CheckpointError(f"{self.folder}: {where} ended early: the file is truncated", tensor=name)
+        if not data.startswith(b"PK\x03\x04"):
+            raise CheckpointError(
+                f"{self.folder}: the chunk of {entry.key!r} in {where} is not a torch.save archive; surgeon reads "
+                "DCP checkpoints written with the default torch_save serialization",
+                tensor=name,
+            )
+        try:
+            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise CheckpointError(
+                f"{self.folder}: the chunk of {entry.key!r} in {where} cannot be loaded safely "
+                f"({str(exc).strip().splitlines()[-1][:100]}): surgeon never runs code from a checkpoint",
+                tensor=name,
+            ) from None
+        except Exception as exc:
+            raise CheckpointError(
+                f"{self.folder}: the chunk of {entry.key!r} in {where} is not readable ({type(exc).__name__}); "
+                "re-save the checkpoint",
+                tensor=name,
+            ) from None
+        if (
+            not isinstance(tensor, torch.Tensor)
+            or tuple(tensor.shape) != chunk.sizes
+            or tensor.dtype != getattr(torch, entry.dtype)
+        ):
+            got = f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise CheckpointError(
+                f"{self.folder}: the chunk of {entry.key!r} in {where} holds {got}, the metadata says "
+                f"{chunk.sizes} {entry.dtype}: the metadata is not the files' own",
+                tensor=name,
+            )
+        return tensor
+
+    def read(self, name: str) -> torch.Tensor:
+        import torch
+
+        entry = self.entry(name)
+        if len(entry.chunks) == 1 and entry.chunks[0].sizes == entry.shape:
+            return self._load_chunk(name, entry.chunks[0])
+        out = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
+        for chunk in entry.chunks:
+            out[chunk.slices] = self._load_chunk(name, chunk)
+        return out
+
+    def _archive(self, name: str, chunk: Chunk, tensor: torch.Tensor) -> bytes:
+        """The chunk of ``tensor`` (the whole new tensor) as DCP stores it: torch.save of a tensor with the
+        stored chunk's strides, which is as long as the stored archive (checked: else offsets would move)."""
+        import torch
+
+        old = self._load_chunk(name, chunk)
+        new = torch.empty_strided(old.shape, old.stride(), dtype=old.dtype)
+        new.copy_(tensor[chunk.slices])
+        buf = io.BytesIO()
+        torch.save(new, buf)
+        if len(buf.getvalue()) != chunk.span.length:
+            raise CheckpointError(
+                f"{self.folder}: the chunk of {self.entry(name).key!r} in {chunk.span.file} is stored in "
+                f"{chunk.span.length} bytes and this torch writes {len(buf.getvalue())}: it was saved by another "
+                "torch version; load and re-save it with dcp.save of this torch, then run surgeon again",
+                tensor=name,
+            )
+        return buf.getvalue()
+
+    def save(self, dest: Path, updates: UpdatesFn, record: dict) -> None:
+        import torch
+
+        # Every file copied as it is, then each changed chunk written over its own byte range: the bytes of
+        # every other entry (optimizer state, train state, untouched tensors) are never decoded.
+        for rel in self.all_files:
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(self.folder / rel, dest / rel)
+        written = set()
+        for file in self.files:
+            for name, tensor in updates(file):
+                entry = self.entry(name)
+                if tuple(tensor.shape) != entry.shape or tensor.dtype != getattr(torch, entry.dtype):
+                    raise AssertionError(f"update of {name} changes its shape or dtype")
+                for chunk in entry.chunks:  # a sharded tensor's chunks may lie in other ranks' files
+                    with open(dest / chunk.span.file, "r+b") as out:
+                        os.pwrite(out.fileno(), self._archive(name, chunk, tensor), chunk.span.offset)
+                written.add(name)
+        missing = set(updates.names) - written
+        if missing:  # a planned tensor that was not computed would keep its old value: never write that
+            raise AssertionError(f"no new value for {sorted(missing)[:3]}")
+
+    def check_non_tensor(self, out: WeightSet, changed: set[str], history: list, output: object) -> None:
+        """The same ``.metadata`` byte for byte; every byte of every file outside the changed chunks as it
+        was; each changed chunk exactly the torch.save archive of its tensor (nothing else in it)."""
+        import torch
+
+        out = cast(DcpWeights, out)  # verify compares sets of the same format only
+        if not same_bytes(self.folder / METADATA, out.folder / METADATA):
+            raise VerificationError(f"{output}: its {METADATA} differs from the original's; surgeon carries it over")
+        spans: dict[str, list[tuple[int, int]]] = {rel: [] for rel in self.files}
+        for name in sorted(changed):
+            for chunk in self.entry(name).chunks:
+                spans[chunk.span.file].append((chunk.span.offset, chunk.span.offset + chunk.span.length))
+                stored = out._load_chunk(name, chunk)
+                buf = io.BytesIO()
+                torch.save(stored, buf)
+                with open(out.folder / chunk.span.file, "rb") as f:
+                    f.seek(chunk.span.offset)
+                    if f.read(chunk.span.length) != buf.getvalue():
+                        raise VerificationError(
+                            f"{output}: the chunk of {self.keys[name]!r} in {chunk.span.file} is not the archive "
+                            "torch.save writes of its tensor"
+                        )
+        for rel, ranges in spans.items():
+            if not _same_outside(self.folder / rel, out.folder / rel, sorted(ranges)):
+                raise VerificationError(
+                    f"{output}: {rel} differs from the original's outside the re-initialized chunks "
+                    "(optimizer state, train state and untouched tensors are carried over byte for byte)"
+                )
+
+    def other_entries(self) -> list[str]:
+        """The DCP keys surgeon carries over without reading: everything but the model's tensors."""
+        model = set(self.keys.values())
+        return [k for k, _ in all_spans(self.layout) if k not in model]
+
+
+def _itemsize(element: str) -> int:
+    import torch
+
+    return getattr(torch, element).itemsize
+
+
+def _same_outside(a: Path, b: Path, ranges: list[tuple[int, int]], block: int = 1 << 20) -> bool:
+    """Files ``a`` and ``b`` have the same size and the same bytes outside ``ranges`` (sorted, disjoint)."""
+    size = a.stat().st_size
+    if b.stat().st_size != size:
+        return False
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        pos = 0
+        for begin, end in ranges + [(size, size)]:
+            while pos < begin:
+                n = min(block, begin - pos)
+                if os.pread(fa.fileno(), n, pos) != os.pread(fb.fileno(), n, pos):
+                    return False
+                pos += n
+            pos = max(pos, end)
+    return True
