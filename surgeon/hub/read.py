@@ -6,6 +6,7 @@ import glob
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..errors import (
     CheckpointError,
@@ -170,7 +171,7 @@ class _Resolved(str):
         return made
 
 
-def _resolve_revision(api, repo_id: str, revision: str | None, info) -> str:
+def _resolve_revision(api, repo_id: str, revision: str | None, info) -> Any:
     """The revision with the commit it points to (``.resolved``). ``info``: the Hub's answer when it was
     reached (None: resolve from the cache's refs/ only). Records branch -> commit in the cache's refs/, which
     is what offline runs resolve with later."""
