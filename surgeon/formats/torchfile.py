@@ -133,7 +133,9 @@ def megatron_config(args: Mapping) -> dict:
     """Megatron-LM's training arguments in config.json terms. Its num_query_groups counts only with
     group_query_attention (arguments.py core_transformer_config_from_args; its default is 1 either way)."""
     plain = {k: v for k, v in args.items() if isinstance(k, str) and isinstance(v, (int, float, str, bool))}
-    config: dict[str, object] = {k: plain[k] for k in ("num_attention_heads", "kv_channels", "hidden_size") if k in plain}
+    config: dict[str, object] = {
+        k: plain[k] for k in ("num_attention_heads", "kv_channels", "hidden_size") if k in plain
+    }
     heads = config.get("num_attention_heads")
     if isinstance(heads, int):
         groups = plain.get("num_query_groups") if plain.get("group_query_attention") is True else heads
