@@ -14,8 +14,9 @@ from typing import Any
 
 from .errors import DependencyError
 
-# The versions every API below is tested with (CI installs exactly these; pyproject.toml's floors match).
-TESTED = {"torch": "2.13.0", "huggingface-hub": "2.4.0"}
+# The oldest versions every API below is tested with (pyproject.toml's floors; the floors job installs exactly
+# these, CI's main venv the newest).
+TESTED = {"torch": "2.13.0", "huggingface-hub": "1.3.0"}
 
 # name -> (module, attribute in it, or None for the module itself, distribution that provides it)
 APIS: dict[str, tuple[str, str | None, str]] = {
@@ -28,12 +29,23 @@ APIS: dict[str, tuple[str, str | None, str]] = {
         "compute_local_shape_and_global_offset",
         "torch",
     ),
-    "get_cached_repo_tree": ("huggingface_hub", "get_cached_repo_tree", "huggingface-hub"),
-    "CachedRepoTreeNotFoundError": ("huggingface_hub.errors", "CachedRepoTreeNotFoundError", "huggingface-hub"),
     "repo_folder_name": ("huggingface_hub.file_download", "repo_folder_name", "huggingface-hub"),
+    "cache_commit_hash": (
+        "huggingface_hub.file_download",
+        "_cache_commit_hash_for_specific_revision",
+        "huggingface-hub",
+    ),
     "are_progress_bars_disabled": ("huggingface_hub.utils", "are_progress_bars_disabled", "huggingface-hub"),
     "disable_progress_bars": ("huggingface_hub.utils", "disable_progress_bars", "huggingface-hub"),
-    "httpx2": ("httpx2", None, "huggingface-hub"),  # huggingface_hub's HTTP client (its exceptions)
+    "enable_progress_bars": ("huggingface_hub.utils", "enable_progress_bars", "huggingface-hub"),
+}
+
+# What only newer releases offer: None on an older one, where the caller falls back (huggingface_hub 2.0 added
+# the cached repo listing; before it, the files of the cached snapshot folder are what is known offline).
+NEWER: dict[str, tuple[str, str | None, str]] = {
+    "get_cached_repo_tree": ("huggingface_hub", "get_cached_repo_tree", "huggingface-hub"),
+    "CachedRepoTreeNotFoundError": ("huggingface_hub.errors", "CachedRepoTreeNotFoundError", "huggingface-hub"),
+    "RevisionResolutionError": ("huggingface_hub.errors", "RevisionResolutionError", "huggingface-hub"),
 }
 
 
@@ -64,16 +76,30 @@ def resolve(module: str, attr: str | None, dist: str) -> Any:
         raise DependencyError(f"{has} has no {what} ({type(exc).__name__}){fix}") from None
 
 
+def hub_http() -> Any:
+    """The HTTP client module huggingface_hub raises through (its connection errors): httpx2 from 2.0, httpx
+    in 1.x."""
+    major = int((installed_version("huggingface-hub") or "0").split(".")[0])
+    return resolve("httpx2" if major >= 2 else "httpx", None, "huggingface-hub")
+
+
 def check() -> None:
     """Resolve every API surgeon uses (raises DependencyError on the first one missing)."""
-    for name in APIS:
+    for name in [*APIS, *NEWER]:
         __getattr__(name)
+    hub_http()
 
 
 def __getattr__(name: str) -> Any:
     spec = APIS.get(name)
-    if spec is None:
+    if spec is not None:
+        value = resolve(*spec)
+    elif name in NEWER:
+        try:
+            value = resolve(*NEWER[name])
+        except DependencyError:
+            value = None
+    else:
         raise AttributeError(f"module 'surgeon._compat' has no attribute {name!r}")
-    value = resolve(*spec)
     globals()[name] = value
     return value

@@ -21,6 +21,13 @@ def test_every_wrapped_api_resolves_on_the_installed_versions():
     for name, (module, attr, _) in _compat.APIS.items():
         value = getattr(_compat, name)
         assert value is (sys.modules[module] if attr is None else getattr(sys.modules[module], attr))
+    # what only newer releases offer is the release's own, or None where it has none (the caller falls back)
+    for name, (module, attr, _) in _compat.NEWER.items():
+        found = getattr(sys.modules.get(module), attr or "", None)
+        assert getattr(_compat, name) is found
+    hub = _release(metadata.version("huggingface-hub"))
+    assert (_compat.get_cached_repo_tree is None) == (hub < (2, 0, 0))
+    assert _compat.hub_http().__name__ == ("httpx2" if hub >= (2, 0, 0) else "httpx")
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -59,7 +66,7 @@ def test_a_missing_module_names_the_tested_version():
     with pytest.raises(
         DependencyError,
         match=r"^huggingface-hub \S+ has no huggingface_hub\._gone \(ModuleNotFoundError\); "
-        r"surgeon \S+ is tested with huggingface-hub 2\.4\.0: pip install 'huggingface-hub==2\.4\.0'$",
+        r"surgeon \S+ is tested with huggingface-hub 1\.3\.0: pip install 'huggingface-hub==1\.3\.0'$",
     ):
         _compat.resolve("huggingface_hub._gone", None, "huggingface-hub")
     with pytest.raises(AttributeError):

@@ -69,6 +69,9 @@ RULES: tuple[Rule, ...] = (
     _separate("q_head", "k_head", "v_head"),  # Funnel Transformer
     # CvT: each Linear after a depthwise convolution (and its BatchNorm) that mixes neighbouring tokens
     _separate("projection_query", "projection_key", "projection_value"),
+    _separate("w_q", "w_k", "w_v"),  # OLMo-core (olmo_core/nn/attention: Attention.w_q/w_k/w_v, w_out)
+    _separate("q_linear", "k_linear", "v_linear"),  # a widely copied from-scratch spelling
+    _separate("c_q", "c_k", "c_v"),  # nanochat (gpt.py CausalSelfAttention: c_q, c_k, c_v, c_proj)
     Rule(
         "fused cross c_attn",  # GPT-2 cross-attention: Conv1D q_attn, Conv1D c_attn holding [K | V]
         (Part("q_attn.weight", "q_attn.bias", "q", "conv1d"), Part("c_attn.weight", "c_attn.bias", "kv", "conv1d")),
@@ -85,6 +88,10 @@ RULES: tuple[Rule, ...] = (
     _fused("to_qkv", "qkv"),
     _fused("att_proj", "qkv"),  # Bark, OLMo-1: split(embed_dim) into [Q | K | V]
     _fused("gqkv_proj", "gate_qkv"),  # HRM: chunk(4) into [gate | Q | K | V] (transformers' conversion_mapping)
+    # Megatron-Core (transformer/attention.py SelfAttention.get_query_key_value_tensors): rows viewed as
+    # (query groups, heads per group + 2, head dim), each group [its query heads | its key | its value]; with
+    # Transformer Engine the input norm's weight sits beside it (linear_qkv.layer_norm_weight), left alone
+    _fused("linear_qkv", "grouped"),
     # DeBERTa (v1): in_proj views rows as (heads, 3 * head_dim), biases in q_bias/v_bias; in_proj alone is a
     # Mamba mixer's input projection, so the biases must be there too
     Rule("fused in_proj + q_bias", (Part("in_proj.weight", None, "interleaved"),), requires=("q_bias", "v_bias")),
@@ -138,6 +145,7 @@ KV_HEADS_KEYS = (
     "kv_n_heads",
     "num_kv_heads_per_layer",
     "multi_query_group_num",
+    "n_kv_head",  # nanochat (gpt.py GPTConfig)
 )
 HEAD_DIM_KEYS = ("head_dim", "d_kv", "attention_head_dim", "kv_channels", "head_size", "dim_head")
 # Where the value heads are of another size than query and key (MiMo-V2-Flash: v_head_dim), read for a

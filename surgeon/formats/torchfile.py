@@ -24,7 +24,11 @@ from .fileio import same_bytes
 SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 INDEX_SUFFIX = ".bin.index.json"
 WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "module")
-CONFIG_KEYS = ("model_args", "hyper_parameters")  # nanoGPT ckpt.pt, PyTorch Lightning
+CONFIG_KEYS = ("model_args", "hyper_parameters", "config")  # nanoGPT ckpt.pt, PyTorch Lightning, from-scratch loops
+MEGATRON_ARGS = "args"  # Megatron-LM's legacy model_optim_rng.pt: its argparse.Namespace of training arguments
+# The only class a pickle may ask for beyond weights_only's own: Megatron's argparse.Namespace, which unpickles
+# to attributes (no code runs); everything inside it is still held to weights_only's rules.
+SAFE_EXTRA_GLOBALS = ("argparse.Namespace",)
 
 
 def _is_state_dict(obj) -> bool:
@@ -55,9 +59,19 @@ def load_file(path: Path) -> tuple[object, str | None, Mapping]:
                 f"{head!r}); surgeon reads torch.save files, safetensors and ONNX (a CTranslate2, GGUF or TF file is none of them)"
             )
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
+        except pickle.UnpicklingError:
+            unsafe = _unsafe_globals(path)
+            if not unsafe or not set(unsafe) <= set(SAFE_EXTRA_GLOBALS):
+                raise
+            import argparse
+
+            with torch.serialization.safe_globals([argparse.Namespace]):  # this load only
+                obj = torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
     except pickle.UnpicklingError as exc:
-        detail = _unsafe_detail(str(exc))
+        unsafe = [g for g in _unsafe_globals(path) or () if g not in SAFE_EXTRA_GLOBALS]
+        detail = f" (it asks for {', '.join(unsafe[:4])})" if unsafe else _unsafe_detail(str(exc))
         raise CheckpointError(
             f"{path} cannot be loaded safely{detail}: surgeon loads pickles with weights_only=True and never "
             "runs code from a file; re-save it as a plain state dict or as safetensors"
@@ -83,6 +97,16 @@ def load_file(path: Path) -> tuple[object, str | None, Mapping]:
     raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a state dict of tensors")
 
 
+def _unsafe_globals(path: Path) -> list[str] | None:
+    """The globals the pickle names beyond weights_only's (read statically: nothing is loaded), or None."""
+    import torch
+
+    try:
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    except Exception:  # a damaged file: the load's own error stands
+        return None
+
+
 def _all_tensors(obj: Mapping) -> bool:
     import torch
 
@@ -94,11 +118,30 @@ def container_config(obj: object) -> dict | None:
     Lightning ``hyper_parameters``): head counts in config.json terms (n_head, num_heads, ...)."""
     if not isinstance(obj, Mapping):
         return None
+    import argparse
+
+    if isinstance(obj.get(MEGATRON_ARGS), argparse.Namespace):
+        return megatron_config(vars(obj[MEGATRON_ARGS]))
     for key in CONFIG_KEYS:
         value = obj.get(key)
         if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
             return {k: v for k, v in value.items() if isinstance(v, (int, float, str, bool, list, type(None)))}
     return None
+
+
+def megatron_config(args: Mapping) -> dict:
+    """Megatron-LM's training arguments in config.json terms. Its num_query_groups counts only with
+    group_query_attention (arguments.py core_transformer_config_from_args; its default is 1 either way)."""
+    plain = {k: v for k, v in args.items() if isinstance(k, str) and isinstance(v, (int, float, str, bool))}
+    config: dict[str, object] = {
+        k: plain[k] for k in ("num_attention_heads", "kv_channels", "hidden_size") if k in plain
+    }
+    heads = config.get("num_attention_heads")
+    if isinstance(heads, int):
+        groups = plain.get("num_query_groups") if plain.get("group_query_attention") is True else heads
+        if isinstance(groups, int):
+            config["num_key_value_heads"] = groups
+    return config
 
 
 def _unsafe_detail(message: str) -> str:

@@ -100,10 +100,17 @@ def require_repo_id(text: str, what: str) -> str:
 @contextmanager
 def hf_progress(enabled: bool) -> Iterator[None]:
     """huggingface_hub's own download/upload bars only when surgeon shows progress (a terminal)."""
-    from .._compat import are_progress_bars_disabled, disable_progress_bars
+    from .._compat import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
     if enabled or are_progress_bars_disabled():
         yield
         return
-    with disable_progress_bars():  # restores the caller's setting on the way out
+    if hasattr(disable_progress_bars, "__enter__"):  # huggingface_hub 2.0+: restores the caller's setting on exit
+        with disable_progress_bars():
+            yield
+        return
+    disable_progress_bars()  # before 2.0 a plain switch: they were on (checked above), so on again after
+    try:
         yield
+    finally:
+        enable_progress_bars()

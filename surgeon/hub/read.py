@@ -6,6 +6,7 @@ import glob
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..errors import (
     CheckpointError,
@@ -112,7 +113,7 @@ def download(repo_id: str, *, revision: str | None = None, progress: bool = Fals
     from huggingface_hub import HfApi, constants, get_token, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    offline = constants.is_offline_mode()
+    offline = constants.is_offline_mode() if hasattr(constants, "is_offline_mode") else constants.HF_HUB_OFFLINE
     remember(get_token())  # the read path's token, masked like the push path's
     api = HfApi()
     try:
@@ -125,7 +126,7 @@ def download(repo_id: str, *, revision: str | None = None, progress: bool = Fals
                     raise
                 reachable = False
         # records branch -> commit in the cache (refs/), which is what offline runs resolve with later
-        resolved = api.resolve_revision(repo_id, revision=revision, local_files_only=not reachable)
+        resolved = _resolve_revision(api, repo_id, revision, info if reachable else None)
         check_commit(resolved.resolved, repo_id)  # the answer (or the cache's refs/ file) names a snapshot folder
         if info is not None and info.sha != resolved.resolved:  # the branch moved in between
             info = api.model_info(repo_id, revision=resolved.resolved)
@@ -144,7 +145,7 @@ def download(repo_id: str, *, revision: str | None = None, progress: bool = Fals
         with hf_progress(progress):
             path = snapshot_download(
                 repo_id,
-                revision=resolved,
+                revision=resolved.resolved if isinstance(resolved, _Resolved) else resolved,  # pinned either way
                 allow_patterns=[glob.escape(f) for f in wanted],
                 local_files_only=not reachable,
             )
@@ -158,6 +159,45 @@ def download(repo_id: str, *, revision: str | None = None, progress: bool = Fals
     return Snapshot(repo_id, str(resolved), resolved.resolved, Path(path), wanted, skipped, cache_only=cache_only)
 
 
+class _Resolved(str):
+    """A revision as asked for (its string value, "main" by default) with the commit it resolved to, as
+    huggingface_hub 2.0's ``ResolvedRevision`` is."""
+
+    resolved: str
+
+    def __new__(cls, initial: str | None, commit: str) -> _Resolved:
+        made = super().__new__(cls, initial or "main")
+        made.resolved = commit
+        return made
+
+
+def _resolve_revision(api, repo_id: str, revision: str | None, info) -> Any:
+    """The revision with the commit it points to (``.resolved``). ``info``: the Hub's answer when it was
+    reached (None: resolve from the cache's refs/ only). Records branch -> commit in the cache's refs/, which
+    is what offline runs resolve with later."""
+    if hasattr(api, "resolve_revision"):  # huggingface_hub 2.0+
+        return api.resolve_revision(repo_id, revision=revision, local_files_only=info is None)
+    from huggingface_hub import constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from .._compat import cache_commit_hash, repo_folder_name
+
+    storage = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
+    if revision is not None and re.fullmatch(r"[0-9a-f]{40}", revision):
+        return _Resolved(revision, revision)
+    ref = revision or "main"
+    if info is not None:
+        try:  # best effort, as the client does: a read-only cache still downloads
+            cache_commit_hash(str(storage), ref, info.sha)
+        except OSError:
+            pass
+        return _Resolved(revision, info.sha)
+    ref_file = storage / "refs" / ref  # the revision was checked (check_revision): it cannot walk out of refs/
+    if ref_file.is_file():
+        return _Resolved(revision, ref_file.read_text().strip())
+    raise LocalEntryNotFoundError(f"no commit of {repo_id} at {ref} in the cache's refs/")
+
+
 def _cached_files(repo_id: str, resolved) -> tuple[list[str], bool]:
     """Without the Hub: the repo's files from the cached listing (complete, True), or else the files an
     earlier download (surgeon, transformers, ...) left in the cached snapshot folder (False)."""
@@ -166,10 +206,11 @@ def _cached_files(repo_id: str, resolved) -> tuple[list[str], bool]:
 
     from .._compat import CachedRepoTreeNotFoundError, get_cached_repo_tree, repo_folder_name
 
-    try:
-        return [f.path for f in get_cached_repo_tree(repo_id, revision=resolved)], True
-    except CachedRepoTreeNotFoundError:
-        pass
+    if get_cached_repo_tree is not None:  # huggingface_hub 2.0+ caches the repo's listing
+        try:
+            return [f.path for f in get_cached_repo_tree(repo_id, revision=resolved)], True
+        except CachedRepoTreeNotFoundError:
+            pass
     snapshot = (
         Path(constants.HF_HUB_CACHE)
         / repo_folder_name(repo_id=repo_id, repo_type="model")

@@ -27,18 +27,20 @@ def read_error(exc: Exception, repo_id: str, revision: str | None, offline: bool
         OfflineModeIsEnabled,
         RepositoryNotFoundError,
         RevisionNotFoundError,
-        RevisionResolutionError,
     )
 
+    from .._compat import RevisionResolutionError  # huggingface_hub 2.0+; before it, LocalEntryNotFoundError
+
+    unresolved = (LocalEntryNotFoundError, RevisionResolutionError or LocalEntryNotFoundError)
     exc = _cause(exc)
     at = f" at revision {revision}" if revision else ""
     cache = constants.HF_HUB_CACHE
-    if offline and isinstance(exc, (RevisionResolutionError, LocalEntryNotFoundError, OfflineModeIsEnabled)):
+    if offline and isinstance(exc, (*unresolved, OfflineModeIsEnabled)):
         return HubOfflineError(
             f"{repo_id}{at} is not (completely) in the Hugging Face cache {cache}, and HF_HUB_OFFLINE is set, so it cannot "
             "be downloaded: run once with network access, or unset HF_HUB_OFFLINE"
         )
-    if isinstance(exc, (RevisionResolutionError, LocalEntryNotFoundError)) or is_connection_error(exc):
+    if isinstance(exc, unresolved) or is_connection_error(exc):
         return HubOfflineError(
             f"cannot reach the Hugging Face Hub at {constants.ENDPOINT} and {repo_id}{at} is not (completely) in the cache "
             f"{cache}: check the network connection or HF_ENDPOINT"
@@ -129,9 +131,10 @@ def _http_error(exc, repo_id: str, token: str | None = None) -> HubError:
 
 
 def is_connection_error(exc: Exception) -> bool:
-    from .._compat import httpx2  # huggingface_hub's HTTP client
+    from .._compat import hub_http
 
-    return isinstance(exc, (httpx2.TransportError, ConnectionError)) and not isinstance(exc, httpx2.ProxyError)
+    http = hub_http()  # huggingface_hub's HTTP client (httpx2, or httpx before 2.0)
+    return isinstance(exc, (http.TransportError, ConnectionError)) and not isinstance(exc, http.ProxyError)
 
 
 def _has_token() -> bool:
