@@ -156,11 +156,14 @@ def value_identity(head: int, head_dim: int, in_features: int, kind: str, *, dev
     """The rectangular identity for value head ``head``.
 
     ``block``: the whole value projection is the rectangular identity, so head ``h`` reads input
-    features ``h*d .. (h+1)*d - 1``. ``per-head``: every head is ``I_{d x D}`` (reads the first d).
+    features ``h*d .. (h+1)*d - 1``; where the heads are wider than the input (multi-head latent attention's
+    values over a narrow latent), they tile it: head ``h`` reads those of head ``h mod (D // d)``.
+    ``per-head``: every head is ``I_{d x D}`` (reads the first d).
     """
     if kind not in VALUE_IDENTITIES:
         raise ValueError(f"value identity must be one of {VALUE_IDENTITIES}, not {kind!r}")
-    start = head * head_dim if kind == "block" else 0
+    slices = max(in_features // head_dim, 1)
+    start = (head % slices) * head_dim if kind == "block" else 0
     eye = torch.zeros(head_dim, in_features, dtype=torch.float64, device=device)
     idx = torch.arange(head_dim, device=device)
     cols = idx + start

@@ -167,7 +167,7 @@ def _shrink(cfg, width: bool) -> None:
         if isinstance(d.get(key), int) and not isinstance(d.get(key), bool) and d[key] >= 64:
             d[key] = max(new_heads.values()) * hd
     d.update(new_heads)
-    if head_dim is not None:
+    if head_dim is not None and "qk_rope_head_dim" not in d:  # latent attention: head_dim is the rotary part
         d["head_dim"] = hd
     for k in ("d_kv", "kv_channels", "attention_head_dim", "head_size", "dim_head"):  # the head size, spelled otherwise
         if isinstance(d.get(k), int) and not isinstance(d.get(k), bool) and d[k] > hd:

@@ -18,12 +18,14 @@ from .config import ConfigView, Hints, StackFacts, with_transformers_defaults
 from .families import (  # noqa: F401
     CROSS_WORDS,
     KV_SLOTS,
+    LATENTS,
     MODULE_FACTS,
     QUANT_PARAMS,
     REFUSED,
     RULES,
     SECOND_SETS,
     SHARED_BLOCKS,
+    Latent,
     Part,
     Rule,
     projection_names,
@@ -52,6 +54,8 @@ def detect(
     _refuse_quantized(tensors)
     matches = match_modules(tensors)
     notes = _partial_matches(tensors, matches)
+    latents = latent_modules(tensors)
+    matches |= {m: LATENT_RULE for m in latents if m not in matches}
     placed = place_matches(matches)
     view.hints.check_stacks(list(dict.fromkeys(stack for _, _, stack, _, _ in placed)))
     blocks: list[AttentionBlock] = []
@@ -76,13 +80,16 @@ def detect(
         if fixed is not None:
             facts = replace(facts, heads=fixed[0], kv_heads=fixed[0], head_dim=None, source=f"{view.model_type}'s code")
         try:
+            if rule is LATENT_RULE:
+                blocks.append(_latent_block(module, latents[module], stack, layer, tensors, view, facts))
+                continue
             block = _build(module, rule, stack, layer, stage, tensors, view, facts)
             blocks.append(replace(block, kind=fixed[1]) if fixed is not None else block)
         except LayoutError as e:  # this block cannot be read; the others still can
             unreadable.append(Unreadable(stack, layer, module, e.message))
             errors.append(e)
     blocks = with_companions(roles_by_position(blocks, tensors), tensors)
-    refused = _refused(tensors)
+    refused = [u for u in _refused(tensors) if u.module not in matches]
     if errors and not defaults and (filled := with_transformers_defaults(config)) is not None:
         try:
             again = detect(tensors, filled, hints, source=source, defaults=True)
@@ -118,6 +125,89 @@ def detect(
         depths=depths,
         unreadable=unreadable,
         left_alone=linear_notes(linear) + left_alone + projectionless(tensors),
+    )
+
+
+LATENT_RULE = Rule("latent (MLA)", ())  # a match read by _latent_block, not by parts
+
+
+def latent_modules(tensors: Mapping[str, TensorInfo]) -> dict[str, Latent]:
+    """The modules that hold multi-head latent attention (LATENTS), each with its spelling: its down-projection
+    beside the per-head key/value up-projection and a query projection."""
+    out: dict[str, Latent] = {}
+    for latent in LATENTS:
+        marker = "." + latent.marker + ".weight"
+        for name in tensors:
+            if name.endswith(marker) or name == marker[1:]:
+                module = name[: -len(marker)] if name.endswith(marker) else ""
+                if join(module, latent.kv + ".weight") in tensors and any(
+                    join(module, q + ".weight") in tensors for q in latent.query
+                ):
+                    out.setdefault(module, latent)
+    return out
+
+
+def _latent_block(
+    module: str,
+    latent: Latent,
+    stack: str,
+    layer: int,
+    tensors: Mapping[str, TensorInfo],
+    view: ConfigView,
+    facts: StackFacts,
+) -> AttentionBlock:
+    """One multi-head latent attention block: per head, the query rows, the key's rows without its rotary
+    part and the value rows, over the latents; the shared down-projections are not part of it."""
+    where = module or "the top-level attention module"
+    heads = facts.pick(facts.heads, None)
+    sizes = view.latent_sizes(stack, latent)
+    if not isinstance(heads, int) or sizes is None:
+        missing = "the number of heads" if not isinstance(heads, int) else "its head sizes"
+        keys = f"{latent.nope_key}, {latent.rope_key}, {latent.value_key}"
+        raise LayoutError(
+            f"cannot tell {missing} of the latent attention {where}: {facts.source} does not say (it needs "
+            f"num_attention_heads, {keys}); pass {opt('config', 'PATH')} with the model's config.json"
+        )
+    nope, rope, value = sizes
+    query = next(join(module, q + ".weight") for q in latent.query if join(module, q + ".weight") in tensors)
+    kv, down = tensors[join(module, latent.kv + ".weight")], tensors[join(module, latent.marker + ".weight")]
+    q = tensors[query]
+    for info in (q, kv, down):
+        _check_part(info, view, stack, module)
+    width = kv.shape[1]
+    want = {
+        query: (heads * (nope + rope), q.shape[1]),
+        kv.name: (heads * (nope + value), width),
+        down.name: (width + rope, down.shape[1]),
+    }
+    for name, shape in want.items():
+        if tensors[name].shape != shape:
+            raise LayoutError(
+                f"the shapes of the latent attention {where} do not fit {heads} heads of {nope}+{rope} query/key and "
+                f"{value} value features from {facts.source}: {name} is {list(tensors[name].shape)}, not {list(shape)}; "
+                f"check the config or pass {opt('config', 'PATH')}"
+            )
+    step = nope + value
+    qk = nope + rope
+    q_bias = join(owner(module), query.rsplit(".", 2)[-2] + ".bias")
+    return AttentionBlock(
+        stack=stack,
+        layer=layer,
+        kind=kind(module),
+        module=module,
+        layout=LATENT_RULE.name,
+        heads=heads,
+        kv_heads=heads,
+        head_dim=qk,
+        q=Projection(
+            "q",
+            Rows(query, 0, tuple(h * qk for h in range(heads)), qk),
+            Rows(q_bias, 0, tuple(h * qk for h in range(heads)), qk) if q_bias in tensors else None,
+            q.shape[1],
+        ),
+        k=Projection("k", Rows(kv.name, 0, tuple(h * step for h in range(heads)), nope), None, width),
+        v=Projection("v", Rows(kv.name, 0, tuple(h * step + nope for h in range(heads)), value), None, width),
+        kv_map=kv_map(module),
     )
 
 

@@ -339,6 +339,16 @@ class ConfigView:
             v_head_dim if isinstance(v_head_dim, int) and not isinstance(v_head_dim, bool) and v_head_dim > 0 else None,
         )
 
+    def latent_sizes(self, stack: str, latent) -> tuple[int, int, int] | None:
+        """(key size without the rotary part, rotary part, value size) of ``stack``'s latent attention, as the
+        config gives them (families.LATENT's keys), or None."""
+        scope, _ = self._scope(stack)
+        sizes = [scope.get(k) for k in (latent.nope_key, latent.rope_key, latent.value_key)]
+        nope, rope, value = (v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None for v in sizes)
+        if nope is None or rope is None or value is None or nope + rope == 0 or value == 0:
+            return None
+        return nope, rope, value
+
     def fused_packing(self, tensor: str, stack: str, module: str = "") -> str | None:
         """How the fused tensor ``tensor`` (e.g. "query_key_value") of this model packs its rows,
         or None when the config does not say (the rule's default applies where it has one)."""

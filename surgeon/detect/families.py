@@ -326,16 +326,37 @@ class Refused:
     why: str
 
 
-REFUSED = (
+REFUSED = (  # in an ONNX graph (the by-name route reads it: LATENT)
     Refused(
         "multi-head latent attention (MLA: DeepSeek-V2/V3/R1, Kimi K2)",
         ("kv_a_proj_with_mqa.weight", "kv_b_proj.weight"),
-        "its per-head query and key are not maps of the hidden state that can be conditioned: they pass through shared "
-        "low-rank down-projections and an RMSNorm (q_a_proj/kv_a_proj_with_mqa), each key joins a per-head part from "
-        "the latent with a rotary part shared by every head, and kv_b_proj widens a latent narrower than the heads' "
-        "values, so the value identity has no faithful form; conditioning the up-projections alone would leave "
-        "kappa of the effective maps to the untouched down-projections",
+        "its per-head projections (q_b_proj, kv_b_proj over the latents) are read by their names in a PyTorch or "
+        "safetensors checkpoint, not traced in an ONNX graph; re-initialize the checkpoint, then export it",
     ),
+)
+
+
+# --- multi-head latent attention ------------------------------------------------------------
+@dataclass(frozen=True)
+class Latent:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi, GLM-4.7-Flash, ...: modeling_deepseek_v3.py
+    DeepseekV3Attention): each head's query is rows of ``query`` (over the q_lora_rank latent, or the hidden
+    state without one); ``kv`` holds per head [key without rotary part | value] rows over the kv_lora_rank
+    latent that ``marker`` projects down to (with the rotary key part every head shares)."""
+
+    query: tuple[str, ...]  # the first present
+    kv: str
+    marker: str
+    nope_key: str  # config keys of the head sizes
+    rope_key: str
+    value_key: str
+    latent_key: str
+
+
+_SIZES = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
+LATENTS = (
+    Latent(("q_b_proj", "q_proj"), "kv_b_proj", "kv_a_proj_with_mqa", *_SIZES),  # transformers' names
+    Latent(("wq_b", "wq"), "wkv_b", "wkv_a_with_mqa", *_SIZES),  # Mistral's (Mistral Large 4 checkpoints)
 )
 
 

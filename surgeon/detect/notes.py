@@ -21,7 +21,7 @@ from .placement import join, place
 
 def block_notes(blocks: list[AttentionBlock], view: ConfigView) -> list[str]:
     """The notes on ``blocks`` a user should read, in the order a report shows them."""
-    return _assumed_layouts(blocks, view) + _gated(blocks) + _adapters(blocks, view)
+    return _assumed_layouts(blocks, view) + _gated(blocks) + _latent(blocks) + _adapters(blocks, view)
 
 
 # Fused tensors whose packing is a naming convention rather than something config.json states.
@@ -53,6 +53,27 @@ def _gated(blocks: list[AttentionBlock]) -> list[str]:
         f"gated attention: {gated[0].q.weight.tensor.rsplit('.', 1)[0]} (and {len(gated) - 1} more) holds per head {gated[0].head_dim} query rows, "
         "then the output gate's rows; the query rows are re-initialized, the gate rows are kept byte for byte"
     ]
+
+
+def _latent(blocks: list[AttentionBlock]) -> list[str]:
+    latent = [b for b in blocks if b.layout == "latent (MLA)"]
+    if not latent:
+        return []
+    b = latent[0]
+    more = f" and {len(latent) - 1} more" if len(latent) > 1 else ""
+    notes = [
+        f"multi-head latent attention: {b.module}{more}: per head, the query ({b.q.head_dim} rows of "
+        f"{b.q.weight.tensor.rsplit('.', 1)[0]}), the key without its rotary part ({b.k.head_dim} rows) and the value "
+        f"({b.v.head_dim} rows of {b.k.weight.tensor.rsplit('.', 1)[0]}, over the {b.k.in_features}-wide latent) are "
+        "re-initialized; the shared down-projections, their norms and the rotary key part every head shares are kept, "
+        "so each head's map from the hidden state also passes through them"
+    ]
+    if b.heads * b.v.head_dim > b.v.in_features:
+        notes.append(
+            f"{b.heads} value heads of {b.v.head_dim} are wider than the {b.v.in_features}-wide latent: the block value "
+            f"identity tiles it, head h reading the features of head h mod {b.v.in_features // b.v.head_dim or 1}"
+        )
+    return notes
 
 
 def _adapters(blocks: list[AttentionBlock], view: ConfigView) -> list[str]:
