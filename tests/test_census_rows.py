@@ -42,6 +42,10 @@ ROWS = {
     "xclip": "SUBCONFIG_BY_PATH prompts_generator -> prompt_*",
     "edgetam_video": "SUBCONFIG_BY_PATH spatial_perceiver -> perceiver_resampler_*",
     "unlimited_ocr_vision": "SUBCONFIG_BY_PATH vision_encoder -> encoder_config",
+    "sarvam_moe": "FUSED_PACKING_BY_MODEL_TYPE: query_key_value split into [Q | K | V] by their sizes",
+    "mistral_large4_text": "LATENTS: Mistral's wq/wkv_a_with_mqa/wkv_b spelling of latent attention",
+    "nemo_speechlm": "rule w_qkv ([Q | K | V])",
+    "glm4_moe_lite": "LATENTS: latent attention with a query latent (q_a_proj/q_b_proj)",
 }
 
 

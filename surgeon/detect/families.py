@@ -87,6 +87,7 @@ RULES: tuple[Rule, ...] = (
     _fused("qkv", "qkv"),  # timm ViT, nanoGPT-style
     _fused("to_qkv", "qkv"),
     _fused("att_proj", "qkv"),  # Bark, OLMo-1: split(embed_dim) into [Q | K | V]
+    _fused("w_qkv", "qkv"),  # NeMo's ASR encoder: chunk(3) into [Q | K | V] (transformers' conversion_mapping)
     _fused("gqkv_proj", "gate_qkv"),  # HRM: chunk(4) into [gate | Q | K | V] (transformers' conversion_mapping)
     # Megatron-Core (transformer/attention.py SelfAttention.get_query_key_value_tensors): rows viewed as
     # (query groups, heads per group + 2, head dim), each group [its query heads | its key | its value]; with
@@ -218,6 +219,7 @@ FUSED_PACKING_BY_MODEL_TYPE = {
     ("query_key_value", "gpt_neox_japanese"): "interleaved",
     ("query_key_value", "bloom"): "interleaved",
     ("query_key_value", "persimmon"): "interleaved",
+    ("query_key_value", "sarvam_moe"): "qkv",  # Split(dim=0) into q/k/v by their sizes (conversion_mapping.py)
     ("qkv_proj", "codegen"): "codegen",
     # gated attention: q_proj holds per head [query | gate] (view(..., -1, 2 * head_dim).chunk(2))
     ("q_proj", "qwen3_next"): "gated",
