@@ -7,6 +7,7 @@ turns all of that into one answer per stack of layers.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -32,7 +33,9 @@ from .families import (  # noqa: F401
     SUBCONFIG_BY_PATH,
     SUBCONFIG_WORDS,
     V_HEAD_DIM_KEYS,
+    Rule,
 )
+from .layout_file import Layout, read_layout
 from .libraries import fused_packing as library_packing
 from .libraries import normalize_config, stack_scope
 
@@ -42,7 +45,7 @@ HintInput = (
 )  # what a caller may pass: 16, "16", "encoder=16,decoder=4", {"encoder": 16}
 
 
-HINT_KEYWORDS = ("num_heads", "num_kv_heads", "head_dim", "force_hints")  # as the API's keywords spell them
+HINT_KEYWORDS = ("num_heads", "num_kv_heads", "head_dim", "force_hints", "layout")  # as the API's keywords spell them
 
 
 @dataclass(frozen=True)
@@ -59,10 +62,26 @@ class Hints:
     num_kv_heads: HintInput = None
     head_dim: HintInput = None
     force: bool = False  # --force-hints: a hint wins even where config.json says otherwise
+    # --layout FILE: the user's rules, tried before the built-in ones (a path is read here)
+    layout: Layout | str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_kv_heads", "head_dim"):
             object.__setattr__(self, name, parse_hint(name, getattr(self, name)))
+        if self.layout is not None and not isinstance(self.layout, Layout):
+            object.__setattr__(self, "layout", read_layout(self.layout))
+
+    @property
+    def layout_rules(self) -> tuple[Rule, ...]:
+        """The layout file's rules (none without one)."""
+        return self.layout.rules if isinstance(self.layout, Layout) else ()
+
+    def with_layout_counts(self, config: Mapping[str, Any] | None) -> Hints:
+        """These hints with the layout file's heads, key/value heads and head size where none is given."""
+        if not isinstance(self.layout, Layout):
+            return self
+        counts = {k: v for k, v in self.layout.counts(config).items() if getattr(self, k) is None}
+        return replace(self, **counts) if counts else self  # type: ignore[arg-type]
 
     def get(self, name: str, stack: str) -> int | None:
         """The count ``name`` says for ``stack`` (None: not said for it)."""
