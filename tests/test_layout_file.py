@@ -156,6 +156,7 @@ def _bad(tmp_path, text: str) -> Path:
     "text, match",
     [
         ("rules: []", "is not JSON"),
+        ("[" * 100_000, "is not JSON"),
         (json.dumps({**LAYOUT, "head": 2}), "unknown key 'head'; the keys are rules, heads, kv_heads, head_dim"),
         (json.dumps({"rules": [{"parts": [{"weight": "w.weight", "packing": "qvk"}]}]}), "one of q, k, v, qkv, kv"),
         (json.dumps({"rules": [{"parts": [{"weight": "w.weight", "packing": "q"}]}]}), "0 k projections"),
@@ -183,6 +184,10 @@ def test_emitted_layout_round_trips(name, cli, tmp_path):
     FAMILIES[name].make().save_pretrained(path)
     layout = tmp_path / "layout.json"
     cli("inspect", path, "--emit-layout", layout)
+    cli("inspect", path, "--emit-layout", layout)  # a layout file may be written over, nothing else
+    expect_cli_error(
+        cli, path, "inspect", path, "--emit-layout", path / "config.json", match="exists and is not a layout file"
+    )
     emitted = json.loads(layout.read_text())
     assert emitted["rules"] and "heads" in emitted
     source = load(path)

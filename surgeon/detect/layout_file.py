@@ -79,7 +79,7 @@ def read_layout(path: str | os.PathLike[str]) -> Layout:
         raise OptionError(f"{where} is over {_MAX_BYTES} bytes: a layout file holds a few rules")
     try:
         data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise OptionError(f"{where} is not JSON ({e}); write it as in `surgeon inspect --emit-layout FILE`") from None
     _keys(data, _TOP, where, required=("rules",))
     rules = data["rules"]
@@ -250,6 +250,10 @@ def write_layout(data: dict[str, Any], path: str | os.PathLike[str]) -> None:
         raise OutputError(f"{opt('emit_layout', path)} is a folder; give a file name such as layout.json")
     if not target.parent.is_dir():
         raise OutputError(f"{opt('emit_layout', path)}: the folder {target.parent} does not exist")
+    if target.exists() and not _is_layout(target):  # never over a checkpoint's file (or anything else)
+        raise OutputError(
+            f"{opt('emit_layout', path)} exists and is not a layout file: give a new file name such as layout.json"
+        )
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -259,3 +263,13 @@ def write_layout(data: dict[str, Any], path: str | os.PathLike[str]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _is_layout(path: Path) -> bool:
+    """Whether an existing file is a layout file (a JSON object with rules), which may be written over."""
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read(_MAX_BYTES + 1).decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and "rules" in data
