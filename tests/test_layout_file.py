@@ -200,3 +200,7 @@ def test_emitted_layout_round_trips(name, cli, tmp_path):
     emitted["rules"] = [{**r, "name": f"mine {i}"} for i, r in enumerate(emitted["rules"])]
     layout.write_text(json.dumps(emitted))
     assert {b.layout.startswith("mine") for b in detect_source(source, Hints(layout=layout)).blocks} == {True}
+    # heads that config.json contradicts: refused naming the file's field
+    layout.write_text(json.dumps({**emitted, "heads": emitted["heads"] + 1}))
+    match = f"heads {emitted['heads'] + 1} contradicts config.json"
+    expect_cli_error(cli, path, "reinit", path, "--layout", layout, "-o", tmp_path / "o", match=match)

@@ -35,7 +35,7 @@ from .families import (  # noqa: F401
     V_HEAD_DIM_KEYS,
     Rule,
 )
-from .layout_file import Layout, read_layout
+from .layout_file import LAYOUT_KEYS, Layout, read_layout
 from .libraries import fused_packing as library_packing
 from .libraries import normalize_config, stack_scope
 
@@ -64,6 +64,7 @@ class Hints:
     force: bool = False  # --force-hints: a hint wins even where config.json says otherwise
     # --layout FILE: the user's rules, tried before the built-in ones (a path is read here)
     layout: Layout | str | os.PathLike[str] | None = None
+    from_layout: tuple[str, ...] = ()  # the counts above that the layout file gave (for messages)
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_kv_heads", "head_dim"):
@@ -81,7 +82,7 @@ class Hints:
         if not isinstance(self.layout, Layout):
             return self
         counts = {k: v for k, v in self.layout.counts(config).items() if getattr(self, k) is None}
-        return replace(self, **counts) if counts else self  # type: ignore[arg-type]
+        return replace(self, **counts, from_layout=tuple(counts)) if counts else self  # type: ignore[arg-type]
 
     def get(self, name: str, stack: str) -> int | None:
         """The count ``name`` says for ``stack`` (None: not said for it)."""
@@ -338,6 +339,12 @@ class ConfigView:
         for flag, said in (("num_heads", heads), ("num_kv_heads", kv_heads), ("head_dim", head_dim)):
             hint = hinted[flag]
             if hint is not None and said is not None and hint != said and not self.hints.force:
+                if flag in self.hints.from_layout and isinstance(self.hints.layout, Layout):
+                    raise LayoutError(
+                        f"layout file {self.hints.layout.path}: {LAYOUT_KEYS[flag]} {hint} contradicts {source}, which "
+                        f"says {said} for {stack or 'the model'}: fix or leave out {LAYOUT_KEYS[flag]} there, or pass "
+                        f"{opt('force_hints', True)} to override the config"
+                    )
                 raise LayoutError(
                     f"{opt(flag, hint)} contradicts {source}, which says {said} for {stack or 'the model'}: leave {opt(flag)} out, "
                     f"or pass {opt('force_hints', True)} to override the config"

@@ -36,6 +36,7 @@ _TOP = ("rules", "heads", "kv_heads", "head_dim")
 _RULE = ("name", "parts", "requires")
 _PART = ("weight", "bias", "packing", "orientation", "bias_packing")
 _NUMBERS = {"heads": "num_heads", "kv_heads": "num_kv_heads", "head_dim": "head_dim"}  # file key -> hint
+LAYOUT_KEYS = {hint: key for key, hint in _NUMBERS.items()}  # hint -> the file's key
 _MAX_BYTES = 1 << 20  # a layout is a few rules: a bigger file is not one
 
 Count = int | str | dict[str, int] | None  # a number, the config field that holds it, or one per stack
