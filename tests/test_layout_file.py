@@ -204,3 +204,19 @@ def test_emitted_layout_round_trips(name, cli, tmp_path):
     layout.write_text(json.dumps({**emitted, "heads": emitted["heads"] + 1}))
     match = f"heads {emitted['heads'] + 1} contradicts config.json"
     expect_cli_error(cli, path, "reinit", path, "--layout", layout, "-o", tmp_path / "o", match=match)
+
+
+def test_onnx_graphs_take_no_layout_file(custom, cli, tmp_path):
+    """A layout file names tensors; an ONNX graph's attention is found by walking it: refused, not ignored."""
+    import onnx
+
+    from _onnx_graphs import tiny_attention
+
+    _, layout, _ = custom
+    folder = tmp_path / "onnx"
+    folder.mkdir()
+    onnx.save_model(tiny_attention(), str(folder / "model.onnx"))
+    cli("inspect", folder / "model.onnx")  # readable without one
+    for args in (["--layout", layout], ["--emit-layout", tmp_path / "layout.json"]):
+        expect_cli_error(cli, folder, "inspect", folder / "model.onnx", *args, match="walking the graph")
+    assert not (tmp_path / "layout.json").exists()
