@@ -119,6 +119,7 @@ def test_reinit_through_a_layout_file(custom, cli, tmp_path):
     for name in before:  # everything else byte for byte as it was; every projection rewritten
         same = before[name].numpy().tobytes() == after[name].numpy().tobytes()
         assert same == (name not in changed), name
+    assert "--layout layout.json" in (out / "README.md").read_text()  # the card's command, the file by name
     cli("verify", folder, out, "--layout", layout)  # the audit reads the same layout
     expect_cli_error(cli, folder, "verify", folder, out, match="no attention found")
     reset = Net().eval()
