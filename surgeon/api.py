@@ -68,7 +68,8 @@ def inspect_checkpoint(
     verify_layout: bool = False,
     jacobian: bool = False,
     inputs: str | Path | None = None,
-    **hint_keywords: HintInput | bool,
+    emit_layout: str | Path | None = None,
+    **hint_keywords: HintInput | bool | str | Path,
 ) -> Report:
     """Find the attention blocks of a checkpoint and the condition numbers of their projections.
 
@@ -81,6 +82,8 @@ def inspect_checkpoint(
     (:func:`surgeon.layout_check.verify_layout`; a note, or a LayoutError); ``jacobian=True`` adds the attention
     Jacobian report (``report.jacobian``; ``inputs``: text lines or a .pt of token ids). The checkpoint is
     opened and detected once for all of them.
+    ``layout``: a layout file (JSON, :mod:`surgeon.detect.layout_file`) whose rules are tried before the
+    built-in ones; ``emit_layout``: write the detected layout to that file, in the form ``layout`` reads.
 
     >>> report = inspect_checkpoint("model.safetensors", num_heads=12)  # doctest: +SKIP
     """
@@ -94,11 +97,21 @@ def inspect_checkpoint(
     source = load(model, config=config, revision=revision, progress=progress)
     detection = detect_source(source, hints)
     weights = source.primary
+    if emit_layout is not None:
+        if weights.graph:
+            raise OptionError(
+                f"{opt('emit_layout')} writes tensor names, but an ONNX graph's attention is found by walking the graph"
+            )
+        from .detect.layout_file import emit, write_layout
+
+        write_layout(emit(weights.tensors, source.config, hints, detection.blocks), emit_layout)
     tensors = {p.weight.tensor for b in detection.blocks for p in b.projections}
     with hold(source, exclusive=False), Progress(progress, len(tensors), "inspect") as bar:
         spectra = inspect_blocks(detection.blocks, weights.read, dev, progress=bar.update if bar else None, whole=full)
     unread = [f"cannot be read, left as it is by any reinit: {u.why}" for u in detection.unreadable]
     notes = source.notes + detection.left_alone + unread[:3] + detection.notes[:5]
+    if emit_layout is not None:
+        notes.append(f"wrote the detected layout to {emit_layout} (give it back with {opt('layout', emit_layout)})")
     if verify_layout:
         from .layout_check import check_layout
 

@@ -91,6 +91,8 @@ def reproduce_command(model: str, *, revision: str | None, options: dict, hints:
             args.append(flag(name, q(value)))
     if hints.force:
         args.append(flag("force_hints", None))
+    if hints.layout is not None:  # the file's name only: a local path is not published
+        args.append(flag("layout", q(Path(str(getattr(hints.layout, "path", hints.layout))).name)))
     return " ".join(args + [flag("output", q(output))])
 
 

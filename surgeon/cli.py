@@ -58,9 +58,16 @@ Examples:
   surgeon inspect sentence-transformers/all-MiniLM-L6-v2           # a Hugging Face Hub model
   surgeon inspect org/model --revision v1.0                        # at a branch, tag or commit
   surgeon inspect ./my-model --verify-layout                       # names vs the real forward
+  surgeon inspect ./my-model --emit-layout layout.json             # the layout found, to edit
+  surgeon inspect ./my-model --layout layout.json                  # your projection names
 """,
 )
 @click.argument("model")
+@click.option(
+    "--emit-layout",
+    type=click.Path(dir_okay=False),
+    help="Write the detected layout (the rules that matched, heads, head size) as a layout file for --layout.",
+)
 @click.option(
     "--verify-layout",
     is_flag=True,
@@ -85,6 +92,7 @@ Examples:
 @handle_errors
 def inspect(
     model,
+    emit_layout,
     verify_layout,
     jacobian,
     inputs,
@@ -115,6 +123,7 @@ def inspect(
         verify_layout=verify_layout,
         jacobian=jacobian,
         inputs=inputs,
+        emit_layout=emit_layout,
     )
     if plot:
         from .plot import plot_kappas

@@ -89,10 +89,14 @@ def model_options(fn):
     command = fn
 
     @functools.wraps(command)
-    def with_hints(*args, num_heads, num_kv_heads, head_dim, force_hints, **kwargs):
+    def with_hints(*args, num_heads, num_kv_heads, head_dim, force_hints, layout, **kwargs):
         from .detect.config import Hints
 
-        return command(*args, hints=Hints(num_heads, num_kv_heads, head_dim, force_hints), **kwargs)
+        try:  # a layout file is read here: a bad one is one line too
+            hints = Hints(num_heads, num_kv_heads, head_dim, force_hints, layout)
+        except SurgeonError as exc:
+            _fail(exc.describe(cli_spelling), exc.exit_code)
+        return command(*args, hints=hints, **kwargs)
 
     fn = with_hints
     for decorator in reversed(
@@ -125,6 +129,12 @@ def model_options(fn):
                 "--force-hints",
                 is_flag=True,
                 help="Use --num-heads/--num-kv-heads/--head-dim even where config.json says otherwise.",
+            ),
+            click.option(
+                "--layout",
+                type=click.Path(dir_okay=False),
+                help="A JSON layout file naming your attention projections (see README, and "
+                "`surgeon inspect --emit-layout`): its rules are tried before the built-in ones.",
             ),
             click.option(
                 "--device",

@@ -33,6 +33,13 @@ def detect(what: Any, hints: Hints | None = None, **module_options: Any) -> Any:
 def detect_source(source: Source, hints: Hints | None = None) -> Detection:
     weights = source.primary
     if weights.graph:  # tensor names carry no structure: walk the graph
+        if hints is not None and hints.layout is not None:
+            from ..errors import OptionError, opt
+
+            raise OptionError(
+                f"{opt('layout')} names tensors, but an ONNX graph's attention is found by walking the graph: "
+                f"leave {opt('layout')} out"
+            )
         from .onnx import find_attention
 
         onnx_weights: Any = weights  # an OnnxWeights: its graph, constants and path

@@ -50,9 +50,10 @@ def detect(
 ) -> Detection:
     """Find every attention block. Raises NoAttentionFoundError if there is none. Where config.json leaves
     out what a block needs, its model type's defaults in transformers are tried (``defaults``: this is that try)."""
+    hints = (hints or Hints()).with_layout_counts(config)  # a layout file's heads: hints where none is given
     view = ConfigView(config, hints)
     _refuse_quantized(tensors)
-    matches = match_modules(tensors)
+    matches = match_modules(tensors, hints.layout_rules + RULES)
     notes = _partial_matches(tensors, matches)
     latents = latent_modules(tensors)
     matches |= {m: LATENT_RULE for m in latents if m not in matches}
@@ -294,11 +295,11 @@ def _refuse_quantized(tensors: Mapping[str, TensorInfo]) -> None:
             )
 
 
-def match_modules(tensors: Mapping[str, TensorInfo]) -> dict[str, Rule]:
-    """Attention module path -> the first rule all of whose weights exist under it."""
+def match_modules(tensors: Mapping[str, TensorInfo], rules: tuple[Rule, ...] = RULES) -> dict[str, Rule]:
+    """Attention module path -> the first rule of ``rules`` all of whose weights exist under it."""
     candidates: dict[str, None] = {}
     for name in tensors:
-        for rule in RULES:
+        for rule in rules:
             for part in rule.parts:
                 if name == part.weight:
                     candidates.setdefault("", None)
@@ -306,7 +307,7 @@ def match_modules(tensors: Mapping[str, TensorInfo]) -> dict[str, Rule]:
                     candidates.setdefault(name[: -len(part.weight) - 1], None)
     found: dict[str, Rule] = {}
     for module in candidates:
-        for rule in RULES:
+        for rule in rules:
             if all(join(module, p.weight) in tensors for p in rule.parts) and all(
                 join(module, r) in tensors for r in rule.requires
             ):
@@ -386,7 +387,9 @@ def _build(
     parts = [(p, tensors[join(owner(module), p.weight)]) for p in rule.parts]
     for _, info in parts:
         _check_part(info, view, stack, module)
-    packings = [part_packing(p, view, stack, module, where) for p, _ in parts]
+    # a layout file's packing is taken as it says; the built-in rules' may depend on the family
+    user = rule in view.hints.layout_rules
+    packings = [p.packing if user else part_packing(p, view, stack, module, where) for p, _ in parts]
     v_dim = facts.v_head_dim if "v" in packings else None
     layout = solve(parts, packings, heads, kv_hint, facts.head_dim, facts.hidden, where, facts.source, v_dim)
     head_dim, kv_heads, orientations = layout
@@ -510,5 +513,5 @@ def _nothing_found(tensors: Mapping[str, TensorInfo], notes: list[str], source: 
     why = f"; closest: {notes[0]}" if notes else ""
     return (
         f"no attention found in {source}: looked at {len(names)} tensors ({sample}) and none sits under a module "
-        f"with projections named {known}{why}"
+        f"with projections named {known}{why}; name yours in a layout file ({opt('layout', 'FILE')})"
     )

@@ -7,6 +7,7 @@ turns all of that into one answer per stack of layers.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -32,7 +33,9 @@ from .families import (  # noqa: F401
     SUBCONFIG_BY_PATH,
     SUBCONFIG_WORDS,
     V_HEAD_DIM_KEYS,
+    Rule,
 )
+from .layout_file import LAYOUT_KEYS, Layout, read_layout
 from .libraries import fused_packing as library_packing
 from .libraries import normalize_config, stack_scope
 
@@ -42,7 +45,7 @@ HintInput = (
 )  # what a caller may pass: 16, "16", "encoder=16,decoder=4", {"encoder": 16}
 
 
-HINT_KEYWORDS = ("num_heads", "num_kv_heads", "head_dim", "force_hints")  # as the API's keywords spell them
+HINT_KEYWORDS = ("num_heads", "num_kv_heads", "head_dim", "force_hints", "layout")  # as the API's keywords spell them
 
 
 @dataclass(frozen=True)
@@ -59,10 +62,27 @@ class Hints:
     num_kv_heads: HintInput = None
     head_dim: HintInput = None
     force: bool = False  # --force-hints: a hint wins even where config.json says otherwise
+    # --layout FILE: the user's rules, tried before the built-in ones (a path is read here)
+    layout: Layout | str | os.PathLike[str] | None = None
+    from_layout: tuple[str, ...] = ()  # the counts above that the layout file gave (for messages)
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_kv_heads", "head_dim"):
             object.__setattr__(self, name, parse_hint(name, getattr(self, name)))
+        if self.layout is not None and not isinstance(self.layout, Layout):
+            object.__setattr__(self, "layout", read_layout(self.layout))
+
+    @property
+    def layout_rules(self) -> tuple[Rule, ...]:
+        """The layout file's rules (none without one)."""
+        return self.layout.rules if isinstance(self.layout, Layout) else ()
+
+    def with_layout_counts(self, config: Mapping[str, Any] | None) -> Hints:
+        """These hints with the layout file's heads, key/value heads and head size where none is given."""
+        if not isinstance(self.layout, Layout):
+            return self
+        counts = {k: v for k, v in self.layout.counts(config).items() if getattr(self, k) is None}
+        return replace(self, **counts, from_layout=tuple(counts)) if counts else self  # type: ignore[arg-type]
 
     def get(self, name: str, stack: str) -> int | None:
         """The count ``name`` says for ``stack`` (None: not said for it)."""
@@ -319,6 +339,12 @@ class ConfigView:
         for flag, said in (("num_heads", heads), ("num_kv_heads", kv_heads), ("head_dim", head_dim)):
             hint = hinted[flag]
             if hint is not None and said is not None and hint != said and not self.hints.force:
+                if flag in self.hints.from_layout and isinstance(self.hints.layout, Layout):
+                    raise LayoutError(
+                        f"layout file {self.hints.layout.path}: {LAYOUT_KEYS[flag]} {hint} contradicts {source}, which "
+                        f"says {said} for {stack or 'the model'}: fix or leave out {LAYOUT_KEYS[flag]} there, or pass "
+                        f"{opt('force_hints', True)} to override the config"
+                    )
                 raise LayoutError(
                     f"{opt(flag, hint)} contradicts {source}, which says {said} for {stack or 'the model'}: leave {opt(flag)} out, "
                     f"or pass {opt('force_hints', True)} to override the config"
