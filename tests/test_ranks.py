@@ -17,13 +17,14 @@ import _dcp
 import pytest
 import torch
 from _distributed import spawn
-from _observe import observe
-from conftest import tiny_llama
 from safetensors.torch import load_file, save_file
 from test_dcp import conditioned, fresh, same_maps
 
 import surgeon
 from surgeon.errors import OptionError
+
+from _observe import observe
+from conftest import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 Q = "model.layers.{}.self_attn.q_proj.weight"
@@ -140,7 +141,9 @@ def test_api_in_a_training_scripts_ranks(fsdp, tmp_path, cli, one_thread):
 
 
 @pytest.mark.parametrize(
-    "kwargs, match", [({"in_place": True}, "in_place=True"), ({"push": "me/x"}, "push_to_hub")], ids=["in-place", "push"]
+    "kwargs, match",
+    [({"in_place": True}, "in_place=True"), ({"push": "me/x"}, "push_to_hub")],
+    ids=["in-place", "push"],
 )
 def test_what_cannot_run_over_ranks_is_refused(fsdp, kwargs, match, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_x")  # a push checks for a token before anything else
