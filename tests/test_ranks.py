@@ -9,6 +9,7 @@ process's output file for file, byte for byte. A rank that fails leaves no outpu
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,13 @@ def torchrun(*args, ok: bool = True) -> subprocess.CompletedProcess:
     return result
 
 
+def wrote(run: subprocess.CompletedProcess) -> dict[int, str]:
+    """rank -> the files the report says it wrote (the report is printed once, by rank 0)."""
+    found = re.findall(r"rank (\d) of 2 wrote (.*)$", run.stdout, re.M)
+    assert len(found) == 2, run.stdout
+    return {int(rank): files.strip() for rank, files in found}
+
+
 def same_tree(a: Path, b: Path) -> None:
     """The same files with the same bytes (outputs of the same name: the model card names its folder)."""
     files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
@@ -70,7 +78,7 @@ def shards(tmp_path_factory):
 
 def test_dcp_two_ranks_equal_one_process(fsdp, tmp_path, cli, one_thread):
     run = torchrun("reinit", fsdp, "-o", tmp_path / "two" / "out", "--layers", "0,2")
-    assert "rank 0 of 2 wrote __0_0.distcp" in run.stdout and "rank 1 of 2 wrote __1_0.distcp" in run.stdout
+    assert wrote(run) == {0: "__0_0.distcp", 1: "__1_0.distcp"}
     model, loaded = tiny_llama(), fresh()
     state = {"model": loaded.state_dict()}
     _dcp.load(state, tmp_path / "two" / "out")  # torch's own reader
@@ -90,8 +98,7 @@ def test_dcp_two_ranks_equal_one_process(fsdp, tmp_path, cli, one_thread):
 def test_sharded_safetensors_two_ranks_equal_one_process(shards, tmp_path, cli, one_thread):
     run = torchrun("reinit", shards, "-o", tmp_path / "two" / "out", "--seed", "3")
     names = sorted(p.name for p in shards.glob("*.safetensors"))
-    assert f"rank 0 of 2 wrote {names[0]}, {names[2]}" in run.stdout
-    assert f"rank 1 of 2 wrote {names[1]}" in run.stdout
+    assert wrote(run) == {0: f"{names[0]}, {names[2]}", 1: names[1]}
     state = {}
     for name in names:
         state.update(load_file(tmp_path / "two" / "out" / name))  # the reference reader
