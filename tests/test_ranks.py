@@ -156,3 +156,15 @@ def test_what_cannot_run_over_ranks_is_refused(fsdp, kwargs, match, monkeypatch)
     monkeypatch.setenv("HF_TOKEN", "hf_x")  # a push checks for a token before anything else
     with pytest.raises(OptionError, match=match):
         surgeon.reinit_checkpoint(fsdp, distributed=True, **kwargs)
+
+
+def test_a_single_file_is_refused_under_torchrun(tmp_path):
+    """A lone weight file's output is a file, not a folder of per-rank files: every rank refuses in one line."""
+    tiny_llama().save_pretrained(tmp_path / "m")
+    before = sorted(p.name for p in (tmp_path / "m").iterdir())
+    run = torchrun("reinit", tmp_path / "m" / "model.safetensors", "-o", tmp_path / "out.safetensors", ok=False)
+    assert run.returncode != 0
+    ours = [line for line in run.stderr.splitlines() if line.startswith("surgeon: error: ")]
+    assert len(ours) == 2 and all("a DCP folder or a sharded safetensors folder" in line for line in ours), run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == before
