@@ -156,6 +156,7 @@ def reinit_checkpoint(
     config: str | Path | None = None,
     full: bool = False,
     progress: bool = False,
+    distributed: bool = False,
     **keywords: Any,
 ) -> Report:
     """Re-initialize the chosen Q/K/V projections of a checkpoint and write a new one beside it.
@@ -172,6 +173,10 @@ def reinit_checkpoint(
     copy for the chosen projections. ``push`` (a repo id, or a :class:`~surgeon.hub.PushTarget` for a
     branch, a pull request, a private repo or a token) uploads the output folder in one commit.
     ``full=True`` also measures each whole projection's kappa and spectral norm.
+    ``distributed=True``: every rank of a torchrun job (or of a training script's process group) calls this
+    with the same arguments, and each writes only its own share of a DCP or sharded safetensors folder
+    (:mod:`surgeon.ranks`); the output is the one a single process writes, byte for byte, and every rank
+    returns the whole report.
 
     >>> reinit_checkpoint("model.safetensors", layers="0-11", output="reset.safetensors")  # doctest: +SKIP
     >>> reinit_checkpoint("./bert", options=ReinitOptions(targets="q,k"), push="me/bert-reset")  # doctest: +SKIP
@@ -180,6 +185,18 @@ def reinit_checkpoint(
     target = _push_target(push, in_place=in_place)
     opts = opts.validated()
     check_device(device)
+    if distributed:
+        from . import ranks
+
+        ranks.refuse(in_place=in_place, push=target is not None)
+        group = ranks.Ranks.join()
+        try:
+            return _reinit_ranks(
+                group, model, opts, hints, output, overwrite=overwrite, dry_run=dry_run, device=device,
+                revision=revision, config=config, full=full,
+            )  # fmt: skip
+        finally:
+            group.close()
     start = time.perf_counter()
     source = load(model, config=config, revision=revision, progress=progress, recover=in_place and not dry_run)
     dest = resolve_destination(
@@ -218,6 +235,71 @@ def reinit_checkpoint(
         device=done.device,
         seconds=seconds,
         bytes_written=done.bytes_written,
+        dry_run=False,
+    )
+
+
+def _reinit_ranks(
+    group,
+    model: str | Path,
+    opts: ReinitOptions,
+    hints: Hints,
+    output: str | Path | None,
+    *,
+    overwrite: bool,
+    dry_run: bool,
+    device,
+    revision: str | None,
+    config: str | Path | None,
+    full: bool,
+) -> Report:
+    """reinit_checkpoint on every rank of ``group`` (a :class:`surgeon.ranks.Ranks`): each plans alike, writes its share."""
+    from . import ranks
+
+    start = time.perf_counter()
+
+    def prepare() -> tuple[Source, Destination, Detection, Plan]:
+        source = load(model, config=config, revision=revision)
+        dest = resolve_destination(source, output, in_place=False, overwrite=overwrite or dry_run)
+        ranks.refuse(in_place=False, push=False, source=source, dest=dest)
+        detection = detect_source(source, hints)
+        return source, dest, detection, prepare_checkpoint(source, detection, opts)
+
+    source, dest, detection, plan = group.step(prepare)  # a refusal on one rank stops them all
+    notes = source.notes + detection.notes[:5] + plan.notes
+    if dry_run:
+        notes += _dry_run_notes(source, dest, overwrite=overwrite, push=None)
+        return _report(source, detection, plan, dest, _planned_rows(source, plan), notes, device=str(device))
+    from .card import source_card, write_card
+
+    with hold(source, exclusive=False):
+        notes += group.step(lambda: source.primary.check_plan(plan, detection))
+        original = group.step(lambda: source_card(source) if group.rank == 0 else None)
+        run = Compute(plan, device, whole=full, progress=False, total=len(plan.tensors()))
+        command = _reproduce(model, source, plan.options, hints, dest.path)
+
+        def card(folder: Path, results: list) -> None:
+            write_card(
+                folder, source=source, original=original, plan=plan, results=results, command=command,
+                title=dest.path.name,
+            )  # fmt: skip
+
+        try:
+            written, results = ranks.write(group, source, dest, run, plan.record(), card=card)
+        finally:
+            run.close()
+    rows = [ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed) for r in results]
+    used = str(run.engine.device) if run.started else str(device)
+    return _report(
+        source,
+        detection,
+        plan,
+        dest,
+        rows,
+        notes + written,
+        device=used,
+        seconds=time.perf_counter() - start,
+        bytes_written=dest.size(source, patched=0),
         dry_run=False,
     )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
@@ -210,6 +211,9 @@ def reinit(
     from . import api
     from .hub.push import PushTarget
     from .plan import ReinitOptions
+    from .ranks import under_torchrun
+
+    distributed = under_torchrun()  # every rank of torchrun runs this command: each writes its share
 
     if plot and dry_run:
         raise OptionError("--plot draws the condition numbers before and after, and a --dry-run computes none")
@@ -233,8 +237,11 @@ def reinit(
         revision=revision,
         config=config,
         full=full,
-        progress=not as_json and sys.stderr.isatty(),
+        progress=not as_json and sys.stderr.isatty() and not distributed,
+        distributed=distributed,
     )
+    if distributed and os.environ.get("RANK", "0") != "0":
+        return  # rank 0 prints the report (and draws the plot) for all ranks
     if plot:
         from .plot import plot_kappas
 

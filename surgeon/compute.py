@@ -61,11 +61,15 @@ class Updates:
         self.names = frozenset(self.order)
 
     def __call__(self, file: str) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.only({n for n in self.order if self.weights.tensors[n].file == file})
+
+    def only(self, names: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The new values of ``names`` (those of them that change), in plan order: a rank's share of the work."""
         run = self.run
         for name in self.order:
-            info = self.weights.tensors[name]
-            if info.file != file:
+            if name not in names:
                 continue
+            info = self.weights.tensors[name]
             yield name, run.engine.update(name, self.weights.read(name), record=self.record)
             run.bytes_changed += info.nbytes
             if run._bar.bar is not None:

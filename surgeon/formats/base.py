@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -50,6 +51,10 @@ class UpdatesFn(Protocol):
     names: frozenset[str]
 
     def __call__(self, file: str) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def only(self, names: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The new values of those of ``names`` that change, wherever they are stored (one rank's share)."""
+        ...
 
 
 class WeightSet(ABC):
@@ -107,6 +112,17 @@ class WeightSet(ABC):
         Tensors that are not updated keep their bytes; ``record`` says what surgeon did and goes
         into the file's metadata where the format has a place for it.
         """
+
+    ranked = False  # save(files=...) writes only those data files, save_shared the rest (one rank's share)
+
+    def save_share(self, dest: Path, updates: UpdatesFn, record: dict, files: list[str]) -> None:
+        """Write only the data files ``files`` of this set into ``dest`` (formats with ``ranked``)."""
+        raise NotImplementedError(f"{self.format} weights are written by one process")
+
+    def save_shared(self, dest: Path) -> None:
+        """The files every rank's share has in common (the index, DCP's ``.metadata``), copied as they are."""
+        if self.index:
+            shutil.copyfile(self.folder / self.index, dest / self.index)
 
     def save_as(self, dest: Path, name: str, updates: UpdatesFn, record: dict) -> list[str]:
         """Write this set into the folder ``dest`` as the single file ``name`` and the files that go

@@ -19,6 +19,7 @@ import io
 import os
 import pickle
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -177,25 +178,40 @@ class DcpWeights(WeightSet):
             )
         return buf.getvalue()
 
-    def save(self, dest: Path, updates: UpdatesFn, record: dict) -> None:
+    ranked = True
+
+    def save_share(self, dest: Path, updates: UpdatesFn, record: dict, files: list[str]) -> None:
+        self.save(dest, updates, record, files=files)
+
+    def save(self, dest: Path, updates: UpdatesFn, record: dict, files: list[str] | None = None) -> None:
+        """``files``: only these ``.distcp`` files, and not ``.metadata`` (one rank's share; see save_shared)."""
         import torch
 
         # Every file copied as it is, then each changed chunk written over its own byte range: the bytes of
         # every other entry (optimizer state, train state, untouched tensors) are never decoded.
-        for rel in self.all_files:
+        mine = self.files if files is None else files
+        for rel in mine:
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(self.folder / rel, dest / rel)
+        if files is None:
+            self.save_shared(dest)
+            changes: Iterable[tuple[str, torch.Tensor]] = (u for file in self.files for u in updates(file))
+            wanted = set(updates.names)
+        else:  # a tensor cut into chunks over several ranks' files: each rank computes it, writes its own chunks
+            wanted = {n for file in mine for n, _ in self.chunks_in(file)} & updates.names
+            changes = updates.only(wanted)
         written = set()
-        for file in self.files:
-            for name, tensor in updates(file):
-                entry = self.entry(name)
-                if tuple(tensor.shape) != entry.shape or tensor.dtype != getattr(torch, entry.dtype):
-                    raise AssertionError(f"update of {name} changes its shape or dtype")
-                for chunk in entry.chunks:  # a sharded tensor's chunks may lie in other ranks' files
-                    with open(dest / chunk.span.file, "r+b") as out:
-                        os.pwrite(out.fileno(), self._archive(name, chunk, tensor), chunk.span.offset)
-                written.add(name)
-        missing = set(updates.names) - written
+        for name, tensor in changes:
+            entry = self.entry(name)
+            if tuple(tensor.shape) != entry.shape or tensor.dtype != getattr(torch, entry.dtype):
+                raise AssertionError(f"update of {name} changes its shape or dtype")
+            for chunk in entry.chunks:  # a sharded tensor's chunks may lie in other ranks' files
+                if chunk.span.file not in mine:
+                    continue
+                with open(dest / chunk.span.file, "r+b") as out:
+                    os.pwrite(out.fileno(), self._archive(name, chunk, tensor), chunk.span.offset)
+            written.add(name)
+        missing = wanted - written
         if missing:  # a planned tensor that was not computed would keep its old value: never write that
             raise AssertionError(f"no new value for {sorted(missing)[:3]}")
 

@@ -10,7 +10,6 @@ as bytes, never decoded.
 from __future__ import annotations
 
 import os
-import shutil
 import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -200,7 +199,13 @@ class SafetensorsWeights(WeightSet):
             ):
                 raise VerificationError(f"{output}: {out_file} holds other surgeon records than the ones verified")
 
-    def save(self, dest: Path, updates: UpdatesFn, record: dict) -> None:
+    ranked = True
+
+    def save_share(self, dest: Path, updates: UpdatesFn, record: dict, files: list[str]) -> None:
+        self.save(dest, updates, record, files=files)
+
+    def save(self, dest: Path, updates: UpdatesFn, record: dict, files: list[str] | None = None) -> None:
+        """``files``: only these shards, and not the index (one rank's share; see save_shared)."""
         # Every shard is created at its final size, and all bytes but the changing tensors' are copied
         # on a background thread (kernel-side, so it overlaps torch's import and the math). Meanwhile
         # each new tensor is written into its own, disjoint, range as soon as it is computed, so one
@@ -208,12 +213,12 @@ class SafetensorsWeights(WeightSet):
         with BackgroundCopies() as copies:
             jobs = []
             starts = {}
-            for file in self.files:
+            for file in self.files if files is None else files:
                 header = self.headers[file]
                 starts[file] = start_file(header, dest / file, record)
                 skip = {n for n in header.tensor_entries() if n in updates.names}
                 jobs.append(copies.submit(copy_gaps, header, dest / file, starts[file], skip, copies.cancel))
-            for file in self.files:
+            for file in starts:
                 header = self.headers[file]
                 written = patch(header, dest / file, starts[file], updates(file))
                 missing = {n for n in header.tensor_entries() if n in updates.names} - set(written)
@@ -221,8 +226,8 @@ class SafetensorsWeights(WeightSet):
                     raise AssertionError(f"no new value for {sorted(missing)[:3]} in {file}")
             for job in jobs:
                 job.result()
-        if self.index:
-            shutil.copyfile(self.folder / self.index, dest / self.index)
+        if files is None:
+            self.save_shared(dest)
 
 
 def _history(value) -> list:
