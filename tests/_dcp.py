@@ -124,3 +124,26 @@ def fsdp_save_worker(rank: int, world: int, state_file: str, folder: str) -> Non
         fully_shard(layer, mesh=mesh)
     fully_shard(root, mesh=mesh)
     dcp.save({"model": get_model_state_dict(root)}, checkpoint_id=folder)
+
+
+# --- shared by test_dcp.py and test_ranks.py ---------------------------------------------------
+def fresh():
+    torch.manual_seed(1)  # other values than tiny_llama's: a load that skipped a tensor would show
+    from transformers import LlamaForCausalLM
+
+    from conftest import tiny_llama
+
+    return LlamaForCausalLM(tiny_llama().config).eval()
+
+
+def conditioned(block, atol=1e-4):
+    for w in (block.q, block.k):  # (heads, d, D): orthonormal rows per head
+        gram = w @ w.transpose(1, 2)
+        assert torch.allclose(gram, torch.eye(w.shape[1]).expand_as(gram), atol=atol)
+    heads, d, width = block.v.shape
+    assert torch.allclose(block.v, torch.eye(heads * d, width).reshape(heads, d, width), atol=atol)
+
+
+def same_maps(a, b):
+    for role in ("q", "k", "v"):
+        assert torch.allclose(getattr(a, role), getattr(b, role), atol=1e-5), role

@@ -21,26 +21,6 @@ from conftest import Cli, expect_cli_error, tiny_llama, tree_digest
 Q = "model.layers.{}.self_attn.q_proj.weight"
 
 
-def fresh():
-    torch.manual_seed(1)  # other values than tiny_llama's: a load that skipped a tensor would show
-    from transformers import LlamaForCausalLM
-
-    return LlamaForCausalLM(tiny_llama().config).eval()
-
-
-def conditioned(block, atol=1e-4):
-    for w in (block.q, block.k):  # (heads, d, D): orthonormal rows per head
-        gram = w @ w.transpose(1, 2)
-        assert torch.allclose(gram, torch.eye(w.shape[1]).expand_as(gram), atol=atol)
-    heads, d, width = block.v.shape
-    assert torch.allclose(block.v, torch.eye(heads * d, width).reshape(heads, d, width), atol=atol)
-
-
-def same_maps(a, b):
-    for role in ("q", "k", "v"):
-        assert torch.allclose(getattr(a, role), getattr(b, role), atol=1e-5), role
-
-
 @pytest.fixture(scope="module")
 def full(tmp_path_factory):
     """(a full training state saved by dcp.save with config.json beside it, surgeon's reinit of it)."""
@@ -53,7 +33,7 @@ def full(tmp_path_factory):
 
 def test_full_training_state_loads_back_with_conditioned_heads(full, cli, one_thread):
     src, out, trained = full
-    model, opt = fresh(), None
+    model, opt = _dcp.fresh(), None
     state = {"model": model.state_dict(), "optim": {}, "train_state": {"step": 0, "tokens_seen": 0}}
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -68,7 +48,7 @@ def test_full_training_state_loads_back_with_conditioned_heads(full, cli, one_th
     maps, before = observe(model), observe(trained)
     assert len(maps) == 3
     for name in maps:
-        conditioned(maps[name])
+        _dcp.conditioned(maps[name])
         assert not torch.allclose(maps[name].q, before[name].q, atol=1e-3)
     # same keys and chunking, and every item but the re-initialized q/k/v byte for byte as dcp.save wrote it
     a, b = _dcp.spans(src), _dcp.spans(out)
@@ -99,14 +79,14 @@ def test_model_only_one_layer_heads_from_hints(tmp_path, cli, one_thread):
     src = _dcp.save(model.state_dict(), tmp_path / "ckpt")  # no config.json: heads from the hints
     expect_cli_error(cli, src, "reinit", src, "-o", tmp_path / "x", match="--num-heads")
     cli("reinit", src, "-o", tmp_path / "out", "--layers", "1", "--num-heads", "8", "--num-kv-heads", "2")
-    loaded = fresh()
+    loaded = _dcp.fresh()
     sd = loaded.state_dict()
     _dcp.load(sd, tmp_path / "out")
     loaded.load_state_dict(sd)
     maps, before = observe(loaded), observe(model)
-    conditioned(maps["model.layers.1.self_attn"])
+    _dcp.conditioned(maps["model.layers.1.self_attn"])
     for i in (0, 2):
-        same_maps(maps[f"model.layers.{i}.self_attn"], before[f"model.layers.{i}.self_attn"])
+        _dcp.same_maps(maps[f"model.layers.{i}.self_attn"], before[f"model.layers.{i}.self_attn"])
     cli("verify", src, tmp_path / "out", "--num-heads", "8", "--num-kv-heads", "2")
 
 
@@ -125,7 +105,7 @@ def test_fsdp2_two_ranks_read_in_one_process(tmp_path, cli, one_thread):
     one = _dcp.save({"model": tiny_llama().state_dict()}, tmp_path / "one", tiny_llama().config)
     cli("reinit", src, "-o", tmp_path / "fsdp-out")
     cli("reinit", one, "-o", tmp_path / "one-out")
-    a, b = fresh(), fresh()
+    a, b = _dcp.fresh(), _dcp.fresh()
     sa, sb = {"model": a.state_dict()}, {"model": b.state_dict()}
     _dcp.load(sa, tmp_path / "fsdp-out")
     _dcp.load(sb, tmp_path / "one-out")
@@ -133,7 +113,7 @@ def test_fsdp2_two_ranks_read_in_one_process(tmp_path, cli, one_thread):
         assert torch.equal(v, sb["model"][k]), k  # 2 ranks' files = 1 process, bit for bit
     a.load_state_dict(sa["model"])
     for block in observe(a).values():
-        conditioned(block)
+        _dcp.conditioned(block)
     spans, out = _dcp.spans(src), _dcp.spans(tmp_path / "fsdp-out")
     moved = {f for k in spans if spans[k] != out[k] for f in [spans[k][0]]}
     assert moved == {"__0_0.distcp", "__1_0.distcp"}  # each rank's chunk of a projection, in its own file
@@ -298,8 +278,8 @@ def test_flattened_training_state_reads_top_level_tensors(tmp_path, cli):
     cli("reinit", src, "-o", tmp_path / "out", "--layers", "0")
     a, b = _dcp.spans(src), _dcp.spans(tmp_path / "out")
     assert {k[0] for k in a if a[k] != b[k]} == {f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"}
-    loaded = fresh()
+    loaded = _dcp.fresh()
     sd = loaded.state_dict()
     _dcp.load(sd, tmp_path / "out")
     loaded.load_state_dict(sd)
-    conditioned(observe(loaded)["model.layers.0.self_attn"])
+    _dcp.conditioned(observe(loaded)["model.layers.0.self_attn"])

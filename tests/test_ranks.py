@@ -19,7 +19,6 @@ import pytest
 import torch
 from _distributed import spawn
 from safetensors.torch import load_file, save_file
-from test_dcp import conditioned, fresh, same_maps
 
 import surgeon
 from surgeon.errors import OptionError
@@ -79,14 +78,14 @@ def shards(tmp_path_factory):
 def test_dcp_two_ranks_equal_one_process(fsdp, tmp_path, cli, one_thread):
     run = torchrun("reinit", fsdp, "-o", tmp_path / "two" / "out", "--layers", "0,2")
     assert wrote(run) == {0: "__0_0.distcp", 1: "__1_0.distcp"}
-    model, loaded = tiny_llama(), fresh()
+    model, loaded = tiny_llama(), _dcp.fresh()
     state = {"model": loaded.state_dict()}
     _dcp.load(state, tmp_path / "two" / "out")  # torch's own reader
     loaded.load_state_dict(state["model"])
     maps, before = observe(loaded), observe(model)
-    conditioned(maps["model.layers.0.self_attn"])
-    conditioned(maps["model.layers.2.self_attn"])
-    same_maps(maps["model.layers.1.self_attn"], before["model.layers.1.self_attn"])
+    _dcp.conditioned(maps["model.layers.0.self_attn"])
+    _dcp.conditioned(maps["model.layers.2.self_attn"])
+    _dcp.same_maps(maps["model.layers.1.self_attn"], before["model.layers.1.self_attn"])
     spans, out = _dcp.spans(fsdp), _dcp.spans(tmp_path / "two" / "out")
     moved = {spans[k][0] for k in spans if spans[k] != out[k]}
     assert moved == {"__0_0.distcp", "__1_0.distcp"}  # each rank's half of a projection, in its own file
@@ -102,10 +101,10 @@ def test_sharded_safetensors_two_ranks_equal_one_process(shards, tmp_path, cli, 
     state = {}
     for name in names:
         state.update(load_file(tmp_path / "two" / "out" / name))  # the reference reader
-    loaded = fresh()
+    loaded = _dcp.fresh()
     loaded.load_state_dict(state, strict=False)
     for block in observe(loaded).values():
-        conditioned(block)
+        _dcp.conditioned(block)
     cli("reinit", shards, "-o", tmp_path / "one" / "out", "--seed", "3")
     same_tree(tmp_path / "two" / "out", tmp_path / "one" / "out")
 
@@ -140,11 +139,11 @@ def test_api_in_a_training_scripts_ranks(fsdp, tmp_path, cli, one_thread):
     spawn(_api_worker, 2, tmp_path, str(fsdp), str(tmp_path / "two" / "out"))
     cli("reinit", fsdp, "-o", tmp_path / "one" / "out", "--layers", "1")
     same_tree(tmp_path / "two" / "out", tmp_path / "one" / "out")
-    loaded = fresh()
+    loaded = _dcp.fresh()
     state = {"model": loaded.state_dict()}
     _dcp.load(state, tmp_path / "two" / "out")
     loaded.load_state_dict(state["model"])
-    conditioned(observe(loaded)["model.layers.1.self_attn"])
+    _dcp.conditioned(observe(loaded)["model.layers.1.self_attn"])
 
 
 @pytest.mark.parametrize(
