@@ -54,11 +54,12 @@ def test_value_identity_block_and_per_head():
         assert torch.equal(m, torch.eye(d, D, dtype=torch.float64))
 
 
-def test_value_identity_past_input_width_reads_nothing():
-    # 3 heads of 4 over 8 input features: the third head has no features left to read (kappa = inf).
-    last = value_identity(2, 4, 8, "block")
-    assert last.abs().sum() == 0
-    assert math.isinf(spectrum(last[None]).head_kappas[0])
+def test_value_identity_past_input_width_tiles_the_input():
+    # 3 heads of 4 over 8 input features: the third head reads the first head's features again (kappa 1),
+    # rather than nothing
+    first, last = value_identity(0, 4, 8, "block"), value_identity(2, 4, 8, "block")
+    assert torch.equal(last, first) and torch.equal(first, torch.eye(4, 8, dtype=torch.float64))
+    assert spectrum(last[None]).head_kappas[0] == 1
 
 
 def test_polar_keeps_singular_vectors_and_moves_singular_values():

@@ -21,7 +21,7 @@ from .placement import join, place
 
 def block_notes(blocks: list[AttentionBlock], view: ConfigView) -> list[str]:
     """The notes on ``blocks`` a user should read, in the order a report shows them."""
-    return _assumed_layouts(blocks, view) + _gated(blocks) + _latent(blocks) + _adapters(blocks, view)
+    return _assumed_layouts(blocks, view) + _gated(blocks) + _latent(blocks) + _tiled(blocks) + _adapters(blocks, view)
 
 
 # Fused tensors whose packing is a naming convention rather than something config.json states.
@@ -68,12 +68,21 @@ def _latent(blocks: list[AttentionBlock]) -> list[str]:
         "re-initialized; the shared down-projections, their norms and the rotary key part every head shares are kept, "
         "so each head's map from the hidden state also passes through them"
     ]
-    if b.heads * b.v.head_dim > b.v.in_features:
-        notes.append(
-            f"{b.heads} value heads of {b.v.head_dim} are wider than the {b.v.in_features}-wide latent: the block value "
-            f"identity tiles it, head h reading the features of head h mod {b.v.in_features // b.v.head_dim or 1}"
-        )
     return notes
+
+
+def _tiled(blocks: list[AttentionBlock]) -> list[str]:
+    """Where a block's value heads are wider together than their input, the block value identity tiles it."""
+    wide = [b for b in blocks if b.kv_heads * b.v.head_dim > b.v.in_features]
+    if not wide:
+        return []
+    b = wide[0]
+    more = f" (and {len(wide) - 1} more blocks)" if len(wide) > 1 else ""
+    return [
+        f"{b.module}{more}: {b.kv_heads} value heads of {b.v.head_dim} are wider than their {b.v.in_features} input "
+        f"features: the block value identity tiles them, head h reading the features of head h mod "
+        f"{max(b.v.in_features // b.v.head_dim, 1)} (each head kappa 1)"
+    ]
 
 
 def _adapters(blocks: list[AttentionBlock], view: ConfigView) -> list[str]:
