@@ -102,7 +102,7 @@ def inspect_checkpoint(
             raise OptionError(
                 f"{opt('emit_layout')} writes tensor names, but an ONNX graph's attention is found by walking the graph"
             )
-        from .detect.layout_file import emit, write_layout
+        from .detect.layout_emit import emit, write_layout
 
         write_layout(emit(weights.tensors, source.config, hints, detection.blocks), emit_layout)
     tensors = {p.weight.tensor for b in detection.blocks for p in b.projections}

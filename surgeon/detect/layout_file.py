@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-from ..errors import LayoutError, OptionError, OutputError, opt
-from ..spec import PACKINGS, AttentionBlock
+from ..errors import LayoutError, OptionError, opt
+from ..spec import PACKINGS
 from .families import Part, Rule
 
 ORIENTATIONS = ("linear", "conv1d", "shape")
@@ -37,7 +35,7 @@ _RULE = ("name", "parts", "requires")
 _PART = ("weight", "bias", "packing", "orientation", "bias_packing")
 _NUMBERS = {"heads": "num_heads", "kv_heads": "num_kv_heads", "head_dim": "head_dim"}  # file key -> hint
 LAYOUT_KEYS = {hint: key for key, hint in _NUMBERS.items()}  # hint -> the file's key
-_MAX_BYTES = 1 << 20  # a layout is a few rules: a bigger file is not one
+MAX_LAYOUT_BYTES = 1 << 20  # a layout is a few rules: a bigger file is not one
 
 Count = int | str | dict[str, int] | None  # a number, the config field that holds it, or one per stack
 
@@ -73,11 +71,11 @@ def read_layout(path: str | os.PathLike[str]) -> Layout:
     where = f"layout file {path}"
     try:
         with open(path, "rb") as f:
-            raw = f.read(_MAX_BYTES + 1)
+            raw = f.read(MAX_LAYOUT_BYTES + 1)
     except OSError as e:
         raise OptionError(f"cannot read {opt('layout', path)}: {e.strerror or e}") from None
-    if len(raw) > _MAX_BYTES:
-        raise OptionError(f"{where} is over {_MAX_BYTES} bytes: a layout file holds a few rules")
+    if len(raw) > MAX_LAYOUT_BYTES:
+        raise OptionError(f"{where} is over {MAX_LAYOUT_BYTES} bytes: a layout file holds a few rules")
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
@@ -172,105 +170,3 @@ def _count(value: object, where: str) -> Count:
         f'{where} is {value!r}; it must be a count of 1 or more, one per stack ({{"encoder": 12}}), '
         'or the config.json field that holds it ("n_head")'
     )
-
-
-# --- what a detection found, in the same form ---------------------------------------------------
-
-
-def emit(tensors: Mapping[str, Any], config: dict | None, hints: Any, blocks: list[AttentionBlock]) -> dict[str, Any]:
-    """The layout of ``blocks`` (found by tensor names in ``tensors``) as a layout file's JSON object:
-    each rule that matched with its packing and orientation as read, and the heads, key/value heads
-    and head size per stack (one number where every stack agrees; left to the config where the
-    blocks of one stack differ)."""
-    from .by_name import LATENT_RULE, match_modules, place_matches
-    from .config import ConfigView
-    from .shapes import packing as part_packing
-
-    view = ConfigView(config, hints)
-    rules = list(view.hints.layout_rules) + list(_builtin())
-    by_module = {b.module: b for b in blocks}
-    resolved: dict[int, tuple[Rule, str]] = {}  # index of the rule tried -> (as read, the module that read it)
-    for module, rule, stack, _, _ in place_matches(match_modules(tensors, tuple(rules))):
-        block = by_module.get(module)
-        if rule is LATENT_RULE or block is None or "[" in module:
-            continue  # latent attention and second sets: not in this schema; the built-in tables read them
-        axes = {p.weight.tensor: p.weight.axis for p in block.projections}
-        parts = []
-        for p in rule.parts:
-            tensor = f"{module}.{p.weight}" if module else p.weight
-            packing = p.packing if rule in view.hints.layout_rules else part_packing(p, view, stack, module, module)
-            orientation = p.orientation
-            if orientation == "shape" and tensor in axes:
-                orientation = "linear" if axes[tensor] == 0 else "conv1d"
-            parts.append(replace(p, packing=packing, orientation=orientation))
-        read = replace(rule, parts=tuple(parts))
-        index = next(i for i, r in enumerate(rules) if r is rule)
-        if index in resolved and resolved[index][0] != read:
-            raise LayoutError(
-                f"cannot write one layout file: rule {rule.name!r} reads {module} and {resolved[index][1]} "
-                "with different packings or orientations"
-            )
-        resolved.setdefault(index, (read, module))
-    if not resolved:
-        raise LayoutError("no attention found by tensor names, so there is no layout to write")
-    out: dict[str, Any] = {"rules": [_rule_json(resolved[i][0]) for i in sorted(resolved)]}
-    for key, attr in (("heads", "heads"), ("kv_heads", "kv_heads"), ("head_dim", "head_dim")):
-        per_stack: dict[str, set[int]] = {}
-        for b in blocks:
-            per_stack.setdefault(b.stack, set()).add(getattr(b, attr))
-        if any(len(v) != 1 for v in per_stack.values()):
-            continue
-        values = {s: next(iter(v)) for s, v in per_stack.items()}
-        out[key] = next(iter(values.values())) if len(set(values.values())) == 1 else values
-    return out
-
-
-def _builtin() -> tuple[Rule, ...]:
-    from .families import RULES
-
-    return RULES
-
-
-def _rule_json(rule: Rule) -> dict[str, Any]:
-    parts = []
-    for p in rule.parts:
-        part: dict[str, Any] = {"weight": p.weight, "bias": p.bias, "packing": p.packing, "orientation": p.orientation}
-        if p.bias_packing is not None:
-            part["bias_packing"] = p.bias_packing
-        parts.append(part)
-    out: dict[str, Any] = {"name": rule.name, "parts": parts}
-    if rule.requires:
-        out["requires"] = list(rule.requires)
-    return out
-
-
-def write_layout(data: dict[str, Any], path: str | os.PathLike[str]) -> None:
-    """Write a layout file atomically (a temporary file beside it, then renamed)."""
-    target = Path(path)
-    if target.is_dir():
-        raise OutputError(f"{opt('emit_layout', path)} is a folder; give a file name such as layout.json")
-    if not target.parent.is_dir():
-        raise OutputError(f"{opt('emit_layout', path)}: the folder {target.parent} does not exist")
-    if target.exists() and not _is_layout(target):  # never over a checkpoint's file (or anything else)
-        raise OutputError(
-            f"{opt('emit_layout', path)} exists and is not a layout file: give a new file name such as layout.json"
-        )
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _is_layout(path: Path) -> bool:
-    """Whether an existing file is a layout file (a JSON object with rules), which may be written over."""
-    try:
-        with open(path, "rb") as f:
-            data = json.loads(f.read(_MAX_BYTES + 1).decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-        return False
-    return isinstance(data, dict) and "rules" in data
