@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -49,8 +50,14 @@ def _entry(rank: int, worker, world: int, store: str, args) -> None:
     )
     try:
         worker(rank, world, *args)
+        dist.barrier()  # no rank tears its group down while another still talks to it
     finally:
         dist.destroy_process_group()
+    # Done: leave without the interpreter's teardown, where gloo's threads (FSDP2's device mesh) can abort
+    # the process ("terminate called without an active exception") after the work has succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def make(family: str):
