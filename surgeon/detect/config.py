@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from itertools import accumulate
 from typing import Any
 
 from ..errors import LayoutError, OptionError, opt
@@ -272,13 +273,12 @@ class ConfigView:
             counts = scope.get(key)
             if not (isinstance(counts, list) and all(isinstance(c, int) and c >= 0 for c in counts)):
                 continue
-            ends = [sum(counts[: i + 1]) for i in range(len(counts))]
-            stage = next((i for i, end in enumerate(ends) if layer < end), None)
+            stage = next((i for i, end in enumerate(accumulate(counts)) if layer < end), None)
             if stage is None:
                 return []
             return [
                 {
-                    k: v[stage]
+                    k.removesuffix(PER_STAGE_SUFFIX): v[stage]
                     for k, v in scope.items()
                     if k.endswith(PER_STAGE_SUFFIX) and isinstance(v, list) and len(v) == len(counts)
                 }

@@ -129,16 +129,7 @@ QUANT_PARAMS = (
     "quant_state",
 )
 
-# A per-stage list first: SAM 2's Hiera keeps a stale scalar num_attention_heads beside it
-HEADS_KEYS = (
-    "num_attention_heads_per_stage",
-    "num_attention_heads",
-    "num_heads",
-    "n_head",
-    "n_heads",
-    "attention_heads",
-    "heads",
-)
+HEADS_KEYS = ("num_attention_heads", "num_heads", "n_head", "n_heads", "attention_heads", "heads")
 KV_HEADS_KEYS = (
     "num_key_value_heads",
     "num_kv_heads",
@@ -267,7 +258,8 @@ LAYER_TYPE_SCALES = {("mimo_v2_flash", "sliding_attention"): {"num_key_value_hea
 PER_LAYER_CONFIG_KEYS = ("per_layer_config",)
 PER_LAYER_SUFFIX = "_per_layer"
 # Per-stage lists over one flat list of blocks: the key that gives each stage's number of blocks, and the
-# suffix of the per-stage lists it indexes (SAM 2's Hiera: blocks_per_stage, num_attention_heads_per_stage).
+# suffix of the per-stage lists it indexes, read as the fact less the suffix for a block of that stage (SAM 2's
+# Hiera: blocks_per_stage, num_attention_heads_per_stage, beside a stale scalar num_attention_heads).
 BLOCKS_PER_STAGE_KEYS = ("blocks_per_stage",)
 PER_STAGE_SUFFIX = "_per_stage"
 
