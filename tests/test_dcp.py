@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import _dcp
 import pytest
 import torch
 
+import _dcp
 from _observe import observe
 from conftest import Cli, expect_cli_error, tiny_llama, tree_digest
 

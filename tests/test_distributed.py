@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
+
+import surgeon
+
 from _distributed import (
     SEED,
     ddp_worker,
@@ -25,9 +29,6 @@ from _distributed import (
     spawn,
     tokens,
 )
-from safetensors.torch import load_file
-
-import surgeon
 
 FAMILIES = ["llama", "gpt2"]
 

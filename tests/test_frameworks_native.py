@@ -2,14 +2,13 @@
 after its own loader took the result back: Megatron-Core (linear_qkv, per query group), OLMo-core (w_q/w_k/w_v,
 state dict and safetensors) and torchtitan (qkv_linear.wq/wk/wv, saved by its fused module's own hook).
 
-Each test skips only when its framework is not importable: they run in each framework's own venv (CPU torch
-2.13.0 first, then `pip install <framework> -e .`, see CHANGELOG.md / README "From your training framework"):
+Each test skips when its framework is not importable (tests/_frameworks.py), except where it is meant to run:
+scripts/frameworks_check.sh (run by .ci/run) builds one venv per framework (CPU torch 2.13.0 first, then
+`pip install <framework> -e .` in one resolve) and runs these tests there with SURGEON_FRAMEWORK=<name>, under
+which that framework missing is a failure. By hand, with the venvs kept in a folder:
 
-    /work/venvs/megatron: megatron-core==0.16.1 einops psutil
-    /work/venvs/olmo:     ai2-olmo-core==3.0.0
-    /work/venvs/titan:    torchtitan==0.3.0 triton
-
-    HF_HUB_OFFLINE=1 VENV/bin/python -m pytest -q -p no:cacheprovider tests/test_frameworks_native.py
+    bash scripts/frameworks_check.sh /work/venvs            # litgpt, olmo, titan, megatron
+    bash scripts/frameworks_check.sh /work/venvs megatron   # one of them
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ import torch
 
 from surgeon.api import inspect_checkpoint, reinit_checkpoint
 
+from _frameworks import framework
 from _modules import Maps, _solve, assert_conditioned, assert_same, probe
 
 
@@ -49,7 +49,7 @@ def changed(before: dict, after: dict) -> set[str]:
 
 @pytest.fixture(scope="module")
 def megatron():
-    pytest.importorskip("megatron.core")
+    framework("megatron")
     import torch.distributed as dist
 
     # CPU: Megatron asks CUDA for its device and to synchronize; gloo instead of NCCL
@@ -154,7 +154,7 @@ def olmo_maps(model, layer):
 
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
 def test_olmo_core_w_q_w_k_w_v(tmp_path, suffix):
-    pytest.importorskip("olmo_core")
+    framework("olmo")
     model = olmo_model()
     before = [olmo_maps(model, i)[0] for i in range(2)]
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -203,7 +203,7 @@ def titan_maps(model, layer):
 
 
 def test_torchtitan_qkv_linear_saved_by_its_fused_module(tmp_path):
-    pytest.importorskip("torchtitan")
+    framework("titan")
     model = titan_model()
     before = titan_maps(model, 0)[0]
     state = model.state_dict()  # FusedQKVLinear's save hook splits wqkv into wq/wk/wv

@@ -14,15 +14,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-import _dcp
 import pytest
 import torch
-from _distributed import spawn
 from safetensors.torch import load_file, save_file
 
 import surgeon
 from surgeon.errors import OptionError
 
+import _dcp
+from _distributed import spawn
 from _observe import observe
 from conftest import tiny_llama
 

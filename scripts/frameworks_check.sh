@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# surgeon beside each training framework, tested there (.ci/run runs this after the wheel check; issues 29, 30):
+#  for each of litgpt, OLMo-core, torchtitan and Megatron-Core, a fresh venv with CPU torch 2.13.0 first, then
+#  `pip install <framework> <its extras> -e .` in ONE resolve (surgeon must install beside the framework's own pins),
+#  `pip check`, and tests/test_frameworks_native.py with SURGEON_FRAMEWORK=<name>: that framework's tests must run
+#  (a skip of one of them is a failure there), and tests/test_native_*.py the same way, judged by the framework's own forward and loader.
+# Usage: scripts/frameworks_check.sh [VENVS_DIR] [NAME ...]   (default: a temporary folder, every framework)
+# With VENVS_DIR given, a venv already there is reused (pip then only checks that it resolves).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+if [ $# -ge 1 ]; then VENVS=$1; shift; mkdir -p "$VENVS"; else VENVS=$(mktemp -d /tmp/surgeon-frameworks.XXXXXX); trap 'rm -rf "$VENVS"' EXIT; fi
+NAMES=("$@")
+[ ${#NAMES[@]} -eq 0 ] && NAMES=(litgpt olmo titan megatron)
+unset PYTHONPATH
+shopt -s nullglob
+TESTS=(tests/test_frameworks_native.py tests/test_native_*.py)
+step() { printf '\n== %s (%ss)\n' "$1" "$SECONDS"; }
+
+requirements() {  # the framework and what it needs beside CPU torch (DEVELOPERS notes in README "From your training framework")
+    case $1 in
+        litgpt) echo "litgpt==0.5.13 requests" ;;
+        olmo) echo "ai2-olmo-core==3.0.0" ;;
+        titan) echo "torchtitan==0.3.0 triton" ;;
+        megatron) echo "megatron-core==0.16.1 einops psutil" ;;
+        *) echo "unknown framework $1 (litgpt, olmo, titan, megatron)" >&2; exit 2 ;;
+    esac
+}
+
+for name in "${NAMES[@]}"; do
+    reqs=$(requirements "$name")
+    venv="$VENVS/$name"
+    step "$name: $reqs attention-surgeon"
+    [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet torch==2.13.0
+    # shellcheck disable=SC2086  # the requirements are words
+    "$venv/bin/pip" install --quiet $reqs -e "$ROOT" "pytest>=8"
+    "$venv/bin/pip" check
+    "$venv/bin/python" -c "import importlib.metadata as m; print('resolved:', *(f'{d}=={m.version(d)}' for d in ('torch', 'huggingface-hub', 'attention-surgeon')))"
+    (cd "$ROOT" && SURGEON_FRAMEWORK=$name HF_HUB_OFFLINE=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider -W ignore "${TESTS[@]}")
+done
+step "done"
