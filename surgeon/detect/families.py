@@ -93,6 +93,10 @@ RULES: tuple[Rule, ...] = (
     # (query groups, heads per group + 2, head dim), each group [its query heads | its key | its value]; with
     # Transformer Engine the input norm's weight sits beside it (linear_qkv.layer_norm_weight), left alone
     _fused("linear_qkv", "grouped"),
+    # torchtitan (models/common/attention.py FusedQKVLinear, in memory): wqkv rows viewed as (KV heads,
+    # heads per KV head + 2, head dim), split [its query heads | its key | its value]; its state-dict hook
+    # saves them as qkv_linear.wq/wk/wv (the separate wq/wk/wv rule)
+    _fused("qkv_linear.wqkv", "grouped"),
     # DeBERTa (v1): in_proj views rows as (heads, 3 * head_dim), biases in q_bias/v_bias; in_proj alone is a
     # Mamba mixer's input projection, so the biases must be there too
     Rule("fused in_proj + q_bias", (Part("in_proj.weight", None, "interleaved"),), requires=("q_bias", "v_bias")),

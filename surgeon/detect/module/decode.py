@@ -16,7 +16,7 @@ from ...spec import KV_MAPS, AttentionBlock, Projection, Rows
 from ..by_name import place_matches
 from ..config import Hints
 from ..placement import join, kind
-from .inputs import hf_inputs
+from .inputs import decoder_inputs, hf_inputs
 from .probe import FILLS, PROBE_TOKENS, Capture, Op, Targets, Unresolved, Watch, probing, watch_all
 
 
@@ -331,8 +331,9 @@ def _call_sites(module, example_inputs, names, targets, skip) -> list[dict[str, 
             except Exception as exc:
                 raise LayoutError(f"{type(module).__name__} fails on the example inputs given: {_short(exc)}") from None
         return [runs] if runs else []
-    if any(c.__name__ == "PreTrainedModel" for c in type(module).__mro__):
-        inputs = hf_inputs(module)
+    hf = any(c.__name__ == "PreTrainedModel" for c in type(module).__mro__)
+    inputs = hf_inputs(module) if hf else decoder_inputs(module)
+    if inputs is not None:
         runs = watch_all(module, lambda: module(**inputs), names, targets)
         if runs is None:
             try:

@@ -1,4 +1,4 @@
-"""Probe inputs for a transformers model, built from its config (hf_inputs)."""
+"""Probe inputs built from what a model declares: a transformers model's config (hf_inputs), a torchtitan decoder's own mask builder (decoder_inputs)."""
 
 from __future__ import annotations
 
@@ -64,3 +64,26 @@ def hf_inputs(model: nn.Module, *, tokens: int = PROBE_TOKENS) -> dict:
     if "use_cache" in params:
         out["use_cache"] = False
     return out
+
+
+# torchtitan's decoders (models/common/decoder.py): forward(tokens, positions, attention_masks), where flex
+# attention needs the BlockMask its own get_attention_masks(positions) builds
+DECODER_ARGS = ("tokens", "positions", "attention_masks")
+
+
+def decoder_inputs(model: nn.Module, *, tokens: int = PROBE_TOKENS) -> dict | None:
+    """Token ids, positions and the model's own attention masks for a torchtitan-style decoder; None otherwise."""
+    build_masks = getattr(model, "get_attention_masks", None)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    try:
+        params = tuple(_inspect.signature(model.forward).parameters)[: len(DECODER_ARGS)]
+    except (TypeError, ValueError):
+        return None
+    if params != DECODER_ARGS or not callable(build_masks) or not isinstance(vocab, int) or vocab < 1:
+        return None
+    device = next(model.parameters()).device
+    ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    positions = torch.arange(tokens, device=device)[None]
+    with torch.compiler.set_stance("force_eager"):  # its compiled mask builder, run eagerly: no compile wait
+        masks = build_masks(positions)
+    return {"tokens": ids, "positions": positions, "attention_masks": masks}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -12,11 +13,29 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ...errors import LayoutError
+from ...errors import LayoutError, SurgeonError, UnsupportedWeightsError
 
 PROBE_TOKENS = 8  # tokens of a generated probe input: enough for any mask code, small for any model
 
 # --- the probe ---------------------------------------------------------------------------------
+
+
+def is_dtensor(t: Any) -> bool:
+    if "torch.distributed.tensor" not in sys.modules:  # no DTensor can exist before it is imported
+        return False
+    from ..._compat import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _refuse_parallel(w: torch.Tensor, targets: Targets) -> None:
+    """A projection whose weight is still a DTensor inside the forward: tensor parallelism (FSDP2 unshards first)."""
+    name = next((n for n, p in zip(targets.names, targets.params, strict=True) if p is w), "a parameter")
+    raise UnsupportedWeightsError(
+        f"{name} enters its projection as a DTensor placed {tuple(getattr(w, 'placements', ()))} (tensor parallelism): "
+        "its forward sees each rank's local heads only, so surgeon cannot read the layout in memory; "
+        "call surgeon.reinit_ before parallelize_module, or on the checkpoint (surgeon reinit)"
+    )
 
 
 class Unresolved(Exception):
@@ -48,31 +67,56 @@ class Capture:
 
 
 class Targets:
-    """The parameters a projection op may read, found by storage."""
+    """The parameters a projection op may read, found by storage.
+
+    A sharded (DTensor) parameter has no storage of its own to find: under FSDP2 its module holds a plain
+    unsharded tensor while its forward runs, found by a lookup of the parameters as registered then. One
+    that reaches an op still a DTensor (tensor parallelism) is refused: its op sees local heads only.
+    """
 
     def __init__(self, module: nn.Module) -> None:
+        self.root = module
         self.names: list[str] = []
         self.params: list[torch.Tensor] = []
-        self.weights: dict[int, list[int]] = {}
-        self.biases: dict[int, list[tuple[str, torch.Tensor]]] = {}
         for name, p in module.named_parameters():
-            if not p.is_floating_point():
-                continue
-            key = p.untyped_storage().data_ptr()
-            if p.dim() == 2:
-                self.weights.setdefault(key, []).append(len(self.params))
+            if p.is_floating_point() and p.dim() == 2:
                 self.names.append(name)
                 self.params.append(p)
+        self.index = {name: pid for pid, name in enumerate(self.names)}
+        self.sharded = any(is_dtensor(p) for p in module.parameters())
+        self._random: dict[tuple[int, int], torch.Tensor] = {}
+        self._register()
+
+    def _register(self) -> None:
+        """Storage -> parameters, for the tensors registered now (plain ones: a DTensor has no storage to read)."""
+        self.weights: dict[int, list[int]] = {}
+        self.biases: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        self.live: dict[int, torch.Tensor] = {}
+        for name, p in self.root.named_parameters():
+            if not p.is_floating_point() or is_dtensor(p) or p.untyped_storage().nbytes() == 0:
+                continue
+            key = p.untyped_storage().data_ptr()
+            if p.dim() == 2 and name in self.index:
+                self.weights.setdefault(key, []).append(self.index[name])
+                self.live[self.index[name]] = p
             elif p.dim() == 1:
                 self.biases.setdefault(key, []).append((name, p))
-        self._random: dict[tuple[int, int], torch.Tensor] = {}
+
+    def _candidates(self, t: torch.Tensor, biases: bool = False) -> list:
+        key = t.untyped_storage().data_ptr()
+        if key not in (self.biases if biases else self.weights) and self.sharded:
+            self._register()  # FSDP2: the unsharded tensors of the module whose forward runs now
+        return (self.biases if biases else self.weights).get(key, [])
 
     def locate(self, w: Any, out_dim: int) -> tuple[int, int, int] | None:
         """(param number, axis, first row) of a 2-D view ``w`` whose ``out_dim`` indexes output features."""
         if not isinstance(w, torch.Tensor) or w.dim() != 2:
             return None
-        for pid in self.weights.get(w.untyped_storage().data_ptr(), ()):
-            p = self.params[pid]
+        if is_dtensor(w):
+            _refuse_parallel(w, self)
+            return None
+        for pid in self._candidates(w):
+            p = self.live[pid]
             rel = w.storage_offset() - p.storage_offset()
             for axis in (0, 1):
                 stride, other = p.stride(axis), p.stride(1 - axis)
@@ -87,9 +131,9 @@ class Targets:
         return None
 
     def locate_bias(self, b: Any, size: int) -> tuple[str, int] | None:
-        if not isinstance(b, torch.Tensor) or b.dim() != 1 or b.shape[0] != size:
+        if not isinstance(b, torch.Tensor) or b.dim() != 1 or b.shape[0] != size or is_dtensor(b):
             return None
-        for name, p in self.biases.get(b.untyped_storage().data_ptr(), ()):
+        for name, p in self._candidates(b, biases=True):
             rel = b.storage_offset() - p.storage_offset()
             if b.stride(0) == p.stride(0) and rel >= 0 and rel % p.stride(0) == 0:
                 return name, rel // p.stride(0)
@@ -112,6 +156,8 @@ class Targets:
 NORMS = re.compile(r"(LayerNorm|RMSNorm)$")
 _PROJ_OPS = {"linear", "addmm", "matmul", "__matmul__", "mm"}
 _PROD_OPS = {"matmul", "__matmul__", "bmm", "baddbmm", "einsum"}
+# the operator flex_attention calls (torch.nn.attention.flex_attention) takes (query, key, value) first too
+_ATTENTION_OPS = {"scaled_dot_product_attention", "flex_attention"}
 _ADD_OPS = {"add", "__add__", "__radd__", "add_", "__iadd__"}
 FILLS = ("ones", "index", "param", "random")
 
@@ -179,7 +225,7 @@ class Watch(TorchFunctionMode):
                     out.copy_(self._codes(op, out))
                     return out
                 return self._coded(op, out)
-        if name == "scaled_dot_product_attention":
+        if name in _ATTENTION_OPS:  # (query, key, value, ...): SDPA, and flex attention's operator
             q = kwargs.get("query", args[0] if args else None)
             k = kwargs.get("key", args[1] if len(args) > 1 else None)
             v = kwargs.get("value", args[2] if len(args) > 2 else None)
@@ -336,8 +382,10 @@ def probing(module: nn.Module) -> Iterator[None]:
     """
     training = {m: m.training for m in module.modules()}
     buffers = {b: b.detach().clone() for b in module.buffers()}  # caches a forward may write into
-    narrow = {
-        t: t.dtype for t in [*module.parameters(), *module.buffers()] if t.dtype in (torch.float16, torch.bfloat16)
+    narrow = {  # not a sharded (DTensor) parameter: FSDP2 keeps its own reference to the shard
+        t: t.dtype
+        for t in [*module.parameters(), *module.buffers()]
+        if t.dtype in (torch.float16, torch.bfloat16) and not is_dtensor(t)
     }
     module.eval()
     try:
@@ -358,8 +406,8 @@ def probing(module: nn.Module) -> Iterator[None]:
 def _run(root: nn.Module, call: Callable[[], Any], fill: str, names: dict[nn.Module, str], targets: Targets) -> Watch:
     watch = Watch(targets, fill, names)
     handles = _hooks(root, watch)
-    try:
-        with torch.no_grad(), watch:
+    try:  # compiled regions (torchtitan's compiled flex attention) run eagerly, where the mode sees each op
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"), watch:
             call()
     finally:
         for h in handles:
@@ -373,6 +421,8 @@ def watch_all(
     """The four coded forwards; None when the call fails on the first (wrong inputs for this module)."""
     try:
         first = _run(root, call, "ones", names, targets)
+    except SurgeonError:  # a refusal from the probe itself (tensor parallelism), not wrong inputs
+        raise
     except Exception:
         return None
     runs = {"ones": first}
