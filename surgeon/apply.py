@@ -156,12 +156,18 @@ class Engine:
     """
 
     def __init__(
-        self, plan: Plan, device: torch.device, *, seed_names: Mapping[str, str] | None = None, whole: bool = False
+        self,
+        plan: Plan,
+        device: torch.device,
+        *,
+        seed_names: Mapping[str | tuple[str, str], str] | None = None,
+        whole: bool = False,
     ) -> None:
         self.plan = plan
         self.device = device
         self.whole = whole
-        self.seed_names = dict(seed_names or {})  # tensor -> name its draws are keyed by (see new_heads)
+        # tensor, or (tensor, role) for a fused tensor saved split per role -> the name its draws are keyed by
+        self.seed_names = dict(seed_names or {})
         self.edits: dict[str, list[tuple[Change, str]]] = defaultdict(list)
         for change in plan.changes:
             proj = change.projection
@@ -218,7 +224,8 @@ class Engine:
                 self.device, torch.float64
             )
             self.refuse_nonfinite(name, change, old)
-        new = new_heads(change, old, self.plan, seed_name=self.seed_names.get(name), device=self.device)
+        seed_name = self.seed_names.get((name, change.role)) or self.seed_names.get(name)
+        new = new_heads(change, old, self.plan, seed_name=seed_name, device=self.device)
         rounded = store.set_heads(rows, change.heads, new)
         if current is not None:
             self._record(change, current, rounded)

@@ -2,6 +2,7 @@
 
 * :data:`RULES`: tensor names (relative to the attention module) that hold the projections, and how
   each packs its (role, head) slots (a key of :data:`surgeon.spec.PACKINGS`).
+* :data:`SAVED_SPLIT`: fused tensors in memory that a framework saves split per role (the draws' names).
 * :data:`CROSS_WORDS`: module-path words that mark cross-attention.
 * ``*_KEYS`` / :data:`SUBCONFIG_WORDS`: how config.json spells heads, head size, width, per tower.
 * :data:`FUSED_PACKING_BY_MODEL_TYPE`: where a family packs a fused tensor differently from its rule.
@@ -106,6 +107,13 @@ RULES: tuple[Rule, ...] = (
         tuple(Part(f"{r}_proj_weight", "in_proj_bias", r, bias_packing="qkv") for r in "qkv"),
     ),
 )
+
+# Fused tensors in memory that a framework's state-dict hook saves split, one tensor per role (relative to the
+# attention module): a model in memory draws its heads under the saved names, as its saved checkpoint does.
+SAVED_SPLIT: dict[str, dict[str, str]] = {
+    # torchtitan's FusedQKVLinear._split_qkv_on_save: wqkv -> wq, wk, wv
+    "qkv_linear.wqkv.weight": {r: f"qkv_linear.w{r}.weight" for r in "qkv"},
+}
 
 CROSS_WORDS = (
     "encdecattention",

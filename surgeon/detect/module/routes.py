@@ -12,6 +12,7 @@ from ...formats.base import TensorInfo
 from ...spec import AttentionBlock, Projection, Rows, slot_offsets
 from ..by_name import detect, match_modules, with_companions
 from ..config import Hints
+from ..families import SAVED_SPLIT
 from ..libraries import roles_by_position, with_separate_biases
 from ..placement import join, kind, stack_depths
 from .decode import kept_norms_note, placed, prefixed, probe_blocks, under
@@ -24,7 +25,8 @@ class ModuleDetection:
 
     blocks: list[AttentionBlock]
     params: dict[str, nn.Parameter]  # tensor name used in blocks -> the parameter
-    seed_names: dict[str, str] = field(default_factory=dict)  # tensor -> checkpoint name (draw key)
+    # tensor, or (tensor, role) for a fused tensor saved split per role -> checkpoint name (the draws' key)
+    seed_names: dict[str | tuple[str, str], str] = field(default_factory=dict)
     routes: dict[str, str] = field(default_factory=dict)  # block module -> "names", "class" or "forward"
     notes: list[str] = field(default_factory=list)
     depths: dict[str, int] = field(default_factory=dict)  # stack -> its layers, with those without attention
@@ -81,6 +83,7 @@ def detect_module(module: nn.Module, *, hints: Hints | None = None, example_inpu
         )
         own += probed
         routes.update({b.module: "forward" for b in probed})
+        found.seed_names.update(_saved_split(probed))
         _refuse_unseen(module, rest, probed, example_inputs)
     if own:
         own = placed(own)
@@ -97,6 +100,18 @@ def _add(
     found.blocks += blocks
     for b in blocks:
         found.routes[b.module] = route or (routes or {}).get(b.module, "forward")
+
+
+def _saved_split(blocks: list[AttentionBlock]) -> dict[str | tuple[str, str], str]:
+    """(fused tensor, role) -> the name its rows of that role are saved under (families.SAVED_SPLIT)."""
+    out: dict[str | tuple[str, str], str] = {}
+    for block in blocks:
+        for proj in block.projections:
+            tensor = proj.weight.tensor
+            saved = SAVED_SPLIT.get(tensor.removeprefix(f"{block.module}.") if block.module else tensor, {})
+            if proj.role in saved:
+                out[(tensor, proj.role)] = join(block.module, saved[proj.role])
+    return out
 
 
 def _norms_in(module: nn.Module, blocks: list[AttentionBlock]) -> dict[str, str]:

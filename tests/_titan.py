@@ -1,0 +1,102 @@
+"""torchtitan models built with its own code, its own q/k/v split, and the workers of its multi-rank tests.
+
+The workers live here so that the spawned ranks (tests/_distributed.py spawn) can import them; torchtitan is
+imported inside each function (this module imports without it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+SEED = 3
+CONFIGS = {  # name -> (torchtitan module, its configs dict, flavor)
+    "llama3": ("torchtitan.models.llama3", "llama3_configs", "debugmodel"),
+    "qwen3": ("torchtitan.models.qwen3", "qwen3_configs", "debugmodel"),  # q/k norms, 8 KV heads of 16
+    "qwen3-separate": ("torchtitan.models.qwen3", "qwen3_configs", "debugmodel_non_fused_qkv"),
+}
+
+
+def build(name: str = "llama3", seed: int = 0):
+    """torchtitan's own debug model (flex attention, its only backend for language models on CPU), initialized by it."""
+    import importlib
+
+    module, configs, flavor = CONFIGS[name]
+    torch.manual_seed(seed)
+    return getattr(importlib.import_module(module), configs)[flavor](attn_backend="flex").build().eval()
+
+
+def inputs(model, tokens: int = 8) -> dict:
+    """What its trainer hands the forward: token ids, positions, and the masks its own get_attention_masks builds."""
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(5))
+    positions = torch.arange(tokens)[None]
+    with torch.compiler.set_stance("force_eager"):  # its compiled mask builder, eagerly (no compile wait)
+        return {"tokens": ids, "positions": positions, "attention_masks": model.get_attention_masks(positions)}
+
+
+def logits(model, given: dict) -> torch.Tensor:
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        return model(**given)
+
+
+def heads(model) -> tuple[int, int, int]:
+    attn = model.layers["0"].attention
+    return attn.n_heads, attn.n_kv_heads, attn.head_dim
+
+
+def full_state(model) -> dict[str, torch.Tensor]:
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
+    }
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def fsdp_worker(rank: int, world: int, out: str, name: str) -> None:
+    """torchtitan's model under FSDP2 (fully_shard per block and at the root, as its parallelize does), then reinit_."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import surgeon
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = build(name)
+    given = inputs(model)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    report = surgeon.reinit_(model, seed=SEED, layers="1-")
+    found = [(b.module, b.layout, b.heads, b.kv_heads) for b in report.blocks]
+    torch.save(
+        {"state": full_state(model), "logits": logits(model, given), "blocks": found},
+        Path(out) / f"fsdp-{name}-{rank}.pt",
+    )
+
+
+def tp_worker(rank: int, world: int, out: str, name: str) -> None:
+    """Tensor parallelism as torchtitan's plan sets it on attention: wqkv column-wise, wo row-wise; then reinit_."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import surgeon
+    from surgeon.errors import SurgeonError
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = build(name)
+    plan = {}
+    for i in model.layers:
+        plan[f"layers.{i}.attention.qkv_linear.wqkv"] = ColwiseParallel()
+        plan[f"layers.{i}.attention.wo"] = RowwiseParallel()
+    parallelize_module(model, mesh, plan)
+    before = full_state(model)
+    try:
+        surgeon.reinit_(model, seed=SEED)
+        error = None
+    except SurgeonError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    torch.save(
+        {"error": error, "unchanged": all(torch.equal(before[n], t) for n, t in full_state(model).items())},
+        Path(out) / f"tp-{name}-{rank}.pt",
+    )

@@ -1,0 +1,112 @@
+"""torchtitan 0.3 models in memory (issue 29), built and initialized by torchtitan itself (tests/_titan.py).
+
+* Flex attention (its language models' attention on CPU) is seen by the forward probe, with the inputs its
+  trainer passes or with none (surgeon builds them with the model's own get_attention_masks), and its fused
+  in-memory ``qkv_linear.wqkv`` (per KV head [its query heads | key | value]) is read right: judged by
+  torchtitan's own qkv_linear split, and equal, bit for bit, to the checkpoint route on the state dict its
+  hook saves (wq/wk/wv), loaded back by its own hook into a fresh model whose forward gives the same logits.
+* FSDP2 (fully_shard per block and at the root) on 2 gloo ranks gives the bits of one process.
+* Tensor parallelism (wqkv column-wise, wo row-wise) is refused in one line naming it, nothing changed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import surgeon
+from surgeon.api import reinit_checkpoint
+
+from _distributed import spawn
+from _frameworks import framework
+from _modules import Maps, _solve, assert_conditioned, assert_same, probe
+from _titan import SEED, build, full_state, heads, inputs, logits
+
+
+@pytest.fixture(autouse=True)
+def titan():
+    framework("titan")
+
+
+def titan_maps(model, layer: int) -> tuple[Maps, int]:
+    """Per-head maps from torchtitan's own qkv_linear (projection and split, (B, T, heads, d)); key/value heads
+    repeated to the query heads as its GQA reads them (query head h uses key/value head h // (H / KV))."""
+    qkv = model.layers[str(layer)].attention.qkv_linear
+    width = model.config.dim
+    x = probe(width, rows=width + 16)
+    with torch.no_grad():
+        q, k, v = (t.transpose(1, 2).float() for t in qkv(x))
+    rep = q.shape[1] // k.shape[1]
+    (qw, qb), (kw, kb), (vw, vb) = (_solve(x, t.repeat_interleave(rep, dim=1)) for t in (q, k, v))
+    return Maps(qw, qb, kw, kb, vw, vb), rep
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["example_inputs", "no_inputs"])
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+def test_flex_attention_fused_wqkv_in_memory_equals_checkpoint_route(tmp_path, name, given):
+    model = build(name)
+    n_heads, n_kv, head_dim = heads(model)
+    example = inputs(model)
+    before = titan_maps(model, 0)[0]
+    kwargs = {"example_inputs": example} if given else {}
+    found = surgeon.inspect(model, **kwargs)
+    assert [(b.module, b.layout, b.heads, b.kv_heads, b.head_dim) for b in found.blocks] == [
+        (f"layers.{i}.attention", "forward: fused qkv_linear.wqkv", n_heads, n_kv, head_dim) for i in model.layers
+    ]
+    # the checkpoint route on what torchtitan saves: its hook splits wqkv into wq/wk/wv
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    reinit_checkpoint(
+        tmp_path / "model.pt", output=tmp_path / "out.pt", layers="1", seed=SEED, num_heads=n_heads, num_kv_heads=n_kv
+    )
+    saved = torch.load(tmp_path / "out.pt", weights_only=True)
+    surgeon.reinit_(model, layers="1", seed=SEED, **kwargs)
+    mine = model.state_dict()
+    assert mine.keys() == saved.keys()
+    assert [k for k in mine if not torch.equal(mine[k], saved[k])] == []  # the same draws, bit for bit
+    fresh = build(name, seed=1)
+    fresh.load_state_dict(saved)  # its load hook fuses wq/wk/wv back into wqkv
+    assert torch.equal(logits(fresh, example), logits(model, example))
+    maps, groups = titan_maps(model, 1)
+    assert groups == n_heads // n_kv
+    assert_conditioned(maps, kv_groups=groups)
+    assert_same(titan_maps(model, 0)[0], before)
+
+
+def test_separate_wq_wk_wv_in_memory(tmp_path):
+    """Qwen3's non-fused QKVLinear: wq/wk/wv in memory, the same names as its saved state dict."""
+    model = build("qwen3-separate")
+    found = surgeon.inspect(model)
+    assert {b.layout for b in found.blocks} == {"forward: qkv_linear.wq, qkv_linear.wk, qkv_linear.wv"}
+    surgeon.reinit_(model, layers="0", seed=SEED)
+    maps, groups = titan_maps(model, 0)
+    assert_conditioned(maps, kv_groups=groups)
+
+
+def test_fsdp2_two_ranks_equal_one_process(tmp_path):
+    spawn(_titan_worker("fsdp_worker"), 2, tmp_path, str(tmp_path), "llama3")
+    single = build("llama3")
+    example = inputs(single)
+    surgeon.reinit_(single, seed=SEED, layers="1-")
+    expected = full_state(single)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"fsdp-llama3-{rank}.pt", weights_only=True)
+        assert got["state"].keys() == expected.keys()
+        assert [n for n, t in expected.items() if not torch.equal(got["state"][n], t)] == []
+        assert torch.allclose(got["logits"], logits(single, example), atol=1e-5)
+        assert {layout for _, layout, _, _ in got["blocks"]} == {"forward: fused qkv_linear.wqkv"}
+
+
+def test_tensor_parallel_refused_in_one_line(tmp_path):
+    spawn(_titan_worker("tp_worker"), 2, tmp_path, str(tmp_path), "llama3")
+    for rank in range(2):
+        got = torch.load(tmp_path / f"tp-llama3-{rank}.pt", weights_only=True)
+        assert got["error"] is not None and "tensor parallelism" in got["error"], got["error"]
+        assert got["error"].startswith("UnsupportedWeightsError: layers.0.attention.qkv_linear.wqkv.weight")
+        assert "\n" not in got["error"]
+        assert got["unchanged"]
+
+
+def _titan_worker(name: str):
+    import _titan
+
+    return getattr(_titan, name)
