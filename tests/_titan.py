@@ -76,7 +76,8 @@ def fsdp_worker(rank: int, world: int, out: str, name: str) -> None:
 
 
 def tp_worker(rank: int, world: int, out: str, name: str) -> None:
-    """Tensor parallelism as torchtitan's plan sets it on attention: wqkv column-wise, wo row-wise; then reinit_."""
+    """Tensor parallelism as torchtitan's plan sets it on attention (wqkv column-wise, wo row-wise); reinit_ without
+    heads (refused), then with them (the layout from the parameter names)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -96,7 +97,16 @@ def tp_worker(rank: int, world: int, out: str, name: str) -> None:
         error = None
     except SurgeonError as exc:
         error = f"{type(exc).__name__}: {exc}"
+    unchanged = all(torch.equal(before[n], t) for n, t in full_state(model).items())
+    n_heads, n_kv, _ = heads(model)
+    report = surgeon.reinit_(model, seed=SEED, num_heads=n_heads, num_kv_heads=n_kv)  # the layout from the names
     torch.save(
-        {"error": error, "unchanged": all(torch.equal(before[n], t) for n, t in full_state(model).items())},
+        {
+            "error": error,
+            "unchanged": unchanged,
+            "state": full_state(model),
+            "blocks": [(b.module, b.layout, b.heads, b.kv_heads) for b in report.blocks],
+            "notes": report.notes,
+        },
         Path(out) / f"tp-{name}-{rank}.pt",
     )

@@ -6,7 +6,8 @@
   torchtitan's own qkv_linear split, and equal, bit for bit, to the checkpoint route on the state dict its
   hook saves (wq/wk/wv), loaded back by its own hook into a fresh model whose forward gives the same logits.
 * FSDP2 (fully_shard per block and at the root) on 2 gloo ranks gives the bits of one process.
-* Tensor parallelism (wqkv column-wise, wo row-wise) is refused in one line naming it, nothing changed.
+* Tensor parallelism (wqkv column-wise, wo row-wise): refused in one line naming it and num_heads, nothing
+  changed; with the heads passed, the layout comes from the parameter names and the global result is one process's.
 """
 
 from __future__ import annotations
@@ -96,14 +97,20 @@ def test_fsdp2_two_ranks_equal_one_process(tmp_path):
         assert {layout for _, layout, _, _ in got["blocks"]} == {"forward: fused qkv_linear.wqkv"}
 
 
-def test_tensor_parallel_refused_in_one_line(tmp_path):
+def test_tensor_parallel_refused_without_heads_and_global_with_them(tmp_path):
     spawn(_titan_worker("tp_worker"), 2, tmp_path, str(tmp_path), "llama3")
+    single = build("llama3")
+    surgeon.reinit_(single, seed=SEED)  # one process, the layout from its forward
+    expected = full_state(single)
     for rank in range(2):
         got = torch.load(tmp_path / f"tp-llama3-{rank}.pt", weights_only=True)
-        assert got["error"] is not None and "tensor parallelism" in got["error"], got["error"]
-        assert got["error"].startswith("UnsupportedWeightsError: layers.0.attention.qkv_linear.wqkv.weight")
-        assert "\n" not in got["error"]
+        error = got["error"]
+        assert error is not None and error.startswith("TensorParallelError: layers.0.attention.qkv_linear.wqkv.weight")
+        assert "tensor parallelism" in error and "num_heads" in error and "\n" not in error
         assert got["unchanged"]
+        assert {layout for _, layout, _, _ in got["blocks"]} == {"fused qkv_linear.wqkv"}
+        assert [n for n, t in expected.items() if not torch.equal(got["state"][n], t)] == []  # global, bit for bit
+        assert any("tensor parallelism" in note for note in got["notes"])
 
 
 def _titan_worker(name: str):

@@ -17,6 +17,7 @@ from ..libraries import roles_by_position, with_separate_biases
 from ..placement import join, kind, stack_depths
 from .decode import kept_norms_note, placed, prefixed, probe_blocks, under
 from .probe import NORMS
+from .targets import TensorParallelError
 
 
 @dataclass
@@ -76,13 +77,19 @@ def detect_module(module: nn.Module, *, hints: Hints | None = None, example_inpu
     routes = {b.module: "class" for b in own}
     rest = [n for n in params if params[n].dim() == 2 and params[n].is_floating_point() and not under(n, handled)]
     if rest:
-        probed = probe_blocks(module, example_inputs=example_inputs, hints=hints, skip=handled, notes=found.notes)
+        route = "forward"
+        try:
+            probed = probe_blocks(module, example_inputs=example_inputs, hints=hints, skip=handled, notes=found.notes)
+        except TensorParallelError:
+            if hints.num_heads is None:
+                raise
+            probed, route = _named_blocks(module, handled, hints, found.notes), "names"
         shapes = {n: tuple(p.shape) for n, p in params.items()}
         probed = with_companions(  # EVA's q_bias, joint attention's context; kinds the names settle (SD3.5's attn2)
             roles_by_position([with_separate_biases(b, shapes) for b in probed], shapes), shapes
         )
         own += probed
-        routes.update({b.module: "forward" for b in probed})
+        routes.update({b.module: route for b in probed})
         found.seed_names.update(_saved_split(probed))
         _refuse_unseen(module, rest, probed, example_inputs)
     if own:
@@ -100,6 +107,18 @@ def _add(
     found.blocks += blocks
     for b in blocks:
         found.routes[b.module] = route or (routes or {}).get(b.module, "forward")
+
+
+def _named_blocks(module: nn.Module, handled: list[str], hints: Hints, notes: list[str]) -> list[AttentionBlock]:
+    """Under tensor parallelism: the layout from the parameter names (global shapes) and the heads passed."""
+    infos = {n: i for n, i in _tensor_infos(module).items() if not under(n, handled)}
+    detection = detect(infos, {}, hints, source=f"{type(module).__name__} (in memory, tensor parallel)")
+    notes.append(
+        "tensor parallelism: the forward sees each rank's local heads, so the layout was read from the parameter "
+        "names and the heads passed; each rank writes the rows of the global tensors it holds"
+    )
+    notes += detection.notes[:5]
+    return detection.blocks
 
 
 def _saved_split(blocks: list[AttentionBlock]) -> dict[str | tuple[str, str], str]:

@@ -19,13 +19,17 @@ def is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
+class TensorParallelError(UnsupportedWeightsError):
+    """A projection's weight reaches its op as a DTensor: the forward computes each rank's local heads only."""
+
+
 def _refuse_parallel(w: torch.Tensor, targets: Targets) -> None:
     """A projection whose weight is still a DTensor inside the forward: tensor parallelism (FSDP2 unshards first)."""
     name = next((n for n, p in zip(targets.names, targets.params, strict=True) if p is w), "a parameter")
-    raise UnsupportedWeightsError(
+    raise TensorParallelError(
         f"{name} enters its projection as a DTensor placed {tuple(getattr(w, 'placements', ()))} (tensor parallelism): "
-        "its forward sees each rank's local heads only, so surgeon cannot read the layout in memory; "
-        "call surgeon.reinit_ before parallelize_module, or on the checkpoint (surgeon reinit)"
+        "its forward sees each rank's local heads only; pass num_heads=... (and num_kv_heads=...) to read the layout "
+        "from the parameter names, or call surgeon.reinit_ before parallelize_module"
     )
 
 
