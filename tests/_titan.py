@@ -110,3 +110,62 @@ def tp_worker(rank: int, world: int, out: str, name: str) -> None:
         },
         Path(out) / f"tp-{name}-{rank}.pt",
     )
+
+
+# --------------------------------------------------------------------------- its checkpoints
+
+
+def trainer_state(model):
+    """torchtitan's own optimizer (AdamW container) and LR schedulers after one step on made-up gradients
+    (flex attention has no backward on CPU)."""
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+    from torchtitan.components.optimizer.optimizer import default_adamw
+
+    optimizers = default_adamw(lr=1e-3).build(model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=10)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)  # a DTensor for an FSDP2 parameter, like its own
+    optimizers.step()
+    schedulers.step()
+    optimizers.zero_grad()
+    return optimizers, schedulers
+
+
+def manager(model, base: Path, **config):
+    """torchtitan's CheckpointManager (its DCP saver and loader) over ``base``/checkpoint/step-N."""
+    from torchtitan.components.checkpointer.dcp import CheckpointManager
+
+    optimizers, schedulers = trainer_state(model)
+    cfg = CheckpointManager.Config(enable=True, folder="checkpoint", interval=5, keep_latest_k=0, **config)
+    states: dict = {}
+    return CheckpointManager(
+        cfg,
+        dataloader=None,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=schedulers,
+        states=states,
+        sd_adapter=None,
+        base_folder=str(base),
+    )
+
+
+def save_steps(model, base: Path):
+    """A full training state at step 5, the model alone at the last step 10 (torchtitan's defaults)."""
+    saver = manager(model, base, last_save_model_only=True)
+    saver.save(5)
+    saver.save(10, last_step=True)
+    return saver
+
+
+def dcp_fsdp_worker(rank: int, world: int, out: str, name: str) -> None:
+    """torchtitan's model under FSDP2 on every rank, saved by its CheckpointManager: one .distcp file per rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = build(name)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    save_steps(model, Path(out)).close()

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 import surgeon
-from surgeon.api import reinit_checkpoint
+from surgeon.api import inspect_checkpoint, reinit_checkpoint
 
 from _distributed import spawn
 from _frameworks import framework
 from _modules import Maps, _solve, assert_conditioned, assert_same, probe
-from _titan import SEED, build, full_state, heads, inputs, logits
+from _titan import SEED, build, full_state, heads, inputs, logits, manager, save_steps
 
 
 @pytest.fixture(autouse=True)
@@ -111,6 +111,71 @@ def test_tensor_parallel_refused_without_heads_and_global_with_them(tmp_path):
         assert {layout for _, layout, _, _ in got["blocks"]} == {"fused qkv_linear.wqkv"}
         assert [n for n, t in expected.items() if not torch.equal(got["state"][n], t)] == []  # global, bit for bit
         assert any("tensor parallelism" in note for note in got["notes"])
+
+
+def loaded(base, step: int | None = None, model_only_from=None):
+    """A fresh model (and optimizer, LR schedulers) loaded by torchtitan's own CheckpointManager: a full state
+    at ``step`` under ``base``, or a model-only folder as its initial_load_path."""
+    model = build("llama3", seed=1)
+    config = {"initial_load_path": str(model_only_from), "initial_load_model_only": True} if model_only_from else {}
+    loader = manager(model, base, **config)
+    assert loader.load(step if step is not None else -1)
+    states = {k: v.state_dict() for k, v in loader.states.items() if k in ("optimizer", "lr_scheduler")}
+    loader.close()
+    return model, states
+
+
+def assert_same_states(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key, value in a.items():
+        if isinstance(value, dict):
+            assert_same_states(value, b[key])
+        elif isinstance(value, torch.Tensor):
+            assert torch.equal(value, b[key]), key
+        else:
+            assert value == b[key], key
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_its_own_dcp_checkpoints_loaded_back_by_its_manager(tmp_path, ranks):
+    """CheckpointManager's step-5 (model, optimizer, LR schedulers) and last step-10 (the model alone), from one
+    process or 2 FSDP2 ranks: reinit by surgeon, loaded back by torchtitan into a fresh model; the model equals
+    reinit_ in memory on what the source checkpoint loads, the rest of the state loads unchanged."""
+    source, out = tmp_path / "run", tmp_path / "out"
+    if ranks == 1:
+        save_steps(build("llama3"), source).close()
+    else:
+        spawn(_titan_worker("dcp_fsdp_worker"), 2, tmp_path, str(source), "llama3")
+        assert (source / "checkpoint" / "step-5" / "__1_0.distcp").is_file()
+    n_heads, n_kv, _ = heads(build("llama3"))
+    hints = {"num_heads": n_heads, "num_kv_heads": n_kv}
+    for step in (5, 10):
+        found = inspect_checkpoint(source / "checkpoint" / f"step-{step}", **hints)
+        assert {(b.module.rpartition(".")[0], b.layout) for b in found.blocks} == {
+            (f"layers.{i}.attention", "separate") for i in range(6)
+        }
+        reinit_checkpoint(
+            source / "checkpoint" / f"step-{step}",
+            output=out / "checkpoint" / f"step-{step}",
+            layers="1",
+            seed=SEED,
+            **hints,
+        )
+    for step in (5, 10):
+        if step == 5:
+            (expected, their_states), (got, states) = loaded(source, 5), loaded(out, 5)
+            assert_same_states(states, their_states)  # optimizer and LR schedulers unchanged
+            assert states["optimizer"]
+        else:
+            model_only = {"model_only_from": out / "checkpoint" / "step-10", "base": tmp_path / "empty-a"}
+            got, _ = loaded(**model_only)
+            expected, _ = loaded(tmp_path / "empty-b", model_only_from=source / "checkpoint" / "step-10")
+        before = titan_maps(expected, 0)[0]
+        surgeon.reinit_(expected, layers="1", seed=SEED)  # in memory, on what the source checkpoint holds
+        assert [n for n, t in full_state(expected).items() if not torch.equal(full_state(got)[n], t)] == []
+        maps, groups = titan_maps(got, 1)
+        assert_conditioned(maps, kv_groups=groups)
+        assert_same(titan_maps(got, 0)[0], before)
 
 
 def _titan_worker(name: str):
