@@ -131,7 +131,7 @@ def trainer_state(model):
     return optimizers, schedulers
 
 
-def manager(model, base: Path, **config):
+def manager(model, base: Path, sd_adapter=None, **config):
     """torchtitan's CheckpointManager (its DCP saver and loader) over ``base``/checkpoint/step-N."""
     from torchtitan.components.checkpointer.dcp import CheckpointManager
 
@@ -145,7 +145,7 @@ def manager(model, base: Path, **config):
         optimizers=optimizers,
         lr_schedulers=schedulers,
         states=states,
-        sd_adapter=None,
+        sd_adapter=sd_adapter,
         base_folder=str(base),
     )
 
@@ -169,3 +169,16 @@ def dcp_fsdp_worker(rank: int, world: int, out: str, name: str) -> None:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     save_steps(model, Path(out)).close()
+
+
+def hf_adapter(model, assets: Path):
+    """torchtitan's Llama3 HF adapter; an index.json in ``assets`` makes its export write sharded/ and consolidate."""
+    import json
+
+    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+
+    keys = Llama3StateDictAdapter(model.config, None).to_hf(model.state_dict())
+    assets.mkdir(parents=True, exist_ok=True)
+    index = {"metadata": {}, "weight_map": dict.fromkeys(keys, "model-00001-of-00001.safetensors")}
+    (assets / "model.safetensors.index.json").write_text(json.dumps(index))
+    return Llama3StateDictAdapter(model.config, str(assets))

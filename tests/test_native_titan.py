@@ -21,7 +21,7 @@ from surgeon.api import inspect_checkpoint, reinit_checkpoint
 from _distributed import spawn
 from _frameworks import framework
 from _modules import Maps, _solve, assert_conditioned, assert_same, probe
-from _titan import SEED, build, full_state, heads, inputs, logits, manager, save_steps
+from _titan import SEED, build, full_state, heads, hf_adapter, inputs, logits, manager, save_steps
 
 
 @pytest.fixture(autouse=True)
@@ -176,6 +176,36 @@ def test_its_own_dcp_checkpoints_loaded_back_by_its_manager(tmp_path, ranks):
         maps, groups = titan_maps(got, 1)
         assert_conditioned(maps, kv_groups=groups)
         assert_same(titan_maps(got, 0)[0], before)
+
+
+def test_its_hf_export_sharded_copy_left_out_and_loaded_back_by_its_hf_loader(tmp_path):
+    """last_save_in_hf: its export writes the consolidated safetensors and a sharded/ copy; surgeon rewrites the
+    first and leaves sharded/ out with a note; torchtitan's own HF loader (initial_load_in_hf) takes the result."""
+    model = build("llama3")
+    adapter = hf_adapter(model, tmp_path / "assets")
+    saver = manager(model, tmp_path / "run", sd_adapter=adapter, last_save_model_only=True, last_save_in_hf=True)
+    saver.save(10, last_step=True)
+    saver.close()
+    source, out = tmp_path / "run" / "checkpoint" / "step-10", tmp_path / "out" / "step-10"
+    assert (source / "sharded").is_dir()
+    report = reinit_checkpoint(source, output=out, layers="1", seed=SEED, num_heads=16)
+    assert not (out / "sharded").exists()
+    assert any("sharded/" in note for note in report.notes)
+
+    def hf_loaded(folder, base):
+        fresh = build("llama3", seed=1)
+        config = {"initial_load_path": str(folder), "initial_load_in_hf": True, "initial_load_model_only": True}
+        loader = manager(fresh, base, sd_adapter=hf_adapter(fresh, tmp_path / "assets"), **config)
+        assert loader.load()
+        loader.close()
+        return fresh
+
+    got, theirs = hf_loaded(out, tmp_path / "empty-a"), hf_loaded(source, tmp_path / "empty-b")
+    maps, groups = titan_maps(got, 1)
+    assert_conditioned(maps, kv_groups=groups)
+    assert_same(titan_maps(got, 0)[0], titan_maps(theirs, 0)[0])
+    changed = {n for n, t in full_state(theirs).items() if not torch.equal(full_state(got)[n], t)}
+    assert changed == {"layers.1.attention.qkv_linear.wqkv.weight"}
 
 
 def _titan_worker(name: str):
