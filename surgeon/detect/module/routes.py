@@ -77,13 +77,7 @@ def detect_module(module: nn.Module, *, hints: Hints | None = None, example_inpu
     routes = {b.module: "class" for b in own}
     rest = [n for n in params if params[n].dim() == 2 and params[n].is_floating_point() and not under(n, handled)]
     if rest:
-        route = "forward"
-        try:
-            probed = probe_blocks(module, example_inputs=example_inputs, hints=hints, skip=handled, notes=found.notes)
-        except TensorParallelError:
-            if hints.num_heads is None:
-                raise
-            probed, route = _named_blocks(module, handled, hints, found.notes), "names"
+        probed, route = _unnamed_blocks(module, example_inputs, hints, handled, found.notes)
         shapes = {n: tuple(p.shape) for n, p in params.items()}
         probed = with_companions(  # EVA's q_bias, joint attention's context; kinds the names settle (SD3.5's attn2)
             roles_by_position([with_separate_biases(b, shapes) for b in probed], shapes), shapes
@@ -107,6 +101,18 @@ def _add(
     found.blocks += blocks
     for b in blocks:
         found.routes[b.module] = route or (routes or {}).get(b.module, "forward")
+
+
+def _unnamed_blocks(
+    module: nn.Module, example_inputs: Any, hints: Hints, handled: list[str], notes: list[str]
+) -> tuple[list[AttentionBlock], str]:
+    """The blocks outside transformers models and their route: the forward, or (tensor parallel) the names."""
+    try:
+        return probe_blocks(module, example_inputs=example_inputs, hints=hints, skip=handled, notes=notes), "forward"
+    except TensorParallelError:
+        if hints.num_heads is None:
+            raise
+        return _named_blocks(module, handled, hints, notes), "names"
 
 
 def _named_blocks(module: nn.Module, handled: list[str], hints: Hints, notes: list[str]) -> list[AttentionBlock]:
