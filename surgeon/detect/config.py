@@ -34,6 +34,7 @@ from .families import (  # noqa: F401
     SUBCONFIG_BY_PATH,
     SUBCONFIG_WORDS,
     V_HEAD_DIM_KEYS,
+    FrameworkConfig,
     Rule,
 )
 from .layout_file import LAYOUT_KEYS, Layout, read_layout
@@ -392,6 +393,17 @@ class ConfigView:
         if tensor == "c_attn" and model_type == "gpt_bigcode" and scope.get("multi_query") is False:
             return "interleaved"  # GPTBigCode without multi-query views c_attn as (heads, 3 * d)
         return FUSED_PACKING_BY_MODEL_TYPE.get((tensor, model_type)) or library_packing(tensor, module, self.config)
+
+
+def framework_config(framework: FrameworkConfig, data: Mapping[str, Any]) -> dict:
+    """A framework's own config (its file's fields, or its config object's attributes) in config.json's terms:
+    the family's model type and the counts its FRAMEWORK_CONFIGS entry maps."""
+    facts = {
+        key: data[field]
+        for field, key in framework.fields.items()
+        if isinstance(data.get(field), int) and not isinstance(data[field], bool)
+    }
+    return {"model_type": framework.model_type, **facts}
 
 
 def with_transformers_defaults(config: dict | None) -> dict | None:
