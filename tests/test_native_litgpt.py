@@ -20,12 +20,13 @@ from surgeon.errors import LayoutError
 from _frameworks import framework
 from _modules import Maps, _solve, assert_conditioned, assert_same, probe, randomize_biases
 
-pytestmark = pytest.mark.usefixtures("one_thread", "litgpt")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def litgpt():
     return framework("litgpt")  # skips (fails under SURGEON_FRAMEWORK=litgpt) before any litgpt import
+
 
 HEADS, GROUPS, WIDTH = 4, 2, 32  # grouped-query attention: 2 query heads per key/value head, head size 8
 
@@ -154,13 +155,39 @@ def test_legacy_attn_attn_per_query_group_through_litgpt_s_own_legacy_loader(tmp
 
 
 def test_legacy_attn_attn_without_model_config_yaml_is_refused_naming_config(tmp_path):
-    lone = tmp_path / "lit_model.pth"
-    torch.save(legacy_state(lit_gpt()), lone)
+    model = lit_gpt()
+    lone = tmp_path / "weights" / "lit_model.pth"
+    lone.parent.mkdir()
+    torch.save(legacy_state(model), lone)
     with pytest.raises(
         LayoutError, match=r"litgpt before 0\.5 groups it per query group.*model_config\.yaml.*config=PATH"
     ):
         inspect_checkpoint(lone, num_heads=HEADS, num_kv_heads=GROUPS)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["lit_model.pth"]
+    assert sorted(p.name for p in lone.parent.iterdir()) == ["lit_model.pth"]
+    from litgpt.utils import save_config
+
+    save_config(model.config, tmp_path)  # elsewhere, named by --config: it settles the packing
+    found = inspect_checkpoint(lone, config=tmp_path / "model_config.yaml")
+    assert {(b.heads, b.kv_heads, b.layout) for b in found.blocks} == {(HEADS, GROUPS, "fused attn")}
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ('!!python/object/apply:os.system ["echo hi"]', "is not valid YAML (could not determine a constructor"),
+        ("- 1\n", "is not a YAML mapping"),
+        ("[" * 5000, "is not valid YAML"),
+    ],
+)
+def test_a_hostile_model_config_yaml_is_one_line_and_nothing_written(tmp_path, cli, text, says):
+    """No litgpt needed: a tensor shaped as litgpt's, a model_config.yaml that yaml.safe_load refuses to build."""
+    from conftest import expect_cli_error
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    torch.save({"transformer.h.0.attn.qkv.weight": torch.zeros(64, 32)}, folder / "lit_model.pth")
+    (folder / "model_config.yaml").write_text(text)
+    expect_cli_error(cli, tmp_path, "reinit", folder, "-o", tmp_path / "out", match=says)
 
 
 HF_BACK = {"llama": "copy_weights_hf_llama", "gpt_neox": "copy_weights_gpt_neox"}
@@ -168,7 +195,7 @@ HF_BACK = {"llama": "copy_weights_hf_llama", "gpt_neox": "copy_weights_gpt_neox"
 
 @pytest.mark.parametrize("heads_from", ["hints", "model_config.yaml"])
 @pytest.mark.parametrize("export", sorted(HF_BACK))
-def test_hf_named_export_and_back_through_litgpt_s_converters(tmp_path, export, heads_from):
+def test_hf_named_export_and_back_through_litgpt_s_converters(tmp_path, litgpt, export, heads_from):
     """convert_lit_checkpoint writes model.pth with HF names (Llama: q_proj/k_proj/v_proj; GPT-NeoX:
     query_key_value, regrouped per query group); litgpt's convert_hf_checkpoint functions take the result back."""
     from litgpt.scripts import convert_hf_checkpoint as back
