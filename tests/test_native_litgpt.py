@@ -118,11 +118,14 @@ def test_lit_model_pth_heads_from_model_config_yaml(tmp_path, cli, target):
 
 
 def test_lit_model_pth_model_config_yaml_wins_over_an_hf_config_json(tmp_path):
-    """A litgpt download keeps Hugging Face's config.json beside lit_model.pth; litgpt's own file describes it."""
+    """A litgpt download keeps Hugging Face's config.json beside lit_model.pth; litgpt's own file describes it,
+    and a hint that contradicts it is refused naming it."""
     folder = save_lit(lit_gpt(), tmp_path / "ckpt")
     (folder / "config.json").write_text('{"model_type": "llama", "num_attention_heads": 8}')
     found = inspect_checkpoint(folder / "lit_model.pth")
     assert {(b.heads, b.kv_heads) for b in found.blocks} == {(HEADS, GROUPS)}
+    with pytest.raises(LayoutError, match="num_heads=8 contradicts model_config.yaml, which says 4"):
+        inspect_checkpoint(folder / "lit_model.pth", num_heads=8)
 
 
 def legacy_state(model):

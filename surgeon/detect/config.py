@@ -16,6 +16,7 @@ from typing import Any
 from ..errors import LayoutError, OptionError, opt
 from .families import (  # noqa: F401
     BLOCKS_PER_STAGE_KEYS,
+    FRAMEWORK_CONFIGS,
     FUSED_PACKING_BY_MODEL_TYPE,
     HEAD_DIM_KEYS,
     HEAD_DIM_SIDE,
@@ -191,6 +192,8 @@ class ConfigView:
         )  # a library's own config (diffusers, open_clip, timm) in these terms
         self.has_config = config is not None
         self.hints = hints or Hints()
+        # how messages name it: a framework's own file (litgpt's model_config.yaml), else config.json
+        self.file = next((f.file for f in FRAMEWORK_CONFIGS if self.model_type == f.model_type), "config.json")
 
     @property
     def model_type(self) -> str | None:
@@ -226,7 +229,7 @@ class ConfigView:
             elif (prefixed := _prefixed_scope(scope, word)) is not None:
                 scope, prefix = prefixed
                 names.append(prefix + "*")
-        return scope, "config.json " + ".".join(names) if names else "config.json"
+        return scope, f"{self.file} " + ".".join(names) if names else self.file
 
     def linear_layer(self, stack: str, layer: int) -> bool:
         """Whether the config says layer ``layer`` of ``stack`` is linear attention (LINEAR_LAYER_TYPES)."""
