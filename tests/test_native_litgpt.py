@@ -10,6 +10,7 @@ Runs in litgpt's venv (scripts/frameworks_check.sh, SURGEON_FRAMEWORK=litgpt); s
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -251,3 +252,68 @@ def test_gpt_in_memory_without_example_inputs_agrees_with_the_checkpoint_route(t
     assert_same(lit_maps(model, 0)[0], before[0])
     written = torch.load(tmp_path / "out" / "lit_model.pth", weights_only=True)["model"]
     assert all(torch.equal(after[k], written[k]) for k in QKV)  # the same draw, byte for byte
+
+
+LATENT = dict(
+    latent_attention=dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8),
+    n_query_groups=HEADS,  # litgpt's latent attention has as many key/value heads as query heads (config.py)
+    **LLAMA | dict(bias=True),
+)
+
+
+def latent_maps(model, layer):
+    """litgpt's MultiheadLatentAttention forward, captured at its scaled_dot_product_attention (rotary angle 0):
+    per head the query over q_b_proj's input, the key without its rotary part and the value over kv_b_proj's
+    input (the normed latents: its own down-projections and norms before them are not linear maps of x)."""
+    attn = model.transformer.h[layer].attn
+    x, rope = probe(WIDTH), model.config.rope_n_elem
+    seen: dict = {}
+    hooks = [
+        getattr(attn, m).register_forward_pre_hook(lambda _, args, m=m: seen.update({m: args[0]}))
+        for m in ("q_b_proj", "kv_b_proj")
+    ]
+    own = attn.scaled_dot_product_attention
+
+    def capture(q, k, v, mask=None):
+        seen.update(q=q, k=k, v=v)
+        return own(q, k, v, mask)
+
+    attn.scaled_dot_product_attention = capture
+    try:
+        with torch.no_grad():
+            attn(x, torch.ones(1, x.shape[1], rope), torch.zeros(1, x.shape[1], rope))
+    finally:
+        del attn.scaled_dot_product_attention
+        for hook in hooks:
+            hook.remove()
+    nope = model.config.qk_nope_head_dim
+    (qw, qb), (kw, kb), (vw, vb) = (
+        _solve(seen[src], state)
+        for src, state in (("q_b_proj", seen["q"]), ("kv_b_proj", seen["k"][..., :nope]), ("kv_b_proj", seen["v"]))
+    )
+    return Maps(qw, qb, kw, kb, vw, vb)
+
+
+def test_latent_attention_sizes_from_model_config_yaml_through_litgpt_s_own_forward(tmp_path):
+    """Each head's query, key (less its rotary part) and value over the latents conditioned, the value heads
+    tiling the 16 latents (head h reads the features of head h mod 2); kv_b_proj's bias rows zeroed with them."""
+    from surgeon import reinit_
+
+    model = lit_gpt(**LATENT)
+    before = latent_maps(model, 1)
+    folder = save_lit(model, tmp_path / "ckpt")
+    found = inspect_checkpoint(folder)
+    assert [(b.heads, b.head_dim, b.layout) for b in found.blocks] == [(HEADS, 12, "latent (MLA)")] * 2
+    reinit_checkpoint(folder, output=tmp_path / "out", layers="0", seed=7)
+    written = torch.load(tmp_path / "out" / "lit_model.pth", weights_only=True)["model"]
+    assert changed(model.state_dict(), written) == {
+        f"transformer.h.0.attn.{m}.{p}" for m in ("q_b_proj", "kv_b_proj") for p in ("weight", "bias")
+    }
+    fresh = lit_gpt(seed=1, **LATENT)
+    fresh.load_state_dict(written)
+    maps = latent_maps(fresh, 0)
+    assert_conditioned(replace(maps, v=maps.v[:2]))
+    assert torch.allclose(maps.v[2:], maps.v[:2], atol=1e-5)  # heads 2 and 3 tile the latents again
+    assert_same(latent_maps(fresh, 1), before)
+    reinit_(model, layers="0", seed=7)  # in memory, heads and sizes from gpt.config: the same bytes
+    assert all(torch.equal(model.state_dict()[k], written[k]) for k in written)

@@ -401,12 +401,9 @@ class ConfigView:
 def framework_config(framework: FrameworkConfig, data: Mapping[str, Any]) -> dict:
     """A framework's own config (its file's fields, or its config object's attributes) in config.json's terms:
     the family's model type and the counts its FRAMEWORK_CONFIGS entry maps."""
-    facts = {
-        key: data[field]
-        for field, key in framework.fields.items()
-        if isinstance(data.get(field), int) and not isinstance(data[field], bool)
-    }
-    return {"model_type": framework.model_type, **facts}
+    facts = {key: _nested(dict(data), field) for field, key in framework.fields.items()}
+    counts = {k: v for k, v in facts.items() if isinstance(v, int) and not isinstance(v, bool)}
+    return {"model_type": framework.model_type, **counts}
 
 
 def with_transformers_defaults(config: dict | None) -> dict | None:

@@ -241,7 +241,8 @@ AUTO_PACKING_WHY = {
 @dataclass(frozen=True)
 class FrameworkConfig:
     """A framework's config file beside its weights, read in config.json's terms: ``fields`` maps its
-    field to config.json's key; ``model_type`` names the family (FUSED_PACKING_BY_MODEL_TYPE)."""
+    field (a dotted path into nested entries) to config.json's key; ``model_type`` names the family
+    (FUSED_PACKING_BY_MODEL_TYPE)."""
 
     file: str
     weights: str  # the framework's own weight file, for which this config wins over a config.json beside it
@@ -264,6 +265,11 @@ FRAMEWORK_CONFIGS = (
             "head_size": "head_dim",
             "n_embd": "hidden_size",
             "n_layer": "num_hidden_layers",
+            # multi-head latent attention (model.py MultiheadLatentAttention): its sizes nest in one entry
+            **{
+                f"latent_attention.{k}": k
+                for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
+            },
         },
     ),
 )
