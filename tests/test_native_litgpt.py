@@ -32,10 +32,12 @@ def litgpt():
 HEADS, GROUPS, WIDTH = 4, 2, 32  # grouped-query attention: 2 query heads per key/value head, head size 8
 
 
+TINY = dict(name="surgeon-tiny", block_size=16, vocab_size=64, padded_vocab_size=64, n_layer=2, bias=True)
+TINY |= dict(n_head=HEADS, n_query_groups=GROUPS, n_embd=WIDTH)
+
+
 def lit_config(**overrides):
-    litgpt = framework("litgpt")
-    base = dict(name="surgeon-tiny", block_size=16, vocab_size=64, padded_vocab_size=64, n_layer=2, bias=True)
-    return litgpt.Config(**base | dict(n_head=HEADS, n_query_groups=GROUPS, n_embd=WIDTH) | overrides)
+    return framework("litgpt").Config(**TINY | overrides)
 
 
 LLAMA = dict(mlp_class_name="LLaMAMLP", norm_class_name="RMSNorm", intermediate_size=64, bias=False)
@@ -317,3 +319,28 @@ def test_latent_attention_sizes_from_model_config_yaml_through_litgpt_s_own_forw
     assert_same(latent_maps(fresh, 1), before)
     reinit_(model, layers="0", seed=7)  # in memory, heads and sizes from gpt.config: the same bytes
     assert all(torch.equal(model.state_dict()[k], written[k]) for k in written)
+
+
+def test_lora_is_refused_naming_merge_lora_on_disk_and_in_memory(tmp_path, cli, litgpt):
+    """litgpt's LoRA qkv (the frozen base in qkv.linear, lora_A/lora_B beside it): one line naming merge_lora,
+    nothing written, nothing changed in memory."""
+    from litgpt.lora import GPT, Config
+
+    from surgeon import reinit_
+    from surgeon.errors import UnsupportedWeightsError
+
+    from conftest import expect_cli_error
+
+    config = Config(**TINY | dict(lora_r=4, lora_alpha=8, lora_query=True, lora_value=True))
+    model = GPT(config)
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    torch.save(model.state_dict(), folder / "lit_model.pth")
+    from litgpt.utils import save_config
+
+    save_config(config, folder)
+    expect_cli_error(cli, tmp_path, "reinit", folder, "-o", tmp_path / "out", match="litgpt merge_lora")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UnsupportedWeightsError, match="litgpt LoRA"):
+        reinit_(model)
+    assert changed(before, model.state_dict()) == set()

@@ -246,7 +246,7 @@ class FrameworkConfig:
 
     file: str
     weights: str  # the framework's own weight file, for which this config wins over a config.json beside it
-    config_class: str  # the class of its config object in memory (a model's ``config`` attribute), module.qualname
+    config_classes: tuple[str, ...]  # its config objects' classes in memory (a model's ``config``), module.qualname
     model_type: str
     fields: dict[str, str]
 
@@ -257,7 +257,7 @@ FRAMEWORK_CONFIGS = (
     FrameworkConfig(
         "model_config.yaml",
         "lit_model.pth",
-        "litgpt.config.Config",
+        ("litgpt.config.Config", "litgpt.lora.Config"),  # a LoRA model's is refused by its tensors (REFUSED)
         "litgpt",
         {
             "n_head": "num_attention_heads",
@@ -375,12 +375,18 @@ class Refused:
     why: str
 
 
-REFUSED = (  # in an ONNX graph (the by-name route reads it: LATENT)
+REFUSED = (  # MLA: in an ONNX graph (the by-name route reads it: LATENT); litgpt LoRA: anywhere
     Refused(
         "multi-head latent attention (MLA: DeepSeek-V2/V3/R1, Kimi K2)",
         ("kv_a_proj_with_mqa.weight", "kv_b_proj.weight"),
         "its per-head projections (q_b_proj, kv_b_proj over the latents) are read by their names in a PyTorch or "
         "safetensors checkpoint, not traced in an ONNX graph; re-initialize the checkpoint, then export it",
+    ),
+    Refused(  # litgpt/lora.py LoRAQKVLinear: the frozen base qkv in .linear, the low-rank update beside it
+        "litgpt LoRA (qkv.linear with lora_A/lora_B)",
+        ("qkv.linear.weight", "qkv.lora_A", "qkv.lora_B"),
+        "the adapted projection is the base plus the LoRA update; merge them first (litgpt merge_lora "
+        "CHECKPOINT_DIR), then re-initialize the merged lit_model.pth",
     ),
 )
 

@@ -145,7 +145,7 @@ def _config_of(m: nn.Module) -> dict | None:
     if any(c.__name__ == "PreTrainedModel" for c in type(m).__mro__) and hasattr(config, "to_dict"):
         return config.to_dict()
     spelled = f"{type(config).__module__}.{type(config).__qualname__}"
-    framework = next((f for f in FRAMEWORK_CONFIGS if f.config_class == spelled), None)
+    framework = next((f for f in FRAMEWORK_CONFIGS if spelled in f.config_classes), None)
     return None if framework is None else framework_config(framework, vars(config))
 
 
