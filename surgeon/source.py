@@ -86,7 +86,8 @@ def open_source(path: str | Path, *, config: str | Path | None = None, recover: 
     if source.config_path is not None:
         source.config = read_config(source.config_path)
         if _framework(source.config_path) is not None:
-            source.notes.append(f"head counts from {source.config_path.name} beside the weights")
+            where = "beside the weights" if config is None else "given as the config"
+            source.notes.append(f"head counts from {source.config_path.name} {where}")
     elif (embedded := source.primary.embedded_config()) is not None:
         source.config = embedded
         source.notes.append(f"head counts from the model arguments saved in {source.primary.files[0]}")

@@ -174,6 +174,7 @@ def test_legacy_attn_attn_without_model_config_yaml_is_refused_naming_config(tmp
 
     save_config(model.config, tmp_path)  # elsewhere, named by --config: it settles the packing
     found = inspect_checkpoint(lone, config=tmp_path / "model_config.yaml")
+    assert "head counts from model_config.yaml given as the config" in found.notes
     assert {(b.heads, b.kv_heads, b.layout) for b in found.blocks} == {(HEADS, GROUPS, "fused attn")}
 
 
