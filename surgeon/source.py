@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import NoReturn
 
-from .bounded import read_json
+from .bounded import read_json, read_yaml
+from .detect.config import framework_config
+from .detect.families import FRAMEWORK_CONFIGS, FrameworkConfig
 from .errors import CheckpointError
 from .folder_files import file_in, walk
 from .formats.base import WeightSet
@@ -80,9 +82,12 @@ def open_source(path: str | Path, *, config: str | Path | None = None, recover: 
     if config is not None:  # given by the user: theirs to choose, wherever it is
         source.config_path = Path(config)
     elif source.config_path is None:  # found beside the weights: only the folder's own (folder_files)
-        source.config_path = file_in(source.folder, "config.json") or file_in(source.folder, OPEN_CLIP_CONFIG)
+        source.config_path = _config_beside(source)
     if source.config_path is not None:
         source.config = read_config(source.config_path)
+        if _framework(source.config_path) is not None:
+            where = "beside the weights" if config is None else "given as the config"
+            source.notes.append(f"head counts from {source.config_path.name} {where}")
     elif (embedded := source.primary.embedded_config()) is not None:
         source.config = embedded
         source.notes.append(f"head counts from the model arguments saved in {source.primary.files[0]}")
@@ -91,7 +96,29 @@ def open_source(path: str | Path, *, config: str | Path | None = None, recover: 
     return source
 
 
+def _config_beside(source: Source) -> Path | None:
+    """The config file beside the weights: config.json (or open_clip's), else a framework's own
+    (FRAMEWORK_CONFIGS: litgpt's model_config.yaml), which wins over config.json for the framework's own
+    weight file (lit_model.pth: a litgpt download keeps Hugging Face's config.json beside it)."""
+    folder = source.folder
+    frameworks = [(f, path) for f in FRAMEWORK_CONFIGS if (path := file_in(folder, f.file)) is not None]
+    own = [path for f, path in frameworks if source.primary.files == [f.weights]]
+    found = own + [file_in(folder, "config.json"), file_in(folder, OPEN_CLIP_CONFIG)] + [p for _, p in frameworks]
+    return next((p for p in found if p is not None), None)
+
+
+def _framework(path: Path) -> FrameworkConfig | None:
+    return next((f for f in FRAMEWORK_CONFIGS if path.name == f.file), None)
+
+
 def read_config(path: Path) -> dict:
+    """config.json, or a framework's own config file (by its name) in config.json's terms."""
+    framework = _framework(path)
+    if framework is not None:
+        data = read_yaml(path, what="config")
+        if not isinstance(data, dict):
+            raise CheckpointError(f"config {path} is not a YAML mapping of fields ({framework.model_type}'s config)")
+        return framework_config(framework, data)
     config = read_json(path, what="config")
     if not isinstance(config, dict):
         raise CheckpointError(f"config {path} is not a JSON object")

@@ -16,6 +16,7 @@ from typing import Any
 from ..errors import LayoutError, OptionError, opt
 from .families import (  # noqa: F401
     BLOCKS_PER_STAGE_KEYS,
+    FRAMEWORK_CONFIGS,
     FUSED_PACKING_BY_MODEL_TYPE,
     HEAD_DIM_KEYS,
     HEAD_DIM_SIDE,
@@ -34,6 +35,7 @@ from .families import (  # noqa: F401
     SUBCONFIG_BY_PATH,
     SUBCONFIG_WORDS,
     V_HEAD_DIM_KEYS,
+    FrameworkConfig,
     Rule,
 )
 from .layout_file import LAYOUT_KEYS, Layout, read_layout
@@ -190,6 +192,8 @@ class ConfigView:
         )  # a library's own config (diffusers, open_clip, timm) in these terms
         self.has_config = config is not None
         self.hints = hints or Hints()
+        # how messages name it: a framework's own file (litgpt's model_config.yaml), else config.json
+        self.file = next((f.file for f in FRAMEWORK_CONFIGS if self.model_type == f.model_type), "config.json")
 
     @property
     def model_type(self) -> str | None:
@@ -225,7 +229,7 @@ class ConfigView:
             elif (prefixed := _prefixed_scope(scope, word)) is not None:
                 scope, prefix = prefixed
                 names.append(prefix + "*")
-        return scope, "config.json " + ".".join(names) if names else "config.json"
+        return scope, f"{self.file} " + ".".join(names) if names else self.file
 
     def linear_layer(self, stack: str, layer: int) -> bool:
         """Whether the config says layer ``layer`` of ``stack`` is linear attention (LINEAR_LAYER_TYPES)."""
@@ -392,6 +396,14 @@ class ConfigView:
         if tensor == "c_attn" and model_type == "gpt_bigcode" and scope.get("multi_query") is False:
             return "interleaved"  # GPTBigCode without multi-query views c_attn as (heads, 3 * d)
         return FUSED_PACKING_BY_MODEL_TYPE.get((tensor, model_type)) or library_packing(tensor, module, self.config)
+
+
+def framework_config(framework: FrameworkConfig, data: Mapping[str, Any]) -> dict:
+    """A framework's own config (its file's fields, or its config object's attributes) in config.json's terms:
+    the family's model type and the counts its FRAMEWORK_CONFIGS entry maps."""
+    facts = {key: _nested(dict(data), field) for field, key in framework.fields.items()}
+    counts = {k: v for k, v in facts.items() if isinstance(v, int) and not isinstance(v, bool)}
+    return {"model_type": framework.model_type, **counts}
 
 
 def with_transformers_defaults(config: dict | None) -> dict | None:

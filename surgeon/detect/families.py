@@ -93,6 +93,10 @@ RULES: tuple[Rule, ...] = (
     # (query groups, heads per group + 2, head dim), each group [its query heads | its key | its value]; with
     # Transformer Engine the input norm's weight sits beside it (linear_qkv.layer_norm_weight), left alone
     _fused("linear_qkv", "grouped"),
+    # litgpt before 0.5 (lit-gpt CausalSelfAttention.attn, beside .proj): grouped per query group like
+    # linear_qkv, as litgpt 0.5's own loader says (model.py _load_from_state_dict: qkv_reassemble); the name
+    # alone is too common to say so: the packing comes from litgpt's model_config.yaml (FUSED_PACKING_BY_MODEL_TYPE)
+    Rule("fused attn", (Part("attn.weight", "attn.bias", "auto"),), requires=("proj.weight",)),
     # DeBERTa (v1): in_proj views rows as (heads, 3 * head_dim), biases in q_bias/v_bias; in_proj alone is a
     # Mamba mixer's input projection, so the biases must be there too
     Rule("fused in_proj + q_bias", (Part("in_proj.weight", None, "interleaved"),), requires=("q_bias", "v_bias")),
@@ -211,6 +215,13 @@ FUSED_PACKING_BY_MODEL_TYPE = {
     ("query_key_value", "bloom"): "interleaved",
     ("query_key_value", "persimmon"): "interleaved",
     ("query_key_value", "sarvam_moe"): "qkv",  # Split(dim=0) into q/k/v by their sizes (conversion_mapping.py)
+    # litgpt (model_config.yaml, FRAMEWORK_CONFIGS): 0.5's qkv splits into [Q | K | V] (model.py
+    # CausalSelfAttention.forward: qkv.split((n_head, n_query_groups, n_query_groups) * head_size)); the older attn
+    # and the query_key_value of its GPT-NeoX/Falcon exports (scripts/convert_lit_checkpoint.py qkv_reassemble)
+    # are per query group [its query heads | key | value]
+    ("qkv", "litgpt"): "qkv",
+    ("attn", "litgpt"): "grouped",
+    ("query_key_value", "litgpt"): "grouped",
     ("qkv_proj", "codegen"): "codegen",
     # gated attention: q_proj holds per head [query | gate] (view(..., -1, 2 * head_dim).chunk(2))
     ("q_proj", "qwen3_next"): "gated",
@@ -218,6 +229,50 @@ FUSED_PACKING_BY_MODEL_TYPE = {
     ("q_proj", "qwen3_5_moe_text"): "gated",
     ("q_proj", "qwen4_exp_text"): "gated",
 }
+
+# Why a fused tensor of packing "auto" needs the config, by tensor name (the refusal names --config).
+AUTO_PACKING_WHY = {
+    "query_key_value": "it is interleaved per head in GPT-NeoX/Bloom and grouped in Falcon",
+    "attn": "litgpt before 0.5 groups it per query group, but its name alone does not say it is litgpt's",
+}
+
+
+# --- training frameworks' own config files ------------------------------------------------------
+@dataclass(frozen=True)
+class FrameworkConfig:
+    """A framework's config file beside its weights, read in config.json's terms: ``fields`` maps its
+    field (a dotted path into nested entries) to config.json's key; ``model_type`` names the family
+    (FUSED_PACKING_BY_MODEL_TYPE)."""
+
+    file: str
+    weights: str  # the framework's own weight file, for which this config wins over a config.json beside it
+    config_classes: tuple[str, ...]  # its config objects' classes in memory (a model's ``config``), module.qualname
+    model_type: str
+    fields: dict[str, str]
+
+
+FRAMEWORK_CONFIGS = (
+    # litgpt: utils.py save_config writes asdict(litgpt.Config) as YAML beside lit_model.pth (pretrain, finetune,
+    # convert_hf_checkpoint); n_query_groups is its key/value heads, head_size filled in by Config.__post_init__
+    FrameworkConfig(
+        "model_config.yaml",
+        "lit_model.pth",
+        ("litgpt.config.Config", "litgpt.lora.Config"),  # a LoRA model's is refused by its tensors (REFUSED)
+        "litgpt",
+        {
+            "n_head": "num_attention_heads",
+            "n_query_groups": "num_key_value_heads",
+            "head_size": "head_dim",
+            "n_embd": "hidden_size",
+            "n_layer": "num_hidden_layers",
+            # multi-head latent attention (model.py MultiheadLatentAttention): its sizes nest in one entry
+            **{
+                f"latent_attention.{k}": k
+                for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
+            },
+        },
+    ),
+)
 
 # packing -> (slots in the tensor, query heads) -> key/value heads it implies, or None when the
 # packing cannot say. Every entry of spec.PACKINGS has one (tests/test_families_table.py).
@@ -320,12 +375,18 @@ class Refused:
     why: str
 
 
-REFUSED = (  # in an ONNX graph (the by-name route reads it: LATENT)
+REFUSED = (  # MLA: in an ONNX graph (the by-name route reads it: LATENT); litgpt LoRA: anywhere
     Refused(
         "multi-head latent attention (MLA: DeepSeek-V2/V3/R1, Kimi K2)",
         ("kv_a_proj_with_mqa.weight", "kv_b_proj.weight"),
         "its per-head projections (q_b_proj, kv_b_proj over the latents) are read by their names in a PyTorch or "
         "safetensors checkpoint, not traced in an ONNX graph; re-initialize the checkpoint, then export it",
+    ),
+    Refused(  # litgpt/lora.py LoRAQKVLinear: the frozen base qkv in .linear, the low-rank update beside it
+        "litgpt LoRA (qkv.linear with lora_A/lora_B)",
+        ("qkv.linear.weight", "qkv.lora_A", "qkv.lora_B"),
+        "the adapted projection is the base plus the LoRA update; merge them first (litgpt merge_lora "
+        "CHECKPOINT_DIR), then re-initialize the merged lit_model.pth",
     ),
 )
 
