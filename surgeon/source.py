@@ -81,6 +81,12 @@ def open_source(path: str | Path, *, config: str | Path | None = None, recover: 
         source.config_path = Path(config)
     elif source.config_path is None:  # found beside the weights: only the folder's own (folder_files)
         source.config_path = file_in(source.folder, "config.json") or file_in(source.folder, OPEN_CLIP_CONFIG)
+        if source.config_path is None and source.format == "dcp":  # a framework's DCP subfolder: its run's config
+            from .formats.dcp import nested_config
+
+            source.config_path = nested_config(source.folder)
+            if source.config_path is not None:
+                source.notes.append(f"head counts from the run's config beside the checkpoint, {source.config_path}")
     if source.config_path is not None:
         source.config = read_config(source.config_path)
     elif (embedded := source.primary.embedded_config()) is not None:
@@ -149,7 +155,7 @@ def _open_folder(folder: Path) -> Source:
     # folders are left out (folder_files), so nothing from outside reaches the weights, the card or the output.
     found = walk(folder, prune=_not_read)
     top = [f for f in found.files if "/" not in f]
-    sets = _weight_sets(folder, top)
+    sets = _weight_sets(folder, top) or _nested_dcp(folder, found.files)
     if not sets:
         _refuse_no_weights(folder, found.files)
     extras, stale = _other_files(found.files, {f for s in sets for f in s.all_files})
@@ -212,6 +218,14 @@ def _dcp_folders(files: list[str]) -> list[str]:
         if parent:
             parents.setdefault(parent, set()).add(name)
     return sorted(p for p, names in parents.items() if pick_dcp(sorted(names)))
+
+
+def _nested_dcp(folder: Path, files: list[str]) -> list[WeightSet]:
+    """The DCP checkpoint in a training framework's checkpoint folder (OLMo-core's stepN/model_and_optim/)."""
+    from .formats.dcp import DcpWeights, nested_dcp
+
+    layout = nested_dcp(folder, _dcp_folders(files))
+    return [DcpWeights(folder, nested=layout)] if layout else []
 
 
 def _refuse_no_weights(folder: Path, files: list[str]) -> NoReturn:

@@ -33,6 +33,7 @@ from .families import (
     TIMM_HEAD_DIM,
     TIMM_HEADS,
 )
+from .olmo_config import olmo_core_config
 
 STACKS = "surgeon:stacks"  # key of a normalized config: first path component of a stack -> its facts
 
@@ -41,7 +42,7 @@ def normalize_config(config: dict | None) -> dict | None:
     """``config`` with a library's own spelling of heads added in config.json terms (a copy), or as is."""
     if not config:
         return config
-    for reader in (_diffusers_unet, _open_clip, _timm):
+    for reader in (_diffusers_unet, _open_clip, _timm, olmo_core_config):
         extra = reader(config)
         if extra:
             return {**config, **extra}
