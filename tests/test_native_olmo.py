@@ -13,7 +13,10 @@ Run in OLMo-core's venv (scripts/frameworks_check.sh, SURGEON_FRAMEWORK=olmo); s
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -70,15 +73,17 @@ def olmo_save(folder: Path, model, optim) -> Path:
     return folder
 
 
-def olmo_load(folder: Path, seed: int):
-    """A fresh model and AdamW (other values than the saved ones), filled by OLMo-core's own loader."""
+def olmo_load(folder: Path, seed: int, trainer: bool = False):
+    """A fresh model and AdamW (other values than the saved ones), filled by OLMo-core's own loader; ``trainer``:
+    OLMo-core's own AdamW, whose state its train module saves flattened."""
     from olmo_core.distributed.checkpoint import load_model_and_optim_state
+    from olmo_core.optim import AdamWConfig
 
     model = olmo_model(seed)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optim = AdamWConfig(lr=1e-3).build(model) if trainer else torch.optim.AdamW(model.parameters(), lr=1e-3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        load_model_and_optim_state(str(folder), model, optim)
+        load_model_and_optim_state(str(folder), model, optim, flatten_optimizer_state=trainer)
     return model, optim
 
 
@@ -90,12 +95,12 @@ def same_optim(a: dict, b: dict) -> None:
             assert torch.equal(value, b["state"][key][name]), (key, name)
 
 
-def judge(src: Path, out: Path, layers: set[int]) -> None:
+def judge(src: Path, out: Path, layers: set[int], trainer: bool = False) -> None:
     """``out`` (a DCP folder surgeon wrote from ``src``), loaded by OLMo-core: ``layers`` conditioned through
     its own split, the other layers, every other tensor and the optimizer state as ``src`` loads them; in
     the files, every stored item but the chosen projections' chunks byte for byte."""
-    before, before_optim = olmo_load(src, seed=1)
-    after, after_optim = olmo_load(out, seed=2)
+    before, before_optim = olmo_load(src, seed=1, trainer=trainer)
+    after, after_optim = olmo_load(out, seed=2, trainer=trainer)
     for layer in range(2):
         if layer in layers:
             maps, groups = olmo_maps(after, layer)
@@ -132,3 +137,158 @@ def test_without_heads_the_refusal_names_the_hints(saved, tmp_path, cli):
     line = expect_cli_error(cli, saved, "reinit", saved, "-o", tmp_path / "out", match="--num-heads")
     assert "--num-kv-heads" in line
     assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- the Trainer's checkpoint folder
+
+
+@pytest.fixture(scope="module")
+def trainer_step(tmp_path_factory):
+    """stepN/ as OLMo-core's Trainer writes it: a real fit of 2 steps on a token file, its Checkpointer at step 2
+    and its ConfigSaverCallback's config.json (the experiment's config: model, train module, trainer)."""
+    framework("olmo")
+    import numpy as np
+    from olmo_core.config import Config
+    from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
+    from olmo_core.nn.transformer import TransformerConfig
+    from olmo_core.optim import AdamWConfig
+    from olmo_core.train import Duration, TrainerConfig
+    from olmo_core.train.callbacks import CheckpointerCallback, ConfigSaverCallback
+    from olmo_core.train.train_module import TransformerTrainModuleConfig
+
+    @dataclasses.dataclass
+    class Experiment(Config):  # what OLMo-core's scripts give ConfigSaverCallback: the whole run's config
+        model: TransformerConfig
+        train_module: TransformerTrainModuleConfig
+        trainer: TrainerConfig
+
+    tmp = tmp_path_factory.mktemp("trainer")
+    np.random.RandomState(0).randint(1, 60, size=4096).astype(np.uint16).tofile(tmp / "tokens.npy")
+    torch.manual_seed(0)
+    model_config = TransformerConfig.llama_like(d_model=32, vocab_size=64, n_layers=2, n_heads=4, n_kv_heads=2)
+    dataset = NumpyFSLDatasetConfig(
+        paths=[str(tmp / "tokens.npy")],
+        sequence_length=16,
+        tokenizer=TokenizerConfig(vocab_size=64, eos_token_id=0, pad_token_id=63),
+        work_dir=str(tmp / "work"),
+    ).build()
+    module_config = TransformerTrainModuleConfig(
+        rank_microbatch_size=32, max_sequence_length=16, optim=AdamWConfig(lr=1e-3)
+    )
+    train_module = module_config.build(model_config.build(init_device="cpu"), device=torch.device("cpu"))
+    checkpointer = CheckpointerCallback(save_interval=2, ephemeral_save_interval=None, save_async=False)
+    trainer_config = TrainerConfig(
+        save_folder=str(tmp / "run"),
+        work_dir=str(tmp / "work"),
+        device="cpu",
+        max_duration=Duration.steps(2),
+        callbacks={"checkpointer": checkpointer, "config_saver": ConfigSaverCallback()},
+    )
+    data_loader = NumpyDataLoaderConfig(global_batch_size=32, seed=0, work_dir=str(tmp / "work")).build(dataset)
+    trainer = trainer_config.build(train_module, data_loader)
+    trainer.callbacks["config_saver"].config = Experiment(model_config, module_config, trainer_config).as_config_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        trainer.fit()
+    step = tmp / "run" / "step2"
+    assert sorted(p.name for p in step.iterdir()) == [
+        ".metadata.json",
+        "config.json",
+        "data_paths.txt",
+        "model_and_optim",
+        "train",
+    ]
+    return step
+
+
+@pytest.mark.parametrize("where", ["stepN", "stepN/model_and_optim"])
+def test_trainer_checkpoint_heads_from_its_config(trainer_step, where, tmp_path, cli, one_thread):
+    """No hints: the heads come from the run's config.json beside model_and_optim/."""
+    src = trainer_step if where == "stepN" else trainer_step / "model_and_optim"
+    inspected = cli("inspect", src).output
+    assert "blocks  self  0-1         4   2         8  separate" in inspected
+    cli("reinit", src, "-o", tmp_path / "out", "--layers", "0", "--seed", "2")
+    assert "verified" in cli("verify", src, tmp_path / "out").output
+    if where == "stepN":
+        for rel in ("config.json", ".metadata.json", "data_paths.txt", "train/rank0.pt"):
+            assert (tmp_path / "out" / rel).read_bytes() == (trainer_step / rel).read_bytes(), rel
+        judge(trainer_step / "model_and_optim", tmp_path / "out" / "model_and_optim", {0}, trainer=True)
+    else:
+        judge(src, tmp_path / "out", {0}, trainer=True)
+
+
+def test_trainer_checkpoint_loaded_by_its_trainer(trainer_step, tmp_path, cli, one_thread):
+    """The whole stepN/ output through OLMo-core's Checkpointer.load: the train state as it was saved."""
+    from olmo_core.nn.transformer import TransformerConfig
+    from olmo_core.optim import AdamWConfig
+    from olmo_core.train.checkpoint import Checkpointer
+    from olmo_core.train.train_module import TransformerTrainModuleConfig
+
+    cli("reinit", trainer_step, "-o", tmp_path / "out", "--layers", "1")
+    assert Checkpointer.dir_is_checkpoint(tmp_path / "out")
+    states = []
+    for folder in (trainer_step, tmp_path / "out"):
+        config = TransformerConfig.llama_like(d_model=32, vocab_size=64, n_layers=2, n_heads=4, n_kv_heads=2)
+        module = TransformerTrainModuleConfig(
+            rank_microbatch_size=32, max_sequence_length=16, optim=AdamWConfig(lr=1e-3)
+        ).build(config.build(init_device="cpu"), device=torch.device("cpu"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            train_state = Checkpointer(work_dir=tmp_path / "work").load(folder, module)
+        states.append((train_state, module.model))
+    (old, before), (new, after) = states
+    assert new["global_step"] == old["global_step"] == 2  # (its RNG states are numpy arrays: the bytes, above)
+    assert new["data_loader"] == old["data_loader"] and new["global_train_tokens_seen"] > 0
+    assert_same(olmo_maps(after, 0)[0], olmo_maps(before, 0)[0])
+    maps, groups = olmo_maps(after, 1)
+    assert_conditioned(maps, kv_groups=groups)
+
+
+def test_heads_per_layer_from_block_overrides(tmp_path, cli, one_thread):
+    """block_overrides gives layer 1 8 heads of 4 (4 key/value heads) where layer 0 has 4 of 8: the same
+    tensor shapes, so only the config tells them apart; read from the model's own config (as_config_dict)."""
+    framework("olmo")
+    from olmo_core.nn.transformer import TransformerConfig
+
+    config = TransformerConfig.llama_like(d_model=32, vocab_size=64, n_layers=2, n_heads=4, n_kv_heads=2)
+    attention = dataclasses.replace(config.block.sequence_mixer, n_heads=8, n_kv_heads=4)
+    config.block_overrides = {1: dataclasses.replace(config.block, sequence_mixer=attention)}
+    torch.manual_seed(0)
+    model = config.build(init_device="cpu")
+    olmo_save(tmp_path / "ckpt", model, torch.optim.AdamW(model.parameters()))
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config.as_config_dict()))
+    assert "blocks  self  1           8   4         4  separate" in cli("inspect", tmp_path / "ckpt").output
+    cli("reinit", tmp_path / "ckpt", "-o", tmp_path / "out")
+    from olmo_core.distributed.checkpoint import load_model_and_optim_state
+
+    torch.manual_seed(1)
+    fresh = config.build(init_device="cpu")
+    load_model_and_optim_state(str(tmp_path / "out"), fresh)
+    for layer, groups in ((0, 2), (1, 2)):
+        maps, found = olmo_maps(fresh, layer)
+        assert found == groups
+        assert_conditioned(maps, kv_groups=found)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda c: c["model"]["block"]["sequence_mixer"].update(n_heads="4"), "model.block.sequence_mixer.n_heads"),
+        (lambda c: c["model"]["block"]["sequence_mixer"].update(n_kv_heads=[2]), "sequence_mixer.n_kv_heads"),
+        (lambda c: c["model"].update(d_model=True), "model.d_model"),
+        (lambda c: c["model"]["block"].pop("sequence_mixer"), "model.block.sequence_mixer"),
+        (
+            lambda c: c["model"].update(block_pattern=["a"], block={"a": c["model"]["block"]}, n_layers=10**9),
+            "n_layers",
+        ),
+        (lambda c: c["model"].update(block_overrides={"x": {}}), "block_overrides"),
+    ],
+    ids=["heads-string", "kv-list", "width-bool", "no-attention-config", "pattern-of-1e9-layers", "override-key"],
+)
+def test_a_bad_olmo_config_is_refused_in_one_line(trainer_step, tmp_path, cli, edit, match):
+    src = tmp_path / "step2"
+    shutil.copytree(trainer_step, src)
+    config = json.loads((src / "config.json").read_text())
+    edit(config)
+    (src / "config.json").write_text(json.dumps(config))
+    expect_cli_error(cli, tmp_path, "reinit", src, "-o", tmp_path / "out", match=match)
