@@ -333,3 +333,44 @@ def test_two_ranks_fsdp2_one_process_and_torchrun_agree(fsdp_saved, tmp_path, cl
     cli("reinit", fsdp_saved, "-o", tmp_path / "one" / "out", "--layers", "0", *HINTS)
     same_tree(tmp_path / "two" / "out", tmp_path / "one" / "out")
     judge(fsdp_saved, tmp_path / "two" / "out", {0})
+
+
+# --------------------------------------------------------------------------- unshard_checkpoint's export
+
+
+@pytest.mark.parametrize("heads", ["hints", "the run's config"])
+@pytest.mark.parametrize("suffix", ["pt", "safetensors"])
+def test_unshard_checkpoint_export(trainer_step, tmp_path, cli, suffix, heads, one_thread):
+    """OLMo-core's unshard_checkpoint of the Trainer's model_and_optim/ (.pt: model.pt and optim.pt; safetensors:
+    model.safetensors alone). Without a config or hints the refusal names the hints."""
+    from olmo_core.distributed.checkpoint import unshard_checkpoint
+
+    model_file, _ = unshard_checkpoint(
+        trainer_step / "model_and_optim", tmp_path / "export", use_safetensors=suffix == "safetensors", quiet=True
+    )
+    export = tmp_path / "export"
+    assert sorted(p.name for p in export.iterdir()) == (
+        ["model.pt", "optim.pt"] if suffix == "pt" else [model_file.name]
+    )
+    line = expect_cli_error(cli, export, "reinit", export, "-o", tmp_path / "out", match="--num-heads")
+    assert "--num-kv-heads" in line
+    given = HINTS if heads == "hints" else ("--config", trainer_step / "config.json")
+    cli("reinit", export, "-o", tmp_path / "out", "--layers", "1", *given)
+    assert "verified" in cli("verify", export, tmp_path / "out", *given).output
+    if suffix == "pt":
+        assert (tmp_path / "out" / "optim.pt").read_bytes() == (export / "optim.pt").read_bytes()
+        old = torch.load(model_file, weights_only=True)
+        new = torch.load(tmp_path / "out" / model_file.name, weights_only=True)
+    else:
+        from safetensors.torch import load_file
+
+        old, new = load_file(model_file), load_file(tmp_path / "out" / model_file.name)
+    assert {k for k in old if not torch.equal(old[k], new[k])} == {
+        f"blocks.1.attention.{w}.weight" for w in PROJECTIONS
+    }
+    before, after = olmo_model(seed=1), olmo_model(seed=2)
+    before.load_state_dict(old)  # OLMo-core's modules' own loader
+    after.load_state_dict(new)
+    assert_same(olmo_maps(after, 0)[0], olmo_maps(before, 0)[0])
+    maps, groups = olmo_maps(after, 1)
+    assert_conditioned(maps, kv_groups=groups)
