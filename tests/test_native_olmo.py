@@ -215,6 +215,9 @@ def test_trainer_checkpoint_heads_from_its_config(trainer_step, where, tmp_path,
         for rel in ("config.json", ".metadata.json", "data_paths.txt", "train/rank0.pt"):
             assert (tmp_path / "out" / rel).read_bytes() == (trainer_step / rel).read_bytes(), rel
         judge(trainer_step / "model_and_optim", tmp_path / "out" / "model_and_optim", {0}, trainer=True)
+        # the same folder over 2 torchrun ranks: model_and_optim/'s data files dealt out, the rest shared
+        torchrun("reinit", src, "-o", tmp_path / "two" / "out", "--layers", "0", "--seed", "2")
+        same_tree(tmp_path / "two" / "out", tmp_path / "out")
     else:
         judge(src, tmp_path / "out", {0}, trainer=True)
 
