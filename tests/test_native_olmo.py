@@ -250,19 +250,22 @@ def test_trainer_checkpoint_loaded_by_its_trainer(trainer_step, tmp_path, cli, o
 
 
 def test_heads_per_layer_from_block_overrides(tmp_path, cli, one_thread):
-    """block_overrides gives layer 1 8 heads of 4 (4 key/value heads) where layer 0 has 4 of 8: the same
-    tensor shapes, so only the config tells them apart; read from the model's own config (as_config_dict)."""
+    """block_overrides gives layer 1 2 heads of 16 (1 key/value head) where layer 0 has 4 of 8 (2): the same
+    tensor shapes, so only the config tells them apart (read as 4 of 8, each of its heads would be two
+    unrelated orthonormal halves); read from the model's own config (as_config_dict) as config.json."""
     framework("olmo")
     from olmo_core.nn.transformer import TransformerConfig
 
     config = TransformerConfig.llama_like(d_model=32, vocab_size=64, n_layers=2, n_heads=4, n_kv_heads=2)
-    attention = dataclasses.replace(config.block.sequence_mixer, n_heads=8, n_kv_heads=4)
+    attention = dataclasses.replace(config.block.sequence_mixer, n_heads=2, n_kv_heads=1)
     config.block_overrides = {1: dataclasses.replace(config.block, sequence_mixer=attention)}
     torch.manual_seed(0)
     model = config.build(init_device="cpu")
     olmo_save(tmp_path / "ckpt", model, torch.optim.AdamW(model.parameters()))
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config.as_config_dict()))
-    assert "blocks  self  1           8   4         4  separate" in cli("inspect", tmp_path / "ckpt").output
+    inspected = cli("inspect", tmp_path / "ckpt").output
+    assert "blocks  self  0           4   2         8  separate" in inspected
+    assert "blocks  self  1           2   1        16  separate" in inspected
     cli("reinit", tmp_path / "ckpt", "-o", tmp_path / "out")
     from olmo_core.distributed.checkpoint import load_model_and_optim_state
 
