@@ -380,3 +380,35 @@ def test_unshard_checkpoint_export(trainer_step, tmp_path, cli, suffix, heads, o
     assert_same(olmo_maps(after, 0)[0], olmo_maps(before, 0)[0])
     maps, groups = olmo_maps(after, 1)
     assert_conditioned(maps, kv_groups=groups)
+
+
+def test_fused_v2_attention_w_qkv(tmp_path, cli, one_thread):
+    """OLMo-core's fused_v2 attention keeps one w_qkv that its own forward splits (q_dim, kv_dim, kv_dim):
+    [Q | K | V] with 2 key/value heads, judged through its own _prepare_qkv after load_state_dict."""
+    framework("olmo")
+    from olmo_core.nn.attention import AttentionType
+    from olmo_core.nn.transformer import TransformerConfig
+
+    config = TransformerConfig.llama_like(d_model=32, vocab_size=64, n_layers=2, n_heads=4, n_kv_heads=2)
+    fused = dataclasses.replace(config.block.sequence_mixer, name=AttentionType.fused_v2)
+    config.block = dataclasses.replace(config.block, sequence_mixer=fused)
+
+    def build(seed):
+        torch.manual_seed(seed)
+        return config.build(init_device="cpu").eval()
+
+    model = build(0)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    torch.save(state, tmp_path / "model.pt")
+    assert (
+        "blocks  self  0-1         4   2         8  fused w_qkv" in cli("inspect", tmp_path / "model.pt", *HINTS).output
+    )
+    cli("reinit", tmp_path / "model.pt", "-o", tmp_path / "out.pt", "--layers", "0", *HINTS)
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert {k for k in state if not torch.equal(state[k], out[k])} == {"blocks.0.attention.w_qkv.weight"}
+    fresh = build(1)
+    fresh.load_state_dict(out)
+    maps, groups = olmo_maps(fresh, 0)
+    assert groups == 2
+    assert_conditioned(maps, kv_groups=groups)
+    assert_same(olmo_maps(fresh, 1)[0], olmo_maps(model, 1)[0])
