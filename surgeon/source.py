@@ -83,6 +83,12 @@ def open_source(path: str | Path, *, config: str | Path | None = None, recover: 
         source.config_path = Path(config)
     elif source.config_path is None:  # found beside the weights: only the folder's own (folder_files)
         source.config_path = _config_beside(source)
+        if source.config_path is None and source.format == "dcp":  # a framework's DCP subfolder: its run's config
+            from .formats.dcp import nested_config
+
+            source.config_path = nested_config(source.folder)
+            if source.config_path is not None:
+                source.notes.append(f"head counts from the run's config beside the checkpoint, {source.config_path}")
     if source.config_path is not None:
         source.config = read_config(source.config_path)
         if _framework(source.config_path) is not None:
@@ -176,7 +182,7 @@ def _open_folder(folder: Path) -> Source:
     # folders are left out (folder_files), so nothing from outside reaches the weights, the card or the output.
     found = walk(folder, prune=_not_read)
     top = [f for f in found.files if "/" not in f]
-    sets = _weight_sets(folder, top)
+    sets = _weight_sets(folder, top) or _nested_dcp(folder, found.files)
     if not sets:
         _refuse_no_weights(folder, found.files)
     extras, stale = _other_files(found.files, {f for s in sets for f in s.all_files})
@@ -239,6 +245,14 @@ def _dcp_folders(files: list[str]) -> list[str]:
         if parent:
             parents.setdefault(parent, set()).add(name)
     return sorted(p for p, names in parents.items() if pick_dcp(sorted(names)))
+
+
+def _nested_dcp(folder: Path, files: list[str]) -> list[WeightSet]:
+    """The DCP checkpoint in a training framework's checkpoint folder (OLMo-core's stepN/model_and_optim/)."""
+    from .formats.dcp import DcpWeights, nested_dcp
+
+    layout = nested_dcp(folder, _dcp_folders(files))
+    return [DcpWeights(folder, nested=layout)] if layout else []
 
 
 def _refuse_no_weights(folder: Path, files: list[str]) -> NoReturn:

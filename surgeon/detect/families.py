@@ -518,3 +518,10 @@ CROSS_BY_POSITION = {"attn_layers.layers": ".1.ff."}
 # Layouts whose keys may read another input than the queries, with no name that says so: cross-attention
 # where the key/value projection reads another width (a perceiver's latents reading the inputs).
 CROSS_BY_WIDTH = ("fused to_kv",)
+
+# OLMo-core's own config of a run (olmo_core Config.as_config_dict(): config.json of its ConfigSaverCallback, the
+# experiment's {"model": ..., "trainer": ...}, or the model's TransformerConfig alone): the model config's class,
+# where a block keeps its attention config (OLMo-core 3: sequence_mixer; 2: attention), and that config's keys.
+OLMO_CORE_MODEL_CLASS = "olmo_core.nn.transformer.config.TransformerConfig"
+OLMO_CORE_ATTENTION_KEYS = ("sequence_mixer", "attention")
+OLMO_CORE_HEADS = {"n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim"}

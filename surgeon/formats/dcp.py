@@ -20,10 +20,12 @@ import os
 import pickle
 import shutil
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from ..errors import CheckpointError, VerificationError
+from ..folder_files import file_in
 from .base import TensorInfo, UpdatesFn, WeightSet
 from .dcp_metadata import METADATA, SUFFIX, Chunk, Layout, TensorEntry, all_spans, read_layout
 from .fileio import same_bytes
@@ -32,6 +34,38 @@ if TYPE_CHECKING:
     import torch
 
 WRAPPER_KEYS = ("model", "state_dict", "model_state_dict", "module")  # where a training state keeps the model
+
+
+@dataclass(frozen=True)
+class NestedDcp:
+    """A training framework's checkpoint folder that keeps its DCP checkpoint in a subfolder, beside files
+    (train state, the run's config) that surgeon carries over as they are."""
+
+    framework: str
+    sub: str  # the DCP checkpoint's subfolder
+    marker: str  # a file only this layout has beside it: tells the layout apart from a folder of checkpoints
+    config: str  # the framework's own config of the run, beside the subfolder (heads are read from it)
+
+
+# OLMo-core's Checkpointer (olmo_core/train/checkpoint.py): stepN/{model_and_optim/, train/rankR.pt,
+# .metadata.json}, and config.json from its ConfigSaverCallback.
+NESTED_DCP = (NestedDcp("OLMo-core", "model_and_optim", "train/rank0.pt", "config.json"),)
+
+
+def nested_dcp(folder: Path, dcp_folders: list[str]) -> NestedDcp | None:
+    """The framework layout ``folder`` is, given the DCP folders found in it, if it is one."""
+    for layout in NESTED_DCP:
+        if dcp_folders == [layout.sub] and file_in(folder, layout.marker) is not None:
+            return layout
+    return None
+
+
+def nested_config(folder: Path) -> Path | None:
+    """The run's config beside ``folder`` when ``folder`` is the DCP subfolder of a framework's layout."""
+    for layout in NESTED_DCP:
+        if folder.name == layout.sub and file_in(folder.parent, layout.marker) is not None:
+            return file_in(folder.parent, layout.config)
+    return None
 
 
 def open_dcp(path: str | Path) -> DcpWeights:
@@ -75,9 +109,16 @@ class DcpWeights(WeightSet):
     record_slot = False  # DCP has no slot loaders ignore: the output folder's model card carries the record
     shard_suffix = SUFFIX
 
-    def __init__(self, folder: Path, files: list[str] | None = None, index: str | None = METADATA) -> None:
-        layout = read_layout(folder)
-        super().__init__(folder, list(layout.files), METADATA)
+    def __init__(
+        self,
+        folder: Path,
+        files: list[str] | None = None,
+        index: str | None = METADATA,
+        nested: NestedDcp | None = None,
+    ) -> None:
+        sub = nested.sub if nested else ""
+        layout = read_layout(folder, sub)
+        super().__init__(folder, list(layout.files), f"{sub}/{METADATA}" if sub else METADATA)
         self.layout = layout
         self.wrapper, names = model_keys(layout, folder)
         self.keys = names  # model name -> DCP key
@@ -90,9 +131,14 @@ class DcpWeights(WeightSet):
         carried = len(layout.entries) - len(names)
         where = f"under {self.wrapper!r}" if self.wrapper else "at the top level"
         self.notes = [
-            f"DCP checkpoint: {len(names)} model tensors {where}; "
+            f"DCP checkpoint{f' in {sub}/' if sub else ''}: {len(names)} model tensors {where}; "
             f"{carried} other entr{'y' if carried == 1 else 'ies'} (optimizer, train state) carried over byte for byte, never loaded"
         ]
+        if nested:
+            self.notes.append(
+                f"{nested.framework} checkpoint folder: the model in {sub}/, every file beside it (train state, "
+                "config) carried over byte for byte"
+            )
 
     def describe(self) -> str:
         return f"dcp ({len(self.files)} {SUFFIX} file{'s' if len(self.files) != 1 else ''})"
@@ -221,8 +267,9 @@ class DcpWeights(WeightSet):
         import torch
 
         out = cast(DcpWeights, out)  # verify compares sets of the same format only
-        if not same_bytes(self.folder / METADATA, out.folder / METADATA):
-            raise VerificationError(f"{output}: its {METADATA} differs from the original's; surgeon carries it over")
+        assert self.index is not None and out.index == self.index
+        if not same_bytes(self.folder / self.index, out.folder / out.index):
+            raise VerificationError(f"{output}: its {self.index} differs from the original's; surgeon carries it over")
         spans: dict[str, list[tuple[int, int]]] = {rel: [] for rel in self.files}
         for name in sorted(changed):
             for chunk in self.entry(name).chunks:
