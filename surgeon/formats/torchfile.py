@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 from ..errors import CheckpointError, VerificationError
 from .base import TensorInfo, UpdatesFn, WeightSet
 from .fileio import same_bytes
+from .stacked import stacked_note, unstack
 
 SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 INDEX_SUFFIX = ".bin.index.json"
@@ -44,7 +45,6 @@ def _is_state_dict(obj) -> bool:
 
 def load_file(path: Path) -> tuple[object, str | None, Mapping]:
     """Load a file safely: (the whole object, the wrapper key or None, the state dict)."""
-    import torch
 
     if not path.is_file():
         raise CheckpointError(f"missing file {path}")
@@ -58,6 +58,28 @@ def load_file(path: Path) -> tuple[object, str | None, Mapping]:
                 f"{path} is not a PyTorch checkpoint: it is neither a zip archive nor a pickle (it starts with "
                 f"{head!r}); surgeon reads torch.save files, safetensors and ONNX (a CTranslate2, GGUF or TF file is none of them)"
             )
+    obj = safe_load(path, is_zip)
+    if isinstance(obj, Mapping) and not _all_tensors(
+        obj
+    ):  # a training checkpoint: the model's entry, not a stray tensor beside it
+        for key in WRAPPER_KEYS:  # (nanoGPT's ckpt.pt keeps best_val_loss, a tensor, beside "model")
+            if _is_state_dict(obj.get(key)):
+                return obj, key, obj[key]
+    if _is_state_dict(obj):
+        return obj, None, obj
+    if isinstance(obj, Mapping):
+        keys = ", ".join(map(str, list(obj)[:8]))
+        raise CheckpointError(
+            f"{path} holds no state dict (top-level keys: {keys}); expected tensors or a 'state_dict'/'model' entry"
+        )
+    raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a state dict of tensors")
+
+
+def safe_load(path: Path, is_zip: bool) -> Any:
+    """``torch.load(weights_only=True)`` of ``path``, admitting Megatron's argparse.Namespace and nothing
+    else beyond weights_only's own; a pickle that asks for more is refused in one line, nothing run."""
+    import torch
+
     try:
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
@@ -81,20 +103,7 @@ def load_file(path: Path) -> tuple[object, str | None, Mapping]:
         raise CheckpointError(
             f"{path} is not a readable PyTorch checkpoint ({first[:160]}); re-download or re-save it"
         ) from None
-    if isinstance(obj, Mapping) and not _all_tensors(
-        obj
-    ):  # a training checkpoint: the model's entry, not a stray tensor beside it
-        for key in WRAPPER_KEYS:  # (nanoGPT's ckpt.pt keeps best_val_loss, a tensor, beside "model")
-            if _is_state_dict(obj.get(key)):
-                return obj, key, obj[key]
-    if _is_state_dict(obj):
-        return obj, None, obj
-    if isinstance(obj, Mapping):
-        keys = ", ".join(map(str, list(obj)[:8]))
-        raise CheckpointError(
-            f"{path} holds no state dict (top-level keys: {keys}); expected tensors or a 'state_dict'/'model' entry"
-        )
-    raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a state dict of tensors")
+    return obj
 
 
 def _unsafe_globals(path: Path) -> list[str] | None:
@@ -188,13 +197,18 @@ class TorchWeights(WeightSet):
                     nbytes,
                 )
         self._check_index(found)
+        # Megatron-Core's stacked-layer tensors (dcp_to_torch_save of a torch_dist checkpoint), layer by layer
+        self._infos, self.slices = unstack(self._infos, index or (folder / files[0]))
+        self.notes += stacked_note(self.slices)
 
     def embedded_config(self) -> dict | None:
         """nanoGPT's model_args / Lightning's hyper_parameters of a single-file training checkpoint."""
         return container_config(self._loaded[self.files[0]][0]) if len(self.files) == 1 else None
 
     def read(self, name: str) -> torch.Tensor:
-        return self._loaded[self._infos[name].file][2][name]
+        state = self._loaded[self._infos[name].file][2]
+        part = self.slices.get(name)
+        return state[name] if part is None else state[part.stacked][part.layer]
 
     def check_non_tensor(self, out: WeightSet, changed: set[str], history: list, output: object) -> None:
         """Files none of whose tensors change are copied as they are: byte for byte. (The rest of a
@@ -221,9 +235,15 @@ class TorchWeights(WeightSet):
             obj, key, state = self._loaded[file]
             new_state = state.copy()  # same type (dict / OrderedDict), same key order
             for name, tensor in changes.items():
-                old = state[name]
+                old = self.read(name)
                 assert tensor.shape == old.shape and tensor.dtype == old.dtype, f"update of {name} changes it"
-                new_state[name] = tensor.contiguous()
+                part = self.slices.get(name)
+                if part is None:
+                    new_state[name] = tensor.contiguous()
+                    continue
+                if new_state[part.stacked] is state[part.stacked]:  # the other layers' slices as they were
+                    new_state[part.stacked] = state[part.stacked].clone()
+                new_state[part.stacked][part.layer] = tensor
             if hasattr(state, "_metadata"):
                 new_state._metadata = state._metadata
             if key is not None:
