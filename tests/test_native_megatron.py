@@ -6,6 +6,7 @@
   DCP chunk per layer); ``dcp_to_torch_save`` of the folder keeps them stacked. surgeon reads both the folder
   and that ``.pt``, layer by layer, numbered by their index in the stack; the result goes back through
   Megatron's ``dist_checkpointing.load`` (the ``.pt`` first through torch's ``torch_save_to_dcp``).
+* **2 ranks = 1 process**: the torch_dist folder under reinit_checkpoint(distributed=True), byte for byte.
 * **Tensor parallel in memory**: ``surgeon.reinit_`` on a GPTModel built with tensor_model_parallel_size=2
   on 2 gloo ranks is refused in one line naming tensor parallelism, nothing written.
 
@@ -95,6 +96,7 @@ def test_megatron_stacked_layers(tmp_path, megatron, route):
     assert {(r.block.layer, r.role) for r in report.rows if r.heads_changed} == {(1, "q"), (1, "k"), (1, "v")}
 
     if route == "torch_dist folder":
+        assert surgeon.verify(source, output).summary()
         out = torch_state(output, tmp_path / "out_state.pt")
         for name in ("common.pt", "metadata.json", ".metadata"):  # carried over as they are
             assert (output / name).read_bytes() == (folder / name).read_bytes(), name
@@ -122,6 +124,25 @@ def test_megatron_stacked_layers(tmp_path, megatron, route):
     per_layer = torch.load(tmp_path / "per_layer_out.pt", weights_only=True)
     for p, name in zip(QKV, STACKED):
         assert bits(per_layer[f"decoder.layers.1.self_attention.{p}"]) == bits(out[name][1])
+
+
+def test_megatron_torch_dist_two_ranks_equal_one_process(tmp_path, megatron):
+    """Each of 2 ranks writes its own .distcp files of the stacked tensors: the folder 1 process writes."""
+    from _megatron import gpt, save_dist
+
+    folder = save_dist(gpt(), tmp_path / "iter_0000010")
+    assert sorted(p.name for p in folder.glob("*.distcp")) == ["__0_0.distcp", "__0_1.distcp"]
+    spawn(_ranks_worker, 2, tmp_path, str(folder), str(tmp_path / "two" / "out"))
+    reinit_checkpoint(folder, output=tmp_path / "one" / "out", layers="1")
+    files = sorted(p.relative_to(tmp_path / "one") for p in (tmp_path / "one").rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(tmp_path / "two") for p in (tmp_path / "two").rglob("*") if p.is_file())
+    for rel in files:
+        assert (tmp_path / "one" / rel).read_bytes() == (tmp_path / "two" / rel).read_bytes(), rel
+
+
+def _ranks_worker(rank: int, world: int, src: str, out: str) -> None:
+    report = surgeon.reinit_checkpoint(src, output=out, layers="1", distributed=True)
+    assert [r.block.layer for r in report.rows] == [1, 1, 1]
 
 
 def test_stacked_layers_that_disagree_are_refused(tmp_path):
