@@ -15,6 +15,7 @@ Run in Megatron's venv (scripts/frameworks_check.sh megatron); elsewhere these t
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import socket
@@ -154,6 +155,83 @@ def test_stacked_layers_that_disagree_are_refused(tmp_path):
     torch.save(state, tmp_path / "model.pt")
     with pytest.raises(CheckpointError, match="do not agree on the number of layers"):
         inspect_checkpoint(tmp_path / "model.pt", **HINTS)
+
+
+# --------------------------------------------------------------------------- Megatron-LM legacy (pre-Core)
+
+
+def legacy_load(path: Path) -> dict:
+    """torch.load of a legacy model_optim_rng.pt (its args an argparse.Namespace); the context's exit removes what
+    it was given, so never Megatron's own registration of Namespace (made at its import)."""
+    allowed = [] if argparse.Namespace in torch.serialization.get_safe_globals() else [argparse.Namespace]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, weights_only=True)
+
+
+def tensors_of(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        out.update(tensors_of(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+@pytest.mark.parametrize("version, groups", [(3.0, 2), (2.0, 4), (None, 4)], ids=["v3 GQA", "v2", "no version: 0"])
+def test_megatron_legacy_nested_query_key_value(tmp_path, megatron, version, groups):
+    """Megatron-LM's legacy model_optim_rng.pt: the model as nested dicts (language_model / embedding / encoder),
+    query_key_value packed as its checkpoint_version says. megatron-core 0.16 ships no legacy model (no
+    megatron/legacy): the legacy checkpoint is Megatron-Core's GPTModel's weights under the legacy names, and the
+    result is judged by Megatron-Core's own split after the version's own conversion (checkpointing.py)."""
+    from _megatron import core_state, gpt, legacy_model, maps, transpose_first_dim
+
+    model = gpt(groups=groups)
+    before = [maps(model, i)[0] for i in range(2)]
+    legacy = legacy_model(model.state_dict())
+    encoder = legacy["language_model"]["encoder"]
+    qkv = [f"layers.{i}.self_attention.query_key_value.{p}" for i in range(2) for p in ("weight", "bias")]
+    if version is None:  # version 0 stored the rows as [3, heads, d]: the inverse of Megatron-LM's conversion
+        for key in qkv:
+            t = encoder[key]
+            encoder[key] = t.view(4, 3, 8, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
+    args = argparse.Namespace(
+        num_attention_heads=4, num_query_groups=groups, group_query_attention=groups != 4, kv_channels=8
+    )
+    ckpt = {"args": args, "iteration": 5, "model": legacy}
+    if version is not None:
+        ckpt["checkpoint_version"] = version
+    torch.save(ckpt, tmp_path / "model_optim_rng.pt")
+
+    found = inspect_checkpoint(tmp_path / "model_optim_rng.pt")
+    assert [(b.module, b.heads, b.kv_heads, b.head_dim) for b in found.blocks] == [
+        (f"language_model.encoder.layers.{i}.self_attention", 4, groups, 8) for i in range(2)
+    ]
+    reinit_checkpoint(tmp_path / "model_optim_rng.pt", output=tmp_path / "out.pt", layers="1", seed=4)
+    out = legacy_load(tmp_path / "out.pt")
+    assert out.keys() == ckpt.keys() and vars(out["args"]) == vars(args) and out["iteration"] == 5
+    new, old = tensors_of(out["model"]), tensors_of(legacy)
+    assert new.keys() == old.keys()  # the nesting kept
+    assert {k for k in old if bits(old[k]) != bits(new[k])} == {f"language_model.encoder.{k}" for k in qkv[2:]}
+
+    encoder = out["model"]["language_model"]["encoder"]
+    if version is None:  # Megatron-LM's own conversion of version 0 on load (fix_query_key_value_ordering)
+        for key in qkv:
+            encoder[key] = transpose_first_dim(encoder[key], 4, num_splits_first=True)
+    fresh = gpt(seed=1, groups=groups)
+    fresh.load_state_dict(core_state(out["model"], fresh.state_dict()))
+    assert_same(maps(fresh, 0)[0], before[0])
+    layer1, rep = maps(fresh, 1)
+    assert rep == 4 // groups
+    assert_conditioned(layer1, kv_groups=rep)
+
+
+@pytest.mark.parametrize("version", [1.0, 4.0, "3"])
+def test_megatron_legacy_versions_not_known_are_refused(tmp_path, version):
+    """Version 1.0 stored query_key_value's rows as [heads, d, 3]: no packing surgeon writes; later ones unknown."""
+    legacy = {"language_model": {"encoder": {"layers.0.self_attention.query_key_value.weight": torch.randn(96, 32)}}}
+    args = argparse.Namespace(num_attention_heads=4, kv_channels=8)
+    torch.save({"args": args, "checkpoint_version": version, "model": legacy}, tmp_path / "model_optim_rng.pt")
+    with pytest.raises(SurgeonError, match=f"checkpoint_version {version!r}: surgeon knows how query_key_value"):
+        reinit_checkpoint(tmp_path / "model_optim_rng.pt", output=tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
 
 
 # --------------------------------------------------------------------------- tensor parallel in memory

@@ -8,6 +8,7 @@ kept. Untouched tensors are saved from the same storages, so their bytes are unc
 
 from __future__ import annotations
 
+import copy
 import pickle
 import zipfile
 from collections.abc import Mapping
@@ -26,6 +27,7 @@ SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 INDEX_SUFFIX = ".bin.index.json"
 WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "module")
 CONFIG_KEYS = ("model_args", "hyper_parameters", "config")  # nanoGPT ckpt.pt, PyTorch Lightning, from-scratch loops
+MEGATRON_CHECKPOINT_VERSION = "checkpoint_version"
 MEGATRON_ARGS = "args"  # Megatron-LM's legacy model_optim_rng.pt: its argparse.Namespace of training arguments
 # The only class a pickle may ask for beyond weights_only's own: Megatron's argparse.Namespace, which unpickles
 # to attributes (no code runs); everything inside it is still held to weights_only's rules.
@@ -65,6 +67,9 @@ def load_file(path: Path) -> tuple[object, str | None, Mapping]:
         for key in WRAPPER_KEYS:  # (nanoGPT's ckpt.pt keeps best_val_loss, a tensor, beside "model")
             if _is_state_dict(obj.get(key)):
                 return obj, key, obj[key]
+        for key in WRAPPER_KEYS:  # nested dicts of tensors (Megatron-LM's legacy model: language_model/encoder/...)
+            if isinstance(obj.get(key), Mapping) and (flat := flatten(obj[key], path)):
+                return obj, key, flat
     if _is_state_dict(obj):
         return obj, None, obj
     if isinstance(obj, Mapping):
@@ -73,6 +78,43 @@ def load_file(path: Path) -> tuple[object, str | None, Mapping]:
             f"{path} holds no state dict (top-level keys: {keys}); expected tensors or a 'state_dict'/'model' entry"
         )
     raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a state dict of tensors")
+
+
+MAX_DEPTH = 16  # nested dicts of a state dict (Megatron-LM's legacy model has 3 levels)
+
+
+def flatten(tree: Mapping, path: Path, prefix: str = "", depth: int = 0) -> dict[str, Any]:
+    """The tensors of a state dict kept as nested dicts, under their dotted paths
+    (``language_model.encoder.layers.0.self_attention.query_key_value.weight``); two alike are refused."""
+    import torch
+
+    if depth > MAX_DEPTH:
+        raise CheckpointError(f"{path}: its state dict nests dicts more than {MAX_DEPTH} deep; surgeon reads no deeper")
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        inner = flatten(value, path, name + ".", depth + 1) if isinstance(value, Mapping) else {}
+        if isinstance(value, torch.Tensor):
+            inner = {name: value}
+        if out.keys() & inner.keys():
+            raise CheckpointError(
+                f"{path}: two tensors of its nested state dict are both named {min(out.keys() & inner.keys())!r}"
+            )
+        out.update(inner)
+    return out
+
+
+def nest(tree: Mapping, new: Mapping, prefix: str = "") -> Mapping:
+    """``tree`` (nested dicts) with each tensor replaced by ``new``'s value of its dotted path; every dict
+    along the way copied (its type, order and attributes kept), everything else as it was."""
+    out = copy.copy(tree)
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out[key] = nest(value, new, name + ".")  # type: ignore[index]
+        elif name in new:
+            out[key] = new[name]  # type: ignore[index]
+    return out
 
 
 def safe_load(path: Path, is_zip: bool) -> Any:
@@ -129,8 +171,8 @@ def container_config(obj: object) -> dict | None:
         return None
     import argparse
 
-    if isinstance(obj.get(MEGATRON_ARGS), argparse.Namespace):
-        return megatron_config(vars(obj[MEGATRON_ARGS]))
+    if isinstance(obj.get(MEGATRON_ARGS), argparse.Namespace):  # Megatron's loader reads no version as 0
+        return megatron_config(vars(obj[MEGATRON_ARGS]), obj.get(MEGATRON_CHECKPOINT_VERSION, 0))
     for key in CONFIG_KEYS:
         value = obj.get(key)
         if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
@@ -138,7 +180,7 @@ def container_config(obj: object) -> dict | None:
     return None
 
 
-def megatron_config(args: Mapping) -> dict:
+def megatron_config(args: Mapping, version: object = None) -> dict:
     """Megatron-LM's training arguments in config.json terms. Its num_query_groups counts only with
     group_query_attention (arguments.py core_transformer_config_from_args; its default is 1 either way)."""
     plain = {k: v for k, v in args.items() if isinstance(k, str) and isinstance(v, (int, float, str, bool))}
@@ -150,6 +192,10 @@ def megatron_config(args: Mapping) -> dict:
         groups = plain.get("num_query_groups") if plain.get("group_query_attention") is True else heads
         if isinstance(groups, int):
             config["num_key_value_heads"] = groups
+    if isinstance(
+        version, (int, float, str)
+    ):  # how a legacy query_key_value packs its rows (families.MEGATRON_LEGACY_QKV)
+        config[MEGATRON_CHECKPOINT_VERSION] = version
     return config
 
 
@@ -248,7 +294,7 @@ class TorchWeights(WeightSet):
                 new_state._metadata = state._metadata
             if key is not None:
                 out = obj.copy()
-                out[key] = new_state
+                out[key] = new_state if obj[key] is state else nest(obj[key], new_state)  # nested: kept so
             else:
                 out = new_state
             # Same file name inside the temporary folder: torch names the zip archive after it.
