@@ -146,6 +146,33 @@ def _ranks_worker(rank: int, world: int, src: str, out: str) -> None:
     assert [r.block.layer for r in report.rows] == [1, 1, 1]
 
 
+def test_stacked_layers_in_one_chunk_and_a_hostile_common_pt(tmp_path):
+    """Plain torch (runs everywhere): dcp.save of stacked tensors writes both layers in one chunk, so layer 1's
+    new values go into a chunk layer 0 shares, which keeps its bytes; the result equals the per-layer state
+    dict's (the same draws). A common.pt whose pickle runs code is not read (the marker proves it), only named."""
+    import _dcp
+
+    torch.manual_seed(0)
+    stacked = {name: torch.randn(2, 64, 32) if name.endswith("weight") else torch.randn(2, 64) for name in STACKED}
+    folder = _dcp.save(stacked, tmp_path / "iter_0000010")
+    assert all(len(e.chunks) == 1 for e in _dcp.metadata(folder).state_dict_metadata.values())
+    marker = tmp_path / "ran"
+    torch.save({"args": _dcp.Payload(marker)}, folder / "common.pt")
+    report = reinit_checkpoint(folder, output=tmp_path / "out", layers="1", seed=4, **HINTS)
+    assert not marker.exists()
+    assert any(n.startswith("common.pt not read for head counts") for n in report.notes), report.notes
+    out = {name: torch.empty_like(t) for name, t in stacked.items()}
+    _dcp.load(out, tmp_path / "out")  # torch's own loader
+
+    per_layer = {name.replace("layers.", f"layers.{i}."): t[i] for name, t in stacked.items() for i in range(2)}
+    torch.save(per_layer, tmp_path / "per_layer.pt")
+    reinit_checkpoint(tmp_path / "per_layer.pt", output=tmp_path / "per_layer_out.pt", layers="1", seed=4, **HINTS)
+    expected = torch.load(tmp_path / "per_layer_out.pt", weights_only=True)
+    for name in STACKED:
+        assert bits(out[name][0]) == bits(stacked[name][0])
+        assert bits(out[name][1]) == bits(expected[name.replace("layers.", "layers.1.")]) != bits(stacked[name][1])
+
+
 def test_stacked_layers_that_disagree_are_refused(tmp_path):
     """Stacked tensors of one stack with different numbers of layers: which slice is which layer is unknown."""
     state = {

@@ -6,6 +6,9 @@ RNG state, an optimizer's hyper-parameters) are never unpickled. Only the model'
 the rest of surgeon: a full training state keeps them under a wrapper key (``{"model": ..., "optim": ...}``,
 as DCP's planner data records), a model-only one (or torchtitan's, which flattens the model to the top)
 at the top level; they are named as the model names them, and keep their DCP keys in the output.
+Megatron-Core's ``torch_dist`` stacks each layer's tensors along axis 0, one chunk per layer: each layer is
+offered as its own tensor (``stacked``), and only the chunks of the layers that change are rewritten. Its
+``common.pt`` is read for head counts with weights_only, as data.
 
 The output has the same files, the same ``.metadata`` byte for byte (so the same keys and chunking), and
 every byte but the re-initialized chunks' copied: a changed chunk is the ``torch.save`` archive DCP writes

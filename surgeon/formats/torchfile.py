@@ -3,7 +3,9 @@
 Loaded only with ``torch.load(weights_only=True)``: surgeon never runs code from a file. Zip-format
 files are memory-mapped, so tensors are paged in on use, not held in memory. A top-level
 ``state_dict`` / ``model`` entry is unwrapped, and written back in place with everything around it
-kept. Untouched tensors are saved from the same storages, so their bytes are unchanged.
+kept. Untouched tensors are saved from the same storages, so their bytes are unchanged. A model kept as
+nested dicts of tensors (Megatron-LM's legacy ``{"model": {"language_model": {"encoder": ...}}}``) is read under
+dotted names and written back in its nesting; Megatron-Core's stacked-layer tensors layer by layer (``stacked``).
 """
 
 from __future__ import annotations
@@ -46,8 +48,7 @@ def _is_state_dict(obj) -> bool:
 
 
 def load_file(path: Path) -> tuple[object, str | None, Mapping]:
-    """Load a file safely: (the whole object, the wrapper key or None, the state dict)."""
-
+    """Load a file safely: (the whole object, the wrapper key or None, the state dict; a nested one flattened)."""
     if not path.is_file():
         raise CheckpointError(f"missing file {path}")
     is_zip = zipfile.is_zipfile(path)
