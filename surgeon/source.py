@@ -96,7 +96,7 @@ def open_source(path: str | Path, *, config: str | Path | None = None, recover: 
             source.notes.append(f"head counts from {source.config_path.name} {where}")
     elif (embedded := source.primary.embedded_config()) is not None:
         source.config = embedded
-        source.notes.append(f"head counts from the model arguments saved in {source.primary.files[0]}")
+        source.notes.append(f"head counts from the model arguments saved in {source.primary.embedded_config_file}")
     source.notes[:0] = recovered
     source.notes += [note for w in source.weights for note in w.notes]
     return source

@@ -29,6 +29,8 @@ from .families import (  # noqa: F401
     LAYER_TYPE_PREFIXES,
     LAYER_TYPE_SCALES,
     LINEAR_LAYER_TYPES,
+    MEGATRON_LEGACY_QKV,
+    MEGATRON_VERSION,
     PER_LAYER_CONFIG_KEYS,
     PER_LAYER_SUFFIX,
     PER_STAGE_SUFFIX,
@@ -393,6 +395,8 @@ class ConfigView:
             if model_type == "chatglm" or "multi_query_attention" in scope:
                 # ChatGLM2/3 split [Q | K | V] with multi-query groups, else view rows as (heads, 3 * d)
                 return "qkv" if scope.get("multi_query_attention") else "interleaved"
+        if tensor == "query_key_value" and MEGATRON_VERSION in scope:  # Megatron-LM's legacy model_optim_rng.pt
+            return megatron_legacy_packing(scope[MEGATRON_VERSION])
         if tensor == "c_attn" and model_type == "gpt_bigcode" and scope.get("multi_query") is False:
             return "interleaved"  # GPTBigCode without multi-query views c_attn as (heads, 3 * d)
         return FUSED_PACKING_BY_MODEL_TYPE.get((tensor, model_type)) or library_packing(tensor, module, self.config)
@@ -404,6 +408,20 @@ def framework_config(framework: FrameworkConfig, data: Mapping[str, Any]) -> dic
     facts = {key: _nested(dict(data), field) for field, key in framework.fields.items()}
     counts = {k: v for k, v in facts.items() if isinstance(v, int) and not isinstance(v, bool)}
     return {"model_type": framework.model_type, **counts}
+
+
+def megatron_legacy_packing(version: object) -> str:
+    """How a Megatron-LM legacy checkpoint of ``version`` packs query_key_value (families.MEGATRON_LEGACY_QKV)."""
+    number = version if isinstance(version, (int, float)) and not isinstance(version, bool) else None
+    packing = MEGATRON_LEGACY_QKV.get(float(number)) if number is not None else None
+    if packing is None:
+        known = ", ".join(f"{v:g}" for v in MEGATRON_LEGACY_QKV)
+        raise LayoutError(
+            f"a Megatron-LM checkpoint of checkpoint_version {version!r}: surgeon knows how query_key_value packs its "
+            f"rows in versions {known} only; load it and save it again with Megatron-LM (which writes version 3.0), "
+            "then run surgeon on that"
+        )
+    return packing
 
 
 def with_transformers_defaults(config: dict | None) -> dict | None:

@@ -4,7 +4,8 @@
   each packs its (role, head) slots (a key of :data:`surgeon.spec.PACKINGS`).
 * :data:`CROSS_WORDS`: module-path words that mark cross-attention.
 * ``*_KEYS`` / :data:`SUBCONFIG_WORDS`: how config.json spells heads, head size, width, per tower.
-* :data:`FUSED_PACKING_BY_MODEL_TYPE`: where a family packs a fused tensor differently from its rule.
+* :data:`FUSED_PACKING_BY_MODEL_TYPE`: where a family packs a fused tensor differently from its rule;
+  :data:`MEGATRON_LEGACY_QKV`: Megatron-LM's legacy query_key_value by checkpoint version.
 * :data:`KV_SLOTS`: for each packing, how many key/value heads a tensor of ``slots`` head-sized
   blocks holds (used to infer grouped-query attention from shapes).
 
@@ -207,6 +208,15 @@ SUBCONFIG_BY_PATH = {
     "videoprism": {"video_model": "vision_config"},
     "vjepa2": {"predictor": "/pred_"},  # the predictor: pred_num_attention_heads, pred_hidden_size
 }
+# Megatron-LM's legacy (pre-Core) models: how query_key_value packs its rows, by the checkpoint_version saved beside
+# them (model_optim_rng.pt's checkpoint_version; Megatron's loader reads a missing one as 0). Its
+# checkpointing.py fix_query_key_value_ordering converts versions below 2.0 on load: 0 stored the rows as
+# [3, heads, d] (Q | K | V blocked), 1.0 as [heads, d, 3] (q, k, v alternating row by row: no packing surgeon
+# writes, refused naming the version). 2.0 and 3.0 are read as stored: legacy/model/transformer.py
+# ParallelAttention views the rows as [query groups, (heads per group + 2) * d], per group [q heads | k | v]
+# (2.0 predates grouped-query attention: one group per head, per head [q | k | v]).
+MEGATRON_VERSION = "checkpoint_version"  # Megatron's own key, which formats.torchfile carries into the config
+MEGATRON_LEGACY_QKV = {0.0: "qkv", 2.0: "grouped", 3.0: "grouped"}
 # How a fused tensor packs q/k/v where a family departs from the default of its tensor name
 # (spec.PACKINGS); flag-dependent families (Falcon, ChatGLM, GPTBigCode) are in ConfigView.fused_packing.
 FUSED_PACKING_BY_MODEL_TYPE = {

@@ -41,6 +41,10 @@ _CLASSES = {  # (module, name) as DCP pickles them -> where the class lives toda
         "_MEM_FORMAT_ENCODING",
     )
 }
+# Megatron-Core's torch_dist keeps every rank's save plan in Metadata.all_local_plans (to reuse it on the next save):
+# DCP's own planner dataclasses and an enum, built without running code; surgeon never reads them.
+for _n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"):
+    _CLASSES[(f"{_DCP}.planner", _n)] = (f"{_DCP}.planner", _n)
 _CLASSES[(f"{_DCP}.filesystem", "_StorageInfo")] = (f"{_DCP}.filesystem", "_StorageInfo")
 # Writers of the same format that pickle their own copy of _StorageInfo, the same (relative_path, offset, length)
 # dataclass: read as torch's (nothing of theirs is imported). OLMo-core's RemoteFileSystemWriter.
