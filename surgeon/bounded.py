@@ -21,6 +21,7 @@ from .errors import CheckpointError
 CONFIG_LIMIT = 16 << 20  # config.json of real models is under 100 KiB; a library's config alike
 INDEX_LIMIT = 64 << 20  # a *.index.json lists every tensor name: a few MiB for the largest models
 CARD_LIMIT = 16 << 20  # a README.md model card
+YAML_LIMIT = 1 << 20  # a framework's YAML config (litgpt's model_config.yaml: 2 KiB); YAML parses slowly in Python
 MAX_DEPTH = 64  # JSON nesting: configs and records nest 5 levels or so
 
 _ONE_KIND = bytes.maketrans(b"{}", b"[]")
@@ -75,6 +76,20 @@ def read_text(path: str | Path, *, what: str, limit: int) -> str:
 def read_json(path: str | Path, *, what: str = "config", limit: int = CONFIG_LIMIT) -> Any:
     """The JSON value in ``path``, size and depth checked; any fault is one line naming the file."""
     return loads(read_bytes(path, what=what, limit=limit), where=f"{what} {path}")
+
+
+def read_yaml(path: str | Path, *, what: str = "config", limit: int = YAML_LIMIT) -> Any:
+    """The YAML value in ``path`` (a framework's config: litgpt's model_config.yaml), size checked and read with
+    ``yaml.safe_load`` (plain data only, no tags that build objects); any fault is one line naming the file."""
+    text = read_text(path, what=what, limit=limit)
+    try:
+        import yaml  # PyYAML: huggingface-hub's own dependency
+    except ImportError:
+        raise CheckpointError(f"{what} {path} is YAML and PyYAML is not installed: pip install pyyaml") from None
+    try:
+        return yaml.safe_load(text)
+    except (yaml.YAMLError, RecursionError, ValueError) as exc:  # deep nesting recurses in yaml's composer
+        raise CheckpointError(f"{what} {path} is not valid YAML ({str(exc).splitlines()[0][:120]})") from None
 
 
 def loads(text: str | bytes, *, where: str) -> Any:

@@ -4,6 +4,9 @@
   ``OptimizedModule`` (``._orig_mod``) and PEFT's ``PeftModel`` are looked through; PEFT/LoRA layers
   are swapped for their base layers while surgeon works, so the base Q/K/V weights are the ones
   re-initialized (with the draws of the checkpoint's own names) and the adapters are left as they are.
+* **Megatron tensor parallel** (parameters marked ``tensor_model_parallel``, each rank holding a slice of
+  the query groups along ``partition_dim``) -- refused before anything is read: detection would see one rank's
+  heads and every rank would draw its slice as if it were the whole tensor.
 * **DTensor / FSDP2** (``fully_shard``, or DTensor parameters over a device mesh) -- each rank writes
   only the rows it owns. Every head's draw is keyed by (seed, tensor, role, head), so a rank builds its
   rows from the same float64 values the single-process path computes, with no communication. The
@@ -265,6 +268,41 @@ def inspect_sharded(
                     gather_heads(params[proj.weight.tensor], proj.weight).to(device), whole=whole
                 )
     return out
+
+
+def _tensor_parallel_ranks(owner: nn.Module) -> int | None:
+    """How many ranks share the parameters of ``owner``, a Megatron tensor-parallel layer, as it says itself:
+    its ``tp_group`` (Megatron-Core), else its whole and per-rank sizes; None when it says neither."""
+    size_of_group = getattr(getattr(owner, "tp_group", None), "size", None)
+    if callable(size_of_group):
+        return int(size_of_group())
+    for whole, part in (("output_size", "output_size_per_partition"), ("input_size", "input_size_per_partition")):
+        size, per_rank = getattr(owner, whole, None), getattr(owner, part, None)
+        if isinstance(size, int) and isinstance(per_rank, int) and per_rank:
+            if size != per_rank:
+                return size // per_rank
+    return None
+
+
+def refuse_tensor_parallel(module: nn.Module, fn: str) -> None:
+    """Refuse a model whose parameters are Megatron tensor-parallel slices (``tensor_model_parallel=True`` on a
+    layer split over more than one rank, or one whose split surgeon cannot read while several ranks run)."""
+    import torch.distributed as dist
+
+    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    for path, owner in module.named_modules():
+        for leaf, param in owner.named_parameters(recurse=False):
+            if getattr(param, "tensor_model_parallel", False) is not True:
+                continue
+            ranks = _tensor_parallel_ranks(owner)
+            if (ranks is None and several) or (ranks or 1) > 1:
+                split = f"{ranks} ranks" if ranks else "over an unknown number of ranks"
+                raise UnsupportedWeightsError(
+                    f"{path}.{leaf} is one rank's slice of a Megatron tensor-parallel parameter (partition_dim "
+                    f"{getattr(param, 'partition_dim', '?')}, {split}): surgeon.{fn} does not work on tensor "
+                    "parallelism; re-initialize the model built with tensor_model_parallel_size=1, or its checkpoint "
+                    "(surgeon reinit on the torch_dist folder), and load that into the tensor-parallel run"
+                )
 
 
 def refuse_meta(module: nn.Module, fn: str) -> None:

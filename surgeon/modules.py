@@ -19,7 +19,7 @@ from torch import nn
 from .apply import Engine, inspect_blocks
 from .detect.config import HintInput, Hints
 from .detect.module import ModuleDetection, detect_module
-from .distributed import any_sharded, inspect_sharded, refuse_meta, unwrapped, write_params
+from .distributed import any_sharded, inspect_sharded, refuse_meta, refuse_tensor_parallel, unwrapped, write_params
 from .errors import OptionError, opt
 from .modes import get_mode
 from .plan import Plan, ReinitOptions, prepare
@@ -202,6 +202,7 @@ def _check(module: Any, fn: str) -> None:
             f"surgeon.{fn} takes a torch.nn.Module, not {type(module).__name__}; for a checkpoint path or Hub id use {other}"
         )
     refuse_meta(module, fn)
+    refuse_tensor_parallel(module, fn)
 
 
 def _fixed(spec: IndexSpec) -> IndexSpec:

@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import NoReturn
 
-from .bounded import read_json
+from .bounded import read_json, read_yaml
+from .detect.config import framework_config
+from .detect.families import FRAMEWORK_CONFIGS, FrameworkConfig
 from .errors import CheckpointError
 from .folder_files import file_in, walk
 from .formats.base import WeightSet
@@ -80,18 +82,49 @@ def open_source(path: str | Path, *, config: str | Path | None = None, recover: 
     if config is not None:  # given by the user: theirs to choose, wherever it is
         source.config_path = Path(config)
     elif source.config_path is None:  # found beside the weights: only the folder's own (folder_files)
-        source.config_path = file_in(source.folder, "config.json") or file_in(source.folder, OPEN_CLIP_CONFIG)
+        source.config_path = _config_beside(source)
+        if source.config_path is None and source.format == "dcp":  # a framework's DCP subfolder: its run's config
+            from .formats.dcp import nested_config
+
+            source.config_path = nested_config(source.folder)
+            if source.config_path is not None:
+                source.notes.append(f"head counts from the run's config beside the checkpoint, {source.config_path}")
     if source.config_path is not None:
         source.config = read_config(source.config_path)
+        if _framework(source.config_path) is not None:
+            where = "beside the weights" if config is None else "given as the config"
+            source.notes.append(f"head counts from {source.config_path.name} {where}")
     elif (embedded := source.primary.embedded_config()) is not None:
         source.config = embedded
-        source.notes.append(f"head counts from the model arguments saved in {source.primary.files[0]}")
+        source.notes.append(f"head counts from the model arguments saved in {source.primary.embedded_config_file}")
     source.notes[:0] = recovered
     source.notes += [note for w in source.weights for note in w.notes]
     return source
 
 
+def _config_beside(source: Source) -> Path | None:
+    """The config file beside the weights: config.json (or open_clip's), else a framework's own
+    (FRAMEWORK_CONFIGS: litgpt's model_config.yaml), which wins over config.json for the framework's own
+    weight file (lit_model.pth: a litgpt download keeps Hugging Face's config.json beside it)."""
+    folder = source.folder
+    frameworks = [(f, path) for f in FRAMEWORK_CONFIGS if (path := file_in(folder, f.file)) is not None]
+    own = [path for f, path in frameworks if source.primary.files == [f.weights]]
+    found = own + [file_in(folder, "config.json"), file_in(folder, OPEN_CLIP_CONFIG)] + [p for _, p in frameworks]
+    return next((p for p in found if p is not None), None)
+
+
+def _framework(path: Path) -> FrameworkConfig | None:
+    return next((f for f in FRAMEWORK_CONFIGS if path.name == f.file), None)
+
+
 def read_config(path: Path) -> dict:
+    """config.json, or a framework's own config file (by its name) in config.json's terms."""
+    framework = _framework(path)
+    if framework is not None:
+        data = read_yaml(path, what="config")
+        if not isinstance(data, dict):
+            raise CheckpointError(f"config {path} is not a YAML mapping of fields ({framework.model_type}'s config)")
+        return framework_config(framework, data)
     config = read_json(path, what="config")
     if not isinstance(config, dict):
         raise CheckpointError(f"config {path} is not a JSON object")
@@ -149,7 +182,7 @@ def _open_folder(folder: Path) -> Source:
     # folders are left out (folder_files), so nothing from outside reaches the weights, the card or the output.
     found = walk(folder, prune=_not_read)
     top = [f for f in found.files if "/" not in f]
-    sets = _weight_sets(folder, top)
+    sets = _weight_sets(folder, top) or _nested_dcp(folder, found.files)
     if not sets:
         _refuse_no_weights(folder, found.files)
     extras, stale = _other_files(found.files, {f for s in sets for f in s.all_files})
@@ -212,6 +245,14 @@ def _dcp_folders(files: list[str]) -> list[str]:
         if parent:
             parents.setdefault(parent, set()).add(name)
     return sorted(p for p, names in parents.items() if pick_dcp(sorted(names)))
+
+
+def _nested_dcp(folder: Path, files: list[str]) -> list[WeightSet]:
+    """The DCP checkpoint in a training framework's checkpoint folder (OLMo-core's stepN/model_and_optim/)."""
+    from .formats.dcp import DcpWeights, nested_dcp
+
+    layout = nested_dcp(folder, _dcp_folders(files))
+    return [DcpWeights(folder, nested=layout)] if layout else []
 
 
 def _refuse_no_weights(folder: Path, files: list[str]) -> NoReturn:

@@ -191,6 +191,12 @@ def _latent_block(
     step = nope + value
     qk = nope + rope
     q_bias = join(owner(module), query.rsplit(".", 2)[-2] + ".bias")
+    kv_bias = join(owner(module), latent.kv + ".bias")  # litgpt's kv_b_proj has one (config.bias); DeepSeek's none
+    k_rows, v_rows = tuple(h * step for h in range(heads)), tuple(h * step + nope for h in range(heads))
+
+    def biased(rows: tuple[int, ...], size: int) -> Rows | None:
+        return Rows(kv_bias, 0, rows, size) if kv_bias in tensors else None
+
     return AttentionBlock(
         stack=stack,
         layer=layer,
@@ -206,8 +212,8 @@ def _latent_block(
             Rows(q_bias, 0, tuple(h * qk for h in range(heads)), qk) if q_bias in tensors else None,
             q.shape[1],
         ),
-        k=Projection("k", Rows(kv.name, 0, tuple(h * step for h in range(heads)), nope), None, width),
-        v=Projection("v", Rows(kv.name, 0, tuple(h * step + nope for h in range(heads)), value), None, width),
+        k=Projection("k", Rows(kv.name, 0, k_rows, nope), biased(k_rows, nope), width),
+        v=Projection("v", Rows(kv.name, 0, v_rows, value), biased(v_rows, value), width),
         kv_map=kv_map(module),
     )
 

@@ -16,6 +16,7 @@ from typing import Any
 from ..errors import LayoutError, OptionError, opt
 from .families import (  # noqa: F401
     BLOCKS_PER_STAGE_KEYS,
+    FRAMEWORK_CONFIGS,
     FUSED_PACKING_BY_MODEL_TYPE,
     HEAD_DIM_KEYS,
     HEAD_DIM_SIDE,
@@ -28,12 +29,15 @@ from .families import (  # noqa: F401
     LAYER_TYPE_PREFIXES,
     LAYER_TYPE_SCALES,
     LINEAR_LAYER_TYPES,
+    MEGATRON_LEGACY_QKV,
+    MEGATRON_VERSION,
     PER_LAYER_CONFIG_KEYS,
     PER_LAYER_SUFFIX,
     PER_STAGE_SUFFIX,
     SUBCONFIG_BY_PATH,
     SUBCONFIG_WORDS,
     V_HEAD_DIM_KEYS,
+    FrameworkConfig,
     Rule,
 )
 from .layout_file import LAYOUT_KEYS, Layout, read_layout
@@ -190,6 +194,8 @@ class ConfigView:
         )  # a library's own config (diffusers, open_clip, timm) in these terms
         self.has_config = config is not None
         self.hints = hints or Hints()
+        # how messages name it: a framework's own file (litgpt's model_config.yaml), else config.json
+        self.file = next((f.file for f in FRAMEWORK_CONFIGS if self.model_type == f.model_type), "config.json")
 
     @property
     def model_type(self) -> str | None:
@@ -225,7 +231,7 @@ class ConfigView:
             elif (prefixed := _prefixed_scope(scope, word)) is not None:
                 scope, prefix = prefixed
                 names.append(prefix + "*")
-        return scope, "config.json " + ".".join(names) if names else "config.json"
+        return scope, f"{self.file} " + ".".join(names) if names else self.file
 
     def linear_layer(self, stack: str, layer: int) -> bool:
         """Whether the config says layer ``layer`` of ``stack`` is linear attention (LINEAR_LAYER_TYPES)."""
@@ -389,9 +395,33 @@ class ConfigView:
             if model_type == "chatglm" or "multi_query_attention" in scope:
                 # ChatGLM2/3 split [Q | K | V] with multi-query groups, else view rows as (heads, 3 * d)
                 return "qkv" if scope.get("multi_query_attention") else "interleaved"
+        if tensor == "query_key_value" and MEGATRON_VERSION in scope:  # Megatron-LM's legacy model_optim_rng.pt
+            return megatron_legacy_packing(scope[MEGATRON_VERSION])
         if tensor == "c_attn" and model_type == "gpt_bigcode" and scope.get("multi_query") is False:
             return "interleaved"  # GPTBigCode without multi-query views c_attn as (heads, 3 * d)
         return FUSED_PACKING_BY_MODEL_TYPE.get((tensor, model_type)) or library_packing(tensor, module, self.config)
+
+
+def framework_config(framework: FrameworkConfig, data: Mapping[str, Any]) -> dict:
+    """A framework's own config (its file's fields, or its config object's attributes) in config.json's terms:
+    the family's model type and the counts its FRAMEWORK_CONFIGS entry maps."""
+    facts = {key: _nested(dict(data), field) for field, key in framework.fields.items()}
+    counts = {k: v for k, v in facts.items() if isinstance(v, int) and not isinstance(v, bool)}
+    return {"model_type": framework.model_type, **counts}
+
+
+def megatron_legacy_packing(version: object) -> str:
+    """How a Megatron-LM legacy checkpoint of ``version`` packs query_key_value (families.MEGATRON_LEGACY_QKV)."""
+    number = version if isinstance(version, (int, float)) and not isinstance(version, bool) else None
+    packing = MEGATRON_LEGACY_QKV.get(float(number)) if number is not None else None
+    if packing is None:
+        known = ", ".join(f"{v:g}" for v in MEGATRON_LEGACY_QKV)
+        raise LayoutError(
+            f"a Megatron-LM checkpoint of checkpoint_version {version!r}: surgeon knows how query_key_value packs its "
+            f"rows in versions {known} only; load it and save it again with Megatron-LM (which writes version 3.0), "
+            "then run surgeon on that"
+        )
+    return packing
 
 
 def with_transformers_defaults(config: dict | None) -> dict | None:

@@ -5,7 +5,8 @@
 * :data:`SAVED_SPLIT`: fused tensors in memory that a framework saves split per role (the draws' names).
 * :data:`CROSS_WORDS`: module-path words that mark cross-attention.
 * ``*_KEYS`` / :data:`SUBCONFIG_WORDS`: how config.json spells heads, head size, width, per tower.
-* :data:`FUSED_PACKING_BY_MODEL_TYPE`: where a family packs a fused tensor differently from its rule.
+* :data:`FUSED_PACKING_BY_MODEL_TYPE`: where a family packs a fused tensor differently from its rule;
+  :data:`MEGATRON_LEGACY_QKV`: Megatron-LM's legacy query_key_value by checkpoint version.
 * :data:`KV_SLOTS`: for each packing, how many key/value heads a tensor of ``slots`` head-sized
   blocks holds (used to infer grouped-query attention from shapes).
 
@@ -98,6 +99,10 @@ RULES: tuple[Rule, ...] = (
     # heads per KV head + 2, head dim), split [its query heads | its key | its value]; its state-dict hook
     # saves them as qkv_linear.wq/wk/wv (the separate wq/wk/wv rule)
     _fused("qkv_linear.wqkv", "grouped"),
+    # litgpt before 0.5 (lit-gpt CausalSelfAttention.attn, beside .proj): grouped per query group like
+    # linear_qkv, as litgpt 0.5's own loader says (model.py _load_from_state_dict: qkv_reassemble); the name
+    # alone is too common to say so: the packing comes from litgpt's model_config.yaml (FUSED_PACKING_BY_MODEL_TYPE)
+    Rule("fused attn", (Part("attn.weight", "attn.bias", "auto"),), requires=("proj.weight",)),
     # DeBERTa (v1): in_proj views rows as (heads, 3 * head_dim), biases in q_bias/v_bias; in_proj alone is a
     # Mamba mixer's input projection, so the biases must be there too
     Rule("fused in_proj + q_bias", (Part("in_proj.weight", None, "interleaved"),), requires=("q_bias", "v_bias")),
@@ -215,6 +220,15 @@ SUBCONFIG_BY_PATH = {
     "videoprism": {"video_model": "vision_config"},
     "vjepa2": {"predictor": "/pred_"},  # the predictor: pred_num_attention_heads, pred_hidden_size
 }
+# Megatron-LM's legacy (pre-Core) models: how query_key_value packs its rows, by the checkpoint_version saved beside
+# them (model_optim_rng.pt's checkpoint_version; Megatron's loader reads a missing one as 0). Its
+# checkpointing.py fix_query_key_value_ordering converts versions below 2.0 on load: 0 stored the rows as
+# [3, heads, d] (Q | K | V blocked), 1.0 as [heads, d, 3] (q, k, v alternating row by row: no packing surgeon
+# writes, refused naming the version). 2.0 and 3.0 are read as stored: legacy/model/transformer.py
+# ParallelAttention views the rows as [query groups, (heads per group + 2) * d], per group [q heads | k | v]
+# (2.0 predates grouped-query attention: one group per head, per head [q | k | v]).
+MEGATRON_VERSION = "checkpoint_version"  # Megatron's own key, which formats.torchfile carries into the config
+MEGATRON_LEGACY_QKV = {0.0: "qkv", 2.0: "grouped", 3.0: "grouped"}
 # How a fused tensor packs q/k/v where a family departs from the default of its tensor name
 # (spec.PACKINGS); flag-dependent families (Falcon, ChatGLM, GPTBigCode) are in ConfigView.fused_packing.
 FUSED_PACKING_BY_MODEL_TYPE = {
@@ -223,6 +237,13 @@ FUSED_PACKING_BY_MODEL_TYPE = {
     ("query_key_value", "bloom"): "interleaved",
     ("query_key_value", "persimmon"): "interleaved",
     ("query_key_value", "sarvam_moe"): "qkv",  # Split(dim=0) into q/k/v by their sizes (conversion_mapping.py)
+    # litgpt (model_config.yaml, FRAMEWORK_CONFIGS): 0.5's qkv splits into [Q | K | V] (model.py
+    # CausalSelfAttention.forward: qkv.split((n_head, n_query_groups, n_query_groups) * head_size)); the older attn
+    # and the query_key_value of its GPT-NeoX/Falcon exports (scripts/convert_lit_checkpoint.py qkv_reassemble)
+    # are per query group [its query heads | key | value]
+    ("qkv", "litgpt"): "qkv",
+    ("attn", "litgpt"): "grouped",
+    ("query_key_value", "litgpt"): "grouped",
     ("qkv_proj", "codegen"): "codegen",
     # gated attention: q_proj holds per head [query | gate] (view(..., -1, 2 * head_dim).chunk(2))
     ("q_proj", "qwen3_next"): "gated",
@@ -230,6 +251,50 @@ FUSED_PACKING_BY_MODEL_TYPE = {
     ("q_proj", "qwen3_5_moe_text"): "gated",
     ("q_proj", "qwen4_exp_text"): "gated",
 }
+
+# Why a fused tensor of packing "auto" needs the config, by tensor name (the refusal names --config).
+AUTO_PACKING_WHY = {
+    "query_key_value": "it is interleaved per head in GPT-NeoX/Bloom and grouped in Falcon",
+    "attn": "litgpt before 0.5 groups it per query group, but its name alone does not say it is litgpt's",
+}
+
+
+# --- training frameworks' own config files ------------------------------------------------------
+@dataclass(frozen=True)
+class FrameworkConfig:
+    """A framework's config file beside its weights, read in config.json's terms: ``fields`` maps its
+    field (a dotted path into nested entries) to config.json's key; ``model_type`` names the family
+    (FUSED_PACKING_BY_MODEL_TYPE)."""
+
+    file: str
+    weights: str  # the framework's own weight file, for which this config wins over a config.json beside it
+    config_classes: tuple[str, ...]  # its config objects' classes in memory (a model's ``config``), module.qualname
+    model_type: str
+    fields: dict[str, str]
+
+
+FRAMEWORK_CONFIGS = (
+    # litgpt: utils.py save_config writes asdict(litgpt.Config) as YAML beside lit_model.pth (pretrain, finetune,
+    # convert_hf_checkpoint); n_query_groups is its key/value heads, head_size filled in by Config.__post_init__
+    FrameworkConfig(
+        "model_config.yaml",
+        "lit_model.pth",
+        ("litgpt.config.Config", "litgpt.lora.Config"),  # a LoRA model's is refused by its tensors (REFUSED)
+        "litgpt",
+        {
+            "n_head": "num_attention_heads",
+            "n_query_groups": "num_key_value_heads",
+            "head_size": "head_dim",
+            "n_embd": "hidden_size",
+            "n_layer": "num_hidden_layers",
+            # multi-head latent attention (model.py MultiheadLatentAttention): its sizes nest in one entry
+            **{
+                f"latent_attention.{k}": k
+                for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
+            },
+        },
+    ),
+)
 
 # packing -> (slots in the tensor, query heads) -> key/value heads it implies, or None when the
 # packing cannot say. Every entry of spec.PACKINGS has one (tests/test_families_table.py).
@@ -332,12 +397,18 @@ class Refused:
     why: str
 
 
-REFUSED = (  # in an ONNX graph (the by-name route reads it: LATENT)
+REFUSED = (  # MLA: in an ONNX graph (the by-name route reads it: LATENT); litgpt LoRA: anywhere
     Refused(
         "multi-head latent attention (MLA: DeepSeek-V2/V3/R1, Kimi K2)",
         ("kv_a_proj_with_mqa.weight", "kv_b_proj.weight"),
         "its per-head projections (q_b_proj, kv_b_proj over the latents) are read by their names in a PyTorch or "
         "safetensors checkpoint, not traced in an ONNX graph; re-initialize the checkpoint, then export it",
+    ),
+    Refused(  # litgpt/lora.py LoRAQKVLinear: the frozen base qkv in .linear, the low-rank update beside it
+        "litgpt LoRA (qkv.linear with lora_A/lora_B)",
+        ("qkv.linear.weight", "qkv.lora_A", "qkv.lora_B"),
+        "the adapted projection is the base plus the LoRA update; merge them first (litgpt merge_lora "
+        "CHECKPOINT_DIR), then re-initialize the merged lit_model.pth",
     ),
 )
 
@@ -469,3 +540,10 @@ CROSS_BY_POSITION = {"attn_layers.layers": ".1.ff."}
 # Layouts whose keys may read another input than the queries, with no name that says so: cross-attention
 # where the key/value projection reads another width (a perceiver's latents reading the inputs).
 CROSS_BY_WIDTH = ("fused to_kv",)
+
+# OLMo-core's own config of a run (olmo_core Config.as_config_dict(): config.json of its ConfigSaverCallback, the
+# experiment's {"model": ..., "trainer": ...}, or the model's TransformerConfig alone): the model config's class,
+# where a block keeps its attention config (OLMo-core 3: sequence_mixer; 2: attention), and that config's keys.
+OLMO_CORE_MODEL_CLASS = "olmo_core.nn.transformer.config.TransformerConfig"
+OLMO_CORE_ATTENTION_KEYS = ("sequence_mixer", "attention")
+OLMO_CORE_HEADS = {"n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim"}

@@ -1,7 +1,7 @@
 """What libraries beyond transformers fix about a layout, read from their data rows in :mod:`.families`.
 
 * :func:`normalize_config`: head counts from the library's own config file, in config.json terms,
-  per stack (diffusers UNets, open_clip model JSON, timm config.json).
+  per stack (diffusers UNets, open_clip model JSON, timm config.json, OLMo-core's config of a run).
 * :func:`fused_packing`: a timm fused ``qkv`` whose packing depends on the model (MaxViT).
 * :func:`kv_map`: how a library maps query heads to key/value heads (x-transformers).
 * :func:`separate_biases` and :func:`companion_block`: every Q/K/V of a block (timm EVA's ``q_bias`` /
@@ -28,6 +28,9 @@ from .families import (
     FUSED_PACKING_BY_ARCHITECTURE,
     KV_MAP_BY_PATH,
     MAXXVIT_WORDS,
+    OLMO_CORE_ATTENTION_KEYS,
+    OLMO_CORE_HEADS,
+    OLMO_CORE_MODEL_CLASS,
     SELF_BESIDE,
     SEPARATE_BIASES,
     TIMM_HEAD_DIM,
@@ -41,7 +44,7 @@ def normalize_config(config: dict | None) -> dict | None:
     """``config`` with a library's own spelling of heads added in config.json terms (a copy), or as is."""
     if not config:
         return config
-    for reader in (_diffusers_unet, _open_clip, _timm):
+    for reader in (_diffusers_unet, _open_clip, _timm, _olmo_core):
         extra = reader(config)
         if extra:
             return {**config, **extra}
@@ -271,3 +274,81 @@ def library_notes(blocks: list[AttentionBlock]) -> list[str]:
             f"with their block, the same heads (reported as {second.label})"
         )
     return notes
+
+
+# --------------------------------------------------------------------------- OLMo-core
+OLMO_MAX_LAYERS = 1 << 16  # a pattern is spelled out per layer: a claim of more layers is not a real model's
+
+
+def _olmo_core(config: dict) -> dict | None:
+    """config.json keys (and ``per_layer_config``) from OLMo-core's own config of a run (stepN/config.json:
+    ``model`` is its TransformerConfig) or of a model, else None: ``d_model``, ``block.sequence_mixer`` (OLMo-core
+    2: ``block.attention``) ``n_heads``, ``n_kv_heads`` (left out: one per head), ``head_dim``; per layer where
+    ``block_overrides`` or a ``block_pattern`` of named blocks says so. Values of the wrong type: one line."""
+    nested = config.get("model")
+    model: dict = nested if isinstance(nested, dict) else config
+    if model.get("_CLASS_") != OLMO_CORE_MODEL_CLASS:
+        return None
+    where = "model." if model is not config else ""
+    out: dict[str, Any] = {"hidden_size": _olmo_count(model.get("d_model"), f"{where}d_model")}
+    block, pattern = model.get("block"), model.get("block_pattern")
+    per_layer: dict[str, dict] = {}
+    if pattern is not None:  # block is {name: block config}; layer i is block[pattern[i % len(pattern)]]
+        if not (isinstance(pattern, list) and pattern and isinstance(block, dict)):
+            raise _olmo_bad(f"{where}block_pattern", pattern, "a list of the names of its blocks")
+        layers = _olmo_count(model.get("n_layers"), f"{where}n_layers")
+        if layers > OLMO_MAX_LAYERS:
+            raise _olmo_bad(f"{where}n_layers", layers, f"at most {OLMO_MAX_LAYERS}")
+        for i in range(layers):
+            name = pattern[i % len(pattern)]
+            if not isinstance(name, str) or not isinstance(block.get(name), dict):
+                raise _olmo_bad(f"{where}block_pattern", name, f"the name of a block in {where}block")
+            per_layer[str(i)] = _olmo_heads(block[name], f"{where}block.{name}")
+    else:
+        out.update(_olmo_heads(block, f"{where}block"))
+    overrides = model.get("block_overrides")
+    if overrides is not None:
+        if not isinstance(overrides, dict):
+            raise _olmo_bad(f"{where}block_overrides", overrides, "an object of block configs by layer number")
+        for layer, override in overrides.items():
+            if not str(layer).isdigit():
+                raise _olmo_bad(f"{where}block_overrides", layer, "a layer number")
+            per_layer[str(int(layer))] = _olmo_heads(override, f"{where}block_overrides.{layer}")
+    if per_layer:
+        out["per_layer_config"] = per_layer
+    return out
+
+
+def _olmo_heads(block: Any, where: str) -> dict[str, int]:
+    """A block config's heads in config.json terms (nothing for a block without attention: a recurrent mixer)."""
+    if not isinstance(block, dict):
+        raise _olmo_bad(where, block, "a block config")
+    key = next((k for k in OLMO_CORE_ATTENTION_KEYS if k in block), None)
+    attention = block.get(key) if key else None
+    if not isinstance(attention, dict):
+        raise _olmo_bad(f"{where}.{OLMO_CORE_ATTENTION_KEYS[0]}", attention, "the block's attention config")
+    if attention.get("type", "attention") != "attention":
+        return {}  # OLMo-core's other sequence mixers (gated delta net) have no heads of attention
+    out = {}
+    for field, ours in OLMO_CORE_HEADS.items():
+        value = attention.get(field)
+        if value is not None:
+            out[ours] = _olmo_count(value, f"{where}.{key}.{field}")
+    if "num_attention_heads" not in out:
+        raise _olmo_bad(f"{where}.{key}.n_heads", None, "a positive integer")
+    out.setdefault("num_key_value_heads", out["num_attention_heads"])  # OLMo-core: n_kv_heads None is n_heads
+    return out
+
+
+def _olmo_count(value: Any, where: str) -> int:
+    if type(value) is not int or value <= 0:
+        raise _olmo_bad(where, value, "a positive integer")
+    return value
+
+
+def _olmo_bad(where: str, value: Any, wanted: str) -> CheckpointError:
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    return CheckpointError(
+        f"the OLMo-core config's {where} is {shown}, where OLMo-core writes {wanted}: is it the run's own "
+        "config.json? Fix it, or pass --config with the right one (or --num-heads / --num-kv-heads with --force-hints)"
+    )

@@ -12,7 +12,7 @@ from ..errors import LayoutError, opt
 from ..formats.base import TensorInfo
 from ..spec import packed_size
 from .config import ConfigView
-from .families import KV_SLOTS, RULES, Part, Rule
+from .families import AUTO_PACKING_WHY, KV_SLOTS, RULES, Part, Rule
 from .placement import join
 
 
@@ -66,12 +66,13 @@ def packing(part: Part, view: ConfigView, stack: str, module: str, where: str) -
     )
     if packing is None:
         raise LayoutError(
-            f"cannot tell how {join(where, part.weight)} packs query/key/value: it is interleaved per head in "
-            "GPT-NeoX/Bloom and grouped in Falcon, and "
+            f"cannot tell how {join(where, part.weight)} packs query/key/value ("
+            + AUTO_PACKING_WHY.get(part.weight.rsplit(".", 1)[0], "its name alone does not say")
+            + "): "
             + (
                 "config.json (model_type) does not say"
                 if view.has_config
-                else "there is no config.json beside the weights"
+                else "there is no config.json (or litgpt's model_config.yaml) beside the weights"
             )
             + f"; pass {opt('config', 'PATH')}"
         )

@@ -157,6 +157,11 @@ class WeightSet(ABC):
         """Model arguments the weight file itself carries (a training checkpoint's), if any."""
         return None
 
+    @property
+    def embedded_config_file(self) -> str:
+        """The file :meth:`embedded_config` reads, for the report."""
+        return self.files[0]
+
     def raw(self, name: str) -> bytes:
         """A tensor's stored bytes (formats that can, read them by byte range without decoding)."""
         return tensor_bytes(self.read(name))

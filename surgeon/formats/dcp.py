@@ -6,6 +6,9 @@ RNG state, an optimizer's hyper-parameters) are never unpickled. Only the model'
 the rest of surgeon: a full training state keeps them under a wrapper key (``{"model": ..., "optim": ...}``,
 as DCP's planner data records), a model-only one (or torchtitan's, which flattens the model to the top)
 at the top level; they are named as the model names them, and keep their DCP keys in the output.
+Megatron-Core's ``torch_dist`` stacks each layer's tensors along axis 0, one chunk per layer: each layer is
+offered as its own tensor (``stacked``), and only the chunks of the layers that change are rewritten. Its
+``common.pt`` is read for head counts with weights_only, as data.
 
 The output has the same files, the same ``.metadata`` byte for byte (so the same keys and chunking), and
 every byte but the re-initialized chunks' copied: a changed chunk is the ``torch.save`` archive DCP writes
@@ -20,18 +23,55 @@ import os
 import pickle
 import shutil
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from ..errors import CheckpointError, VerificationError
+from ..folder_files import file_in
 from .base import TensorInfo, UpdatesFn, WeightSet
 from .dcp_metadata import METADATA, SUFFIX, Chunk, Layout, TensorEntry, all_spans, read_layout
 from .fileio import same_bytes
+from .stacked import Slice, stacked_note, unstack
+from .torchfile import container_config, safe_load
 
 if TYPE_CHECKING:
     import torch
 
+COMMON = "common.pt"  # Megatron's torch_dist: the state that is not sharded (its training arguments, counters)
 WRAPPER_KEYS = ("model", "state_dict", "model_state_dict", "module")  # where a training state keeps the model
+
+
+@dataclass(frozen=True)
+class NestedDcp:
+    """A training framework's checkpoint folder that keeps its DCP checkpoint in a subfolder, beside files
+    (train state, the run's config) that surgeon carries over as they are."""
+
+    framework: str
+    sub: str  # the DCP checkpoint's subfolder
+    marker: str  # a file only this layout has beside it: tells the layout apart from a folder of checkpoints
+    config: str  # the framework's own config of the run, beside the subfolder (heads are read from it)
+
+
+# OLMo-core's Checkpointer (olmo_core/train/checkpoint.py): stepN/{model_and_optim/, train/rankR.pt,
+# .metadata.json}, and config.json from its ConfigSaverCallback.
+NESTED_DCP = (NestedDcp("OLMo-core", "model_and_optim", "train/rank0.pt", "config.json"),)
+
+
+def nested_dcp(folder: Path, dcp_folders: list[str]) -> NestedDcp | None:
+    """The framework layout ``folder`` is, given the DCP folders found in it, if it is one."""
+    for layout in NESTED_DCP:
+        if dcp_folders == [layout.sub] and file_in(folder, layout.marker) is not None:
+            return layout
+    return None
+
+
+def nested_config(folder: Path) -> Path | None:
+    """The run's config beside ``folder`` when ``folder`` is the DCP subfolder of a framework's layout."""
+    for layout in NESTED_DCP:
+        if folder.name == layout.sub and file_in(folder.parent, layout.marker) is not None:
+            return file_in(folder.parent, layout.config)
+    return None
 
 
 def open_dcp(path: str | Path) -> DcpWeights:
@@ -75,34 +115,85 @@ class DcpWeights(WeightSet):
     record_slot = False  # DCP has no slot loaders ignore: the output folder's model card carries the record
     shard_suffix = SUFFIX
 
-    def __init__(self, folder: Path, files: list[str] | None = None, index: str | None = METADATA) -> None:
-        layout = read_layout(folder)
-        super().__init__(folder, list(layout.files), METADATA)
+    def __init__(
+        self,
+        folder: Path,
+        files: list[str] | None = None,
+        index: str | None = METADATA,
+        nested: NestedDcp | None = None,
+    ) -> None:
+        sub = nested.sub if nested else ""
+        layout = read_layout(folder, sub)
+        super().__init__(folder, list(layout.files), f"{sub}/{METADATA}" if sub else METADATA)
         self.layout = layout
         self.wrapper, names = model_keys(layout, folder)
-        self.keys = names  # model name -> DCP key
+        self.keys = names  # model name -> DCP key (of the stored tensor)
         for name, key in names.items():
             entry = cast(TensorEntry, layout.entries[key])
             element = entry.dtype
             itemsize = _itemsize(element)
             first = entry.chunks[0].span.file if entry.chunks else self.files[0]
             self._infos[name] = TensorInfo(name, entry.shape, element, element, first, entry.numel * itemsize)
+        # Megatron-Core's torch_dist stacks each layer's tensors along axis 0: offered layer by layer
+        self._infos, self.slices = unstack(self._infos, folder, self._file_of)
         carried = len(layout.entries) - len(names)
         where = f"under {self.wrapper!r}" if self.wrapper else "at the top level"
         self.notes = [
-            f"DCP checkpoint: {len(names)} model tensors {where}; "
+            f"DCP checkpoint{f' in {sub}/' if sub else ''}: {len(names)} model tensors {where}; "
             f"{carried} other entr{'y' if carried == 1 else 'ies'} (optimizer, train state) carried over byte for byte, never loaded"
         ]
+        if nested:
+            self.notes.append(
+                f"{nested.framework} checkpoint folder: the model in {sub}/, every file beside it (train state, "
+                "config) carried over byte for byte"
+            )
+        self.notes += stacked_note(self.slices)
+
+    def embedded_config(self) -> dict | None:
+        """The head counts in Megatron's ``common.pt`` beside the data files (its training arguments), loaded
+        with weights_only (and argparse.Namespace, as Megatron's legacy files): read as data, nothing run.
+        One that does not load that way is named in the report and left unread."""
+        import zipfile
+
+        path = file_in(self.folder, COMMON)
+        if path is None:
+            return None
+        try:
+            obj = safe_load(path, zipfile.is_zipfile(path))
+        except CheckpointError as exc:
+            self.notes.append(f"{COMMON} not read for head counts: {exc.message}")
+            return None
+        return container_config(obj)
+
+    embedded_config_file = COMMON
 
     def describe(self) -> str:
         return f"dcp ({len(self.files)} {SUFFIX} file{'s' if len(self.files) != 1 else ''})"
 
+    def _stored(self, name: str) -> tuple[str, Slice | None]:
+        """The model name of the stored tensor ``name`` is (or is a layer of), and which layer."""
+        part = self.slices.get(name)
+        return (name, None) if part is None else (part.stacked, part)
+
     def entry(self, name: str) -> TensorEntry:
-        return cast(TensorEntry, self.layout.entries[self.keys[name]])
+        """The stored tensor's entry (for a layer of a stacked tensor, the stacked one's)."""
+        return cast(TensorEntry, self.layout.entries[self.keys[self._stored(name)[0]]])
+
+    def chunks_of(self, name: str) -> list[Chunk]:
+        """The chunks holding ``name``'s values: all of its entry's, or those a stacked layer lies in."""
+        part = self._stored(name)[1]
+        chunks = self.entry(name).chunks
+        if part is None:
+            return list(chunks)
+        return [c for c in chunks if c.offsets[0] <= part.layer < c.offsets[0] + c.sizes[0]]
+
+    def _file_of(self, stacked: str, layer: int) -> str:
+        entry = cast(TensorEntry, self.layout.entries[self.keys[stacked]])
+        return next((c.span.file for c in entry.chunks if c.offsets[0] <= layer < c.offsets[0] + c.sizes[0]), "")
 
     def chunks_in(self, file: str) -> list[tuple[str, Chunk]]:
         """(model name, chunk) of every model chunk stored in ``file``: one rank's share of the work."""
-        return [(n, c) for n in self.keys for c in self.entry(n).chunks if c.span.file == file]
+        return [(n, c) for n in self._infos for c in self.chunks_of(n) if c.span.file == file]
 
     def _load_chunk(self, name: str, chunk: Chunk, folder: Path | None = None) -> torch.Tensor:
         """One chunk, from its torch.save archive (weights_only: no code runs), checked against the metadata."""
@@ -151,22 +242,32 @@ class DcpWeights(WeightSet):
     def read(self, name: str) -> torch.Tensor:
         import torch
 
-        entry = self.entry(name)
-        if len(entry.chunks) == 1 and entry.chunks[0].sizes == entry.shape:
+        entry, part = self.entry(name), self._stored(name)[1]
+        if part is None and len(entry.chunks) == 1 and entry.chunks[0].sizes == entry.shape:
             return self._load_chunk(name, entry.chunks[0])
-        out = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
-        for chunk in entry.chunks:
-            out[chunk.slices] = self._load_chunk(name, chunk)
+        out = torch.empty(entry.shape if part is None else entry.shape[1:], dtype=getattr(torch, entry.dtype))
+        for chunk in self.chunks_of(name):
+            if part is None:
+                out[chunk.slices] = self._load_chunk(name, chunk)
+            else:  # the layer's slice of a chunk of the stacked tensor
+                out[chunk.slices[1:]] = self._load_chunk(name, chunk)[part.layer - chunk.offsets[0]]
         return out
 
-    def _archive(self, name: str, chunk: Chunk, tensor: torch.Tensor) -> bytes:
-        """The chunk of ``tensor`` (the whole new tensor) as DCP stores it: torch.save of a tensor with the
-        stored chunk's strides, which is as long as the stored archive (checked: else offsets would move)."""
+    def _archive(self, name: str, chunk: Chunk, tensor: torch.Tensor, folder: Path) -> bytes:
+        """The chunk as DCP stores it with ``name``'s new value ``tensor`` in it: torch.save of a tensor with the
+        stored chunk's strides, which is as long as the stored archive (checked: else offsets would move). The
+        chunk is read from ``folder`` (the output being written): other layers of a stacked tensor that share
+        it keep the values written there, or their own."""
         import torch
 
-        old = self._load_chunk(name, chunk)
+        old = self._load_chunk(name, chunk, folder)
         new = torch.empty_strided(old.shape, old.stride(), dtype=old.dtype)
-        new.copy_(tensor[chunk.slices])
+        part = self._stored(name)[1]
+        if part is None:
+            new.copy_(tensor[chunk.slices])
+        else:
+            new.copy_(old)
+            new[part.layer - chunk.offsets[0]].copy_(tensor[chunk.slices[1:]])
         buf = io.BytesIO()
         torch.save(new, buf)
         if len(buf.getvalue()) != chunk.span.length:
@@ -202,14 +303,14 @@ class DcpWeights(WeightSet):
             changes = updates.only(wanted)
         written = set()
         for name, tensor in changes:
-            entry = self.entry(name)
-            if tuple(tensor.shape) != entry.shape or tensor.dtype != getattr(torch, entry.dtype):
+            info = self._infos[name]
+            if tuple(tensor.shape) != info.shape or tensor.dtype != getattr(torch, info.element or ""):
                 raise AssertionError(f"update of {name} changes its shape or dtype")
-            for chunk in entry.chunks:  # a sharded tensor's chunks may lie in other ranks' files
+            for chunk in self.chunks_of(name):  # a sharded tensor's chunks may lie in other ranks' files
                 if chunk.span.file not in mine:
                     continue
                 with open(dest / chunk.span.file, "r+b") as out:
-                    os.pwrite(out.fileno(), self._archive(name, chunk, tensor), chunk.span.offset)
+                    os.pwrite(out.fileno(), self._archive(name, chunk, tensor, dest), chunk.span.offset)
             written.add(name)
         missing = wanted - written
         if missing:  # a planned tensor that was not computed would keep its old value: never write that
@@ -221,11 +322,14 @@ class DcpWeights(WeightSet):
         import torch
 
         out = cast(DcpWeights, out)  # verify compares sets of the same format only
-        if not same_bytes(self.folder / METADATA, out.folder / METADATA):
-            raise VerificationError(f"{output}: its {METADATA} differs from the original's; surgeon carries it over")
+        assert self.index is not None and out.index == self.index
+        if not same_bytes(self.folder / self.index, out.folder / out.index):
+            raise VerificationError(f"{output}: its {self.index} differs from the original's; surgeon carries it over")
         spans: dict[str, list[tuple[int, int]]] = {rel: [] for rel in self.files}
         for name in sorted(changed):
-            for chunk in self.entry(name).chunks:
+            for chunk in self.chunks_of(name):
+                if (chunk.span.offset, chunk.span.offset + chunk.span.length) in spans[chunk.span.file]:
+                    continue  # a chunk holding two changed layers of a stacked tensor
                 spans[chunk.span.file].append((chunk.span.offset, chunk.span.offset + chunk.span.length))
                 stored = out._load_chunk(name, chunk)
                 buf = io.BytesIO()
@@ -234,7 +338,7 @@ class DcpWeights(WeightSet):
                     f.seek(chunk.span.offset)
                     if f.read(chunk.span.length) != buf.getvalue():
                         raise VerificationError(
-                            f"{output}: the chunk of {self.keys[name]!r} in {chunk.span.file} is not the archive "
+                            f"{output}: the chunk of {self.entry(name).key!r} in {chunk.span.file} is not the archive "
                             "torch.save writes of its tensor"
                         )
         for rel, ranges in spans.items():

@@ -15,7 +15,7 @@ import io
 import math
 import os
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -41,7 +41,14 @@ _CLASSES = {  # (module, name) as DCP pickles them -> where the class lives toda
         "_MEM_FORMAT_ENCODING",
     )
 }
+# Megatron-Core's torch_dist keeps every rank's save plan in Metadata.all_local_plans (to reuse it on the next save):
+# DCP's own planner dataclasses and an enum, built without running code; surgeon never reads them.
+for _n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"):
+    _CLASSES[(f"{_DCP}.planner", _n)] = (f"{_DCP}.planner", _n)
 _CLASSES[(f"{_DCP}.filesystem", "_StorageInfo")] = (f"{_DCP}.filesystem", "_StorageInfo")
+# Writers of the same format that pickle their own copy of _StorageInfo, the same (relative_path, offset, length)
+# dataclass: read as torch's (nothing of theirs is imported). OLMo-core's RemoteFileSystemWriter.
+_CLASSES[("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo")] = (f"{_DCP}.filesystem", "_StorageInfo")
 _CLASSES[("torch", "Size")] = ("torch", "Size")
 _CLASSES[("torch.serialization", "_get_layout")] = ("torch.serialization", "_get_layout")  # a layout by its name
 _CLASSES[("collections", "OrderedDict")] = ("collections", "OrderedDict")
@@ -123,8 +130,11 @@ class Layout:
     files: tuple[str, ...]  # every data file the metadata names, sorted
 
 
-def read_layout(folder: Path) -> Layout:
-    """The checked layout of the DCP checkpoint in ``folder`` (raises a one-line CheckpointError)."""
+def read_layout(folder: Path, sub: str = "") -> Layout:
+    """The checked layout of the DCP checkpoint in ``folder`` (raises a one-line CheckpointError); in its
+    subfolder ``sub`` (a training framework's layout), with every data file named relative to ``folder``."""
+    if sub:
+        return _under(read_layout(folder / sub), sub)
     path = folder / METADATA
     if file_in(folder, METADATA) is None:
         raise CheckpointError(f"{folder} has no {METADATA}: not a DCP checkpoint folder", path=folder)
@@ -145,6 +155,21 @@ def read_layout(folder: Path) -> Layout:
     layout = _checked(metadata, path)
     _check_files(folder, layout, path)
     return layout
+
+
+def _under(layout: Layout, sub: str) -> Layout:
+    """``layout`` with its data files named from the folder above, ``sub/__0_0.distcp``."""
+
+    def moved(span: Span) -> Span:
+        return replace(span, file=f"{sub}/{span.file}")
+
+    entries: dict[str, TensorEntry | BytesEntry] = {
+        k: replace(e, chunks=tuple(replace(c, span=moved(c.span)) for c in e.chunks))
+        if isinstance(e, TensorEntry)
+        else replace(e, span=moved(e.span))
+        for k, e in layout.entries.items()
+    }
+    return Layout(entries, layout.paths, tuple(f"{sub}/{f}" for f in layout.files))
 
 
 def _bad(path: Path, what: str) -> CheckpointError:

@@ -18,7 +18,16 @@ if TYPE_CHECKING:
 
 # Files a training run leaves in a model folder that are pickles but not weights.
 # (Megatron's common.pt: the run's arguments and counters beside the .distcp files of a DCP checkpoint.)
-NOT_WEIGHTS = {"training_args.bin", "optimizer.pt", "optimizer.bin", "scheduler.pt", "scaler.pt", "common.pt"}
+# optim.pt: the optimizer state OLMo-core's unshard_checkpoint writes beside its model.pt
+NOT_WEIGHTS = {
+    "training_args.bin",
+    "optimizer.pt",
+    "optimizer.bin",
+    "scheduler.pt",
+    "scaler.pt",
+    "common.pt",
+    "optim.pt",
+}
 TORCH_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 TORCH_NAMES = ("pytorch_model.bin", "model.bin", "model.pt", "model.pth", "model.ckpt")
 # Weights in formats surgeon does not rewrite.

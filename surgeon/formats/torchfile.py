@@ -3,11 +3,14 @@
 Loaded only with ``torch.load(weights_only=True)``: surgeon never runs code from a file. Zip-format
 files are memory-mapped, so tensors are paged in on use, not held in memory. A top-level
 ``state_dict`` / ``model`` entry is unwrapped, and written back in place with everything around it
-kept. Untouched tensors are saved from the same storages, so their bytes are unchanged.
+kept. Untouched tensors are saved from the same storages, so their bytes are unchanged. A model kept as
+nested dicts of tensors (Megatron-LM's legacy ``{"model": {"language_model": {"encoder": ...}}}``) is read under
+dotted names and written back in its nesting; Megatron-Core's stacked-layer tensors layer by layer (``stacked``).
 """
 
 from __future__ import annotations
 
+import copy
 import pickle
 import zipfile
 from collections.abc import Mapping
@@ -20,11 +23,13 @@ if TYPE_CHECKING:
 from ..errors import CheckpointError, VerificationError
 from .base import TensorInfo, UpdatesFn, WeightSet
 from .fileio import same_bytes
+from .stacked import stacked_note, unstack
 
 SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 INDEX_SUFFIX = ".bin.index.json"
 WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "module")
 CONFIG_KEYS = ("model_args", "hyper_parameters", "config")  # nanoGPT ckpt.pt, PyTorch Lightning, from-scratch loops
+MEGATRON_CHECKPOINT_VERSION = "checkpoint_version"
 MEGATRON_ARGS = "args"  # Megatron-LM's legacy model_optim_rng.pt: its argparse.Namespace of training arguments
 # The only class a pickle may ask for beyond weights_only's own: Megatron's argparse.Namespace, which unpickles
 # to attributes (no code runs); everything inside it is still held to weights_only's rules.
@@ -43,9 +48,7 @@ def _is_state_dict(obj) -> bool:
 
 
 def load_file(path: Path) -> tuple[object, str | None, Mapping]:
-    """Load a file safely: (the whole object, the wrapper key or None, the state dict)."""
-    import torch
-
+    """Load a file safely: (the whole object, the wrapper key or None, the state dict; a nested one flattened)."""
     if not path.is_file():
         raise CheckpointError(f"missing file {path}")
     is_zip = zipfile.is_zipfile(path)
@@ -58,6 +61,68 @@ def load_file(path: Path) -> tuple[object, str | None, Mapping]:
                 f"{path} is not a PyTorch checkpoint: it is neither a zip archive nor a pickle (it starts with "
                 f"{head!r}); surgeon reads torch.save files, safetensors and ONNX (a CTranslate2, GGUF or TF file is none of them)"
             )
+    obj = safe_load(path, is_zip)
+    if isinstance(obj, Mapping) and not _all_tensors(
+        obj
+    ):  # a training checkpoint: the model's entry, not a stray tensor beside it
+        for key in WRAPPER_KEYS:  # (nanoGPT's ckpt.pt keeps best_val_loss, a tensor, beside "model")
+            if _is_state_dict(obj.get(key)):
+                return obj, key, obj[key]
+        for key in WRAPPER_KEYS:  # nested dicts of tensors (Megatron-LM's legacy model: language_model/encoder/...)
+            if isinstance(obj.get(key), Mapping) and (flat := flatten(obj[key], path)):
+                return obj, key, flat
+    if _is_state_dict(obj):
+        return obj, None, obj
+    if isinstance(obj, Mapping):
+        keys = ", ".join(map(str, list(obj)[:8]))
+        raise CheckpointError(
+            f"{path} holds no state dict (top-level keys: {keys}); expected tensors or a 'state_dict'/'model' entry"
+        )
+    raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a state dict of tensors")
+
+
+MAX_DEPTH = 16  # nested dicts of a state dict (Megatron-LM's legacy model has 3 levels)
+
+
+def flatten(tree: Mapping, path: Path, prefix: str = "", depth: int = 0) -> dict[str, Any]:
+    """The tensors of a state dict kept as nested dicts, under their dotted paths
+    (``language_model.encoder.layers.0.self_attention.query_key_value.weight``); two alike are refused."""
+    import torch
+
+    if depth > MAX_DEPTH:
+        raise CheckpointError(f"{path}: its state dict nests dicts more than {MAX_DEPTH} deep; surgeon reads no deeper")
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        inner = flatten(value, path, name + ".", depth + 1) if isinstance(value, Mapping) else {}
+        if isinstance(value, torch.Tensor):
+            inner = {name: value}
+        if out.keys() & inner.keys():
+            raise CheckpointError(
+                f"{path}: two tensors of its nested state dict are both named {min(out.keys() & inner.keys())!r}"
+            )
+        out.update(inner)
+    return out
+
+
+def nest(tree: Mapping, new: Mapping, prefix: str = "") -> Mapping:
+    """``tree`` (nested dicts) with each tensor replaced by ``new``'s value of its dotted path; every dict
+    along the way copied (its type, order and attributes kept), everything else as it was."""
+    out = copy.copy(tree)
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out[key] = nest(value, new, name + ".")  # type: ignore[index]
+        elif name in new:
+            out[key] = new[name]  # type: ignore[index]
+    return out
+
+
+def safe_load(path: Path, is_zip: bool) -> Any:
+    """``torch.load(weights_only=True)`` of ``path``, admitting Megatron's argparse.Namespace and nothing
+    else beyond weights_only's own; a pickle that asks for more is refused in one line, nothing run."""
+    import torch
+
     try:
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
@@ -81,20 +146,7 @@ def load_file(path: Path) -> tuple[object, str | None, Mapping]:
         raise CheckpointError(
             f"{path} is not a readable PyTorch checkpoint ({first[:160]}); re-download or re-save it"
         ) from None
-    if isinstance(obj, Mapping) and not _all_tensors(
-        obj
-    ):  # a training checkpoint: the model's entry, not a stray tensor beside it
-        for key in WRAPPER_KEYS:  # (nanoGPT's ckpt.pt keeps best_val_loss, a tensor, beside "model")
-            if _is_state_dict(obj.get(key)):
-                return obj, key, obj[key]
-    if _is_state_dict(obj):
-        return obj, None, obj
-    if isinstance(obj, Mapping):
-        keys = ", ".join(map(str, list(obj)[:8]))
-        raise CheckpointError(
-            f"{path} holds no state dict (top-level keys: {keys}); expected tensors or a 'state_dict'/'model' entry"
-        )
-    raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a state dict of tensors")
+    return obj
 
 
 def _unsafe_globals(path: Path) -> list[str] | None:
@@ -120,8 +172,8 @@ def container_config(obj: object) -> dict | None:
         return None
     import argparse
 
-    if isinstance(obj.get(MEGATRON_ARGS), argparse.Namespace):
-        return megatron_config(vars(obj[MEGATRON_ARGS]))
+    if isinstance(obj.get(MEGATRON_ARGS), argparse.Namespace):  # Megatron's loader reads no version as 0
+        return megatron_config(vars(obj[MEGATRON_ARGS]), obj.get(MEGATRON_CHECKPOINT_VERSION, 0))
     for key in CONFIG_KEYS:
         value = obj.get(key)
         if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
@@ -129,7 +181,7 @@ def container_config(obj: object) -> dict | None:
     return None
 
 
-def megatron_config(args: Mapping) -> dict:
+def megatron_config(args: Mapping, version: object = None) -> dict:
     """Megatron-LM's training arguments in config.json terms. Its num_query_groups counts only with
     group_query_attention (arguments.py core_transformer_config_from_args; its default is 1 either way)."""
     plain = {k: v for k, v in args.items() if isinstance(k, str) and isinstance(v, (int, float, str, bool))}
@@ -141,6 +193,10 @@ def megatron_config(args: Mapping) -> dict:
         groups = plain.get("num_query_groups") if plain.get("group_query_attention") is True else heads
         if isinstance(groups, int):
             config["num_key_value_heads"] = groups
+    if isinstance(
+        version, (int, float, str)
+    ):  # how a legacy query_key_value packs its rows (families.MEGATRON_LEGACY_QKV)
+        config[MEGATRON_CHECKPOINT_VERSION] = version
     return config
 
 
@@ -188,13 +244,18 @@ class TorchWeights(WeightSet):
                     nbytes,
                 )
         self._check_index(found)
+        # Megatron-Core's stacked-layer tensors (dcp_to_torch_save of a torch_dist checkpoint), layer by layer
+        self._infos, self.slices = unstack(self._infos, index or (folder / files[0]))
+        self.notes += stacked_note(self.slices)
 
     def embedded_config(self) -> dict | None:
         """nanoGPT's model_args / Lightning's hyper_parameters of a single-file training checkpoint."""
         return container_config(self._loaded[self.files[0]][0]) if len(self.files) == 1 else None
 
     def read(self, name: str) -> torch.Tensor:
-        return self._loaded[self._infos[name].file][2][name]
+        state = self._loaded[self._infos[name].file][2]
+        part = self.slices.get(name)
+        return state[name] if part is None else state[part.stacked][part.layer]
 
     def check_non_tensor(self, out: WeightSet, changed: set[str], history: list, output: object) -> None:
         """Files none of whose tensors change are copied as they are: byte for byte. (The rest of a
@@ -221,14 +282,20 @@ class TorchWeights(WeightSet):
             obj, key, state = self._loaded[file]
             new_state = state.copy()  # same type (dict / OrderedDict), same key order
             for name, tensor in changes.items():
-                old = state[name]
+                old = self.read(name)
                 assert tensor.shape == old.shape and tensor.dtype == old.dtype, f"update of {name} changes it"
-                new_state[name] = tensor.contiguous()
+                part = self.slices.get(name)
+                if part is None:
+                    new_state[name] = tensor.contiguous()
+                    continue
+                if new_state[part.stacked] is state[part.stacked]:  # the other layers' slices as they were
+                    new_state[part.stacked] = state[part.stacked].clone()
+                new_state[part.stacked][part.layer] = tensor
             if hasattr(state, "_metadata"):
                 new_state._metadata = state._metadata
             if key is not None:
                 out = obj.copy()
-                out[key] = new_state
+                out[key] = new_state if obj[key] is state else nest(obj[key], new_state)  # nested: kept so
             else:
                 out = new_state
             # Same file name inside the temporary folder: torch names the zip archive after it.

@@ -11,8 +11,8 @@ from ...errors import LayoutError, NoAttentionFoundError, SurgeonError
 from ...formats.base import TensorInfo
 from ...spec import AttentionBlock, Projection, Rows, slot_offsets
 from ..by_name import detect, match_modules, with_companions
-from ..config import Hints
-from ..families import SAVED_SPLIT
+from ..config import Hints, framework_config
+from ..families import FRAMEWORK_CONFIGS, SAVED_SPLIT
 from ..libraries import roles_by_position, with_separate_biases
 from ..placement import join, kind, stack_depths
 from .decode import kept_norms_note, placed, prefixed, probe_blocks, under
@@ -41,10 +41,10 @@ def detect_module(module: nn.Module, *, hints: Hints | None = None, example_inpu
     params = dict(module.named_parameters())
     found = ModuleDetection([], params)
     handled: list[str] = []  # module paths whose subtree is settled
-    for prefix, hf in _hf_models(module):
+    for prefix, hf, config in _configured_models(module):
         handled.append(prefix)
         try:
-            detection = detect(_tensor_infos(hf), hf.config.to_dict(), hints, source=f"{type(hf).__name__} (in memory)")
+            detection = detect(_tensor_infos(hf), config, hints, source=f"{type(hf).__name__} (in memory)")
         except NoAttentionFoundError:
             continue  # e.g. a vision tower without attention; nothing to do there
         except LayoutError as exc:
@@ -59,7 +59,7 @@ def detect_module(module: nn.Module, *, hints: Hints | None = None, example_inpu
                 f"{type(hf).__name__}: its names and config do not settle the layout, so it was read from the forward"
             )
             continue
-        renames = checkpoint_names(hf)
+        renames = checkpoint_names(hf) if hasattr(hf.config, "to_dict") else {}  # a framework's: its own names
         blocks = [prefixed(b, prefix) for b in detection.blocks]
         _add(found, blocks, "names")
         found.depths.update({f"{prefix}.{s}" if prefix else s: n for s, n in detection.depths.items()})
@@ -167,16 +167,25 @@ def _tensor_infos(module: nn.Module) -> dict[str, TensorInfo]:
     }
 
 
-def _hf_models(module: nn.Module) -> list[tuple[str, Any]]:
-    """The outermost transformers ``PreTrainedModel`` submodules (the module itself included)."""
-    out: list[tuple[str, Any]] = []
+def _configured_models(module: nn.Module) -> list[tuple[str, Any, dict]]:
+    """The outermost submodules (the module itself included) whose config says their heads, with that config in
+    config.json's terms: transformers ``PreTrainedModel``s, and models holding a framework's config object
+    (FRAMEWORK_CONFIGS: a litgpt GPT's ``litgpt.Config``)."""
+    out: list[tuple[str, Any, dict]] = []
     for path, m in module.named_modules():
-        if any(c.__name__ == "PreTrainedModel" for c in type(m).__mro__) and hasattr(
-            getattr(m, "config", None), "to_dict"
-        ):
-            if not under(path, [p for p, _ in out]):
-                out.append((path, m))
+        config = _config_of(m)
+        if config is not None and not under(path, [p for p, _, _ in out]):
+            out.append((path, m, config))
     return out
+
+
+def _config_of(m: nn.Module) -> dict | None:
+    config: Any = getattr(m, "config", None)
+    if any(c.__name__ == "PreTrainedModel" for c in type(m).__mro__) and hasattr(config, "to_dict"):
+        return config.to_dict()
+    spelled = f"{type(config).__module__}.{type(config).__qualname__}"
+    framework = next((f for f in FRAMEWORK_CONFIGS if spelled in f.config_classes), None)
+    return None if framework is None else framework_config(framework, vars(config))
 
 
 def checkpoint_names(model: nn.Module) -> dict[str, str]:
