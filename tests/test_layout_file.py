@@ -225,15 +225,16 @@ def test_onnx_graphs_take_no_layout_file(custom, cli, tmp_path):
 
 def test_every_built_in_rule_is_an_instance_of_the_layout_schema(tmp_path):
     """The built-in tables are written in the layout file's schema: each rule, written as --emit-layout writes
-    it and read back by the layout reader, is the same rule. Only packing "auto" (query_key_value, whose layout
-    the model type decides) has no spelling in a file: a user states the packing itself."""
-    from surgeon.detect.families import RULES, SECOND_SETS
+    it and read back by the layout reader, is the same rule. Only packing "auto" (a fused tensor whose layout
+    the model type decides: query_key_value, litgpt's attn) has no spelling in a file: a user states the
+    packing itself, and each such rule has its refusal's reason in the table."""
+    from surgeon.detect.families import AUTO_PACKING_WHY, RULES, SECOND_SETS
     from surgeon.detect.layout_emit import _rule_json
     from surgeon.detect.layout_file import read_layout
 
     built_in = list(RULES) + [rule for _, rule in SECOND_SETS]
     auto = [r.name for r in built_in if any(p.packing == "auto" for p in r.parts)]
-    assert auto == ["fused query_key_value"]
+    assert auto == [f"fused {tensor}" for tensor in AUTO_PACKING_WHY]
     layout = tmp_path / "layout.json"
     for rule in built_in:
         if rule.name in auto:
