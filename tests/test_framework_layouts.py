@@ -21,6 +21,7 @@ from surgeon.api import inspect_checkpoint, reinit_checkpoint
 from surgeon.errors import CheckpointError, LayoutError
 
 from _modules import assert_conditioned, assert_same, observe, randomize_biases
+from conftest import expect_cli_error
 
 
 class FromScratchAttention(nn.Module):
@@ -187,6 +188,31 @@ def test_megatron_args_without_group_query_attention_mean_one_group_per_head(tmp
     torch.save({"args": args, "iteration": 1, "model": state}, tmp_path / "model_optim_rng.pt")
     found = inspect_checkpoint(tmp_path / "model_optim_rng.pt")
     assert {(b.heads, b.kv_heads) for b in found.blocks} == {(4, 4)}
+
+
+@pytest.mark.parametrize(
+    "split", [{"tensor_model_parallel_size": 2}, {"pipeline_model_parallel_size": 2}, {"tensor_model_parallel_size": 1}]
+)
+def test_one_ranks_part_of_a_megatron_legacy_checkpoint_is_refused(tmp_path, cli, split):
+    """An mp_rank_XX file of a tensor-parallel run holds that rank's heads only (a pipeline stage's file, its own
+    layers numbered from 0): cut as the whole model it would be a per-slice draw. Refused naming the ranks'
+    sizes and the merge, whatever hints are given; a TP=1, PP=1 file reads as before."""
+    heads = 4 // split.get("tensor_model_parallel_size", 1)
+    _, state = megatron_state(heads=heads, groups=heads)  # what one rank holds: its slice of the heads
+    args = megatron_args(num_attention_heads=4, num_query_groups=4, **split)
+    path = tmp_path / "mp_rank_01" / "model_optim_rng.pt"
+    path.parent.mkdir()
+    torch.save({"args": args, "checkpoint_version": 3.0, "model": state}, path)
+    if max(split.values()) == 1:
+        assert {(b.heads, b.kv_heads) for b in inspect_checkpoint(path).blocks} == {(4, 4)}
+        return
+    said = ", ".join(f"{k}={v}" for k, v in split.items())
+    for command in (
+        ("inspect", path, "--num-heads", heads),
+        ("reinit", path, "-o", tmp_path / "out.pt", "--num-heads", heads, "--num-kv-heads", heads),
+    ):
+        expect_cli_error(cli, tmp_path, *command, match=f"saved with {said}: it holds a slice")
+    assert not (tmp_path / "out.pt").exists()
 
 
 class Stranger:

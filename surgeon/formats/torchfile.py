@@ -181,6 +181,30 @@ def container_config(obj: object) -> dict | None:
     return None
 
 
+# Megatron-LM's arguments saying that one file holds one rank's part of each layer (tensor parallel) or only
+# some layers, numbered from 0 within the stage (pipeline parallel): not the model surgeon would number and cut.
+MEGATRON_PARALLEL_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+
+
+def refuse_rank_part(obj: object, file: str) -> None:
+    """Refuse a Megatron-LM legacy file that is one rank's part of a model (``mp_rank_XX[_YYY]``): its
+    query_key_value holds that rank's heads only, and its layers are the stage's own, numbered from 0."""
+    import argparse
+
+    args = obj.get(MEGATRON_ARGS) if isinstance(obj, Mapping) else None
+    if not isinstance(args, argparse.Namespace):
+        return
+    split = {k: v for k in MEGATRON_PARALLEL_ARGS if isinstance(v := getattr(args, k, 1), int) and v > 1}
+    if split:
+        said = ", ".join(f"{k}={v}" for k, v in split.items())
+        raise CheckpointError(
+            f"{file} is one rank's part of a Megatron-LM checkpoint saved with {said}: it holds a slice of each "
+            "layer's heads or some of the layers, not the model; merge the ranks into one (Megatron-LM's "
+            "tools/checkpoint/convert.py --target-tensor-parallel-size 1 --target-pipeline-parallel-size 1) "
+            "and run surgeon on that"
+        )
+
+
 def megatron_config(args: Mapping, version: object = None) -> dict:
     """Megatron-LM's training arguments in config.json terms. Its num_query_groups counts only with
     group_query_attention (arguments.py core_transformer_config_from_args; its default is 1 either way)."""
@@ -228,6 +252,7 @@ class TorchWeights(WeightSet):
                     f"missing shard {file}: {index or 'the checkpoint'} lists it but it is not in {folder}"
                 )
             loaded = self._loaded[file] = load_file(folder / file)
+            refuse_rank_part(loaded[0], file)
             for name, value in loaded[2].items():
                 if not isinstance(value, torch.Tensor):
                     continue
