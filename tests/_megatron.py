@@ -10,7 +10,11 @@ only where megatron-core is installed (the test asks tests/_frameworks.py first)
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -27,6 +31,26 @@ ARGS = argparse.Namespace(
 def on_cpu() -> None:
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
+
+
+@contextmanager
+def one_process() -> Iterator[None]:
+    """Megatron's model-parallel state over one gloo process (tensor and pipeline parallel size 1), on CPU."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    on_cpu()
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
 
 
 def gpt(seed: int = 0, groups: int = GROUPS):

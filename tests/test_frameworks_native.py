@@ -14,8 +14,6 @@ which that framework missing is a failure. By hand, with the venvs kept in a fol
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 
 import pytest
 import torch
@@ -50,59 +48,18 @@ def changed(before: dict, after: dict) -> set[str]:
 @pytest.fixture(scope="module")
 def megatron():
     framework("megatron")
-    import torch.distributed as dist
+    from _megatron import one_process
 
-    # CPU: Megatron asks CUDA for its device and to synchronize; gloo instead of NCCL
-    torch.cuda.current_device = lambda: 0
-    torch.cuda.synchronize = lambda *a, **k: None
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    from megatron.core import parallel_state
-
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-
-
-def megatron_gpt(seed=0):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    torch.manual_seed(seed)
-    config = TransformerConfig(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        use_cpu_initialization=True,
-        add_bias_linear=True,
-    )
-    model = GPTModel(
-        config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16
-    )
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("linear_qkv.bias"):
-                p.normal_(0, 0.1)
-    return model.eval()
-
-
-def megatron_maps(model, layer):
-    attn = model.decoder.layers[layer].self_attention
-    x = probe(32)  # (1, T, D); Megatron runs (T, B, D)
-    with torch.no_grad():
-        q, k, v = attn.get_query_key_value_tensors(x.transpose(0, 1), None)[:3]  # Megatron's own split
-    return maps_of(x, q, k, v, heads_axis=2, time_axis=0)
+    with one_process():
+        yield
 
 
 @pytest.mark.parametrize("container", ["state dict", "model_optim_rng.pt"])
 def test_megatron_core_linear_qkv_per_query_group(tmp_path, megatron, container):
-    model = megatron_gpt()
+    from _megatron import gpt
+    from _megatron import maps as megatron_maps
+
+    model = gpt()
     before = [megatron_maps(model, i)[0] for i in range(2)]
     state = model.state_dict()
     if container == "state dict":  # no config: the heads are hints
@@ -123,7 +80,7 @@ def test_megatron_core_linear_qkv_per_query_group(tmp_path, megatron, container)
         out = torch.load(tmp_path / "out.pt", weights_only=True)
     out = out if container == "state dict" else out["model"]
     assert changed(state, out) == {f"decoder.layers.1.self_attention.linear_qkv.{p}" for p in ("weight", "bias")}
-    fresh = megatron_gpt(seed=1)
+    fresh = gpt(seed=1)
     fresh.load_state_dict(out)  # Megatron's own loader
     assert_same(megatron_maps(fresh, 0)[0], before[0])
     maps, groups = megatron_maps(fresh, 1)

@@ -60,13 +60,10 @@ def save_lit(model, folder):
     return folder
 
 
-def lit_maps(model, layer):
-    """Per-head maps of layer ``layer`` from litgpt's own forward: its qkv, split, view and repeat of the key/value
-    heads, captured where it hands them to its scaled_dot_product_attention (rotary angle 0: cos 1, sin 0)."""
-    attn = model.transformer.h[layer].attn
-    x = probe(WIDTH)
-    rope = torch.ones(1, x.shape[1], model.config.rope_n_elem), torch.zeros(1, x.shape[1], model.config.rope_n_elem)
-    seen = {}
+def attention_inputs(attn, x, rope_n_elem: int) -> dict:
+    """The q, k, v litgpt's attention module hands its own scaled_dot_product_attention for input ``x``
+    (rotary angle 0: cos 1, sin 0)."""
+    seen: dict = {}
     own = attn.scaled_dot_product_attention
 
     def capture(q, k, v, mask=None):
@@ -76,9 +73,18 @@ def lit_maps(model, layer):
     attn.scaled_dot_product_attention = capture
     try:
         with torch.no_grad():
-            attn(x, *rope)
+            attn(x, torch.ones(1, x.shape[1], rope_n_elem), torch.zeros(1, x.shape[1], rope_n_elem))
     finally:
         del attn.scaled_dot_product_attention
+    return seen
+
+
+def lit_maps(model, layer):
+    """Per-head maps of layer ``layer`` from litgpt's own forward: its qkv, split, view and repeat of the key/value
+    heads, captured where it hands them to its scaled_dot_product_attention (rotary angle 0: cos 1, sin 0)."""
+    attn = model.transformer.h[layer].attn
+    x = probe(WIDTH)
+    seen = attention_inputs(attn, x, model.config.rope_n_elem)
     (qw, qb), (kw, kb), (vw, vb) = (_solve(x, seen[r].float()) for r in "qkv")  # (B, heads, T, d)
     return Maps(qw, qb, kw, kb, vw, vb), model.config.n_head // model.config.n_query_groups
 
@@ -275,18 +281,9 @@ def latent_maps(model, layer):
         getattr(attn, m).register_forward_pre_hook(lambda _, args, m=m: seen.update({m: args[0]}))
         for m in ("q_b_proj", "kv_b_proj")
     ]
-    own = attn.scaled_dot_product_attention
-
-    def capture(q, k, v, mask=None):
-        seen.update(q=q, k=k, v=v)
-        return own(q, k, v, mask)
-
-    attn.scaled_dot_product_attention = capture
     try:
-        with torch.no_grad():
-            attn(x, torch.ones(1, x.shape[1], rope), torch.zeros(1, x.shape[1], rope))
+        seen.update(attention_inputs(attn, x, rope))
     finally:
-        del attn.scaled_dot_product_attention
         for hook in hooks:
             hook.remove()
     nope = model.config.qk_nope_head_dim

@@ -16,9 +16,7 @@ Run in Megatron's venv (scripts/frameworks_check.sh megatron); elsewhere these t
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -40,21 +38,10 @@ HINTS = {"num_heads": 4, "num_kv_heads": 2}
 @pytest.fixture(scope="module")
 def megatron():
     framework("megatron")
-    import torch.distributed as dist
-    from _megatron import on_cpu
+    from _megatron import one_process
 
-    on_cpu()
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    from megatron.core import parallel_state
-
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
+    with one_process():
+        yield
 
 
 def torch_state(folder: Path, file: Path) -> dict:
