@@ -149,7 +149,7 @@ def checkpoint(transformers, cuda: bool) -> None:
     try:
         from click.testing import CliRunner
 
-        from surgeon.cli import main
+        from surgeon.cli.commands import main
 
         def run(src, out, device):
             result = CliRunner().invoke(main, ["reinit", str(src), "-o", str(out), "--device", device, "--seed", "2"])

@@ -15,12 +15,12 @@ from ._version import __version__
 _EXPORTS = {
     "inspect_checkpoint": "api",
     "reinit_checkpoint": "api",
-    "inspect": "modules",
-    "inspect_module": "modules",
-    "reinit": "modules",
-    "reinit_": "modules",
-    "conditioned_init_": "init_hooks",
-    "recover": "journal",
+    "inspect": "in_memory",
+    "inspect_module": "in_memory",
+    "reinit": "in_memory",
+    "reinit_": "in_memory",
+    "conditioned_init_": "integrations.init_hooks",
+    "recover": "write.journal",
     "verify": "audit",
     "Verification": "audit",
     "VerificationError": "errors",
@@ -40,17 +40,17 @@ _EXPORTS = {
     "HubNotFoundError": "errors",
     "HubOfflineError": "errors",
     "PushError": "errors",
-    "PushResult": "hub",
-    "PushTarget": "hub",
+    "PushResult": "write.push",
+    "PushTarget": "write.push",
     "Hints": "detect.config",
-    "push_folder": "hub",
-    "ReinitOptions": "plan",
-    "Report": "report",
-    "jacobian_report": "jacobian",
-    "JacobianReport": "jacobian",
-    "AttentionBlock": "spec",
-    "Projection": "spec",
-    "Rows": "spec",
+    "push_folder": "write.push",
+    "ReinitOptions": "options",
+    "Report": "report.report",
+    "jacobian_report": "compute.jacobian",
+    "JacobianReport": "compute.jacobian",
+    "AttentionBlock": "detect.blocks",
+    "Projection": "detect.blocks",
+    "Rows": "detect.blocks",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -72,6 +72,8 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from .api import inspect_checkpoint, reinit_checkpoint
     from .audit import Verification, verify
+    from .compute.jacobian import JacobianReport, jacobian_report
+    from .detect.blocks import AttentionBlock, Projection, Rows
     from .detect.config import Hints
     from .errors import (
         CheckpointError,
@@ -91,11 +93,9 @@ if TYPE_CHECKING:
         UnsupportedWeightsError,
         VerificationError,
     )
-    from .hub import PushResult, PushTarget, push_folder
-    from .init_hooks import conditioned_init_
-    from .jacobian import JacobianReport, jacobian_report
-    from .journal import recover
-    from .modules import inspect, inspect_module, reinit, reinit_
-    from .plan import ReinitOptions
-    from .report import Report
-    from .spec import AttentionBlock, Projection, Rows
+    from .in_memory import inspect, inspect_module, reinit, reinit_
+    from .integrations.init_hooks import conditioned_init_
+    from .options import ReinitOptions
+    from .report.report import Report
+    from .write.journal import recover
+    from .write.push import PushResult, PushTarget, push_folder

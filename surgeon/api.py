@@ -8,19 +8,19 @@ from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from . import hub
 from ._version import __version__
-from .compute import Compute, Progress
+from .compute.modes import get_mode
+from .compute.per_file import Compute, Progress
 from .detect import Detection, detect_source
 from .detect.config import HINT_KEYWORDS, HintInput, Hints
 from .errors import CheckpointError, HubError, OptionError, opt
-from .hub import PushTarget
-from .journal import hold
-from .modes import get_mode
-from .output import Destination, folder_output_files, resolve_destination
-from .plan import Plan, ReinitOptions, prepare_checkpoint
-from .report import ProjectionRow, Report
-from .source import Source
+from .open import hub
+from .open.source import Source
+from .plan.planner import Plan, ReinitOptions, prepare_checkpoint
+from .report.report import ProjectionRow, Report
+from .write.journal import hold
+from .write.output import Destination, folder_output_files, resolve_destination
+from .write.push import PushTarget
 
 if TYPE_CHECKING:  # torch is imported when tensors are first touched, so that opening, planning and
     import torch  # the byte copies of a reinit run while it loads
@@ -79,7 +79,7 @@ def inspect_checkpoint(
     config.json does not. Per-head condition numbers are always computed; the whole-projection kappa and
     spectral norm with ``full=True``.
     ``verify_layout=True`` also checks the blocks against the forward of the architecture config.json names
-    (:func:`surgeon.layout_check.verify_layout`; a note, or a LayoutError); ``jacobian=True`` adds the attention
+    (:func:`surgeon.audit.layout.verify_layout`; a note, or a LayoutError); ``jacobian=True`` adds the attention
     Jacobian report (``report.jacobian``; ``inputs``: text lines or a .pt of token ids). The checkpoint is
     opened and detected once for all of them.
     ``layout``: a layout file (JSON, :mod:`surgeon.detect.layout_file`) whose rules are tried before the
@@ -90,7 +90,7 @@ def inspect_checkpoint(
     hints = Hints.build(hints, **hint_keywords)
     if inputs is not None and not jacobian:
         raise OptionError(f"{opt('inputs')} goes with {opt('jacobian', True)}")
-    from .apply import inspect_blocks, resolve_device
+    from .compute.engine import inspect_blocks, resolve_device
 
     dev = resolve_device(device)
     start = time.perf_counter()
@@ -113,12 +113,12 @@ def inspect_checkpoint(
     if emit_layout is not None:
         notes.append(f"wrote the detected layout to {emit_layout} (give it back with {opt('layout', emit_layout)})")
     if verify_layout:
-        from .layout_check import check_layout
+        from .audit.layout import check_layout
 
         notes.append(check_layout(source, detection.blocks).summary())
     report_jacobian = None
     if jacobian:
-        from .jacobian import source_jacobian
+        from .compute.jacobian import source_jacobian
 
         report_jacobian = source_jacobian(source, inputs=inputs)
     rows = [
@@ -162,20 +162,20 @@ def reinit_checkpoint(
     """Re-initialize the chosen Q/K/V projections of a checkpoint and write a new one beside it.
 
     ``model``: a path (safetensors, PyTorch, ONNX file or folder) or a Hub id (``org/name``, at ``revision``).
-    What to do: ``options`` (a :class:`~surgeon.plan.ReinitOptions`); what config.json does not say:
+    What to do: ``options`` (a :class:`~surgeon.plan.planner.ReinitOptions`); what config.json does not say:
     ``hints`` (a :class:`~surgeon.detect.config.Hints`). The fields of either may also be given as
     keywords (``layers``, ``targets``, ``heads``, ``mode``, ``seed``, ...; ``num_heads``, ``head_dim``, ...),
     which replace those of the objects.
     Where: ``output`` (default: beside the input), or ``in_place=True`` (safetensors: only the changed
-    byte ranges are patched, journaled; see :mod:`surgeon.journal`). A folder output gets a model card.
+    byte ranges are patched, journaled; see :mod:`surgeon.write.journal`). A folder output gets a model card.
     ONNX: ``output="out.onnx"`` for an .onnx with external data writes out.onnx with its data beside it
     (``out.onnx.data``), a path without .onnx a folder; a shared initializer that must change becomes a
-    copy for the chosen projections. ``push`` (a repo id, or a :class:`~surgeon.hub.PushTarget` for a
+    copy for the chosen projections. ``push`` (a repo id, or a :class:`~surgeon.write.push.PushTarget` for a
     branch, a pull request, a private repo or a token) uploads the output folder in one commit.
     ``full=True`` also measures each whole projection's kappa and spectral norm.
     ``distributed=True``: every rank of a torchrun job (or of a training script's process group) calls this
     with the same arguments, and each writes only its own share of a DCP or sharded safetensors folder
-    (:mod:`surgeon.ranks`); the output is the one a single process writes, byte for byte, and every rank
+    (:mod:`surgeon.write.ranks`); the output is the one a single process writes, byte for byte, and every rank
     returns the whole report.
 
     >>> reinit_checkpoint("model.safetensors", layers="0-11", output="reset.safetensors")  # doctest: +SKIP
@@ -186,7 +186,7 @@ def reinit_checkpoint(
     opts = opts.validated()
     check_device(device)
     if distributed:
-        from . import ranks
+        from .write import ranks
 
         ranks.refuse(in_place=in_place, push=target is not None)
         group = ranks.Ranks.join()
@@ -253,8 +253,8 @@ def _reinit_ranks(
     config: str | Path | None,
     full: bool,
 ) -> Report:
-    """reinit_checkpoint on every rank of ``group`` (a :class:`surgeon.ranks.Ranks`): each plans alike, writes its share."""
-    from . import ranks
+    """reinit_checkpoint on every rank of ``group`` (a :class:`surgeon.write.ranks.Ranks`): each plans alike, writes its share."""
+    from .write import ranks
 
     start = time.perf_counter()
 
@@ -270,7 +270,7 @@ def _reinit_ranks(
     if dry_run:
         notes += _dry_run_notes(source, dest, overwrite=overwrite, push=None)
         return _report(source, detection, plan, dest, _planned_rows(source, plan), notes, device=str(device))
-    from .card import source_card, write_card
+    from .report.card import source_card, write_card
 
     with hold(source, exclusive=False):
         notes += group.step(lambda: source.primary.check_plan(plan, detection))
@@ -377,7 +377,7 @@ def _carry_out(
     nothing delays the start of the byte copies."""
     notes = [note for weights in source.weights for note in weights.check_plan(plan, detection)]
     _check_secondary_sets(source, plan.tensors())
-    from .card import source_card, write_card
+    from .report.card import source_card, write_card
 
     original = source_card(source) if dest.gets_card else None  # a card that cannot be read refuses here
     run = Compute(plan, device, whole=full, progress=progress, total=len(plan.tensors()) * len(source.weights))
@@ -462,7 +462,7 @@ def _report(
 
 
 def _reproduce(model: str | Path, source: Source, options: ReinitOptions, hints: Hints, dest: Path) -> str:
-    from .card import reproduce_command
+    from .report.card import reproduce_command
 
     if source.hub_id:
         label, revision = source.hub_id, source.hub_commit

@@ -6,7 +6,7 @@ and every error pickles with its fields.
 
 A message is one line that says what is wrong and what to do about it. Options are named in it with
 :func:`opt`, never spelt: the Python API shows ``num_heads=4`` (``str(exc)``), the CLI shows
-``--num-heads 4`` (``surgeon.cli`` spells them from :attr:`SurgeonError.options`), and prints the
+``--num-heads 4`` (``surgeon.cli.commands`` spells them from :attr:`SurgeonError.options`), and prints the
 result as ``surgeon: error: <message>`` without a traceback. Fields: ``tensor`` (the tensor at
 fault), ``path`` (the file or folder), ``options`` (the options the message names), ``context``
 (what had already happened, put before the message, e.g. "wrote OUT, but the push failed: ").
@@ -75,8 +75,8 @@ class SurgeonError(Exception):
 
     def describe(self, spelling: Spelling = python_spelling) -> str:
         """The one-line message, options spelt by ``spelling``; a token echoed by a server never appears, and a
-        name with a newline in it cannot add a line (:func:`surgeon.shown.shown`; ``tensor``/``path`` stay raw)."""
-        from .shown import one_line
+        name with a newline in it cannot add a line (:func:`surgeon.report.shown.shown`; ``tensor``/``path`` stay raw)."""
+        from .report.shown import one_line
 
         text = spell(self.message, spelling)
         return one_line(f"{self.context}{text}" if self.context else text)

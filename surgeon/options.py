@@ -7,11 +7,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from .compute.modes import NAMES as MODES
+from .compute.modes import all_modes, get_mode, owner_of
+from .compute.spectrum import VALUE_IDENTITIES
 from .errors import OptionError, opt
-from .modes import NAMES as MODES
-from .modes import all_modes, get_mode, owner_of
-from .selection import IndexSpec, parse_targets
-from .spectrum import VALUE_IDENTITIES
+from .plan.selection import IndexSpec, parse_targets
 
 BIAS_CHOICES = ("auto", "zero", "keep")
 
@@ -23,8 +23,8 @@ AS_FIELD = "(the field's default)"  # OptionInfo.shell_default when a shell show
 class OptionInfo:
     """What a user-facing shell needs to know about one option of :class:`ReinitOptions`.
 
-    The CLI makes its ``--flags`` from these (surgeon.cli), the model card its reproduce command
-    (surgeon.card): the options are spelt once, as the fields of ReinitOptions.
+    The CLI makes its ``--flags`` from these (surgeon.cli.commands), the model card its reproduce command
+    (surgeon.report.card): the options are spelt once, as the fields of ReinitOptions.
     """
 
     help: str

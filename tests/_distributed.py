@@ -202,7 +202,7 @@ def memory_worker(rank: int, world: int, out: str, checkpoint: str) -> None:
     from transformers import LlamaForCausalLM
 
     import surgeon
-    from surgeon.distributed import _local
+    from surgeon.compute.distributed import _local
 
     mesh = init_device_mesh("cpu", (world,))
     with torch.device("meta"):

@@ -178,7 +178,7 @@ class Surgeon:
 # huggingface_hub's own warnings included, is seen; an escaped exception prints its traceback there.
 _MANY = r"""
 import json, os, sys, tempfile, traceback
-from surgeon.cli import main
+from surgeon.cli.commands import main
 results = []
 for args in json.loads(sys.stdin.read()):
     saved, files = [os.dup(1), os.dup(2)], [tempfile.TemporaryFile(), tempfile.TemporaryFile()]

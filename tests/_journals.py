@@ -15,14 +15,14 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from surgeon import journal_file as jf
-from surgeon.formats.safetensors import read_header
-from surgeon.journal import journal_path
+from surgeon.open.formats.safetensors import read_header
+from surgeon.write.journal import journal_path
 
 # `surgeon ARGS` that patches the first tensor of the first file, then dies as kill -9 does.
 KILL_AFTER_FIRST = textwrap.dedent(
     """
     import os, signal, sys
-    import surgeon.journal as journal
+    import surgeon.write.journal as journal
     real = journal.patch
 
     def patch(header, path, start, updates):
@@ -30,7 +30,7 @@ KILL_AFTER_FIRST = textwrap.dedent(
         os.kill(os.getpid(), signal.SIGKILL)
 
     journal.patch = patch
-    from surgeon.cli import main
+    from surgeon.cli.commands import main
     sys.argv = ["surgeon", *sys.argv[1:]]
     main()
     """

@@ -77,7 +77,7 @@ class Cli:
     def __call__(self, *args: str, ok: bool = True):
         from click.testing import CliRunner
 
-        from surgeon.cli import main
+        from surgeon.cli.commands import main
 
         result = CliRunner().invoke(main, [str(a) for a in args])
         if ok and result.exit_code != 0:

@@ -306,7 +306,7 @@ def test_dry_run_json_lists_selected_heads_and_dtype(cli, llama_dir):
 
 
 def test_one_block_is_singular(cli, tmp_path):
-    from surgeon.layout_check import LayoutCheck
+    from surgeon.audit.layout import LayoutCheck
 
     src = tmp_path / "one"
     tiny_llama(num_hidden_layers=1).save_pretrained(src)

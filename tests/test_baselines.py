@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 import surgeon
-from surgeon.conditioning import head_seed
+from surgeon.compute.conditioning import head_seed
 
 from conftest import expect_cli_error, tiny_bert, tiny_llama
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from surgeon.staging import STAGING_SUFFIX, _owner_prefix
+from surgeon.write.staging import STAGING_SUFFIX, _owner_prefix
 
 from _kill import watch
 from conftest import tiny_llama, tree_digest
@@ -57,11 +57,11 @@ def hooked_open(file, mode="r", *a, **kw):
     f = real_open(file, mode, *a, **kw)
     return Writer(f) if any(c in mode for c in "wax+") else f
 import torch
-import surgeon.formats.safetensors as st, surgeon.formats.torchfile as tf
+import surgeon.open.formats.safetensors as st, surgeon.open.formats.torchfile as tf
 for owner, name in [(os, "replace"), (os, "rename"), (shutil, "rmtree"), (shutil, "copyfile"), (tempfile, "mkdtemp"),
                     (st, "copy_range"), (st, "write_patched"), (torch, "save")]:
     wrap(owner, name)
-from surgeon.cli import main
+from surgeon.cli.commands import main
 builtins.open = hooked_open
 try:
     main.main(args, prog_name="surgeon", standalone_mode=True)

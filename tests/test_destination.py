@@ -17,8 +17,8 @@ from safetensors import safe_open
 
 import surgeon
 from surgeon import Hints, OptionError, PushTarget, ReinitOptions, reinit_checkpoint
-from surgeon.output import OutputKind, resolve_destination
-from surgeon.source import open_source
+from surgeon.open.source import open_source
+from surgeon.write.output import OutputKind, resolve_destination
 
 from conftest import tiny_llama
 

@@ -215,7 +215,7 @@ def test_malformed_header_entries(cli, tmp_path, entry):
 def test_errors_live_in_one_module_and_carry_fields(tmp_path):
     """Every public error is defined in surgeon.errors; options are named by field, spelt by who shows them."""
     import surgeon
-    from surgeon.cli import cli_spelling
+    from surgeon.cli.commands import cli_spelling
     from surgeon.errors import SurgeonError
 
     errors = [getattr(surgeon, n) for n in surgeon.__all__ if n.endswith("Error")]
@@ -238,7 +238,7 @@ def test_errors_name_the_tensor_and_the_file(tmp_path):
     import struct
 
     from surgeon.errors import CheckpointError
-    from surgeon.formats.safetensors import SafetensorsWeights
+    from surgeon.open.formats.safetensors import SafetensorsWeights
 
     header = b'{"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 8]}}'
     bad = tmp_path / "bad.safetensors"

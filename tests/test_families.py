@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from surgeon import reinit_checkpoint
-from surgeon.apply import head_matrices
-from surgeon.formats.safetensors import SafetensorsWeights
+from surgeon.compute.engine import head_matrices
+from surgeon.open.formats.safetensors import SafetensorsWeights
 
 from _families import FAMILIES
 from _observe import observe

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from surgeon.detect.blocks import PACKINGS
 from surgeon.detect.by_name import detect
 from surgeon.detect.families import KV_SLOTS, RULES, projection_names
 from surgeon.errors import NoAttentionFoundError
-from surgeon.formats.base import TensorInfo
-from surgeon.formats.registry import FORMATS, WEIGHT_SUFFIXES, format_of
-from surgeon.spec import PACKINGS
+from surgeon.open.formats.base import TensorInfo
+from surgeon.open.formats.registry import FORMATS, WEIGHT_SUFFIXES, format_of
 
 
 def test_every_packing_has_a_kv_slot_rule():
@@ -47,7 +47,7 @@ def test_detect_routes_by_input_kind():
 
     from surgeon.detect import Detection, detect
     from surgeon.detect.module import ModuleDetection
-    from surgeon.source import open_source
+    from surgeon.open.source import open_source
 
     found = detect(open_source(Path(__file__).resolve().parents[1] / "examples" / "tiny-bert"))
     assert isinstance(found, Detection) and found.blocks
@@ -59,10 +59,10 @@ def test_options_are_spelt_once():
     """Every ReinitOptions field is a `surgeon reinit` flag and part of the card's reproduce command."""
     from click.testing import CliRunner
 
-    from surgeon.card import reproduce_command
-    from surgeon.cli import main
+    from surgeon.cli.commands import main
     from surgeon.detect.config import Hints
-    from surgeon.plan import ReinitOptions, option_infos
+    from surgeon.plan.planner import ReinitOptions, option_infos
+    from surgeon.report.card import reproduce_command
 
     help_text = CliRunner().invoke(main, ["reinit", "--help"]).output
     for name, _ in option_infos():

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from surgeon.errors import SelectionError, SurgeonError
-from surgeon.formats.safetensors import DTYPES, read_header
-from surgeon.selection import resolve_indices
+from surgeon.open.formats.safetensors import DTYPES, read_header
+from surgeon.plan.selection import resolve_indices
 
 from conftest import tree_digest
 
@@ -185,7 +185,7 @@ def test_onnx_external_data_resolver(cli, tmp_path_factory, location, offset, le
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
     assert result.exit_code != 0 and result.stderr.count("\n") == 1  # no attention in a lone MatMul, at best
     assert tree_digest(base) == before  # nothing written, anywhere
-    from surgeon.formats.onnx import OnnxWeights
+    from surgeon.open.formats.onnx import OnnxWeights
 
     try:
         weights = OnnxWeights(folder / "model.onnx")

@@ -8,7 +8,7 @@ import shlex
 from huggingface_hub import ModelCard, ModelCardData
 
 from surgeon import __version__, reinit_checkpoint
-from surgeon.report import fmt_kappa
+from surgeon.report.report import fmt_kappa
 
 from conftest import sha256, tiny_llama, tree_digest
 

@@ -73,6 +73,6 @@ def test_the_checker_finds_a_cycle():
 def test_no_import_cycle():
     modules = _modules()
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}
-    assert "surgeon.plan" in graph["surgeon.api"]  # the reader sees real imports
+    assert "surgeon.plan.planner" in graph["surgeon.api"]  # the reader sees real imports
     cycle = _cycle(graph)
     assert cycle is None, " -> ".join(cycle)

@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from surgeon import reinit_checkpoint
-from surgeon.formats.safetensors import read_header, records
-from surgeon.journal import SUFFIX, journal_path
+from surgeon.open.formats.safetensors import read_header, records
+from surgeon.write.journal import SUFFIX, journal_path
 
 from _kill import watch
 from conftest import expect_cli_error, sha256, tiny_llama
@@ -92,7 +92,7 @@ def test_in_place_adds_the_record_where_the_header_has_room(tmp_path):
 KILLER = textwrap.dedent(
     """
     import os, signal, sys
-    import surgeon.journal as journal
+    import surgeon.write.journal as journal
     real, calls = journal.patch, []
 
     def patch(header, path, start, updates):  # patch the first tensor of this call, then die like kill -9
@@ -100,7 +100,7 @@ KILLER = textwrap.dedent(
         os.kill(os.getpid(), signal.SIGKILL)
 
     journal.patch = patch
-    from surgeon.cli import main
+    from surgeon.cli.commands import main
     sys.argv = ["surgeon", *sys.argv[1:]]
     main()
     """

@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from surgeon.journal import SUFFIX, journal_path
+from surgeon.write.journal import SUFFIX, journal_path
 
 from _journals import kill_half_way, tensor_range
 from conftest import expect_cli_error, sha256, tiny_llama, tree_digest
@@ -31,7 +31,7 @@ Q0 = "model.layers.0.self_attn.q_proj.weight"
 PAUSE = textwrap.dedent(
     """
     import os, sys, time
-    import surgeon.journal as journal
+    import surgeon.write.journal as journal
     where, paused, go = sys.argv[1:4]
 
     def wait():
@@ -56,7 +56,7 @@ PAUSE = textwrap.dedent(
             wait()
             return done + real(header, path, start, items)
         journal.patch = patch
-    from surgeon.cli import main
+    from surgeon.cli.commands import main
     sys.argv = ["surgeon", *sys.argv[4:]]
     main()
     """
@@ -140,7 +140,7 @@ def test_a_copy_refuses_while_a_patch_is_half_way(tmp_path, cli):
 SAYS_WHEN_WAITING = textwrap.dedent(
     """
     import sys, time
-    import surgeon.locks as locks
+    import surgeon.write.locks as locks
     waiting, said = sys.argv[1], []
 
     class Clock:
@@ -154,7 +154,7 @@ SAYS_WHEN_WAITING = textwrap.dedent(
             time.sleep(seconds)
 
     locks.time = Clock
-    from surgeon.cli import main
+    from surgeon.cli.commands import main
     sys.argv = ["surgeon", *sys.argv[2:]]
     main()
     """
@@ -263,7 +263,7 @@ def test_disk_full_while_journaling_leaves_no_temporary_journal(llama_dir):
 CTRL_C = textwrap.dedent(
     """
     import os, signal, sys, time
-    import surgeon.journal as journal
+    import surgeon.write.journal as journal
     real_patch, real_restore, times = journal.patch, journal.jf.restore, sys.argv[1]
 
     def patch(header, path, start, updates):
@@ -278,7 +278,7 @@ CTRL_C = textwrap.dedent(
         return real_restore(*args)
 
     journal.patch, journal.jf.restore = patch, restore
-    from surgeon.cli import main
+    from surgeon.cli.commands import main
     sys.argv = ["surgeon", *sys.argv[2:]]
     main()
     """
@@ -350,7 +350,7 @@ KILL_AFTER_HEADER = textwrap.dedent(
             os.kill(os.getpid(), signal.SIGKILL)
         return n
     os.pwrite = pwrite
-    from surgeon.cli import main
+    from surgeon.cli.commands import main
     sys.argv = ["surgeon", *sys.argv[1:]]
     main()
     """
@@ -360,7 +360,7 @@ KILL_AFTER_HEADER = textwrap.dedent(
 def test_a_patched_header_is_rolled_back_with_the_tensors(tmp_path, cli):
     import struct
 
-    from surgeon.formats.safetensors import read_header, records
+    from surgeon.open.formats.safetensors import read_header, records
 
     folder = tmp_path / "padded"
     tiny_llama().save_pretrained(folder)
@@ -422,7 +422,7 @@ def test_verify_waits_for_an_in_place_run_on_the_output(tmp_path, cli):
 KILL_AFTER_ALL = textwrap.dedent(
     """
     import os, signal, sys
-    import surgeon.journal as journal
+    import surgeon.write.journal as journal
     real = journal.patch
 
     def patch(header, path, start, updates):
@@ -430,7 +430,7 @@ KILL_AFTER_ALL = textwrap.dedent(
         os.kill(os.getpid(), signal.SIGKILL)
 
     journal.patch = patch
-    from surgeon.cli import main
+    from surgeon.cli.commands import main
     sys.argv = ["surgeon", *sys.argv[1:]]
     main()
     """
@@ -440,7 +440,7 @@ KILL_AFTER_ALL = textwrap.dedent(
 CTRL_C_IN_RECOVER = textwrap.dedent(
     """
     import os, signal, sys, time
-    import surgeon.journal_file as jf
+    import surgeon.write.journal_file as jf
     real = jf.restore
 
     def restore(*args):
@@ -449,7 +449,7 @@ CTRL_C_IN_RECOVER = textwrap.dedent(
         time.sleep(30)
 
     jf.restore = restore
-    from surgeon.cli import main
+    from surgeon.cli.commands import main
     sys.argv = ["surgeon", *sys.argv[1:]]
     main()
     """

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from surgeon import bounded
-from surgeon.bounded import MAX_DEPTH, too_deep
+from surgeon.open.bounded import MAX_DEPTH, too_deep
 
 from conftest import expect_cli_error, tiny_llama
 

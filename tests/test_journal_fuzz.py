@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from surgeon import CheckpointError
 from surgeon import journal_file as jf
-from surgeon.journal import journal_path, recover
+from surgeon.write.journal import journal_path, recover
 
 from _journals import kill_half_way
 from conftest import tiny_llama

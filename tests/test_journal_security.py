@@ -20,7 +20,7 @@ import sys
 import pytest
 
 from surgeon import CheckpointError
-from surgeon.journal import journal_path, recover
+from surgeon.write.journal import journal_path, recover
 
 from _journals import best_forgery, craft, ident, kill_half_way, tensor_range
 from conftest import expect_cli_error, sha256, tiny_llama, tree_digest
@@ -227,7 +227,7 @@ def test_a_huge_journal_is_refused_without_reading_it(llama_dir, tmp_path):
             f.truncate(512 << 20)
         # VmHWM: this process's own peak (ru_maxrss would count the pytest process it was forked from)
         script = (
-            "import re, sys\nfrom surgeon.cli import main\n"
+            "import re, sys\nfrom surgeon.cli.commands import main\n"
             "try:\n    main.main(['recover', sys.argv[1]], standalone_mode=True)\n"
             "except SystemExit as e:\n"
             "    print('RC', e.code, 'PEAK_KB', re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1])\n"

@@ -11,7 +11,7 @@ import torch
 
 from surgeon import reinit_checkpoint
 from surgeon.api import inspect_checkpoint
-from surgeon.layout_check import verify_layout
+from surgeon.audit.layout import verify_layout
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -184,7 +184,7 @@ def test_emitted_layout_round_trips(name, cli, tmp_path):
     from surgeon.api import load
     from surgeon.detect import detect_source
     from surgeon.detect.config import Hints
-    from surgeon.plan import ReinitOptions, prepare_checkpoint
+    from surgeon.plan.planner import ReinitOptions, prepare_checkpoint
 
     from _families import FAMILIES
 

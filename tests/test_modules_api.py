@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import surgeon
-from surgeon.cli import cli_spelling
+from surgeon.cli.commands import cli_spelling
 from surgeon.errors import NoAttentionFoundError, OptionError, SelectionError
 
 from _families import FAMILIES

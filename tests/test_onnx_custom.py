@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from surgeon import inspect_checkpoint, reinit_checkpoint
-from surgeon.apply import head_matrices
-from surgeon.formats.onnx import open_onnx
+from surgeon.compute.engine import head_matrices
+from surgeon.open.formats.onnx import open_onnx
 
 from _onnx_helpers import (
     as_param,

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from surgeon import inspect_checkpoint, reinit_checkpoint
-from surgeon.apply import head_matrices
-from surgeon.formats.onnx import open_onnx, surgeon_records
+from surgeon.compute.engine import head_matrices
+from surgeon.open.formats.onnx import open_onnx, surgeon_records
 
 from _families import FAMILIES
 from _onnx_helpers import (

@@ -17,7 +17,7 @@ import torch
 from onnx import helper, numpy_helper
 
 from surgeon import inspect_checkpoint, reinit_checkpoint
-from surgeon.formats.onnx import open_onnx, surgeon_records
+from surgeon.open.formats.onnx import open_onnx, surgeon_records
 
 from _families import FAMILIES
 from _onnx_graphs import tiny_attention

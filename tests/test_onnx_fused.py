@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from surgeon import inspect_checkpoint, reinit_checkpoint
-from surgeon.apply import head_matrices
-from surgeon.formats.onnx import open_onnx
+from surgeon.compute.engine import head_matrices
+from surgeon.open.formats.onnx import open_onnx
 
 from _families import FAMILIES
 from _onnx_graphs import bert_fused, llama_group_query

@@ -113,8 +113,8 @@ def test_help_and_docstrings_name_onnx(cli):
 
 
 def test_a_push_needs_a_folder(bert, tmp_path):
-    from surgeon.output import OutputKind, resolve_destination
-    from surgeon.source import open_source
+    from surgeon.open.source import open_source
+    from surgeon.write.output import OutputKind, resolve_destination
 
     source = open_source(save_variant(bert[1], tmp_path / "src", "one-file"))
     with pytest.raises(OutputError, match="uploads a model folder"):
@@ -129,7 +129,7 @@ def test_a_push_needs_a_folder(bert, tmp_path):
 def test_saving_before_the_plan_is_checked_is_refused(bert, tmp_path):
     """The copies of shared initializers are decided by check_plan; a save that skipped it fails loudly
     instead of writing a shared initializer's new values for every reader."""
-    from surgeon.source import open_source
+    from surgeon.open.source import open_source
 
     weights = open_source(bert[1]).primary
     with pytest.raises(RuntimeError, match="check_plan"):

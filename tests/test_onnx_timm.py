@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from surgeon import inspect_checkpoint, reinit_checkpoint
-from surgeon.apply import head_matrices
-from surgeon.formats.onnx import open_onnx
+from surgeon.compute.engine import head_matrices
+from surgeon.open.formats.onnx import open_onnx
 
 from _modules import TimmAttention
 from _onnx_helpers import as_param, assert_semi_orthogonal, assert_value_identity, initializers, locate, ort_run

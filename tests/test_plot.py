@@ -89,7 +89,7 @@ def test_inspect_plot_of_the_real_minilm(cli, minilm_dir, tmp_path, saved_figure
         same_points(panels[role, "before"], [(x, k) for x, layer in enumerate(kappas[role]) for k in layer], role)
         assert_pixels_drawn(png, figure, dpi, role, panels[role, "before"])
     from surgeon import inspect
-    from surgeon.plot import points
+    from surgeon.report.plot import points
 
     pts = points(inspect(minilm_dir))
     assert len(pts) == 6 * 3 * 12 and {p[2] for p in pts} == {"before"}
@@ -123,7 +123,7 @@ def test_reinit_plot_before_and_after(cli, minilm_dir, tmp_path, saved_figures):
         )  # only layers 4, 5 reset
         assert_pixels_drawn(png, figure, dpi, role, panels[role, "after"])
     from surgeon import reinit
-    from surgeon.plot import points
+    from surgeon.report.plot import points
 
     pts = points(reinit(minilm_dir, layers="-2-", output=tmp_path / "out2"))
     after_pts = [k for _, x, w, k, _ in pts if w == "after"]

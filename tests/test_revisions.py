@@ -135,7 +135,7 @@ def test_the_python_api_refuses_the_same_revisions(tmp_path, llama_dir):
 
 
 def test_a_push_branch_follows_the_same_rules():
-    from surgeon.hub import PushTarget
+    from surgeon.write.push import PushTarget
 
     for branch in ("a\nb", "x~1", "..", "%2e%2e", "main.lock"):
         with pytest.raises(OptionError, match="the branch to push to"):

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from surgeon import reinit_checkpoint
-from surgeon.formats.safetensors import SafetensorsWeights
-from surgeon.formats.torchfile import TorchWeights
+from surgeon.open.formats.safetensors import SafetensorsWeights
+from surgeon.open.formats.torchfile import TorchWeights
 
 from conftest import sha256, tiny_llama, tree_digest
 

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from surgeon.formats.safetensors import SafetensorsWeights, read_header, records, write_patched
+from surgeon.open.formats.safetensors import SafetensorsWeights, read_header, records, write_patched
 
 
 def raw_tensors(path):

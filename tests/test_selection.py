@@ -1,7 +1,7 @@
 import pytest
 
 from surgeon.errors import SelectionError
-from surgeon.selection import format_indices, parse_attention, parse_targets, resolve_indices
+from surgeon.plan.selection import format_indices, parse_attention, parse_targets, resolve_indices
 
 
 @pytest.mark.parametrize(

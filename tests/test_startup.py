@@ -11,34 +11,33 @@ import sys
 
 TORCH_FREE = [
     "surgeon",
-    "surgeon.cli",
+    "surgeon.cli.commands",
     "surgeon.api",
-    "surgeon.source",
-    "surgeon.plan",
+    "surgeon.open.source",
+    "surgeon.plan.planner",
     "surgeon.options",
-    "surgeon.report",
-    "surgeon.output",
-    "surgeon.staging",
-    "surgeon.shell",
-    "surgeon.compute",
-    "surgeon.journal",
-    "surgeon.journal_file",
-    "surgeon.recovery",
-    "surgeon.locks",
+    "surgeon.report.report",
+    "surgeon.write.output",
+    "surgeon.write.staging",
+    "surgeon.cli.shell",
+    "surgeon.compute.per_file",
+    "surgeon.write.journal",
+    "surgeon.write.journal_file",
+    "surgeon.write.recovery",
+    "surgeon.write.locks",
     "surgeon.errors",
-    "surgeon.hub",
-    "surgeon.hub.ids",
-    "surgeon.hub.read",
-    "surgeon.hub.push",
-    "surgeon.hub.translate",
+    "surgeon.open.hub_ids",
+    "surgeon.open.hub",
+    "surgeon.write.push",
+    "surgeon.open.hub_errors",
     "surgeon.detect",
     "surgeon.detect.by_name",
     "surgeon.detect.config",
     "surgeon.detect.families",
     "surgeon.detect.placement",
-    "surgeon.formats.registry",
-    "surgeon.formats.safetensors",
-    "surgeon.formats.torchfile",
+    "surgeon.open.formats.registry",
+    "surgeon.open.formats.safetensors",
+    "surgeon.open.formats.torchfile",
 ]
 
 
@@ -56,7 +55,7 @@ def test_cli_and_planning_modules_do_not_import_torch():
 
 def test_help_and_version_run_without_torch():
     code = (
-        "import sys\nfrom click.testing import CliRunner\nfrom surgeon.cli import main\n"
+        "import sys\nfrom click.testing import CliRunner\nfrom surgeon.cli.commands import main\n"
         "for args in (['--help'], ['--version'], ['reinit', '--help'], ['inspect', '--help']):\n"
         "    assert CliRunner().invoke(main, args).exit_code == 0, args\n"
         "assert 'torch' not in sys.modules\n"

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from surgeon import reinit_checkpoint
-from surgeon.plan import Plan, ReinitOptions
-from surgeon.redact import redact
+from surgeon.plan.planner import Plan, ReinitOptions
+from surgeon.report.redact import redact
 
 from _hub import TOKEN, Surgeon, all_text_under, make_source
 from _hub_server import HubServer

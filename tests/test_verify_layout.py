@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from surgeon.cli import cli_spelling
+from surgeon.audit.layout import verify_layout
+from surgeon.cli.commands import cli_spelling
 from surgeon.errors import LayoutError, OptionError
-from surgeon.layout_check import verify_layout
 
 from _families import FAMILIES
 

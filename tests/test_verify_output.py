@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import surgeon
-from surgeon.formats.safetensors import encode_header, read_header, with_metadata
+from surgeon.open.formats.safetensors import encode_header, read_header, with_metadata
 
 from _onnx_graphs import tiny_attention
 from conftest import expect_cli_error, tiny_llama
@@ -47,7 +47,7 @@ def llama_out(tmp_path, llama_dir, cli):
 
 
 def test_verifies_a_conditioned_output_byte_for_byte(cli, llama_out, tmp_path):
-    from surgeon.layout_check import (
+    from surgeon.audit.layout import (
         verify_layout,  # the --verify-layout module: importing it must not hide surgeon.verify()
     )
 

@@ -17,7 +17,7 @@ plan is made again, exactly as ``surgeon reinit`` made it, and everything in OUT
 An output made by another surgeon version whose re-derived values differ is "cannot verify" (exit 1,
 saying which version to use), not a mismatch: draws may change between versions.
 
-(``surgeon inspect --verify-layout``, in ``surgeon/layout_check.py``, is a different check: name-based
+(``surgeon inspect --verify-layout``, in ``surgeon/audit/layout.py``, is a different check: name-based
 detection against the real forward of the architecture.)
 """
 
@@ -29,13 +29,13 @@ from pathlib import Path
 import torch
 
 from .._version import __version__
-from ..card import card_comment
+from ..compute.modes import get_mode
+from ..detect.blocks import split_module
 from ..detect.config import HintInput, Hints
 from ..errors import CheckpointError, SurgeonError, VerificationError
-from ..journal import hold
-from ..modes import get_mode
-from ..shown import shown
-from ..spec import split_module
+from ..report.card import card_comment
+from ..report.shown import shown
+from ..write.journal import hold
 from .record import Record, card_records, other_version_note, parse_record, stored_history
 from .values import DerivedMismatch, check_changed, check_untouched
 
@@ -103,8 +103,8 @@ def verify(
     cannot verify: no record, a malformed one, or one of another surgeon version whose values differ.
     ``hints`` (or their fields as keywords, ``num_heads=8``): what the run needed to be told about heads.
     """
-    from ..hub import open_model
-    from ..source import open_source
+    from ..open.hub import open_model
+    from ..open.source import open_source
 
     src = open_model(original, config=config, revision=revision)
     out_path = Path(output)
@@ -171,9 +171,9 @@ def _read_record(out, output) -> tuple[Record, list | None, str]:
 
 def _check_weights(src, out, record: Record, earlier, hints, device, output, original) -> tuple[set[str], int]:
     """The plan made again from the record; every weight set's tensors checked. Returns (changed, identical)."""
-    from ..apply import Engine, resolve_device
+    from ..compute.engine import Engine, resolve_device
     from ..detect import detect_source
-    from ..plan import prepare_checkpoint
+    from ..plan.planner import prepare_checkpoint
 
     detection = detect_source(src, hints)
     try:
@@ -211,7 +211,7 @@ def _check_weights(src, out, record: Record, earlier, hints, device, output, ori
 def _copies(src, out, plan, detection, record: Record, output) -> dict[str, str]:
     """ONNX: the copies of shared initializers the plan needs, made again; the record must list exactly
     those, and the graph must be the original's with only them added (``graph.check_graph``)."""
-    from ..formats.onnx_wire import renamed_data_files
+    from ..open.formats.onnx_wire import renamed_data_files
     from .graph import check_graph
 
     a, b = src.primary, out.primary

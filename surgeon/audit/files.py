@@ -15,9 +15,9 @@ import stat
 from pathlib import Path
 
 from ..errors import VerificationError
-from ..formats.fileio import same_bytes
-from ..output import folder_output_files
-from ..source import SKIP_DIRS
+from ..open.formats.fileio import same_bytes
+from ..open.source import SKIP_DIRS
+from ..write.output import folder_output_files
 from .record import Record, read_card
 
 CARD = "README.md"
@@ -80,8 +80,8 @@ def _regular(path: Path, rel: str, output) -> None:
 
 
 def _what_added(rel: str, src) -> str:
-    from ..formats.registry import format_of
-    from ..source import STALE_WEIGHT_SUFFIXES, STATE_DICT_SUFFIXES
+    from ..open.formats.registry import format_of
+    from ..open.source import STALE_WEIGHT_SUFFIXES, STATE_DICT_SUFFIXES
 
     if (src.folder / rel).is_file():
         return f"is there, a file of {src.path} that surgeon leaves out of its outputs (another copy of the weights, not rewritten)"

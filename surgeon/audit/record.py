@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from .._version import __version__
-from ..bounded import CARD_LIMIT, loads, read_text
-from ..card import CARD_CLOSE, CARD_OPEN
+from ..compute.modes import all_modes, get_mode
+from ..compute.spectrum import VALUE_IDENTITIES
 from ..errors import CheckpointError, SurgeonError
-from ..modes import all_modes, get_mode
-from ..plan import BIAS_CHOICES, MODES, ReinitOptions
-from ..spectrum import VALUE_IDENTITIES
+from ..open.bounded import CARD_LIMIT, loads, read_text
+from ..plan.planner import BIAS_CHOICES, MODES, ReinitOptions
+from ..report.card import CARD_CLOSE, CARD_OPEN
 
 MAX_LIST = 1_000_000  # entries in any list of a record (blocks, layer/head numbers): beyond any real model
 MAX_TEXT = 100_000  # characters in any string of a record

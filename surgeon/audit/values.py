@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from ..conditioning import single_threaded
+from ..compute.conditioning import single_threaded
+from ..compute.modes import get_mode
 from ..errors import VerificationError
-from ..formats.base import tensor_bytes
-from ..modes import get_mode
+from ..open.formats.base import tensor_bytes
 
 EPS64 = 2.0**-52
 
@@ -108,7 +108,7 @@ def _heads_where(name, engine, shape, per_head) -> tuple[torch.Tensor, torch.Ten
 
 def polar_tau(original: torch.Tensor, expected: torch.Tensor, change) -> list[float]:
     """tau of each head of ``change`` (see the module's docstring)."""
-    from ..apply import head_matrices
+    from ..compute.engine import head_matrices
 
     rows = change.projection.weight
     old = head_matrices(original, rows, change.heads).double()
@@ -145,7 +145,7 @@ def tensor_bytes_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def _check_semi_orthogonal(name, engine, got64, tau, dtype, output) -> None:
-    from ..apply import head_matrices
+    from ..compute.engine import head_matrices
 
     eps = torch.finfo(dtype).eps
     for change, what in engine.edits[name]:

@@ -1,6 +1,6 @@
 """Finding attention blocks: by tensor names (checkpoints), ONNX graphs and nn.Module graphs.
 
-The one entry is :func:`detect`, routed by what it is given: a checkpoint (:class:`surgeon.source.Source`)
+The one entry is :func:`detect`, routed by what it is given: a checkpoint (:class:`surgeon.open.source.Source`)
 by its format (ONNX by its graph, every other format by tensor names), an ``nn.Module`` by its
 modules and forward. Family facts are data in :mod:`.families`; placement is :mod:`.placement`.
 Importing this package does not import torch, numpy or onnx.
@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING, Any
 from .result import Detection
 
 if TYPE_CHECKING:
-    from ..source import Source
+    from ..open.source import Source
     from .config import Hints
 
 
 def detect(what: Any, hints: Hints | None = None, **module_options: Any) -> Any:
-    """Every attention block of ``what``: a :class:`~surgeon.source.Source` (returns a
+    """Every attention block of ``what``: a :class:`~surgeon.open.source.Source` (returns a
     :class:`Detection`) or an ``nn.Module`` (returns a ``ModuleDetection``; ``example_inputs=``).
     Raises NoAttentionFoundError if there is none."""
-    from ..source import Source
+    from ..open.source import Source
 
     if isinstance(what, Source):
         return detect_source(what, hints)

@@ -2,7 +2,7 @@
 
 Each family's naming is a :class:`Rule` in :data:`RULES`: which tensors (relative to the attention
 module) hold the projections and how each packs its (role, head) slots. Matching a rule yields
-:class:`~surgeon.spec.AttentionBlock` data; nothing downstream knows about family names.
+:class:`~surgeon.detect.blocks.AttentionBlock` data; nothing downstream knows about family names.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import replace
 from typing import TypeVar
 
 from ..errors import CheckpointError, LayoutError, NoAttentionFoundError, UnsupportedWeightsError, opt
-from ..formats.base import TensorInfo
-from ..spec import AttentionBlock, Projection, Rows, Unreadable, packed_size, slot_offsets, split_module
+from ..open.formats.base import TensorInfo
+from .blocks import AttentionBlock, Projection, Rows, Unreadable, packed_size, slot_offsets, split_module
 from .config import ConfigView, Hints, StackFacts, with_transformers_defaults
 from .families import (  # noqa: F401
     CROSS_WORDS,

@@ -1,7 +1,7 @@
 """Every family fact surgeon knows, as data: adding a model family or a fused layout happens here.
 
 * :data:`RULES`: tensor names (relative to the attention module) that hold the projections, and how
-  each packs its (role, head) slots (a key of :data:`surgeon.spec.PACKINGS`).
+  each packs its (role, head) slots (a key of :data:`surgeon.detect.blocks.PACKINGS`).
 * :data:`SAVED_SPLIT`: fused tensors in memory that a framework saves split per role (the draws' names).
 * :data:`CROSS_WORDS`: module-path words that mark cross-attention.
 * ``*_KEYS`` / :data:`SUBCONFIG_WORDS`: how config.json spells heads, head size, width, per tower.
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from ..spec import SET_TAGS, STREAMS
+from .blocks import SET_TAGS, STREAMS
 
 
 @dataclass(frozen=True)

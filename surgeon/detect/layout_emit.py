@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import LayoutError, OutputError, opt
-from ..spec import AttentionBlock
+from .blocks import AttentionBlock
 from .by_name import LATENT_RULE, match_modules, place_matches
 from .config import ConfigView
 from .families import RULES, Rule

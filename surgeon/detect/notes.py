@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..formats.base import TensorInfo
-from ..selection import format_indices
-from ..spec import AttentionBlock, Unreadable
+from ..open.formats.base import TensorInfo
+from ..plan.selection import format_indices
+from .blocks import AttentionBlock, Unreadable
 from .config import ConfigView
 from .families import (
     ATTENTION_WORDS,

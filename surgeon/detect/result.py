@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..spec import AttentionBlock, Unreadable
+from .blocks import AttentionBlock, Unreadable
 
 
 @dataclass

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ..errors import LayoutError, opt
-from ..formats.base import TensorInfo
-from ..spec import packed_size
+from ..open.formats.base import TensorInfo
+from .blocks import packed_size
 from .config import ConfigView
 from .families import AUTO_PACKING_WHY, KV_SLOTS, RULES, Part, Rule
 from .placement import join

@@ -24,7 +24,7 @@ class ReinitCallback(TrainerCallback):
     """Runs ``surgeon.reinit_(model, **options)`` at ``on_train_begin``; the report is kept as ``.report``."""
 
     def __init__(self, **options: Any) -> None:
-        from ..plan import ReinitOptions
+        from ..plan.planner import ReinitOptions
 
         allowed = set(ReinitOptions.__dataclass_fields__) | {
             "num_heads",
@@ -53,7 +53,7 @@ class ReinitCallback(TrainerCallback):
             raise OptionError(
                 "ReinitCallback: the optimizer already holds state for these weights; re-initialize before the first step"
             )
-        from ..modules import reinit_
+        from ..in_memory import reinit_
 
         self.report = reinit_(model, **self.options)
         if state.is_world_process_zero:

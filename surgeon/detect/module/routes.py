@@ -8,8 +8,8 @@ from typing import Any, cast
 from torch import nn
 
 from ...errors import LayoutError, NoAttentionFoundError, SurgeonError
-from ...formats.base import TensorInfo
-from ...spec import AttentionBlock, Projection, Rows, slot_offsets
+from ...open.formats.base import TensorInfo
+from ..blocks import AttentionBlock, Projection, Rows, slot_offsets
 from ..by_name import detect, match_modules, with_companions
 from ..config import Hints, framework_config
 from ..families import FRAMEWORK_CONFIGS, SAVED_SPLIT

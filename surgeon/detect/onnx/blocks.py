@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 
 from ...errors import LayoutError, NoAttentionFoundError, UnsupportedWeightsError, opt
-from ...spec import AttentionBlock, Projection, Rows
+from ..blocks import AttentionBlock, Projection, Rows
 from ..config import ConfigView, Hints
 from ..families import REFUSED
 from ..placement import place, stack_depths

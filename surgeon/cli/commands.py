@@ -1,0 +1,370 @@
+"""The ``surgeon`` command: a thin shell over :mod:`surgeon.api`."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+
+from .._version import __version__
+from ..errors import OptionError
+from ..report.shown import note_lines, shown
+from .shell import (
+    CONTEXT,
+    OneLineErrors,
+    _out,
+    cli_spelling,
+    full_option,
+    handle_errors,
+    model_options,
+    plot_option,
+    push_options,
+    reinit_options,
+)
+
+__all__ = ["cli_spelling", "main"]
+
+# The commands import surgeon.api (and through it torch) when they run, so that --help and
+# --version answer at once.
+
+
+@click.group(cls=OneLineErrors, context_settings=CONTEXT)
+@click.version_option(__version__, "-V", "--version", prog_name="surgeon")
+@click.option(
+    "--debug",
+    is_flag=True,
+    help="On an internal error, show its traceback (also SURGEON_DEBUG=1). Accepted after the command too.",
+)
+def main(debug: bool) -> None:
+    """Re-initialize the attention of transformer checkpoints with conditioned initialization.
+
+    Per head: semi-orthogonal query and key, rectangular-identity value, so every condition
+    number is 1 (Saratchandran & Lucey, "Conditioned Initialization for Attention").
+    Reads and writes safetensors (single or sharded), PyTorch state dicts, ONNX models (.onnx,
+    embedded or with external data; attention found by walking the graph) and model folders;
+    every tensor it does not re-initialize is left byte for byte as it was.
+    """
+
+
+@main.command(
+    context_settings=CONTEXT,
+    epilog="""\b
+Examples:
+  surgeon inspect model.safetensors
+  surgeon inspect ./my-model --json > report.json
+  surgeon inspect encoder.pt --num-heads 8
+  surgeon inspect model.onnx                                       # an ONNX export (graph walked)
+  surgeon inspect sentence-transformers/all-MiniLM-L6-v2           # a Hugging Face Hub model
+  surgeon inspect org/model --revision v1.0                        # at a branch, tag or commit
+  surgeon inspect ./my-model --verify-layout                       # names vs the real forward
+  surgeon inspect ./my-model --emit-layout layout.json             # the layout found, to edit
+  surgeon inspect ./my-model --layout layout.json                  # your projection names
+""",
+)
+@click.argument("model")
+@click.option(
+    "--emit-layout",
+    type=click.Path(dir_okay=False),
+    help="Write the detected layout (the rules that matched, heads, head size) as a layout file for --layout.",
+)
+@click.option(
+    "--verify-layout",
+    is_flag=True,
+    help="Build the architecture from config.json with transformers (random init, no download) and check "
+    "that its forward uses the q/k/v rows that names say.",
+)
+@click.option(
+    "--jacobian",
+    is_flag=True,
+    help="Build the architecture from config.json, load these weights, run real inputs and report, per layer, "
+    "the terms of the paper's Theorem 3.1 bound on the attention Jacobian's kappa (exact kappa(J) when small).",
+)
+@click.option(
+    "--inputs",
+    type=click.Path(dir_okay=False, exists=True),
+    help="With --jacobian: text lines (tokenized with the model's tokenizer) or a .pt tensor of token ids. "
+    "Default: a built-in English sample.",
+)
+@plot_option
+@model_options
+@full_option
+@handle_errors
+def inspect(
+    model,
+    emit_layout,
+    verify_layout,
+    jacobian,
+    inputs,
+    plot,
+    revision,
+    config,
+    hints,
+    device,
+    full,
+    as_json,
+):
+    """List the attention blocks of MODEL and the condition numbers of their projections.
+
+    MODEL is a .safetensors/.bin/.pt/.onnx file, a sharded *.index.json, a model folder, or a Hugging
+    Face Hub id org/name (a local path of the same name wins; write hf://org/name for the Hub).
+    ONNX: blocks are found by walking the graph; stacks and layers come from the exporter's scopes.
+    """
+    from .. import api
+
+    report = api.inspect_checkpoint(
+        model,
+        hints=hints,
+        revision=revision,
+        config=config,
+        device=device,
+        full=full,
+        progress=not as_json and sys.stderr.isatty(),
+        verify_layout=verify_layout,
+        jacobian=jacobian,
+        inputs=inputs,
+        emit_layout=emit_layout,
+    )
+    if plot:
+        from ..report.plot import plot_kappas
+
+        report.notes.append(f"wrote {plot_kappas(report, plot)}")
+    _out(report.to_json(cli_spelling) if as_json else report.render(cli_spelling))
+
+
+@main.command(
+    context_settings=CONTEXT,
+    epilog="""\b
+Examples:
+  surgeon reinit model.safetensors --layers 0-11
+  surgeon reinit ./bert --layers -2- -o ./bert-top2-reset          # the last two layers
+  surgeon reinit ./llama --targets q,k --heads 0-7 --seed 1
+  surgeon reinit ./t5 --attention cross --stack decoder
+  surgeon reinit model.onnx --layers -2- -o out.onnx               # ONNX: out.onnx (+ out.onnx.data)
+  surgeon reinit ./model --mode polar --strength 0.5 --keep-scale   # halve log-kappa, keep scale
+  surgeon reinit model.safetensors --dry-run                        # print the plan only
+  surgeon reinit org/model --revision v1.0 -o ./model-reset         # read a Hub model at a tag
+  surgeon reinit org/model --push-to-hub me/model-reset --private   # then publish the output
+  surgeon reinit ./bert --push-to-hub org/bert-reset --create-pr    # as a pull request
+\b
+Layer and head specs: all, N, A-B (inclusive), A- (to the last), lists like 0,3,5-7;
+negative numbers count from the end (-1 is the last). Each stack of layers is numbered from 0.
+""",
+)
+@click.argument("model")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(),
+    help="Output file (file input; an .onnx with external data writes its data files beside it) or folder "
+    "(folder input, or a path without .onnx for an .onnx with external data). Default: beside the input.",
+)
+@reinit_options
+@click.option("--overwrite", is_flag=True, help="Replace an existing output.")
+@click.option(
+    "--in-place",
+    is_flag=True,
+    help="Change the input itself. safetensors: only the changed bytes are rewritten, after their old bytes are "
+    "saved to a journal (an interrupted run is rolled back by `surgeon recover` or the next --in-place run; "
+    "other commands refuse the checkpoint until then); "
+    "other formats: the files are replaced atomically.",
+)
+@click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
+@plot_option
+@push_options
+@model_options
+@full_option
+@handle_errors
+def reinit(
+    model,
+    output,
+    overwrite,
+    in_place,
+    dry_run,
+    plot,
+    push_to_hub,
+    private,
+    push_revision,
+    create_pr,
+    commit_message,
+    revision,
+    config,
+    hints,
+    device,
+    full,
+    as_json,
+    **options,
+):
+    """Re-initialize query/key/value projections of MODEL with conditioned initialization.
+
+    Writes a new checkpoint in the same format and layout; every tensor that is not
+    re-initialized keeps its bytes. Prints condition numbers before and after. A folder
+    output also gets a model card (README.md): what was done, the condition numbers, the
+    command to reproduce it, and the source's own card below.
+
+    MODEL is a file (.safetensors, .bin/.pt, .onnx), an *.index.json, a model folder or a Hub id
+    org/name (--revision picks its branch, tag or commit). The Hub token comes from HF_TOKEN or
+    `hf auth login`. ONNX: only initializer bytes change; a shared initializer that must change is
+    given to the chosen projections as a copy of their own (the report says so).
+    """
+    from .. import api
+    from ..plan.planner import ReinitOptions
+    from ..write.push import PushTarget
+    from ..write.ranks import under_torchrun
+
+    distributed = under_torchrun()  # every rank of torchrun runs this command: each writes its share
+
+    if plot and dry_run:
+        raise OptionError("--plot draws the condition numbers before and after, and a --dry-run computes none")
+    push = PushTarget.build(
+        push_to_hub,
+        private=private,
+        revision=push_revision,
+        create_pr=create_pr,
+        commit_message=commit_message,
+    )
+    report = api.reinit_checkpoint(
+        model,
+        options=ReinitOptions.build(**{k: v for k, v in options.items() if v is not None}),
+        hints=hints,
+        output=output,
+        in_place=in_place,
+        overwrite=overwrite,
+        dry_run=dry_run,
+        push=push,
+        device=device,
+        revision=revision,
+        config=config,
+        full=full,
+        progress=not as_json and sys.stderr.isatty() and not distributed,
+        distributed=distributed,
+    )
+    if distributed and os.environ.get("RANK", "0") != "0":
+        return  # rank 0 prints the report (and draws the plot) for all ranks
+    if plot:
+        from ..report.plot import plot_kappas
+
+        report.notes.append(f"wrote {plot_kappas(report, plot)}")
+    _out(report.to_json(cli_spelling) if as_json else report.render(cli_spelling))
+
+
+@main.command(
+    context_settings=CONTEXT,
+    epilog="""\b
+Examples:
+  surgeon push ./llama-reinit me/llama-reinit
+  surgeon push ./llama-reinit org/llama-reinit --private
+  surgeon push ./llama-reinit org/llama-reinit --revision reset-v2   # to a branch
+  surgeon push ./llama-reinit org/llama-reinit --create-pr           # as a pull request
+  surgeon push ./llama-reinit org/llama-reinit --dry-run             # the files it would upload
+\b
+The token comes from HF_TOKEN or `hf auth login`; HF_ENDPOINT selects another Hub.
+""",
+)
+@click.argument("folder", type=click.Path(file_okay=False))
+@click.argument("repo_id", metavar="ORG/NAME")
+@click.option("--private", is_flag=True, help="Create the repo as private (an existing repo keeps its visibility).")
+@click.option(
+    "--revision", metavar="BRANCH", help="Commit to this branch, created from main if missing (default: main)."
+)
+@click.option("--create-pr", is_flag=True, help="Open a pull request against main instead of committing.")
+@click.option("--commit-message", help="The commit message (default: Upload FOLDER with surgeon VERSION).")
+@click.option("--dry-run", is_flag=True, help="Print the files that would be uploaded and send nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print what was pushed as JSON on stdout.")
+@handle_errors
+def push(folder, repo_id, private, revision, create_pr, commit_message, dry_run, as_json):
+    """Upload FOLDER (e.g. an output of surgeon reinit) to the Hub model repo ORG/NAME.
+
+    Creates the repo if needed and uploads every file in one commit, large files through
+    the Hub client's large-file path, and prints the files uploaded. Only the folder's own
+    files go: a link that leads out of it is refused. If the push stops part-way, running
+    it again sends only what is missing and commits.
+    """
+    from ..write.push import push_folder
+
+    result = push_folder(
+        folder,
+        repo_id,
+        private=private,
+        revision=revision,
+        create_pr=create_pr,
+        commit_message=commit_message,
+        progress=not as_json and sys.stderr.isatty(),
+        dry_run=dry_run,
+    )
+    if as_json:
+        _out(json.dumps(result.to_dict(), indent=2))
+    else:
+        _out("\n".join([*note_lines(result.notes), result.summary(), *result.listing()]))
+
+
+@main.command(
+    context_settings=CONTEXT,
+    epilog="""\b
+Examples:
+  surgeon verify model.safetensors model.reinit.safetensors
+  surgeon verify ./bert ./bert-reinit                 # a folder output (PyTorch: the record is in README.md)
+  surgeon verify model.onnx model.reinit.onnx --json
+  surgeon verify encoder.safetensors out.safetensors --num-heads 8   # the hints the run needed
+\b
+Exit status: 0 verified, 3 OUTPUT differs from what its record says, 1 cannot verify (no record, a
+malformed one, bad input, or another surgeon version's output whose draws differ: the line names the version).
+""",
+)
+@click.argument("original")
+@click.argument("output", type=click.Path())
+@model_options
+@handle_errors
+def verify(original, output, revision, config, hints, device, as_json):
+    """Check that OUTPUT is exactly what surgeon made from ORIGINAL, by the record surgeon wrote in it.
+
+    Every file of a folder output must be one surgeon writes (carried-over files byte for byte, nothing
+    added), an ONNX graph the original's node for node, every tensor outside the recorded selection
+    byte-identical, and every re-initialized one what the recipe gives (re-derived byte for byte from
+    the seed; in polar mode within one ulp of the dtype, semi-orthogonal with strength 1). Prints a
+    one-line verdict; at the first mismatch, says what differs and exits non-zero.
+    """
+    from ..audit import verify as check
+
+    result = check(
+        original,
+        output,
+        revision=revision,
+        config=config,
+        hints=hints,
+        device="cpu" if device == "auto" else device,
+    )
+    _out(json.dumps(result.to_dict(), indent=2) if as_json else result.summary())
+
+
+@main.command(
+    context_settings=CONTEXT,
+    epilog="""\b
+Examples:
+  surgeon recover model.safetensors
+  surgeon recover ./llama                      # a sharded checkpoint folder
+\b
+Until then every other command refuses the checkpoint; `surgeon reinit --in-place` on the same
+checkpoint rolls back first, and says so.
+""",
+)
+@click.argument("path", type=click.Path(exists=True))
+@handle_errors
+def recover(path):
+    """Roll back an interrupted `surgeon reinit --in-place` on the checkpoint at PATH.
+
+    --in-place saves the old bytes of every range it patches to a journal
+    (.NAME.surgeon-journal) before changing anything; this checks that the journal belongs
+    to the files as they are now (same files, headers, and every range holding its old or its
+    new bytes), then writes them back, so the checkpoint is exactly as it was before that run.
+    A journal that fails a check is refused and left in place. Does nothing if there is no journal.
+    """
+    from ..write.journal import recover as roll_back
+
+    notes = roll_back(path)
+    _out("\n".join(note_lines(notes)) if notes else shown(f"nothing to recover at {path}"))
+
+
+if __name__ == "__main__":
+    main()

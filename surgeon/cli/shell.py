@@ -1,0 +1,257 @@
+"""How the ``surgeon`` command talks: one-line errors and the guard around every command, output on stdout,
+and the option groups its commands share (made from the core's own fields, spelled by errors.shell_spelling)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import click
+
+from ..errors import SurgeonError, spell
+from ..errors import shell_spelling as cli_spelling  # how the shell names an option the core names by keyword
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+def _fail(message: str, code: int = 1) -> None:
+    """An error is one line: no token in it, and no name from a file can start another (surgeon.report.shown)."""
+    from ..report.shown import one_line
+
+    click.echo(f"surgeon: error: {one_line(message)}", err=True)
+    sys.exit(code)
+
+
+def _out(text: str) -> None:
+    """Reports and notes on stdout, never with a token in them."""
+    from ..report.redact import redact
+
+    click.echo(redact(spell(text, cli_spelling)))
+
+
+def handle_errors(fn):
+    """Bad input ends in one line on stderr and a non-zero exit code, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except SurgeonError as exc:
+            _fail(exc.describe(cli_spelling), exc.exit_code)
+        except OSError as exc:  # disk full, permission denied, ... while reading or writing
+            where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
+            _fail(f"{exc.strerror or exc}{where}")
+        except KeyboardInterrupt:
+            _fail("interrupted; nothing was written", 130)
+
+    return wrapper
+
+
+full_option = click.option(
+    "--full",
+    is_flag=True,
+    help="Also the kappa and spectral norm of each whole projection (one D x D eigensolve each: "
+    "~15 s for D = 4096 on a CPU). Per-head kappas are always computed.",
+)
+
+
+plot_option = click.option(
+    "--plot",
+    type=click.Path(dir_okay=False),
+    metavar="FILE.png",
+    help="Also draw, per layer, each head's kappa of q/k/v (before and after, for reinit) into FILE.png (needs matplotlib).",
+)
+
+
+class _Hint(click.ParamType):
+    """A head count: ``16``, or one per stack, ``encoder=16,decoder=4`` (read by surgeon.detect.config)."""
+
+    name = "N|STACK=N,..."
+
+    def convert(self, value, param, ctx):
+        from ..detect.config import parse_hint
+        from ..errors import OptionError
+
+        try:
+            return parse_hint(param.name if param else "num_heads", value)
+        except OptionError:
+            self.fail(f"{value!r} is not a count of 1 or more, nor one per stack (encoder=16,decoder=4)", param, ctx)
+
+
+HINT = _Hint()
+
+
+def model_options(fn):
+    """Options that tell surgeon about the checkpoint when its config.json does not. The command gets the
+    head hints as one ``hints`` argument (a surgeon.Hints), as the Python API takes them."""
+
+    command = fn
+
+    @functools.wraps(command)
+    def with_hints(*args, num_heads, num_kv_heads, head_dim, force_hints, layout, **kwargs):
+        from ..detect.config import Hints
+
+        try:  # a layout file is read here: a bad one is one line too
+            hints = Hints(num_heads, num_kv_heads, head_dim, force_hints, layout)
+        except SurgeonError as exc:
+            _fail(exc.describe(cli_spelling), exc.exit_code)
+        return command(*args, hints=hints, **kwargs)
+
+    fn = with_hints
+    for decorator in reversed(
+        [
+            click.option(
+                "--revision",
+                metavar="REV",
+                help="Branch, tag or commit hash of a Hub MODEL (default: its main branch).",
+            ),
+            click.option(
+                "--config",
+                "config",
+                type=click.Path(dir_okay=False),
+                help="config.json to read heads from (default: the one beside the weights).",
+            ),
+            click.option(
+                "--num-heads",
+                type=HINT,
+                help="Number of query heads, when there is no config.json; one per stack: encoder=16,decoder=4.",
+            ),
+            click.option(
+                "--num-kv-heads",
+                type=HINT,
+                help="Number of key/value heads (grouped-query attention); may be per stack.",
+            ),
+            click.option(
+                "--head-dim", type=HINT, help="Head dimension, when it is not width / heads; may be per stack."
+            ),
+            click.option(
+                "--force-hints",
+                is_flag=True,
+                help="Use --num-heads/--num-kv-heads/--head-dim even where config.json says otherwise.",
+            ),
+            click.option(
+                "--layout",
+                type=click.Path(dir_okay=False),
+                help="A JSON layout file naming your attention projections (see README, and "
+                "`surgeon inspect --emit-layout`): its rules are tried before the built-in ones.",
+            ),
+            click.option(
+                "--device",
+                default="auto",
+                show_default=True,
+                help="Where generation and factorizations run: auto, cpu, cuda, cuda:N.",
+            ),
+            click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout."),
+        ]
+    ):
+        fn = decorator(fn)
+    return fn
+
+
+def reinit_options(fn):
+    """The options of surgeon.plan.planner.ReinitOptions as --flags, made from its fields (one spelling)."""
+    from ..plan.planner import AS_FIELD, ReinitOptions, option_infos
+
+    defaults = ReinitOptions()
+    for name, info in reversed(option_infos()):
+        default = getattr(defaults, name) if info.shell_default == AS_FIELD else info.shell_default
+        kwargs: dict = {"help": info.help}
+        if info.switch:
+            kwargs["is_flag"] = True
+        else:
+            kwargs["default"] = default
+            kwargs["show_default"] = default is not None
+            if info.choices:
+                kwargs["type"] = click.Choice(list(info.choices))
+            elif info.kind is not None:
+                kwargs["type"] = info.kind
+        fn = click.option(cli_spelling(name, None), name, **kwargs)(fn)
+    return fn
+
+
+def _debugging(args: list[str]) -> tuple[list[str], bool]:
+    """``args`` without ``--debug`` (accepted anywhere before ``--``), and whether it or SURGEON_DEBUG asks for tracebacks."""
+    end = args.index("--") if "--" in args else len(args)
+    debug = "--debug" in args[:end] or os.environ.get("SURGEON_DEBUG", "") not in ("", "0")
+    return [a for i, a in enumerate(args) if i >= end or a != "--debug"], debug
+
+
+def _internal_error(exc: Exception, debug: bool) -> None:
+    """A bug (an exception no code path expects) is one redacted line too; its traceback only when asked."""
+    import traceback
+
+    from ..report.redact import redact
+    from ..report.shown import one_line
+
+    if debug:
+        click.echo(redact("".join(traceback.format_exception(exc))).rstrip("\n"), err=True)
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    what = f"{type(exc).__name__}: {lines[0][:300]}" if lines else type(exc).__name__
+    hint = "the traceback is above" if debug else "run with --debug (or SURGEON_DEBUG=1) for the traceback"
+    click.echo(one_line(f"surgeon: internal error: {what} (this is a bug: please report it; {hint})"), err=True)
+    sys.exit(1)
+
+
+class OneLineErrors(click.Group):
+    """Usage errors (a bad option value, a missing argument, an unknown command) are one line too.
+
+    click prints a usage block and a hint around them; surgeon prints ``surgeon: error: ...`` with the
+    command's ``--help`` to look at, and exits 2 as click does. Anything else that escapes a command
+    (a bug, or a third-party library failing in a way surgeon does not translate) is one line,
+    redacted, with exit code 1; ``--debug`` or SURGEON_DEBUG=1 adds the (redacted) traceback.
+    """
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        from ..report.redact import redact_library_output
+
+        redact_library_output()
+        args, debug = _debugging(list(sys.argv[1:] if args is None else args))
+        try:
+            rv = super().main(args, "surgeon", complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as exc:  # bare `surgeon`: the help, as before
+            click.echo(exc.ctx.get_help() if exc.ctx else "", err=True)
+            sys.exit(exc.exit_code)
+        except click.UsageError as exc:
+            message = " ".join(line.strip() for line in exc.format_message().splitlines() if line.strip())
+            path = exc.ctx.command_path if exc.ctx is not None else "surgeon"
+            _fail(f"{message[:1].lower()}{message[1:].rstrip('.')} (see {path} --help)", exc.exit_code)
+        except click.ClickException as exc:
+            _fail(" ".join(exc.format_message().split()), exc.exit_code)
+        except click.Abort:
+            _fail("interrupted; nothing was written", 130)
+        except Exception as exc:  # noqa: BLE001 - the one guard: never a traceback, never a secret
+            _internal_error(exc, debug)
+        if not standalone_mode:
+            return rv
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def push_options(fn):
+    """--push-to-hub and its companions (surgeon.write.push.PushTarget's fields)."""
+    for decorator in reversed(
+        [
+            click.option(
+                "--push-to-hub",
+                "push_to_hub",
+                metavar="ORG/NAME",
+                help="Upload the output folder to this Hub model repo (created if needed) in one commit.",
+            ),
+            click.option("--private", is_flag=True, help="With --push-to-hub: create the repo as private."),
+            click.option(
+                "--push-revision",
+                metavar="BRANCH",
+                help="With --push-to-hub: commit to this branch (created from main if missing).",
+            ),
+            click.option(
+                "--create-pr",
+                is_flag=True,
+                help="With --push-to-hub: open a pull request against main instead of committing.",
+            ),
+            click.option(
+                "--commit-message", help="With --push-to-hub: the commit message (default: what was re-initialized)."
+            ),
+        ]
+    ):
+        fn = decorator(fn)
+    return fn

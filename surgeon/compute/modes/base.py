@@ -1,0 +1,80 @@
+"""The Mode interface every init mode fills (see surgeon/modes/__init__.py for the registry)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from ...options import ReinitOptions
+    from ...plan.planner import Change
+
+CONDITIONED_PAPER = "[Saratchandran & Lucey](https://openreview.net/forum?id=cKNOCYPo2W)"
+CONDITIONED_BIBTEX = """\
+@inproceedings{saratchandran2026conditioned,
+  title     = {Conditioned Initialization for Attention},
+  author    = {Saratchandran, Hemanth and Lucey, Simon},
+  booktitle = {Submitted to The Fourteenth International Conference on Learning Representations (ICLR)},
+  year      = {2026},
+  url       = {https://openreview.net/forum?id=cKNOCYPo2W}
+}"""
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One way of re-initializing the chosen heads. Subclasses fill every slot (tests/test_modes.py)."""
+
+    name: ClassVar[str]
+    help: ClassVar[str]  # one sentence for --help and the "unknown mode" error
+    fresh: ClassVar[bool]  # draws new values without reading the old ones: biases are zeroed by default
+    option: ClassVar[str | None]  # the ReinitOptions field only this mode takes (None: none)
+    method: ClassVar[str]  # the record's "method": what was done, by name
+    label: ClassVar[str]  # what was done, as a Hub commit message starts ("Conditioned re-initialization")
+    tag: ClassVar[str]  # the model card's Hub tag
+    exact: ClassVar[bool]  # verify re-derives the bytes exactly (else within verify_bound)
+    verify_bound: ClassVar[str]  # how verify checks it, in words (for its report and the README)
+    writes_outputs: ClassVar[bool]  # also rewrites each block's output projection W_O
+    sharded: ClassVar[bool]  # supported on sharded (FSDP2 / DTensor) parameters
+    citation: ClassVar[str | None]  # BibTeX for the card, None: nothing to cite
+
+    def draw(
+        self, change: Change, old: torch.Tensor | None, options: ReinitOptions, *, key: str, device: Any
+    ) -> torch.Tensor:
+        """New per-head matrices ``(len(change.heads), d, in)`` (float64), PyTorch (out, in) orientation.
+
+        ``old`` holds the heads' current values where the mode reads them (``not fresh``), else None;
+        ``key`` names the tensor the draws are keyed by (its checkpoint name).
+        """
+        raise NotImplementedError
+
+    def with_defaults(self, options: ReinitOptions, config: Any) -> ReinitOptions:
+        """``options`` with what this mode takes from the model's config filled in."""
+        return options
+
+    def add_outputs(self, plan: Any, shapes: dict) -> None:
+        """Add to ``plan.outputs`` the tensors this mode writes besides Q/K/V (found among ``shapes``), or refuse."""
+
+    def summary(self, options: dict, blocks: list) -> str:
+        """The report's one-line description (``options``: as recorded)."""
+        raise NotImplementedError
+
+    def legend(self, options: dict) -> str:
+        """What the report's reader should know about the condition numbers this mode leaves ('' for nothing)."""
+        return ""
+
+    def card_intro(self, options: dict, blocks: list) -> str:
+        """Completes "... re-initialized by surgeon X " in the model card: what was done to ``blocks``, in words."""
+        raise NotImplementedError
+
+    def card_row(self, options: dict, blocks: list) -> str:
+        """The "mode" row of the card's options table (``blocks``: the re-initialized ones)."""
+        raise NotImplementedError
+
+    def card_caveat(self) -> str:
+        """What the re-initialized projections still hold of the source model."""
+        return (
+            "The re-initialized projections no longer hold what the source model learned there: this is a starting "
+            "point for fine-tuning or further training, not a drop-in replacement for the source."
+        )

@@ -1,0 +1,241 @@
+"""The Python API on models in memory: ``surgeon.reinit_(model)`` and ``surgeon.inspect(model)``.
+
+The same plan, engine and report as the checkpoint path (:mod:`surgeon.api`): same options, same
+defaults and, for the same seed, the same weights as ``reinit_checkpoint`` on the model's saved file.
+Weights change in place under ``torch.no_grad()``, on the device and in the dtype they live in
+(computed in float64 on that device, stored back in the parameter's own dtype).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .compute.distributed import (
+    any_sharded,
+    inspect_sharded,
+    refuse_meta,
+    refuse_tensor_parallel,
+    unwrapped,
+    write_params,
+)
+from .compute.engine import Engine, inspect_blocks
+from .compute.modes import get_mode
+from .detect.config import HintInput, Hints
+from .detect.module import ModuleDetection, detect_module
+from .errors import OptionError, opt
+from .plan.planner import Plan, ReinitOptions, prepare
+from .plan.selection import IndexSpec
+from .report.report import ProjectionRow, Report
+
+
+def reinit_(
+    module: nn.Module,
+    *,
+    layers: IndexSpec = "all",
+    targets: str | Iterable[str] = ("q", "k", "v"),
+    heads: IndexSpec = "all",
+    attention: str = "all",
+    stack: str | Iterable[str] | None = None,
+    mode: str = "conditioned",
+    strength: float | None = None,
+    value_identity: str = "block",
+    keep_scale: bool = False,
+    bias: str = "auto",
+    seed: int = 0,
+    gain: float | None = None,
+    std: float | None = None,
+    num_heads: HintInput = None,
+    num_kv_heads: HintInput = None,
+    head_dim: HintInput = None,
+    example_inputs: Any = None,
+    full: bool = False,
+) -> Report:
+    """Re-initialize the chosen query/key/value projections of ``module`` in place; return the report.
+
+    ``layers`` and ``heads`` take the CLI's specs (``"all"``, ``"0-11"``, ``"-2-"``, ``"0,3,5-7"``) or
+    an iterable of ints; the other options are those of ``surgeon reinit``. ``example_inputs`` (a
+    tensor, a tuple of arguments or a dict of keyword arguments for ``module(...)``) is needed only
+    for a custom module whose forward surgeon cannot call with a plain (batch, tokens, width) tensor.
+    ``full=True`` also measures each whole projection's kappa and spectral norm.
+    """
+    _check(module, "reinit_")
+    options = ReinitOptions(
+        layers=_fixed(layers),
+        targets=targets,
+        heads=_fixed(heads),
+        attention=attention,
+        stack=stack,
+        mode=mode,
+        strength=strength,
+        value_identity=value_identity,
+        keep_scale=keep_scale,
+        bias=bias,
+        seed=seed,
+        gain=gain,
+        std=std,
+    ).validated()
+    start = time.perf_counter()
+    with unwrapped(module) as inner:  # DDP, torch.compile, PEFT: the model inside, LoRA bases in place
+        found = detect_module(inner, hints=Hints(num_heads, num_kv_heads, head_dim), example_inputs=example_inputs)
+        plan, engine, device = _change_in_place(inner, found, options, full)
+    return _reinit_report(module, found, plan, engine, device, start)
+
+
+def _change_in_place(
+    inner: nn.Module, found: ModuleDetection, options: ReinitOptions, full: bool
+) -> tuple[Plan, Engine, torch.device]:
+    """Plan on the detected blocks and write the new heads into ``found``'s parameters."""
+    plan = prepare(
+        found.blocks,
+        options,
+        config=getattr(inner, "config", None),
+        shapes={n: tuple(p.shape) for n, p in found.params.items()},
+        depths=found.depths,
+    )
+    options = plan.options
+    device = found.params[plan.changes[0].projection.weight.tensor].device
+    engine = Engine(plan, device, seed_names=found.seed_names, whole=full)
+    if any_sharded(found.params, engine.tensor_names) and not get_mode(options.mode).sharded:  # FSDP2 / DTensor
+        raise OptionError(
+            f"{opt('mode', options.mode)} on sharded (FSDP2/DTensor) parameters is not supported: reinit before sharding"
+        )
+    write_params(engine, found.params)
+    return plan, engine, device
+
+
+def _reinit_report(
+    module: nn.Module, found: ModuleDetection, plan: Plan, engine: Engine, device: torch.device, start: float
+) -> Report:
+    rows = [
+        ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed)
+        for r in engine.ordered_results()
+    ]
+    seconds = time.perf_counter() - start
+    notes = (
+        _notes(found)
+        + plan.notes
+        + [f"changed {len(engine.tensor_names)} parameters in place in {seconds:.2f} s on {device}"]
+    )
+    return Report(
+        "reinit",
+        _label(module),
+        _describe(module),
+        found.blocks,
+        rows,
+        options=plan.options.to_dict(),
+        seconds=seconds,
+        device=str(device),
+        notes=notes,
+    )
+
+
+def inspect_module(
+    module: nn.Module,
+    *,
+    num_heads: HintInput = None,
+    num_kv_heads: HintInput = None,
+    head_dim: HintInput = None,
+    example_inputs: Any = None,
+    full: bool = False,
+) -> Report:
+    """The attention blocks of ``module`` and the condition numbers of their projections (changes nothing)."""
+    _check(module, "inspect")
+    start = time.perf_counter()
+    with unwrapped(module) as inner:
+        found = detect_module(inner, hints=Hints(num_heads, num_kv_heads, head_dim), example_inputs=example_inputs)
+        first = found.params[found.blocks[0].q.weight.tensor]
+        if any_sharded(found.params, found.params):
+            spectra = inspect_sharded(found.blocks, found.params, first.device, whole=full)
+        else:
+            with torch.no_grad():
+                spectra = inspect_blocks(
+                    found.blocks, lambda name: found.params[name].detach(), first.device, whole=full
+                )
+    rows = [
+        ProjectionRow(
+            block,
+            proj.role,
+            spectra[(block.module, proj.role)],
+            dtype=str(found.params[proj.weight.tensor].dtype).removeprefix("torch."),
+        )
+        for block in found.blocks
+        for proj in block.projections
+    ]
+    return Report(
+        "inspect",
+        _label(module),
+        _describe(module),
+        found.blocks,
+        rows,
+        seconds=time.perf_counter() - start,
+        device=str(first.device),
+        notes=_notes(found),
+    )
+
+
+def inspect(model: nn.Module | str | Path, /, **options: Any) -> Report:
+    """Inspect a model in memory (:func:`inspect_module`) or a checkpoint path / Hub id (:func:`surgeon.api.inspect_checkpoint`)."""
+    if isinstance(model, nn.Module):
+        return inspect_module(model, **options)
+    from .api import inspect_checkpoint
+
+    return inspect_checkpoint(model, **options)
+
+
+def reinit(model: str | Path, /, **options: Any) -> Report:
+    """Re-initialize a checkpoint path or Hub id into a new checkpoint (:func:`surgeon.api.reinit_checkpoint`).
+
+    A model in memory is changed in place by :func:`reinit_` instead; the trailing underscore says so.
+    """
+    if isinstance(model, nn.Module):
+        raise OptionError(
+            "surgeon.reinit writes a new checkpoint from a path or Hub id; to change a model in memory, call surgeon.reinit_(model, ...)"
+        )
+    from .api import reinit_checkpoint
+
+    return reinit_checkpoint(model, **options)
+
+
+def _check(module: Any, fn: str) -> None:
+    if not isinstance(module, nn.Module):
+        other = "surgeon.reinit(path)" if fn == "reinit_" else "surgeon.inspect(path)"
+        raise OptionError(
+            f"surgeon.{fn} takes a torch.nn.Module, not {type(module).__name__}; for a checkpoint path or Hub id use {other}"
+        )
+    refuse_meta(module, fn)
+    refuse_tensor_parallel(module, fn)
+
+
+def _fixed(spec: IndexSpec) -> IndexSpec:
+    # a generator would be used up by the options' record before the plan reads it
+    if spec is None or isinstance(spec, (str, int)):
+        return spec
+    return tuple(spec)
+
+
+def _label(module: nn.Module) -> str:
+    return f"{type(module).__name__} (in memory)"
+
+
+def _describe(module: nn.Module) -> str:
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in module.parameters() if p.is_floating_point()})
+    devices = sorted({str(p.device) for p in module.parameters()})
+    return f"nn.Module, {'/'.join(dtypes) or 'no float parameters'} on {'/'.join(devices)}"
+
+
+def _notes(found: ModuleDetection) -> list[str]:
+    notes = list(found.notes)
+    by_route: dict[str, int] = {}
+    for route in found.routes.values():
+        by_route[route] = by_route.get(route, 0) + 1
+    if by_route.get("forward"):
+        notes.append(
+            f"layout of {by_route['forward']} block(s) read from the module's own forward (which rows reach q, k and v)"
+        )
+    return notes

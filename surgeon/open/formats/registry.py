@@ -1,0 +1,163 @@
+"""The weight formats surgeon reads, by file name, in order of preference.
+
+The one table that opening a path (surgeon.open.source) and choosing what to download from the Hub
+(surgeon.open.hub) share: a new format is a ``formats/X.py`` with a WeightSet and one :class:`Format` here.
+Nothing here imports torch, numpy or onnx; a format's module is imported when a file is opened.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .base import WeightSet
+
+# Files a training run leaves in a model folder that are pickles but not weights.
+# (Megatron's common.pt: the run's arguments and counters beside the .distcp files of a DCP checkpoint.)
+# optim.pt: the optimizer state OLMo-core's unshard_checkpoint writes beside its model.pt
+NOT_WEIGHTS = {
+    "training_args.bin",
+    "optimizer.pt",
+    "optimizer.bin",
+    "scheduler.pt",
+    "scaler.pt",
+    "common.pt",
+    "optim.pt",
+}
+TORCH_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+TORCH_NAMES = ("pytorch_model.bin", "model.bin", "model.pt", "model.pth", "model.ckpt")
+# Weights in formats surgeon does not rewrite.
+OTHER_FORMAT_SUFFIXES = (".h5", ".msgpack", ".ot", ".gguf", ".tflite", ".mlmodel")
+# Exports of the weights to other runtimes that a model folder may carry: folders by name, files by suffix.
+EXPORT_DIRS = frozenset(("onnx", "openvino", "coreml", "tflite", "gguf"))
+EXPORT_SUFFIXES = (".xml", ".npz", ".keras")  # OpenVINO, NumPy, Keras
+
+
+def _is_torch(name: str) -> bool:
+    return (
+        Path(name).suffix in TORCH_SUFFIXES
+        and name not in NOT_WEIGHTS
+        and not name.startswith(("rng_state", "optimizer"))
+    )
+
+
+def _pick_safetensors(top: list[str]) -> list[str]:
+    st = [n for n in top if n.endswith(".safetensors")]
+    index = sorted(n for n in top if n.endswith(".safetensors.index.json"))
+    return index[:1] + st if index or st else []
+
+
+def _pick_torch(top: list[str]) -> list[str]:
+    index = sorted(n for n in top if n.endswith(".bin.index.json") or n.endswith(".pt.index.json"))
+    if index:
+        return index[:1] + [n for n in top if n.endswith(".bin") and n not in NOT_WEIGHTS]
+    named = [n for n in TORCH_NAMES if n in top]
+    if named:
+        return named[:1]
+    others = [n for n in top if _is_torch(n)]
+    return others if len(others) == 1 else []
+
+
+ONNX_DATA = ("_data", ".data")  # external data files are named after the model: model.onnx_data, model.onnx.data
+
+
+def _pick_onnx(top: list[str]) -> list[str]:
+    onnx = sorted(n for n in top if n.endswith(".onnx"))
+    if not onnx:
+        return []
+    # with its external data file, when it has one
+    return onnx[:1] + [n for n in top if n.startswith(tuple(onnx[0] + d for d in ONNX_DATA))]
+
+
+DCP_METADATA, DCP_SUFFIX = ".metadata", ".distcp"  # torch.distributed.checkpoint
+
+
+def pick_dcp(top: list[str]) -> list[str]:
+    """A DCP folder: its .metadata, then the data files beside it (the metadata names the ones it reads)."""
+    distcp = sorted(n for n in top if n.endswith(DCP_SUFFIX))
+    return [DCP_METADATA] + distcp if DCP_METADATA in top and distcp else []
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    weights: str  # "module:Class" of its WeightSet, imported on first use
+    suffixes: tuple[str, ...]  # of a single weight file
+    index_suffixes: tuple[str, ...]  # of an index file over shards (opened as such when given as MODEL)
+    pick: Callable[[list[str]], list[str]]  # a folder's top-level names -> this format's files, index first
+    alone: bool = False  # read only when the folder holds no other format (ONNX: a graph, not a state dict)
+    opener: str | None = None  # "module:function" that opens the set from its first file, when not the class
+    data: tuple[str, ...] = ()  # companion files named after a weight file (ONNX external data: model.onnx_data)
+
+    def weight_set(self) -> type[WeightSet]:
+        return _load(self.weights)
+
+    def is_index(self, name: str) -> bool:
+        return name.endswith(self.index_suffixes)
+
+    def open(self, folder: Path, picked: list[str]) -> WeightSet:
+        """The weight set of files chosen by :attr:`pick` (or one file given by the user)."""
+        if self.opener is not None:
+            return _load(self.opener)(folder / picked[0])
+        cls: Any = self.weight_set()
+        if self.is_index(picked[0]):
+            return cls.from_index(folder / picked[0])
+        return cls(folder, picked)
+
+
+FORMATS: tuple[Format, ...] = (  # in order of preference
+    Format(
+        "safetensors",
+        ".safetensors:SafetensorsWeights",
+        (".safetensors",),
+        (".safetensors.index.json",),
+        _pick_safetensors,
+    ),
+    Format("torch", ".torchfile:TorchWeights", TORCH_SUFFIXES, (".bin.index.json", ".pt.index.json"), _pick_torch),
+    Format("dcp", ".dcp:DcpWeights", (DCP_SUFFIX,), (DCP_METADATA,), pick_dcp, opener=".dcp:open_dcp"),
+    Format(
+        "onnx", ".onnx:OnnxWeights", (".onnx",), (), _pick_onnx, alone=True, opener=".onnx:open_onnx", data=ONNX_DATA
+    ),
+)
+
+
+def _load(ref: str):
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module, __package__), name)
+
+
+WEIGHT_SUFFIXES = tuple(s for f in FORMATS for s in f.suffixes)
+# Suffixes of companion data files (".onnx_data", ".onnx.data").
+DATA_SUFFIXES = tuple(s + d for f in FORMATS for s in f.suffixes for d in f.data)
+# A folder input reads the state-dict formats side by side (the same weights twice); a top-level file of
+# one of them that is not in the set read is another copy of the weights (Mistral's consolidated.safetensors).
+STATE_DICT_SUFFIXES = tuple(s for f in FORMATS if not f.alone for s in f.suffixes + f.index_suffixes)
+# The formats read only alone (ONNX): beside a state dict they are an export of the old weights.
+ALONE_SUFFIXES = tuple(s for f in FORMATS if f.alone for s in f.suffixes) + DATA_SUFFIXES
+
+
+def format_of(name: str) -> Format | None:
+    """The format of a file given by the user: a weight file or an index file."""
+    for fmt in FORMATS:
+        if fmt.is_index(name) or Path(name).suffix in fmt.suffixes:
+            return fmt
+    return None
+
+
+def pick_weights(top: list[str]) -> list[str]:
+    """The files of the preferred format in a folder (its top-level names); what the Hub fetches."""
+    for fmt in FORMATS:
+        picked = fmt.pick(top)
+        if picked:
+            return picked
+    return []
+
+
+def is_weight(path: str) -> bool:
+    """A weight file surgeon reads (a training run's pickles are not)."""
+    name = path.rsplit("/", 1)[-1]
+    return Path(name).suffix in WEIGHT_SUFFIXES and name not in NOT_WEIGHTS

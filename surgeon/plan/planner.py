@@ -1,0 +1,325 @@
+"""From detected blocks and the user's selection to a plan: which heads of which projections change how."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .._version import __version__
+from ..compute.modes import get_mode
+from ..detect.blocks import AttentionBlock, Projection, Unreadable
+from ..detect.placement import kind
+from ..errors import OptionError, SelectionError, opt
+
+# The options live in surgeon.options; importable from here as before.
+from ..options import AS_FIELD, BIAS_CHOICES, MODES, OptionInfo, ReinitOptions, option_infos, stacks_of
+from .selection import IndexSpec, format_indices, parse_attention, parse_targets, resolve_indices
+
+if TYPE_CHECKING:
+    from ..detect.result import Detection
+    from ..open.source import Source
+
+__all__ = [
+    "AS_FIELD",
+    "BIAS_CHOICES",
+    "MODES",
+    "Change",
+    "OptionInfo",
+    "Plan",
+    "ReinitOptions",
+    "make_plan",
+    "option_infos",
+    "prepare",
+]
+
+
+@dataclass(frozen=True)
+class Change:
+    """Re-initialize ``heads`` of one projection (key/value head numbers for k and v)."""
+
+    block: AttentionBlock
+    role: str
+    heads: tuple[int, ...]
+
+    @property
+    def projection(self) -> Projection:
+        return self.block.projection(self.role)
+
+
+@dataclass
+class Plan:
+    options: ReinitOptions
+    blocks: list[AttentionBlock]  # everything detected
+    changes: list[Change] = field(default_factory=list)
+    outputs: dict[str, tuple[str, bool]] = field(
+        default_factory=dict
+    )  # mimetic: block module -> (W_O tensor, nn.Linear layout)
+    notes: list[str] = field(default_factory=list)  # what the selection skipped or reaches beyond its layers
+
+    @property
+    def touched_blocks(self) -> list[AttentionBlock]:
+        seen: dict[str, AttentionBlock] = {}
+        for c in self.changes:
+            seen.setdefault(c.block.module, c.block)
+        return list(seen.values())
+
+    def tensors(self) -> list[str]:
+        names: list[str] = []
+        for c in self.changes:
+            p = c.projection
+            for rows in (p.weight, p.bias if self.options.zero_bias else None):
+                if rows is not None and rows.tensor not in names:
+                    names.append(rows.tensor)
+        names += [t for t, _ in self.outputs.values() if t not in names]
+        return names
+
+    def record(self) -> dict:
+        """What surgeon did, for the output's metadata: no paths, no times, so outputs are reproducible."""
+        blocks = []
+        for block in self.touched_blocks:
+            entry: dict = {
+                "module": block.module,
+                "stack": block.stack,
+                "layer": block.layer,
+                "kind": block.kind,
+                "targets": {},
+            }
+            if block.shared_layers:  # one block that these layers all run: every one of them changes
+                entry["shared_layers"] = list(block.shared_layers)
+            for c in self.changes:
+                if c.block.module == block.module:
+                    entry["targets"][c.role] = "all" if len(c.heads) == c.projection.heads else format_indices(c.heads)
+            blocks.append(entry)
+        from ..report.redact import redact_obj
+
+        record = {
+            "tool": "surgeon",
+            "version": __version__,
+            "method": get_mode(self.options.mode).method,
+            "options": self.options.to_dict(),
+            "blocks": blocks,
+        }
+        return redact_obj(record)  # never a token, even one typed into an option
+
+
+def prepare_checkpoint(source: Source, detection: Detection, options: ReinitOptions) -> Plan:
+    """:func:`prepare` for a checkpoint on disk (a reinit, and verify re-deriving one): its config, its
+    tensors' shapes, whether its format rewrites whole tensors, and its stacks' depths."""
+    weights = source.primary
+    plan = prepare(
+        detection.blocks,
+        options,
+        config=source.config,
+        shapes={n: t.shape for n, t in weights.tensors.items()},
+        whole_tensors=weights.rewrites_whole_tensors,
+        depths=detection.depths,
+        unreadable=detection.unreadable,
+    )
+    plan.notes[:0] = detection.left_alone  # named in the report and the card with the selection's notes
+    return plan
+
+
+def prepare(
+    blocks: list[AttentionBlock],
+    options: ReinitOptions,
+    *,
+    config: Any = None,
+    shapes: dict[str, tuple[int, ...]] | None = None,
+    whole_tensors: bool = True,
+    depths: dict[str, int] | None = None,
+    unreadable: Sequence[Unreadable] = (),
+) -> Plan:
+    """The one planning step of every entry point (checkpoints, verify, models in memory, init hooks).
+
+    Checks the options, fills in what the mode takes from the model's ``config``, makes the plan and
+    adds the extra tensors the mode writes (W_O, found among ``shapes``: tensor name -> shape).
+    ``whole_tensors``: whether the weights' format can rewrite tensors besides Q/K/V
+    (``WeightSet.rewrites_whole_tensors``), for modes that write more (W_O); ``depths``: each stack's number of layers,
+    those without attention included (Detection.depths), so that layer numbers are the model's own.
+    """
+    options = options.validated()
+    mode = get_mode(options.mode)
+    if mode.writes_outputs and not whole_tensors:
+        raise OptionError(
+            f"{opt('mode', mode.name)} is not supported on these weights: it rewrites W_O too, and in this format "
+            "(an ONNX graph) surgeon patches Q/K/V initializers only; use a safetensors/PyTorch checkpoint"
+        )
+    plan = make_plan(blocks, mode.with_defaults(options, config), depths, unreadable)
+    mode.add_outputs(plan, shapes or {})
+    return plan
+
+
+def _stack_matches(stack: str, wanted: list[str]) -> bool:
+    comps = stack.split(".")
+    return any(w == stack or w in comps for w in wanted)
+
+
+def make_plan(
+    blocks: list[AttentionBlock],
+    options: ReinitOptions,
+    depths: Mapping[str, int] | None = None,
+    unreadable: Sequence[Unreadable] = (),
+) -> Plan:
+    """The changes ``options`` select. Layers are the model's own numbers; ``depths`` (stack -> its
+    layers, those without attention included) lets ``-1`` and ranges reach past the last attention layer.
+    ``unreadable``: attention detection could not read; a selection that includes one is refused."""
+    options = options.validated()
+    left = _check_unreadable(blocks, unreadable, options, depths or {})
+    targets = parse_targets(options.targets)
+    kinds = parse_attention(options.attention)
+    chosen = [b for b in blocks if b.kind in kinds]
+    if options.stack is not None:
+        wanted = stacks_of(options.stack)
+        stacks = list(dict.fromkeys(b.stack for b in blocks))
+        unknown = [w for w in wanted if not any(_stack_matches(s, [w]) for s in stacks)]
+        if unknown:
+            raise SelectionError(
+                f"no stack named {unknown[0]!r}: this model's stacks are {', '.join(s or '(top level)' for s in stacks)}"
+            )
+        chosen = [b for b in chosen if _stack_matches(b.stack, wanted)]
+    if not chosen:
+        raise SelectionError(f"no {options.attention}-attention blocks in this model (it has {_kinds_present(blocks)})")
+    plan = Plan(options=options, blocks=blocks, notes=left)
+    by_stack: dict[str, list[AttentionBlock]] = {}
+    for b in chosen:
+        by_stack.setdefault(b.stack, []).append(b)
+    what = "attention" if options.attention == "all" else f"{options.attention}-attention"
+    picks = {
+        s: _pick_layers(s, members, blocks, depths or {}, options.layers, len(by_stack) > 1, what)
+        for s, members in by_stack.items()
+    }
+    if not any(isinstance(p, set) for p in picks.values()):
+        raise next(iter(picks.values()))  # type: ignore[misc]  # no stack has the selected layers: the first reason
+    for stack, members in by_stack.items():
+        layers = picks[stack]
+        if not isinstance(layers, set):
+            why = layers.message.replace(_PICK_A_STACK, "")  # other stacks have the layer: no advice needed
+            plan.notes.append(f"{stack or 'the model'} skipped: {why}")
+            continue
+        _note_layers(plan, stack, members, layers, options.layers, what)
+        for block in members:
+            if not layers & set(block.users):
+                continue
+            q_heads = resolve_indices(
+                options.heads, block.heads, what="head", where=f"{block.module} ({block.heads} heads)"
+            )
+            for role in targets:
+                heads = q_heads if role == "q" else _kv_heads(block, q_heads, role)
+                if heads:
+                    plan.changes.append(Change(block, role, tuple(heads)))
+    if not plan.changes:
+        raise SelectionError(
+            f"the selection picks no projection: check {opt('layers')}, {opt('heads')}, {opt('targets')} and {opt('attention')}"
+        )
+    return plan
+
+
+def _check_unreadable(
+    blocks: list[AttentionBlock], unreadable: Sequence[Unreadable], options: ReinitOptions, depths: Mapping[str, int]
+) -> list[str]:
+    """Refuse a selection that includes attention surgeon cannot read; name the rest as left untouched."""
+    kinds = parse_attention(options.attention)
+    wanted = stacks_of(options.stack) if options.stack is not None else None
+    notes = []
+    for u in unreadable:
+        depth = max([depths.get(u.stack, 0), u.layer + 1] + [max(b.users) + 1 for b in blocks if b.stack == u.stack])
+        try:
+            layers = set(resolve_indices(options.layers, depth, what="layer", where=u.stack or "the model"))
+        except SelectionError:
+            layers = set()
+        if u.layer in layers and kind(u.module) in kinds and (wanted is None or _stack_matches(u.stack, wanted)):
+            others = sorted(layers - {x.layer for x in unreadable if x.stack == u.stack})
+            skip = (
+                f"e.g. {opt('layers', format_indices(others))}"
+                if others
+                else f"name the other stacks with {opt('stack', 'NAME')}"
+                if wanted is None
+                else None
+            )
+            raise SelectionError(
+                f"layer {u.layer} of {u.stack or 'the model'} holds attention surgeon cannot read, so it would be left "
+                f"as it is: {u.why}; leave it out of the selection" + (f" ({skip})" if skip else "")
+            )
+        notes.append(f"left untouched: {u.why}")
+    return notes[:1] + ([f"and {len(notes) - 1} more such blocks left untouched"] if len(notes) > 1 else [])
+
+
+_PICK_A_STACK = f" (pick a stack with {opt('stack')})"
+
+
+def _pick_layers(
+    stack: str,
+    members: list[AttentionBlock],
+    blocks: list[AttentionBlock],
+    depths: Mapping[str, int],
+    spec: IndexSpec,
+    several: bool,
+    what: str,
+) -> set[int] | SelectionError:
+    """The selected layers of ``stack``, or why it has none (the error to raise if no stack has any)."""
+    depth = max([depths.get(stack, 0)] + [max(b.users) + 1 for b in blocks if b.stack == stack])
+    where = f"{stack or 'the model'}" + (_PICK_A_STACK if several else "")
+    try:
+        layers = set(resolve_indices(spec, depth, what="layer", where=where))
+    except SelectionError as exc:
+        return exc
+    attended = sorted({layer for b in members for layer in b.users})
+    if not layers & set(attended):
+        return SelectionError(
+            f"{opt('layers', _spelled(spec))} selects only layers without {what} in {stack or 'the model'} "
+            f"(layer{'s' if len(layers) > 1 else ''} {format_indices(sorted(layers))}): the layers with {what} are {format_indices(attended)}"
+        )
+    return layers
+
+
+def _note_layers(
+    plan: Plan, stack: str, members: list[AttentionBlock], layers: set[int], spec: IndexSpec, what: str
+) -> None:
+    """Say which selected layers have no attention, and which shared blocks change several layers."""
+    attended = {layer for b in members for layer in b.users}
+    without = sorted(layers - attended)
+    if without and not _is_all(spec):
+        plan.notes.append(
+            f"layer{'s' if len(without) > 1 else ''} {format_indices(without)} of {stack or 'the model'} "
+            f"{'have' if len(without) > 1 else 'has'} no {what}"
+            + (" (e.g. Mamba, convolution or recurrent layers)" if what == "attention" else "")
+            + ": skipped"
+        )
+    for block in members:
+        if len(block.users) > 1 and layers & set(block.users):
+            plan.notes.append(
+                f"{block.module} is one block that layers {format_indices(list(block.users))} of {stack} all run: "
+                f"re-initializing it changes every one of those layers"
+            )
+
+
+def _is_all(spec: IndexSpec) -> bool:
+    return spec is None or (isinstance(spec, str) and spec.strip().lower() == "all")
+
+
+def _spelled(spec: IndexSpec) -> str:
+    if isinstance(spec, (str, int)):
+        return str(spec)
+    return format_indices(sorted(spec)) if spec is not None else "all"
+
+
+def _kv_heads(block: AttentionBlock, q_heads: list[int], role: str) -> list[int]:
+    """Key/value heads whose whole group of query heads is selected (GQA/MQA share them)."""
+    selected = set(q_heads)
+    out = []
+    for g in range(block.kv_heads):
+        members = {h for h in range(block.heads) if block.kv_head(h) == g}
+        if members <= selected:
+            out.append(g)
+        elif members & selected:
+            raise SelectionError(
+                f"{opt('heads', format_indices(sorted(selected)))} splits key/value head {g} of {block.module}, which serves "
+                f"query heads {format_indices(sorted(members))}: select whole groups or use {opt('targets', 'q')}"
+            )
+    return out
+
+
+def _kinds_present(blocks: list[AttentionBlock]) -> str:
+    kinds = sorted({b.kind for b in blocks})
+    return " and ".join(f"{k}-attention" for k in kinds)

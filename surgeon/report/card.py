@@ -1,0 +1,323 @@
+"""The model card (README.md) of a re-initialized model folder.
+
+Front matter the Hub understands (base model, tags, library, license), then what was done, the
+condition numbers this run measured, the command that reproduces it and the paper to cite. The source
+model's own card follows, unchanged, so nothing it said is lost. Never holds a token, a time or an
+absolute path: the same run gives the same card.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from .._version import __version__
+from ..compute.engine import ProjectionResult
+from ..compute.modes import get_mode
+from ..detect.blocks import AttentionBlock, split_module
+from ..detect.config import Hints
+from ..open.bounded import CARD_LIMIT, read_text
+from ..open.folder import file_in
+from ..open.source import Source
+from ..plan.planner import Plan
+from ..plan.selection import format_indices
+from .report import fmt_kappa, with_streams
+from .shown import shown
+
+TAG = "surgeon"  # every card; the mode adds its own (conditioned-initialization, default-init-redraw, ...)
+# Source metadata that still describes the re-initialized model. Evaluation results (model-index),
+# datasets, metrics and the source's own base_model describe the source only, so they are dropped.
+KEPT_METADATA = ("license", "license_name", "license_link", "language", "pipeline_tag", "library_name")
+_YAML_BLOCK = re.compile(r"^(\s*---[\r\n]+)([\S\s]*?)([\r\n]+---(\r\n|\n|$))")
+
+
+@dataclass
+class SourceCard:
+    """The source model's card: its metadata (as a dict) and its Markdown body."""
+
+    metadata: dict
+    body: str
+
+    @classmethod
+    def read(cls, path: Path) -> SourceCard | None:
+        if not path.is_file():
+            return None
+        from huggingface_hub import ModelCard
+
+        text = read_text(path, what="model card", limit=CARD_LIMIT)
+        try:
+            card = ModelCard(text, ignore_metadata_errors=True)
+            return cls(card.data.to_dict(), card.text)
+        except Exception:  # front matter that is not a YAML mapping: keep the text, drop the metadata
+            match = _YAML_BLOCK.search(text)
+            return cls({}, text[match.end() :] if match else text)
+
+
+def reproduce_command(model: str, *, revision: str | None, options: dict, hints: Hints, output: str) -> str:
+    """The ``surgeon reinit`` command line that makes the same weights again (every option spelled out).
+
+    Made from the fields of ReinitOptions (``options``: as recorded by ``ReinitOptions.to_dict``),
+    spelt as the CLI spells them.
+    """
+    from ..errors import shell_spelling as flag
+    from ..plan.planner import option_infos
+
+    q = _quoted
+
+    def spec(value) -> str:
+        return (
+            value if isinstance(value, str) else str(value) if isinstance(value, int) else format_indices(sorted(value))
+        )
+
+    args = ["surgeon", "reinit", q(model)]
+    if revision:
+        args.append(flag("revision", q(revision)))
+    for name, info in option_infos():
+        value = options.get(name)
+        if (info.recorded is not None and not info.recorded(options)) or value is None or value == []:
+            continue
+        if info.switch:
+            args += [flag(name, None)] if value else []
+        elif info.spec:  # `--layers=-2-`: with "=", a spec that starts with "-" cannot be read as an option
+            args.append(f"{flag(name, None)}={q(spec(value))}")
+        else:
+            args.append(flag(name, q(",".join(value) if isinstance(value, list) else str(value))))
+    for name in ("num_heads", "num_kv_heads", "head_dim"):
+        value = hints.spelled(name)
+        if value is not None:
+            args.append(flag(name, q(value)))
+    if hints.force:
+        args.append(flag("force_hints", None))
+    if hints.layout is not None:  # the file's name only: a local path is not published
+        args.append(flag("layout", q(Path(str(getattr(hints.layout, "path", hints.layout))).name)))
+    return " ".join(args + [flag("output", q(output))])
+
+
+def source_card(source: Source) -> SourceCard | None:
+    """The input folder's own model card, read (and capped) before anything is written: only a README.md
+    the folder's walk took as its own (folder_files), checked again as it is read."""
+    own = source.kind == "folder" and "README.md" in source.extra_files
+    readme = file_in(source.folder, "README.md") if own else None
+    return SourceCard.read(readme) if readme is not None else None
+
+
+def build_card(
+    *,
+    source: Source,
+    original: SourceCard | None,
+    plan: Plan,
+    results: list[ProjectionResult],
+    command: str,
+    title: str,
+):
+    """The card as a ``huggingface_hub.ModelCard`` (metadata validated by its own parser); ``original``:
+    the input's card (:func:`source_card`), whose metadata and text it keeps."""
+    from huggingface_hub import ModelCard
+
+    mode = get_mode(plan.options.mode)
+    data = _card_data(source, original.metadata if original else {}, mode.tag)
+    parts = [
+        f"# {shown(title)}",
+        _intro(source, plan),
+        mode.card_caveat(),
+        "## What was done",
+        _options_table(plan),
+        _blocks_table(plan),
+        *_plan_notes(plan),
+        "## Condition numbers",
+        "Measured by this run on the weights as written: kappa = sigma_max / sigma_min of each head's matrix, "
+        "min / median / max over the heads of each projection (and of the whole projection, when measured with --full).",
+        _kappa_table(results),
+        "## Reproduce",
+        f"With surgeon {__version__}:",
+        f"```bash\n{command}\n```",
+        _record_comment(plan),
+    ]
+    if mode.fresh:
+        parts.append(
+            "Each head's random draw depends only on (seed, tensor name, role, head), not on the order of processing, "
+            "the sharding or the other heads selected."
+        )
+    if mode.citation:
+        parts += ["## Citation", f"```bibtex\n{mode.citation}\n```"]
+    if original and original.body.strip():
+        name = f"`{source.hub_id}`" if source.hub_id else "the source model"
+        parts += [
+            "## Source model card",
+            f"The card of {name}, as it came with the source, follows unchanged.",
+            original.body.strip(),
+        ]
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(parts) + "\n")
+    return card
+
+
+def _card_data(source: Source, meta: dict, mode_tag: str):
+    """The front matter: the source's metadata that still holds (KEPT_METADATA), its tags and surgeon's."""
+    from huggingface_hub import ModelCardData
+
+    kept = {k: meta[k] for k in KEPT_METADATA if meta.get(k) is not None}
+    if "library_name" not in kept and isinstance(source.config, dict) and source.config.get("model_type"):
+        kept["library_name"] = "transformers"  # a config.json with a model_type is a transformers model
+    source_tags = meta.get("tags") or []
+    tags = list(
+        dict.fromkeys(
+            [TAG, mode_tag] + [str(t) for t in (source_tags if isinstance(source_tags, list) else [source_tags])]
+        )
+    )
+    return ModelCardData(base_model=source.hub_id, tags=tags, **kept)
+
+
+def _intro(source: Source, plan: Plan) -> str:
+    """The card's first paragraph: which model, how many blocks changed, by which mode."""
+    from huggingface_hub import constants
+
+    mode, options = get_mode(plan.options.mode), plan.options.to_dict()
+    endpoint = constants.ENDPOINT.rstrip("/")
+    if source.hub_id:
+        commit = f" (commit `{source.hub_commit[:12]}`)" if source.hub_commit else ""
+        origin = f"[`{source.hub_id}`]({endpoint}/{source.hub_id}){commit}"
+    else:
+        origin = _code(source.path.name)
+    touched, blocks = len(with_streams(plan.touched_blocks)[0]), len(with_streams(plan.blocks)[0])
+    return (
+        f"This is {origin} with the attention query/key/value projections of {touched} of its "
+        f"{blocks} attention block{'s' if blocks != 1 else ''} re-initialized by surgeon {__version__} "
+        f"{mode.card_intro(options, plan.touched_blocks)}. Every other tensor"
+        + (
+            " (except the output projections W_O of those blocks, rewritten by this mode)"
+            if mode.writes_outputs
+            else ""
+        )
+        + " is byte for byte the source's."
+    )
+
+
+def _record_comment(plan: Plan) -> str:
+    """surgeon's record, for `surgeon verify` (PyTorch files have no metadata slot for it)."""
+    return card_comment(plan.record())
+
+
+# surgeon's record in a card: an HTML comment (invisible when rendered) that `surgeon verify` reads back
+CARD_OPEN, CARD_CLOSE = "<!-- surgeon-record ", " -->"
+
+
+def card_comment(record: dict) -> str:
+    """The record as an HTML comment for the model card (``>`` escaped, so the comment cannot end early)."""
+    return CARD_OPEN + json.dumps(record, sort_keys=True, separators=(",", ":")).replace(">", "\\u003e") + CARD_CLOSE
+
+
+def write_card(folder: Path, **kwargs) -> Path:
+    from .redact import redact
+
+    path = Path(folder) / "README.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(
+        path, mode="w", newline="", encoding="utf-8"
+    ) as f:  # as ModelCard.save, with no token, even one in the source's card
+        f.write(redact(str(build_card(**kwargs))))
+    return path
+
+
+def _options_table(plan: Plan) -> str:
+    o = plan.options.to_dict()
+    rows = [
+        ("mode", get_mode(o["mode"]).card_row(o, plan.touched_blocks)),
+        ("projections", ", ".join(o["targets"])),
+        ("layers", str(o["layers"]) if not isinstance(o["layers"], list) else format_indices(o["layers"])),
+        ("heads", str(o["heads"]) if not isinstance(o["heads"], list) else format_indices(o["heads"])),
+        ("attention", o["attention"] + (f", stacks {', '.join(o['stack'])}" if o.get("stack") else "")),
+        ("biases of re-initialized heads", "zeroed" if o["bias"] == "zero" else "kept"),
+        ("keep scale", "yes (each head rescaled to its old Frobenius norm)" if o["keep_scale"] else "no"),
+        ("seed", str(o["seed"])),
+        ("surgeon", __version__),
+    ]
+    return "| | |\n| --- | --- |\n" + "\n".join(f"| {k} | {_cell(v)} |" for k, v in rows)
+
+
+def _blocks_table(plan: Plan) -> str:
+    """One row per attention block; a joint block's context stream is in its cells, not a row of its own."""
+    targets = plan.options.to_dict()["targets"]
+    lines = ["| block | kind | " + " | ".join(targets) + " |"]
+    lines.append("| --- | --- |" + " --- |" * len(targets))
+    attention, streams = with_streams(plan.touched_blocks)
+    orphans = [s for owner, ss in streams.items() if owner not in {b.module for b in attention} for s in ss]
+    for block in attention + orphans:
+        cells = []
+        for role in targets:
+            own = _heads_cell(plan, block, role)
+            extra = [(split_module(s.module)[1], _heads_cell(plan, s, role)) for s in streams.get(block.module, ())]
+            extra = [(name, text) for name, text in extra if text != "-"]
+            if extra and all(text == own for _, text in extra):
+                own += "".join(f" (and its {name} stream)" for name, _ in extra)
+            else:
+                own += "".join(f"; {name} stream: {text}" for name, text in extra)
+            cells.append(own)
+        lines.append(f"| {_cell(_code(block.module))} | {block.kind} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _heads_cell(plan: Plan, block: AttentionBlock, role: str) -> str:
+    change = next((c for c in plan.changes if c.block.module == block.module and c.role == role), None)
+    if change is None:
+        return "-"
+    total = change.projection.heads
+    return f"all {total} heads" if len(change.heads) == total else f"heads {format_indices(change.heads)} of {total}"
+
+
+def _plan_notes(plan: Plan) -> list[str]:
+    """What the selection skipped, and shared blocks that change several layers (as the report says)."""
+    from ..errors import shell_spelling, spell
+
+    return ["\n".join(f"- {shown(spell(n, shell_spelling))}" for n in plan.notes)] if plan.notes else []
+
+
+def _kappa_table(results: list[ProjectionResult]) -> str:
+    measured = [r for r in results if r.before is not None and r.after is not None]
+    whole = any(r.before.kappa is not None for r in measured if r.before is not None)
+    lines = [
+        "| block | proj | "
+        + ("kappa before | kappa after | " if whole else "")
+        + "head kappa before (min/med/max) | head kappa after (min/med/max) |"
+    ]
+    lines.append("| --- | --- | " + ("---: | ---: | " if whole else "") + "--- | --- |")
+    for r in measured:
+        assert r.before is not None and r.after is not None
+        heads = lambda s: "/".join(fmt_kappa(x) for x in (s.head_min, s.head_median, s.head_max))  # noqa: E731
+        cells = f"{fmt_kappa(r.before.kappa)} | {fmt_kappa(r.after.kappa)} | " if whole else ""
+        lines.append(f"| {_cell(_code(r.block.module))} | {r.role} | {cells}{heads(r.before)} | {heads(r.after)} |")
+    return "\n".join(lines)
+
+
+# --- names in the card: a name from a file can hold a newline, "|" or "`" -----------------------------
+
+
+def _code(name: str) -> str:
+    """``name`` as inline code on one line (escaped), fenced by more backticks than it holds in a row."""
+    name = shown(name)
+    fence = "`" * (max((len(run) for run in re.findall("`+", name)), default=0) + 1)
+    pad = " " if name.startswith("`") or name.endswith("`") else ""
+    return f"{fence}{pad}{name}{pad}{fence}"
+
+
+def _cell(text: str) -> str:
+    """A table cell: one line, and a "|" in it does not end the cell."""
+    return shown(text).replace("|", "\\|")
+
+
+def _quoted(arg: str) -> str:
+    """A shell word on one line: shlex's quoting, or bash's $'...' where the word holds a control character
+    (the command still gives back the same path; a raw newline could end the card's code block)."""
+    if shown(arg) == arg:
+        return shlex.quote(arg)
+
+    def char(c: str) -> str:
+        if c in "\\'":
+            return "\\" + c
+        if shown(c) == c:
+            return c
+        return "".join(f"\\x{byte:02x}" for byte in c.encode())  # its UTF-8 bytes: bash's \u needs a UTF-8 locale
+
+    return "$'" + "".join(map(char, arg)) + "'"

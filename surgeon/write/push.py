@@ -1,0 +1,357 @@
+"""Pushing a folder to the Hub in one commit (repo and branch created when needed)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .._version import __version__
+from ..errors import (
+    CheckpointError,
+    HubAccessError,
+    HubAuthError,
+    HubError,
+    OptionError,
+    PushError,
+    opt,
+)
+from ..open.bounded import CARD_LIMIT, read_bytes
+from ..open.folder import walk
+from ..open.hub_errors import few, one_line, write_error
+from ..open.hub_ids import check_revision, hf_progress, require_repo_id
+from ..report.redact import remember
+from .journal import SUFFIX, refuse_journals
+
+# --- pushing -----------------------------------------------------------------------------------
+
+# Never uploaded: version control and huggingface_hub's own bookkeeping (same as upload_folder).
+_PUSH_SKIP = {".git", ".cache"}
+
+
+@dataclass
+class PushResult:
+    """What a push did: one commit (or pull request) with these files."""
+
+    repo_id: str
+    repo_url: str
+    revision: str  # the branch committed to ("main" by default)
+    created_repo: bool
+    commit: str
+    commit_url: str
+    pr_url: str | None
+    files: list[str]
+    large_files: list[str]  # sent through the large-file path (LFS / Xet)
+    unchanged: list[str]  # already on the Hub with the same content: left out of the commit
+    bytes: int
+    notes: list[str] = field(default_factory=list)
+    dry_run: bool = False  # nothing was sent: ``files`` is what the push would upload
+
+    def to_dict(self) -> dict:
+        return {
+            "repo_id": self.repo_id,
+            "repo_url": self.repo_url,
+            "revision": self.revision,
+            "created_repo": self.created_repo,
+            "commit": self.commit,
+            "commit_url": self.commit_url,
+            "pr_url": self.pr_url,
+            "files": self.files,
+            "large_files": self.large_files,
+            "unchanged": self.unchanged,
+            "bytes": self.bytes,
+            "notes": self.notes,
+            "dry_run": self.dry_run,
+        }
+
+    def summary(self) -> str:
+        """One line (names shown escaped)."""
+        from ..report.report import fmt_bytes
+        from ..report.shown import shown
+
+        if self.dry_run:
+            return (
+                f"dry run: would push these {len(self.files)} files ({fmt_bytes(self.bytes)}) to {self.repo_id} "
+                f"(branch {self.revision}); nothing was sent"
+            )
+        changed = len(self.files) - len(self.unchanged)
+        if not changed:
+            return shown(
+                f"nothing to push: all {len(self.files)} files are on {self.repo_id} (branch {self.revision}) already, unchanged"
+            )
+        what = f"{changed} files ({fmt_bytes(self.bytes)}, {len(self.large_files)} through the large-file path)"
+        if self.unchanged:
+            what += f" ({len(self.unchanged)} files already there unchanged)"
+        if self.pr_url:
+            return shown(f"opened a pull request on {self.repo_id} with {what}: {self.pr_url}")
+        return shown(f"pushed {what} to {self.repo_id} (branch {self.revision}) in one commit: {self.commit_url}")
+
+    def listing(self) -> list[str]:
+        """Every file of the push, one line each (the exact list uploaded, or that a dry run would upload)."""
+        from ..report.shown import shown
+
+        unchanged = set(self.unchanged)
+        return [f"  {shown(f)}{' (already there, unchanged)' if f in unchanged else ''}" for f in self.files]
+
+
+@dataclass(frozen=True)
+class PushTarget:
+    """Where and how a reinit's output folder is pushed; checked when made, before anything is opened
+    (the repo id, the branch, a token with write access)."""
+
+    repo_id: str
+    private: bool = False
+    revision: str | None = None  # the branch to commit to (created from main if missing)
+    create_pr: bool = False
+    commit_message: str | None = None  # default: what was re-initialized
+    token: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:  # the token is checked by check_token, where the caller chooses
+        object.__setattr__(self, "repo_id", _check_target(self.repo_id, self.revision, self.create_pr))
+
+    def check_token(self) -> None:
+        """A token with which to push is there (the argument, HF_TOKEN or `hf auth login`)."""
+        _push_token(self.token)
+
+    @classmethod
+    def build(
+        cls,
+        repo_id: str | None,
+        *,
+        private: bool = False,
+        revision: str | None = None,
+        create_pr: bool = False,
+        commit_message: str | None = None,
+        token: str | None = None,
+    ) -> PushTarget | None:
+        """The push the options ask for; None without a repo id (and then none of its options may be given)."""
+        if repo_id is None:
+            if private or revision or create_pr or commit_message:
+                raise OptionError(
+                    f"{opt('private')}, {opt('push_revision')}, {opt('create_pr')} and {opt('commit_message')} "
+                    f"go with {opt('push_to_hub', 'org/name')}"
+                )
+            return None
+        return cls(repo_id, private, revision, create_pr, commit_message, token)
+
+    def push(self, folder: Path, *, default_message: str, progress: bool = False) -> PushResult:
+        return push_folder(
+            folder,
+            self.repo_id,
+            private=self.private,
+            revision=self.revision,
+            create_pr=self.create_pr,
+            commit_message=self.commit_message or default_message,
+            token=self.token,
+            progress=progress,
+        )
+
+
+def check_push(repo_id: str, *, revision: str | None = None, create_pr: bool = False, token: str | None = None) -> str:
+    """Everything about a push that can fail before anything is written; returns the repo id."""
+    repo_id = _check_target(repo_id, revision, create_pr)
+    _push_token(token)
+    return repo_id
+
+
+def _check_target(repo_id: str, revision: str | None, create_pr: bool) -> str:
+    """The repo id and branch of a push are well formed; returns the repo id."""
+    repo_id = require_repo_id(repo_id, "push target")
+    if create_pr and revision not in (None, "main"):
+        raise OptionError(
+            f"{opt('create_pr', True)} opens a pull request against main; leave out the branch ({opt('revision')} / {opt('push_revision')})"
+        )
+    check_revision(revision, "the branch to push to")
+    if revision is not None and revision.startswith("refs/") and not re.fullmatch(r"refs/pr/\d+", revision):
+        raise OptionError(
+            f"{revision!r} is not a branch to push to: give a branch name (or refs/pr/N to add to a pull request)"
+        )
+    return repo_id
+
+
+def _push_token(token: str | None) -> str:
+    from huggingface_hub import get_token
+
+    found = token or get_token()
+    remember(found)
+    if not found:
+        raise HubAuthError("pushing to the Hub needs a token with write access: set HF_TOKEN or run `hf auth login`")
+    return found
+
+
+def push_folder(
+    folder: str | Path,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    create_pr: bool = False,
+    commit_message: str | None = None,
+    commit_description: str | None = None,
+    token: str | None = None,
+    progress: bool = False,
+    dry_run: bool = False,
+) -> PushResult:
+    """Upload every file of ``folder`` to the model repo ``repo_id`` in one commit.
+
+    Creates the repo (``private`` when asked) and the branch ``revision`` when they do not exist, or opens
+    a pull request against main with ``create_pr``. Large files are uploaded before the commit, one at a
+    time, so a failure can say which reached the Hub; running the same push again uploads only the rest
+    (the Hub already holds the others) and commits. ``dry_run``: every check, then the files that would be
+    uploaded (``PushResult.files``), with nothing sent: no request is made.
+    """
+    from huggingface_hub import CommitOperationAdd, HfApi, constants
+
+    folder = Path(folder)
+    if folder.is_dir():  # a half-patched folder (an in-place run's journal beside its weights) is never offered
+        refuse_journals(folder, unfinished=True)
+    repo_id = check_push(repo_id, revision=revision, create_pr=create_pr, token=token)
+    token = _push_token(token)
+    files, left_out = _files_to_push(folder)
+    branch = revision or "main"
+    if dry_run:
+        url, size = f"{constants.ENDPOINT.rstrip('/')}/{repo_id}", sum((folder / f).stat().st_size for f in files)
+        return PushResult(repo_id, url, branch, False, "", "", None, files, [], [], size, left_out, dry_run=True)
+    api = HfApi(token=token)
+    created, notes = _prepare_repo(api, repo_id, token, private=private, revision=revision, create_pr=create_pr)
+    notes = left_out + notes
+    ops = [CommitOperationAdd(path_in_repo=f, path_or_fileobj=str(folder / f)) for f in files]
+    where = {"revision": revision, "create_pr": create_pr, "private": private}  # for messages about a partial push
+    with hf_progress(progress):
+        done = _preupload(api, repo_id, token, folder, ops, **where)
+        message = commit_message or f"Upload {folder.resolve().name} with surgeon {__version__}"
+        try:
+            info = api.create_commit(
+                repo_id,
+                ops,
+                commit_message=message,
+                commit_description=commit_description,
+                revision=revision,
+                create_pr=create_pr,
+            )
+        except Exception as exc:
+            raise _partial_error(exc, repo_id, token, folder, ops, len(ops), done, **where) from None
+    unchanged = [op.path_in_repo for op in ops if op._remote_oid is not None and op._remote_oid == op._local_oid]
+    large = [op.path_in_repo for op in ops if op._upload_mode == "lfs" and op.path_in_repo not in unchanged]
+    sent = sum((folder / f).stat().st_size for f in files if f not in unchanged)
+    url = f"{api.endpoint}/{repo_id}"
+    return PushResult(
+        repo_id, url, branch, created, info.oid, info.commit_url, info.pr_url, files, large, unchanged, sent, notes
+    )
+
+
+def _files_to_push(folder: Path) -> tuple[list[str], list[str]]:
+    """The folder's files and a note on what was left out; refused if one is a link out of the folder, an
+    in-place run's undo journal, or the Hub would refuse its README.md."""
+    files, left_out = _folder_files(folder)
+    journal = next((f for f in files if f.endswith((SUFFIX, SUFFIX + ".tmp"))), None)
+    if journal is not None:
+        raise OptionError(
+            f"{folder / journal} is an in-place run's undo journal, never pushed; run `surgeon recover` on its checkpoint first"
+        )
+    _check_card(folder)
+    return files, left_out
+
+
+def _prepare_repo(
+    api, repo_id: str, token: str, *, private: bool, revision: str | None, create_pr: bool
+) -> tuple[bool, list[str]]:
+    """Create the repo and the branch where they do not exist: (whether the repo was created, notes)."""
+    try:
+        created, notes = _ensure_repo(api, repo_id, private=private)
+        if revision is not None and not create_pr and not revision.startswith("refs/pr/"):
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+    except Exception as exc:
+        raise write_error(exc, repo_id, token, "prepare") from None
+    return created, notes
+
+
+def _preupload(api, repo_id: str, token: str, folder: Path, ops: list, **where) -> list[str]:
+    """Upload the large files one at a time before the commit; returns those sent through the large-file path."""
+    done: list[str] = []
+    for i, op in enumerate(ops):
+        try:
+            api.preupload_lfs_files(repo_id, additions=[op], revision=where["revision"], create_pr=where["create_pr"])
+        except Exception as exc:
+            raise _partial_error(exc, repo_id, token, folder, ops, i, done, **where) from None
+        if op._upload_mode == "lfs":
+            done.append(op.path_in_repo)
+    return done
+
+
+def _folder_files(folder: Path) -> tuple[list[str], list[str]]:
+    """What a push uploads: the folder's own files (a link out of it is refused, see folder_files), and a note
+    on what it leaves out (links to folders, FIFOs and the like)."""
+    if not folder.is_dir():
+        what = "a file" if folder.is_file() else "not there"
+        raise OptionError(f"{folder} is {what}: surgeon push uploads a model folder (the output of surgeon reinit)")
+    found = walk(folder, prune=lambda rel, is_folder: (is_folder and rel.name in _PUSH_SKIP) or rel.name == ".DS_Store")
+    if not found.files:
+        raise OptionError(f"{folder} is empty: nothing to push")
+    return found.files, found.note()
+
+
+def _check_card(folder: Path) -> None:
+    """A README.md the Hub would refuse (bad YAML front matter) fails here, before any upload."""
+    readme = folder / "README.md"
+    if not readme.is_file():
+        return
+    from huggingface_hub import ModelCard
+
+    raw = read_bytes(readme, what="model card", limit=CARD_LIMIT)
+    try:
+        ModelCard(raw.decode("utf-8"))
+    except Exception as exc:
+        raise CheckpointError(
+            f"{readme}: the model card's metadata does not parse ({one_line(exc)}); fix or remove it before pushing"
+        ) from None
+
+
+def _ensure_repo(api, repo_id: str, *, private: bool) -> tuple[bool, list[str]]:
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    try:
+        info = api.repo_info(repo_id)
+    except GatedRepoError:
+        return False, []
+    except RepositoryNotFoundError:
+        api.create_repo(repo_id, private=True if private else None, exist_ok=True)
+        return True, [f"created the {'private ' if private else ''}model repo {repo_id}"]
+    notes = []
+    if private and info.private is False:
+        notes.append(
+            f"{repo_id} already exists and is public: {opt('private', True)} only applies to a repo surgeon creates"
+        )
+    return False, notes
+
+
+def _partial_error(exc, repo_id, token, folder, ops, failed_at, done, *, revision, create_pr, private) -> Exception:
+    """One line: what reached the Hub, what did not, and the command that finishes the job."""
+    base = write_error(exc, repo_id, token, "push")
+    if not isinstance(base, HubError) or (isinstance(base, (HubAuthError, HubAccessError)) and not done):
+        return base  # refused outright: nothing reached the Hub, the plain reason is the whole story
+    # the file that failed and those after it first: they are what the re-run will send
+    pending = [op.path_in_repo for op in ops[failed_at:]] + [
+        op.path_in_repo for op in ops[:failed_at] if op.path_in_repo not in done
+    ]
+    flags = (
+        (f" --revision {shlex.quote(revision)}" if revision else "")
+        + (" --create-pr" if create_pr else "")
+        + (" --private" if private else "")
+    )
+    rerun = f"surgeon push {shlex.quote(str(folder))} {repo_id}{flags}"
+    if failed_at < len(ops):
+        before = (
+            f"uploaded before it: {few(done)} ({len(done)} large files)"
+            if done
+            else "no large file was uploaded before it"
+        )
+        what = f"stopped at {ops[failed_at].path_in_repo} ({base}); {before}; not uploaded: {few(pending)}; nothing was committed"
+    else:
+        what = f"failed at the commit ({base}); all {len(done)} large files were uploaded, but nothing was committed"
+    return PushError(
+        f"push to {repo_id} {what}: run `{rerun}` to finish (the Hub keeps what was uploaded; it is not sent again)",
+        uploaded=list(done),
+        not_uploaded=pending,
+    )

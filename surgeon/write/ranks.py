@@ -1,0 +1,190 @@
+"""A reinit of a checkpoint on disk spread over the processes of ``torchrun`` (or of a training script under it).
+
+Every rank opens, detects and plans the same checkpoint (the plan is a deterministic value), then writes
+only its own data files into one staging folder: DCP's ``.distcp`` files and a sharded safetensors folder's
+shards are dealt out round-robin in the checkpoint's file order. Draws are keyed by (seed, tensor, role,
+head), so a rank computes the very values one process would. After a barrier rank 0 writes the files
+the ranks share (``.metadata`` or the index, the folder's other files, the model card from every rank's
+results) and renames the staging folder into place; a failure on any rank removes it and every rank
+raises. Collectives are gloo's, on the CPU, whatever backend the training script uses.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ..errors import OptionError, SurgeonError, opt
+
+if TYPE_CHECKING:
+    from ..compute.engine import ProjectionResult
+    from ..compute.per_file import Compute
+    from ..open.source import Source
+    from .output import Destination
+
+T = TypeVar("T")
+
+
+class RankFailed(SurgeonError):
+    """Another rank failed: its own error is in its output."""
+
+
+def under_torchrun() -> bool:
+    """True in a process that torchrun started with more than one rank (its WORLD_SIZE)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        return False
+
+
+@dataclass
+class Ranks:
+    rank: int
+    world: int
+    group: Any  # a gloo process group (None: the default group, itself gloo)
+    owned: bool  # surgeon initialized the default group, and destroys it at the end
+
+    @classmethod
+    def join(cls) -> Ranks:
+        """This process's rank: the training script's process group, or one made from torchrun's variables."""
+        import torch.distributed as dist
+
+        owned = False
+        if not dist.is_initialized():
+            if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
+                raise OptionError(
+                    "distributed=True runs under torchrun (RANK, WORLD_SIZE, MASTER_ADDR are not set) or in a "
+                    "script that has called torch.distributed.init_process_group; start it with torchrun --nproc-per-node N"
+                )
+            dist.init_process_group("gloo")
+            owned = True
+        group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        return cls(dist.get_rank(), dist.get_world_size(), group, owned)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self.owned:
+            dist.destroy_process_group()
+
+    def agree(self, ok: bool) -> bool:
+        """Whether every rank is ok (a collective: every rank calls it at the same point)."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
+        dist.all_reduce(flag, group=self.group)
+        return int(flag.item()) == 0
+
+    def gather(self, value: T) -> list[T]:
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def broadcast(self, value: T | None) -> T | None:
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def step(self, work: Callable[[], T]) -> T:
+        """Run ``work`` on this rank; raise on every rank if it failed on any (this rank's own error here)."""
+        try:
+            value = work()
+        except BaseException:
+            self.agree(False)
+            raise
+        if not self.agree(True):
+            raise RankFailed("another rank failed (its error is in its output); nothing was written")
+        return value
+
+    def mine(self, files: list[str]) -> list[str]:
+        """This rank's share of ``files``: round-robin in the checkpoint's own file order."""
+        return files[self.rank :: self.world]
+
+
+def refuse(*, in_place: bool, push: bool, source: Source | None = None, dest: Destination | None = None) -> None:
+    """One line for what cannot run spread over ranks; checked on every rank alike (nothing depends on the rank)."""
+    if in_place:
+        raise OptionError(
+            f"{opt('in_place', True)} patches the input under one journal and cannot run over several ranks; "
+            f"run it in one process, or write a new folder with {opt('output')}"
+        )
+    if push:
+        raise OptionError(f"{opt('push_to_hub')} does not run over several ranks; push the output with `surgeon push`")
+    if source is None or dest is None:
+        return
+    from .output import OutputKind
+
+    weights = source.primary
+    if len(source.weights) != 1 or not weights.ranked or dest.kind is not OutputKind.FOLDER:
+        raise OptionError(
+            f"{source.path} is {weights.describe()}: several ranks run on a DCP folder or a sharded safetensors "
+            "folder; run this in one process"
+        )
+
+
+def write(
+    ranks: Ranks,
+    source: Source,
+    dest: Destination,
+    run: Compute,
+    record: dict,
+    *,
+    card: Callable[[Path, list[ProjectionResult]], None],
+) -> tuple[list[str], list[ProjectionResult]]:
+    """Write the output folder with every rank (see the module's docstring); returns (notes, the results of all ranks)."""
+    from .output import copy_extras
+    from .staging import staged
+
+    weights = source.primary
+    mine = ranks.mine(weights.files)
+    notes: list[str] = []
+    with ExitStack() as stack:
+
+        def stage() -> Path | None:
+            return stack.enter_context(staged(dest.path, "folder", notes=notes)) if ranks.rank == 0 else None
+
+        tmp = ranks.broadcast(ranks.step(stage))
+        assert tmp is not None
+        ranks.step(lambda: weights.save_share(tmp, run.updates_for(weights, True), record, mine))
+        engine = run.engine if run.started else None
+        shares = ranks.gather((engine.results if engine else {}, engine._zeroed if engine else set(), ranks.rank, mine))
+        results = _merge(run, shares)
+
+        def finish() -> None:
+            if ranks.rank == 0:
+                weights.save_shared(tmp)
+                if source.kind == "folder":
+                    copy_extras(source, tmp)
+                card(tmp, results)
+                stack.close()  # the rename into place
+
+        ranks.step(finish)
+    notes += [f"rank {r} of {ranks.world} wrote {', '.join(files) or 'no data file'}" for _, _, r, files in shares]
+    return notes, results
+
+
+def _merge(run: Compute, shares: list) -> list[ProjectionResult]:
+    """Every rank's results in plan order (a tensor cut over two ranks' files is computed by both: one is kept),
+    a bias zeroed by any rank marked so (the bias may be stored in another rank's file than its weight)."""
+    found: dict = {}
+    zeroed: set = set()
+    for results, z, _, _ in shares:
+        zeroed |= z
+        for key, result in results.items():
+            found.setdefault(key, result)
+    out = []
+    for change in run.plan.changes:
+        key = (change.block.module, change.role)
+        if key in found:
+            found[key].bias_zeroed = found[key].bias_zeroed or key in zeroed
+            out.append(found[key])
+    return out
