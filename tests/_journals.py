@@ -14,7 +14,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from surgeon import journal_file as jf
+from surgeon.write import journal_file as jf
 from surgeon.open.formats.safetensors import read_header
 from surgeon.write.journal import journal_path
 

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from surgeon import bounded
+from surgeon.open import bounded
 from surgeon.open.bounded import MAX_DEPTH, too_deep
 
 from conftest import expect_cli_error, tiny_llama

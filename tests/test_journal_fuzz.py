@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from surgeon import CheckpointError
-from surgeon import journal_file as jf
+from surgeon.write import journal_file as jf
 from surgeon.write.journal import journal_path, recover
 
 from _journals import kill_half_way
