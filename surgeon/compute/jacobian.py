@@ -298,27 +298,14 @@ def _capture(store: list, module):
     return hook
 
 
-def checkpoint_jacobian(
-    model: str | Path,
-    *,
-    inputs: str | Path | None = None,
-    config: str | Path | None = None,
-    revision: str | None = None,
-    exact: bool | None = None,
-) -> JacobianReport:
-    """``surgeon inspect MODEL --jacobian``: build the architecture from config.json (random init, nothing
-    downloaded), load the checkpoint's weights into it, and run :func:`jacobian_report` on real text.
+def source_jacobian(source, *, inputs: str | Path | None = None, exact: bool | None = None) -> JacobianReport:
+    """``surgeon inspect MODEL --jacobian`` on a checkpoint already opened (a :class:`surgeon.open.source.Source`):
+    build the architecture from config.json (random init, nothing downloaded), load the checkpoint's weights into
+    it, and run :func:`jacobian_report` on real text.
 
     ``inputs``: a file of text lines (needs a tokenizer in the model folder) or a ``.pt`` tensor of token
     ids; default: a small built-in English sample, tokenized with the folder's tokenizer.
     """
-    from ..open.hub import open_model
-
-    return source_jacobian(open_model(model, config=config, revision=revision), inputs=inputs, exact=exact)
-
-
-def source_jacobian(source, *, inputs: str | Path | None = None, exact: bool | None = None) -> JacobianReport:
-    """:func:`checkpoint_jacobian` on a checkpoint already opened (a :class:`surgeon.open.source.Source`)."""
     import torch
 
     from ..detect.module import checkpoint_names

@@ -113,11 +113,6 @@ class AttentionBlock:
     def projection(self, role: str) -> Projection:
         return {"q": self.q, "k": self.k, "v": self.v}[role]
 
-    @property
-    def group_size(self) -> int:
-        """Query heads per key/value head (1 for plain multi-head attention)."""
-        return self.heads // self.kv_heads
-
     def kv_head(self, head: int) -> int:
         """The key/value head that query head ``head`` reads."""
         return KV_MAPS[self.kv_map](head, self.heads, self.kv_heads)

@@ -121,7 +121,6 @@ def detect(
     notes = block_notes(blocks, view) + library_notes(blocks) + notes
     return Detection(
         blocks,
-        len(tensors),
         notes,
         depths=depths,
         unreadable=unreadable,

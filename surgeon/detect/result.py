@@ -11,7 +11,6 @@ from .blocks import AttentionBlock, Unreadable
 @dataclass
 class Detection:
     blocks: list[AttentionBlock]
-    tensors_seen: int
     notes: list[str] = field(default_factory=list)  # why candidates were rejected, for "nothing found"
     graph: Any = None  # what a route knows beyond the blocks (ONNX: which nodes read each initializer)
     depths: dict[str, int] = field(default_factory=dict)  # stack -> its layers, with those without attention

@@ -75,7 +75,7 @@ def find_attention(
             for m in p.weight_nodes | p.bias_nodes:
                 owners.setdefault(m, (block.label, role))
     return OnnxDetection(
-        Detection(blocks, len(graph.inits), notes, depths=_depths(graph, blocks)), graph, users, owners
+        Detection(blocks, notes, depths=_depths(graph, blocks)), graph, users, owners
     )
 
 

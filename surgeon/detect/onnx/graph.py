@@ -269,10 +269,6 @@ class Graph:
             return [None] * max(0, end - start)
         return None
 
-    def shape_tail(self, tensor: str) -> list[int | None] | None:
-        found = self.target_shape(tensor)
-        return found[0] if found else None
-
     def initializer(self, tensor: str) -> tuple[str | None, list[int]]:
         """The initializer a tensor is, through Identity nodes (the legacy exporter's way of sharing
         one initializer between equal parameters), and those nodes; (None, []) if it is not one."""

@@ -25,7 +25,6 @@ from .base import TensorInfo, UpdatesFn, WeightSet
 from .fileio import same_bytes
 from .stacked import stacked_note, unstack
 
-SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 INDEX_SUFFIX = ".bin.index.json"
 WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "module")
 CONFIG_KEYS = ("model_args", "hyper_parameters", "config")  # nanoGPT ckpt.pt, PyTorch Lightning, from-scratch loops
