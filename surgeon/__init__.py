@@ -97,5 +97,5 @@ if TYPE_CHECKING:
     from .integrations.init_hooks import conditioned_init_
     from .options import ReinitOptions
     from .report.report import Report
-    from .write.journal import recover
     from .write.push import PushResult, PushTarget, push_folder
+    from .write.recovery import recover

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from surgeon.errors import SelectionError, SurgeonError
-from surgeon.open.formats.safetensors import DTYPES, read_header
+from surgeon.open.formats.safetensors_header import DTYPES, read_header
 from surgeon.plan.selection import resolve_indices
 
 from conftest import tree_digest

@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from surgeon import reinit_checkpoint
-from surgeon.open.formats.safetensors import read_header, records
-from surgeon.write.journal import SUFFIX, journal_path
+from surgeon.open.formats.safetensors_header import read_header, records
+from surgeon.write.journal_file import SUFFIX, journal_path
 
 from _kill import watch
 from conftest import expect_cli_error, sha256, tiny_llama

@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from surgeon.write.journal import SUFFIX, journal_path
+from surgeon.write.journal_file import SUFFIX, journal_path
 
 from _journals import kill_half_way, tensor_range
 from conftest import expect_cli_error, sha256, tiny_llama, tree_digest
@@ -360,7 +360,7 @@ KILL_AFTER_HEADER = textwrap.dedent(
 def test_a_patched_header_is_rolled_back_with_the_tensors(tmp_path, cli):
     import struct
 
-    from surgeon.open.formats.safetensors import read_header, records
+    from surgeon.open.formats.safetensors_header import read_header, records
 
     folder = tmp_path / "padded"
     tiny_llama().save_pretrained(folder)

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from surgeon import CheckpointError
 from surgeon.write import journal_file as jf
-from surgeon.write.journal import journal_path, recover
+from surgeon.write.journal_file import journal_path
+from surgeon.write.recovery import recover
 
 from _journals import kill_half_way
 from conftest import tiny_llama

@@ -20,7 +20,8 @@ import sys
 import pytest
 
 from surgeon import CheckpointError
-from surgeon.write.journal import journal_path, recover
+from surgeon.write.journal_file import journal_path
+from surgeon.write.recovery import recover
 
 from _journals import best_forgery, craft, ident, kill_half_way, tensor_range
 from conftest import expect_cli_error, sha256, tiny_llama, tree_digest

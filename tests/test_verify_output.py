@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import surgeon
-from surgeon.open.formats.safetensors import encode_header, read_header, with_metadata
+from surgeon.open.formats.safetensors_header import encode_header, read_header, with_metadata
 
 from _onnx_graphs import tiny_attention
 from conftest import expect_cli_error, tiny_llama

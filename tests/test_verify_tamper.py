@@ -20,7 +20,7 @@ import surgeon
 from surgeon._version import __version__
 from surgeon.audit.record import card_records, history, parse_json, parse_record
 from surgeon.errors import CheckpointError
-from surgeon.open.formats.safetensors import encode_header, read_header, with_metadata
+from surgeon.open.formats.safetensors_header import encode_header, read_header, with_metadata
 
 from _onnx_graphs import tiny_attention
 from conftest import expect_cli_error, tiny_llama

@@ -80,8 +80,8 @@ def _regular(path: Path, rel: str, output) -> None:
 
 
 def _what_added(rel: str, src) -> str:
-    from ..open.formats.registry import format_of
-    from ..open.source import STALE_WEIGHT_SUFFIXES, STATE_DICT_SUFFIXES
+    from ..open.formats.registry import STATE_DICT_SUFFIXES, format_of
+    from ..open.source import STALE_WEIGHT_SUFFIXES
 
     if (src.folder / rel).is_file():
         return f"is there, a file of {src.path} that surgeon leaves out of its outputs (another copy of the weights, not rewritten)"

@@ -360,7 +360,7 @@ def recover(path):
     new bytes), then writes them back, so the checkpoint is exactly as it was before that run.
     A journal that fails a check is refused and left in place. Does nothing if there is no journal.
     """
-    from ..write.journal import recover as roll_back
+    from ..write.recovery import recover as roll_back
 
     notes = roll_back(path)
     _out("\n".join(note_lines(notes)) if notes else shown(f"nothing to recover at {path}"))

@@ -15,9 +15,7 @@ from ..errors import CheckpointError, LayoutError, NoAttentionFoundError, Unsupp
 from ..open.formats.base import TensorInfo
 from .blocks import AttentionBlock, Projection, Rows, Unreadable, packed_size, slot_offsets, split_module
 from .config import ConfigView, Hints, StackFacts, with_transformers_defaults
-from .families import (  # noqa: F401
-    CROSS_WORDS,
-    KV_SLOTS,
+from .families import (
     LATENTS,
     MODULE_FACTS,
     QUANT_PARAMS,

@@ -14,7 +14,7 @@ from itertools import accumulate
 from typing import Any
 
 from ..errors import LayoutError, OptionError, opt
-from .families import (  # noqa: F401
+from .families import (
     BLOCKS_PER_STAGE_KEYS,
     FRAMEWORK_CONFIGS,
     FUSED_PACKING_BY_MODEL_TYPE,

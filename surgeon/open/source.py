@@ -14,14 +14,13 @@ from ..errors import CheckpointError
 from .bounded import read_json, read_yaml
 from .folder import file_in, walk
 from .formats.base import WeightSet
-from .formats.registry import (  # noqa: F401  (NOT_WEIGHTS, TORCH_NAMES: importable from here as before)
+from .formats.registry import (
     ALONE_SUFFIXES,
     EXPORT_DIRS,
     FORMATS,
     NOT_WEIGHTS,
     OTHER_FORMAT_SUFFIXES,
     STATE_DICT_SUFFIXES,
-    TORCH_NAMES,
     WEIGHT_SUFFIXES,
     format_of,
     pick_dcp,
@@ -70,8 +69,8 @@ def open_source(path: str | Path, *, config: str | Path | None = None, recover: 
     """Open the checkpoint at ``path``. A checkpoint an in-place run left half-patched (its journal is
     there) is refused, unless ``recover``: then the journal is checked and rolled back first (an
     in-place run on the same checkpoint does that; nothing else writes to an input)."""
-    from ..write.journal import recover as roll_back
-    from ..write.journal import refuse_journals
+    from ..write.recovery import recover as roll_back
+    from ..write.recovery import refuse_journals
 
     path = Path(path)
     if not path.is_dir() and not path.is_file():

@@ -29,19 +29,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from ..errors import CheckpointError, HalfPatchedError, OutputError, opt
-from ..open.formats.safetensors import (
-    Header,
-    SafetensorsWeights,
-    add_record,
-    encode_header,
-    patch,
-    read_header_fd,
-    with_metadata,
-)
+from ..open.formats.safetensors import SafetensorsWeights, patch
+from ..open.formats.safetensors_header import Header, add_record, encode_header, read_header_fd, with_metadata
 from . import journal_file as jf
 from . import locks
-from .journal_file import SUFFIX, journal_path  # noqa: F401  (importable from here)
-from .recovery import apply, find_journals, open_file, read_small, recover, refuse_journals  # noqa: F401
+from .journal_file import journal_path
+from .recovery import apply, open_file, read_small, refuse_journals
 
 if TYPE_CHECKING:
     from ..open.formats.base import UpdatesFn

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from ..open.bounded import loads
-from ..open.formats.safetensors import Header, parse_header
+from ..open.formats.safetensors_header import Header, parse_header
 
 SUFFIX = ".surgeon-journal"
 MAGIC = b"SURGEON-JOURNAL-2\n"

@@ -22,7 +22,8 @@ from ..open.folder import walk
 from ..open.hub_errors import few, one_line, write_error
 from ..open.hub_ids import check_revision, hf_progress, require_repo_id
 from ..report.redact import remember
-from .journal import SUFFIX, refuse_journals
+from .journal_file import SUFFIX
+from .recovery import refuse_journals
 
 # --- pushing -----------------------------------------------------------------------------------
 

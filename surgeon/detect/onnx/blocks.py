@@ -74,9 +74,7 @@ def find_attention(
             users[(module, role)] = {"weight": set(p.weight_nodes), "bias": set(p.bias_nodes)}
             for m in p.weight_nodes | p.bias_nodes:
                 owners.setdefault(m, (block.label, role))
-    return OnnxDetection(
-        Detection(blocks, notes, depths=_depths(graph, blocks)), graph, users, owners
-    )
+    return OnnxDetection(Detection(blocks, notes, depths=_depths(graph, blocks)), graph, users, owners)
 
 
 def _depths(graph: Graph, blocks: list[AttentionBlock]) -> dict[str, int]:

@@ -18,16 +18,13 @@ from ...errors import CheckpointError, VerificationError
 from ..bounded import loads
 from .base import TensorInfo, UpdatesFn, WeightSet, tensor_bytes
 from .fileio import BackgroundCopies, copy_range
-from .safetensors_header import (  # noqa: F401  (the header's names stay importable from here)
+from .safetensors_header import (
     DTYPES,
     METADATA_KEY,
     Header,
     add_record,
     encode_header,
-    parse_header,
     read_header,
-    read_header_fd,
-    records,
     with_metadata,
 )
 
