@@ -99,6 +99,10 @@ class UnsupportedWeightsError(SurgeonError, ValueError):
     """A projection is quantized, integer or otherwise not a float matrix surgeon can rewrite."""
 
 
+class TensorParallelError(UnsupportedWeightsError):
+    """A projection's weight reaches its op as a DTensor: the forward computes each rank's local heads only."""
+
+
 class NoAttentionFoundError(SurgeonError, LookupError):
     """Detection found no attention block; the message says what was looked at."""
 
@@ -167,7 +171,15 @@ class PushError(HubError):
         self.uploaded, self.not_uploaded = list(uploaded or []), list(not_uploaded or [])
 
 
+class RankFailed(SurgeonError):
+    """Another rank of a torchrun reinit failed: its own error is in its output, and nothing was written."""
+
+
 class VerificationError(SurgeonError, ValueError):
     """OUTPUT is not what its record says surgeon made from ORIGINAL; the message names the first mismatch."""
 
     exit_code = 3
+
+
+class DerivedMismatch(VerificationError):
+    """A re-derived value differs: what the recipe of this surgeon version gives is not what is stored."""

@@ -233,6 +233,33 @@ def test_errors_live_in_one_module_and_carry_fields(tmp_path):
     assert str(exc) == "wrote out, but the push failed: boom" and exc.args == ("boom",)
 
 
+def test_every_surgeon_error_class_is_defined_in_errors():
+    """Every subclass of SurgeonError, public or raised inside one stage, is a class of surgeon.errors."""
+    import importlib
+    import pkgutil
+
+    import surgeon
+    from surgeon.errors import SurgeonError
+
+    for mod in pkgutil.walk_packages(surgeon.__path__, "surgeon."):
+        if mod.name.endswith("__main__"):  # runs the CLI on import
+            continue
+        try:
+            importlib.import_module(mod.name)
+        except ImportError:  # a module of an optional dependency not installed here
+            continue
+    found, todo = set(), [SurgeonError]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in found:
+                found.add(sub)
+                todo.append(sub)
+    names = {e.__name__ for e in found}
+    assert {"TensorParallelError", "DerivedMismatch", "RankFailed", "HalfPatchedError"} <= names
+    assert sorted(f"{e.__module__}.{e.__name__}" for e in found if e.__module__ != "surgeon.errors") == []
+    assert all(e.__doc__ for e in found)
+
+
 def test_errors_name_the_tensor_and_the_file(tmp_path):
     """Fields beside the message: what a program needs without parsing the text."""
     import struct

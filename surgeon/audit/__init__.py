@@ -32,12 +32,12 @@ from .._version import __version__
 from ..compute.modes import get_mode
 from ..detect.blocks import split_module
 from ..detect.config import HintInput, Hints
-from ..errors import CheckpointError, SurgeonError, VerificationError
+from ..errors import CheckpointError, DerivedMismatch, SurgeonError, VerificationError
 from ..report.card import card_comment
 from ..report.shown import shown
 from ..write.journal import hold
 from .record import Record, card_records, other_version_note, parse_record, stored_history
-from .values import DerivedMismatch, check_changed, check_untouched
+from .values import check_changed, check_untouched
 
 __all__ = ["Verification", "verify", "card_record", "card_comment", "CheckpointError", "VerificationError"]
 

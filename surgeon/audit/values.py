@@ -23,14 +23,10 @@ import torch
 
 from ..compute.conditioning import single_threaded
 from ..compute.modes import get_mode
-from ..errors import VerificationError
+from ..errors import DerivedMismatch, VerificationError
 from ..open.formats.base import tensor_bytes
 
 EPS64 = 2.0**-52
-
-
-class DerivedMismatch(VerificationError):
-    """A re-derived value differs: what the recipe of this surgeon version gives is not what is stored."""
 
 
 def raw(weights, name: str) -> bytes:

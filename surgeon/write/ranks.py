@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..errors import OptionError, SurgeonError, opt
+from ..errors import OptionError, RankFailed, opt
 
 if TYPE_CHECKING:
     from ..compute.engine import ProjectionResult
@@ -27,10 +27,6 @@ if TYPE_CHECKING:
     from .output import Destination
 
 T = TypeVar("T")
-
-
-class RankFailed(SurgeonError):
-    """Another rank failed: its own error is in its output."""
 
 
 def under_torchrun() -> bool:

@@ -7,7 +7,7 @@ from typing import Any, cast
 
 from torch import nn
 
-from ...errors import LayoutError, NoAttentionFoundError, SurgeonError
+from ...errors import LayoutError, NoAttentionFoundError, SurgeonError, TensorParallelError
 from ...open.formats.base import TensorInfo
 from ..blocks import AttentionBlock, Projection, Rows, slot_offsets
 from ..by_name import detect, match_modules, with_companions
@@ -17,7 +17,6 @@ from ..libraries import roles_by_position, with_separate_biases
 from ..placement import join, kind, stack_depths
 from .decode import kept_norms_note, placed, prefixed, probe_blocks, under
 from .probe import NORMS
-from .targets import TensorParallelError
 
 
 @dataclass

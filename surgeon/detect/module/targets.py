@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...errors import UnsupportedWeightsError
+from ...errors import TensorParallelError
 
 
 def is_dtensor(t: Any) -> bool:
@@ -17,10 +17,6 @@ def is_dtensor(t: Any) -> bool:
     from ..._compat import DTensor
 
     return isinstance(t, DTensor)
-
-
-class TensorParallelError(UnsupportedWeightsError):
-    """A projection's weight reaches its op as a DTensor: the forward computes each rank's local heads only."""
 
 
 def _refuse_parallel(w: torch.Tensor, targets: Targets) -> None:
