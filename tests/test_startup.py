@@ -34,6 +34,7 @@ TORCH_FREE = [
     "surgeon.detect.by_name",
     "surgeon.detect.config",
     "surgeon.detect.families",
+    "surgeon.detect.config_keys",
     "surgeon.detect.placement",
     "surgeon.open.formats.registry",
     "surgeon.open.formats.safetensors",

@@ -14,7 +14,7 @@ from itertools import accumulate
 from typing import Any
 
 from ..errors import LayoutError, OptionError, opt
-from .families import (
+from .config_keys import (
     BLOCKS_PER_STAGE_KEYS,
     FRAMEWORK_CONFIGS,
     FUSED_PACKING_BY_MODEL_TYPE,
@@ -38,8 +38,8 @@ from .families import (
     SUBCONFIG_WORDS,
     V_HEAD_DIM_KEYS,
     FrameworkConfig,
-    Rule,
 )
+from .families import Rule
 from .layout_file import LAYOUT_KEYS, Layout, read_layout
 from .libraries import fused_packing as library_packing
 from .libraries import normalize_config, stack_scope
@@ -411,7 +411,7 @@ def framework_config(framework: FrameworkConfig, data: Mapping[str, Any]) -> dic
 
 
 def megatron_legacy_packing(version: object) -> str:
-    """How a Megatron-LM legacy checkpoint of ``version`` packs query_key_value (families.MEGATRON_LEGACY_QKV)."""
+    """How a Megatron-LM legacy checkpoint of ``version`` packs query_key_value (config_keys.MEGATRON_LEGACY_QKV)."""
     number = version if isinstance(version, (int, float)) and not isinstance(version, bool) else None
     packing = MEGATRON_LEGACY_QKV.get(float(number)) if number is not None else None
     if packing is None:

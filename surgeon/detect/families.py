@@ -4,11 +4,10 @@
   each packs its (role, head) slots (a key of :data:`surgeon.detect.blocks.PACKINGS`).
 * :data:`SAVED_SPLIT`: fused tensors in memory that a framework saves split per role (the draws' names).
 * :data:`CROSS_WORDS`: module-path words that mark cross-attention.
-* ``*_KEYS`` / :data:`SUBCONFIG_WORDS`: how config.json spells heads, head size, width, per tower.
-* :data:`FUSED_PACKING_BY_MODEL_TYPE`: where a family packs a fused tensor differently from its rule;
-  :data:`MEGATRON_LEGACY_QKV`: Megatron-LM's legacy query_key_value by checkpoint version.
 * :data:`KV_SLOTS`: for each packing, how many key/value heads a tensor of ``slots`` head-sized
   blocks holds (used to infer grouped-query attention from shapes).
+
+How config files spell heads, head size and width is in :mod:`surgeon.detect.config_keys`.
 
 Nothing here imports torch, numpy or onnx.
 """
@@ -146,156 +145,6 @@ QUANT_PARAMS = (
     "quant_state",
 )
 
-HEADS_KEYS = ("num_attention_heads", "num_heads", "n_head", "n_heads", "attention_heads", "heads")
-KV_HEADS_KEYS = (
-    "num_key_value_heads",
-    "num_kv_heads",
-    "n_head_kv",
-    "kv_n_heads",
-    "num_kv_heads_per_layer",
-    "multi_query_group_num",
-    "n_kv_head",  # nanochat (gpt.py GPTConfig)
-)
-HEAD_DIM_KEYS = ("head_dim", "d_kv", "attention_head_dim", "kv_channels", "head_size", "dim_head")
-# Where the value heads are of another size than query and key (MiMo-V2-Flash: v_head_dim), read for a
-# separate value projection only
-V_HEAD_DIM_KEYS = ("v_head_dim",)
-# A config key that divides the attention's heads, and how much of the width those heads keep: ConvBERT
-# (modeling_convbert.py ConvBertSelfAttention) computes max(1, num_attention_heads // head_ratio) heads of
-# (hidden_size // heads) // 2; the other half of the width goes to its span-based convolution. Only
-# ConvBERT's config has head_ratio (transformers 5.24).
-# Families whose config head_dim describes one side only (D-FINE, DEIMv2: d_model // decoder_attention_heads,
-# configuration_d_fine.py); the other side's attention derives its own from its width.
-HEAD_DIM_SIDE = {"d_fine": "decoder", "deimv2": "decoder"}
-HEAD_RATIOS = {"head_ratio": 2}  # key -> the width divisor
-# Families whose code derives the heads from the width, by model type: BridgeTower's vision tower runs
-# nn.MultiheadAttention(hidden_size, hidden_size // 64) (modeling_bridgetower.py), its config has no heads.
-HEAD_WIDTHS = {"bridgetower_vision_model": 64}
-HIDDEN_KEYS = ("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim", "width")
-# Where a tower's config is nested (CLIP, SigLIP, LLaVA, encoder-decoder wrappers): the words in a
-# stack's module path that select it.
-SUBCONFIG_WORDS = {
-    "text_config": ("text", "language", "llm"),
-    "vision_config": ("vision", "visual", "image"),
-    "audio_config": ("audio", "speech"),
-    "encoder": ("encoder",),
-    "decoder": ("decoder",),
-    # a detection or segmentation model's backbone (MaskFormer, Mask2Former, OneFormer keep it in
-    # pixel_level_module.encoder): its heads are the backbone's own, often one per stage
-    "backbone_config": ("backbone", "pixel_level_module"),
-}
-# Towers whose heads another tower's config gives, by model type and the path word that holds them
-# (the modeling file named builds that module from that config): Aria's projector cross-attention runs
-# config.vision_config.num_attention_heads heads (modeling_aria.py). The config may be nested ("a.b"); a
-# "key/prefix" takes the keys of that config under a prefix (X-CLIP's mit: vision_config.mit_num_attention_heads);
-# a whole stack path (with a dot) names the config of that stack alone.
-SUBCONFIG_BY_PATH = {
-    "aria": {"multi_modal_projector": "vision_config"},  # AriaCrossAttention: vision_config.num_attention_heads
-    "bridgetower": {"cross_modal_image_layers": "text_config", "cross_modal_text_layers": "text_config"},
-    "clvp": {"conditioning_encoder": "decoder_config"},  # mel_attn_blocks: ClvpSelfAttention(decoder_config)
-    "deepseek_ocr2_vision": {"vision_encoder": "encoder_config", "sam_encoder": "sam_config"},
-    "ernie4_5_vl_moe": {"layers": "text_config"},  # the language model's layers at the top level
-    "grounding-dino": {"text_backbone": "text_config"},
-    "mm-grounding-dino": {"text_backbone": "text_config"},
-    "pix2struct": {"decoder": "text_config", "encoder": "vision_config"},
-    "pp_formulanet": {"decoder": "text_config", "encoder": "vision_config"},
-    # the checkpoint's own names: sam_model (SAM encoder), vision_model (CLIP encoder), layers (language model)
-    "unlimited_ocr": {
-        "layers": "text_config",
-        "sam_model": "vision_config.sam_config",
-        "vision_model": "vision_config.encoder_config",
-    },
-    "video_llava": {"video_tower": "vision_config"},  # video and image towers: one CLIP vision config
-    "xclip": {"mit": "vision_config/mit_", "prompts_generator": "/prompt_"},  # multi-frame integration, prompts
-    "x_clip": {"mit": "vision_config/mit_", "prompts_generator": "/prompt_"},
-    "edgetam_video": {"spatial_perceiver": "/perceiver_resampler_"},  # EdgeTamVideoPerceiverResampler
-    # the structure head is built from its diffusion_module config, its atom decoder's layers from that
-    # config's atom_encoder (modeling_esmfold2.py EsmFold2AtomDecoder)
-    "esmfold2": {
-        "structure_head": "structure_head.diffusion_module",
-        "structure_head.atom_decoder.layers": "structure_head.diffusion_module.atom_encoder",
-    },
-    "t5gemma2": {"encoder.layers": "encoder.text_config"},  # the encoder's text layers; its vision tower apart
-    "unlimited_ocr_vision": {"vision_encoder": "encoder_config", "sam_encoder": "sam_config"},
-    "videoprism": {"video_model": "vision_config"},
-    "vjepa2": {"predictor": "/pred_"},  # the predictor: pred_num_attention_heads, pred_hidden_size
-}
-# Megatron-LM's legacy (pre-Core) models: how query_key_value packs its rows, by the checkpoint_version saved beside
-# them (model_optim_rng.pt's checkpoint_version; Megatron's loader reads a missing one as 0). Its
-# checkpointing.py fix_query_key_value_ordering converts versions below 2.0 on load: 0 stored the rows as
-# [3, heads, d] (Q | K | V blocked), 1.0 as [heads, d, 3] (q, k, v alternating row by row: no packing surgeon
-# writes, refused naming the version). 2.0 and 3.0 are read as stored: legacy/model/transformer.py
-# ParallelAttention views the rows as [query groups, (heads per group + 2) * d], per group [q heads | k | v]
-# (2.0 predates grouped-query attention: one group per head, per head [q | k | v]).
-MEGATRON_VERSION = "checkpoint_version"  # Megatron's own key, which formats.torchfile carries into the config
-MEGATRON_LEGACY_QKV = {0.0: "qkv", 2.0: "grouped", 3.0: "grouped"}
-# How a fused tensor packs q/k/v where a family departs from the default of its tensor name
-# (spec.PACKINGS); flag-dependent families (Falcon, ChatGLM, GPTBigCode) are in ConfigView.fused_packing.
-FUSED_PACKING_BY_MODEL_TYPE = {
-    ("query_key_value", "gpt_neox"): "interleaved",
-    ("query_key_value", "gpt_neox_japanese"): "interleaved",
-    ("query_key_value", "bloom"): "interleaved",
-    ("query_key_value", "persimmon"): "interleaved",
-    ("query_key_value", "sarvam_moe"): "qkv",  # Split(dim=0) into q/k/v by their sizes (conversion_mapping.py)
-    # litgpt (model_config.yaml, FRAMEWORK_CONFIGS): 0.5's qkv splits into [Q | K | V] (model.py
-    # CausalSelfAttention.forward: qkv.split((n_head, n_query_groups, n_query_groups) * head_size)); the older attn
-    # and the query_key_value of its GPT-NeoX/Falcon exports (scripts/convert_lit_checkpoint.py qkv_reassemble)
-    # are per query group [its query heads | key | value]
-    ("qkv", "litgpt"): "qkv",
-    ("attn", "litgpt"): "grouped",
-    ("query_key_value", "litgpt"): "grouped",
-    ("qkv_proj", "codegen"): "codegen",
-    # gated attention: q_proj holds per head [query | gate] (view(..., -1, 2 * head_dim).chunk(2))
-    ("q_proj", "qwen3_next"): "gated",
-    ("q_proj", "qwen3_5_text"): "gated",
-    ("q_proj", "qwen3_5_moe_text"): "gated",
-    ("q_proj", "qwen4_exp_text"): "gated",
-}
-
-# Why a fused tensor of packing "auto" needs the config, by tensor name (the refusal names --config).
-AUTO_PACKING_WHY = {
-    "query_key_value": "it is interleaved per head in GPT-NeoX/Bloom and grouped in Falcon",
-    "attn": "litgpt before 0.5 groups it per query group, but its name alone does not say it is litgpt's",
-}
-
-
-# --- training frameworks' own config files ------------------------------------------------------
-@dataclass(frozen=True)
-class FrameworkConfig:
-    """A framework's config file beside its weights, read in config.json's terms: ``fields`` maps its
-    field (a dotted path into nested entries) to config.json's key; ``model_type`` names the family
-    (FUSED_PACKING_BY_MODEL_TYPE)."""
-
-    file: str
-    weights: str  # the framework's own weight file, for which this config wins over a config.json beside it
-    config_classes: tuple[str, ...]  # its config objects' classes in memory (a model's ``config``), module.qualname
-    model_type: str
-    fields: dict[str, str]
-
-
-FRAMEWORK_CONFIGS = (
-    # litgpt: utils.py save_config writes asdict(litgpt.Config) as YAML beside lit_model.pth (pretrain, finetune,
-    # convert_hf_checkpoint); n_query_groups is its key/value heads, head_size filled in by Config.__post_init__
-    FrameworkConfig(
-        "model_config.yaml",
-        "lit_model.pth",
-        ("litgpt.config.Config", "litgpt.lora.Config"),  # a LoRA model's is refused by its tensors (REFUSED)
-        "litgpt",
-        {
-            "n_head": "num_attention_heads",
-            "n_query_groups": "num_key_value_heads",
-            "head_size": "head_dim",
-            "n_embd": "hidden_size",
-            "n_layer": "num_hidden_layers",
-            # multi-head latent attention (model.py MultiheadLatentAttention): its sizes nest in one entry
-            **{
-                f"latent_attention.{k}": k
-                for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
-            },
-        },
-    ),
-)
-
 # packing -> (slots in the tensor, query heads) -> key/value heads it implies, or None when the
 # packing cannot say. Every entry of spec.PACKINGS has one (tests/test_families_table.py).
 KV_SLOTS: dict[str, Callable[[int, int], int | None]] = {
@@ -316,29 +165,6 @@ def projection_names() -> list[str]:
     """Each rule's projection tensors ("q_proj/k_proj/v_proj", "c_attn"), for "no attention found" messages."""
     return list(dict.fromkeys("/".join(p.weight.removesuffix(".weight") for p in rule.parts) for rule in RULES))
 
-
-# --- layers whose facts differ from the stack's ------------------------------------------------
-# Config lists naming each layer's type (Qwen3-Next, Kimi-Linear, Gemma, Inkling).
-LAYER_TYPE_KEYS = ("layer_types", "layers_block_type")
-# Layer types that are not softmax attention: their projections (often q_proj/k_proj/v_proj too, e.g.
-# Kimi-Linear's delta attention) are left alone, with a note.
-LINEAR_LAYER_TYPES = ("linear_attention",)
-# Layer types whose heads use keys of their own, by the prefix those keys carry: Inkling's sliding layers
-# ("hybrid_sliding") run swa_num_attention_heads heads of swa_head_dim (modeling_inkling.py).
-LAYER_TYPE_PREFIXES = {"hybrid_sliding": "swa_"}
-# Layer types whose facts a family's code scales from the config's: (model type, layer type) -> key -> factor.
-# MiMo-V2-Flash's sliding layers run twice num_key_value_heads (modeling_mimo_v2_flash.py).
-LAYER_TYPE_SCALES = {("mimo_v2_flash", "sliding_attention"): {"num_key_value_heads": 2}}
-# Per-layer overrides: a dict from layer number to facts (Gemma-4's per_layer_config, {"05": {"head_dim":
-# 512}}: its full-attention layers' head size), or a list per layer of a fact (Laguna's
-# num_attention_heads_per_layer: the fact is the key less this suffix).
-PER_LAYER_CONFIG_KEYS = ("per_layer_config",)
-PER_LAYER_SUFFIX = "_per_layer"
-# Per-stage lists over one flat list of blocks: the key that gives each stage's number of blocks, and the
-# suffix of the per-stage lists it indexes, read as the fact less the suffix for a block of that stage (SAM 2's
-# Hiera: blocks_per_stage, num_attention_heads_per_stage, beside a stale scalar num_attention_heads).
-BLOCKS_PER_STAGE_KEYS = ("blocks_per_stage",)
-PER_STAGE_SUFFIX = "_per_stage"
 
 # Modules named like attention whose tensors no rule reads are named in the report; these are attention
 # without a query-key product, left alone with a note rather than refused: the tensor that marks them.

@@ -12,7 +12,8 @@ from ..errors import LayoutError, opt
 from ..open.formats.base import TensorInfo
 from .blocks import packed_size
 from .config import ConfigView
-from .families import AUTO_PACKING_WHY, KV_SLOTS, RULES, Part, Rule
+from .config_keys import AUTO_PACKING_WHY
+from .families import KV_SLOTS, RULES, Part, Rule
 from .placement import join
 
 

@@ -9,7 +9,7 @@ from pathlib import Path, PurePosixPath
 from typing import NoReturn
 
 from ..detect.config import framework_config
-from ..detect.families import FRAMEWORK_CONFIGS, FrameworkConfig
+from ..detect.config_keys import FRAMEWORK_CONFIGS, FrameworkConfig
 from ..errors import CheckpointError
 from .bounded import read_json, read_yaml
 from .folder import file_in, walk

@@ -44,7 +44,7 @@ class UpdatesFn(Protocol):
 
     ``names``: every tensor that will change (in any file), known before anything is computed, so a
     format can copy everything else in the background. ``updates(file)`` yields ``(name, tensor)`` for
-    the tensors of ``file`` that change (same shape and dtype as before), computing each as it is
+    the tensors of ``file`` that change (each with its original shape and dtype), computing each as it is
     asked for: a format that writes each value away before asking for the next holds one at a time.
     """
 

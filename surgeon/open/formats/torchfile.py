@@ -218,7 +218,7 @@ def megatron_config(args: Mapping, version: object = None) -> dict:
             config["num_key_value_heads"] = groups
     if isinstance(
         version, (int, float, str)
-    ):  # how a legacy query_key_value packs its rows (families.MEGATRON_LEGACY_QKV)
+    ):  # how a legacy query_key_value packs its rows (config_keys.MEGATRON_LEGACY_QKV)
         config[MEGATRON_CHECKPOINT_VERSION] = version
     return config
 
