@@ -1,4 +1,4 @@
-"""Wall time of the test suite's ground truth, ``tests/_observe.observe``, on the tiny family models.
+"""Wall time of the test suite's ground truth, ``observe of tests/helpers/observe.py``, on the tiny family models.
 
     python benchmarks/bench_observe.py                    # the families the suite times most
     python benchmarks/bench_observe.py --families llama,t5 --repeats 9
@@ -26,7 +26,7 @@ DEFAULT = "llama,falcon_new,bloom,t5,whisper,swin"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--families", default=DEFAULT, help=f"comma-separated names from tests/_families.py (default {DEFAULT})"
+        "--families", default=DEFAULT, help=f"comma-separated names from tests/helpers/families.py (default {DEFAULT})"
     )
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()

@@ -1,5 +1,5 @@
 """The census: every model type the installed transformers knows, built tiny offline, re-initialized by surgeon
-with --layers all and --layers -1, and judged against the model's own forward (tests/_census.py).
+with --layers all and --layers -1, and judged against the model's own forward (tests/helpers/census.py).
 
     HF_HUB_OFFLINE=1 python scripts/census.py                 # every type: the table, then one summary line
     HF_HUB_OFFLINE=1 python scripts/census.py --types bert,t5  # some types

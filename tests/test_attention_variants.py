@@ -13,8 +13,9 @@ from surgeon import reinit_checkpoint
 from surgeon.api import inspect_checkpoint
 from surgeon.errors import LayoutError, SelectionError, UnsupportedWeightsError
 
-from _hybrids import attention_calls, build, load
-from conftest import expect_cli_error, tree_digest
+from helpers.cli import expect_cli_error
+from helpers.digests import tree_digest
+from helpers.hybrids import attention_calls, build, load
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

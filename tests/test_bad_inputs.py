@@ -14,9 +14,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from _onnx_graphs import tiny_attention
-from conftest import expect_cli_error as expect_error
-from conftest import tiny_llama
+from helpers.cli import expect_cli_error as expect_error
+from helpers.onnx_graphs import tiny_attention
+from helpers.tiny import tiny_llama
 
 
 def _raw_safetensors(path, header: bytes | dict, data: bytes = b""):

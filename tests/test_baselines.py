@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 import surgeon
 from surgeon.compute.conditioning import head_seed
 
-from conftest import expect_cli_error, tiny_bert, tiny_llama
+from helpers.cli import expect_cli_error
+from helpers.tiny import tiny_bert, tiny_llama
 
 TOKENS = torch.tensor([[1, 5, 9, 33, 2, 70, 11, 4, 60, 8]])
 

@@ -1,5 +1,5 @@
 """The census in the suite: a stratified slice of every transformers model type, each built tiny offline,
-re-initialized, and judged by the model's own forward (tests/_census.py), must keep the verdict that
+re-initialized, and judged by the model's own forward (tests/helpers/census.py), must keep the verdict that
 tests/census_expected.json records. The whole census is `python scripts/census.py` (README "Census")."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from _census import census_one
+from helpers.census import census_one
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPECTED = json.loads((Path(__file__).parent / "census_expected.json").read_text())

@@ -1,6 +1,6 @@
 """One test per family row the census turned from a refusal or a silent wrong answer into a right one: the
 type is built tiny with transformers' own code and judged by the attention its own forward runs
-(tests/_census.py), never by surgeon's tables. Each fails with its row removed from surgeon/detect."""
+(tests/helpers/census.py), never by surgeon's tables. Each fails with its row removed from surgeon/detect."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import surgeon
 from surgeon.errors import SelectionError
 
-from _census import build, census_one
+from helpers.census import build, census_one
 
 ROWS = {
     "convbert": "HEAD_RATIOS: heads divided by head_ratio",

@@ -1,5 +1,7 @@
 """The initialization math, checked against its definitions."""
 
+from __future__ import annotations
+
 import math
 
 import pytest

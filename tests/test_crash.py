@@ -4,7 +4,7 @@ and the next run to the same destination removes what the killed one left.
 The real ``surgeon`` command runs in a child process that SIGKILLs itself at the K-th write event
 (entering or leaving a file write, a byte-range copy, a rename, a temporary-folder creation or
 removal), for K spread over every event of a full run. And a plain `surgeon` process is killed from outside at
-times set by a calibration run, inside the window in which it writes its output (see _kill.py).
+times set by a calibration run, inside the window in which it writes its output (see helpers/kill.py).
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import pytest
 
 from surgeon.write.staging import STAGING_SUFFIX, _owner_prefix
 
-from _kill import watch
-from conftest import tiny_llama, tree_digest
+from helpers.digests import tree_digest
+from helpers.kill import watch
+from helpers.tiny import tiny_llama
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ from surgeon import Hints, OptionError, PushTarget, ReinitOptions, reinit_checkp
 from surgeon.open.source import open_source
 from surgeon.write.output import OutputKind, resolve_destination
 
-from conftest import tiny_llama
+from helpers.tiny import tiny_llama
 
 Q0, Q1 = "model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"
 
@@ -150,8 +150,8 @@ print(json.dumps(report.to_dict()))
 
 def test_python_push_to_a_branch(tmp_path):
     """The Python API pushes with a PushTarget, to the branch it names, through huggingface_hub's real upload."""
-    from _hub import TOKEN, Surgeon, digest, make_source
-    from _hub_server import HubServer
+    from helpers.hub import TOKEN, Surgeon, digest, make_source
+    from helpers.hub_server import HubServer
 
     source = make_source(tmp_path / "src")
     with HubServer() as hub:

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 import surgeon
 
-from _distributed import (
+from helpers.distributed import (
     SEED,
     ddp_worker,
     dtensor_worker,

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import expect_cli_error as expect_error
-from conftest import tiny_llama
+from helpers.cli import expect_cli_error as expect_error
+from helpers.tiny import tiny_llama
 
 
 def test_no_attention_found(cli, tmp_path):

@@ -1,5 +1,5 @@
 """Every supported family, end to end: save a tiny random model, reinit some layers, reload it with
-transformers and check through the model's own forward (see _observe.py) that
+transformers and check through the model's own forward (see helpers/observe.py) that
 
 - detection finds exactly the attention modules the forward uses, with the right rows per head;
 - chosen layers now have semi-orthogonal per-head query/key maps, a rectangular-identity value map
@@ -17,11 +17,10 @@ import pytest
 import torch
 
 from surgeon import reinit_checkpoint
-from surgeon.compute.engine import head_matrices
-from surgeon.open.formats.safetensors import SafetensorsWeights
 
-from _families import FAMILIES
-from _observe import observe
+from helpers.block_maps import match_blocks
+from helpers.families import FAMILIES
+from helpers.observe import observe
 
 ATOL = 2e-5  # float32 storage
 
@@ -56,49 +55,6 @@ def same_maps(a, b):
     for role in ("q", "k", "v"):
         assert torch.allclose(getattr(a, role), getattr(b, role), atol=1e-6, rtol=1e-5), role
         assert torch.allclose(getattr(a, f"{role}_bias"), getattr(b, f"{role}_bias"), atol=1e-6, rtol=1e-5), role
-
-
-def our_maps(weights, block):
-    """What detection says each head's map is, read from the file."""
-    maps = {}
-    for proj in block.projections:
-        maps[proj.role] = head_matrices(weights.read(proj.weight.tensor), proj.weight).double()
-        if proj.bias is None:
-            maps[f"{proj.role}_bias"] = torch.zeros(proj.heads, proj.head_dim, dtype=torch.float64)
-        else:
-            b = weights.read(proj.bias.tensor).double()
-            maps[f"{proj.role}_bias"] = torch.stack([b[proj.bias.head_slice(h)] for h in range(proj.heads)])
-    return maps
-
-
-def equal_maps(ours, obs) -> bool:
-    keys = ("q", "k", "v", "q_bias", "k_bias", "v_bias")
-    return all(
-        ours[k].shape == getattr(obs, k).shape and torch.allclose(ours[k], getattr(obs, k).double(), atol=1e-6)
-        for k in keys
-    )
-
-
-def match_blocks(src, observed):
-    """Detected block (file names) -> observed attention module (in-memory names), by equal maps.
-
-    transformers 5 renames some modules in memory (ViT's attention.attention.query -> attention.q_proj)
-    while checkpoints keep the old names, so the two are paired by what they compute.
-    """
-    from surgeon.api import inspect_checkpoint
-
-    report = inspect_checkpoint(src)
-    weights = SafetensorsWeights(src, [p.name for p in sorted(src.glob("*.safetensors"))])
-    pairs = {}
-    for block in report.blocks:
-        ours = our_maps(weights, block)
-        hits = [m for m, obs in observed.items() if equal_maps(ours, obs)]
-        assert len(hits) == 1, (block.module, hits)
-        obs = observed[hits[0]]
-        assert block.kind == ("cross" if obs.cross else "self")
-        assert (block.heads, block.kv_heads, block.head_dim) == (obs.q.shape[0], obs.k.shape[0], obs.q.shape[1])
-        pairs[block.module] = hits[0]
-    return report, pairs
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from _hub import TOKEN, Surgeon, build_cache, make_source
-from _hub_server import HubServer
-from _onnx_graphs import tiny_attention
-from conftest import expect_cli_error, tiny_llama
+from helpers.cli import expect_cli_error
+from helpers.hub import TOKEN, Surgeon, build_cache, make_source
+from helpers.hub_server import HubServer
+from helpers.onnx_graphs import tiny_attention
+from helpers.tiny import tiny_llama
 
 SECRET = b"-----BEGIN OPENSSH PRIVATE KEY----- surgeon-folder-links-0f3a9c61 -----END-----"
 

@@ -1,7 +1,7 @@
 """Single-process checkpoints of training code outside transformers (issue 30), built here with torch alone:
 from-scratch spellings (q_linear/k_linear/v_linear, nanochat's c_q/c_k/c_v), heads from a config stored in the
 checkpoint's own container dict, and Megatron-LM's legacy model_optim_rng.pt (an argparse.Namespace beside the
-weights). Judged through each module's own forward (``_modules.observe``).
+weights). Judged through each module's own forward (``helpers.modules.observe``).
 
 The frameworks' own models (Megatron-Core, OLMo-core, torchtitan, litgpt) are in tests/test_frameworks_native.py,
 which runs in each framework's venv.
@@ -20,8 +20,8 @@ from torch import nn
 from surgeon.api import inspect_checkpoint, reinit_checkpoint
 from surgeon.errors import CheckpointError, LayoutError
 
-from _modules import assert_conditioned, assert_same, observe, randomize_biases
-from conftest import expect_cli_error
+from helpers.cli import expect_cli_error
+from helpers.modules import assert_conditioned, assert_same, observe, randomize_biases
 
 
 class FromScratchAttention(nn.Module):

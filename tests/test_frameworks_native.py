@@ -2,7 +2,7 @@
 after its own loader took the result back: Megatron-Core (linear_qkv, per query group), OLMo-core (w_q/w_k/w_v,
 state dict and safetensors) and torchtitan (qkv_linear.wq/wk/wv, saved by its fused module's own hook).
 
-Each test skips when its framework is not importable (tests/_frameworks.py), except where it is meant to run:
+Each test skips when its framework is not importable (tests/helpers/frameworks.py), except where it is meant to run:
 scripts/frameworks_check.sh (run by .ci/run) builds one venv per framework (CPU torch 2.13.0 first, then
 `pip install <framework> -e .` in one resolve) and runs these tests there with SURGEON_FRAMEWORK=<name>, under
 which that framework missing is a failure. By hand, with the venvs kept in a folder:
@@ -20,22 +20,8 @@ import torch
 
 from surgeon.api import inspect_checkpoint, reinit_checkpoint
 
-from _frameworks import framework
-from _modules import Maps, _solve, assert_conditioned, assert_same, probe
-
-
-def maps_of(x, q, k, v, heads_axis=2, time_axis=1):
-    """Per-head maps from the framework's own (q, k, v) for input x (B, T, D); k and v repeated to the query
-    heads as grouped-query attention reads them (head h uses key/value head h // (H/KV))."""
-
-    def bhtd(t):
-        batch_axis = ({0, 1, 2} - {heads_axis, time_axis}).pop()
-        return t.permute(batch_axis, heads_axis, time_axis, 3).float()
-
-    q, k, v = bhtd(q), bhtd(k), bhtd(v)
-    rep = q.shape[1] // k.shape[1]
-    (qw, qb), (kw, kb), (vw, vb) = (_solve(x, t.repeat_interleave(rep, dim=1)) for t in (q, k, v))
-    return Maps(qw, qb, kw, kb, vw, vb), rep
+from helpers.frameworks import framework, maps_of, olmo_maps, olmo_model
+from helpers.modules import assert_conditioned, assert_same, probe
 
 
 def changed(before: dict, after: dict) -> set[str]:
@@ -48,7 +34,7 @@ def changed(before: dict, after: dict) -> set[str]:
 @pytest.fixture(scope="module")
 def megatron():
     framework("megatron")
-    from _megatron import one_process
+    from helpers.megatron import one_process
 
     with one_process():
         yield
@@ -56,8 +42,8 @@ def megatron():
 
 @pytest.mark.parametrize("container", ["state dict", "model_optim_rng.pt"])
 def test_megatron_core_linear_qkv_per_query_group(tmp_path, megatron, container):
-    from _megatron import gpt
-    from _megatron import maps as megatron_maps
+    from helpers.megatron import gpt
+    from helpers.megatron import maps as megatron_maps
 
     model = gpt()
     before = [megatron_maps(model, i)[0] for i in range(2)]
@@ -89,26 +75,6 @@ def test_megatron_core_linear_qkv_per_query_group(tmp_path, megatron, container)
 
 
 # --------------------------------------------------------------------------- OLMo-core
-
-
-def olmo_model(seed=0):
-    from olmo_core.nn.transformer import TransformerConfig
-
-    torch.manual_seed(seed)
-    config = TransformerConfig.llama_like(d_model=32, vocab_size=64, n_layers=2, n_heads=4, n_kv_heads=2)
-    return config.build(init_device="cpu").eval()
-
-
-def olmo_maps(model, layer):
-    attn = model.blocks[str(layer)].attention if hasattr(model.blocks, "keys") else model.blocks[layer].attention
-    x = probe(32)
-    rope, attn.rope = attn.rope, None  # the projections alone: RoPE rotates by position, no map of the input
-    try:
-        with torch.no_grad():
-            q, k, v = attn._prepare_qkv(x)  # OLMo-core's own projection and head split, (B, T, heads, d)
-    finally:
-        attn.rope = rope
-    return maps_of(x, q, k, v)
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])

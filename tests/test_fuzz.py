@@ -20,7 +20,7 @@ from surgeon.errors import SelectionError, SurgeonError
 from surgeon.open.formats.safetensors import DTYPES, read_header
 from surgeon.plan.selection import resolve_indices
 
-from conftest import tree_digest
+from helpers.digests import tree_digest
 
 FUZZ = settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]

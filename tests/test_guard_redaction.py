@@ -13,8 +13,8 @@ import pytest
 import surgeon.api
 from surgeon.report.redact import redact
 
-from _hub import TOKEN, Surgeon, closed_port_url, make_source
-from _hub_server import HubServer
+from helpers.hub import TOKEN, Surgeon, closed_port_url, make_source
+from helpers.hub_server import HubServer
 
 ENDPOINT_PASSWORD = "MirrorPw-4242"
 PROXY_PASSWORD = "ProxyPw-9999"

@@ -10,7 +10,8 @@ from huggingface_hub import ModelCard, ModelCardData
 from surgeon import __version__, reinit_checkpoint
 from surgeon.report.report import fmt_kappa
 
-from conftest import sha256, tiny_llama, tree_digest
+from helpers.digests import sha256, tree_digest
+from helpers.tiny import tiny_llama
 
 
 def reproduce(card: ModelCard) -> list[str]:

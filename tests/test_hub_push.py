@@ -13,8 +13,8 @@ from huggingface_hub import ModelCard
 
 from surgeon import __version__, reinit_checkpoint
 
-from _hub import OTHER_TOKEN, SOURCE_BODY, TOKEN, Surgeon, all_text_under, digest, make_source
-from _hub_server import HubServer
+from helpers.hub import OTHER_TOKEN, SOURCE_BODY, TOKEN, Surgeon, all_text_under, digest, make_source
+from helpers.hub_server import HubServer
 
 
 @pytest.fixture(scope="module")

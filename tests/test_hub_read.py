@@ -13,8 +13,8 @@ import pytest
 
 from surgeon import inspect_checkpoint, reinit_checkpoint
 
-from _hub import OTHER_TOKEN, TOKEN, Surgeon, build_cache, closed_port_url, digest, make_source
-from _hub_server import HubServer
+from helpers.hub import OTHER_TOKEN, TOKEN, Surgeon, build_cache, closed_port_url, digest, make_source
+from helpers.hub_server import HubServer
 
 FETCHED = [
     "README.md",

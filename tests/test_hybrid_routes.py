@@ -13,7 +13,7 @@ import torch
 from surgeon import inspect_checkpoint, reinit_, reinit_checkpoint
 from surgeon.errors import SelectionError
 
-from _onnx_helpers import initializers, ort_run
+from helpers.onnx_helpers import initializers, ort_run
 
 
 class Attention(torch.nn.Module):

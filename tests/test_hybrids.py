@@ -2,7 +2,7 @@
 
 Attention sits in layers 1 and 3 only (RecurrentGemma: 1); the others are Mamba, convolution or
 recurrent layers. Each test saves a tiny model, re-initializes by the model's own layer numbers and
-judges through the model's forward (tests/_hybrids.py: each attention module's output on a fixed
+judges through the model's forward (tests/helpers/hybrids.py: each attention module's output on a fixed
 probe): the selected layer's attention changes, the others' do not.
 """
 
@@ -15,8 +15,8 @@ from surgeon import reinit_checkpoint
 from surgeon.api import inspect_checkpoint
 from surgeon.errors import SelectionError
 
-from _hybrids import HYBRIDS, attention_calls, build, load, zamba2
-from conftest import expect_cli_error
+from helpers.cli import expect_cli_error
+from helpers.hybrids import HYBRIDS, attention_calls, build, load, zamba2
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FAMILIES = ["jamba", "bamba", "zamba2", "lfm2", "recurrent_gemma"]

@@ -23,8 +23,10 @@ from surgeon import reinit_checkpoint
 from surgeon.open.formats.safetensors import read_header, records
 from surgeon.write.journal import SUFFIX, journal_path
 
-from _kill import watch
-from conftest import expect_cli_error, sha256, tiny_llama
+from helpers.cli import expect_cli_error
+from helpers.digests import sha256
+from helpers.kill import watch
+from helpers.tiny import tiny_llama
 
 ATTN = ("q_proj", "k_proj", "v_proj")
 

@@ -21,8 +21,10 @@ import torch
 
 from surgeon.write.journal import SUFFIX, journal_path
 
-from _journals import kill_half_way, tensor_range
-from conftest import expect_cli_error, sha256, tiny_llama, tree_digest
+from helpers.cli import expect_cli_error
+from helpers.digests import sha256, tree_digest
+from helpers.journals import kill_half_way, tensor_range
+from helpers.tiny import tiny_llama
 
 Q0 = "model.layers.0.self_attn.q_proj.weight"
 

@@ -28,7 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from surgeon.open import bounded
 from surgeon.open.bounded import MAX_DEPTH, too_deep
 
-from conftest import expect_cli_error, tiny_llama
+from helpers.cli import expect_cli_error
+from helpers.tiny import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
@@ -248,7 +249,7 @@ def test_a_head_count_no_tensor_supports_is_refused_in_bounded_memory(cli, llama
 
 
 def test_a_probe_image_is_capped(cli, tmp_path):
-    from _families import FAMILIES
+    from helpers.families import FAMILIES
 
     FAMILIES["swin"].make().save_pretrained(tmp_path / "swin")
     edit_config(tmp_path / "swin", image_size=100_000)  # no Swin tensor holds it: only the probe input would
@@ -326,7 +327,7 @@ def test_nesting_scan_agrees_with_the_parsed_depth(value, limit, chunk, numpy):
 
 @pytest.mark.parametrize("value", [3, None, [], ["CrossAttnDownBlock2D", 1], "CrossAttnDownBlock2D"])
 def test_diffusers_down_block_types_of_the_wrong_type(cli, tmp_path, value):
-    from test_libraries_diffusers import unet  # the tiny UNet those tests judge through its own forward
+    from helpers.diffusers_models import unet  # the tiny UNet those tests judge through its own forward
 
     unet().save_pretrained(tmp_path / "unet")
     edit_config(tmp_path / "unet", down_block_types=value)

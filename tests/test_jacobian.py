@@ -16,7 +16,8 @@ import torch
 
 import surgeon
 
-from conftest import expect_cli_error, tiny_bert
+from helpers.cli import expect_cli_error
+from helpers.tiny import tiny_bert
 
 IDS = torch.tensor([[1, 5, 9, 33, 2, 70], [3, 8, 41, 17, 90, 6]])
 

@@ -18,8 +18,8 @@ from surgeon import CheckpointError
 from surgeon.write import journal_file as jf
 from surgeon.write.journal import journal_path, recover
 
-from _journals import kill_half_way
-from conftest import tiny_llama
+from helpers.journals import kill_half_way
+from helpers.tiny import tiny_llama
 
 FUZZ = settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture], derandomize=True

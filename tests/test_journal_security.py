@@ -22,8 +22,10 @@ import pytest
 from surgeon import CheckpointError
 from surgeon.write.journal import journal_path, recover
 
-from _journals import best_forgery, craft, ident, kill_half_way, tensor_range
-from conftest import expect_cli_error, sha256, tiny_llama, tree_digest
+from helpers.cli import expect_cli_error
+from helpers.digests import sha256, tree_digest
+from helpers.journals import best_forgery, craft, ident, kill_half_way, tensor_range
+from helpers.tiny import tiny_llama
 
 Q0 = "model.layers.0.self_attn.q_proj.weight"
 
@@ -341,8 +343,8 @@ def test_read_only_commands_refuse_a_half_patched_checkpoint_and_write_nothing(h
 
 
 def test_push_refuses_a_folder_with_a_journal_before_asking_the_hub(half_patched, tmp_path):
-    from _hub import TOKEN, Surgeon
-    from _hub_server import HubServer
+    from helpers.hub import TOKEN, Surgeon
+    from helpers.hub_server import HubServer
 
     base, folder, _ = half_patched
     before = tree_digest(base)

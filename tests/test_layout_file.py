@@ -2,8 +2,8 @@
 
 A tiny model whose projection names no built-in table knows (``attn.my_q/my_k/my_v`` in one layer, a
 fused ``attn.packed`` holding [Q | K | V] in the other) is re-initialized through a layout file and
-judged through its own forward (``_modules.observe``); without the file it is "no attention found".
-The layout that inspect emits for every family of tests/_families.py, fed back, gives the same blocks and plan;
+judged through its own forward (``helpers.modules.observe``); without the file it is "no attention found".
+The layout that inspect emits for every family of tests/helpers/families.py, fed back, gives the same blocks and plan;
 every built-in rule is an instance of the file's schema.
 """
 
@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _modules import assert_conditioned, observe  # noqa: E402
-from conftest import expect_cli_error  # noqa: E402
+from helpers.cli import expect_cli_error  # noqa: E402
+from helpers.modules import assert_conditioned, observe  # noqa: E402
 
 WIDTH, HEADS = 16, 2
 
@@ -173,7 +173,7 @@ def test_bad_layout_files(custom, cli, tmp_path, text, match):
 
 
 def _family_names():
-    from _families import FAMILIES
+    from helpers.families import FAMILIES
 
     return list(FAMILIES)
 
@@ -186,7 +186,7 @@ def test_emitted_layout_round_trips(name, cli, tmp_path):
     from surgeon.detect.config import Hints
     from surgeon.plan.planner import ReinitOptions, prepare_checkpoint
 
-    from _families import FAMILIES
+    from helpers.families import FAMILIES
 
     path = tmp_path / name
     FAMILIES[name].make().save_pretrained(path)
@@ -222,7 +222,7 @@ def test_onnx_graphs_take_no_layout_file(custom, cli, tmp_path):
     """A layout file names tensors; an ONNX graph's attention is found by walking it: refused, not ignored."""
     import onnx
 
-    from _onnx_graphs import tiny_attention
+    from helpers.onnx_graphs import tiny_attention
 
     _, layout, _ = custom
     folder = tmp_path / "onnx"

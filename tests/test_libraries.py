@@ -1,7 +1,7 @@
 """Checkpoints from libraries beyond transformers (issue 18), judged through each library's own forward.
 
 diffusers and x-transformers are the real libraries; timm, torchvision and nanoGPT layouts are the
-re-implementations in tests/_libraries.py (each names the source file it follows).
+re-implementations in tests/helpers/libraries.py (each names the source file it follows).
 """
 
 from __future__ import annotations
@@ -10,26 +10,26 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from surgeon import reinit_
 from surgeon.api import inspect_checkpoint, reinit_checkpoint
 from surgeon.errors import LayoutError, SelectionError
 
-from _libraries import CoAtNet, Eva, MaxxVit, NanoGPT, OpenClip, Perceiver, Swin, TorchvisionSwin, TorchvisionViT
-from _modules import observe, observe_mha, randomize_biases
-
-
-def save(model, folder, config=None):
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, folder / "model.safetensors")
-    if config is not None:
-        (folder / "config.json").write_text(json.dumps(config))
-    return folder
-
-
-def changed(before: dict, after: dict) -> set[str]:
-    return {n for n in before if not torch.equal(before[n], after[n])}
+from helpers.libraries import (
+    CoAtNet,
+    Eva,
+    MaxxVit,
+    NanoGPT,
+    OpenClip,
+    Perceiver,
+    Swin,
+    TorchvisionSwin,
+    TorchvisionViT,
+    changed,
+    save,
+)
+from helpers.modules import observe, observe_mha, randomize_biases
 
 
 def orthonormal_rows(w, atol=1e-5):

@@ -14,6 +14,8 @@ from surgeon import reinit_
 from surgeon.api import inspect_checkpoint, reinit_checkpoint
 from surgeon.errors import CheckpointError
 
+from helpers.diffusers_models import sd3, unet
+
 diffusers = pytest.importorskip("diffusers")
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -26,36 +28,6 @@ def attention_modules(model):
         for name, m in model.named_modules()
         if hasattr(m, "to_q") and isinstance(getattr(m, "heads", None), int)
     }
-
-
-def randomized(model, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    return model
-
-
-def sd3(**extra):
-    """A tiny SD3 transformer (``extra``: more of its arguments, e.g. SD3.5's dual_attention_layers)."""
-    torch.manual_seed(0)
-    return randomized(
-        diffusers.SD3Transformer2DModel(
-            sample_size=8,
-            patch_size=2,
-            in_channels=4,
-            num_layers=2,
-            attention_head_dim=8,
-            num_attention_heads=2,
-            joint_attention_dim=16,
-            caption_projection_dim=16,
-            pooled_projection_dim=8,
-            out_channels=4,
-            pos_embed_max_size=8,
-            **extra,
-        )
-    )
 
 
 def test_sd3_joint_attention_context_projections_are_reinitialized_with_their_block(tmp_path):
@@ -120,22 +92,6 @@ def test_pixart_attn2_is_cross_attention_by_its_role(tmp_path):
     before, after = load_file(tmp_path / "src" / WEIGHTS), load_file(tmp_path / "out" / WEIGHTS)
     touched = {n.rsplit(".", 2)[0] for n in before if not torch.equal(before[n], after[n])}
     assert touched == {n for n, m in modules.items() if not m.is_cross_attention}
-
-
-def unet():
-    torch.manual_seed(0)
-    return diffusers.UNet2DConditionModel(
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
-        block_out_channels=(8, 16),
-        layers_per_block=1,
-        norm_num_groups=4,
-        down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=12,
-        attention_head_dim=(2, 4),  # the number of heads per block, despite the name
-    )
 
 
 def test_unet_attention_head_dim_is_the_number_of_heads_per_block(tmp_path):

@@ -1,5 +1,5 @@
 """The kind of each block (self or cross) is what the library's own forward does with it (issue 28, item 5),
-and selecting by kind never touches another kind: vit-pytorch CrossViT (tests/_libraries.py, after
+and selecting by kind never touches another kind: vit-pytorch CrossViT (tests/helpers/libraries.py, after
 cross_vit.py) and diffusers' SD3.5 dual attention (the real library).
 """
 
@@ -12,9 +12,8 @@ from safetensors.torch import load_file
 import surgeon
 from surgeon.api import inspect_checkpoint, reinit_checkpoint
 
-from _libraries import CrossViT, CrossVitAttention
-from test_libraries import changed, save
-from test_libraries_diffusers import sd3
+from helpers.diffusers_models import sd3
+from helpers.libraries import CrossViT, CrossVitAttention, changed, save
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,8 +11,8 @@ import torch
 from surgeon.api import inspect_checkpoint
 from surgeon.errors import UnsupportedWeightsError
 
-from _libraries import CoAtNet, VitsEncoder
-from _modules import TimmVisionTransformer
+from helpers.libraries import CoAtNet, VitsEncoder
+from helpers.modules import TimmVisionTransformer
 
 pytest.importorskip("onnxruntime")
 

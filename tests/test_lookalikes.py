@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from surgeon import reinit_checkpoint
 
-from _families import FAMILIES
+from helpers.families import FAMILIES
 
 
 def raw(path):
@@ -56,7 +56,7 @@ def test_old_gpt2_mask_buffers_and_rotary_buffers(tmp_path):
 def test_qk_norm_weights_are_left_alone(tmp_path):
     from transformers import Qwen3ForCausalLM
 
-    from test_modules_qk_norm import tiny_qwen3
+    from helpers.tiny import tiny_qwen3
 
     model = tiny_qwen3()  # its q/k norm weights away from 1, so that a rewrite of them would show
     model.save_pretrained(tmp_path / "qwen3")

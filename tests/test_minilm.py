@@ -8,8 +8,8 @@ import statistics
 import pytest
 import torch
 
-from _observe import observe
-from conftest import tree_digest
+from helpers.digests import tree_digest
+from helpers.observe import observe
 
 
 def test_inspect_shows_real_condition_numbers(cli, minilm_dir):

@@ -15,7 +15,7 @@ from surgeon import reinit_checkpoint
 from surgeon.compute.modes import Mode, all_modes, get_mode, owner_of
 from surgeon.plan.planner import MODES, ReinitOptions
 
-from conftest import tiny_bert
+from helpers.tiny import tiny_bert
 
 SLOTS = (
     "name",
@@ -112,8 +112,8 @@ def test_card_and_record_say_what_was_done(bert_dir, tmp_path, mode, cli):
 
 def test_a_mode_says_where_it_is_not_supported(tmp_path, cli):
     """mimetic writes W_O, which is not rewritten in ONNX graphs: refused in one line by the mode's own slot."""
-    from _onnx_helpers import export
-    from conftest import expect_cli_error
+    from helpers.cli import expect_cli_error
+    from helpers.onnx_helpers import export
 
     folder = tmp_path / "onnx"
     folder.mkdir()
@@ -167,13 +167,13 @@ def test_inspect_with_layout_check_and_jacobian_opens_and_detects_once(tmp_path,
 
 def test_verify_reads_each_modes_method_and_the_legacy_one(llama_dir, tmp_path, cli):
     """A record's method must be its mode's (or 0.2.0's one name for all modes); anything else is not surgeon's."""
-    from test_verify_tamper import _last, _rewrite_record
+    from helpers.records import edit_last, rewrite_record
 
     src, out = llama_dir / "model.safetensors", tmp_path / "polar.safetensors"
     cli("reinit", src, "--mode", "polar", "--layers", "0", "-o", out)
     assert cli("verify", src, out).stdout.startswith("verified:")
-    _rewrite_record(out, _last(lambda r: r.update(method="conditioned-initialization")))  # as 0.2.0 wrote it
+    rewrite_record(out, edit_last(lambda r: r.update(method="conditioned-initialization")))  # as 0.2.0 wrote it
     assert cli("verify", src, out).stdout.startswith("verified:")
-    _rewrite_record(out, _last(lambda r: r.update(method="mimetic-initialization")))
+    rewrite_record(out, edit_last(lambda r: r.update(method="mimetic-initialization")))
     result = cli("verify", src, out, ok=False)
     assert result.exit_code == 1 and "says method 'mimetic-initialization' for mode polar" in result.stderr

@@ -12,9 +12,9 @@ import surgeon
 from surgeon.cli.commands import cli_spelling
 from surgeon.errors import NoAttentionFoundError, OptionError, SelectionError
 
-from _families import FAMILIES
-from _modules import LucidAttention, Stack
-from conftest import tiny_llama
+from helpers.families import FAMILIES
+from helpers.modules import LucidAttention, Stack
+from helpers.tiny import tiny_llama
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -1,7 +1,7 @@
 """The module walker on modules that are not Hugging Face models: timm-style ViT, torch.nn
 Transformer layers and MultiheadAttention, and custom modules naming their projections freely.
 
-Effects are read through each attention module's own forward (tests/_modules.py: q, k, v caught at
+Effects are read through each attention module's own forward (tests/helpers/modules.py: q, k, v caught at
 the attention product, per-head maps solved from a known probe): re-initialized blocks have
 semi-orthogonal query/key heads, block-identity values and zero biases; the others are unchanged.
 """
@@ -15,7 +15,7 @@ from torch import nn
 import surgeon
 from surgeon.errors import LayoutError, NoAttentionFoundError
 
-from _modules import (
+from helpers.modules import (
     FusedEinsumAttention,
     InterleavedQKV,
     LucidAttention,
@@ -304,7 +304,7 @@ def test_softmax_products_without_projections_are_not_attention():
 
 def test_hugging_face_model_inside_a_custom_model():
     """Names route for the transformers part, forward route for the custom part, one report."""
-    from conftest import tiny_bert
+    from helpers.tiny import tiny_bert
 
     class Classifier(nn.Module):
         def __init__(self):
@@ -318,7 +318,7 @@ def test_hugging_face_model_inside_a_custom_model():
     class TimmAttentionPool(nn.Module):
         def __init__(self):
             super().__init__()
-            from _modules import TimmAttention
+            from helpers.modules import TimmAttention
 
             self.attn = TimmAttention(48, 4, qkv_bias=True)
 
@@ -348,8 +348,8 @@ def test_hugging_face_layout_the_config_does_not_settle_is_read_from_the_forward
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     import transformers
 
-    from _families import FAMILIES
-    from _observe import observe as observe_hf
+    from helpers.families import FAMILIES
+    from helpers.observe import observe as observe_hf
 
     class ForkConfig(transformers.GPTNeoXConfig):  # what a remote-code copy of GPT-NeoX looks like
         model_type = "my_neox_fork"

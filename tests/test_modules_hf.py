@@ -1,6 +1,6 @@
-"""surgeon.reinit_ on Hugging Face models in memory, every family of tests/_families.py.
+"""surgeon.reinit_ on Hugging Face models in memory, every family of tests/helpers/families.py.
 
-Checked through each model's own forward (tests/_observe.py): the chosen layers get semi-orthogonal
+Checked through each model's own forward (tests/helpers/observe.py): the chosen layers get semi-orthogonal
 per-head query/key maps, a block-identity value map and zero biases; every other attention block
 computes exactly what it computed before. The in-memory path gives the same weights as the
 checkpoint path on the model's saved file, and the forward route of the module walker (reading the
@@ -15,8 +15,8 @@ import torch
 import surgeon
 from surgeon.detect.module import detect_module, probe_blocks
 
-from _families import FAMILIES
-from _observe import observe
+from helpers.families import FAMILIES
+from helpers.observe import observe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

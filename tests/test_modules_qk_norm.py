@@ -1,6 +1,6 @@
 """q/k normalization between the projections and the attention (issue 28, item 4): part of the model, kept as
 it is, while the module route re-initializes the projections before it. A timm-style Attention with qk_norm
-(tests/_modules.py, after timm's vision_transformer.py: qkv Linear, q_norm/k_norm LayerNorm over head_dim, SDPA
+(tests/helpers/modules.py, after timm's vision_transformer.py: qkv Linear, q_norm/k_norm LayerNorm over head_dim, SDPA
 or the written-out product) and transformers' Qwen3 (q_norm/k_norm RMSNorm), judged through their forward:
 what reaches each norm is conditioned per head, the norms are untouched, the model still runs.
 """
@@ -13,7 +13,8 @@ import torch
 import surgeon
 from surgeon.detect.module import detect_module, probe_blocks
 
-from _modules import Maps, TimmVisionTransformer, _Capture, _solve, assert_conditioned, assert_same, probe
+from helpers.modules import Maps, TimmVisionTransformer, _Capture, _solve, assert_conditioned, assert_same, probe
+from helpers.tiny import tiny_qwen3
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -66,28 +67,6 @@ def test_timm_qk_norm_projections_are_reinitialized_and_the_norms_kept(fused_att
     assert note.startswith("blocks.0.attn and 1 more block: q_norm, k_norm ") and "kept as they are" in note
     out = vit(torch.randn(2, 3, 16, 16))
     assert out.shape == (2, 5) and torch.isfinite(out).all()
-
-
-def tiny_qwen3():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=32,
-    )
-    model = Qwen3ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "_norm." in n:
-                p.copy_(torch.rand(p.shape) + 0.5)
-    return model
 
 
 def qwen3_maps(model, layer):

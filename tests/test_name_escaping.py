@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import tiny_llama
+from helpers.tiny import tiny_llama
 
 FORGED = "surgeon: verified: all good"
 # U+0085 (NEL) is a C1 line break; U+202E (right-to-left override) shows what follows it reversed
@@ -247,7 +247,7 @@ def onnx_model(folder: Path, name: str, **options) -> Path:
     renamed to hold ``name``."""
     import onnx
 
-    from _onnx_graphs import tiny_attention
+    from helpers.onnx_graphs import tiny_attention
 
     model = tiny_attention(**options)
     renames = {t.name: t.name + name for t in model.graph.initializer if t.name.startswith(("onnx::MatMul_0", "q_"))}

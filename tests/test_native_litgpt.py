@@ -18,8 +18,8 @@ import torch
 from surgeon.api import inspect_checkpoint, reinit_checkpoint
 from surgeon.errors import LayoutError
 
-from _frameworks import framework
-from _modules import Maps, _solve, assert_conditioned, assert_same, probe, randomize_biases
+from helpers.frameworks import framework
+from helpers.modules import Maps, _solve, assert_conditioned, assert_same, probe, randomize_biases
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -194,7 +194,7 @@ def test_legacy_attn_attn_without_model_config_yaml_is_refused_naming_config(tmp
 )
 def test_a_hostile_model_config_yaml_is_one_line_and_nothing_written(tmp_path, cli, text, says):
     """No litgpt needed: a tensor shaped as litgpt's, a model_config.yaml that yaml.safe_load refuses to build."""
-    from conftest import expect_cli_error
+    from helpers.cli import expect_cli_error
 
     folder = tmp_path / "ckpt"
     folder.mkdir()
@@ -327,7 +327,7 @@ def test_lora_is_refused_naming_merge_lora_on_disk_and_in_memory(tmp_path, cli, 
     from surgeon import reinit_
     from surgeon.errors import UnsupportedWeightsError
 
-    from conftest import expect_cli_error
+    from helpers.cli import expect_cli_error
 
     config = Config(**TINY | dict(lora_r=4, lora_alpha=8, lora_query=True, lora_value=True))
     model = GPT(config)

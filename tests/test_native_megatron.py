@@ -26,9 +26,9 @@ import surgeon
 from surgeon.api import inspect_checkpoint, reinit_checkpoint
 from surgeon.errors import CheckpointError, SurgeonError
 
-from _distributed import spawn
-from _frameworks import framework
-from _modules import assert_conditioned, assert_same
+from helpers.distributed import spawn
+from helpers.frameworks import framework
+from helpers.modules import assert_conditioned, assert_same
 
 QKV = ("linear_qkv.weight", "linear_qkv.bias")
 STACKED = [f"decoder.layers.self_attention.{p}" for p in QKV]
@@ -38,7 +38,7 @@ HINTS = {"num_heads": 4, "num_kv_heads": 2}
 @pytest.fixture(scope="module")
 def megatron():
     framework("megatron")
-    from _megatron import one_process
+    from helpers.megatron import one_process
 
     with one_process():
         yield
@@ -58,8 +58,9 @@ def bits(t: torch.Tensor) -> bytes:
 
 @pytest.mark.parametrize("route", ["torch_dist folder", "dcp_to_torch_save .pt"])
 def test_megatron_stacked_layers(tmp_path, megatron, route):
-    from _megatron import gpt, load_dist, maps, save_dist
     from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
+
+    from helpers.megatron import gpt, load_dist, maps, save_dist
 
     model = gpt()
     before = [maps(model, i)[0] for i in range(2)]
@@ -116,7 +117,7 @@ def test_megatron_stacked_layers(tmp_path, megatron, route):
 
 def test_megatron_torch_dist_two_ranks_equal_one_process(tmp_path, megatron):
     """Each of 2 ranks writes its own .distcp files of the stacked tensors: the folder 1 process writes."""
-    from _megatron import gpt, save_dist
+    from helpers.megatron import gpt, save_dist
 
     folder = save_dist(gpt(), tmp_path / "iter_0000010")
     assert sorted(p.name for p in folder.glob("*.distcp")) == ["__0_0.distcp", "__0_1.distcp"]
@@ -137,19 +138,19 @@ def test_stacked_layers_in_one_chunk_and_a_hostile_common_pt(tmp_path):
     """Plain torch (runs everywhere): dcp.save of stacked tensors writes both layers in one chunk, so layer 1's
     new values go into a chunk layer 0 shares, which keeps its bytes; the result equals the per-layer state
     dict's (the same draws). A common.pt whose pickle runs code is not read (the marker proves it), only named."""
-    import _dcp
+    from helpers import dcp as dcp_helpers
 
     torch.manual_seed(0)
     stacked = {name: torch.randn(2, 64, 32) if name.endswith("weight") else torch.randn(2, 64) for name in STACKED}
-    folder = _dcp.save(stacked, tmp_path / "iter_0000010")
-    assert all(len(e.chunks) == 1 for e in _dcp.metadata(folder).state_dict_metadata.values())
+    folder = dcp_helpers.save(stacked, tmp_path / "iter_0000010")
+    assert all(len(e.chunks) == 1 for e in dcp_helpers.metadata(folder).state_dict_metadata.values())
     marker = tmp_path / "ran"
-    torch.save({"args": _dcp.Payload(marker)}, folder / "common.pt")
+    torch.save({"args": dcp_helpers.Payload(marker)}, folder / "common.pt")
     report = reinit_checkpoint(folder, output=tmp_path / "out", layers="1", seed=4, **HINTS)
     assert not marker.exists()
     assert any(n.startswith("common.pt not read for head counts") for n in report.notes), report.notes
     out = {name: torch.empty_like(t) for name, t in stacked.items()}
-    _dcp.load(out, tmp_path / "out")  # torch's own loader
+    dcp_helpers.load(out, tmp_path / "out")  # torch's own loader
 
     per_layer = {name.replace("layers.", f"layers.{i}."): t[i] for name, t in stacked.items() for i in range(2)}
     torch.save(per_layer, tmp_path / "per_layer.pt")
@@ -195,7 +196,7 @@ def test_megatron_legacy_nested_query_key_value(tmp_path, megatron, version, gro
     query_key_value packed as its checkpoint_version says. megatron-core 0.16 ships no legacy model (no
     megatron/legacy): the legacy checkpoint is Megatron-Core's GPTModel's weights under the legacy names, and the
     result is judged by Megatron-Core's own split after the version's own conversion (checkpointing.py)."""
-    from _megatron import core_state, gpt, legacy_model, maps, transpose_first_dim
+    from helpers.megatron import core_state, gpt, legacy_model, maps, transpose_first_dim
 
     model = gpt(groups=groups)
     before = [maps(model, i)[0] for i in range(2)]
@@ -260,8 +261,9 @@ def test_megatron_tensor_parallel_refused(tmp_path):
 
 
 def _tensor_parallel_worker(rank: int, world: int, tmp: str) -> None:
-    from _megatron import gpt, on_cpu
     from megatron.core import parallel_state
+
+    from helpers.megatron import gpt, on_cpu
 
     on_cpu()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)

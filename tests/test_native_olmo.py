@@ -25,13 +25,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_frameworks_native import olmo_maps, olmo_model  # OLMo-core's builder; its own q/k/v split
 
-import _dcp
-from _distributed import spawn
-from _frameworks import framework
-from _modules import assert_conditioned, assert_same
-from conftest import expect_cli_error
+from helpers import dcp as dcp_helpers
+from helpers.cli import expect_cli_error
+from helpers.distributed import spawn
+from helpers.frameworks import framework, olmo_maps, olmo_model  # OLMo-core's builder; its own q/k/v split
+from helpers.modules import assert_conditioned, assert_same
 
 ROOT = Path(__file__).resolve().parents[1]
 HINTS = ("--num-heads", "4", "--num-kv-heads", "2")
@@ -114,7 +113,7 @@ def judge(src: Path, out: Path, layers: set[int], trainer: bool = False) -> None
     a, b = before.state_dict(), after.state_dict()
     assert {k for k in a if not torch.equal(a[k], b[k])} == chosen
     same_optim(before_optim.state_dict(), after_optim.state_dict())
-    old, new = _dcp.spans(src), _dcp.spans(out)  # torch's own reader, on folders the test made
+    old, new = dcp_helpers.spans(src), dcp_helpers.spans(out)  # torch's own reader, on folders the test made
     assert old.keys() == new.keys()
     assert {key for key, _ in old if old[key, _] != new[key, _]} == {f"model.{k}" for k in chosen}
     assert any(key.startswith("optim.") for key, _ in old)  # the optimizer's entries were there, and kept
@@ -328,7 +327,7 @@ def fsdp_saved(tmp_path_factory):
 
 
 def test_two_ranks_fsdp2_one_process_and_torchrun_agree(fsdp_saved, tmp_path, cli, one_thread):
-    md = _dcp.metadata(fsdp_saved)  # the test's own folder: OLMo-core's files, two ranks' halves
+    md = dcp_helpers.metadata(fsdp_saved)  # the test's own folder: OLMo-core's files, two ranks' halves
     key = "model.blocks.0.attention.w_q.weight"
     assert len(md.state_dict_metadata[key].chunks) == 2
     files = sorted(p.name for p in fsdp_saved.glob("*.distcp"))

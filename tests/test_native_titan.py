@@ -1,4 +1,4 @@
-"""torchtitan 0.3 models in memory (issue 29), built and initialized by torchtitan itself (tests/_titan.py).
+"""torchtitan 0.3 models in memory (issue 29), built and initialized by torchtitan itself (tests/helpers/titan.py).
 
 * Flex attention (its language models' attention on CPU) is seen by the forward probe, with the inputs its
   trainer passes or with none (surgeon builds them with the model's own get_attention_masks), and its fused
@@ -18,10 +18,10 @@ import torch
 import surgeon
 from surgeon.api import inspect_checkpoint, reinit_checkpoint
 
-from _distributed import spawn
-from _frameworks import framework
-from _modules import Maps, _solve, assert_conditioned, assert_same, probe
-from _titan import SEED, build, full_state, heads, hf_adapter, inputs, logits, manager, save_steps
+from helpers.distributed import spawn
+from helpers.frameworks import framework
+from helpers.modules import Maps, _solve, assert_conditioned, assert_same, probe
+from helpers.titan import SEED, build, full_state, heads, hf_adapter, inputs, logits, manager, save_steps
 
 
 @pytest.fixture(autouse=True)
@@ -209,6 +209,6 @@ def test_its_hf_export_sharded_copy_left_out_and_loaded_back_by_its_hf_loader(tm
 
 
 def _titan_worker(name: str):
-    import _titan
+    from helpers import titan
 
-    return getattr(_titan, name)
+    return getattr(titan, name)

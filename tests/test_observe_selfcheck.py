@@ -1,4 +1,4 @@
-"""Self-check of the test-side ground truth (``_observe.observe``).
+"""Self-check of the test-side ground truth (``helpers.observe.observe``).
 
 ``observe`` recovers the q/k/v maps through each model's own forward code and
 knows nothing about weight layouts.  Here -- and only here -- the per-family
@@ -20,8 +20,8 @@ import torch
 import transformers
 
 try:  # tests/ on sys.path (pytest rootdir-relative import, no __init__.py)
-    from _families import FAMILIES
-    from _observe import ObservationError, ObservedBlock, observe
+    from helpers.families import FAMILIES
+    from helpers.observe import ObservationError, ObservedBlock, observe
 except ImportError:  # tests/ is a package
     from ._families import FAMILIES
     from ._observe import ObservationError, ObservedBlock, observe

@@ -10,7 +10,7 @@ import torch
 
 from surgeon import inspect_checkpoint, reinit_checkpoint
 
-from _onnx_helpers import as_param, export, initializers, locate, ort_run, torch_forward
+from helpers.onnx_helpers import as_param, export, initializers, locate, ort_run, torch_forward
 
 HEADS, D = 4, 8
 

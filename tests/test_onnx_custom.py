@@ -15,7 +15,7 @@ from surgeon import inspect_checkpoint, reinit_checkpoint
 from surgeon.compute.engine import head_matrices
 from surgeon.open.formats.onnx import open_onnx
 
-from _onnx_helpers import (
+from helpers.onnx_helpers import (
     as_param,
     assert_semi_orthogonal,
     assert_value_identity,
@@ -166,8 +166,8 @@ def test_packed_projection_cut_into_roles(tmp_path, cut):
     """One (in, 3*out) weight per layer cut by Split or by Slices, a separate bias after each cut."""
     import onnx
 
-    from _onnx_graphs import tiny_attention
-    from _onnx_helpers import assert_semi_orthogonal, assert_value_identity
+    from helpers.onnx_graphs import tiny_attention
+    from helpers.onnx_helpers import assert_semi_orthogonal, assert_value_identity
 
     path = tmp_path / "packed.onnx"
     onnx.save_model(tiny_attention(packed=cut), str(path))

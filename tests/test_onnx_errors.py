@@ -11,9 +11,9 @@ import pytest
 from surgeon import reinit_checkpoint
 from surgeon.errors import NoAttentionFoundError
 
-from _onnx_graphs import mlp_only, tiny_attention
-from _onnx_helpers import initializers, ort_run
-from conftest import expect_cli_error
+from helpers.cli import expect_cli_error
+from helpers.onnx_graphs import mlp_only, tiny_attention
+from helpers.onnx_helpers import initializers, ort_run
 
 
 def _save(model: onnx.ModelProto, folder, name: str = "model.onnx", **kwargs):

@@ -21,8 +21,8 @@ from surgeon import inspect_checkpoint, reinit_checkpoint
 from surgeon.compute.engine import head_matrices
 from surgeon.open.formats.onnx import open_onnx, surgeon_records
 
-from _families import FAMILIES
-from _onnx_helpers import (
+from helpers.families import FAMILIES
+from helpers.onnx_helpers import (
     assert_only_changed_bytes_differ,
     check_against_pytorch,
     export,

@@ -19,18 +19,19 @@ from onnx import helper, numpy_helper
 from surgeon import inspect_checkpoint, reinit_checkpoint
 from surgeon.open.formats.onnx import open_onnx, surgeon_records
 
-from _families import FAMILIES
-from _onnx_graphs import tiny_attention
-from _onnx_helpers import (
+from helpers.digests import sha256, tree_digest
+from helpers.families import FAMILIES
+from helpers.onnx_graphs import tiny_attention
+from helpers.onnx_helpers import (
     assert_semi_orthogonal,
     assert_value_identity,
     changed_byte_ranges,
     export,
     initializers,
     ort_run,
+    save_variant,
     tensor_ranges,
 )
-from conftest import sha256, tree_digest
 
 VARIANTS = ("embedded", "one-file", "split", "per-tensor")
 
@@ -41,33 +42,6 @@ def bert(tmp_path_factory):
     path = tmp_path_factory.mktemp("bert") / "model.onnx"
     feeds = export(FAMILIES["bert"].make(), "bert", path, dynamo=False)
     return path, feeds
-
-
-def save_variant(source: Path, folder: Path, kind: str) -> Path:
-    """``source`` re-saved with its initializers embedded or in external data files."""
-    model = onnx.load(str(source))
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "model.onnx"
-    if kind == "embedded":
-        onnx.save_model(model, str(path))
-    elif kind == "one-file":
-        onnx.save_model(
-            model,
-            str(path),
-            save_as_external_data=True,
-            all_tensors_to_one_file=True,
-            location="model.onnx.data",
-            size_threshold=0,
-        )
-    elif kind == "per-tensor":
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=False, size_threshold=256)
-    elif kind == "split":  # over three files in a subfolder, round robin
-        (folder / "weights").mkdir()
-        big = [t for t in model.graph.initializer if len(t.raw_data) >= 256]
-        for i, t in enumerate(big):
-            onnx.external_data_helper.set_external_data(t, location=f"weights/part{i % 3}.bin")
-        onnx.save_model(model, str(path))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -282,7 +256,7 @@ def test_cli_inspect_and_reinit(bert, cli, tmp_path):
 
 
 def test_folder_with_several_models_is_refused(bert, cli, tmp_path):
-    from conftest import expect_cli_error
+    from helpers.cli import expect_cli_error
 
     folder = tmp_path / "optimum"
     folder.mkdir()

@@ -1,7 +1,7 @@
 """Graphs with ONNX Runtime's fused attention: com.microsoft Attention (packed (in, 3*out) weight
 and packed bias), MultiHeadAttention (packed bias) and GroupQueryAttention (packed QKV MatMul).
 
-They are built from tiny PyTorch models the way ONNX Runtime's tools emit them (tests/_onnx_graphs.py)
+They are built from tiny PyTorch models the way ONNX Runtime's tools emit them (tests/helpers/onnx_graphs.py)
 and first checked to compute what the PyTorch model computes, so the packing is the real one.
 """
 
@@ -20,10 +20,10 @@ from surgeon import inspect_checkpoint, reinit_checkpoint
 from surgeon.compute.engine import head_matrices
 from surgeon.open.formats.onnx import open_onnx
 
-from _families import FAMILIES
-from _onnx_graphs import bert_fused, llama_group_query
-from _onnx_helpers import assert_semi_orthogonal, assert_value_identity, initializers, ort_run
-from conftest import tiny_llama
+from helpers.families import FAMILIES
+from helpers.onnx_graphs import bert_fused, llama_group_query
+from helpers.onnx_helpers import assert_semi_orthogonal, assert_value_identity, initializers, ort_run
+from helpers.tiny import tiny_llama
 
 SEQ = 7
 OPS = ("Attention", "MultiHeadAttention", "GroupQueryAttention")

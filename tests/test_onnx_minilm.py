@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import pytest
 
-from _onnx_helpers import (
+from helpers.onnx_helpers import (
     assert_only_changed_bytes_differ,
     check_against_pytorch,
     export,

@@ -9,14 +9,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from test_onnx_format import save_variant
 
 from surgeon import reinit_checkpoint
 from surgeon.errors import OutputError
 
-from _families import FAMILIES
-from _onnx_helpers import check_against_pytorch, export, initializers, ort_run, torch_forward
-from conftest import tree_digest
+from helpers.digests import tree_digest
+from helpers.families import FAMILIES
+from helpers.onnx_helpers import check_against_pytorch, export, initializers, ort_run, save_variant, torch_forward
 
 
 @pytest.fixture(scope="module")

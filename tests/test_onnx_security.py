@@ -19,9 +19,9 @@ from surgeon import inspect_checkpoint, reinit_checkpoint
 from surgeon.detect.onnx import graph as graph_module
 from surgeon.errors import LayoutError, NoAttentionFoundError
 
-from _onnx_graphs import tiny_attention
-from _onnx_helpers import initializers, ort_run
-from conftest import expect_cli_error
+from helpers.cli import expect_cli_error
+from helpers.onnx_graphs import tiny_attention
+from helpers.onnx_helpers import initializers, ort_run
 
 FEEDS = {"x": np.linspace(-1, 1, 40, dtype=np.float32).reshape(1, 5, 8)}
 

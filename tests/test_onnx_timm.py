@@ -16,8 +16,8 @@ from surgeon import inspect_checkpoint, reinit_checkpoint
 from surgeon.compute.engine import head_matrices
 from surgeon.open.formats.onnx import open_onnx
 
-from _modules import TimmAttention
-from _onnx_helpers import as_param, assert_semi_orthogonal, assert_value_identity, initializers, locate, ort_run
+from helpers.modules import TimmAttention
+from helpers.onnx_helpers import as_param, assert_semi_orthogonal, assert_value_identity, initializers, locate, ort_run
 
 DIM, HEADS = 32, 4
 
@@ -193,8 +193,8 @@ def test_weights_in_constant_nodes(tmp_path):
     them): read and patched in place like initializers, the same values as from initializers."""
     import onnx
 
-    from _families import FAMILIES
-    from _onnx_helpers import changed_byte_ranges, export
+    from helpers.families import FAMILIES
+    from helpers.onnx_helpers import changed_byte_ranges, export
 
     path = tmp_path / "model.onnx"
     feeds = export(FAMILIES["bert"].make(), "bert", path, dynamo=False)

@@ -10,8 +10,8 @@ import pytest
 
 from surgeon import inspect_checkpoint, reinit_checkpoint
 
-from _onnx_graphs import tiny_attention
-from _onnx_helpers import initializers, ort_run
+from helpers.onnx_graphs import tiny_attention
+from helpers.onnx_helpers import initializers, ort_run
 
 FEEDS = {"x": np.linspace(-1, 1, 40, dtype=np.float32).reshape(1, 5, 8)}
 

@@ -13,7 +13,7 @@ import torch
 
 from surgeon import reinit_checkpoint
 
-from _onnx_helpers import check_against_pytorch, export, initializers, ort_run, torch_forward
+from helpers.onnx_helpers import check_against_pytorch, export, initializers, ort_run, torch_forward
 
 
 def untrained(family: str) -> torch.nn.Module:

@@ -6,9 +6,9 @@ import transformers
 
 from surgeon.detect.placement import Place, kind, place
 
-from _families import _swin
-from _observe import observe
-from test_families import match_blocks
+from helpers.block_maps import match_blocks
+from helpers.families import _swin
+from helpers.observe import observe
 
 
 def test_layers_vary_stages_come_from_the_path():

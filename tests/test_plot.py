@@ -14,7 +14,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from conftest import expect_cli_error
+from helpers.cli import expect_cli_error
 
 ROLES = "qkv"
 

@@ -21,10 +21,10 @@ from safetensors.torch import load_file, save_file
 import surgeon
 from surgeon.errors import OptionError
 
-import _dcp
-from _distributed import spawn
-from _observe import observe
-from conftest import tiny_llama
+from helpers import dcp as dcp_helpers
+from helpers.distributed import spawn
+from helpers.observe import observe
+from helpers.tiny import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 Q = "model.layers.{}.self_attn.q_proj.weight"
@@ -62,7 +62,7 @@ def same_tree(a: Path, b: Path) -> None:
 def fsdp(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp")
     torch.save(tiny_llama().state_dict(), tmp / "state.pt")
-    spawn(_dcp.fsdp_save_worker, 2, tmp, str(tmp / "state.pt"), str(tmp / "ckpt"))
+    spawn(dcp_helpers.fsdp_save_worker, 2, tmp, str(tmp / "state.pt"), str(tmp / "ckpt"))
     tiny_llama().config.save_pretrained(tmp / "ckpt")
     return tmp / "ckpt"
 
@@ -78,15 +78,15 @@ def shards(tmp_path_factory):
 def test_dcp_two_ranks_equal_one_process(fsdp, tmp_path, cli, one_thread):
     run = torchrun("reinit", fsdp, "-o", tmp_path / "two" / "out", "--layers", "0,2")
     assert wrote(run) == {0: "__0_0.distcp", 1: "__1_0.distcp"}
-    model, loaded = tiny_llama(), _dcp.fresh()
+    model, loaded = tiny_llama(), dcp_helpers.fresh()
     state = {"model": loaded.state_dict()}
-    _dcp.load(state, tmp_path / "two" / "out")  # torch's own reader
+    dcp_helpers.load(state, tmp_path / "two" / "out")  # torch's own reader
     loaded.load_state_dict(state["model"])
     maps, before = observe(loaded), observe(model)
-    _dcp.conditioned(maps["model.layers.0.self_attn"])
-    _dcp.conditioned(maps["model.layers.2.self_attn"])
-    _dcp.same_maps(maps["model.layers.1.self_attn"], before["model.layers.1.self_attn"])
-    spans, out = _dcp.spans(fsdp), _dcp.spans(tmp_path / "two" / "out")
+    dcp_helpers.conditioned(maps["model.layers.0.self_attn"])
+    dcp_helpers.conditioned(maps["model.layers.2.self_attn"])
+    dcp_helpers.same_maps(maps["model.layers.1.self_attn"], before["model.layers.1.self_attn"])
+    spans, out = dcp_helpers.spans(fsdp), dcp_helpers.spans(tmp_path / "two" / "out")
     moved = {spans[k][0] for k in spans if spans[k] != out[k]}
     assert moved == {"__0_0.distcp", "__1_0.distcp"}  # each rank's half of a projection, in its own file
     cli("reinit", fsdp, "-o", tmp_path / "one" / "out", "--layers", "0,2")
@@ -101,10 +101,10 @@ def test_sharded_safetensors_two_ranks_equal_one_process(shards, tmp_path, cli, 
     state = {}
     for name in names:
         state.update(load_file(tmp_path / "two" / "out" / name))  # the reference reader
-    loaded = _dcp.fresh()
+    loaded = dcp_helpers.fresh()
     loaded.load_state_dict(state, strict=False)
     for block in observe(loaded).values():
-        _dcp.conditioned(block)
+        dcp_helpers.conditioned(block)
     cli("reinit", shards, "-o", tmp_path / "one" / "out", "--seed", "3")
     same_tree(tmp_path / "two" / "out", tmp_path / "one" / "out")
 
@@ -139,11 +139,11 @@ def test_api_in_a_training_scripts_ranks(fsdp, tmp_path, cli, one_thread):
     spawn(_api_worker, 2, tmp_path, str(fsdp), str(tmp_path / "two" / "out"))
     cli("reinit", fsdp, "-o", tmp_path / "one" / "out", "--layers", "1")
     same_tree(tmp_path / "two" / "out", tmp_path / "one" / "out")
-    loaded = _dcp.fresh()
+    loaded = dcp_helpers.fresh()
     state = {"model": loaded.state_dict()}
-    _dcp.load(state, tmp_path / "two" / "out")
+    dcp_helpers.load(state, tmp_path / "two" / "out")
     loaded.load_state_dict(state["model"])
-    _dcp.conditioned(observe(loaded)["model.layers.1.self_attn"])
+    dcp_helpers.conditioned(observe(loaded)["model.layers.1.self_attn"])
 
 
 @pytest.mark.parametrize(

@@ -18,8 +18,8 @@ import pytest
 from surgeon import inspect_checkpoint, reinit_checkpoint
 from surgeon.errors import OptionError
 
-from _hub import Surgeon, build_cache, closed_port_url, make_source
-from _hub_server import HubServer
+from helpers.hub import Surgeon, build_cache, closed_port_url, make_source
+from helpers.hub_server import HubServer
 
 # each walks from HF_HOME/hub/models--org--tiny/refs/ up into the test's own folder, where it can be seen
 HOSTILE = [

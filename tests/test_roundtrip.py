@@ -12,7 +12,8 @@ from surgeon import reinit_checkpoint
 from surgeon.open.formats.safetensors import SafetensorsWeights
 from surgeon.open.formats.torchfile import TorchWeights
 
-from conftest import sha256, tiny_llama, tree_digest
+from helpers.digests import sha256, tree_digest
+from helpers.tiny import tiny_llama
 
 LAYER0 = (
     "model.layers.0.self_attn.q_proj.weight",

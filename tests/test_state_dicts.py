@@ -14,7 +14,7 @@ from torch import nn
 from surgeon import reinit_checkpoint
 from surgeon.api import inspect_checkpoint
 
-from _modules import KernelCapture as CaptureSDPA
+from helpers.modules import KernelCapture as CaptureSDPA
 
 
 def solve_heads(x, states):

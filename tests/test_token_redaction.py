@@ -11,8 +11,8 @@ from surgeon import reinit_checkpoint
 from surgeon.plan.planner import Plan, ReinitOptions
 from surgeon.report.redact import redact
 
-from _hub import TOKEN, Surgeon, all_text_under, make_source
-from _hub_server import HubServer
+from helpers.hub import TOKEN, Surgeon, all_text_under, make_source
+from helpers.hub_server import HubServer
 
 STRANGER_TOKEN = "hf_QWxsIHlvdXIgYmFzZSBhcmUgYmVsb25n"  # shaped like a token, known to no one
 

@@ -12,7 +12,7 @@ import torch
 import surgeon
 from surgeon.errors import OptionError, UnsupportedWeightsError
 
-from _families import FAMILIES
+from helpers.families import FAMILIES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

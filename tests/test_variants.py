@@ -1,4 +1,4 @@
-"""The options, checked through the model's own forward (tests/_observe.py)."""
+"""The options, checked through the model's own forward (tests/helpers/observe.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 
 from surgeon import reinit_checkpoint
 
-from _families import FAMILIES
-from _observe import observe
+from helpers.families import FAMILIES
+from helpers.observe import observe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,7 +14,7 @@ from surgeon.audit.layout import verify_layout
 from surgeon.cli.commands import cli_spelling
 from surgeon.errors import LayoutError, OptionError
 
-from _families import FAMILIES
+from helpers.families import FAMILIES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -13,8 +13,9 @@ import torch
 import surgeon
 from surgeon.open.formats.safetensors import encode_header, read_header, with_metadata
 
-from _onnx_graphs import tiny_attention
-from conftest import expect_cli_error, tiny_llama
+from helpers.cli import expect_cli_error
+from helpers.onnx_graphs import tiny_attention
+from helpers.tiny import tiny_llama
 
 
 def _flip_byte(path, offset):

@@ -22,8 +22,10 @@ from surgeon.audit.record import card_records, history, parse_json, parse_record
 from surgeon.errors import CheckpointError
 from surgeon.open.formats.safetensors import encode_header, read_header, with_metadata
 
-from _onnx_graphs import tiny_attention
-from conftest import expect_cli_error, tiny_llama
+from helpers.cli import expect_cli_error
+from helpers.onnx_graphs import tiny_attention
+from helpers.records import edit_last, rewrite_record
+from helpers.tiny import tiny_llama
 
 
 def _fails(cli, src, out, match: str, code: int = 3) -> str:
@@ -31,25 +33,6 @@ def _fails(cli, src, out, match: str, code: int = 3) -> str:
     line = expect_cli_error(cli, out.parent, "verify", src, out, match=match)
     assert cli("verify", src, out, ok=False).exit_code == code, line
     return line
-
-
-def _rewrite_record(path, edit):
-    """The safetensors file with its surgeon metadata replaced by ``edit(records)`` (a string: stored as it is)."""
-    header = read_header(path)
-    meta = header.metadata
-    value = edit(json.loads(meta["surgeon"]))
-    text = value if isinstance(value, str) else json.dumps(value)
-    raw = encode_header(with_metadata(header.entries, {**meta, "surgeon": text}))
-    data = path.read_bytes()[header.data_start :]
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
-
-
-def _last(change):
-    def edit(records):
-        change(records[-1])
-        return records
-
-    return edit
 
 
 @pytest.fixture
@@ -114,7 +97,7 @@ def test_extra_weights_a_loader_would_read(cli, tmp_path):
     assert cli("verify", src, out).stdout.startswith("verified:")
     shard = sorted(out.glob("model-*.safetensors"))[1]
     good = shard.read_bytes()
-    _rewrite_record(shard, _last(lambda r: r["options"].update(seed=9)))
+    rewrite_record(shard, edit_last(lambda r: r["options"].update(seed=9)))
     _fails(cli, src, out, f"{shard.name} holds other surgeon records than the ones verified")
     shard.write_bytes(good)
     header = read_header(shard)
@@ -256,8 +239,8 @@ def test_onnx_graph_is_compared_node_for_node(cli, tmp_path):
 def test_onnx_weights_in_constant_nodes(cli, tmp_path):
     """2-D weights kept in Constant nodes are patched in place: the re-initialized ones verify as tensors,
     every other Constant node must be the original's."""
-    from _families import FAMILIES
-    from _onnx_helpers import export
+    from helpers.families import FAMILIES
+    from helpers.onnx_helpers import export
 
     path = tmp_path / "model.onnx"
     export(FAMILIES["bert"].make(), "bert", path, dynamo=False)
@@ -428,9 +411,9 @@ def test_another_versions_output_says_so(cli, made):
     good = file.read_bytes()
     card = (out / "README.md").read_text()
     (out / "README.md").write_text(card.replace(f'"version":"{__version__}"', '"version":"0.1.0"'))
-    _rewrite_record(file, _last(lambda r: r.update(version="0.1.0")))
+    rewrite_record(file, edit_last(lambda r: r.update(version="0.1.0")))
     assert "(made by surgeon 0.1.0)" in cli("verify", src, out).stdout  # the same values: verified, and said
-    _rewrite_record(file, _last(lambda r: r["options"].update(seed=6)))
+    rewrite_record(file, edit_last(lambda r: r["options"].update(seed=6)))
     line = _fails(
         cli,
         src,
@@ -440,7 +423,7 @@ def test_another_versions_output_says_so(cli, made):
     )
     assert "verify it with surgeon 0.1.0" in line and "element" in line
     # bytes that no version changes are a mismatch whatever the version
-    _rewrite_record(file, _last(lambda r: r["options"].update(seed=5)))
+    rewrite_record(file, edit_last(lambda r: r["options"].update(seed=5)))
     header = read_header(file)
     data = bytearray(file.read_bytes())
     data[header.data_start + header.entries["model.embed_tokens.weight"]["data_offsets"][0]] ^= 1
@@ -448,28 +431,28 @@ def test_another_versions_output_says_so(cli, made):
     _fails(cli, src, out, "tensor 'model.embed_tokens.weight' is not in the recorded selection")
     # a record this version cannot read: says which version wrote it
     file.write_bytes(good)
-    _rewrite_record(file, _last(lambda r: r.update(version="0.1.0", options={**r["options"], "old_option": 1})))
+    rewrite_record(file, edit_last(lambda r: r.update(version="0.1.0", options={**r["options"], "old_option": 1})))
     _fails(cli, src, out, "it was made by surgeon 0.1.0", code=1)
 
 
 # --- malformed records: exit 1, one line ------------------------------------------------------------
 
 MALFORMED = [
-    (_last(lambda r: r["options"].update(seed="5")), "option seed is '5'"),
-    (_last(lambda r: r["options"].update(seed=True)), "option seed is True"),
-    (_last(lambda r: r["options"].update(targets=["x"])), "option targets is ['x']"),
-    (_last(lambda r: r["options"].update(strength=7.0)), "option strength is 7.0"),
-    (_last(lambda r: r["options"].update(heads=[1, "2"])), "option heads is [1, '2']"),
-    (_last(lambda r: r["options"].update(layers=2**40)), "option layers is"),
-    (_last(lambda r: r["options"].update(layers="9" * 5000)), "option layers is '99999"),
-    (_last(lambda r: r["options"].pop("mode")), "has no 'mode'"),
-    (_last(lambda r: r.update(options=[1])), "has 'options' as a list, not dict"),
-    (_last(lambda r: r.update(blocks={"a": 1})), "has 'blocks' as an object, not list"),
-    (_last(lambda r: r["blocks"][0].update(layer="1")), "block 0 of the last surgeon record has layer '1'"),
-    (_last(lambda r: r["blocks"][0].update(targets={"q": 1})), "has targets surgeon never records"),
-    (_last(lambda r: r.update(extra=1)), "has a field surgeon does not write ('extra')"),
-    (_last(lambda r: r.update(tool="other")), "names tool 'other'"),
-    (_last(lambda r: r.update(version=None)), "has no readable version (None)"),
+    (edit_last(lambda r: r["options"].update(seed="5")), "option seed is '5'"),
+    (edit_last(lambda r: r["options"].update(seed=True)), "option seed is True"),
+    (edit_last(lambda r: r["options"].update(targets=["x"])), "option targets is ['x']"),
+    (edit_last(lambda r: r["options"].update(strength=7.0)), "option strength is 7.0"),
+    (edit_last(lambda r: r["options"].update(heads=[1, "2"])), "option heads is [1, '2']"),
+    (edit_last(lambda r: r["options"].update(layers=2**40)), "option layers is"),
+    (edit_last(lambda r: r["options"].update(layers="9" * 5000)), "option layers is '99999"),
+    (edit_last(lambda r: r["options"].pop("mode")), "has no 'mode'"),
+    (edit_last(lambda r: r.update(options=[1])), "has 'options' as a list, not dict"),
+    (edit_last(lambda r: r.update(blocks={"a": 1})), "has 'blocks' as an object, not list"),
+    (edit_last(lambda r: r["blocks"][0].update(layer="1")), "block 0 of the last surgeon record has layer '1'"),
+    (edit_last(lambda r: r["blocks"][0].update(targets={"q": 1})), "has targets surgeon never records"),
+    (edit_last(lambda r: r.update(extra=1)), "has a field surgeon does not write ('extra')"),
+    (edit_last(lambda r: r.update(tool="other")), "names tool 'other'"),
+    (edit_last(lambda r: r.update(version=None)), "has no readable version (None)"),
     (lambda records: [1, 2], "the last surgeon record is a number, not a record"),
     (lambda records: [], "surgeon's record is a list, not a list of records"),
     (lambda records: "not json", "surgeon's record is not valid JSON"),
@@ -482,7 +465,7 @@ MALFORMED = [
 def test_malformed_records_are_one_line(cli, tmp_path, llama_dir, edit, match):
     out = tmp_path / "out.safetensors"
     cli("reinit", llama_dir / "model.safetensors", "--layers", "1", "-o", out)
-    _rewrite_record(out, edit)
+    rewrite_record(out, edit)
     _fails(cli, llama_dir / "model.safetensors", out, match, code=1)
 
 
@@ -600,7 +583,7 @@ def test_verify_on_fuzzed_records(tmp_path_factory, record):
         )
     work = base / "work.safetensors"
     shutil.copy(base / "out.safetensors", work)
-    _rewrite_record(work, lambda records: [record])
+    rewrite_record(work, lambda records: [record])
     try:
         surgeon.verify(base / "src" / "model.safetensors", work)
     except surgeon.SurgeonError as exc:

@@ -1,6 +1,6 @@
 """torchtitan models built with its own code, its own q/k/v split, and the workers of its multi-rank tests.
 
-The workers live here so that the spawned ranks (tests/_distributed.py spawn) can import them; torchtitan is
+The workers live here so that the spawned ranks (tests/helpers/distributed.py spawn) can import them; torchtitan is
 imported inside each function (this module imports without it).
 """
 

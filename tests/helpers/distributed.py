@@ -65,7 +65,7 @@ def make(family: str):
         from transformers import LlamaForCausalLM
 
         return LlamaForCausalLM(large_config())
-    from _families import FAMILIES
+    from helpers.families import FAMILIES
 
     return FAMILIES[family].make()
 

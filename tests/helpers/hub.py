@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from conftest import tiny_llama
+from helpers.tiny import tiny_llama
 
 TOKEN = "hf_test_Wm9yYmlkZGVuLW5ldmVyLXByaW50ZWQ"  # distinctive, so a leak anywhere is found by search
 OTHER_TOKEN = "hf_test_b3RoZXItdXNlci10b2tlbg"

@@ -131,7 +131,7 @@ def fresh():
     torch.manual_seed(1)  # other values than tiny_llama's: a load that skipped a tensor would show
     from transformers import LlamaForCausalLM
 
-    from conftest import tiny_llama
+    from helpers.tiny import tiny_llama
 
     return LlamaForCausalLM(tiny_llama().config).eval()
 

@@ -4,7 +4,7 @@ attention maps read through Megatron's own q/k/v split (SelfAttention.get_query_
 
 Megatron asks CUDA for its device (the model's init, the checkpoint saver's failure broadcast) and to
 synchronize: on CPU the device is "cpu" and synchronizing does nothing; gloo stands in for NCCL. Importable
-only where megatron-core is installed (the test asks tests/_frameworks.py first).
+only where megatron-core is installed (the test asks tests/helpers/frameworks.py first).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from _modules import Maps, _solve, probe
+from helpers.modules import Maps, _solve, probe
 
 HEADS, GROUPS, WIDTH, LAYERS = 4, 2, 32, 2
 # What Megatron-LM's save_checkpoint puts beside the model's sharded state (into common.pt): its arguments

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from surgeon.write import journal_file as jf
 from surgeon.open.formats.safetensors import read_header
+from surgeon.write import journal_file as jf
 from surgeon.write.journal import journal_path
 
 # `surgeon ARGS` that patches the first tensor of the first file, then dies as kill -9 does.

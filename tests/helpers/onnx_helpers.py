@@ -304,3 +304,30 @@ def assert_only_changed_bytes_differ(old_path: Path, new_path: Path, changed: se
                 allowed[start:end] = True
         for start, end in changed_byte_ranges(before, after):
             assert allowed[start:end].all(), f"{file}: bytes {start}-{end} changed outside the re-initialized tensors"
+
+
+def save_variant(source: Path, folder: Path, kind: str) -> Path:
+    """``source`` re-saved with its initializers embedded or in external data files."""
+    model = onnx.load(str(source))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "model.onnx"
+    if kind == "embedded":
+        onnx.save_model(model, str(path))
+    elif kind == "one-file":
+        onnx.save_model(
+            model,
+            str(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location="model.onnx.data",
+            size_threshold=0,
+        )
+    elif kind == "per-tensor":
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=False, size_threshold=256)
+    elif kind == "split":  # over three files in a subfolder, round robin
+        (folder / "weights").mkdir()
+        big = [t for t in model.graph.initializer if len(t.raw_data) >= 256]
+        for i, t in enumerate(big):
+            onnx.external_data_helper.set_external_data(t, location=f"weights/part{i % 3}.bin")
+        onnx.save_model(model, str(path))
+    return path

@@ -1,15 +1,17 @@
 """Minimal re-implementations of layouts from libraries that cannot be installed beside CPU torch 2.13
 (timm, torchvision and open_clip pull torch 2.14 with CUDA). Each follows the named source file: the
 module tree (so the state-dict names are the library's), the parameter shapes and the forward's split
-into heads, written with scaled_dot_product_attention so that tests/_modules.observe sees q, k, v.
+into heads, written with scaled_dot_product_attention so that observe of tests/helpers/modules.py sees q, k, v.
 """
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import nn
 
 # --------------------------------------------------------------- torchvision/models/vision_transformer.py
@@ -547,3 +549,15 @@ class CrossViT(nn.Module):
         for sm_enc, lg_enc, cross_attend in self.multi_scale_encoder.layers:
             sm, lg = cross_attend(sm_enc(sm), lg_enc(lg))
         return self.sm_mlp_head(sm[:, 0]) + self.lg_mlp_head(lg[:, 0])
+
+
+def save(model, folder, config=None):
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, folder / "model.safetensors")
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def changed(before: dict, after: dict) -> set[str]:
+    return {n for n in before if not torch.equal(before[n], after[n])}
