@@ -1,4 +1,4 @@
-"""DCP checkpoints built with plain torch (``dcp.save``) for tests/test_dcp.py, and hostile variants of them.
+"""DCP checkpoints built with plain torch (``dcp.save``) for tests/open/test_dcp.py, and hostile variants of them.
 
 The hostile ones are built from a real checkpoint by editing what dcp.save wrote, with torch's own
 metadata reader on the test's own folder (trusted data made here): each keeps everything else real, so a

@@ -22,6 +22,7 @@ from surgeon.errors import LayoutError, NoAttentionFoundError
 from helpers.cli import expect_cli_error
 from helpers.onnx_graphs import tiny_attention
 from helpers.onnx_helpers import initializers, ort_run
+from helpers.paths import ROOT
 
 FEEDS = {"x": np.linspace(-1, 1, 40, dtype=np.float32).reshape(1, 5, 8)}
 
@@ -263,9 +264,7 @@ def test_graphs_that_loop_or_run_deep_end_in_one_line(tmp_path, edit, match):
 
 # --- the walker's work is linear in the graph's size ---------------------------------------------
 def _bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_onnx_walker", Path(__file__).parents[1] / "benchmarks" / "bench_onnx_walker.py"
-    )
+    spec = importlib.util.spec_from_file_location("bench_onnx_walker", ROOT / "benchmarks" / "bench_onnx_walker.py")
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module

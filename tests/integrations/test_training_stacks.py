@@ -1,7 +1,7 @@
 """reinit_ inside training stacks on one process: torch.compile, PEFT/LoRA, the meta device,
 conditioned init at construction time (surgeon.conditioned_init_) and the transformers Trainer callback.
 
-(FSDP2, DTensor and DDP across processes: tests/test_distributed.py.)
+(FSDP2, DTensor and DDP across processes: tests/write/test_distributed.py.)
 """
 
 from __future__ import annotations

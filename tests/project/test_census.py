@@ -1,6 +1,6 @@
 """The census in the suite: a stratified slice of every transformers model type, each built tiny offline,
 re-initialized, and judged by the model's own forward (tests/helpers/census.py), must keep the verdict that
-tests/census_expected.json records. The whole census is `python scripts/census.py` (README "Census")."""
+tests/project/census_expected.json records. The whole census is `python scripts/census.py` (README "Census")."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from helpers.census import census_one
+from helpers.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 EXPECTED = json.loads((Path(__file__).parent / "census_expected.json").read_text())
 SLICE = 60
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent / "surgeon"
+from helpers.paths import ROOT as SOURCE_ROOT
+
+ROOT = SOURCE_ROOT / "surgeon"
 
 
 def _modules() -> dict[str, Path]:

@@ -199,7 +199,7 @@ def test_multihead_attention_with_kdim_vdim():
 
 def test_normalization_written_as_ops_is_refused_in_one_line():
     # Swin-v2-style cosine attention: F.normalize on q and k is no norm module, so the probe cannot read through
-    # it (LayerNorm/RMSNorm modules it can: tests/test_modules_qk_norm.py)
+    # it (LayerNorm/RMSNorm modules it can: tests/integrations/test_modules_qk_norm.py)
     class CosineAttention(nn.Module):
         def __init__(self):
             super().__init__()
@@ -343,9 +343,6 @@ def test_hugging_face_model_inside_a_custom_model():
 def test_hugging_face_layout_the_config_does_not_settle_is_read_from_the_forward():
     """A GPT-NeoX whose config names an unknown model_type (a fork, remote code): the names cannot tell
     interleaved from blocked rows, so the forward decides, and the report says so."""
-    import sys
-
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     import transformers
 
     from helpers.families import FAMILIES

@@ -6,9 +6,8 @@ import re
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers.paths import ROOT
 
 
 def setup_commands() -> list[str]:

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from helpers.cli import expect_cli_error as expect_error
 from helpers.onnx_graphs import tiny_attention
+from helpers.paths import ROOT
 from helpers.tiny import tiny_llama
 
 
@@ -287,9 +288,8 @@ def test_a_bin_that_is_not_a_pickle(cli, tmp_path):
 
 
 def test_the_readme_first_command_has_no_hub_note(cli, tmp_path, monkeypatch):
-    from pathlib import Path
 
-    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # the repo root, as in the README
+    monkeypatch.chdir(ROOT)  # the repo root, as in the README
     report = json.loads(cli("reinit", "examples/tiny-bert", "--layers", "all", "-o", tmp_path / "out", "--json").stdout)
     assert not [n for n in report["notes"] if "hf://" in n or "local folder" in n], report["notes"]
 

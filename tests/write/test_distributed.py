@@ -29,6 +29,7 @@ from helpers.distributed import (
     spawn,
     tokens,
 )
+from helpers.paths import ROOT
 
 FAMILIES = ["llama", "gpt2"]
 
@@ -143,9 +144,8 @@ def test_readme_fsdp_example_runs_under_torchrun():
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(
         [

@@ -7,12 +7,13 @@ import re
 import subprocess
 import sys
 from importlib import metadata
-from pathlib import Path
 
 import pytest
 
 from surgeon import _compat
 from surgeon.errors import DependencyError, SurgeonError
+
+from helpers.paths import ROOT
 
 
 def test_every_wrapped_api_resolves_on_the_installed_versions():
@@ -40,7 +41,7 @@ def test_the_tested_versions_are_the_floors_and_installed_ones_are_not_older():
     for dist, tested in _compat.TESTED.items():
         installed = metadata.version(dist)
         assert _release(installed) >= _release(tested), f"{dist} {installed} is older than the tested floor {tested}"
-    pyproject = Path(__file__).parent.parent / "pyproject.toml"  # the source tree's, else the installed package's
+    pyproject = ROOT / "pyproject.toml"  # the source tree's, else the installed package's
     if pyproject.is_file():
         tomllib = pytest.importorskip("tomllib")  # Python 3.11+
         requires = tomllib.loads(pyproject.read_text())["project"]["dependencies"]

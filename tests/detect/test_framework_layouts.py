@@ -3,7 +3,7 @@ from-scratch spellings (q_linear/k_linear/v_linear, nanochat's c_q/c_k/c_v), hea
 checkpoint's own container dict, and Megatron-LM's legacy model_optim_rng.pt (an argparse.Namespace beside the
 weights). Judged through each module's own forward (``helpers.modules.observe``).
 
-The frameworks' own models (Megatron-Core, OLMo-core, torchtitan, litgpt) are in tests/test_frameworks_native.py,
+The frameworks' own models (Megatron-Core, OLMo-core, torchtitan, litgpt) are in tests/integrations/test_frameworks_native.py,
 which runs in each framework's venv.
 """
 
@@ -104,7 +104,7 @@ def test_without_heads_the_refusal_names_the_hint(tmp_path):
 class MegatronSelfAttention(nn.Module):
     """Megatron-Core's split of linear_qkv, as transformer/attention.py SelfAttention.get_query_key_value_tensors
     writes it (re-implemented in torch for the tests that run without megatron-core; the real one is judged in
-    tests/test_frameworks_native.py): rows viewed as (groups, (heads/groups + 2) * head_dim), split into the
+    tests/integrations/test_frameworks_native.py): rows viewed as (groups, (heads/groups + 2) * head_dim), split into the
     group's query heads, its key and its value."""
 
     def __init__(self, width, heads, groups, head_dim):

@@ -29,9 +29,9 @@ from surgeon.open import bounded
 from surgeon.open.bounded import MAX_DEPTH, too_deep
 
 from helpers.cli import expect_cli_error
+from helpers.paths import ROOT
 from helpers.tiny import tiny_llama
 
-ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 
 

@@ -10,7 +10,6 @@ every built-in rule is an instance of the file's schema.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,9 +18,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers.cli import expect_cli_error  # noqa: E402
-from helpers.modules import assert_conditioned, observe  # noqa: E402
+from helpers.cli import expect_cli_error
+from helpers.modules import assert_conditioned, observe
 
 WIDTH, HEADS = 16, 2
 

@@ -31,8 +31,8 @@ from helpers.cli import expect_cli_error
 from helpers.distributed import spawn
 from helpers.frameworks import framework, olmo_maps, olmo_model  # OLMo-core's builder; its own q/k/v split
 from helpers.modules import assert_conditioned, assert_same
+from helpers.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 HINTS = ("--num-heads", "4", "--num-kv-heads", "2")
 PROJECTIONS = ("w_q", "w_k", "w_v")
 
@@ -49,7 +49,7 @@ def stepped(seed=0):
 
 
 def torchrun(*args) -> subprocess.CompletedProcess:
-    """``surgeon`` under ``torchrun --nproc-per-node 2``, as a user runs it (tests/test_ranks.py imports
+    """``surgeon`` under ``torchrun --nproc-per-node 2``, as a user runs it (tests/write/test_ranks.py imports
     transformers, which OLMo-core's venv does not have)."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "surgeon"]

@@ -121,7 +121,7 @@ def test_corrupt_and_truncated_safetensors(cli, tmp_path):
     save_file({f"layers.0.attn.{p}_proj.weight": torch.randn(64, 64) for p in "qkv"}, good)
     data = good.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
-    # (a header of n '{' is refused as nested too deeply: tests/test_input_caps.py)
+    # (a header of n '{' is refused as nested too deeply: tests/open/test_input_caps.py)
     (tmp_path / "garbage.safetensors").write_bytes(data[:8] + b"{{{" + b"!" * (n - 3) + data[8 + n :])
     expect_error(
         cli,

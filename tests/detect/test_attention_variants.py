@@ -73,7 +73,7 @@ def _query_and_gate(model, layer):
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2"])
 def test_latent_attention_module_route_agrees_with_the_checkpoint_route(name, tmp_path):
-    """Both routes rewrite the same tensors to the same bytes (tests/test_latent_attention.py judges the maps
+    """Both routes rewrite the same tensors to the same bytes (tests/detect/test_latent_attention.py judges the maps
     through the model's own code); the down-projections stay as they were."""
     from surgeon import reinit_
 

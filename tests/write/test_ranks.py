@@ -24,9 +24,9 @@ from surgeon.errors import OptionError
 from helpers import dcp as dcp_helpers
 from helpers.distributed import spawn
 from helpers.observe import observe
+from helpers.paths import ROOT
 from helpers.tiny import tiny_llama
 
-ROOT = Path(__file__).resolve().parents[1]
 Q = "model.layers.{}.self_attn.q_proj.weight"
 
 

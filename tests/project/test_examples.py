@@ -5,12 +5,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+from helpers.paths import ROOT
+
+EXAMPLES = ROOT / "examples"
 
 
 @pytest.fixture(autouse=True)

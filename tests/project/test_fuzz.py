@@ -21,6 +21,7 @@ from surgeon.open.formats.safetensors import DTYPES, read_header
 from surgeon.plan.selection import resolve_indices
 
 from helpers.digests import tree_digest
+from helpers.paths import ROOT
 
 FUZZ = settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
@@ -222,7 +223,7 @@ def test_spec_parser(spec, count):
 @given(_spec_text, _spec_text)
 def test_spec_options_on_the_cli(cli, tmp_path, spec, heads):
     assume(not spec.startswith("-") or "," in spec or spec[1:2].isdigit())
-    src = Path(__file__).resolve().parents[1] / "examples" / "tiny-bert"
+    src = ROOT / "examples" / "tiny-bert"
     out = Path(tempfile.mkdtemp(dir=tmp_path)) / "out"
     result = cli("reinit", src, f"--layers={spec}", f"--heads={heads}", "--dry-run", "-o", out, ok=False)
     assert "Traceback" not in result.stderr + result.output

@@ -9,6 +9,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from helpers.paths import ROOT
+
 TORCH_FREE = [
     "surgeon",
     "surgeon.cli.commands",
@@ -69,6 +71,4 @@ def test_a_dry_run_plans_without_torch(tmp_path):
         f"r = reinit_checkpoint('examples/tiny-bert', output={str(tmp_path / 'out')!r}, dry_run=True)\n"
         "assert len(r.rows) == 6 and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:3]\n"
     )
-    subprocess.run(
-        [sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parent.parent)
-    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(ROOT))

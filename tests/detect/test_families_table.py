@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from surgeon.detect.blocks import PACKINGS
@@ -12,6 +10,8 @@ from surgeon.detect.families import KV_SLOTS, RULES, projection_names
 from surgeon.errors import NoAttentionFoundError
 from surgeon.open.formats.base import TensorInfo
 from surgeon.open.formats.registry import FORMATS, WEIGHT_SUFFIXES, format_of
+
+from helpers.paths import ROOT
 
 
 def test_every_packing_has_a_kv_slot_rule():
@@ -49,7 +49,7 @@ def test_detect_routes_by_input_kind():
     from surgeon.detect.module import ModuleDetection
     from surgeon.open.source import open_source
 
-    found = detect(open_source(Path(__file__).resolve().parents[1] / "examples" / "tiny-bert"))
+    found = detect(open_source(ROOT / "examples" / "tiny-bert"))
     assert isinstance(found, Detection) and found.blocks
     module = torch.nn.Sequential(torch.nn.MultiheadAttention(8, 2))
     assert isinstance(detect(module), ModuleDetection)
