@@ -1,5 +1,5 @@
-"""Megatron-Core on CPU for tests/integrations/test_native_megatron.py: a tiny GPTModel built by Megatron's own code, its
-distributed checkpoint (torch_dist) saved and loaded by Megatron's own dist_checkpointing, and each layer's
+"""Megatron-Core on CPU for tests/integrations/test_native_megatron.py: a tiny GPTModel built by Megatron's
+own code, its distributed checkpoint (torch_dist) saved and loaded by Megatron's own dist_checkpointing, and each layer's
 attention maps read through Megatron's own q/k/v split (SelfAttention.get_query_key_value_tensors).
 
 Megatron asks CUDA for its device (the model's init, the checkpoint saver's failure broadcast) and to
