@@ -1,4 +1,5 @@
-"""surgeon's own imports form no cycle (read from the source with ast, function-level imports included).
+"""surgeon's own imports form no cycle (read from the source with ast, function-level imports included), and
+the tests' imports keep to tests/README.md: shared code comes from helpers/, never from a test module.
 
 Imports under ``if TYPE_CHECKING:`` are for type checkers only and never run, so they are left out.
 """
@@ -8,15 +9,15 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from helpers.paths import ROOT as SOURCE_ROOT
+from helpers.paths import ROOT, TESTS
 
-ROOT = SOURCE_ROOT / "surgeon"
+PACKAGE = ROOT / "surgeon"
 
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for path in ROOT.rglob("*.py"):
-        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
         out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
 
@@ -78,3 +79,28 @@ def test_no_import_cycle():
     assert "surgeon.plan.planner" in graph["surgeon.api"]  # the reader sees real imports
     cycle = _cycle(graph)
     assert cycle is None, " -> ".join(cycle)
+
+
+def _test_files() -> list[Path]:
+    return sorted(p for p in TESTS.rglob("*.py") if "helpers" not in p.relative_to(TESTS).parts)
+
+
+def test_no_test_file_imports_another_test_module_or_conftest():
+    found = []
+    for path in [*_test_files(), *sorted((TESTS / "helpers").glob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            found += [
+                f"{path.relative_to(TESTS)}: {n}" for n in names if n.split(".")[0].startswith(("test_", "conftest"))
+            ]
+    assert found == []
+
+
+def test_test_folders_are_not_packages_and_test_basenames_are_unique():
+    """pytest's prepend import mode imports each test file by its basename from its own folder."""
+    folders = {p.parent for p in _test_files()}
+    assert sorted(str(f.relative_to(TESTS)) for f in folders if (f / "__init__.py").exists()) == []
+    names = [p.name for p in _test_files() if p.name.startswith("test_")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
