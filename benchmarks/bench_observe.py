@@ -1,9 +1,9 @@
-"""Wall time of the test suite's ground truth, ``tests/_observe.observe``, on the tiny family models.
+"""Wall time of the test suite's ground truth, ``observe of tests/helpers/observe.py``, on the tiny family models.
 
     python benchmarks/bench_observe.py                    # the families the suite times most
     python benchmarks/bench_observe.py --families llama,t5 --repeats 9
 
-``observe`` runs two whole-model forwards per call (tests/test_observe_selfcheck.py bounds that work);
+``observe`` runs two whole-model forwards per call (tests/project/test_observe_selfcheck.py bounds that work);
 this prints how long a call takes: the median and spread of ``--repeats`` calls after one warm-up call,
 per family. The machine is shared: compare figures from the same run, and rerun when the spread is wide.
 """
@@ -26,13 +26,13 @@ DEFAULT = "llama,falcon_new,bloom,t5,whisper,swin"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--families", default=DEFAULT, help=f"comma-separated names from tests/_families.py (default {DEFAULT})"
+        "--families", default=DEFAULT, help=f"comma-separated names from tests/helpers/families.py (default {DEFAULT})"
     )
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
-    from _families import FAMILIES
-    from _observe import observe
+    from helpers.families import FAMILIES
+    from helpers.observe import observe
 
     print(f"{'family':<14}{'median s':>10}{'min s':>10}{'max s':>10}")
     for name in args.families.split(","):

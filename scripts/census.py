@@ -1,9 +1,9 @@
 """The census: every model type the installed transformers knows, built tiny offline, re-initialized by surgeon
-with --layers all and --layers -1, and judged against the model's own forward (tests/_census.py).
+with --layers all and --layers -1, and judged against the model's own forward (tests/helpers/census.py).
 
     HF_HUB_OFFLINE=1 python scripts/census.py                 # every type: the table, then one summary line
     HF_HUB_OFFLINE=1 python scripts/census.py --types bert,t5  # some types
-    HF_HUB_OFFLINE=1 python scripts/census.py --update         # rewrite tests/census_expected.json
+    HF_HUB_OFFLINE=1 python scripts/census.py --update         # rewrite tests/project/census_expected.json
 
 Exits 1 when a type is silently wrong or crashes, or (with --check) when a verdict differs from the
 expectations file.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-EXPECTED = ROOT / "tests" / "census_expected.json"
+EXPECTED = ROOT / "tests" / "project" / "census_expected.json"
 TIMEOUT_S = 240
 
 
@@ -41,7 +41,7 @@ def _worker_init() -> None:
 
 
 def _one(model_type: str) -> dict:
-    from _census import Verdict, census_one
+    from helpers.census import Verdict, census_one
 
     signal.alarm(TIMEOUT_S)
     try:
@@ -96,7 +96,7 @@ def main() -> int:
     parser.add_argument("--types", help="comma-separated model types (default: every type)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--json", type=Path, help="also write every row here")
-    parser.add_argument("--update", action="store_true", help="rewrite tests/census_expected.json")
+    parser.add_argument("--update", action="store_true", help="rewrite tests/project/census_expected.json")
     parser.add_argument("--check", action="store_true", help="fail when a verdict differs from the expectations")
     args = parser.parse_args()
     types = args.types.split(",") if args.types else all_types()

@@ -2,8 +2,8 @@
 # surgeon beside each training framework, tested there (.ci/run runs this after the wheel check; issues 29, 30):
 #  for each of litgpt, OLMo-core, torchtitan and Megatron-Core, a fresh venv with CPU torch 2.13.0 first, then
 #  `pip install <framework> <its extras> -e .` in ONE resolve (surgeon must install beside the framework's own pins),
-#  `pip check`, and tests/test_frameworks_native.py with SURGEON_FRAMEWORK=<name>: that framework's tests must run
-#  (a skip of one of them is a failure there), and tests/test_native_*.py the same way, judged by the framework's own forward and loader.
+#  `pip check`, and tests/integrations/test_frameworks_native.py with SURGEON_FRAMEWORK=<name>: that framework's tests must run
+#  (a skip of one of them is a failure there), and tests/integrations/test_native_*.py the same way, judged by the framework's own forward and loader.
 # Usage: scripts/frameworks_check.sh [VENVS_DIR] [NAME ...]   (default: a temporary folder, every framework)
 # With VENVS_DIR given, a venv already there is reused (pip then only checks that it resolves).
 set -euo pipefail
@@ -14,7 +14,7 @@ NAMES=("$@")
 [ ${#NAMES[@]} -eq 0 ] && NAMES=(litgpt olmo titan megatron)
 unset PYTHONPATH
 shopt -s nullglob
-TESTS=(tests/test_frameworks_native.py tests/test_native_*.py)
+TESTS=(tests/integrations/test_frameworks_native.py tests/integrations/test_native_*.py)
 step() { printf '\n== %s (%ss)\n' "$1" "$SECONDS"; }
 
 requirements() {  # the framework and what it needs beside CPU torch (DEVELOPERS notes in README "From your training framework")

@@ -73,7 +73,7 @@ fresh_venv "$WORK/floors"
 # outside the tree on the install.
 mkdir -p "$WORK/t/examples" && cp -r tests "$WORK/t/" && cp -r examples/tiny-bert "$WORK/t/examples/"
 (cd "$WORK/t" && HF_HUB_OFFLINE=1 ../floors/bin/python -m pytest -q -p no:cacheprovider -o markers=slow \
-    tests/test_compat.py tests/test_conditioning.py tests/test_safetensors_format.py tests/test_selection.py \
-    tests/test_fuzz.py tests/test_startup.py \
-    tests/test_hub_read.py tests/test_hub_push.py tests/test_hub_card.py tests/test_revisions.py tests/test_token_redaction.py)
+    tests/project/test_compat.py tests/compute/test_conditioning.py tests/open/test_safetensors_format.py tests/plan/test_selection.py \
+    tests/project/test_fuzz.py tests/project/test_startup.py \
+    tests/open/test_hub_read.py tests/write/test_hub_push.py tests/report/test_hub_card.py tests/open/test_revisions.py tests/report/test_token_redaction.py)
 step "done"

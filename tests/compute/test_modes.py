@@ -1,0 +1,179 @@
+"""Init modes: every mode fills every slot of the registry, and cards and records say what each mode did."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+from huggingface_hub import ModelCard
+from safetensors import safe_open
+
+from surgeon import reinit_checkpoint
+from surgeon.compute.modes import Mode, all_modes, get_mode, owner_of
+from surgeon.plan.planner import MODES, ReinitOptions
+
+from helpers.tiny import tiny_bert
+
+SLOTS = (
+    "name",
+    "help",
+    "fresh",
+    "option",
+    "method",
+    "label",
+    "tag",
+    "exact",
+    "verify_bound",
+    "writes_outputs",
+    "sharded",
+    "citation",
+)
+METHODS = ("draw", "summary", "card_intro", "card_row")  # a mode must say these itself; the others have honest defaults
+
+
+@pytest.mark.parametrize("mode", all_modes(), ids=lambda m: m.name)
+def test_every_mode_fills_every_slot(mode):
+    for slot in SLOTS:
+        assert hasattr(type(mode), slot), f"{type(mode).__name__} leaves {slot} empty"
+    for name in ("name", "help", "method", "label", "tag", "verify_bound"):
+        assert isinstance(getattr(mode, name), str) and getattr(mode, name), name
+    for name in ("fresh", "exact", "writes_outputs", "sharded"):
+        assert isinstance(getattr(mode, name), bool), name
+    assert mode.option is None or mode.option in {f.name for f in dataclasses.fields(ReinitOptions)}
+    for name in METHODS:
+        assert getattr(type(mode), name) is not getattr(Mode, name), f"{type(mode).__name__} does not define {name}"
+    assert get_mode(mode.name) is mode and mode.name in MODES
+
+
+def test_names_methods_and_tags_are_distinct_and_options_have_one_owner():
+    modes = all_modes()
+    for attr in ("name", "method", "label", "tag"):
+        values = [getattr(m, attr) for m in modes]
+        assert len(set(values)) == len(values), attr
+    for option in ("gain", "strength", "std"):
+        owners = [m.name for m in modes if m.option == option]
+        assert len(owners) == 1 and owner_of(option).name == owners[0]
+
+
+def test_no_module_outside_modes_compares_mode_names():
+    """Plan, engine, verify, report, card and the sharded path ask the mode instead."""
+    import surgeon
+
+    offenders = []
+    for path in Path(inspect.getfile(surgeon)).parent.rglob("*.py"):
+        if "modes" in path.parts:
+            continue
+        text = path.read_text()
+        for name in MODES:
+            for pattern in (f'mode == "{name}"', f'mode != "{name}"', f'"{name}" mode', '.mode in ("'):
+                if pattern in text:
+                    offenders.append(f"{path.name}: {pattern}")
+    assert not offenders
+
+
+@pytest.fixture
+def bert_dir(tmp_path):
+    path = tmp_path / "bert"
+    tiny_bert().save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_card_and_record_say_what_was_done(bert_dir, tmp_path, mode, cli):
+    out = tmp_path / f"out-{mode}"
+    reinit_checkpoint(bert_dir, output=out, mode=mode)
+    with safe_open(out / "model.safetensors", "np") as f:
+        (record,) = json.loads(f.metadata()["surgeon"])
+    assert record["method"] == get_mode(mode).method and record["options"]["mode"] == mode
+
+    card = ModelCard.load(out / "README.md")
+    text = card.text.split("## Reproduce")[0]
+    assert card.data.to_dict()["tags"] == ["surgeon", get_mode(mode).tag]
+    claims_conditioned = "with conditioned initialization" in text or "semi-orthogonal" in text
+    assert claims_conditioned == (mode == "conditioned"), text
+    words = {
+        "conditioned": "rectangular identity",
+        "polar": "singular vectors kept",
+        "redraw": "default init",
+        "mimetic": "W_O",
+    }
+    assert words[mode] in text
+    if mode == "redraw":
+        assert "not conditioned initialization" in text and "normal(0, 0.02)" in text  # BertConfig's initializer_range
+        assert "xavier" not in text  # BERT has no nn.MultiheadAttention tensors: the card names only the draws made
+    if mode == "mimetic":
+        assert "Trockman" in card.text and "@inproceedings{trockman2023mimetic" in card.text
+    assert ("no longer hold what the source model learned" in text) == get_mode(mode).fresh
+    cli("verify", bert_dir, out)  # what the card and record describe is what the weights hold
+
+
+def test_a_mode_says_where_it_is_not_supported(tmp_path, cli):
+    """mimetic writes W_O, which is not rewritten in ONNX graphs: refused in one line by the mode's own slot."""
+    from helpers.cli import expect_cli_error
+    from helpers.onnx_helpers import export
+
+    folder = tmp_path / "onnx"
+    folder.mkdir()
+    export(tiny_bert(), "bert", folder / "model.onnx", dynamo=False)
+    assert get_mode("mimetic").writes_outputs  # and ONNX weights do not rewrite whole tensors
+    expect_cli_error(
+        cli,
+        folder,
+        "reinit",
+        folder / "model.onnx",
+        "--mode",
+        "mimetic",
+        "-o",
+        tmp_path / "out.onnx",
+        match="--mode mimetic is not supported on these weights",
+    )
+    assert not (tmp_path / "out.onnx").exists()
+
+
+def test_inspect_with_layout_check_and_jacobian_opens_and_detects_once(tmp_path, monkeypatch, cli):
+    """`inspect --verify-layout --jacobian` reads the checkpoint once: one open, one detection, both checks on it."""
+    import surgeon.api
+    import surgeon.detect
+    import surgeon.open.hub
+
+    folder = tmp_path / "bert"
+    tiny_bert().save_pretrained(folder)
+    ids = tmp_path / "ids.pt"
+    import torch
+
+    torch.save(torch.tensor([[1, 5, 7, 9, 2]]), ids)
+    calls = {"open": 0, "detect": 0}
+    real_open, real_detect = surgeon.open.hub.open_model, surgeon.detect.detect_source
+
+    def counting_open(*a, **k):
+        calls["open"] += 1
+        return real_open(*a, **k)
+
+    def counting_detect(*a, **k):
+        calls["detect"] += 1
+        return real_detect(*a, **k)
+
+    monkeypatch.setattr(surgeon.open.hub, "open_model", counting_open)
+    monkeypatch.setattr(surgeon.api, "detect_source", counting_detect)
+    monkeypatch.setattr(surgeon.detect, "detect_source", counting_detect)
+    result = cli("inspect", folder, "--verify-layout", "--jacobian", "--inputs", ids, "--json")
+    data = json.loads(result.output)
+    assert any(n.startswith("layout verified") for n in data["notes"]) and data["jacobian"]["layers"]
+    assert calls == {"open": 1, "detect": 1}
+
+
+def test_verify_reads_each_modes_method_and_the_legacy_one(llama_dir, tmp_path, cli):
+    """A record's method must be its mode's (or 0.2.0's one name for all modes); anything else is not surgeon's."""
+    from helpers.records import edit_last, rewrite_record
+
+    src, out = llama_dir / "model.safetensors", tmp_path / "polar.safetensors"
+    cli("reinit", src, "--mode", "polar", "--layers", "0", "-o", out)
+    assert cli("verify", src, out).stdout.startswith("verified:")
+    rewrite_record(out, edit_last(lambda r: r.update(method="conditioned-initialization")))  # as 0.2.0 wrote it
+    assert cli("verify", src, out).stdout.startswith("verified:")
+    rewrite_record(out, edit_last(lambda r: r.update(method="mimetic-initialization")))
+    result = cli("verify", src, out, ok=False)
+    assert result.exit_code == 1 and "says method 'mimetic-initialization' for mode polar" in result.stderr

@@ -1,0 +1,27 @@
+"""Edits of the surgeon record in a safetensors header: what tamper tests write."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+from surgeon.open.formats.safetensors import encode_header, read_header, with_metadata
+
+
+def rewrite_record(path, edit):
+    """The safetensors file with its surgeon metadata replaced by ``edit(records)`` (a string: stored as it is)."""
+    header = read_header(path)
+    meta = header.metadata
+    value = edit(json.loads(meta["surgeon"]))
+    text = value if isinstance(value, str) else json.dumps(value)
+    raw = encode_header(with_metadata(header.entries, {**meta, "surgeon": text}))
+    data = path.read_bytes()[header.data_start :]
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def edit_last(change):
+    def edit(records):
+        change(records[-1])
+        return records
+
+    return edit
