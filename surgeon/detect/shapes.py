@@ -115,8 +115,8 @@ def solve(parts, packings, heads: int, kv_hint, head_dim_hint, hidden, where: st
     )
 
 
-def _orientation_choices(parts):
-    choices = [[]]
+def _orientation_choices(parts: list[tuple[Part, TensorInfo]]) -> list[tuple[int, ...]]:
+    choices: list[list[int]] = [[]]
     for part, _ in parts:
         axes = {"linear": [0], "conv1d": [1], "shape": [0, 1]}[part.orientation]
         choices = [c + [a] for c in choices for a in axes]

@@ -13,9 +13,12 @@ beyond the report's spectra); the report is logged by the main process.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
+
+if TYPE_CHECKING:
+    from ..report.report import Report
 
 logger = logging.getLogger("surgeon")
 
@@ -41,7 +44,7 @@ class ReinitCallback(TrainerCallback):
                 f"ReinitCallback: unknown option(s) {', '.join(unknown)}; it takes the keyword options of surgeon.reinit_"
             )
         self.options = options
-        self.report = None
+        self.report: Report | None = None
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if state.global_step > 0:

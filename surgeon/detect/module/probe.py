@@ -97,7 +97,9 @@ class Watch(TorchFunctionMode):
     def norm_hook(self, module, args, output):
         """A normalization applied to a projection's codes (or a view of them) hands them on unchanged."""
         x = args[0] if args else None
-        op = self.coded.get(x.untyped_storage().data_ptr()) if isinstance(x, torch.Tensor) else None
+        if not isinstance(x, torch.Tensor):
+            return None
+        op = self.coded.get(x.untyped_storage().data_ptr())
         if op is None or not isinstance(output, torch.Tensor) or output.shape != x.shape:
             return None
         self.kept_norms.append((self.names.get(module, ""), op.pid))
