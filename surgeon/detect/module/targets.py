@@ -104,7 +104,7 @@ class Targets:
                 if rel >= 0 and rel % stride == 0 and rel // stride + w.shape[out_dim] <= p.shape[axis]:
                     if p.shape[1 - axis] == 1 and p.shape[axis] == 1:
                         continue
-                    return pid, axis, rel // stride
+                    return pid, axis, int(rel // stride)
         return None
 
     def locate_bias(self, b: Any, size: int) -> tuple[str, int] | None:
