@@ -94,7 +94,7 @@ SUBCONFIG_BY_PATH = {
 MEGATRON_VERSION = "checkpoint_version"  # Megatron's own key, which formats.torchfile carries into the config
 MEGATRON_LEGACY_QKV = {0.0: "qkv", 2.0: "grouped", 3.0: "grouped"}
 # How a fused tensor packs q/k/v where a family departs from the default of its tensor name
-# (spec.PACKINGS); flag-dependent families (Falcon, ChatGLM, GPTBigCode) are in ConfigView.fused_packing.
+# (blocks.PACKINGS); flag-dependent families (Falcon, ChatGLM, GPTBigCode) are in ConfigView.fused_packing.
 FUSED_PACKING_BY_MODEL_TYPE = {
     ("query_key_value", "gpt_neox"): "interleaved",
     ("query_key_value", "gpt_neox_japanese"): "interleaved",

@@ -27,7 +27,7 @@ class Part:
 
     weight: str
     bias: str | None
-    packing: str  # a key of spec.PACKINGS, or "auto" (query_key_value: decided by the config)
+    packing: str  # a key of blocks.PACKINGS, or "auto" (query_key_value: decided by the config)
     orientation: str = "linear"  # "linear" (out, in), "conv1d" (in, out), or "shape" (decide from shapes)
     bias_packing: str | None = None  # when the bias is packed differently (nn.MultiheadAttention)
 
@@ -146,7 +146,7 @@ QUANT_PARAMS = (
 )
 
 # packing -> (slots in the tensor, query heads) -> key/value heads it implies, or None when the
-# packing cannot say. Every entry of spec.PACKINGS has one (tests/test_families_table.py).
+# packing cannot say. Every entry of detect.blocks.PACKINGS has one (tests/detect/test_families_table.py).
 KV_SLOTS: dict[str, Callable[[int, int], int | None]] = {
     "q": lambda slots, heads: None,
     "k": lambda slots, heads: slots,

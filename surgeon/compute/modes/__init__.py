@@ -8,7 +8,7 @@ the model card and the record. Plan, engine, verify, report, card and the sharde
 none of them compares mode names.
 
 To add a mode: a module here with a :class:`Mode` subclass, one line in ``_REGISTRY``;
-``tests/test_modes.py`` fails while a slot is left empty.
+``tests/compute/test_modes.py`` fails while a slot is left empty.
 
 Torch-free at import: planning and the CLI import this package.
 """

@@ -24,7 +24,7 @@ CONDITIONED_BIBTEX = """\
 
 @dataclass(frozen=True)
 class Mode:
-    """One way of re-initializing the chosen heads. Subclasses fill every slot (tests/test_modes.py)."""
+    """One way of re-initializing the chosen heads. Subclasses fill every slot (tests/compute/test_modes.py)."""
 
     name: ClassVar[str]
     help: ClassVar[str]  # one sentence for --help and the "unknown mode" error

@@ -160,7 +160,7 @@ class Walker(ProjectionWalk):
                 f"its packed query has {p.width} features, not a multiple of num_heads + 2 * kv_num_heads = {slots}"
             )
         d = p.width // slots
-        offsets = slot_offsets("qkv", heads, kv, d)  # the packed query is [Q | K | V] (spec.PACKINGS)
+        offsets = slot_offsets("qkv", heads, kv, d)  # the packed query is [Q | K | V] (blocks.PACKINGS)
         q, k, v = (
             Proj(
                 **{

@@ -67,7 +67,7 @@ class WeightSet(ABC):
     rewrites_whole_tensors: bool = True  # can rewrite any tensor (a mode's extra ones, W_O), not only Q/K/V
     graph: bool = False  # attention is found by walking the model's graph, not by tensor names
     record_slot: bool = False  # the files carry surgeon's record themselves (else a folder's model card does)
-    # every format declares each of these in its own class, even where the default fits (tests/test_format_interface.py)
+    # every format declares each of these in its own class, even where the default fits (tests/open/test_format_interface.py)
     CAPABILITIES = ("patches_in_place", "rewrites_whole_tensors", "graph", "record_slot")
 
     def __init__(self, folder: Path, files: list[str], index: str | None) -> None:
