@@ -171,7 +171,7 @@ class PushError(HubError):
         self.uploaded, self.not_uploaded = list(uploaded or []), list(not_uploaded or [])
 
 
-class RankFailed(SurgeonError):
+class RankFailed(SurgeonError, RuntimeError):
     """Another rank of a torchrun reinit failed: its own error is in its output, and nothing was written."""
 
 

@@ -11,6 +11,7 @@ from surgeon import errors as E
 KINDS = {
     E.CheckpointError: ValueError,
     E.UnsupportedWeightsError: ValueError,
+    E.TensorParallelError: ValueError,
     E.NoAttentionFoundError: LookupError,
     E.LayoutError: ValueError,
     E.SelectionError: ValueError,
@@ -25,6 +26,8 @@ KINDS = {
     E.HubAuthError: PermissionError,
     E.PushError: OSError,
     E.VerificationError: ValueError,
+    E.DerivedMismatch: ValueError,
+    E.RankFailed: RuntimeError,
     E.DependencyError: ImportError,
 }
 
