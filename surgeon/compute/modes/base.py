@@ -43,7 +43,7 @@ class Mode:
     def __init_subclass__(cls, *, name: str, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.name = name
-        dataclass(frozen=True)(cls)
+        dataclass(frozen=True)(cls)  # frozen too: a subclass not made a dataclass itself would take attributes
 
     @property
     def tag(self) -> str:
