@@ -273,7 +273,8 @@ def _reinit_ranks(
     from .report.card import source_card, write_card
 
     with hold(source, exclusive=False):
-        notes += group.step(lambda: source.primary.check_plan(plan, detection))
+        write_plan = group.step(lambda: source.primary.write_plan(plan, detection))
+        notes += write_plan.notes
         original = group.step(lambda: source_card(source) if group.rank == 0 else None)
         run = Compute(plan, device, whole=full, progress=False, total=len(plan.tensors()))
         command = _reproduce(model, source, plan.options, hints, dest.path)
@@ -285,7 +286,7 @@ def _reinit_ranks(
             )  # fmt: skip
 
         try:
-            written, results = ranks.write(group, source, dest, run, plan.record(), card=card)
+            written, results = ranks.write(group, source, dest, run, plan.record(), write_plan, card=card)
         finally:
             run.close()
     rows = [ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed) for r in results]
@@ -375,7 +376,8 @@ def _carry_out(
 
     ``command()`` gives the model card's reproduce command; it is made after the weights, so that
     nothing delays the start of the byte copies."""
-    notes = [note for weights in source.weights for note in weights.check_plan(plan, detection)]
+    write_plans = [weights.write_plan(plan, detection) for weights in source.weights]
+    notes = [note for write_plan in write_plans for note in write_plan.notes]
     _check_secondary_sets(source, plan.tensors())
     from .report.card import source_card, write_card
 
@@ -388,7 +390,7 @@ def _carry_out(
         )
 
     try:
-        notes += dest.write(source, run.updates_for, plan.record(), card=card)
+        notes += dest.write(source, run.updates_for, plan.record(), write_plans, card=card)
     finally:
         run.close()
     rows = [ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed) for r in run.results()]

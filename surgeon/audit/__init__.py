@@ -33,6 +33,7 @@ from ..compute.modes import get_mode
 from ..detect.blocks import split_module
 from ..detect.config import HintInput, Hints
 from ..errors import CheckpointError, DerivedMismatch, SurgeonError, VerificationError
+from ..open.formats.write_plan import WritePlan
 from ..report.card import card_comment
 from ..report.shown import shown
 from ..write.journal import hold
@@ -193,14 +194,12 @@ def _check_weights(src, out, record: Record, earlier, hints, device, output, ori
             raise VerificationError(
                 f"{output}: its earlier surgeon records differ from {original}'s; is ORIGINAL the model it was made from?"
             )
-    copies = (
-        _copies(src, out, plan, detection, record, output) if src.primary.graph else {}
-    )  # only graphs share initializers
+    write_plan = _write_plan(src, out, plan, detection, record, output)
     engine = Engine(plan, resolve_device(device))
     changed, identical = set(engine.tensor_names), 0
     for i, (a, b) in enumerate(zip(src.weights, out.weights)):
         try:
-            identical += _check_set(a, b, engine, record, earlier, copies, output, original)
+            identical += _check_set(a, b, engine, record, earlier, write_plan, output, original)
         except VerificationError as exc:
             if i:  # the same weights in a second format (a .bin beside the .safetensors): say which
                 exc.context = f"in its {b.describe()}: "
@@ -208,34 +207,38 @@ def _check_weights(src, out, record: Record, earlier, hints, device, output, ori
     return changed, identical
 
 
-def _copies(src, out, plan, detection, record: Record, output) -> dict[str, str]:
-    """ONNX: the copies of shared initializers the plan needs, made again; the record must list exactly
-    those, and the graph must be the original's with only them added (``graph.check_graph``)."""
+def _write_plan(src, out, plan, detection, record: Record, output) -> WritePlan:
+    """What the original's format decided for the recorded plan, made again: an ONNX output's record must
+    list exactly its copies of shared initializers, and its graph must be the original's with only them
+    added (``graph.check_graph``)."""
+    a, b = src.primary, out.primary
+    if not a.graph:  # only graphs share initializers
+        return WritePlan()
     from ..open.formats.onnx_wire import renamed_data_files
     from .graph import check_graph
 
-    a, b = src.primary, out.primary
     try:
-        a.check_plan(plan, detection)
+        write_plan = a.write_plan(plan, detection)
     except SurgeonError as exc:
         raise DerivedMismatch(
             f"{output}: surgeon could not have carried out the recorded plan on the original ({exc})"
         ) from None
-    expected = {name: copy for name, (copy, _) in a.copies.items()}
+    expected = write_plan.copy_names
     if record.copies != expected:
         raise DerivedMismatch(
             f"{output}: its record lists the copies {record.copies or 'none'}, and the recorded plan needs {expected or 'none'}"
         )
     same = out.kind == "folder"
     renamed = {f: f for f in a.files[1:]} if same else renamed_data_files(a.files[1:], a.path.name, b.path.name)
-    check_graph(a, b, a.copies, renamed, output)
-    return expected
+    check_graph(a, b, write_plan, renamed, output)
+    return write_plan
 
 
-def _check_set(a, b, engine, record: Record, earlier, copies: dict[str, str], output, original) -> int:
+def _check_set(a, b, engine, record: Record, earlier, write_plan: WritePlan, output, original) -> int:
     """One weight set: the same tensors, in order (an ONNX output adds the copies after the initializers),
     the untouched ones byte-identical, the changed ones re-derived. Returns how many were byte-identical."""
-    expected = a.output_names(list(copies.values()))
+    copies = write_plan.copy_names
+    expected = a.output_names(write_plan)
     if expected != list(b.tensors):
         missing = [n for n in expected if n not in b.tensors] + [n for n in b.tensors if n not in expected]
         raise VerificationError(

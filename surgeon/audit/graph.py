@@ -4,23 +4,28 @@ The values are checked tensor by tensor elsewhere. Here: every model field (opse
 functions, ...), every graph field (inputs, outputs, value infos, sparse initializers, ...) and every node
 (op type, domain, inputs, outputs, attributes, subgraphs) must be the original's, with only what surgeon
 changes allowed to differ: the nodes of the chosen projections read the recorded copies of shared
-initializers (``copies``: name -> (copy, reader nodes), as ``OnnxWeights.check_plan`` makes them again),
+initializers (the ``copies`` of the write plan, made again by ``OnnxWeights.write_plan``),
 the copies are new initializers at the end of the graph, data files may have been renamed (``renamed``),
 the re-initialized Constant nodes hold new values, and the ``surgeon`` metadata entry is new.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import onnx
 
 from ..errors import VerificationError
+
+if TYPE_CHECKING:
+    from ..open.formats.write_plan import WritePlan
 
 _DATA = frozenset(
     ("raw_data", "float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data", "external_data")
 )
 
 
-def check_graph(a, b, copies: dict[str, tuple[str, list[int]]], renamed: dict[str, str], output) -> None:
+def check_graph(a, b, write_plan: WritePlan, renamed: dict[str, str], output) -> None:
     """``a``, ``b``: the original's and the output's OnnxWeights."""
     ma, mb = a.model, b.model
     for field in ma.DESCRIPTOR.fields:
@@ -38,8 +43,8 @@ def check_graph(a, b, copies: dict[str, tuple[str, list[int]]], renamed: dict[st
     for field in ga.DESCRIPTOR.fields:
         if field.name not in ("node", "initializer") and _value(ga, field.name) != _value(gb, field.name):
             raise VerificationError(f"{output}: {_first(ga, gb, field.name)} differs from the original's")
-    _check_nodes(a, ga, gb, copies, output)
-    _check_initializers(a, ga, gb, copies, renamed, output)
+    _check_nodes(a, ga, gb, write_plan, output)
+    _check_initializers(a, ga, gb, write_plan, renamed, output)
 
 
 def _value(msg, name: str):
@@ -70,11 +75,11 @@ def _value_one(v):
     return v.SerializeToString(deterministic=True) if hasattr(v, "SerializeToString") else v
 
 
-def _check_nodes(a, ga, gb, copies, output) -> None:
+def _check_nodes(a, ga, gb, write_plan: WritePlan, output) -> None:
     renames: dict[int, dict[str, str]] = {}
-    for name, (copy, readers) in copies.items():
-        for n in readers:
-            renames.setdefault(n, {})[name] = copy
+    for shared in write_plan.copies:
+        for n in shared.readers:
+            renames.setdefault(n, {})[shared.name] = shared.copy
     if len(ga.node) != len(gb.node):
         raise VerificationError(f"{output}: its graph has {len(gb.node)} nodes, the original {len(ga.node)}")
     for i, (mine, theirs) in enumerate(zip(ga.node, gb.node)):
@@ -120,12 +125,14 @@ def _node_difference(expected: onnx.NodeProto, found: onnx.NodeProto) -> str:
     return "differs from the original's (name or doc string)"
 
 
-def _check_initializers(a, ga, gb, copies, renamed: dict[str, str], output) -> None:
-    values = set(a.tensors) | {copy for copy, _ in copies.values()}  # names whose values are checked as tensors
+def _check_initializers(a, ga, gb, write_plan: WritePlan, renamed: dict[str, str], output) -> None:
+    values = set(a.tensors) | {c.copy for c in write_plan.copies}  # names whose values are checked as tensors
     expected = [_header(t, values, {}) for t in ga.initializer]
     expected += [
-        _header(onnx.TensorProto(name=copy, dims=a._protos[name].dims, data_type=a._protos[name].data_type), values, {})
-        for name, (copy, _) in copies.items()
+        _header(
+            onnx.TensorProto(name=c.copy, dims=a.protos[c.name].dims, data_type=a.protos[c.name].data_type), values, {}
+        )
+        for c in write_plan.copies
     ]
     back = {new: old for old, new in renamed.items()}
     found = [_header(t, values, back) for t in gb.initializer]

@@ -97,10 +97,11 @@ def find_out_projection(block, shapes) -> tuple[str, bool] | None:
     return (hits[0], linear) if len(hits) == 1 else None
 
 
-def attach_out_projections(plan, shapes) -> None:
-    """For --mode mimetic: find every touched block's W_O (plan.outputs), or refuse in one line."""
+def out_projections(plan, shapes) -> dict[str, tuple[str, bool]]:
+    """For --mode mimetic: every touched block's W_O (block module -> ``find_out_projection``), or refuse in one line."""
     from ..errors import LayoutError, OptionError, opt
 
+    outputs = {}
     for block in plan.touched_blocks:
         roles = {c.role: c for c in plan.changes if c.block.module == block.module}
         if set(roles) != {"q", "k", "v"} or any(len(c.heads) != c.projection.heads for c in roles.values()):
@@ -120,7 +121,8 @@ def attach_out_projections(plan, shapes) -> None:
             raise LayoutError(
                 f"{opt('mode', 'mimetic')} writes W_O, and no single output projection of {block.module} was found (looked for {', '.join(OUT_NAMES)} and the BERT-style output.dense)"
             )
-        plan.outputs[block.module] = found
+        outputs[block.module] = found
+    return outputs
 
 
 def module_key(block, tensor: str, seed_name: str | None) -> str:

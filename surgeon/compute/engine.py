@@ -174,7 +174,7 @@ class Engine:
             self.edits[proj.weight.tensor].append((change, "weight"))
             if plan.options.zero_bias and proj.bias is not None:
                 self.edits[proj.bias.tensor].append((change, "bias"))
-            if change.role == "v" and change.block.module in plan.outputs:  # mimetic: W_O too
+            if change.role == "v" and change.block.module in plan.outputs:  # the mode's W_O (mimetic) too
                 self.edits[plan.outputs[change.block.module][0]].append((change, "out"))
         self.results: dict[tuple[str, str], ProjectionResult] = {}
         self._zeroed: set[tuple[str, str]] = set()  # projections whose bias heads were zeroed
@@ -202,13 +202,13 @@ class Engine:
                     assert proj.bias is not None  # a bias edit is planned only for a projection with one
                     store.zero_heads(proj.bias, change.heads)
                     self._bias_zeroed(change)
-                elif what == "out":
-                    from .baselines import mimetic_out, module_key
-
-                    v = proj.weight.tensor
-                    key = module_key(change.block, v, self.seed_names.get(v))
+                elif what == "out":  # the mode's output projection (mimetic's W_O), drawn whole
+                    options, v = self.plan.options, proj.weight.tensor
+                    linear = self.plan.outputs[change.block.module][1]
                     store.fill(
-                        mimetic_out(change.block, key, self.plan.options, self.plan.outputs[change.block.module][1])
+                        get_mode(options.mode).draw_output(
+                            change, options, key=self.seed_names.get(v) or v, linear=linear
+                        )
                     )
                 else:
                     self._update_weight(name, change, store, record)

@@ -43,7 +43,7 @@ def detect_source(source: Source, hints: Hints | None = None) -> Detection:
         from .onnx import find_attention
 
         onnx_weights: Any = weights  # an OnnxWeights: its graph, constants and path
-        found = find_attention(
+        return find_attention(
             onnx_weights.model,
             onnx_weights.const,
             source.config,
@@ -51,8 +51,6 @@ def detect_source(source: Source, hints: Hints | None = None) -> Detection:
             source=str(onnx_weights.path),
             constants=onnx_weights.constants,
         )
-        found.detection.graph = found
-        return found.detection
     from .by_name import detect as by_name
 
     return by_name(weights.tensors, source.config, hints, source=str(source.path))

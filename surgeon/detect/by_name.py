@@ -97,12 +97,11 @@ def detect(
         if again is not None and len(again.unreadable) < len(errors) + len(_refused(tensors)) + len(
             unknown_attention(tensors, [owner(p[0]) for p in placed])[0]
         ):
-            again.notes.insert(
-                0,
+            filled_in = (
                 f"config.json leaves out facts of {view.model_type} blocks (save_pretrained writes only what differs "
-                f"from the defaults): read from transformers' defaults for {view.model_type}",
+                f"from the defaults): read from transformers' defaults for {view.model_type}"
             )
-            return again
+            return replace(again, notes=[filled_in, *again.notes])
     unknown, left_alone = unknown_attention(tensors, [owner(p[0]) for p in placed])
     unreadable += refused + unknown
     if not blocks:

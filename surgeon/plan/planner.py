@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
@@ -47,14 +47,13 @@ class Change:
         return self.block.projection(self.role)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
     options: ReinitOptions
     blocks: list[AttentionBlock]  # everything detected
     changes: list[Change] = field(default_factory=list)
-    outputs: dict[str, tuple[str, bool]] = field(
-        default_factory=dict
-    )  # mimetic: block module -> (W_O tensor, nn.Linear layout)
+    # the tensors the mode writes besides Q/K/V (Mode.find_outputs): block module -> (W_O tensor, nn.Linear layout)
+    outputs: dict[str, tuple[str, bool]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # what the selection skipped or reaches beyond its layers
 
     @property
@@ -116,8 +115,7 @@ def prepare_checkpoint(source: Source, detection: Detection, options: ReinitOpti
         depths=detection.depths,
         unreadable=detection.unreadable,
     )
-    plan.notes[:0] = detection.left_alone  # named in the report and the card with the selection's notes
-    return plan
+    return replace(plan, notes=[*detection.left_alone, *plan.notes])  # named in the report and the card too
 
 
 def prepare(
@@ -146,8 +144,7 @@ def prepare(
             "(an ONNX graph) surgeon patches Q/K/V initializers only; use a safetensors/PyTorch checkpoint"
         )
     plan = make_plan(blocks, mode.with_defaults(options, config), depths, unreadable)
-    mode.add_outputs(plan, shapes or {})
-    return plan
+    return replace(plan, outputs=mode.find_outputs(plan, shapes or {}))
 
 
 def _stack_matches(stack: str, wanted: list[str]) -> bool:
@@ -180,7 +177,8 @@ def make_plan(
         chosen = [b for b in chosen if _stack_matches(b.stack, wanted)]
     if not chosen:
         raise SelectionError(f"no {options.attention}-attention blocks in this model (it has {_kinds_present(blocks)})")
-    plan = Plan(options=options, blocks=blocks, notes=left)
+    changes: list[Change] = []
+    notes = left
     by_stack: dict[str, list[AttentionBlock]] = {}
     for b in chosen:
         by_stack.setdefault(b.stack, []).append(b)
@@ -195,9 +193,9 @@ def make_plan(
         layers = picks[stack]
         if not isinstance(layers, set):
             why = layers.message.replace(_PICK_A_STACK, "")  # other stacks have the layer: no advice needed
-            plan.notes.append(f"{stack or 'the model'} skipped: {why}")
+            notes.append(f"{stack or 'the model'} skipped: {why}")
             continue
-        _note_layers(plan, stack, members, layers, options.layers, what)
+        notes += _layer_notes(stack, members, layers, options.layers, what)
         for block in members:
             if not layers & set(block.users):
                 continue
@@ -207,12 +205,12 @@ def make_plan(
             for role in targets:
                 heads = q_heads if role == "q" else _kv_heads(block, q_heads, role)
                 if heads:
-                    plan.changes.append(Change(block, role, tuple(heads)))
-    if not plan.changes:
+                    changes.append(Change(block, role, tuple(heads)))
+    if not changes:
         raise SelectionError(
             f"the selection picks no projection: check {opt('layers')}, {opt('heads')}, {opt('targets')} and {opt('attention')}"
         )
-    return plan
+    return Plan(options=options, blocks=blocks, changes=changes, notes=notes)
 
 
 def _check_unreadable(
@@ -273,14 +271,13 @@ def _pick_layers(
     return layers
 
 
-def _note_layers(
-    plan: Plan, stack: str, members: list[AttentionBlock], layers: set[int], spec: IndexSpec, what: str
-) -> None:
-    """Say which selected layers have no attention, and which shared blocks change several layers."""
+def _layer_notes(stack: str, members: list[AttentionBlock], layers: set[int], spec: IndexSpec, what: str) -> list[str]:
+    """Which selected layers have no attention, and which shared blocks change several layers."""
+    notes = []
     attended = {layer for b in members for layer in b.users}
     without = sorted(layers - attended)
     if without and not _is_all(spec):
-        plan.notes.append(
+        notes.append(
             f"layer{'s' if len(without) > 1 else ''} {format_indices(without)} of {stack or 'the model'} "
             f"{'have' if len(without) > 1 else 'has'} no {what}"
             + (" (e.g. Mamba, convolution or recurrent layers)" if what == "attention" else "")
@@ -288,10 +285,11 @@ def _note_layers(
         )
     for block in members:
         if len(block.users) > 1 and layers & set(block.users):
-            plan.notes.append(
+            notes.append(
                 f"{block.module} is one block that layers {format_indices(list(block.users))} of {stack} all run: "
                 f"re-initializing it changes every one of those layers"
             )
+    return notes
 
 
 def _is_all(spec: IndexSpec) -> bool:

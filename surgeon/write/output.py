@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +23,7 @@ from .staging import staged
 
 if TYPE_CHECKING:
     from ..open.formats.base import UpdatesFn, WeightSet
+    from ..open.formats.write_plan import WritePlan
 
 _WEIGHT_SUFFIXES = (
     WEIGHT_SUFFIXES + OTHER_FORMAT_SUFFIXES + (".json",)
@@ -56,12 +57,15 @@ class Destination:
         source: Source,
         updates: Callable[[WeightSet, bool], UpdatesFn],
         record: dict,
+        write_plans: Sequence[WritePlan],
         *,
         card: Callable[[Path], None],
     ) -> list[str]:
         """Write the output: ``updates(weights, record)`` gives each weight set's new tensors (the record
-        goes into the first set only); ``card(folder)`` writes the model card of a folder output.
-        Returns notes for the report (temporary folders of killed runs left in place, a patch's notes)."""
+        goes into the first set only), ``write_plans`` what each set's format decided about writing them
+        (``WeightSet.write_plan``, in the order of ``source.weights``); ``card(folder)`` writes the model
+        card of a folder output. Returns notes for the report (temporary folders of killed runs left in
+        place, a patch's notes)."""
         if self.kind is OutputKind.PATCH:
             from .journal import patch_in_place
 
@@ -69,10 +73,10 @@ class Destination:
         notes: list[str] = []
         with staged(self.path, self.kind, file_name=self.staged_name, notes=notes) as tmp:
             if self.kind is OutputKind.FILES:
-                source.primary.save_as(tmp, self.path.name, updates(source.primary, True), record)
+                source.primary.save_as(tmp, self.path.name, updates(source.primary, True), record, write_plans[0])
                 return notes
-            for i, weights in enumerate(source.weights):
-                weights.save(tmp, updates(weights, i == 0), record)
+            for i, (weights, write_plan) in enumerate(zip(source.weights, write_plans, strict=True)):
+                weights.save(tmp, updates(weights, i == 0), record, write_plan)
             if self.kind is OutputKind.FOLDER:
                 if source.kind == "folder":
                     copy_extras(source, tmp)

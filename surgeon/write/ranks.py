@@ -23,6 +23,7 @@ from ..errors import OptionError, RankFailed, opt
 if TYPE_CHECKING:
     from ..compute.engine import ProjectionResult
     from ..compute.per_file import Compute
+    from ..open.formats.write_plan import WritePlan
     from ..open.source import Source
     from .output import Destination
 
@@ -133,10 +134,12 @@ def write(
     dest: Destination,
     run: Compute,
     record: dict,
+    write_plan: WritePlan,
     *,
     card: Callable[[Path, list[ProjectionResult]], None],
 ) -> tuple[list[str], list[ProjectionResult]]:
-    """Write the output folder with every rank (see the module's docstring); returns (notes, the results of all ranks)."""
+    """Write the output folder with every rank (see the module's docstring), as ``write_plan`` (the weights'
+    ``write_plan``) says; returns (notes, the results of all ranks)."""
     from .output import copy_extras
     from .staging import staged
 
@@ -150,7 +153,7 @@ def write(
 
         tmp = ranks.broadcast(ranks.step(stage))
         assert tmp is not None
-        ranks.step(lambda: weights.save_share(tmp, run.updates_for(weights, True), record, mine))
+        ranks.step(lambda: weights.save_share(tmp, run.updates_for(weights, True), record, write_plan, mine))
         engine = run.engine if run.started else None
         shares = ranks.gather((engine.results if engine else {}, engine._zeroed if engine else set(), ranks.rank, mine))
         results = _merge(run, shares)

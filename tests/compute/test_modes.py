@@ -177,3 +177,35 @@ def test_verify_reads_each_modes_method_and_the_legacy_one(llama_dir, tmp_path, 
     rewrite_record(out, edit_last(lambda r: r.update(method="mimetic-initialization")))
     result = cli("verify", src, out, ok=False)
     assert result.exit_code == 1 and "says method 'mimetic-initialization' for mode polar" in result.stderr
+
+
+def test_the_mode_supplies_what_it_writes_besides_qkv(bert_dir):
+    """The planner asks the mode for its extra tensors (mimetic's W_O), the engine asks it for their values;
+    the other modes write none. The plan that carries them is frozen."""
+    import torch
+
+    from surgeon.compute.engine import Engine
+    from surgeon.detect import detect_source
+    from surgeon.open.source import open_source
+    from surgeon.plan.planner import prepare_checkpoint
+
+    source = open_source(bert_dir)
+    detection = detect_source(source)
+    shapes = {n: t.shape for n, t in source.primary.tensors.items()}
+    plan = prepare_checkpoint(source, detection, ReinitOptions(mode="mimetic", layers="0"))
+    mimetic = get_mode("mimetic")
+    assert plan.outputs == mimetic.find_outputs(dataclasses.replace(plan, outputs={}), shapes)
+    ((module, (w_o, linear)),) = plan.outputs.items()
+    assert w_o == f"{module.rsplit('.', 1)[0]}.output.dense.weight" and w_o in plan.tensors() and linear
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.outputs = {}  # type: ignore[misc]
+
+    v = next(c for c in plan.changes if c.role == "v")
+    new = Engine(plan, torch.device("cpu")).update(w_o, source.primary.read(w_o), record=False)
+    drawn = mimetic.draw_output(v, plan.options, key=v.projection.weight.tensor, linear=linear)
+    assert torch.equal(new, drawn.to(new.dtype))
+    for mode in ("conditioned", "polar", "redraw"):
+        other = prepare_checkpoint(source, detection, ReinitOptions(mode=mode, layers="0"))
+        assert other.outputs == {} == get_mode(mode).find_outputs(other, shapes)
+        with pytest.raises(NotImplementedError):
+            get_mode(mode).draw_output(v, other.options, key="k", linear=True)

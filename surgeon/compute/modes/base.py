@@ -1,4 +1,4 @@
-"""The Mode interface every init mode fills (see surgeon/modes/__init__.py for the registry)."""
+"""The Mode interface every init mode fills (see surgeon/compute/modes/__init__.py for the registry)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ if TYPE_CHECKING:
     import torch
 
     from ...options import ReinitOptions
-    from ...plan.planner import Change
+    from ...plan.planner import Change, Plan
 
 CONDITIONED_PAPER = "[Saratchandran & Lucey](https://openreview.net/forum?id=cKNOCYPo2W)"
 CONDITIONED_BIBTEX = """\
@@ -24,20 +24,31 @@ CONDITIONED_BIBTEX = """\
 
 @dataclass(frozen=True)
 class Mode:
-    """One way of re-initializing the chosen heads. Subclasses fill every slot (tests/compute/test_modes.py)."""
+    """One way of re-initializing the chosen heads: ``class X(Mode, name="x")`` (its --mode value), a frozen
+    dataclass. Subclasses fill every slot without a default here (tests/compute/test_modes.py); the defaults
+    are what most modes are: fresh, exact, sharded."""
 
     name: ClassVar[str]
     help: ClassVar[str]  # one sentence for --help and the "unknown mode" error
-    fresh: ClassVar[bool]  # draws new values without reading the old ones: biases are zeroed by default
-    option: ClassVar[str | None]  # the ReinitOptions field only this mode takes (None: none)
     method: ClassVar[str]  # the record's "method": what was done, by name
     label: ClassVar[str]  # what was done, as a Hub commit message starts ("Conditioned re-initialization")
-    tag: ClassVar[str]  # the model card's Hub tag
-    exact: ClassVar[bool]  # verify re-derives the bytes exactly (else within verify_bound)
-    verify_bound: ClassVar[str]  # how verify checks it, in words (for its report and the README)
-    writes_outputs: ClassVar[bool]  # also rewrites each block's output projection W_O
-    sharded: ClassVar[bool]  # supported on sharded (FSDP2 / DTensor) parameters
-    citation: ClassVar[str | None]  # BibTeX for the card, None: nothing to cite
+    fresh: ClassVar[bool] = True  # draws new values without reading the old ones: biases are zeroed by default
+    option: ClassVar[str | None] = None  # the ReinitOptions field only this mode takes (None: none)
+    exact: ClassVar[bool] = True  # verify re-derives the bytes exactly (else within verify_bound)
+    verify_bound: ClassVar[str] = "re-derived byte for byte from the seed"  # how verify checks it, in words
+    writes_outputs: ClassVar[bool] = False  # also rewrites each block's output projection W_O (find_outputs)
+    sharded: ClassVar[bool] = True  # supported on sharded (FSDP2 / DTensor) parameters
+    citation: ClassVar[str | None] = None  # BibTeX for the card, None: nothing to cite
+
+    def __init_subclass__(cls, *, name: str, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.name = name
+        dataclass(frozen=True)(cls)  # frozen too: a subclass not made a dataclass itself would take attributes
+
+    @property
+    def tag(self) -> str:
+        """The model card's Hub tag: the method's name."""
+        return self.method
 
     def draw(
         self, change: Change, old: torch.Tensor | None, options: ReinitOptions, *, key: str, device: Any
@@ -53,8 +64,15 @@ class Mode:
         """``options`` with what this mode takes from the model's config filled in."""
         return options
 
-    def add_outputs(self, plan: Any, shapes: dict) -> None:
-        """Add to ``plan.outputs`` the tensors this mode writes besides Q/K/V (found among ``shapes``), or refuse."""
+    def find_outputs(self, plan: Plan, shapes: dict) -> dict[str, tuple[str, bool]]:
+        """The tensors this mode writes besides Q/K/V, found among ``shapes`` (tensor -> shape), or refuse:
+        ``plan.outputs``, block module -> (its W_O tensor, stored as nn.Linear). Most modes write none."""
+        return {}
+
+    def draw_output(self, change: Change, options: ReinitOptions, *, key: str, linear: bool) -> torch.Tensor:
+        """The whole new value (float64, as stored) of the output tensor ``find_outputs`` found for the block
+        of ``change`` (its value projection); ``key``: the name the value projection's draws are keyed by."""
+        raise NotImplementedError(f"{self.name} writes no output projections")
 
     def summary(self, options: dict, blocks: list) -> str:
         """The report's one-line description (``options``: as recorded)."""

@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from .base import CONDITIONED_BIBTEX, CONDITIONED_PAPER, Mode
 
 
-@dataclass(frozen=True)
-class Conditioned(Mode):
-    name = "conditioned"
+class Conditioned(Mode, name="conditioned"):
     help = "the paper's fresh reset (semi-orthogonal q/k heads, value = rectangular identity; every head kappa 1)"
-    fresh = True
     option = "gain"
     method = "conditioned-initialization"
     label = "Conditioned re-initialization"
-    tag = "conditioned-initialization"
-    exact = True
-    verify_bound = "re-derived byte for byte from the seed"
-    writes_outputs = False
-    sharded = True
     citation = CONDITIONED_BIBTEX
 
     def draw(self, change, old, options, *, key: str, device: Any):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from .base import Mode
@@ -16,17 +15,10 @@ MIMETIC_BIBTEX = """\
 }"""
 
 
-@dataclass(frozen=True)
-class Mimetic(Mode):
-    name = "mimetic"
+class Mimetic(Mode, name="mimetic"):
     help = "Trockman & Kolter 2023 (writes W_O too)"
-    fresh = True
-    option = None
     method = "mimetic-initialization"
     label = "Mimetic initialization"
-    tag = "mimetic-initialization"
-    exact = True
-    verify_bound = "re-derived byte for byte from the seed"
     writes_outputs = True
     sharded = False
     citation = MIMETIC_BIBTEX
@@ -37,10 +29,17 @@ class Mimetic(Mode):
         proj = change.projection
         return mimetic_heads(change, module_key(change.block, proj.weight.tensor, key), options, device=device)
 
-    def add_outputs(self, plan, shapes: dict) -> None:
-        from ..baselines import attach_out_projections
+    def find_outputs(self, plan, shapes: dict) -> dict[str, tuple[str, bool]]:
+        from ..baselines import out_projections
 
-        attach_out_projections(plan, shapes)
+        return out_projections(plan, shapes)
+
+    def draw_output(self, change, options, *, key: str, linear: bool):
+        from ..baselines import mimetic_out, module_key
+
+        return mimetic_out(
+            change.block, module_key(change.block, change.projection.weight.tensor, key), options, linear
+        )
 
     def summary(self, options: dict, blocks: list) -> str:
         return (

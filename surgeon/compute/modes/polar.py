@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from .base import CONDITIONED_BIBTEX, CONDITIONED_PAPER, Mode
 
 
-@dataclass(frozen=True)
-class Polar(Mode):
-    name = "polar"
+class Polar(Mode, name="polar"):
     help = "condition the existing weights (keep each head's singular vectors, move its singular values to 1)"
     fresh = False
     option = "strength"
     method = "polar-conditioning"
     label = "Polar conditioning"
-    tag = "polar-conditioning"
     exact = False
     verify_bound = "semi-orthogonal/polar within the dtype's rounding (1 ulp)"
-    writes_outputs = False
-    sharded = True
     citation = CONDITIONED_BIBTEX
 
     def draw(self, change, old, options, *, key: str, device: Any):

@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from .base import Mode
 
 
-@dataclass(frozen=True)
-class Redraw(Mode):
-    name = "redraw"
+class Redraw(Mode, name="redraw"):
     help = "the family's own default init, drawn again (the control)"
-    fresh = True
     option = "std"
     method = "default-init-redraw"
     label = "Default-init redraw"
-    tag = "default-init-redraw"
-    exact = True
-    verify_bound = "re-derived byte for byte from the seed"
-    writes_outputs = False
-    sharded = True
-    citation = None
 
     def draw(self, change, old, options, *, key: str, device: Any):
         from ..baselines import redraw_heads

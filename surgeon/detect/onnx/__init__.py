@@ -24,6 +24,6 @@ without scopes, the core nodes' name prefixes group them. A module called severa
 same weights (ALBERT) is one block. Weights in ``Constant`` nodes count as initializers.
 """
 
-from .blocks import OnnxDetection, find_attention
+from .blocks import find_attention
 
-__all__ = ["OnnxDetection", "find_attention"]
+__all__ = ["find_attention"]

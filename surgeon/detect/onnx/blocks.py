@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -16,20 +15,10 @@ from ..blocks import AttentionBlock, Projection, Rows
 from ..config import ConfigView, Hints
 from ..families import REFUSED
 from ..placement import place, stack_depths
-from ..result import Detection
+from ..result import Detection, GraphFacts
 from .found import Core, Proj
 from .graph import Fail, Graph
 from .walker import Walker
-
-
-@dataclass
-class OnnxDetection:
-    detection: Detection
-    graph: Graph
-    # (module, role) -> {"weight": node indices, "bias": node indices} that read its initializers
-    users: dict[tuple[str, str], dict[str, set[int]]]
-    # node index -> (block label, role) for every projection node, to name other users in messages
-    owners: dict[int, tuple[str, str]]
 
 
 # --- from resolved cores to blocks ----------------------------------------------------------------
@@ -41,9 +30,10 @@ def find_attention(
     *,
     source: str = "the model",
     constants: dict[str, onnx.TensorProto] | None = None,
-) -> OnnxDetection:
-    """Every attention block of an ONNX model, in graph order. Raises NoAttentionFoundError if none.
-    ``constants``: weights kept in Constant nodes, by output name (read like initializers)."""
+) -> Detection:
+    """Every attention block of an ONNX model, in graph order, with the graph's facts (``Detection.graph``).
+    Raises NoAttentionFoundError if none. ``constants``: weights kept in Constant nodes, by output name
+    (read like initializers)."""
     graph = Graph(model, const, constants)
     walker = Walker(graph)
     resolved: list[Core] = []
@@ -63,7 +53,9 @@ def find_attention(
     placed = _place_cores(scopes, fallback)
     view = ConfigView(config, hints)
     blocks, notes = [], [f"skipped {f}" for f in failures] + repeats
-    users: dict[tuple[str, str], dict[str, set[int]]] = {}
+    # (module, role) -> {"weight": node indices, "bias": node indices} that read its initializers
+    users: dict[tuple[str, str], dict[str, frozenset[int]]] = {}
+    # node index -> (block label, role) for every projection node, to name other users in messages
     owners: dict[int, tuple[str, str]] = {}
     for core, (stack, layer, module) in zip(resolved, placed):
         block, note = _block(graph, core, module, stack, layer, view)
@@ -71,10 +63,10 @@ def find_attention(
             notes.append(note)
         blocks.append(block)
         for role, p in zip("qkv", (core.q, core.k, core.v)):
-            users[(module, role)] = {"weight": set(p.weight_nodes), "bias": set(p.bias_nodes)}
+            users[(module, role)] = {"weight": frozenset(p.weight_nodes), "bias": frozenset(p.bias_nodes)}
             for m in p.weight_nodes | p.bias_nodes:
                 owners.setdefault(m, (block.label, role))
-    return OnnxDetection(Detection(blocks, notes, depths=_depths(graph, blocks)), graph, users, owners)
+    return Detection(blocks, notes, GraphFacts(graph, users, owners), depths=_depths(graph, blocks))
 
 
 def _depths(graph: Graph, blocks: list[AttentionBlock]) -> dict[str, int]:

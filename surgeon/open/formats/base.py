@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 from ...errors import CheckpointError
 from ..bounded import INDEX_LIMIT, read_json
 from ..folder import file_in
+from .write_plan import WritePlan
 
 if TYPE_CHECKING:
     import torch
@@ -106,16 +107,17 @@ class WeightSet(ABC):
         """One tensor, decoded on the CPU in its stored dtype."""
 
     @abstractmethod
-    def save(self, dest: Path, updates: UpdatesFn, record: dict) -> None:
+    def save(self, dest: Path, updates: UpdatesFn, record: dict, write_plan: WritePlan) -> None:
         """Write every file of this set into the folder ``dest`` under the same relative names.
 
         Tensors that are not updated keep their bytes; ``record`` says what surgeon did and goes
-        into the file's metadata where the format has a place for it.
+        into the file's metadata where the format has a place for it; ``write_plan``: what
+        :meth:`write_plan` decided for the plan ``updates`` carries out.
         """
 
     ranked = False  # save(files=...) writes only those data files, save_shared the rest (one rank's share)
 
-    def save_share(self, dest: Path, updates: UpdatesFn, record: dict, files: list[str]) -> None:
+    def save_share(self, dest: Path, updates: UpdatesFn, record: dict, write_plan: WritePlan, files: list[str]) -> None:
         """Write only the data files ``files`` of this set into ``dest`` (formats with ``ranked``)."""
         raise NotImplementedError(f"{self.format} weights are written by one process")
 
@@ -124,7 +126,7 @@ class WeightSet(ABC):
         if self.index:
             shutil.copyfile(self.folder / self.index, dest / self.index)
 
-    def save_as(self, dest: Path, name: str, updates: UpdatesFn, record: dict) -> list[str]:
+    def save_as(self, dest: Path, name: str, updates: UpdatesFn, record: dict, write_plan: WritePlan) -> list[str]:
         """Write this set into the folder ``dest`` as the single file ``name`` and the files that go
         with it (an .onnx and its external data); returns the names written. Formats whose files
         cannot be renamed do not have it."""
@@ -134,11 +136,12 @@ class WeightSet(ABC):
         """The names :meth:`save_as` would write for ``name``: the file itself, then the files beside it."""
         raise NotImplementedError(f"{self.format} weights cannot be written under another name")
 
-    def check_plan(self, plan, detection) -> list[str]:
-        """Refuse a plan this format cannot carry out safely (e.g. an ONNX initializer shared with
-        nodes outside the plan), given the detection the plan was made from: raise a SurgeonError.
-        Returns notes for the report on how the plan will be carried out."""
-        return []  # most formats can carry out any plan
+    def write_plan(self, plan, detection) -> WritePlan:
+        """What this format decides about writing ``plan`` (made from ``detection``), handed to the saves
+        and to verify: notes for the report and, for a graph, the copies of shared initializers. Refuses
+        a plan the format cannot carry out safely (e.g. an ONNX initializer shared with nodes outside the
+        plan) with a SurgeonError."""
+        return WritePlan()  # most formats can carry out any plan as it is
 
     @abstractmethod
     def check_non_tensor(self, out: WeightSet, changed: set[str], history: list, output: object) -> None:
@@ -148,10 +151,10 @@ class WeightSet(ABC):
         ``changed``: the tensors the verified plan changes; ``history``: the surgeon records ``out`` must
         carry (the original's and the verified run's). The tensors themselves are checked by surgeon.audit."""
 
-    def output_names(self, copies: list[str]) -> list[str]:
-        """The tensors surgeon's output of this set holds, in order, where it added ``copies`` (the copies
-        of shared initializers a graph's chosen projections read, see ``check_plan``)."""
-        return list(self.tensors) + copies
+    def output_names(self, write_plan: WritePlan) -> list[str]:
+        """The tensors surgeon's output of this set holds, in order, written by ``write_plan`` (a graph's
+        adds the copies of shared initializers its chosen projections read)."""
+        return list(self.tensors) + [c.copy for c in write_plan.copies]
 
     def embedded_config(self) -> dict | None:
         """Model arguments the weight file itself carries (a training checkpoint's), if any."""

@@ -38,6 +38,8 @@ from .torchfile import container_config, safe_load
 if TYPE_CHECKING:
     import torch
 
+    from .write_plan import WritePlan
+
 COMMON = "common.pt"  # Megatron's torch_dist: the state that is not sharded (its training arguments, counters)
 WRAPPER_KEYS = ("model", "state_dict", "model_state_dict", "module")  # where a training state keeps the model
 
@@ -281,10 +283,12 @@ class DcpWeights(WeightSet):
 
     ranked = True
 
-    def save_share(self, dest: Path, updates: UpdatesFn, record: dict, files: list[str]) -> None:
-        self.save(dest, updates, record, files=files)
+    def save_share(self, dest: Path, updates: UpdatesFn, record: dict, write_plan: WritePlan, files: list[str]) -> None:
+        self.save(dest, updates, record, write_plan, files=files)
 
-    def save(self, dest: Path, updates: UpdatesFn, record: dict, files: list[str] | None = None) -> None:
+    def save(
+        self, dest: Path, updates: UpdatesFn, record: dict, write_plan: WritePlan, files: list[str] | None = None
+    ) -> None:
         """``files``: only these ``.distcp`` files, and not ``.metadata`` (one rank's share; see save_shared)."""
         import torch
 

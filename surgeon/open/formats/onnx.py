@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import numpy as np
@@ -34,7 +33,9 @@ from . import onnx_wire as wire
 from . import onnx_write
 from .base import TensorInfo, UpdatesFn, WeightSet
 from .onnx_checks import graph_names, refuse_self_location
+from .onnx_model import Stored
 from .onnx_write import METADATA_KEY
+from .write_plan import WritePlan
 
 # ONNX TensorProto.DataType -> (torch dtype, bytes per element)
 DTYPES: dict[int, tuple[torch.dtype, int]] = {
@@ -60,17 +61,6 @@ _FLOATS = frozenset(
 _SMALL = 4096  # constants the graph walker may read (shapes, axes, split sizes)
 
 
-@dataclass(frozen=True)
-class _Stored:
-    """Where one initializer's data lives."""
-
-    file: str  # relative to the model's folder: the .onnx itself or an external data file
-    offset: int  # absolute byte offset of the data in that file
-    length: int
-    in_place: bool  # the bytes are the tensor's little-endian values and can be overwritten as they are
-    field: tuple[int, int] | None = None  # embedded: the initializer's whole field in the .onnx
-
-
 def open_onnx(path: str | Path) -> OnnxWeights:
     return OnnxWeights(Path(path))
 
@@ -87,9 +77,8 @@ class OnnxWeights(WeightSet):
         self.path = path
         self.model = _load(path)
         self.layout = wire.scan(path)
-        self.stored: dict[str, _Stored] = {}
-        self._protos: dict[str, onnx.TensorProto] = {}
-        self._copies: dict[str, tuple[str, list[int]]] | None = None  # decided by check_plan
+        self.stored: dict[str, Stored] = {}
+        self.protos: dict[str, onnx.TensorProto] = {}
         external: list[str] = []
         for t in self.model.graph.initializer:
             if t.data_type not in DTYPES:
@@ -107,7 +96,7 @@ class OnnxWeights(WeightSet):
                 t.name, tuple(int(d) for d in t.dims), name, str(dtype).removeprefix("torch."), stored.file, nbytes
             )
             self.stored[t.name] = stored
-            self._protos[t.name] = t
+            self.protos[t.name] = t
         self.files = [path.name] + external
         self.constants: dict[str, onnx.TensorProto] = {}
         self._find_constants()
@@ -147,12 +136,12 @@ class OnnxWeights(WeightSet):
                 path.name,
                 nbytes,
             )
-            self.stored[name] = _Stored(path.name, dstart, nbytes, True)
-            self._protos[name] = proto
+            self.stored[name] = Stored(path.name, dstart, nbytes, True)
+            self.protos[name] = proto
             self.constants[name] = proto
 
     # --- where the bytes are ---------------------------------------------------------------
-    def _embedded(self, t: onnx.TensorProto, nbytes: int) -> _Stored:
+    def _embedded(self, t: onnx.TensorProto, nbytes: int) -> Stored:
         entry = self.layout.tensors.get(t.name)
         if entry is None:
             raise CheckpointError(
@@ -174,9 +163,9 @@ class OnnxWeights(WeightSet):
             raise CheckpointError(
                 f"{self.path}: initializer {t.name!r} holds {dend - dstart} bytes for shape {list(t.dims)}: the model is corrupt"
             )
-        return _Stored(self.path.name, dstart, dend - dstart, raw and one_piece, (fstart, fend))
+        return Stored(self.path.name, dstart, dend - dstart, raw and one_piece, (fstart, fend))
 
-    def _external(self, t: onnx.TensorProto, nbytes: int) -> _Stored:
+    def _external(self, t: onnx.TensorProto, nbytes: int) -> Stored:
         info = {e.key: e.value for e in t.external_data}
         location = info.get("location", "")
         rel = PurePosixPath(location.replace("\\", "/"))
@@ -222,14 +211,14 @@ class OnnxWeights(WeightSet):
                 f"external data file {location} is truncated: initializer {t.name!r} needs bytes {offset}-{offset + length} "
                 f"but the file has {size}; re-download or re-export the model"
             )
-        return _Stored(str(rel), offset, length, True)
+        return Stored(str(rel), offset, length, True)
 
     # --- WeightSet ----------------------------------------------------------------------------
     def read(self, name: str) -> torch.Tensor:
         info, stored = self._infos[name], self.stored[name]
         if not stored.in_place:  # varint-encoded (e.g. float16 in int32_data): let onnx decode it
             try:
-                array = onnx.numpy_helper.to_array(self._protos[name])
+                array = onnx.numpy_helper.to_array(self.protos[name])
             except ValueError:  # more or fewer values than its shape holds
                 raise CheckpointError(
                     f"{self.path}: initializer {name!r} does not hold the values of its shape {list(info.shape)}: "
@@ -272,23 +261,13 @@ class OnnxWeights(WeightSet):
             return None
         return self.read(name).numpy()
 
-    def check_plan(self, plan, detection) -> list[str]:
+    def write_plan(self, plan, detection) -> WritePlan:
         """Refuse to change an initializer that nodes outside the plan read too, unless the chosen
-        projections can have their own copy of it (see surgeon.open.formats.onnx_sharing). Returns the notes;
-        the copies it decides on are kept as ``self.copies``, which :meth:`save` writes."""
+        projections can have their own copy of it (see surgeon.open.formats.onnx_sharing): the copies
+        :meth:`save` writes, and the notes saying so."""
         from .onnx_sharing import plan_sharing
 
-        notes, self._copies = plan_sharing(self, plan, detection)
-        return notes
-
-    @property
-    def copies(self) -> dict[str, tuple[str, list[int]]]:
-        """Shared initializers the plan changes for some of their readers: name -> (the copy's name, the
-        nodes that read the copy instead). Decided by :meth:`check_plan`; asking before it ran is a bug,
-        never an empty answer (a save would otherwise change a shared initializer for every reader)."""
-        if self._copies is None:
-            raise RuntimeError("OnnxWeights.check_plan(plan, detection) must run before the copies are read or saved")
-        return self._copies
+        return plan_sharing(self, plan, detection)
 
     @functools.cached_property
     def names(self) -> set[str]:
@@ -302,22 +281,22 @@ class OnnxWeights(WeightSet):
             return False
         return not bool(self.read(name).reshape(-1).view(torch.uint8).any())
 
-    def save(self, dest: Path, updates: UpdatesFn, record: dict) -> None:
-        onnx_write.save(self, dest, self.path.name, {f: f for f in self.files[1:]}, updates, record, None)
+    def save(self, dest: Path, updates: UpdatesFn, record: dict, write_plan: WritePlan) -> None:
+        onnx_write.save(self, dest, self.path.name, {f: f for f in self.files[1:]}, updates, record, write_plan, None)
 
-    def save_as(self, dest: Path, name: str, updates: UpdatesFn, record: dict) -> list[str]:
+    def save_as(self, dest: Path, name: str, updates: UpdatesFn, record: dict, write_plan: WritePlan) -> list[str]:
         """The model as ``dest/name``, its external data files renamed beside it
         (``wire.renamed_data_files``) and the graph's ``location`` entries rewritten to match."""
         names = wire.renamed_data_files(self.files[1:], self.path.name, name)
-        onnx_write.save(self, dest, name, names, updates, record, names)
+        onnx_write.save(self, dest, name, names, updates, record, write_plan, names)
         return [name, *names.values()]
 
     def files_as(self, name: str) -> list[str]:
         return [name, *wire.renamed_data_files(self.files[1:], self.path.name, name).values()]
 
-    def output_names(self, copies: list[str]) -> list[str]:
+    def output_names(self, write_plan: WritePlan) -> list[str]:
         """The initializers, then the copies (appended to the graph's initializers), then the Constant nodes' weights."""
-        consts = self.constants
+        consts, copies = self.constants, [c.copy for c in write_plan.copies]
         return [n for n in self.tensors if n not in consts] + copies + [n for n in self.tensors if n in consts]
 
     def check_non_tensor(self, out: WeightSet, changed: set[str], history: list, output: object) -> None:

@@ -2,7 +2,8 @@
 
 An initializer the plan changes may also be read by nodes the plan leaves alone (an exporter merges
 equal tensors into one). Changing it would change those too, so :func:`plan_sharing` refuses, or, where
-exact, has the chosen projections' nodes read a new copy of it (written by ``OnnxWeights.save``).
+exact, has the chosen projections' nodes read a new copy of it: a :class:`SharedCopy` of the write plan,
+which ``OnnxWeights.save`` writes.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from typing import TYPE_CHECKING
 
 from ...errors import SharedInitializerError, opt
 from .onnx_checks import aliased, refuse_aliased
+from .write_plan import SharedCopy, WritePlan
 
 if TYPE_CHECKING:
-    from .onnx import OnnxWeights
+    from .onnx_model import OnnxModel
 
 # nodes that pass an initializer's values on to others (a copy read through them must reach only the chosen projections)
 PASS_ON = frozenset(
@@ -37,15 +39,15 @@ PASS_ON = frozenset(
 )
 
 
-def plan_sharing(weights: OnnxWeights, plan, detection) -> tuple[list[str], dict[str, tuple[str, list[int]]]]:
+def plan_sharing(weights: OnnxModel, plan, detection) -> WritePlan:
     """Refuse to change an initializer that nodes outside the plan read too (``detection.graph``:
     the graph facts of surgeon.detect.onnx), unless the chosen projections can read a copy of their
     own. Zeroing a bias that is all zero bytes already (an untrained model's biases, which exporters
     merge into one initializer with every other zero vector of that size) leaves it as it is: no
-    change, so no conflict. Returns (notes, copies: initializer -> (copy name, the nodes renamed to read it))."""
+    change, so no conflict. Returns the notes and the copies."""
     found = detection.graph
     if found is None:
-        return [], {}
+        return WritePlan()
     weight_names = {c.projection.weight.tensor for c in plan.changes}
     allowed = _chosen_readers(plan, found)
     refuse_aliased(
@@ -55,7 +57,7 @@ def plan_sharing(weights: OnnxWeights, plan, detection) -> tuple[list[str], dict
             [(n, st.file, st.offset, st.length) for n, st in weights.stored.items() if st.file != weights.path.name],
         ),
     )
-    copies: dict[str, tuple[str, list[int]]] = {}
+    copies: dict[str, SharedCopy] = {}
     notes: list[str] = []
     unchanged: list[str] = []
     behind = unchosen_readers(plan, detection)
@@ -68,7 +70,7 @@ def plan_sharing(weights: OnnxWeights, plan, detection) -> tuple[list[str], dict
             continue
         what, leak = shared
         notes.append(_share(weights, plan, copies, name, what, leak, allowed.get(name, set()), found.graph))
-    return notes + _already_zero(unchanged), copies
+    return WritePlan(tuple(notes + _already_zero(unchanged)), tuple(copies.values()))
 
 
 def _chosen_readers(plan, found) -> dict[str, set[int]]:
@@ -102,7 +104,14 @@ def _other_readers(
 
 
 def _share(
-    weights: OnnxWeights, plan, copies: dict, name: str, what: list[str], leak: str | None, readers: set[int], graph
+    weights: OnnxModel,
+    plan,
+    copies: dict[str, SharedCopy],
+    name: str,
+    what: list[str],
+    leak: str | None,
+    readers: set[int],
+    graph,
 ) -> str:
     """The note for a shared initializer the chosen projections (``readers``) get a copy of (made in
     ``copies``); a SharedInitializerError where they cannot have one."""
@@ -114,7 +123,7 @@ def _share(
     shown = ", ".join(what[:3]) + (f" and {len(what) - 3} more" if len(what) > 3 else "")
     why = _copy(weights, copies, name, readers, graph)
     if why is None:
-        copy = copies[name][0]
+        copy = copies[name].copy
         return f"initializer {name!r} is shared with {shown}: the chosen projections read a new copy of it, {copy!r}, and the others keep the original"
     is_bias = any(c.projection.bias is not None and c.projection.bias.tensor == name for c in plan.changes)
     fix = f"select them too ({opt('layers')}/{opt('stack')}/{opt('attention')})" + (
@@ -137,7 +146,7 @@ def _already_zero(unchanged: list[str]) -> list[str]:
     ]
 
 
-def _copy(weights: OnnxWeights, copies: dict, name: str, readers: set[int], graph) -> str | None:
+def _copy(weights: OnnxModel, copies: dict[str, SharedCopy], name: str, readers: set[int], graph) -> str | None:
     """Give the chosen projections' nodes (``readers``) their own copy of initializer ``name``:
     None when that is exact (recorded in ``copies``), else why not. Exact: the nodes that read
     ``name`` directly are renamed, and whatever passes its value on (Identity, Transpose, Split, ...)
@@ -156,12 +165,12 @@ def _copy(weights: OnnxWeights, copies: dict, name: str, readers: set[int], grap
     extra = sum(weights.tensors[n].nbytes for n in copies) + weights.tensors[name].nbytes
     if weights.layout.size + extra >= 2**31 - 2**20:
         return "the copy would take the .onnx past protobuf's 2 GiB"
-    made = {c for c, _ in copies.values()}
+    made = {c.copy for c in copies.values()}
     copy, i = f"{name}.surgeon_copy", 1
     while copy in weights.names or copy in graph.inits or copy in made:
         i += 1
         copy = f"{name}.surgeon_copy{i}"
-    copies[name] = (copy, direct)
+    copies[name] = SharedCopy(name, copy, tuple(direct))
     return None
 
 

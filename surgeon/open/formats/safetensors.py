@@ -31,6 +31,8 @@ from .safetensors_header import (
 if TYPE_CHECKING:
     import torch
 
+    from .write_plan import WritePlan
+
 FILE_SUFFIX = ".safetensors"
 INDEX_SUFFIX = FILE_SUFFIX + ".index.json"
 _NAMES = {dtype: name for name, (dtype, _) in DTYPES.items() if dtype is not None}
@@ -198,10 +200,12 @@ class SafetensorsWeights(WeightSet):
 
     ranked = True
 
-    def save_share(self, dest: Path, updates: UpdatesFn, record: dict, files: list[str]) -> None:
-        self.save(dest, updates, record, files=files)
+    def save_share(self, dest: Path, updates: UpdatesFn, record: dict, write_plan: WritePlan, files: list[str]) -> None:
+        self.save(dest, updates, record, write_plan, files=files)
 
-    def save(self, dest: Path, updates: UpdatesFn, record: dict, files: list[str] | None = None) -> None:
+    def save(
+        self, dest: Path, updates: UpdatesFn, record: dict, write_plan: WritePlan, files: list[str] | None = None
+    ) -> None:
         """``files``: only these shards, and not the index (one rank's share; see save_shared)."""
         # Every shard is created at its final size, and all bytes but the changing tensors' are copied
         # on a background thread (kernel-side, so it overlaps torch's import and the math). Meanwhile

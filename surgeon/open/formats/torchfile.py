@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from .write_plan import WritePlan
+
 from ...errors import CheckpointError, VerificationError
 from .base import TensorInfo, UpdatesFn, WeightSet
 from .fileio import same_bytes
@@ -292,7 +294,7 @@ class TorchWeights(WeightSet):
                     f"{output}: {theirs} differs from the original's, and surgeon copies it as it is (none of its tensors change)"
                 )
 
-    def save(self, dest: Path, updates: UpdatesFn, record: dict) -> None:
+    def save(self, dest: Path, updates: UpdatesFn, record: dict, write_plan: WritePlan) -> None:
         import shutil
 
         import torch

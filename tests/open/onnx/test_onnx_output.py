@@ -125,12 +125,12 @@ def test_a_push_needs_a_folder(bert, tmp_path):
     assert [p.name for p in beside.companions] == ["model.reinit.onnx.data"]
 
 
-def test_saving_before_the_plan_is_checked_is_refused(bert, tmp_path):
-    """The copies of shared initializers are decided by check_plan; a save that skipped it fails loudly
-    instead of writing a shared initializer's new values for every reader."""
+def test_saving_without_a_write_plan_is_refused(bert, tmp_path):
+    """The copies of shared initializers are decided by write_plan and handed to the save; a save without
+    one fails loudly instead of writing a shared initializer's new values for every reader."""
     from surgeon.open.source import open_source
 
     weights = open_source(bert[1]).primary
-    with pytest.raises(RuntimeError, match="check_plan"):
-        weights.save(tmp_path, lambda file: iter(()), {})
+    with pytest.raises(TypeError, match="write_plan"):
+        weights.save(tmp_path, lambda file: iter(()), {})  # type: ignore[call-arg]
     assert not list(tmp_path.iterdir())
