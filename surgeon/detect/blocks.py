@@ -33,6 +33,11 @@ def split_module(module: str) -> tuple[str, str, str]:
     return match[1], match[2] or "", match[3] or ""
 
 
+def owner(module: str) -> str:
+    """The module that holds a block's tensors: "x.attention.self" for its second set "x.attention.self[global]"."""
+    return split_module(module)[0]
+
+
 @dataclass(frozen=True)
 class Rows:
     """Where a projection's heads live inside one tensor.

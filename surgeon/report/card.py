@@ -18,7 +18,7 @@ from .._version import __version__
 from ..compute.engine import ProjectionResult
 from ..compute.modes import get_mode
 from ..detect.blocks import AttentionBlock, split_module
-from ..detect.config import Hints
+from ..detect.hints import Hints
 from ..open.bounded import CARD_LIMIT, read_text
 from ..open.folder import file_in
 from ..open.source import Source

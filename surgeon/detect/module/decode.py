@@ -14,7 +14,7 @@ from torch import nn
 from ...errors import LayoutError, opt
 from ..blocks import KV_MAPS, AttentionBlock, Projection, Rows
 from ..by_name import place_matches
-from ..config import Hints
+from ..hints import Hints
 from ..placement import join, kind
 from .inputs import decoder_inputs, hf_inputs
 from .probe import FILLS, PROBE_TOKENS, Capture, Op, Targets, Unresolved, Watch, probing, watch_all
