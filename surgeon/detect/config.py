@@ -39,6 +39,7 @@ from .config_keys import (
     V_HEAD_DIM_KEYS,
     FrameworkConfig,
 )
+from .families import Latent
 from .hints import Hints
 from .layout_file import LAYOUT_KEYS, Layout
 from .libraries import fused_packing as library_packing
@@ -54,7 +55,7 @@ class StackFacts:
     source: str  # where the numbers came from, for messages
     v_head_dim: int | None = None  # a value head size of its own (MiMo-V2-Flash's v_head_dim), where it differs
 
-    def pick(self, value, stage: int | None):
+    def pick(self, value: int | list[int] | None, stage: int | None) -> int | None:
         if isinstance(value, list):  # per-stage lists (Swin): indexed by the stage number
             if stage is None or stage >= len(value):
                 return None
@@ -246,7 +247,7 @@ class ConfigView:
             v_head_dim if isinstance(v_head_dim, int) and not isinstance(v_head_dim, bool) and v_head_dim > 0 else None,
         )
 
-    def latent_sizes(self, stack: str, latent) -> tuple[int, int, int] | None:
+    def latent_sizes(self, stack: str, latent: Latent) -> tuple[int, int, int] | None:
         """(key size without the rotary part, rotary part, value size) of ``stack``'s latent attention, as the
         config gives them (families.LATENT's keys), or None."""
         scope, _ = self._scope(stack)
