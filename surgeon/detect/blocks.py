@@ -178,7 +178,7 @@ def _blocked(roles: str) -> Packing:
 
 
 def _interleaved(heads: int, kv_heads: int) -> list[Slot]:
-    # rows viewed as (H, 3, d): GPT-NeoX/Pythia, Bloom, Falcon (multi_query=False, old architecture)
+    # rows viewed as (H, 3, d): GPT-NeoX/Pythia, Bloom, Falcon (multi_query=False, without new_decoder_architecture)
     if heads != kv_heads:
         raise ValueError("an interleaved (H, 3, d) layout has as many key/value heads as query heads")
     return [(r, h) for h in range(heads) for r in "qkv"]

@@ -249,7 +249,7 @@ class ConfigView:
 
     def latent_sizes(self, stack: str, latent: Latent) -> tuple[int, int, int] | None:
         """(key size without the rotary part, rotary part, value size) of ``stack``'s latent attention, as the
-        config gives them (families.LATENT's keys), or None."""
+        config gives them (the keys ``latent`` names), or None."""
         scope, _ = self._scope(stack)
         sizes = [scope.get(k) for k in (latent.nope_key, latent.rope_key, latent.value_key)]
         nope, rope, value = (v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None for v in sizes)
