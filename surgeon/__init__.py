@@ -42,7 +42,7 @@ _EXPORTS = {
     "PushError": "errors",
     "PushResult": "write.push",
     "PushTarget": "write.push",
-    "Hints": "detect.config",
+    "Hints": "detect.hints",
     "push_folder": "write.push",
     "ReinitOptions": "options",
     "Report": "report.report",
@@ -74,7 +74,7 @@ if TYPE_CHECKING:
     from .audit import Verification, verify
     from .compute.jacobian import JacobianReport, jacobian_report
     from .detect.blocks import AttentionBlock, Projection, Rows
-    from .detect.config import Hints
+    from .detect.hints import Hints
     from .errors import (
         CheckpointError,
         HalfPatchedError,

@@ -12,7 +12,7 @@ from ._version import __version__
 from .compute.modes import get_mode
 from .compute.per_file import Compute, Progress
 from .detect import Detection, detect_source
-from .detect.config import HINT_KEYWORDS, HintInput, Hints
+from .detect.hints import HINT_KEYWORDS, HintInput, Hints
 from .errors import CheckpointError, HubError, OptionError, opt
 from .open import hub
 from .open.source import Source
@@ -74,7 +74,7 @@ def inspect_checkpoint(
     """Find the attention blocks of a checkpoint and the condition numbers of their projections.
 
     ``model`` is a path (safetensors, PyTorch, ONNX file or folder) or a Hugging Face Hub id (``org/name``,
-    at ``revision``); ONNX blocks are found by walking the graph. ``hints`` (a :class:`~surgeon.detect.config.Hints`),
+    at ``revision``); ONNX blocks are found by walking the graph. ``hints`` (a :class:`~surgeon.detect.hints.Hints`),
     or its fields as keywords (``num_heads``, ``num_kv_heads``, ``head_dim``, ``force_hints``), say what
     config.json does not. Per-head condition numbers are always computed; the whole-projection kappa and
     spectral norm with ``full=True``.
@@ -163,7 +163,7 @@ def reinit_checkpoint(
 
     ``model``: a path (safetensors, PyTorch, ONNX file or folder) or a Hub id (``org/name``, at ``revision``).
     What to do: ``options`` (a :class:`~surgeon.plan.planner.ReinitOptions`); what config.json does not say:
-    ``hints`` (a :class:`~surgeon.detect.config.Hints`). The fields of either may also be given as
+    ``hints`` (a :class:`~surgeon.detect.hints.Hints`). The fields of either may also be given as
     keywords (``layers``, ``targets``, ``heads``, ``mode``, ``seed``, ...; ``num_heads``, ``head_dim``, ...),
     which replace those of the objects.
     Where: ``output`` (default: beside the input), or ``in_place=True`` (safetensors: only the changed

@@ -26,7 +26,7 @@ from .compute.distributed import (
 )
 from .compute.engine import Engine, inspect_blocks
 from .compute.modes import get_mode
-from .detect.config import HintInput, Hints
+from .detect.hints import HintInput, Hints
 from .detect.module import ModuleDetection, detect_module
 from .errors import OptionError, opt
 from .plan.planner import Plan, ReinitOptions, prepare

@@ -31,7 +31,7 @@ import torch
 from .._version import __version__
 from ..compute.modes import get_mode
 from ..detect.blocks import split_module
-from ..detect.config import HintInput, Hints
+from ..detect.hints import HintInput, Hints
 from ..errors import CheckpointError, DerivedMismatch, SurgeonError, VerificationError
 from ..open.formats.write_plan import WritePlan
 from ..report.card import card_comment

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..detect.blocks import AttentionBlock, Projection, Rows
-from ..detect.config import HintInput, Hints
+from ..detect.hints import HintInput, Hints
 from ..errors import LayoutError, OptionError, opt
 
 if TYPE_CHECKING:

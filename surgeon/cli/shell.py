@@ -65,12 +65,12 @@ plot_option = click.option(
 
 
 class _Hint(click.ParamType):
-    """A head count: ``16``, or one per stack, ``encoder=16,decoder=4`` (read by surgeon.detect.config)."""
+    """A head count: ``16``, or one per stack, ``encoder=16,decoder=4`` (read by surgeon.detect.hints)."""
 
     name = "N|STACK=N,..."
 
     def convert(self, value, param, ctx):
-        from ..detect.config import parse_hint
+        from ..detect.hints import parse_hint
         from ..errors import OptionError
 
         try:
@@ -90,7 +90,7 @@ def model_options(fn):
 
     @functools.wraps(command)
     def with_hints(*args, num_heads, num_kv_heads, head_dim, force_hints, layout, **kwargs):
-        from ..detect.config import Hints
+        from ..detect.hints import Hints
 
         try:  # a layout file is read here: a bad one is one line too
             hints = Hints(num_heads, num_kv_heads, head_dim, force_hints, layout)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..detect.blocks import AttentionBlock
-    from ..detect.config import HintInput
+    from ..detect.hints import HintInput
 
 EXACT_LIMIT = 4_000_000  # entries of J (N*d x 3*D*d) up to which the exact kappa(J) is computed
 
@@ -180,7 +180,7 @@ def jacobian_report(
     each; a list of them for several). ``exact``: compute the exact kappa(J) (default: when J has at
     most ``exact_limit`` entries). The model is run in eval mode without gradients and left unchanged.
     """
-    from ..detect.config import Hints
+    from ..detect.hints import Hints
     from ..detect.module import detect_module
 
     calls = _calls(inputs)

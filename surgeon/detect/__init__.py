@@ -14,7 +14,7 @@ from .result import Detection
 
 if TYPE_CHECKING:
     from ..open.source import Source
-    from .config import Hints
+    from .hints import Hints
 
 
 def detect(what: Any, hints: Hints | None = None, **module_options: Any) -> Any:

@@ -33,6 +33,11 @@ def split_module(module: str) -> tuple[str, str, str]:
     return match[1], match[2] or "", match[3] or ""
 
 
+def owner(module: str) -> str:
+    """The module that holds a block's tensors: "x.attention.self" for its second set "x.attention.self[global]"."""
+    return split_module(module)[0]
+
+
 @dataclass(frozen=True)
 class Rows:
     """Where a projection's heads live inside one tensor.
@@ -173,7 +178,7 @@ def _blocked(roles: str) -> Packing:
 
 
 def _interleaved(heads: int, kv_heads: int) -> list[Slot]:
-    # rows viewed as (H, 3, d): GPT-NeoX/Pythia, Bloom, Falcon (multi_query=False, old architecture)
+    # rows viewed as (H, 3, d): GPT-NeoX/Pythia, Bloom, Falcon (multi_query=False, without new_decoder_architecture)
     if heads != kv_heads:
         raise ValueError("an interleaved (H, 3, d) layout has as many key/value heads as query heads")
     return [(r, h) for h in range(heads) for r in "qkv"]

@@ -13,9 +13,10 @@ from typing import Any
 
 from ..errors import LayoutError, OutputError, opt
 from .blocks import AttentionBlock
-from .by_name import LATENT_RULE, match_modules, place_matches
+from .by_name import match_modules, place_matches
 from .config import ConfigView
 from .families import RULES, Rule
+from .latent import LATENT_RULE
 from .layout_file import MAX_LAYOUT_BYTES
 from .shapes import packing as part_packing
 

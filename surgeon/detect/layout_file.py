@@ -113,7 +113,7 @@ def _name(value: object, where: str, *, optional: bool = False) -> str | None:
     return value
 
 
-def _choice(value: object, allowed, where: str) -> str:
+def _choice(value: object, allowed: tuple[str, ...], where: str) -> str:
     if value not in allowed:
         raise OptionError(f"{where} is {value!r}; it must be one of {', '.join(allowed)}")
     return str(value)

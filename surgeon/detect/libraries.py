@@ -52,8 +52,8 @@ def normalize_config(config: dict | None) -> dict | None:
 
 
 def _diffusers_unet(config: dict) -> dict | None:
-    # unet_2d_condition.py: "num_attention_heads = num_attention_heads or attention_head_dim" (a naming
-    # quirk kept for old configs): per down block, reversed for the up blocks, the last for the mid block.
+    # unet_2d_condition.py: "num_attention_heads = num_attention_heads or attention_head_dim", so these configs'
+    # attention_head_dim is the head count: per down block, reversed for the up blocks, the last for the mid block.
     if config.get("_class_name") not in DIFFUSERS_HEADS_AS_HEAD_DIM or "down_block_types" not in config:
         return None
     types = config["down_block_types"]

@@ -80,7 +80,17 @@ def packing(part: Part, view: ConfigView, stack: str, module: str, where: str) -
     return packing
 
 
-def solve(parts, packings, heads: int, kv_hint, head_dim_hint, hidden, where: str, source: str, v_head_dim=None):
+def solve(
+    parts: list[tuple[Part, TensorInfo]],
+    packings: list[str],
+    heads: int,
+    kv_hint: int | None,
+    head_dim_hint: int | None,
+    hidden: int | None,
+    where: str,
+    source: str,
+    v_head_dim: int | None = None,
+) -> tuple[int, int, tuple[int, ...]]:
     """Find (head_dim, kv_heads, output axis per part) that fit every tensor's shape; a separate value
     projection has heads of ``v_head_dim`` where that is given."""
     tried = []

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..compute.engine import Engine
-from ..detect.config import HintInput, Hints
+from ..detect.hints import HintInput, Hints
 from ..detect.module import ModuleDetection, detect_module
 from ..plan.planner import Plan, ReinitOptions, prepare
 

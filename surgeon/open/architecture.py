@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,6 +17,7 @@ from ..errors import CheckpointError, OptionError
 
 if TYPE_CHECKING:
     from .formats.base import TensorInfo
+    from .source import Source
 
 
 # A model built from a config may hold this much more than the checkpoint (float32 bytes): heads the
@@ -70,7 +71,14 @@ def build_architecture(
     return _built(build, "cpu", label, purpose, tensors, config).float().eval()
 
 
-def _built(build, device: str, label: str, purpose: str, tensors: Mapping[str, TensorInfo], config: dict):
+def _built(
+    build: Callable[[], torch.nn.Module],
+    device: str,
+    label: str,
+    purpose: str,
+    tensors: Mapping[str, TensorInfo],
+    config: dict,
+) -> torch.nn.Module:
     """``build()`` on ``device``; on the meta device with a cap on the modules it makes (a count from the
     config, such as experts kept as modules, cannot make it build millions)."""
     cap = 64 * len(tensors) + 4096
@@ -179,7 +187,9 @@ def _field_in(config: dict, needed: tuple[int, ...], stored: tuple[int, ...]) ->
     return None
 
 
-def _refuse_shape(tensor: str, needed, stored, config: dict, purpose: str, where: str) -> None:
+def _refuse_shape(
+    tensor: str, needed: tuple[int, ...], stored: tuple[int, ...], config: dict, purpose: str, where: str
+) -> None:
     field = _field_in(config, needed, stored)
     says = f"{where} says {field}, but" if field else f"the architecture built from {where} does not fit:"
     raise CheckpointError(
@@ -189,7 +199,7 @@ def _refuse_shape(tensor: str, needed, stored, config: dict, purpose: str, where
     )
 
 
-def config_name(source) -> str:
+def config_name(source: Source) -> str:
     """How messages name a source's config: its file name, or where its numbers came from."""
     return source.config_path.name if source.config_path is not None else "the model arguments saved in the checkpoint"
 

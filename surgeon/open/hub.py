@@ -6,7 +6,7 @@ import glob
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import (
     CheckpointError,
@@ -28,6 +28,9 @@ from .formats.registry import (
 from .hub_errors import few, is_connection_error, read_error
 from .hub_ids import HF_PREFIX, check_commit, check_revision, hf_progress, parse_repo_id
 from .source import Source, open_source
+
+if TYPE_CHECKING:
+    from huggingface_hub import HfApi
 
 # --- reading -----------------------------------------------------------------------------------
 
@@ -171,7 +174,7 @@ class _Resolved(str):
         return made
 
 
-def _resolve_revision(api, repo_id: str, revision: str | None, info) -> Any:
+def _resolve_revision(api: HfApi, repo_id: str, revision: str | None, info: Any) -> Any:
     """The revision with the commit it points to (``.resolved``). ``info``: the Hub's answer when it was
     reached (None: resolve from the cache's refs/ only). Records branch -> commit in the cache's refs/, which
     is what offline runs resolve with later."""
@@ -198,7 +201,7 @@ def _resolve_revision(api, repo_id: str, revision: str | None, info) -> Any:
     raise LocalEntryNotFoundError(f"no commit of {repo_id} at {ref} in the cache's refs/")
 
 
-def _cached_files(repo_id: str, resolved) -> tuple[list[str], bool]:
+def _cached_files(repo_id: str, resolved: Any) -> tuple[list[str], bool]:
     """Without the Hub: the repo's files from the cached listing (complete, True), or else the files an
     earlier download (surgeon, transformers, ...) left in the cached snapshot folder (False)."""
     from huggingface_hub import constants

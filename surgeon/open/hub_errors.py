@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 from ..errors import (
     HubAccessError,
@@ -13,6 +14,9 @@ from ..errors import (
     opt,
 )
 from ..report.redact import redact, remember
+
+if TYPE_CHECKING:
+    from huggingface_hub.errors import HfHubHTTPError
 
 # --- errors ------------------------------------------------------------------------------------
 
@@ -124,7 +128,7 @@ def _cause(exc: Exception) -> Exception:
     return exc
 
 
-def _http_error(exc, repo_id: str, token: str | None = None) -> HubError:
+def _http_error(exc: HfHubHTTPError, repo_id: str, token: str | None = None) -> HubError:
     status = exc.response.status_code
     detail = exc.server_message or exc.response.reason_phrase or ""
     return HubError(_scrub(f"the Hub answered {status} for {repo_id}: {one_line(detail)}", token))

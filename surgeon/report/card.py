@@ -13,12 +13,13 @@ import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
 from ..compute.engine import ProjectionResult
 from ..compute.modes import get_mode
 from ..detect.blocks import AttentionBlock, split_module
-from ..detect.config import Hints
+from ..detect.hints import Hints
 from ..open.bounded import CARD_LIMIT, read_text
 from ..open.folder import file_in
 from ..open.source import Source
@@ -26,6 +27,9 @@ from ..plan.planner import Plan
 from ..plan.selection import format_indices
 from .report import fmt_kappa, with_streams
 from .shown import shown
+
+if TYPE_CHECKING:
+    from huggingface_hub import ModelCard, ModelCardData
 
 TAG = "surgeon"  # every card; the mode adds its own (conditioned-initialization, default-init-redraw, ...)
 # Source metadata that still describes the re-initialized model. Evaluation results (model-index),
@@ -67,7 +71,7 @@ def reproduce_command(model: str, *, revision: str | None, options: dict, hints:
 
     q = _quoted
 
-    def spec(value) -> str:
+    def spec(value: str | int | list[int]) -> str:
         return (
             value if isinstance(value, str) else str(value) if isinstance(value, int) else format_indices(sorted(value))
         )
@@ -112,7 +116,7 @@ def build_card(
     results: list[ProjectionResult],
     command: str,
     title: str,
-):
+) -> ModelCard:
     """The card as a ``huggingface_hub.ModelCard`` (metadata validated by its own parser); ``original``:
     the input's card (:func:`source_card`), whose metadata and text it keeps."""
     from huggingface_hub import ModelCard
@@ -154,7 +158,7 @@ def build_card(
     return card
 
 
-def _card_data(source: Source, meta: dict, mode_tag: str):
+def _card_data(source: Source, meta: dict, mode_tag: str) -> ModelCardData:
     """The front matter: the source's metadata that still holds (KEPT_METADATA), its tags and surgeon's."""
     from huggingface_hub import ModelCardData
 
@@ -209,7 +213,7 @@ def card_comment(record: dict) -> str:
     return CARD_OPEN + json.dumps(record, sort_keys=True, separators=(",", ":")).replace(">", "\\u003e") + CARD_CLOSE
 
 
-def write_card(folder: Path, **kwargs) -> Path:
+def write_card(folder: Path, **kwargs: Any) -> Path:
     from .redact import redact
 
     path = Path(folder) / "README.md"

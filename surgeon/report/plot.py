@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .report import Report
 
 ROLES = ("q", "k", "v")
 NAMES = {"q": "query", "k": "key", "v": "value"}
 
 
-def points(report) -> list[tuple[str, int, str, float, bool]]:
+def points(report: Report) -> list[tuple[str, int, str, float, bool]]:
     """What the plot draws: (role, block index, "before"/"after", kappa, has an after) per head; NaN/Inf left out."""
     blocks = list(dict.fromkeys(r.block.module for r in report.rows))
     out = []
@@ -28,7 +32,7 @@ def points(report) -> list[tuple[str, int, str, float, bool]]:
     return out
 
 
-def plot_kappas(report, path: str | Path, *, title: str | None = None) -> Path:
+def plot_kappas(report: Report, path: str | Path, *, title: str | None = None) -> Path:
     """Write a PNG: one panel per projection (q, k, v), x = attention block in model order, y = each head's kappa (log).
 
     Inspect reports show the heads as they are; reinit reports show each projection before (grey)

@@ -133,7 +133,7 @@ class Report:
             out["jacobian"] = self.jacobian.to_dict()
         return out
 
-    def to_json(self, spelling: Spelling = python_spelling, **kwargs) -> str:
+    def to_json(self, spelling: Spelling = python_spelling, **kwargs: Any) -> str:
         """The report as JSON; ``spelling`` spells the options named in notes (the CLI passes its own)."""
         return json.dumps(self.to_dict(spelling), indent=kwargs.pop("indent", 2), **kwargs)
 

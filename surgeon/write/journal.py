@@ -37,6 +37,8 @@ from .journal_file import journal_path
 from .recovery import apply, open_file, read_small, refuse_journals
 
 if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
+
     from ..open.formats.base import UpdatesFn
     from ..open.source import Source
 
@@ -131,7 +133,7 @@ def patch_in_place(source: Source, updates: UpdatesFn, record: dict) -> list[str
 
 
 def _patch(
-    weights: SafetensorsWeights, changed: dict[str, list[str]], fds: dict[str, int], updates, record: dict
+    weights: SafetensorsWeights, changed: dict[str, list[str]], fds: dict[str, int], updates: UpdatesFn, record: dict
 ) -> dict[str, bytes | None]:
     folder, key = weights.folder, weights.index or weights.files[0]
     headers: dict[str, bytes | None] = {}
@@ -190,7 +192,7 @@ class _Log:
         self.durable, self.path, self.ranges, self.where = durable, path, ranges, where
         self.fd: int | None = None
 
-    def before(self, file: str, name: str | None, data) -> None:
+    def before(self, file: str, name: str | None, data: ReadableBuffer) -> None:
         self.durable.result()  # nothing is written before the journal is durable
         i = self.where.get((file, name))
         if i is None:
@@ -227,7 +229,7 @@ def _patch_files(
     weights: SafetensorsWeights,
     changed: dict[str, list[str]],
     headers: dict[str, bytes | None],
-    updates,
+    updates: UpdatesFn,
     log: _Log,
     fds: dict[str, int],
 ) -> None:
@@ -256,7 +258,7 @@ def _raw(tensor):
     return tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
 
 
-def _changed_files(weights, updates) -> dict[str, list[str]]:
+def _changed_files(weights: SafetensorsWeights, updates: UpdatesFn) -> dict[str, list[str]]:
     """file -> tensors of the plan in it, in file order (``updates.names``: the plan's tensors)."""
     wanted = updates.names
     out: dict[str, list[str]] = {}

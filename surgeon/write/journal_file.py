@@ -27,10 +27,14 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError
 from ..open.bounded import loads
 from ..open.formats.safetensors_header import Header, parse_header
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 SUFFIX = ".surgeon-journal"
 MAGIC = b"SURGEON-JOURNAL-2\n"
@@ -91,14 +95,14 @@ def read_pieces(fd: int, base: int, offset: int, length: int, path: Path) -> Ite
         yield data
 
 
-def block_digests(data, offset: int) -> bytes:
+def block_digests(data: ReadableBuffer, offset: int) -> bytes:
     view = memoryview(data).cast("B")
     return b"".join(
         hashlib.sha256(view[a - offset : b - offset]).digest()[:16] for a, b in spans(offset, len(view), BLOCK)
     )
 
 
-def _write_all(fd: int, data) -> None:
+def _write_all(fd: int, data: ReadableBuffer) -> None:
     view = memoryview(data).cast("B")
     while view:
         view = view[os.write(fd, view) :]
@@ -153,7 +157,7 @@ def write(final: Path, meta: dict, fds: dict[str, int], ranges: list[Range]) -> 
     return final
 
 
-def new_record(index: int, r: Range, data) -> bytes:
+def new_record(index: int, r: Range, data: ReadableBuffer) -> bytes:
     """The record that says range ``index`` is about to hold ``data`` (its new bytes)."""
     view = memoryview(data).cast("B")
     blocks = block_digests(view, r.offset)

@@ -279,7 +279,7 @@ def test_latent_attention_in_an_onnx_export_is_named_and_refused(tmp_path):
 
 
 def test_a_per_stack_hint_is_read_by_the_first_word_it_names():
-    from surgeon.detect.config import Hints
+    from surgeon.detect.hints import Hints
     from surgeon.errors import OptionError
 
     hints = Hints(num_heads="encoder=4,decoder=2,vision=8")

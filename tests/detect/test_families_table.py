@@ -60,7 +60,7 @@ def test_options_are_spelt_once():
     from click.testing import CliRunner
 
     from surgeon.cli.commands import main
-    from surgeon.detect.config import Hints
+    from surgeon.detect.hints import Hints
     from surgeon.plan.planner import ReinitOptions, option_infos
     from surgeon.report.card import reproduce_command
 

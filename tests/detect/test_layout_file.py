@@ -181,7 +181,7 @@ def test_emitted_layout_round_trips(name, cli, tmp_path):
     """The emitted file, fed back, gives the same blocks and the same plan (its rules matched first)."""
     from surgeon.api import load
     from surgeon.detect import detect_source
-    from surgeon.detect.config import Hints
+    from surgeon.detect.hints import Hints
     from surgeon.plan.planner import ReinitOptions, prepare_checkpoint
 
     from helpers.families import FAMILIES

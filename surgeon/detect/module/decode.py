@@ -14,7 +14,7 @@ from torch import nn
 from ...errors import LayoutError, opt
 from ..blocks import KV_MAPS, AttentionBlock, Projection, Rows
 from ..by_name import place_matches
-from ..config import Hints
+from ..hints import Hints
 from ..placement import join, kind
 from .inputs import decoder_inputs, hf_inputs
 from .probe import FILLS, PROBE_TOKENS, Capture, Op, Targets, Unresolved, Watch, probing, watch_all
@@ -109,7 +109,15 @@ def _decodes(runs: dict[str, Watch], i: int, role: str, targets: Targets) -> boo
     return True
 
 
-def _head_rows(pid, axis, row, heads: int | None, sequences: int | None, role: str, names: list[str]):
+def _head_rows(
+    pid: torch.Tensor,
+    axis: torch.Tensor,
+    row: torch.Tensor,
+    heads: int | None,
+    sequences: int | None,
+    role: str,
+    names: list[str],
+) -> list[tuple[int, int, int]]:
     """Per head: (param number, axis, first row), given the decoded entries (N, d) of one role."""
     n, d = row.shape
     if heads is None and sequences:
@@ -320,7 +328,9 @@ def kept_norms_note(norms: Mapping[str, str], blocks: list[AttentionBlock]) -> l
     ]
 
 
-def _call_sites(module, example_inputs, names, targets, skip) -> list[dict[str, Watch]]:
+def _call_sites(
+    module: nn.Module, example_inputs: Any, names: dict[nn.Module, str], targets: Targets, skip: list[str]
+) -> list[dict[str, Watch]]:
     """Run the coded forwards where the module can be called; one entry per successful call."""
     if example_inputs is not None:
         call = _caller(module, example_inputs)
@@ -361,7 +371,14 @@ def _short(exc: Exception) -> str:
     return f"{type(exc).__name__}: {text[:160]}" if text else type(exc).__name__
 
 
-def _try_calls(module: nn.Module, path: str, names, targets: Targets, skip: list[str], sites: list) -> None:
+def _try_calls(
+    module: nn.Module,
+    path: str,
+    names: dict[nn.Module, str],
+    targets: Targets,
+    skip: list[str],
+    sites: list[dict[str, Watch]],
+) -> None:
     """Call ``module`` on a float (1, tokens, width) probe; where it fails, try its children."""
     if under(path, skip) and skip:
         return

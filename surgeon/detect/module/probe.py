@@ -150,7 +150,7 @@ class Watch(TorchFunctionMode):
             if op is not None and isinstance(t, torch.Tensor) and not is_dtensor(t):
                 self.coded[t.untyped_storage().data_ptr()] = op
 
-    def _projection(self, name: str, args, kwargs) -> Op | None:
+    def _projection(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Op | None:
         if name == "linear":
             x, w = (
                 kwargs.get("input", args[0] if args else None),
@@ -170,7 +170,7 @@ class Watch(TorchFunctionMode):
             )
             b, out_dim = None, 1
         where = self.targets.locate(w, out_dim)
-        if where is None:
+        if where is None or not isinstance(w, torch.Tensor):  # located: a tensor (the check tells mypy)
             return None
         pid, axis, start = where
         size = w.shape[out_dim]
@@ -193,7 +193,7 @@ class Watch(TorchFunctionMode):
             codes = self.targets.random(op.pid, op.axis)[op.start : op.start + op.size]
         return codes.to(out.device, out.dtype).expand(out.shape).contiguous()
 
-    def _match(self, module, events) -> None:
+    def _match(self, module: nn.Module, events: list[tuple[Any, ...]]) -> None:
         """softmax(Q Kᵀ) V written out: the last product before a softmax and the first after it."""
         done = 0
         for i, event in enumerate(events):
@@ -215,7 +215,7 @@ class Watch(TorchFunctionMode):
                 self._capture(q, kt.transpose(-1, -2), v, module=module, via="matmul")
                 done = after[0] + 1
 
-    def _capture(self, q, k, v, module=None, via="sdpa") -> None:
+    def _capture(self, q: Any, k: Any, v: Any, module: nn.Module | None = None, via: str = "sdpa") -> None:
         if not all(isinstance(t, torch.Tensor) and t.dim() >= 3 for t in (q, k, v)):
             return
         module = module if module is not None else (self.frames[-1][0] if self.frames else None)
@@ -223,11 +223,20 @@ class Watch(TorchFunctionMode):
         heads = q.shape[-3] if q.dim() >= 4 else None
         kv_heads = k.shape[-3] if k.dim() >= 4 else None
         self.captures.append(
-            Capture(self.names.get(module, ""), first[0], first[1], first[2], heads, kv_heads, list(self.ops), via)
+            Capture(
+                self.names.get(module, "") if module is not None else "",
+                first[0],
+                first[1],
+                first[2],
+                heads,
+                kv_heads,
+                list(self.ops),
+                via,
+            )
         )
 
 
-def _as_matmul(name: str, args, kwargs) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _as_matmul(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(a, b) with the op's result = a @ b, for matmul, bmm, baddbmm and two-operand einsum."""
     if name == "baddbmm":
         a, b = (
@@ -246,7 +255,7 @@ def _as_matmul(name: str, args, kwargs) -> tuple[torch.Tensor, torch.Tensor] | N
     return None
 
 
-def _einsum_as_matmul(args) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _einsum_as_matmul(args: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
     if len(args) == 2 and isinstance(args[1], (list, tuple)):
         args = (args[0], *args[1])
     if len(args) != 3 or not isinstance(args[0], str) or "..." in args[0] or "->" not in args[0]:

@@ -11,9 +11,10 @@ from ...errors import LayoutError, NoAttentionFoundError, SurgeonError, TensorPa
 from ...open.formats.base import TensorInfo
 from ..blocks import AttentionBlock, Projection, Rows, slot_offsets
 from ..by_name import detect, match_modules, with_companions
-from ..config import Hints, framework_config
+from ..config import framework_config
 from ..config_keys import FRAMEWORK_CONFIGS
 from ..families import SAVED_SPLIT
+from ..hints import Hints
 from ..libraries import roles_by_position, with_separate_biases
 from ..placement import join, kind, stack_depths
 from .decode import kept_norms_note, placed, prefixed, probe_blocks, under

@@ -12,8 +12,9 @@ import onnx
 
 from ...errors import LayoutError, NoAttentionFoundError, UnsupportedWeightsError, opt
 from ..blocks import AttentionBlock, Projection, Rows
-from ..config import ConfigView, Hints
+from ..config import ConfigView
 from ..families import REFUSED
+from ..hints import Hints
 from ..placement import place, stack_depths
 from ..result import Detection, GraphFacts
 from .found import Core, Proj

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 from collections import defaultdict
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import onnx
@@ -73,7 +74,7 @@ WALK_STEPS = 2048
 SAME_DATA = {"Reshape", "Flatten", "Cast", "Identity", "Squeeze", "Unsqueeze"}
 
 
-def _axes(g: Graph, n: int, args) -> list[int]:
+def _axes(g: Graph, n: int, args: tuple[Any, ...]) -> list[int]:
     node = g.nodes[n]
     if len(node.input) > 1 and args[1] is not None:
         return [int(a) for a in np.atleast_1d(args[1])]
@@ -145,7 +146,7 @@ class Graph:
         node = self.nodes[n]
         return node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
 
-    def attr(self, n: int, name: str, default=None):
+    def attr(self, n: int, name: str, default: Any = None) -> Any:
         for a in self.nodes[n].attribute:
             if a.name == name:
                 return onnx.helper.get_attribute_value(a)
@@ -318,10 +319,10 @@ class Graph:
         return None
 
 
-def data_inputs(g: Graph, node: onnx.NodeProto, which) -> list[str]:
+def data_inputs(g: Graph, node: onnx.NodeProto, which: tuple[int, ...] | str | None) -> list[str]:
     if which is None:
         return []
-    if which == "*":
+    if isinstance(which, str):  # "*", the tables' one string: every input
         return [i for i in node.input if i and not g.is_const(i)]
     return [node.input[i] for i in which if i < len(node.input) and node.input[i] and not g.is_const(node.input[i])]
 

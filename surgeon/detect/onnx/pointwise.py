@@ -29,7 +29,7 @@ def is_pointwise_conv(g: Graph, n: int) -> bool:
     return len(dims) >= 3 and all(d == 1 for d in dims[2:]) and g.attr(n, "group", 1) == 1
 
 
-def read_channels(g: Graph, p: Proj, path, role: str) -> None:
+def read_channels(g: Graph, p: Proj, path: list[tuple[int, str, str]], role: str) -> None:
     """Bias and (heads, head_dim) of a 1x1-conv projection, from the Conv to the attention core."""
     node = g.nodes[p.node]
     bias, via = g.initializer(node.input[2] if len(node.input) > 2 else "")

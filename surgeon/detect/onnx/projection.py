@@ -107,7 +107,7 @@ class ProjectionWalk(WindowWalk):
             dead.append(g.describe(n))
         return which
 
-    def _read_projection(self, n: int, path, role: str) -> Proj:
+    def _read_projection(self, n: int, path: list[tuple[int, str, str]], role: str) -> Proj:
         g = self.g
         node = g.nodes[n]
         if node.op_type == "Conv":
@@ -141,7 +141,7 @@ class ProjectionWalk(WindowWalk):
         self._window(p, path, role)
         return p
 
-    def _read_conv(self, n: int, path, role: str) -> Proj:
+    def _read_conv(self, n: int, path: list[tuple[int, str, str]], role: str) -> Proj:
         g = self.g
         node = g.nodes[n]
         weight, extra_nodes = self._weight_initializer(node.input[1], n, role, transpose=False)

@@ -47,7 +47,7 @@ class Walker(ProjectionWalk):
         v_in = g.nodes[pv].input[1]
         return Core(n, "", self._projection(q_in, "Q"), self._projection(k_in, "K"), self._projection(v_in, "V"))
 
-    def _find_back(self, tensor: str, ops, stop: Callable[[int], bool]) -> int | None:
+    def _find_back(self, tensor: str, ops: dict[str, tuple[int, ...] | str], stop: Callable[[int], bool]) -> int | None:
         """Breadth-first from ``tensor`` toward the inputs, through ``ops``, to the first node that is ``stop``
         (within WALK_DEPTH ops and WALK_STEPS inputs looked at; ``self.cut_short`` says if a bound was hit)."""
         g = self.g

@@ -12,7 +12,7 @@ class WindowWalk:
 
     g: Graph
 
-    def _window(self, p: Proj, path, role: str) -> None:
+    def _window(self, p: Proj, path: list[tuple[int, str, str]], role: str) -> None:
         """Walk forward from the projection to the core and read what the ops say about its output.
 
         While the last axis holds the projection's features: a Split/Slice of it narrows the
