@@ -16,7 +16,8 @@ from .detect.config import HINT_KEYWORDS, HintInput, Hints
 from .errors import CheckpointError, HubError, OptionError, opt
 from .open import hub
 from .open.source import Source
-from .plan.planner import Plan, ReinitOptions, prepare_checkpoint
+from .options import ReinitOptions
+from .plan.planner import Plan, prepare_checkpoint
 from .report.report import ProjectionRow, Report
 from .write.journal import hold
 from .write.output import Destination, folder_output_files, resolve_destination
@@ -162,7 +163,7 @@ def reinit_checkpoint(
     """Re-initialize the chosen Q/K/V projections of a checkpoint and write a new one beside it.
 
     ``model``: a path (safetensors, PyTorch, ONNX file or folder) or a Hub id (``org/name``, at ``revision``).
-    What to do: ``options`` (a :class:`~surgeon.plan.planner.ReinitOptions`); what config.json does not say:
+    What to do: ``options`` (a :class:`~surgeon.options.ReinitOptions`); what config.json does not say:
     ``hints`` (a :class:`~surgeon.detect.config.Hints`). The fields of either may also be given as
     keywords (``layers``, ``targets``, ``heads``, ``mode``, ``seed``, ...; ``num_heads``, ``head_dim``, ...),
     which replace those of the objects.

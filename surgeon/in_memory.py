@@ -29,7 +29,8 @@ from .compute.modes import get_mode
 from .detect.config import HintInput, Hints
 from .detect.module import ModuleDetection, detect_module
 from .errors import OptionError, opt
-from .plan.planner import Plan, ReinitOptions, prepare
+from .options import ReinitOptions
+from .plan.planner import Plan, prepare
 from .plan.selection import IndexSpec
 from .report.report import ProjectionRow, Report
 

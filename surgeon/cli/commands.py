@@ -209,7 +209,7 @@ def reinit(
     given to the chosen projections as a copy of their own (the report says so).
     """
     from .. import api
-    from ..plan.planner import ReinitOptions
+    from ..options import ReinitOptions
     from ..write.push import PushTarget
     from ..write.ranks import under_torchrun
 

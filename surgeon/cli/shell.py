@@ -150,8 +150,8 @@ def model_options(fn):
 
 
 def reinit_options(fn):
-    """The options of surgeon.plan.planner.ReinitOptions as --flags, made from its fields (one spelling)."""
-    from ..plan.planner import AS_FIELD, ReinitOptions, option_infos
+    """The options of surgeon.options.ReinitOptions as --flags, made from its fields (one spelling)."""
+    from ..options import AS_FIELD, ReinitOptions, option_infos
 
     defaults = ReinitOptions()
     for name, info in reversed(option_infos()):

@@ -30,7 +30,8 @@ from torch import nn
 from ..compute.engine import Engine
 from ..detect.config import HintInput, Hints
 from ..detect.module import ModuleDetection, detect_module
-from ..plan.planner import Plan, ReinitOptions, prepare
+from ..options import ReinitOptions
+from ..plan.planner import Plan, prepare
 
 _PLANS: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 

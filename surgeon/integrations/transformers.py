@@ -27,7 +27,7 @@ class ReinitCallback(TrainerCallback):
     """Runs ``surgeon.reinit_(model, **options)`` at ``on_train_begin``; the report is kept as ``.report``."""
 
     def __init__(self, **options: Any) -> None:
-        from ..plan.planner import ReinitOptions
+        from ..options import ReinitOptions
 
         allowed = set(ReinitOptions.__dataclass_fields__) | {
             "num_heads",

@@ -182,7 +182,8 @@ def test_emitted_layout_round_trips(name, cli, tmp_path):
     from surgeon.api import load
     from surgeon.detect import detect_source
     from surgeon.detect.config import Hints
-    from surgeon.plan.planner import ReinitOptions, prepare_checkpoint
+    from surgeon.options import ReinitOptions
+    from surgeon.plan.planner import prepare_checkpoint
 
     from helpers.families import FAMILIES
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 if TYPE_CHECKING:
     import torch
 
-    from ...options import ReinitOptions
-    from ...plan.planner import Change
+    from ...detect.blocks import AttentionBlock
 
 CONDITIONED_PAPER = "[Saratchandran & Lucey](https://openreview.net/forum?id=cKNOCYPo2W)"
 CONDITIONED_BIBTEX = """\
@@ -20,6 +19,37 @@ CONDITIONED_BIBTEX = """\
   year      = {2026},
   url       = {https://openreview.net/forum?id=cKNOCYPo2W}
 }"""
+
+
+# What a mode reads of a plan's change and options, named by shape: surgeon.options and surgeon.plan.planner
+# import this package (for the modes' names and help), so it cannot import them back.
+class ModeChange(Protocol):
+    """One projection's chosen heads (a surgeon.plan.planner.Change)."""
+
+    @property
+    def block(self) -> AttentionBlock: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def heads(self) -> tuple[int, ...]: ...
+
+
+class ModeOptions(Protocol):
+    """The options a mode draws with (a surgeon.options.ReinitOptions)."""
+
+    @property
+    def seed(self) -> int: ...
+    @property
+    def value_identity(self) -> str: ...
+    @property
+    def gain(self) -> float | None: ...
+    @property
+    def std(self) -> float | None: ...
+    @property
+    def effective_strength(self) -> float: ...
+
+
+Options = TypeVar("Options", bound=ModeOptions)
 
 
 @dataclass(frozen=True)
@@ -40,7 +70,7 @@ class Mode:
     citation: ClassVar[str | None]  # BibTeX for the card, None: nothing to cite
 
     def draw(
-        self, change: Change, old: torch.Tensor | None, options: ReinitOptions, *, key: str, device: Any
+        self, change: ModeChange, old: torch.Tensor | None, options: ModeOptions, *, key: str, device: Any
     ) -> torch.Tensor:
         """New per-head matrices ``(len(change.heads), d, in)`` (float64), PyTorch (out, in) orientation.
 
@@ -49,7 +79,7 @@ class Mode:
         """
         raise NotImplementedError
 
-    def with_defaults(self, options: ReinitOptions, config: Any) -> ReinitOptions:
+    def with_defaults(self, options: Options, config: Any) -> Options:
         """``options`` with what this mode takes from the model's config filled in."""
         return options
 
