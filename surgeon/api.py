@@ -308,7 +308,8 @@ def _reinit_ranks(
 _PUSH_KEYWORDS = {  # reinit_checkpoint's keywords before PushTarget -> the PushTarget field
     "push_to_hub": "repo_id",
     "private": "private",
-    "push_revision": "revision",
+    "push_branch": "branch",
+    "push_revision": "branch",
     "create_pr": "create_pr",
     "commit_message": "commit_message",
     "token": "token",

@@ -15,6 +15,7 @@ from .shell import (
     CONTEXT,
     OneLineErrors,
     _out,
+    branch_flag,
     cli_spelling,
     full_option,
     handle_errors,
@@ -177,24 +178,7 @@ negative numbers count from the end (-1 is the last). Each stack of layers is nu
 @full_option
 @handle_errors
 def reinit(
-    model,
-    output,
-    overwrite,
-    in_place,
-    dry_run,
-    plot,
-    push_to_hub,
-    private,
-    push_revision,
-    create_pr,
-    commit_message,
-    revision,
-    config,
-    hints,
-    device,
-    full,
-    as_json,
-    **options,
+    model, output, overwrite, in_place, dry_run, plot, push, revision, config, hints, device, full, as_json, options
 ):
     """Re-initialize query/key/value projections of MODEL with conditioned initialization.
 
@@ -209,24 +193,15 @@ def reinit(
     given to the chosen projections as a copy of their own (the report says so).
     """
     from .. import api
-    from ..options import ReinitOptions
-    from ..write.push import PushTarget
     from ..write.ranks import under_torchrun
 
     distributed = under_torchrun()  # every rank of torchrun runs this command: each writes its share
 
     if plot and dry_run:
         raise OptionError("--plot draws the condition numbers before and after, and a --dry-run computes none")
-    push = PushTarget.build(
-        push_to_hub,
-        private=private,
-        revision=push_revision,
-        create_pr=create_pr,
-        commit_message=commit_message,
-    )
     report = api.reinit_checkpoint(
         model,
-        options=ReinitOptions.build(**{k: v for k, v in options.items() if v is not None}),
+        options=options,
         hints=hints,
         output=output,
         in_place=in_place,
@@ -255,7 +230,7 @@ def reinit(
 Examples:
   surgeon push ./llama-reinit me/llama-reinit
   surgeon push ./llama-reinit org/llama-reinit --private
-  surgeon push ./llama-reinit org/llama-reinit --revision reset-v2   # to a branch
+  surgeon push ./llama-reinit org/llama-reinit --branch reset-v2     # to a branch
   surgeon push ./llama-reinit org/llama-reinit --create-pr           # as a pull request
   surgeon push ./llama-reinit org/llama-reinit --dry-run             # the files it would upload
 \b
@@ -265,15 +240,14 @@ The token comes from HF_TOKEN or `hf auth login`; HF_ENDPOINT selects another Hu
 @click.argument("folder", type=click.Path(file_okay=False))
 @click.argument("repo_id", metavar="ORG/NAME")
 @click.option("--private", is_flag=True, help="Create the repo as private (an existing repo keeps its visibility).")
-@click.option(
-    "--revision", metavar="BRANCH", help="Commit to this branch, created from main if missing (default: main)."
-)
+@click.option("--branch", metavar="BRANCH", help="Commit to this branch, created from main if missing (default: main).")
+@click.option("--revision", metavar="BRANCH", hidden=True, help="The same as --branch.")
 @click.option("--create-pr", is_flag=True, help="Open a pull request against main instead of committing.")
 @click.option("--commit-message", help="The commit message (default: Upload FOLDER with surgeon VERSION).")
 @click.option("--dry-run", is_flag=True, help="Print the files that would be uploaded and send nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was pushed as JSON on stdout.")
 @handle_errors
-def push(folder, repo_id, private, revision, create_pr, commit_message, dry_run, as_json):
+def push(folder, repo_id, private, branch, revision, create_pr, commit_message, dry_run, as_json):
     """Upload FOLDER (e.g. an output of surgeon reinit) to the Hub model repo ORG/NAME.
 
     Creates the repo if needed and uploads every file in one commit, large files through
@@ -287,7 +261,7 @@ def push(folder, repo_id, private, revision, create_pr, commit_message, dry_run,
         folder,
         repo_id,
         private=private,
-        revision=revision,
+        branch=branch_flag(branch, revision, new="branch", old="revision"),
         create_pr=create_pr,
         commit_message=commit_message,
         progress=not as_json and sys.stderr.isatty(),

@@ -111,9 +111,11 @@ def test_grouped_objects_and_their_keywords(saved, tmp_path):
     with pytest.raises(TypeError, match="'num_head'.*the hints num_heads"):
         reinit_checkpoint(bare, num_head=8)
     with pytest.raises(
-        TypeError, match=r"'push_revision': a push is push='org/name', or push=PushTarget\('org/name', revision=...\)"
+        TypeError, match=r"'push_revision': a push is push='org/name', or push=PushTarget\('org/name', branch=...\)"
     ):
         reinit_checkpoint(bare, push_revision="dev")
+    with pytest.raises(TypeError, match=r"'push_branch': a push is .* push=PushTarget\('org/name', branch=...\)"):
+        reinit_checkpoint(bare, push_branch="dev")
     for wrong, what in (
         (dict(hints="8"), "hints must be a surgeon.Hints, not str"),
         (dict(options={"layers": "0"}), "options must be a surgeon.ReinitOptions, not dict"),
@@ -132,18 +134,23 @@ def test_push_target_is_checked_before_anything_is_opened(tmp_path):
     with pytest.raises(OptionError, match="not a"):
         reinit_checkpoint(missing, push="not a repo!")
     with pytest.raises(OptionError, match="opens a pull request against main"):
-        PushTarget("me/x", create_pr=True, revision="dev")
+        PushTarget("me/x", create_pr=True, branch="dev")
     with pytest.raises(OptionError, match="go with push_to_hub=org/name"):
         PushTarget.build(None, private=True)
     assert PushTarget.build(None) is None
     assert "token" not in repr(PushTarget("me/x", token="hf_secret_value"))
+    with (
+        pytest.raises(OptionError, match="both name the branch to push to: give branch only"),
+        pytest.warns(DeprecationWarning),
+    ):
+        PushTarget.build("me/x", branch="a", revision="b")
     assert not list(tmp_path.iterdir())
 
 
 _PUSH_FROM_PYTHON = """
 import json, sys
 from surgeon import PushTarget, reinit_checkpoint
-report = reinit_checkpoint("org/tiny", layers="0", output="out", push=PushTarget("me/py", revision="dev", private=True))
+report = reinit_checkpoint("org/tiny", layers="0", output="out", push=PushTarget("me/py", branch="dev", private=True))
 print(json.dumps(report.to_dict()))
 """
 
