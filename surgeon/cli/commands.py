@@ -318,14 +318,16 @@ def verify(original, output, revision, config, hints, device, as_json):
 Examples:
   surgeon recover model.safetensors
   surgeon recover ./llama                      # a sharded checkpoint folder
+  surgeon recover model.safetensors --json     # what was done, as JSON
 \b
 Until then every other command refuses the checkpoint; `surgeon reinit --in-place` on the same
 checkpoint rolls back first, and says so.
 """,
 )
 @click.argument("path", type=click.Path(exists=True))
+@click.option("--json", "as_json", is_flag=True, help="Print what was recovered as JSON on stdout.")
 @handle_errors
-def recover(path):
+def recover(path, as_json):
     """Roll back an interrupted `surgeon reinit --in-place` on the checkpoint at PATH.
 
     --in-place saves the old bytes of every range it patches to a journal
@@ -334,10 +336,14 @@ def recover(path):
     new bytes), then writes them back, so the checkpoint is exactly as it was before that run.
     A journal that fails a check is refused and left in place. Does nothing if there is no journal.
     """
-    from ..write.recovery import recover as roll_back
+    from ..write.recovery import recover_journals
 
-    notes = roll_back(path)
-    _out("\n".join(note_lines(notes)) if notes else shown(f"nothing to recover at {path}"))
+    done = recover_journals(path)
+    notes = [d.note() for d in done]
+    if as_json:
+        _out(json.dumps({"path": path, "journals": [d.to_dict() for d in done], "notes": notes}, indent=2))
+    else:
+        _out("\n".join(note_lines(notes)) if notes else shown(f"nothing to recover at {path}"))
 
 
 if __name__ == "__main__":
