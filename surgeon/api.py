@@ -8,8 +8,6 @@ from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ._version import __version__
-from .compute.modes import get_mode
 from .compute.per_file import Compute, Progress
 from .detect import Detection, detect_source
 from .detect.config import HINT_KEYWORDS, HintInput, Hints
@@ -18,33 +16,22 @@ from .open import hub
 from .open.source import Source
 from .options import ReinitOptions
 from .plan.planner import Plan, prepare_checkpoint
+from .report.checkpoint import (
+    commit_message,
+    done_rows,
+    dry_run_notes,
+    planned_rows,
+    reinit_report,
+    reproduce,
+    source_label,
+)
 from .report.report import ProjectionRow, Report
 from .write.journal import hold
-from .write.output import Destination, folder_output_files, resolve_destination
+from .write.output import Destination, resolve_destination
 from .write.push import PushTarget
 
 if TYPE_CHECKING:  # torch is imported when tensors are first touched, so that opening, planning and
     import torch  # the byte copies of a reinit run while it loads
-
-
-def load(
-    model: str | Path,
-    *,
-    config: str | Path | None = None,
-    revision: str | None = None,
-    progress: bool = False,
-    recover: bool = False,
-) -> Source:
-    """Open a checkpoint: a file, a sharded index, a model folder, or a Hub id ``org/name`` (a local path wins).
-
-    A checkpoint an interrupted in-place run left behind is refused (``surgeon recover``), or rolled back
-    first with ``recover=True`` (what an in-place run on it does)."""
-    return hub.open_model(model, config=config, revision=revision, progress=progress, recover=recover)
-
-
-def _label(source: Source) -> str:
-    """How reports name the input: the Hub id for a Hub model (its cache path is in the notes)."""
-    return f"{source.hub_id}@{source.hub_revision or 'main'}" if source.hub_id else str(source.path)
 
 
 def check_device(device: str | torch.device | None) -> None:
@@ -95,7 +82,7 @@ def inspect_checkpoint(
 
     dev = resolve_device(device)
     start = time.perf_counter()
-    source = load(model, config=config, revision=revision, progress=progress)
+    source = hub.open_model(model, config=config, revision=revision, progress=progress)
     detection = detect_source(source, hints)
     weights = source.primary
     if emit_layout is not None:
@@ -131,7 +118,7 @@ def inspect_checkpoint(
     ]
     return Report(
         "inspect",
-        _label(source),
+        source_label(source),
         weights.describe(),
         detection.blocks,
         rows,
@@ -192,14 +179,16 @@ def reinit_checkpoint(
         ranks.refuse(in_place=in_place, push=target is not None)
         group = ranks.Ranks.join()
         try:
-            return _reinit_ranks(
+            return ranks.reinit_ranks(
                 group, model, opts, hints, output, overwrite=overwrite, dry_run=dry_run, device=device,
                 revision=revision, config=config, full=full,
             )  # fmt: skip
         finally:
             group.close()
     start = time.perf_counter()
-    source = load(model, config=config, revision=revision, progress=progress, recover=in_place and not dry_run)
+    source = hub.open_model(
+        model, config=config, revision=revision, progress=progress, recover=in_place and not dry_run
+    )
     dest = resolve_destination(
         source, output, in_place=in_place, overwrite=overwrite or dry_run, push=target is not None
     )
@@ -207,8 +196,8 @@ def reinit_checkpoint(
     plan = prepare_checkpoint(source, detection, opts)
     notes = source.notes + detection.notes[:5] + plan.notes
     if dry_run:
-        notes += _dry_run_notes(source, dest, overwrite=overwrite, push=target)
-        return _report(source, detection, plan, dest, _planned_rows(source, plan), notes, device=str(device))
+        notes += dry_run_notes(source, dest, overwrite=overwrite, push=target)
+        return reinit_report(source, detection, plan, dest, planned_rows(source, plan), notes, device=str(device))
     title = target.repo_id if target is not None else dest.path.name
     with hold(source, exclusive=in_place):  # in place: alone; a copy: never while an in-place run patches it
         done = _carry_out(
@@ -220,13 +209,13 @@ def reinit_checkpoint(
             full=full,
             progress=progress,
             title=title,
-            command=lambda: _reproduce(model, source, plan.options, hints, dest.path),
+            command=lambda: reproduce(model, source, plan.options, hints, dest.path),
         )
     seconds = time.perf_counter() - start
     notes += done.notes
     if target is not None:
         notes += _push(dest, target, source, plan, progress=progress)
-    return _report(
+    return reinit_report(
         source,
         detection,
         plan,
@@ -236,71 +225,6 @@ def reinit_checkpoint(
         device=done.device,
         seconds=seconds,
         bytes_written=done.bytes_written,
-        dry_run=False,
-    )
-
-
-def _reinit_ranks(
-    group,
-    model: str | Path,
-    opts: ReinitOptions,
-    hints: Hints,
-    output: str | Path | None,
-    *,
-    overwrite: bool,
-    dry_run: bool,
-    device,
-    revision: str | None,
-    config: str | Path | None,
-    full: bool,
-) -> Report:
-    """reinit_checkpoint on every rank of ``group`` (a :class:`surgeon.write.ranks.Ranks`): each plans alike, writes its share."""
-    from .write import ranks
-
-    start = time.perf_counter()
-
-    def prepare() -> tuple[Source, Destination, Detection, Plan]:
-        source = load(model, config=config, revision=revision)
-        dest = resolve_destination(source, output, in_place=False, overwrite=overwrite or dry_run)
-        ranks.refuse(in_place=False, push=False, source=source, dest=dest)
-        detection = detect_source(source, hints)
-        return source, dest, detection, prepare_checkpoint(source, detection, opts)
-
-    source, dest, detection, plan = group.step(prepare)  # a refusal on one rank stops them all
-    notes = source.notes + detection.notes[:5] + plan.notes
-    if dry_run:
-        notes += _dry_run_notes(source, dest, overwrite=overwrite, push=None)
-        return _report(source, detection, plan, dest, _planned_rows(source, plan), notes, device=str(device))
-    from .report.card import source_card, write_card
-
-    with hold(source, exclusive=False):
-        notes += group.step(lambda: source.primary.check_plan(plan, detection))
-        original = group.step(lambda: source_card(source) if group.rank == 0 else None)
-        run = Compute(plan, device, whole=full, progress=False, total=len(plan.tensors()))
-        command = _reproduce(model, source, plan.options, hints, dest.path)
-
-        def card(folder: Path, results: list) -> None:
-            write_card(
-                folder, source=source, original=original, plan=plan, results=results, command=command,
-                title=dest.path.name,
-            )  # fmt: skip
-
-        try:
-            written, results = ranks.write(group, source, dest, run, plan.record(), card=card)
-        finally:
-            run.close()
-    rows = [ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed) for r in results]
-    used = str(run.engine.device) if run.started else str(device)
-    return _report(
-        source,
-        detection,
-        plan,
-        dest,
-        rows,
-        notes + written,
-        device=used,
-        seconds=time.perf_counter() - start,
-        bytes_written=dest.size(source, patched=0),
         dry_run=False,
     )
 
@@ -393,91 +317,18 @@ def _carry_out(
         notes += dest.write(source, run.updates_for, plan.record(), card=card)
     finally:
         run.close()
-    rows = [ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed) for r in run.results()]
+    rows = done_rows(run.results())
     used = str(run.engine.device) if run.started else str(device)
     return _Done(rows, notes, used, dest.size(source, patched=run.bytes_changed))
 
 
 def _push(dest: Destination, target: PushTarget, source: Source, plan: Plan, *, progress: bool) -> list[str]:
     try:
-        pushed = target.push(dest.path, default_message=_commit_message(source, plan), progress=progress)
+        pushed = target.push(dest.path, default_message=commit_message(source, plan), progress=progress)
     except HubError as exc:  # the output is on disk: say so, and keep the error's type
         exc.context = f"wrote {dest.path}, but the push failed: "
         raise
     return pushed.notes + [pushed.summary(), f"files pushed: {', '.join(pushed.files)}"]
-
-
-def _dry_run_notes(source: Source, dest: Destination, *, overwrite: bool, push: PushTarget | None) -> list[str]:
-    notes = []
-    if dest.path.exists() and not overwrite and not dest.in_place:
-        notes.append(f"{dest.path} exists: the real run needs {opt('overwrite', True)} or another {opt('output')}")
-    if push is not None:
-        weights, carried = folder_output_files(source)
-        files = sorted({*weights, *carried, "README.md"})  # the folder surgeon writes, its model card included
-        notes.append(f"the real run pushes {dest.path.name} to {push.repo_id}: {len(files)} files, {', '.join(files)}")
-    return notes
-
-
-def _planned_rows(source: Source, plan: Plan) -> list[ProjectionRow]:
-    """A dry run's rows: what the real run would change, nothing computed."""
-    return [
-        ProjectionRow(
-            c.block,
-            c.role,
-            None,
-            heads_changed=c.heads,
-            bias_zeroed=plan.options.zero_bias and c.projection.bias is not None,
-            dtype=source.primary.tensors[c.projection.weight.tensor].element or "",
-        )
-        for c in plan.changes
-    ]
-
-
-def _report(
-    source: Source,
-    detection: Detection,
-    plan: Plan,
-    dest: Destination,
-    rows: list[ProjectionRow],
-    notes: list[str],
-    *,
-    device: str,
-    seconds: float = 0.0,
-    bytes_written: int = 0,
-    dry_run: bool = True,
-) -> Report:
-    """The reinit's report, made once from what was planned or done."""
-    return Report(
-        "reinit",
-        _label(source),
-        source.describe(),
-        detection.blocks,
-        rows,
-        options=plan.options.to_dict(),  # with the mode's defaults from config (redraw: the family's std)
-        output=str(dest.path),
-        dry_run=dry_run,
-        seconds=seconds,
-        bytes_written=bytes_written,
-        device=device,
-        notes=notes,
-    )
-
-
-def _reproduce(model: str | Path, source: Source, options: ReinitOptions, hints: Hints, dest: Path) -> str:
-    from .report.card import reproduce_command
-
-    if source.hub_id:
-        label, revision = source.hub_id, source.hub_commit
-    else:  # a relative path as typed; never an absolute one (it would publish a local directory layout)
-        label, revision = (str(model) if not Path(model).is_absolute() else Path(model).name), None
-    return reproduce_command(label, revision=revision, options=options.to_dict(), hints=hints, output=dest.name)
-
-
-def _commit_message(source: Source, plan: Plan) -> str:
-    targets = ",".join(plan.options.to_dict()["targets"])
-    of = f" of {source.hub_id}" if source.hub_id else ""
-    n = len(plan.touched_blocks)
-    return f"{get_mode(plan.options.mode).label} of {targets} in {n} attention block{'s' if n != 1 else ''}{of} (surgeon {__version__})"
 
 
 def _check_secondary_sets(source: Source, tensors: list[str]) -> None:

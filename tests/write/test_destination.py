@@ -15,7 +15,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import surgeon
 from surgeon import Hints, OptionError, PushTarget, ReinitOptions, reinit_checkpoint
 from surgeon.open.source import open_source
 from surgeon.write.output import OutputKind, resolve_destination
@@ -184,11 +183,18 @@ def test_python_push_to_a_branch(tmp_path):
 
 
 def test_api_makes_each_report_once():
-    """api.py builds a Report in one place per command and never fills one in afterwards."""
-    tree = ast.parse(Path(surgeon.api.__file__).read_text())
-    built = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "Report"]
-    assert len(built) == 2  # inspect's and reinit's
-    for node in ast.walk(tree):
+    """A checkpoint's Report is built in one place per command (inspect's in api.py, reinit's in
+    report/checkpoint.py, for one process and for ranks) and never filled in afterwards."""
+    from surgeon import api
+    from surgeon.report import checkpoint
+
+    trees = [ast.parse(Path(m.__file__).read_text()) for m in (api, checkpoint)]
+    built = [
+        [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "Report"]
+        for tree in trees
+    ]
+    assert [len(b) for b in built] == [1, 1]  # inspect's and reinit's
+    for node in (n for tree in trees for n in ast.walk(tree)):
         targets = (
             node.targets
             if isinstance(node, ast.Assign)
