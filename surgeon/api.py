@@ -61,17 +61,35 @@ def inspect_checkpoint(
 ) -> Report:
     """Find the attention blocks of a checkpoint and the condition numbers of their projections.
 
-    ``model`` is a path (safetensors, PyTorch, ONNX file or folder) or a Hugging Face Hub id (``org/name``,
-    at ``revision``); ONNX blocks are found by walking the graph. ``hints`` (a :class:`~surgeon.detect.config.Hints`),
-    or its fields as keywords (``num_heads``, ``num_kv_heads``, ``head_dim``, ``force_hints``), say what
-    config.json does not. Per-head condition numbers are always computed; the whole-projection kappa and
-    spectral norm with ``full=True``.
-    ``verify_layout=True`` also checks the blocks against the forward of the architecture config.json names
-    (:func:`surgeon.audit.layout.verify_layout`; a note, or a LayoutError); ``jacobian=True`` adds the attention
-    Jacobian report (``report.jacobian``; ``inputs``: text lines or a .pt of token ids). The checkpoint is
-    opened and detected once for all of them.
-    ``layout``: a layout file (JSON, :mod:`surgeon.detect.layout_file`) whose rules are tried before the
-    built-in ones; ``emit_layout``: write the detected layout to that file, in the form ``layout`` reads.
+    Per-head condition numbers are always computed. The checkpoint is opened and detected once for every
+    check asked for.
+
+    Args:
+        model: A path (safetensors, PyTorch, ONNX file, DCP or model folder) or a Hub id ``org/name``;
+            ONNX blocks are found by walking the graph.
+        hints: What config.json does not say (a :class:`~surgeon.detect.config.Hints`).
+        revision: The Hub model's branch, tag or commit (default: main).
+        config: A config.json to read heads from (default: the one beside the weights).
+        device: Where factorizations run: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
+        full: Also each whole projection's kappa and spectral norm.
+        progress: Show a progress bar on stderr.
+        verify_layout: Also check the blocks against the forward of the architecture config.json names
+            (a note, or a LayoutError).
+        jacobian: Also the attention Jacobian report (``report.jacobian``).
+        inputs: With ``jacobian``: text lines or a .pt of token ids (default: a built-in sample).
+        emit_layout: Write the detected layout to this file, in the form ``layout`` reads.
+        **hint_keywords: Fields of Hints (``num_heads``, ``num_kv_heads``, ``head_dim``, ``force_hints``,
+            ``layout``: a layout file whose rules are tried before the built-in ones), replacing those of
+            ``hints``.
+
+    Returns:
+        The report: the blocks found and each projection's condition numbers.
+
+    Raises:
+        CheckpointError: The checkpoint cannot be read.
+        NoAttentionFoundError: No attention projection was found.
+        OptionError: An argument is out of range or goes with another.
+        HubError: The Hub model cannot be fetched.
 
     >>> report = inspect_checkpoint("model.safetensors", num_heads=12)  # doctest: +SKIP
     """
@@ -147,24 +165,47 @@ def reinit_checkpoint(
     distributed: bool = False,
     **keywords: Any,
 ) -> Report:
-    """Re-initialize the chosen Q/K/V projections of a checkpoint and write a new one beside it.
+    """Re-initialize the chosen Q/K/V projections of a checkpoint and write a new one.
 
-    ``model``: a path (safetensors, PyTorch, ONNX file or folder) or a Hub id (``org/name``, at ``revision``).
-    What to do: ``options`` (a :class:`~surgeon.options.ReinitOptions`); what config.json does not say:
-    ``hints`` (a :class:`~surgeon.detect.config.Hints`). The fields of either may also be given as
-    keywords (``layers``, ``targets``, ``heads``, ``mode``, ``seed``, ...; ``num_heads``, ``head_dim``, ...),
-    which replace those of the objects.
-    Where: ``output`` (default: beside the input), or ``in_place=True`` (safetensors: only the changed
-    byte ranges are patched, journaled; see :mod:`surgeon.write.journal`). A folder output gets a model card.
-    ONNX: ``output="out.onnx"`` for an .onnx with external data writes out.onnx with its data beside it
-    (``out.onnx.data``), a path without .onnx a folder; a shared initializer that must change becomes a
-    copy for the chosen projections. ``push`` (a repo id, or a :class:`~surgeon.write.push.PushTarget` for a
-    branch, a pull request, a private repo or a token) uploads the output folder in one commit.
-    ``full=True`` also measures each whole projection's kappa and spectral norm.
-    ``distributed=True``: every rank of a torchrun job (or of a training script's process group) calls this
-    with the same arguments, and each writes only its own share of a DCP or sharded safetensors folder
-    (:mod:`surgeon.write.ranks`); the output is the one a single process writes, byte for byte, and every rank
-    returns the whole report.
+    Every tensor not re-initialized keeps its bytes. A folder output gets a model card. ONNX: an .onnx
+    with external data written as ``out.onnx`` gets its data beside it (``out.onnx.data``); a shared
+    initializer that must change becomes a copy for the chosen projections.
+
+    Args:
+        model: A path (safetensors, PyTorch, ONNX file, DCP or model folder) or a Hub id ``org/name``.
+        options: What to re-initialize and how (a :class:`~surgeon.options.ReinitOptions`; default: the
+            conditioned reset of every layer).
+        hints: What config.json does not say (a :class:`~surgeon.detect.config.Hints`).
+        output: Where to write (default: beside the input).
+        in_place: Change the input itself (safetensors: only the changed byte ranges, journaled; see
+            :mod:`surgeon.write.journal`).
+        overwrite: Replace an existing output.
+        dry_run: Plan only; write nothing.
+        push: Upload the output folder in one commit: a repo id, or a :class:`~surgeon.write.push.PushTarget`
+            for a branch, a pull request, a private repo or a token.
+        device: Where generation and factorizations run: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
+        revision: The Hub model's branch, tag or commit (default: main).
+        config: A config.json to read heads from (default: the one beside the weights).
+        full: Also each whole projection's kappa and spectral norm.
+        progress: Show a progress bar on stderr.
+        distributed: Run on every rank of a torchrun job (or of a training script's process group): each
+            rank calls this with the same arguments and writes its own share of a DCP or sharded
+            safetensors folder (:mod:`surgeon.write.ranks`); the output is the one a single process
+            writes, byte for byte, and every rank returns the whole report.
+        **keywords: Fields of ReinitOptions (``layers``, ``targets``, ``mode``, ``seed``, ...) or of Hints
+            (``num_heads``, ``head_dim``, ...), replacing those of ``options`` and ``hints``.
+
+    Returns:
+        The report: the blocks, each projection's condition numbers before and after, the output.
+
+    Raises:
+        CheckpointError: The checkpoint cannot be read.
+        NoAttentionFoundError: No attention projection was found.
+        OptionError: An option is out of range, or options that do not go together.
+        SelectionError: The selection names layers or heads the model does not have.
+        OutputError: The output cannot be written (e.g. it exists without ``overwrite``).
+        HubError: The Hub model cannot be fetched, or the push failed (the output is on disk).
+        TypeError: A keyword is neither an option nor a hint.
 
     >>> reinit_checkpoint("model.safetensors", layers="0-11", output="reset.safetensors")  # doctest: +SKIP
     >>> reinit_checkpoint("./bert", options=ReinitOptions(targets="q,k"), push="me/bert-reset")  # doctest: +SKIP

@@ -188,7 +188,18 @@ def inspect_module(
 
 
 def inspect(model: nn.Module | str | Path, /, **options: Any) -> Report:
-    """Inspect a model in memory (:func:`inspect_module`) or a checkpoint path / Hub id (:func:`surgeon.api.inspect_checkpoint`)."""
+    """Inspect a model in memory or a checkpoint; changes nothing.
+
+    Args:
+        model: A module (:func:`inspect_module`), or a path or Hub id (:func:`surgeon.api.inspect_checkpoint`).
+        **options: The keywords of the function it goes to.
+
+    Returns:
+        The report: the blocks found and each projection's condition numbers.
+
+    Raises:
+        SurgeonError: As the function it goes to raises.
+    """
     if isinstance(model, nn.Module):
         return inspect_module(model, **options)
     from .api import inspect_checkpoint
@@ -197,9 +208,21 @@ def inspect(model: nn.Module | str | Path, /, **options: Any) -> Report:
 
 
 def reinit(model: str | Path, /, **options: Any) -> Report:
-    """Re-initialize a checkpoint path or Hub id into a new checkpoint (:func:`surgeon.api.reinit_checkpoint`).
+    """Re-initialize a checkpoint into a new one (:func:`surgeon.api.reinit_checkpoint`).
 
     A model in memory is changed in place by :func:`reinit_` instead; the trailing underscore says so.
+
+    Args:
+        model: A checkpoint path or Hub id.
+        **options: The keywords of :func:`surgeon.api.reinit_checkpoint` (``options=``, ``output=``,
+            ``layers=``, ...).
+
+    Returns:
+        The report.
+
+    Raises:
+        OptionError: ``model`` is a module (use :func:`reinit_`).
+        SurgeonError: As :func:`surgeon.api.reinit_checkpoint` raises.
     """
     if isinstance(model, nn.Module):
         raise OptionError(

@@ -31,6 +31,15 @@ __all__ = ["cli_spelling", "main"]
 # --version answer at once.
 
 
+def _show(report, *, plot: str | None, as_json: bool) -> None:
+    """Print ``report`` (as JSON, or its table), after drawing its plot where one is asked for."""
+    if plot:
+        from ..report.plot import plot_kappas
+
+        report.notes.append(f"wrote {plot_kappas(report, plot)}")
+    _out(report.to_json(cli_spelling) if as_json else report.render(cli_spelling))
+
+
 @click.group(cls=OneLineErrors, context_settings=CONTEXT)
 @click.version_option(__version__, "-V", "--version", prog_name="surgeon")
 @click.option(
@@ -127,11 +136,7 @@ def inspect(
         inputs=inputs,
         emit_layout=emit_layout,
     )
-    if plot:
-        from ..report.plot import plot_kappas
-
-        report.notes.append(f"wrote {plot_kappas(report, plot)}")
-    _out(report.to_json(cli_spelling) if as_json else report.render(cli_spelling))
+    _show(report, plot=plot, as_json=as_json)
 
 
 @main.command(
@@ -217,11 +222,7 @@ def reinit(
     )
     if distributed and os.environ.get("RANK", "0") != "0":
         return  # rank 0 prints the report (and draws the plot) for all ranks
-    if plot:
-        from ..report.plot import plot_kappas
-
-        report.notes.append(f"wrote {plot_kappas(report, plot)}")
-    _out(report.to_json(cli_spelling) if as_json else report.render(cli_spelling))
+    _show(report, plot=plot, as_json=as_json)
 
 
 @main.command(

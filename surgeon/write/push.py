@@ -34,7 +34,23 @@ _PUSH_SKIP = {".git", ".cache"}
 
 @dataclass
 class PushResult:
-    """What a push did: one commit (or pull request) with these files."""
+    """What a push did: one commit (or pull request) with these files.
+
+    Attributes:
+        repo_id: The repo pushed to.
+        repo_url: Its URL.
+        revision: The branch committed to ("main" by default).
+        created_repo: Whether the push created the repo.
+        commit: The commit's id ("" for a dry run).
+        commit_url: The commit's URL.
+        pr_url: The pull request's URL, where one was opened.
+        files: Every file of the push, as uploaded (or as a dry run would upload them).
+        large_files: Those sent through the large-file path (LFS / Xet).
+        unchanged: Those already on the Hub with the same content, left out of the commit.
+        bytes: The bytes sent.
+        notes: What the push says besides (a repo created, files left out).
+        dry_run: Nothing was sent.
+    """
 
     repo_id: str
     repo_url: str
@@ -51,6 +67,7 @@ class PushResult:
     dry_run: bool = False  # nothing was sent: ``files`` is what the push would upload
 
     def to_dict(self) -> dict:
+        """The result as ``surgeon push --json`` prints it."""
         return {
             "repo_id": self.repo_id,
             "repo_url": self.repo_url,
