@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
-from .compute.per_file import Compute, Progress
-from .detect import Detection, detect_source
+from .compute.per_file import Progress
+from .detect import detect_source
 from .detect.config import HINT_KEYWORDS, HintInput, Hints
-from .errors import CheckpointError, HubError, OptionError, opt
+from .errors import HubError, OptionError, opt
 from .open import hub
 from .open.source import Source
 from .options import ReinitOptions
 from .plan.planner import Plan, prepare_checkpoint
 from .report.checkpoint import (
     commit_message,
-    done_rows,
     dry_run_notes,
     planned_rows,
     reinit_report,
@@ -26,6 +24,7 @@ from .report.checkpoint import (
     source_label,
 )
 from .report.report import ProjectionRow, Report
+from .write.carry_out import carry_out
 from .write.journal import hold
 from .write.output import Destination, resolve_destination
 from .write.push import PushTarget
@@ -241,7 +240,7 @@ def reinit_checkpoint(
         return reinit_report(source, detection, plan, dest, planned_rows(source, plan), notes, device=str(device))
     title = target.repo_id if target is not None else dest.path.name
     with hold(source, exclusive=in_place):  # in place: alone; a copy: never while an in-place run patches it
-        done = _carry_out(
+        done = carry_out(
             source,
             detection,
             plan,
@@ -317,52 +316,6 @@ def _push_target(push: PushTarget | str | None, *, in_place: bool) -> PushTarget
     return target
 
 
-class _Done(NamedTuple):
-    """What carrying out a plan gave: the report's rows and notes, the device used, the bytes written."""
-
-    rows: list[ProjectionRow]
-    notes: list[str]
-    device: str
-    bytes_written: int
-
-
-def _carry_out(
-    source: Source,
-    detection: Detection,
-    plan: Plan,
-    dest: Destination,
-    *,
-    device,
-    full: bool,
-    progress: bool,
-    title: str,
-    command: Callable[[], str],
-) -> _Done:
-    """Compute the new values and write them to ``dest``.
-
-    ``command()`` gives the model card's reproduce command; it is made after the weights, so that
-    nothing delays the start of the byte copies."""
-    notes = [note for weights in source.weights for note in weights.check_plan(plan, detection)]
-    _check_secondary_sets(source, plan.tensors())
-    from .report.card import source_card, write_card
-
-    original = source_card(source) if dest.gets_card else None  # a card that cannot be read refuses here
-    run = Compute(plan, device, whole=full, progress=progress, total=len(plan.tensors()) * len(source.weights))
-
-    def card(folder: Path) -> None:
-        write_card(
-            folder, source=source, original=original, plan=plan, results=run.results(), command=command(), title=title
-        )
-
-    try:
-        notes += dest.write(source, run.updates_for, plan.record(), card=card)
-    finally:
-        run.close()
-    rows = done_rows(run.results())
-    used = str(run.engine.device) if run.started else str(device)
-    return _Done(rows, notes, used, dest.size(source, patched=run.bytes_changed))
-
-
 def _push(dest: Destination, target: PushTarget, source: Source, plan: Plan, *, progress: bool) -> list[str]:
     try:
         pushed = target.push(dest.path, default_message=commit_message(source, plan), progress=progress)
@@ -370,16 +323,3 @@ def _push(dest: Destination, target: PushTarget, source: Source, plan: Plan, *, 
         exc.context = f"wrote {dest.path}, but the push failed: "
         raise
     return pushed.notes + [pushed.summary(), f"files pushed: {', '.join(pushed.files)}"]
-
-
-def _check_secondary_sets(source: Source, tensors: list[str]) -> None:
-    """A folder with the same weights twice (safetensors and .bin): both must hold every edited tensor."""
-    primary = source.primary.tensors
-    for other in source.weights[1:]:
-        for name in tensors:
-            theirs = other.tensors.get(name)
-            if theirs is None or theirs.shape != primary[name].shape:
-                raise CheckpointError(
-                    f"{source.folder} holds two weight sets ({source.primary.describe()} and {other.describe()}) "
-                    f"that disagree on {name!r}; point surgeon at one file, or remove the stale copy"
-                )
