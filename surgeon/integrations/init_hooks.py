@@ -74,7 +74,7 @@ def conditioned_init_(
     model = module if model is None else model
     if any(p.is_meta for p in module.parameters()):
         return 0
-    if chosen.validated().mode != "conditioned":
+    if chosen.validated().mode != ReinitOptions().mode:  # the default mode is the paper's conditioned init
         raise OptionError(
             f"conditioned_init_ gives conditioned init; for {opt('mode', chosen.mode)} call surgeon.reinit_ "
             "once the model is built"
