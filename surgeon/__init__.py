@@ -20,7 +20,7 @@ _EXPORTS = {
     "reinit": "in_memory",
     "reinit_": "in_memory",
     "conditioned_init_": "integrations.init_hooks",
-    "recover": "write.journal",
+    "recover": "write.recovery",
     "verify": "audit",
     "Verification": "audit",
     "VerificationError": "errors",

@@ -3,47 +3,34 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
-from ._version import __version__
-from .compute.modes import get_mode
-from .compute.per_file import Compute, Progress
-from .detect import Detection, detect_source
+from .compute.per_file import Progress
+from .detect import detect_source
 from .detect.hints import HINT_KEYWORDS, HintInput, Hints
-from .errors import CheckpointError, HubError, OptionError, opt
+from .errors import HubError, OptionError, opt
 from .open import hub
 from .open.source import Source
-from .plan.planner import Plan, ReinitOptions, prepare_checkpoint
+from .options import ReinitOptions
+from .plan.planner import Plan, prepare_checkpoint
+from .report.checkpoint import (
+    commit_message,
+    dry_run_notes,
+    planned_rows,
+    reinit_report,
+    reproduce,
+    source_label,
+)
 from .report.report import ProjectionRow, Report
+from .write.carry_out import carry_out
 from .write.journal import hold
-from .write.output import Destination, folder_output_files, resolve_destination
+from .write.output import Destination, resolve_destination
 from .write.push import PushTarget
 
 if TYPE_CHECKING:  # torch is imported when tensors are first touched, so that opening, planning and
     import torch  # the byte copies of a reinit run while it loads
-
-
-def load(
-    model: str | Path,
-    *,
-    config: str | Path | None = None,
-    revision: str | None = None,
-    progress: bool = False,
-    recover: bool = False,
-) -> Source:
-    """Open a checkpoint: a file, a sharded index, a model folder, or a Hub id ``org/name`` (a local path wins).
-
-    A checkpoint an interrupted in-place run left behind is refused (``surgeon recover``), or rolled back
-    first with ``recover=True`` (what an in-place run on it does)."""
-    return hub.open_model(model, config=config, revision=revision, progress=progress, recover=recover)
-
-
-def _label(source: Source) -> str:
-    """How reports name the input: the Hub id for a Hub model (its cache path is in the notes)."""
-    return f"{source.hub_id}@{source.hub_revision or 'main'}" if source.hub_id else str(source.path)
 
 
 def check_device(device: str | torch.device | None) -> None:
@@ -73,17 +60,35 @@ def inspect_checkpoint(
 ) -> Report:
     """Find the attention blocks of a checkpoint and the condition numbers of their projections.
 
-    ``model`` is a path (safetensors, PyTorch, ONNX file or folder) or a Hugging Face Hub id (``org/name``,
-    at ``revision``); ONNX blocks are found by walking the graph. ``hints`` (a :class:`~surgeon.detect.hints.Hints`),
-    or its fields as keywords (``num_heads``, ``num_kv_heads``, ``head_dim``, ``force_hints``), say what
-    config.json does not. Per-head condition numbers are always computed; the whole-projection kappa and
-    spectral norm with ``full=True``.
-    ``verify_layout=True`` also checks the blocks against the forward of the architecture config.json names
-    (:func:`surgeon.audit.layout.verify_layout`; a note, or a LayoutError); ``jacobian=True`` adds the attention
-    Jacobian report (``report.jacobian``; ``inputs``: text lines or a .pt of token ids). The checkpoint is
-    opened and detected once for all of them.
-    ``layout``: a layout file (JSON, :mod:`surgeon.detect.layout_file`) whose rules are tried before the
-    built-in ones; ``emit_layout``: write the detected layout to that file, in the form ``layout`` reads.
+    Per-head condition numbers are always computed. The checkpoint is opened and detected once for every
+    check asked for.
+
+    Args:
+        model: A path (safetensors, PyTorch, ONNX file, DCP or model folder) or a Hub id ``org/name``;
+            ONNX blocks are found by walking the graph.
+        hints: What config.json does not say (a :class:`~surgeon.detect.hints.Hints`).
+        revision: The Hub model's branch, tag or commit (default: main).
+        config: A config.json to read heads from (default: the one beside the weights).
+        device: Where factorizations run: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
+        full: Also each whole projection's kappa and spectral norm.
+        progress: Show a progress bar on stderr.
+        verify_layout: Also check the blocks against the forward of the architecture config.json names
+            (a note, or a LayoutError).
+        jacobian: Also the attention Jacobian report (``report.jacobian``).
+        inputs: With ``jacobian``: text lines or a .pt of token ids (default: a built-in sample).
+        emit_layout: Write the detected layout to this file, in the form ``layout`` reads.
+        **hint_keywords: Fields of Hints (``num_heads``, ``num_kv_heads``, ``head_dim``, ``force_hints``,
+            ``layout``: a layout file whose rules are tried before the built-in ones), replacing those of
+            ``hints``.
+
+    Returns:
+        The report: the blocks found and each projection's condition numbers.
+
+    Raises:
+        CheckpointError: The checkpoint cannot be read.
+        NoAttentionFoundError: No attention projection was found.
+        OptionError: An argument is out of range or goes with another.
+        HubError: The Hub model cannot be fetched.
 
     >>> report = inspect_checkpoint("model.safetensors", num_heads=12)  # doctest: +SKIP
     """
@@ -94,7 +99,7 @@ def inspect_checkpoint(
 
     dev = resolve_device(device)
     start = time.perf_counter()
-    source = load(model, config=config, revision=revision, progress=progress)
+    source = hub.open_model(model, config=config, revision=revision, progress=progress)
     detection = detect_source(source, hints)
     weights = source.primary
     if emit_layout is not None:
@@ -130,7 +135,7 @@ def inspect_checkpoint(
     ]
     return Report(
         "inspect",
-        _label(source),
+        source_label(source),
         weights.describe(),
         detection.blocks,
         rows,
@@ -159,24 +164,47 @@ def reinit_checkpoint(
     distributed: bool = False,
     **keywords: Any,
 ) -> Report:
-    """Re-initialize the chosen Q/K/V projections of a checkpoint and write a new one beside it.
+    """Re-initialize the chosen Q/K/V projections of a checkpoint and write a new one.
 
-    ``model``: a path (safetensors, PyTorch, ONNX file or folder) or a Hub id (``org/name``, at ``revision``).
-    What to do: ``options`` (a :class:`~surgeon.plan.planner.ReinitOptions`); what config.json does not say:
-    ``hints`` (a :class:`~surgeon.detect.hints.Hints`). The fields of either may also be given as
-    keywords (``layers``, ``targets``, ``heads``, ``mode``, ``seed``, ...; ``num_heads``, ``head_dim``, ...),
-    which replace those of the objects.
-    Where: ``output`` (default: beside the input), or ``in_place=True`` (safetensors: only the changed
-    byte ranges are patched, journaled; see :mod:`surgeon.write.journal`). A folder output gets a model card.
-    ONNX: ``output="out.onnx"`` for an .onnx with external data writes out.onnx with its data beside it
-    (``out.onnx.data``), a path without .onnx a folder; a shared initializer that must change becomes a
-    copy for the chosen projections. ``push`` (a repo id, or a :class:`~surgeon.write.push.PushTarget` for a
-    branch, a pull request, a private repo or a token) uploads the output folder in one commit.
-    ``full=True`` also measures each whole projection's kappa and spectral norm.
-    ``distributed=True``: every rank of a torchrun job (or of a training script's process group) calls this
-    with the same arguments, and each writes only its own share of a DCP or sharded safetensors folder
-    (:mod:`surgeon.write.ranks`); the output is the one a single process writes, byte for byte, and every rank
-    returns the whole report.
+    Every tensor not re-initialized keeps its bytes. A folder output gets a model card. ONNX: an .onnx
+    with external data written as ``out.onnx`` gets its data beside it (``out.onnx.data``); a shared
+    initializer that must change becomes a copy for the chosen projections.
+
+    Args:
+        model: A path (safetensors, PyTorch, ONNX file, DCP or model folder) or a Hub id ``org/name``.
+        options: What to re-initialize and how (a :class:`~surgeon.options.ReinitOptions`; default: the
+            conditioned reset of every layer).
+        hints: What config.json does not say (a :class:`~surgeon.detect.hints.Hints`).
+        output: Where to write (default: beside the input).
+        in_place: Change the input itself (safetensors: only the changed byte ranges, journaled; see
+            :mod:`surgeon.write.journal`).
+        overwrite: Replace an existing output.
+        dry_run: Plan only; write nothing.
+        push: Upload the output folder in one commit: a repo id, or a :class:`~surgeon.write.push.PushTarget`
+            for a branch, a pull request, a private repo or a token.
+        device: Where generation and factorizations run: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
+        revision: The Hub model's branch, tag or commit (default: main).
+        config: A config.json to read heads from (default: the one beside the weights).
+        full: Also each whole projection's kappa and spectral norm.
+        progress: Show a progress bar on stderr.
+        distributed: Run on every rank of a torchrun job (or of a training script's process group): each
+            rank calls this with the same arguments and writes its own share of a DCP or sharded
+            safetensors folder (:mod:`surgeon.write.ranks`); the output is the one a single process
+            writes, byte for byte, and every rank returns the whole report.
+        **keywords: Fields of ReinitOptions (``layers``, ``targets``, ``mode``, ``seed``, ...) or of Hints
+            (``num_heads``, ``head_dim``, ...), replacing those of ``options`` and ``hints``.
+
+    Returns:
+        The report: the blocks, each projection's condition numbers before and after, the output.
+
+    Raises:
+        CheckpointError: The checkpoint cannot be read.
+        NoAttentionFoundError: No attention projection was found.
+        OptionError: An option is out of range, or options that do not go together.
+        SelectionError: The selection names layers or heads the model does not have.
+        OutputError: The output cannot be written (e.g. it exists without ``overwrite``).
+        HubError: The Hub model cannot be fetched, or the push failed (the output is on disk).
+        TypeError: A keyword is neither an option nor a hint.
 
     >>> reinit_checkpoint("model.safetensors", layers="0-11", output="reset.safetensors")  # doctest: +SKIP
     >>> reinit_checkpoint("./bert", options=ReinitOptions(targets="q,k"), push="me/bert-reset")  # doctest: +SKIP
@@ -191,14 +219,16 @@ def reinit_checkpoint(
         ranks.refuse(in_place=in_place, push=target is not None)
         group = ranks.Ranks.join()
         try:
-            return _reinit_ranks(
+            return ranks.reinit_ranks(
                 group, model, opts, hints, output, overwrite=overwrite, dry_run=dry_run, device=device,
                 revision=revision, config=config, full=full,
             )  # fmt: skip
         finally:
             group.close()
     start = time.perf_counter()
-    source = load(model, config=config, revision=revision, progress=progress, recover=in_place and not dry_run)
+    source = hub.open_model(
+        model, config=config, revision=revision, progress=progress, recover=in_place and not dry_run
+    )
     dest = resolve_destination(
         source, output, in_place=in_place, overwrite=overwrite or dry_run, push=target is not None
     )
@@ -206,11 +236,11 @@ def reinit_checkpoint(
     plan = prepare_checkpoint(source, detection, opts)
     notes = source.notes + detection.notes[:5] + plan.notes
     if dry_run:
-        notes += _dry_run_notes(source, dest, overwrite=overwrite, push=target)
-        return _report(source, detection, plan, dest, _planned_rows(source, plan), notes, device=str(device))
+        notes += dry_run_notes(source, dest, overwrite=overwrite, push=target)
+        return reinit_report(source, detection, plan, dest, planned_rows(source, plan), notes, device=str(device))
     title = target.repo_id if target is not None else dest.path.name
     with hold(source, exclusive=in_place):  # in place: alone; a copy: never while an in-place run patches it
-        done = _carry_out(
+        done = carry_out(
             source,
             detection,
             plan,
@@ -219,13 +249,13 @@ def reinit_checkpoint(
             full=full,
             progress=progress,
             title=title,
-            command=lambda: _reproduce(model, source, plan.options, hints, dest.path),
+            command=lambda: reproduce(model, source, plan.options, hints, dest.path),
         )
     seconds = time.perf_counter() - start
     notes += done.notes
     if target is not None:
         notes += _push(dest, target, source, plan, progress=progress)
-    return _report(
+    return reinit_report(
         source,
         detection,
         plan,
@@ -239,76 +269,11 @@ def reinit_checkpoint(
     )
 
 
-def _reinit_ranks(
-    group,
-    model: str | Path,
-    opts: ReinitOptions,
-    hints: Hints,
-    output: str | Path | None,
-    *,
-    overwrite: bool,
-    dry_run: bool,
-    device,
-    revision: str | None,
-    config: str | Path | None,
-    full: bool,
-) -> Report:
-    """reinit_checkpoint on every rank of ``group`` (a :class:`surgeon.write.ranks.Ranks`): each plans alike, writes its share."""
-    from .write import ranks
-
-    start = time.perf_counter()
-
-    def prepare() -> tuple[Source, Destination, Detection, Plan]:
-        source = load(model, config=config, revision=revision)
-        dest = resolve_destination(source, output, in_place=False, overwrite=overwrite or dry_run)
-        ranks.refuse(in_place=False, push=False, source=source, dest=dest)
-        detection = detect_source(source, hints)
-        return source, dest, detection, prepare_checkpoint(source, detection, opts)
-
-    source, dest, detection, plan = group.step(prepare)  # a refusal on one rank stops them all
-    notes = source.notes + detection.notes[:5] + plan.notes
-    if dry_run:
-        notes += _dry_run_notes(source, dest, overwrite=overwrite, push=None)
-        return _report(source, detection, plan, dest, _planned_rows(source, plan), notes, device=str(device))
-    from .report.card import source_card, write_card
-
-    with hold(source, exclusive=False):
-        write_plan = group.step(lambda: source.primary.write_plan(plan, detection))
-        notes += write_plan.notes
-        original = group.step(lambda: source_card(source) if group.rank == 0 else None)
-        run = Compute(plan, device, whole=full, progress=False, total=len(plan.tensors()))
-        command = _reproduce(model, source, plan.options, hints, dest.path)
-
-        def card(folder: Path, results: list) -> None:
-            write_card(
-                folder, source=source, original=original, plan=plan, results=results, command=command,
-                title=dest.path.name,
-            )  # fmt: skip
-
-        try:
-            written, results = ranks.write(group, source, dest, run, plan.record(), write_plan, card=card)
-        finally:
-            run.close()
-    rows = [ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed) for r in results]
-    used = str(run.engine.device) if run.started else str(device)
-    return _report(
-        source,
-        detection,
-        plan,
-        dest,
-        rows,
-        notes + written,
-        device=used,
-        seconds=time.perf_counter() - start,
-        bytes_written=dest.size(source, patched=0),
-        dry_run=False,
-    )
-
-
 _PUSH_KEYWORDS = {  # reinit_checkpoint's keywords before PushTarget -> the PushTarget field
     "push_to_hub": "repo_id",
     "private": "private",
-    "push_revision": "revision",
+    "push_branch": "branch",
+    "push_revision": "branch",
     "create_pr": "create_pr",
     "commit_message": "commit_message",
     "token": "token",
@@ -351,143 +316,10 @@ def _push_target(push: PushTarget | str | None, *, in_place: bool) -> PushTarget
     return target
 
 
-class _Done(NamedTuple):
-    """What carrying out a plan gave: the report's rows and notes, the device used, the bytes written."""
-
-    rows: list[ProjectionRow]
-    notes: list[str]
-    device: str
-    bytes_written: int
-
-
-def _carry_out(
-    source: Source,
-    detection: Detection,
-    plan: Plan,
-    dest: Destination,
-    *,
-    device,
-    full: bool,
-    progress: bool,
-    title: str,
-    command: Callable[[], str],
-) -> _Done:
-    """Compute the new values and write them to ``dest``.
-
-    ``command()`` gives the model card's reproduce command; it is made after the weights, so that
-    nothing delays the start of the byte copies."""
-    write_plans = [weights.write_plan(plan, detection) for weights in source.weights]
-    notes = [note for write_plan in write_plans for note in write_plan.notes]
-    _check_secondary_sets(source, plan.tensors())
-    from .report.card import source_card, write_card
-
-    original = source_card(source) if dest.gets_card else None  # a card that cannot be read refuses here
-    run = Compute(plan, device, whole=full, progress=progress, total=len(plan.tensors()) * len(source.weights))
-
-    def card(folder: Path) -> None:
-        write_card(
-            folder, source=source, original=original, plan=plan, results=run.results(), command=command(), title=title
-        )
-
-    try:
-        notes += dest.write(source, run.updates_for, plan.record(), write_plans, card=card)
-    finally:
-        run.close()
-    rows = [ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed) for r in run.results()]
-    used = str(run.engine.device) if run.started else str(device)
-    return _Done(rows, notes, used, dest.size(source, patched=run.bytes_changed))
-
-
 def _push(dest: Destination, target: PushTarget, source: Source, plan: Plan, *, progress: bool) -> list[str]:
     try:
-        pushed = target.push(dest.path, default_message=_commit_message(source, plan), progress=progress)
+        pushed = target.push(dest.path, default_message=commit_message(source, plan), progress=progress)
     except HubError as exc:  # the output is on disk: say so, and keep the error's type
         exc.context = f"wrote {dest.path}, but the push failed: "
         raise
     return pushed.notes + [pushed.summary(), f"files pushed: {', '.join(pushed.files)}"]
-
-
-def _dry_run_notes(source: Source, dest: Destination, *, overwrite: bool, push: PushTarget | None) -> list[str]:
-    notes = []
-    if dest.path.exists() and not overwrite and not dest.in_place:
-        notes.append(f"{dest.path} exists: the real run needs {opt('overwrite', True)} or another {opt('output')}")
-    if push is not None:
-        weights, carried = folder_output_files(source)
-        files = sorted({*weights, *carried, "README.md"})  # the folder surgeon writes, its model card included
-        notes.append(f"the real run pushes {dest.path.name} to {push.repo_id}: {len(files)} files, {', '.join(files)}")
-    return notes
-
-
-def _planned_rows(source: Source, plan: Plan) -> list[ProjectionRow]:
-    """A dry run's rows: what the real run would change, nothing computed."""
-    return [
-        ProjectionRow(
-            c.block,
-            c.role,
-            None,
-            heads_changed=c.heads,
-            bias_zeroed=plan.options.zero_bias and c.projection.bias is not None,
-            dtype=source.primary.tensors[c.projection.weight.tensor].element or "",
-        )
-        for c in plan.changes
-    ]
-
-
-def _report(
-    source: Source,
-    detection: Detection,
-    plan: Plan,
-    dest: Destination,
-    rows: list[ProjectionRow],
-    notes: list[str],
-    *,
-    device: str,
-    seconds: float = 0.0,
-    bytes_written: int = 0,
-    dry_run: bool = True,
-) -> Report:
-    """The reinit's report, made once from what was planned or done."""
-    return Report(
-        "reinit",
-        _label(source),
-        source.describe(),
-        detection.blocks,
-        rows,
-        options=plan.options.to_dict(),  # with the mode's defaults from config (redraw: the family's std)
-        output=str(dest.path),
-        dry_run=dry_run,
-        seconds=seconds,
-        bytes_written=bytes_written,
-        device=device,
-        notes=notes,
-    )
-
-
-def _reproduce(model: str | Path, source: Source, options: ReinitOptions, hints: Hints, dest: Path) -> str:
-    from .report.card import reproduce_command
-
-    if source.hub_id:
-        label, revision = source.hub_id, source.hub_commit
-    else:  # a relative path as typed; never an absolute one (it would publish a local directory layout)
-        label, revision = (str(model) if not Path(model).is_absolute() else Path(model).name), None
-    return reproduce_command(label, revision=revision, options=options.to_dict(), hints=hints, output=dest.name)
-
-
-def _commit_message(source: Source, plan: Plan) -> str:
-    targets = ",".join(plan.options.to_dict()["targets"])
-    of = f" of {source.hub_id}" if source.hub_id else ""
-    n = len(plan.touched_blocks)
-    return f"{get_mode(plan.options.mode).label} of {targets} in {n} attention block{'s' if n != 1 else ''}{of} (surgeon {__version__})"
-
-
-def _check_secondary_sets(source: Source, tensors: list[str]) -> None:
-    """A folder with the same weights twice (safetensors and .bin): both must hold every edited tensor."""
-    primary = source.primary.tensors
-    for other in source.weights[1:]:
-        for name in tensors:
-            theirs = other.tensors.get(name)
-            if theirs is None or theirs.shape != primary[name].shape:
-                raise CheckpointError(
-                    f"{source.folder} holds two weight sets ({source.primary.describe()} and {other.describe()}) "
-                    f"that disagree on {name!r}; point surgeon at one file, or remove the stale copy"
-                )

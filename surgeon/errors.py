@@ -54,7 +54,14 @@ def spell(text: str, spelling: Spelling = python_spelling) -> str:
 
 
 class SurgeonError(Exception):
-    """Base class of every error surgeon raises on bad input or a refused operation."""
+    """Base class of every error surgeon raises on bad input or a refused operation.
+
+    Args:
+        message: One line; options are named by their Python keyword (:func:`opt`), spelt when shown.
+        tensor: The tensor it concerns, if any.
+        path: The file it concerns, if any.
+        context: Text put before the message (what had been done when it happened).
+    """
 
     exit_code = 1
 

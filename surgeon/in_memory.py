@@ -9,7 +9,9 @@ Weights change in place under ``torch.no_grad()``, on the device and in the dtyp
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,8 @@ from .compute.modes import get_mode
 from .detect.hints import HintInput, Hints
 from .detect.module import ModuleDetection, detect_module
 from .errors import OptionError, opt
-from .plan.planner import Plan, ReinitOptions, prepare
+from .options import ReinitOptions
+from .plan.planner import Plan, prepare
 from .plan.selection import IndexSpec
 from .report.report import ProjectionRow, Report
 
@@ -37,53 +40,43 @@ from .report.report import ProjectionRow, Report
 def reinit_(
     module: nn.Module,
     *,
-    layers: IndexSpec = "all",
-    targets: str | Iterable[str] = ("q", "k", "v"),
-    heads: IndexSpec = "all",
-    attention: str = "all",
-    stack: str | Iterable[str] | None = None,
-    mode: str = "conditioned",
-    strength: float | None = None,
-    value_identity: str = "block",
-    keep_scale: bool = False,
-    bias: str = "auto",
-    seed: int = 0,
-    gain: float | None = None,
-    std: float | None = None,
+    options: ReinitOptions | None = None,
     num_heads: HintInput = None,
     num_kv_heads: HintInput = None,
     head_dim: HintInput = None,
     example_inputs: Any = None,
     full: bool = False,
+    **keywords: Any,
 ) -> Report:
-    """Re-initialize the chosen query/key/value projections of ``module`` in place; return the report.
+    """Re-initialize the chosen query/key/value projections of ``module`` in place.
 
-    ``layers`` and ``heads`` take the CLI's specs (``"all"``, ``"0-11"``, ``"-2-"``, ``"0,3,5-7"``) or
-    an iterable of ints; the other options are those of ``surgeon reinit``. ``example_inputs`` (a
-    tensor, a tuple of arguments or a dict of keyword arguments for ``module(...)``) is needed only
-    for a custom module whose forward surgeon cannot call with a plain (batch, tokens, width) tensor.
-    ``full=True`` also measures each whole projection's kappa and spectral norm.
+    Args:
+        module: The model (or any module holding attention), on any device; DDP, torch.compile and PEFT
+            wrappers are looked through.
+        options: What to re-initialize and how (default: the conditioned reset of every layer).
+        num_heads: Query heads, where the module does not say (one count, or one per stack).
+        num_kv_heads: Key/value heads (grouped-query attention), where the module does not say.
+        head_dim: Head size, where it is not width / heads.
+        example_inputs: A tensor, a tuple of arguments or a dict of keyword arguments for ``module(...)``;
+            needed only for a custom module whose forward cannot be called with a (batch, tokens, width) tensor.
+        full: Also measure each whole projection's kappa and spectral norm.
+        **keywords: Fields of :class:`ReinitOptions` (``layers="0-11"``, ``seed=1``, ...), replacing
+            those of ``options``.
+
+    Returns:
+        The report: the blocks found and each projection's condition numbers before and after.
+
+    Raises:
+        OptionError: An option is out of range, or ``module`` is not a module surgeon can change in place.
+        NoAttentionFoundError: No attention projection was found.
+        TypeError: A keyword is not an option.
     """
     _check(module, "reinit_")
-    options = ReinitOptions(
-        layers=_fixed(layers),
-        targets=targets,
-        heads=_fixed(heads),
-        attention=attention,
-        stack=stack,
-        mode=mode,
-        strength=strength,
-        value_identity=value_identity,
-        keep_scale=keep_scale,
-        bias=bias,
-        seed=seed,
-        gain=gain,
-        std=std,
-    ).validated()
+    chosen = ReinitOptions.build(options, **keywords)
+    chosen = replace(chosen, layers=_fixed(chosen.layers), heads=_fixed(chosen.heads)).validated()
     start = time.perf_counter()
-    with unwrapped(module) as inner:  # DDP, torch.compile, PEFT: the model inside, LoRA bases in place
-        found = detect_module(inner, hints=Hints(num_heads, num_kv_heads, head_dim), example_inputs=example_inputs)
-        plan, engine, device = _change_in_place(inner, found, options, full)
+    with _detected(module, Hints(num_heads, num_kv_heads, head_dim), example_inputs) as (inner, found):
+        plan, engine, device = _change_in_place(inner, found, chosen, full)
     return _reinit_report(module, found, plan, engine, device, start)
 
 
@@ -144,11 +137,26 @@ def inspect_module(
     example_inputs: Any = None,
     full: bool = False,
 ) -> Report:
-    """The attention blocks of ``module`` and the condition numbers of their projections (changes nothing)."""
+    """The attention blocks of ``module`` and the condition numbers of their projections; changes nothing.
+
+    Args:
+        module: The model (or any module holding attention); wrappers as for :func:`reinit_`.
+        num_heads: Query heads, where the module does not say.
+        num_kv_heads: Key/value heads, where the module does not say.
+        head_dim: Head size, where it is not width / heads.
+        example_inputs: Arguments for ``module(...)``, as for :func:`reinit_`.
+        full: Also measure each whole projection's kappa and spectral norm.
+
+    Returns:
+        The report: the blocks found and each projection's condition numbers.
+
+    Raises:
+        OptionError: ``module`` is not a module surgeon can read (e.g. on the meta device).
+        NoAttentionFoundError: No attention projection was found.
+    """
     _check(module, "inspect")
     start = time.perf_counter()
-    with unwrapped(module) as inner:
-        found = detect_module(inner, hints=Hints(num_heads, num_kv_heads, head_dim), example_inputs=example_inputs)
+    with _detected(module, Hints(num_heads, num_kv_heads, head_dim), example_inputs) as (_, found):
         first = found.params[found.blocks[0].q.weight.tensor]
         if any_sharded(found.params, found.params):
             spectra = inspect_sharded(found.blocks, found.params, first.device, whole=full)
@@ -180,7 +188,18 @@ def inspect_module(
 
 
 def inspect(model: nn.Module | str | Path, /, **options: Any) -> Report:
-    """Inspect a model in memory (:func:`inspect_module`) or a checkpoint path / Hub id (:func:`surgeon.api.inspect_checkpoint`)."""
+    """Inspect a model in memory or a checkpoint; changes nothing.
+
+    Args:
+        model: A module (:func:`inspect_module`), or a path or Hub id (:func:`surgeon.api.inspect_checkpoint`).
+        **options: The keywords of the function it goes to.
+
+    Returns:
+        The report: the blocks found and each projection's condition numbers.
+
+    Raises:
+        SurgeonError: As the function it goes to raises.
+    """
     if isinstance(model, nn.Module):
         return inspect_module(model, **options)
     from .api import inspect_checkpoint
@@ -189,9 +208,21 @@ def inspect(model: nn.Module | str | Path, /, **options: Any) -> Report:
 
 
 def reinit(model: str | Path, /, **options: Any) -> Report:
-    """Re-initialize a checkpoint path or Hub id into a new checkpoint (:func:`surgeon.api.reinit_checkpoint`).
+    """Re-initialize a checkpoint into a new one (:func:`surgeon.api.reinit_checkpoint`).
 
     A model in memory is changed in place by :func:`reinit_` instead; the trailing underscore says so.
+
+    Args:
+        model: A checkpoint path or Hub id.
+        **options: The keywords of :func:`surgeon.api.reinit_checkpoint` (``options=``, ``output=``,
+            ``layers=``, ...).
+
+    Returns:
+        The report.
+
+    Raises:
+        OptionError: ``model`` is a module (use :func:`reinit_`).
+        SurgeonError: As :func:`surgeon.api.reinit_checkpoint` raises.
     """
     if isinstance(model, nn.Module):
         raise OptionError(
@@ -200,6 +231,13 @@ def reinit(model: str | Path, /, **options: Any) -> Report:
     from .api import reinit_checkpoint
 
     return reinit_checkpoint(model, **options)
+
+
+@contextmanager
+def _detected(module: nn.Module, hints: Hints, example_inputs: Any) -> Iterator[tuple[nn.Module, ModuleDetection]]:
+    """The model inside ``module``'s wrappers (DDP, torch.compile, PEFT: LoRA bases in place) and its blocks."""
+    with unwrapped(module) as inner:
+        yield inner, detect_module(inner, hints=hints, example_inputs=example_inputs)
 
 
 def _check(module: Any, fn: str) -> None:

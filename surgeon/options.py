@@ -40,6 +40,11 @@ def _option(default: Any, help: str, **info: Any) -> Any:
     return field(default=default, metadata={"shell": OptionInfo(help, **info)})
 
 
+def _if_set(name: str) -> Callable[[dict], bool]:
+    """OptionInfo.recorded for an option a reproduce command needs only where it was given."""
+    return lambda recorded: recorded.get(name) is not None
+
+
 def option_infos() -> list[tuple[str, OptionInfo]]:
     """(field name, OptionInfo) of every option, in field order."""
     return [(f.name, f.metadata["shell"]) for f in fields(ReinitOptions)]
@@ -49,8 +54,25 @@ def option_infos() -> list[tuple[str, OptionInfo]]:
 class ReinitOptions:
     """How to re-initialize; the defaults are the paper's conditioned reset of every layer.
 
-    The one spelling of the options: the Python API takes a ReinitOptions or keywords that build one
-    (:meth:`build`), the CLI and the model card's reproduce command are made from its fields.
+    The one spelling of the options: every entry point (``reinit_checkpoint``, ``reinit_``,
+    ``conditioned_init_``, the Trainer callback, the ranks of a distributed run) takes a ReinitOptions as
+    ``options=`` and its fields as keywords (:meth:`build`); the CLI's flags and the model card's reproduce
+    command are made from its fields. Each field's meaning is its help (``surgeon reinit --help``).
+
+    Attributes:
+        layers: Layers per stack: a spec (``"all"``, ``"0-11"``, ``"-2-"``, ``"0,3,5-7"``) or ints.
+        targets: Projections: any of q, k, v (``"q,k"`` or an iterable).
+        heads: Query heads, as a spec or ints (K/V: the key/value heads they use).
+        attention: ``"self"``, ``"cross"`` or ``"all"``.
+        stack: Only the stacks whose path or name part is given (None: all).
+        mode: ``conditioned``, ``polar``, ``redraw`` or ``mimetic``.
+        strength: Polar mode's t in (0, 1] (None: 1).
+        value_identity: ``"block"`` or ``"per-head"`` value identity.
+        keep_scale: Rescale each new head to the old one's Frobenius norm.
+        bias: ``"auto"``, ``"zero"`` or ``"keep"`` for the re-initialized heads' biases.
+        seed: The draws' seed.
+        gain: Conditioned mode's scale of the q/k heads (None: 1).
+        std: Redraw mode's std (None: from config.json).
     """
 
     layers: IndexSpec = _option("all", "Layers to re-initialize, per stack.", spec=True)
@@ -67,7 +89,7 @@ class ReinitOptions:
         None,
         "Polar mode: sigma -> sigma^(1-t) for t in (0, 1] (kappa -> kappa^(1-t)). Default 1.",
         kind=float,
-        recorded=lambda o: o.get("strength") is not None,
+        recorded=_if_set("strength"),
     )
     value_identity: str = _option(
         "block",
@@ -92,19 +114,30 @@ class ReinitOptions:
         "Conditioned mode: scale of the semi-orthogonal q/k heads (default 1; 0.02 * sqrt(width) matches a "
         "normal(0, 0.02) init's scale).",
         kind=float,
-        recorded=lambda o: o.get("gain") is not None,
+        recorded=_if_set("gain"),
     )
     std: float | None = _option(
         None,
         "Redraw mode: std of the normal draws (default: config.json's initializer_range, else 0.02; "
         "nn.MultiheadAttention tensors use xavier_uniform).",
         kind=float,
-        recorded=lambda o: o.get("std") is not None,
+        recorded=_if_set("std"),
     )
 
     @classmethod
     def build(cls, options: ReinitOptions | None = None, /, **keywords: Any) -> ReinitOptions:
-        """``options`` (default: the defaults) with the options given as keywords replaced."""
+        """``options`` with the fields given as keywords replaced (unchecked: see :meth:`validated`).
+
+        Args:
+            options: The options to start from (default: the defaults).
+            **keywords: Fields of ReinitOptions.
+
+        Returns:
+            A new ReinitOptions.
+
+        Raises:
+            TypeError: A keyword is not a field, or ``options`` is not a ReinitOptions.
+        """
         names = {f.name for f in fields(cls)}
         for key in keywords:
             if key not in names:
@@ -114,6 +147,14 @@ class ReinitOptions:
         return replace(options if options is not None else cls(), **keywords)
 
     def validated(self) -> ReinitOptions:
+        """Check the values against each other (the selection is checked against a model when planning).
+
+        Returns:
+            These options.
+
+        Raises:
+            OptionError: A value is unknown or out of range, or applies to another mode.
+        """
         if self.mode not in MODES:
             raise OptionError(
                 f"unknown mode {self.mode!r}: use " + "; ".join(f"{m.name} ({m.help})" for m in all_modes())
@@ -148,14 +189,22 @@ class ReinitOptions:
 
     @property
     def effective_strength(self) -> float:
+        """The polar strength used: ``strength``, or 1 when not given."""
         return 1.0 if self.strength is None else float(self.strength)
 
     @property
     def zero_bias(self) -> bool:
+        """Whether the re-initialized heads' biases are zeroed (``bias="auto"``: for the fresh modes)."""
         # A fresh reset starts from zero biases; conditioning pretrained weights keeps them.
         return self.bias == "zero" or (self.bias == "auto" and get_mode(self.mode).fresh)
 
     def to_dict(self) -> dict:
+        """The options as recorded in reports, records and cards.
+
+        Returns:
+            A JSON-ready dict: specs as given, targets and stacks as lists, the strength and the bias policy
+            resolved, ``gain`` and ``std`` only where set.
+        """
         out = asdict(self)
         for key in ("layers", "heads"):
             value = out[key]

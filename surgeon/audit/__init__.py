@@ -45,6 +45,8 @@ __all__ = ["Verification", "verify", "card_record", "card_comment", "CheckpointE
 
 @dataclass
 class Verification:
+    """What :func:`verify` checked: the record, the tensors re-derived and those found byte-identical."""
+
     original: str
     output: str
     record: dict
@@ -99,10 +101,22 @@ def verify(
 ) -> Verification:
     """Check that ``output`` is exactly what surgeon's record in it says was made from ``original``.
 
-    Returns a :class:`Verification` (``.summary()`` is a one-line verdict); raises
-    :class:`VerificationError` at the first mismatch, and a :class:`SurgeonError` (CheckpointError) when it
-    cannot verify: no record, a malformed one, or one of another surgeon version whose values differ.
-    ``hints`` (or their fields as keywords, ``num_heads=8``): what the run needed to be told about heads.
+    Args:
+        original: The checkpoint the run read: a path or a Hub id.
+        output: What the run wrote (a file or folder).
+        revision: The Hub model's branch, tag or commit (default: main).
+        config: A config.json to read heads from (default: the one beside the weights).
+        hints: What the run needed to be told about heads (a :class:`~surgeon.detect.hints.Hints`).
+        device: Where the values are re-derived.
+        **hint_keywords: Fields of Hints (``num_heads=8``, ...), replacing those of ``hints``.
+
+    Returns:
+        The verification; ``.summary()`` is a one-line verdict.
+
+    Raises:
+        VerificationError: At the first mismatch.
+        CheckpointError: It cannot verify: no record, a malformed one, or one of another surgeon version
+            whose values differ.
     """
     from ..open.hub import open_model
     from ..open.source import open_source

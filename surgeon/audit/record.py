@@ -21,7 +21,7 @@ from ..compute.modes import all_modes, get_mode
 from ..compute.spectrum import VALUE_IDENTITIES
 from ..errors import CheckpointError, SurgeonError
 from ..open.bounded import CARD_LIMIT, loads, read_text
-from ..plan.planner import BIAS_CHOICES, MODES, ReinitOptions
+from ..options import BIAS_CHOICES, MODES, ReinitOptions
 from ..report.card import CARD_CLOSE, CARD_OPEN
 
 MAX_LIST = 1_000_000  # entries in any list of a record (blocks, layer/head numbers): beyond any real model

@@ -15,6 +15,7 @@ from .shell import (
     CONTEXT,
     OneLineErrors,
     _out,
+    branch_flag,
     cli_spelling,
     full_option,
     handle_errors,
@@ -28,6 +29,15 @@ __all__ = ["cli_spelling", "main"]
 
 # The commands import surgeon.api (and through it torch) when they run, so that --help and
 # --version answer at once.
+
+
+def _show(report, *, plot: str | None, as_json: bool) -> None:
+    """Print ``report`` (as JSON, or its table), after drawing its plot where one is asked for."""
+    if plot:
+        from ..report.plot import plot_kappas
+
+        report.notes.append(f"wrote {plot_kappas(report, plot)}")
+    _out(report.to_json(cli_spelling) if as_json else report.render(cli_spelling))
 
 
 @click.group(cls=OneLineErrors, context_settings=CONTEXT)
@@ -126,11 +136,7 @@ def inspect(
         inputs=inputs,
         emit_layout=emit_layout,
     )
-    if plot:
-        from ..report.plot import plot_kappas
-
-        report.notes.append(f"wrote {plot_kappas(report, plot)}")
-    _out(report.to_json(cli_spelling) if as_json else report.render(cli_spelling))
+    _show(report, plot=plot, as_json=as_json)
 
 
 @main.command(
@@ -177,24 +183,7 @@ negative numbers count from the end (-1 is the last). Each stack of layers is nu
 @full_option
 @handle_errors
 def reinit(
-    model,
-    output,
-    overwrite,
-    in_place,
-    dry_run,
-    plot,
-    push_to_hub,
-    private,
-    push_revision,
-    create_pr,
-    commit_message,
-    revision,
-    config,
-    hints,
-    device,
-    full,
-    as_json,
-    **options,
+    model, output, overwrite, in_place, dry_run, plot, push, revision, config, hints, device, full, as_json, options
 ):
     """Re-initialize query/key/value projections of MODEL with conditioned initialization.
 
@@ -209,24 +198,15 @@ def reinit(
     given to the chosen projections as a copy of their own (the report says so).
     """
     from .. import api
-    from ..plan.planner import ReinitOptions
-    from ..write.push import PushTarget
     from ..write.ranks import under_torchrun
 
     distributed = under_torchrun()  # every rank of torchrun runs this command: each writes its share
 
     if plot and dry_run:
         raise OptionError("--plot draws the condition numbers before and after, and a --dry-run computes none")
-    push = PushTarget.build(
-        push_to_hub,
-        private=private,
-        revision=push_revision,
-        create_pr=create_pr,
-        commit_message=commit_message,
-    )
     report = api.reinit_checkpoint(
         model,
-        options=ReinitOptions.build(**{k: v for k, v in options.items() if v is not None}),
+        options=options,
         hints=hints,
         output=output,
         in_place=in_place,
@@ -242,11 +222,7 @@ def reinit(
     )
     if distributed and os.environ.get("RANK", "0") != "0":
         return  # rank 0 prints the report (and draws the plot) for all ranks
-    if plot:
-        from ..report.plot import plot_kappas
-
-        report.notes.append(f"wrote {plot_kappas(report, plot)}")
-    _out(report.to_json(cli_spelling) if as_json else report.render(cli_spelling))
+    _show(report, plot=plot, as_json=as_json)
 
 
 @main.command(
@@ -255,7 +231,7 @@ def reinit(
 Examples:
   surgeon push ./llama-reinit me/llama-reinit
   surgeon push ./llama-reinit org/llama-reinit --private
-  surgeon push ./llama-reinit org/llama-reinit --revision reset-v2   # to a branch
+  surgeon push ./llama-reinit org/llama-reinit --branch reset-v2     # to a branch
   surgeon push ./llama-reinit org/llama-reinit --create-pr           # as a pull request
   surgeon push ./llama-reinit org/llama-reinit --dry-run             # the files it would upload
 \b
@@ -265,15 +241,14 @@ The token comes from HF_TOKEN or `hf auth login`; HF_ENDPOINT selects another Hu
 @click.argument("folder", type=click.Path(file_okay=False))
 @click.argument("repo_id", metavar="ORG/NAME")
 @click.option("--private", is_flag=True, help="Create the repo as private (an existing repo keeps its visibility).")
-@click.option(
-    "--revision", metavar="BRANCH", help="Commit to this branch, created from main if missing (default: main)."
-)
+@click.option("--branch", metavar="BRANCH", help="Commit to this branch, created from main if missing (default: main).")
+@click.option("--revision", metavar="BRANCH", hidden=True, help="The same as --branch.")
 @click.option("--create-pr", is_flag=True, help="Open a pull request against main instead of committing.")
 @click.option("--commit-message", help="The commit message (default: Upload FOLDER with surgeon VERSION).")
 @click.option("--dry-run", is_flag=True, help="Print the files that would be uploaded and send nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was pushed as JSON on stdout.")
 @handle_errors
-def push(folder, repo_id, private, revision, create_pr, commit_message, dry_run, as_json):
+def push(folder, repo_id, private, branch, revision, create_pr, commit_message, dry_run, as_json):
     """Upload FOLDER (e.g. an output of surgeon reinit) to the Hub model repo ORG/NAME.
 
     Creates the repo if needed and uploads every file in one commit, large files through
@@ -287,7 +262,7 @@ def push(folder, repo_id, private, revision, create_pr, commit_message, dry_run,
         folder,
         repo_id,
         private=private,
-        revision=revision,
+        branch=branch_flag(branch, revision, new="branch", old="revision"),
         create_pr=create_pr,
         commit_message=commit_message,
         progress=not as_json and sys.stderr.isatty(),
@@ -344,14 +319,16 @@ def verify(original, output, revision, config, hints, device, as_json):
 Examples:
   surgeon recover model.safetensors
   surgeon recover ./llama                      # a sharded checkpoint folder
+  surgeon recover model.safetensors --json     # what was done, as JSON
 \b
 Until then every other command refuses the checkpoint; `surgeon reinit --in-place` on the same
 checkpoint rolls back first, and says so.
 """,
 )
 @click.argument("path", type=click.Path(exists=True))
+@click.option("--json", "as_json", is_flag=True, help="Print what was recovered as JSON on stdout.")
 @handle_errors
-def recover(path):
+def recover(path, as_json):
     """Roll back an interrupted `surgeon reinit --in-place` on the checkpoint at PATH.
 
     --in-place saves the old bytes of every range it patches to a journal
@@ -360,10 +337,14 @@ def recover(path):
     new bytes), then writes them back, so the checkpoint is exactly as it was before that run.
     A journal that fails a check is refused and left in place. Does nothing if there is no journal.
     """
-    from ..write.recovery import recover as roll_back
+    from ..write.recovery import recover_journals
 
-    notes = roll_back(path)
-    _out("\n".join(note_lines(notes)) if notes else shown(f"nothing to recover at {path}"))
+    done = recover_journals(path)
+    notes = [d.note() for d in done]
+    if as_json:
+        _out(json.dumps({"path": path, "journals": [d.to_dict() for d in done], "notes": notes}, indent=2))
+    else:
+        _out("\n".join(note_lines(notes)) if notes else shown(f"nothing to recover at {path}"))
 
 
 if __name__ == "__main__":

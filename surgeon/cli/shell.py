@@ -9,7 +9,7 @@ import sys
 
 import click
 
-from ..errors import SurgeonError, spell
+from ..errors import OptionError, SurgeonError, spell
 from ..errors import shell_spelling as cli_spelling  # how the shell names an option the core names by keyword
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -150,24 +150,50 @@ def model_options(fn):
 
 
 def reinit_options(fn):
-    """The options of surgeon.plan.planner.ReinitOptions as --flags, made from its fields (one spelling)."""
-    from ..plan.planner import AS_FIELD, ReinitOptions, option_infos
+    """The fields of surgeon.options.ReinitOptions as --flags, made from their OptionInfo (one spelling). The
+    command gets them as one ``options`` argument (a ReinitOptions), as the Python API takes them."""
+    from ..options import AS_FIELD, ReinitOptions, option_infos
+
+    names = [name for name, _ in option_infos()]
+
+    @functools.wraps(fn)
+    def with_options(*args, **kwargs):
+        given = {name: kwargs.pop(name) for name in names}
+        options = ReinitOptions.build(**{k: v for k, v in given.items() if v is not None})
+        return fn(*args, options=options, **kwargs)
 
     defaults = ReinitOptions()
     for name, info in reversed(option_infos()):
         default = getattr(defaults, name) if info.shell_default == AS_FIELD else info.shell_default
-        kwargs: dict = {"help": info.help}
+        flag: dict = {"help": info.help}
         if info.switch:
-            kwargs["is_flag"] = True
+            flag["is_flag"] = True
         else:
-            kwargs["default"] = default
-            kwargs["show_default"] = default is not None
+            flag["default"] = default
+            flag["show_default"] = default is not None
             if info.choices:
-                kwargs["type"] = click.Choice(list(info.choices))
+                flag["type"] = click.Choice(list(info.choices))
             elif info.kind is not None:
-                kwargs["type"] = info.kind
-        fn = click.option(cli_spelling(name, None), name, **kwargs)(fn)
-    return fn
+                flag["type"] = info.kind
+        with_options = click.option(cli_spelling(name, None), name, **flag)(with_options)
+    return with_options
+
+
+def _warn(message: str) -> None:
+    from ..report.shown import one_line
+
+    click.echo(f"surgeon: warning: {one_line(message)}", err=True)
+
+
+def branch_flag(branch: str | None, revision: str | None, *, new: str, old: str) -> str | None:
+    """The branch to push to, from its flag ``--new`` or from ``--old``, which is read too, with a warning that
+    says to use ``--new`` (``--revision`` names the revision a model is read at in every other place)."""
+    if revision is None:
+        return branch
+    if branch is not None:
+        raise OptionError(f"--{new} and --{old} both name the branch to push to: give --{new} only")
+    _warn(f"use --{new} for the branch to push to; --revision names the revision a model is read at")
+    return revision
 
 
 def _debugging(args: list[str]) -> tuple[list[str], bool]:
@@ -228,7 +254,25 @@ class OneLineErrors(click.Group):
 
 
 def push_options(fn):
-    """--push-to-hub and its companions (surgeon.write.push.PushTarget's fields)."""
+    """--push-to-hub and its companions (surgeon.write.push.PushTarget's fields). The command gets them as one
+    ``push`` argument (a PushTarget, or None), as the Python API takes them."""
+
+    @functools.wraps(fn)
+    def with_push(*args, push_to_hub, private, push_branch, push_revision, create_pr, commit_message, **kwargs):
+        from ..write.push import PushTarget
+
+        try:  # checked here, before anything is opened: a bad target is one line too
+            push = PushTarget.build(
+                push_to_hub,
+                private=private,
+                branch=branch_flag(push_branch, push_revision, new="push-branch", old="push-revision"),
+                create_pr=create_pr,
+                commit_message=commit_message,
+            )
+        except SurgeonError as exc:
+            _fail(exc.describe(cli_spelling), exc.exit_code)
+        return fn(*args, push=push, **kwargs)
+
     for decorator in reversed(
         [
             click.option(
@@ -239,10 +283,11 @@ def push_options(fn):
             ),
             click.option("--private", is_flag=True, help="With --push-to-hub: create the repo as private."),
             click.option(
-                "--push-revision",
+                "--push-branch",
                 metavar="BRANCH",
                 help="With --push-to-hub: commit to this branch (created from main if missing).",
             ),
+            click.option("--push-revision", metavar="BRANCH", hidden=True, help="The same as --push-branch."),
             click.option(
                 "--create-pr",
                 is_flag=True,
@@ -253,5 +298,5 @@ def push_options(fn):
             ),
         ]
     ):
-        fn = decorator(fn)
-    return fn
+        with_push = decorator(with_push)
+    return with_push

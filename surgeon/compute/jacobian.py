@@ -55,6 +55,8 @@ class HeadJacobian:
 
 @dataclass
 class JacobianReport:
+    """The Theorem 3.1 terms per head and input (``rows``), with per-layer summaries (:meth:`by_layer`)."""
+
     rows: list[HeadJacobian]
     notes: list[str] = field(default_factory=list)
 
@@ -175,10 +177,24 @@ def jacobian_report(
 ) -> JacobianReport:
     """The Theorem 3.1 terms of every self-attention head of ``model`` on real ``inputs``.
 
-    ``inputs``: a tensor of token ids (each row of a 2-D tensor is one input), a list of such tensors,
-    or for a custom module a tuple of positional arguments or a dict of keyword arguments (one forward
-    each; a list of them for several). ``exact``: compute the exact kappa(J) (default: when J has at
-    most ``exact_limit`` entries). The model is run in eval mode without gradients and left unchanged.
+    The model is run in eval mode without gradients and left unchanged.
+
+    Args:
+        model: The model (a module).
+        inputs: A tensor of token ids (each row of a 2-D tensor is one input), a list of such tensors, or
+            for a custom module a tuple of positional arguments or a dict of keyword arguments (one forward
+            each; a list of them for several).
+        exact: Compute the exact kappa(J) (default: when J has at most ``exact_limit`` entries).
+        exact_limit: The size of J up to which the exact kappa is computed by default.
+        num_heads: Query heads, where the model does not say.
+        num_kv_heads: Key/value heads, where the model does not say.
+        head_dim: Head size, where it is not width / heads.
+
+    Returns:
+        The report: per head and input, the terms and the bound.
+
+    Raises:
+        NoAttentionFoundError: No attention projection was found.
     """
     from ..detect.hints import Hints
     from ..detect.module import detect_module

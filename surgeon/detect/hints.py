@@ -32,6 +32,17 @@ class Hints:
     (on the command line ``encoder=16,decoder=4``); a key names a stack by its path or a word of it
     (``encoder``, ``vision`` for ``vision_model.encoder.layers``), and the first word of a path that a
     key names decides, as for the nested configs.
+
+    Args:
+        num_heads: Query heads.
+        num_kv_heads: Key/value heads (grouped-query attention).
+        head_dim: Head size, where it is not width / heads.
+        force: A hint wins even where config.json says otherwise.
+        layout: A layout file (or a read one) whose rules are tried before the built-in ones.
+
+    Raises:
+        OptionError: A count is not one of 1 or more, nor one per stack; the layout file cannot be read.
+        LayoutError: The layout file's rules are malformed.
     """
 
     num_heads: HintInput = None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,7 +31,9 @@ from torch import nn
 from ..compute.engine import Engine
 from ..detect.hints import HintInput, Hints
 from ..detect.module import ModuleDetection, detect_module
-from ..plan.planner import Plan, ReinitOptions, prepare
+from ..errors import OptionError, opt
+from ..options import ReinitOptions
+from ..plan.planner import Plan, prepare
 
 _PLANS: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
@@ -39,41 +42,48 @@ def conditioned_init_(
     module: nn.Module,
     *,
     model: nn.Module | None = None,
-    seed: int = 0,
-    layers="all",
-    targets=("q", "k", "v"),
-    heads="all",
-    value_identity: str = "block",
-    bias: str = "auto",
+    options: ReinitOptions | None = None,
     num_heads: HintInput = None,
     num_kv_heads: HintInput = None,
     head_dim: HintInput = None,
+    **keywords: Any,
 ) -> int:
     """Give the attention blocks inside ``module`` (all of ``model``'s when ``module is model``) conditioned init.
 
-    ``model``: the whole model ``module`` belongs to (default: ``module`` itself); its tensor names key
-    the draws and its layers are what ``layers`` counts. Returns how many parameters were written (0
-    for a module without attention projections, or while the model is built on the meta device,
-    where there are no values to write: then call ``surgeon.reinit_`` after materializing).
+    Args:
+        module: The module being initialized: the whole model, or one of its attention modules.
+        model: The whole model ``module`` belongs to (default: ``module`` itself); its tensor names key
+            the draws and its layers are what ``layers`` counts.
+        options: Which heads, as for :func:`surgeon.reinit_`; the mode is the conditioned one.
+        num_heads: Query heads, where the model does not say.
+        num_kv_heads: Key/value heads, where the model does not say.
+        head_dim: Head size, where it is not width / heads.
+        **keywords: Fields of :class:`surgeon.ReinitOptions` (``seed=0``, ``layers="-2-"``, ...), replacing
+            those of ``options``.
+
+    Returns:
+        How many parameters were written: 0 for a module without attention projections, or while the
+        model is built on the meta device, where there are no values to write (then call
+        ``surgeon.reinit_`` after materializing).
+
+    Raises:
+        OptionError: An option is out of range, or names another mode than conditioned.
+        TypeError: A keyword is not an option.
     """
+    chosen = ReinitOptions.build(options, **keywords)
     model = module if model is None else model
     if any(p.is_meta for p in module.parameters()):
         return 0
-    key = (
-        seed,
-        str(layers),
-        tuple(targets) if not isinstance(targets, str) else targets,
-        str(heads),
-        value_identity,
-        bias,
-    )
+    if chosen.validated().mode != ReinitOptions().mode:  # the default mode is the paper's conditioned init
+        raise OptionError(
+            f"conditioned_init_ gives conditioned init; for {opt('mode', chosen.mode)} call surgeon.reinit_ "
+            "once the model is built"
+        )
+    key = repr(chosen)  # every field, whatever their types (a list of layers is not hashable)
     cache = _PLANS.setdefault(model, {})
     if key not in cache:
-        options = ReinitOptions(
-            layers=layers, targets=targets, heads=heads, value_identity=value_identity, bias=bias, seed=seed
-        ).validated()
         found = detect_module(model, hints=Hints(num_heads, num_kv_heads, head_dim))
-        plan = prepare(found.blocks, options, depths=found.depths)
+        plan = prepare(found.blocks, chosen, depths=found.depths)
         paths = {id(m): p for p, m in model.named_modules()}
         cache[key] = (found, plan, paths, set())
     found, plan, paths, done = cache[key]

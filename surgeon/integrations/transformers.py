@@ -12,38 +12,52 @@ beyond the report's spectra); the report is logged by the main process.
 
 from __future__ import annotations
 
+import inspect
 import logging
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
 
 if TYPE_CHECKING:
+    from ..options import ReinitOptions
     from ..report.report import Report
 
 logger = logging.getLogger("surgeon")
 
 
+def _reinit_keywords() -> frozenset[str]:
+    """The keywords ``surgeon.reinit_`` takes besides the module: its own and the fields of ReinitOptions."""
+    from ..in_memory import reinit_
+    from ..options import ReinitOptions
+
+    own = [p.name for p in inspect.signature(reinit_).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    return frozenset(own) | {f.name for f in fields(ReinitOptions)}
+
+
 class ReinitCallback(TrainerCallback):
-    """Runs ``surgeon.reinit_(model, **options)`` at ``on_train_begin``; the report is kept as ``.report``."""
+    """Runs ``surgeon.reinit_(model, options=options, **keywords)`` at ``on_train_begin``.
 
-    def __init__(self, **options: Any) -> None:
-        from ..plan.planner import ReinitOptions
+    Args:
+        options: What to re-initialize and how (a :class:`surgeon.ReinitOptions`; default: the defaults).
+        **keywords: Anything :func:`surgeon.reinit_` takes: fields of ReinitOptions (``layers``, ``seed``,
+            ...) and its own (``num_heads``, ``example_inputs``, ``full``, ...).
 
-        allowed = set(ReinitOptions.__dataclass_fields__) | {
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "example_inputs",
-            "full",
-        }
-        unknown = sorted(set(options) - allowed)
+    Raises:
+        OptionError: A keyword is not one :func:`surgeon.reinit_` takes.
+
+    The report is kept as ``.report`` (None until training begins).
+    """
+
+    def __init__(self, options: ReinitOptions | None = None, **keywords: Any) -> None:
+        unknown = sorted(set(keywords) - _reinit_keywords())
         if unknown:
             from ..errors import OptionError
 
             raise OptionError(
                 f"ReinitCallback: unknown option(s) {', '.join(unknown)}; it takes the keyword options of surgeon.reinit_"
             )
-        self.options = options
+        self.options = {"options": options, **keywords}
         self.report: Report | None = None
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):

@@ -11,27 +11,12 @@ from ..compute.modes import get_mode
 from ..detect.blocks import AttentionBlock, Projection, Unreadable
 from ..detect.placement import kind
 from ..errors import OptionError, SelectionError, opt
-
-# The options live in surgeon.options; importable from here as before.
-from ..options import AS_FIELD, BIAS_CHOICES, MODES, OptionInfo, ReinitOptions, option_infos, stacks_of
+from ..options import ReinitOptions, stacks_of
 from .selection import IndexSpec, format_indices, parse_attention, parse_targets, resolve_indices
 
 if TYPE_CHECKING:
     from ..detect.result import Detection
     from ..open.source import Source
-
-__all__ = [
-    "AS_FIELD",
-    "BIAS_CHOICES",
-    "MODES",
-    "Change",
-    "OptionInfo",
-    "Plan",
-    "ReinitOptions",
-    "make_plan",
-    "option_infos",
-    "prepare",
-]
 
 
 @dataclass(frozen=True)

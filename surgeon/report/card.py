@@ -67,7 +67,7 @@ def reproduce_command(model: str, *, revision: str | None, options: dict, hints:
     spelt as the CLI spells them.
     """
     from ..errors import shell_spelling as flag
-    from ..plan.planner import option_infos
+    from ..options import option_infos
 
     q = _quoted
 

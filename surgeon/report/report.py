@@ -99,6 +99,11 @@ class ProjectionRow:
 
 @dataclass
 class Report:
+    """What a command found or did: the blocks, each projection's condition numbers, the options and notes.
+
+    ``str(report)`` / :meth:`render` is the table, :meth:`to_dict` / :meth:`to_json` the same for machines.
+    """
+
     command: str  # "inspect" or "reinit"
     source: str
     format: str

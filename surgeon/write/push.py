@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 
 from .._version import __version__
@@ -33,7 +34,23 @@ _PUSH_SKIP = {".git", ".cache"}
 
 @dataclass
 class PushResult:
-    """What a push did: one commit (or pull request) with these files."""
+    """What a push did: one commit (or pull request) with these files.
+
+    Attributes:
+        repo_id: The repo pushed to.
+        repo_url: Its URL.
+        revision: The branch committed to ("main" by default).
+        created_repo: Whether the push created the repo.
+        commit: The commit's id ("" for a dry run).
+        commit_url: The commit's URL.
+        pr_url: The pull request's URL, where one was opened.
+        files: Every file of the push, as uploaded (or as a dry run would upload them).
+        large_files: Those sent through the large-file path (LFS / Xet).
+        unchanged: Those already on the Hub with the same content, left out of the commit.
+        bytes: The bytes sent.
+        notes: What the push says besides (a repo created, files left out).
+        dry_run: Nothing was sent.
+    """
 
     repo_id: str
     repo_url: str
@@ -50,6 +67,7 @@ class PushResult:
     dry_run: bool = False  # nothing was sent: ``files`` is what the push would upload
 
     def to_dict(self) -> dict:
+        """The result as ``surgeon push --json`` prints it."""
         return {
             "repo_id": self.repo_id,
             "repo_url": self.repo_url,
@@ -98,21 +116,41 @@ class PushResult:
 
 @dataclass(frozen=True)
 class PushTarget:
-    """Where and how a reinit's output folder is pushed; checked when made, before anything is opened
-    (the repo id, the branch, a token with write access)."""
+    """Where and how a reinit's output folder is pushed; checked when made, before anything is opened.
+
+    Args:
+        repo_id: The Hub model repo, ``org/name`` (created if missing).
+        private: Create the repo as private (an existing repo keeps its visibility).
+        branch: The branch to commit to, created from main if missing (default: main).
+        create_pr: Open a pull request against main instead of committing.
+        commit_message: The commit message (default: what was re-initialized).
+        token: The Hub token (default: HF_TOKEN or `hf auth login`).
+        revision: Another name for ``branch``, accepted with a DeprecationWarning.
+
+    Raises:
+        OptionError: The repo id or the branch is malformed, or ``create_pr`` is given a branch.
+    """
 
     repo_id: str
     private: bool = False
-    revision: str | None = None  # the branch to commit to (created from main if missing)
+    branch: str | None = None
     create_pr: bool = False
-    commit_message: str | None = None  # default: what was re-initialized
+    commit_message: str | None = None
     token: str | None = field(default=None, repr=False)
+    revision: InitVar[str | None] = None
 
-    def __post_init__(self) -> None:  # the token is checked by check_token, where the caller chooses
-        object.__setattr__(self, "repo_id", _check_target(self.repo_id, self.revision, self.create_pr))
+    def __post_init__(
+        self, revision: str | None
+    ) -> None:  # the token is checked by check_token, where the caller chooses
+        object.__setattr__(self, "branch", _branch(self.branch, revision, "PushTarget", stacklevel=4))
+        object.__setattr__(self, "repo_id", _check_target(self.repo_id, self.branch, self.create_pr))
 
     def check_token(self) -> None:
-        """A token with which to push is there (the argument, HF_TOKEN or `hf auth login`)."""
+        """Check that a token to push with is there (the argument, HF_TOKEN or `hf auth login`).
+
+        Raises:
+            HubAuthError: There is none.
+        """
         _push_token(self.token)
 
     @classmethod
@@ -121,27 +159,46 @@ class PushTarget:
         repo_id: str | None,
         *,
         private: bool = False,
-        revision: str | None = None,
+        branch: str | None = None,
         create_pr: bool = False,
         commit_message: str | None = None,
         token: str | None = None,
+        revision: str | None = None,
     ) -> PushTarget | None:
-        """The push the options ask for; None without a repo id (and then none of its options may be given)."""
+        """The push a shell's options ask for.
+
+        Args:
+            repo_id: The Hub model repo, or None for no push.
+            private: As for :class:`PushTarget`; so are the others.
+            branch: The branch to commit to.
+            create_pr: Open a pull request instead of committing.
+            commit_message: The commit message.
+            token: The Hub token.
+            revision: Another name for ``branch``, accepted with a DeprecationWarning.
+
+        Returns:
+            The target, or None without a repo id.
+
+        Raises:
+            OptionError: A push option is given without a repo id, or the target is malformed.
+        """
+        branch = _branch(branch, revision, "PushTarget.build", stacklevel=3)
         if repo_id is None:
-            if private or revision or create_pr or commit_message:
+            if private or branch or create_pr or commit_message:
                 raise OptionError(
-                    f"{opt('private')}, {opt('push_revision')}, {opt('create_pr')} and {opt('commit_message')} "
+                    f"{opt('private')}, {opt('push_branch')}, {opt('create_pr')} and {opt('commit_message')} "
                     f"go with {opt('push_to_hub', 'org/name')}"
                 )
             return None
-        return cls(repo_id, private, revision, create_pr, commit_message, token)
+        return cls(repo_id, private, branch, create_pr, commit_message, token)
 
     def push(self, folder: Path, *, default_message: str, progress: bool = False) -> PushResult:
+        """Upload ``folder`` here (:func:`push_folder`), with ``default_message`` where no commit message was given."""
         return push_folder(
             folder,
             self.repo_id,
             private=self.private,
-            revision=self.revision,
+            branch=self.branch,
             create_pr=self.create_pr,
             commit_message=self.commit_message or default_message,
             token=self.token,
@@ -149,24 +206,45 @@ class PushTarget:
         )
 
 
-def check_push(repo_id: str, *, revision: str | None = None, create_pr: bool = False, token: str | None = None) -> str:
+# An InitVar's default stays behind as a class attribute: reading target.revision would give None, not the branch.
+del PushTarget.revision  # type: ignore[attr-defined]
+
+
+def check_push(repo_id: str, *, branch: str | None = None, create_pr: bool = False, token: str | None = None) -> str:
     """Everything about a push that can fail before anything is written; returns the repo id."""
-    repo_id = _check_target(repo_id, revision, create_pr)
+    repo_id = _check_target(repo_id, branch, create_pr)
     _push_token(token)
     return repo_id
 
 
-def _check_target(repo_id: str, revision: str | None, create_pr: bool) -> str:
+def _branch(branch: str | None, revision: str | None, where: str, *, stacklevel: int) -> str | None:
+    """The branch to push to, given as ``branch`` or by its other name ``revision`` (warned: it names what a
+    model is read at everywhere else)."""
+    if revision is None:
+        return branch
+    warnings.warn(
+        f"{where}: give the branch to push to as branch= (revision= names the revision a model is read at)",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+    if branch is not None and branch != revision:
+        raise OptionError(
+            f"{opt('branch')} and {opt('revision')} both name the branch to push to: give {opt('branch')} only"
+        )
+    return revision
+
+
+def _check_target(repo_id: str, branch: str | None, create_pr: bool) -> str:
     """The repo id and branch of a push are well formed; returns the repo id."""
     repo_id = require_repo_id(repo_id, "push target")
-    if create_pr and revision not in (None, "main"):
+    if create_pr and branch not in (None, "main"):
         raise OptionError(
-            f"{opt('create_pr', True)} opens a pull request against main; leave out the branch ({opt('revision')} / {opt('push_revision')})"
+            f"{opt('create_pr', True)} opens a pull request against main; leave out the branch ({opt('branch')} / {opt('push_branch')})"
         )
-    check_revision(revision, "the branch to push to")
-    if revision is not None and revision.startswith("refs/") and not re.fullmatch(r"refs/pr/\d+", revision):
+    check_revision(branch, "the branch to push to")
+    if branch is not None and branch.startswith("refs/") and not re.fullmatch(r"refs/pr/\d+", branch):
         raise OptionError(
-            f"{revision!r} is not a branch to push to: give a branch name (or refs/pr/N to add to a pull request)"
+            f"{branch!r} is not a branch to push to: give a branch name (or refs/pr/N to add to a pull request)"
         )
     return repo_id
 
@@ -186,39 +264,59 @@ def push_folder(
     repo_id: str,
     *,
     private: bool = False,
-    revision: str | None = None,
+    branch: str | None = None,
     create_pr: bool = False,
     commit_message: str | None = None,
     commit_description: str | None = None,
     token: str | None = None,
     progress: bool = False,
     dry_run: bool = False,
+    revision: str | None = None,
 ) -> PushResult:
     """Upload every file of ``folder`` to the model repo ``repo_id`` in one commit.
 
-    Creates the repo (``private`` when asked) and the branch ``revision`` when they do not exist, or opens
-    a pull request against main with ``create_pr``. Large files are uploaded before the commit, one at a
-    time, so a failure can say which reached the Hub; running the same push again uploads only the rest
-    (the Hub already holds the others) and commits. ``dry_run``: every check, then the files that would be
-    uploaded (``PushResult.files``), with nothing sent: no request is made.
+    Large files are uploaded before the commit, one at a time, so a failure can say which reached the Hub;
+    running the same push again uploads only the rest (the Hub already holds the others) and commits.
+
+    Args:
+        folder: The folder to upload (e.g. an output of ``surgeon reinit``); links out of it are refused.
+        repo_id: The Hub model repo, ``org/name``; created (``private`` when asked) if missing.
+        private: Create the repo as private.
+        branch: The branch to commit to, created from main if missing (default: main).
+        create_pr: Open a pull request against main instead of committing.
+        commit_message: The commit message (default: ``Upload FOLDER with surgeon VERSION``).
+        commit_description: The commit's longer description.
+        token: The Hub token (default: HF_TOKEN or `hf auth login`).
+        progress: Show the Hub client's progress bars.
+        dry_run: Make every check, then return the files that would be uploaded; send nothing.
+        revision: Another name for ``branch``, accepted with a DeprecationWarning.
+
+    Returns:
+        What was pushed (or, for a dry run, what would be).
+
+    Raises:
+        OptionError: The folder, the repo id or the branch cannot be pushed.
+        HubError: The Hub refused or failed (PushError: part-way, saying what arrived).
     """
     from huggingface_hub import CommitOperationAdd, HfApi, constants
 
     folder = Path(folder)
     if folder.is_dir():  # a half-patched folder (an in-place run's journal beside its weights) is never offered
         refuse_journals(folder, unfinished=True)
-    repo_id = check_push(repo_id, revision=revision, create_pr=create_pr, token=token)
+    branch = _branch(branch, revision, "push_folder", stacklevel=3)
+    repo_id = check_push(repo_id, branch=branch, create_pr=create_pr, token=token)
     token = _push_token(token)
     files, left_out = _files_to_push(folder)
-    branch = revision or "main"
     if dry_run:
         url, size = f"{constants.ENDPOINT.rstrip('/')}/{repo_id}", sum((folder / f).stat().st_size for f in files)
-        return PushResult(repo_id, url, branch, False, "", "", None, files, [], [], size, left_out, dry_run=True)
+        return PushResult(
+            repo_id, url, branch or "main", False, "", "", None, files, [], [], size, left_out, dry_run=True
+        )
     api = HfApi(token=token)
-    created, notes = _prepare_repo(api, repo_id, token, private=private, revision=revision, create_pr=create_pr)
+    created, notes = _prepare_repo(api, repo_id, token, private=private, branch=branch, create_pr=create_pr)
     notes = left_out + notes
     ops = [CommitOperationAdd(path_in_repo=f, path_or_fileobj=str(folder / f)) for f in files]
-    where = {"revision": revision, "create_pr": create_pr, "private": private}  # for messages about a partial push
+    where = {"branch": branch, "create_pr": create_pr, "private": private}  # for messages about a partial push
     with hf_progress(progress):
         done = _preupload(api, repo_id, token, folder, ops, **where)
         message = commit_message or f"Upload {folder.resolve().name} with surgeon {__version__}"
@@ -228,7 +326,7 @@ def push_folder(
                 ops,
                 commit_message=message,
                 commit_description=commit_description,
-                revision=revision,
+                revision=branch,
                 create_pr=create_pr,
             )
         except Exception as exc:
@@ -238,7 +336,18 @@ def push_folder(
     sent = sum((folder / f).stat().st_size for f in files if f not in unchanged)
     url = f"{api.endpoint}/{repo_id}"
     return PushResult(
-        repo_id, url, branch, created, info.oid, info.commit_url, info.pr_url, files, large, unchanged, sent, notes
+        repo_id,
+        url,
+        branch or "main",
+        created,
+        info.oid,
+        info.commit_url,
+        info.pr_url,
+        files,
+        large,
+        unchanged,
+        sent,
+        notes,
     )
 
 
@@ -256,13 +365,13 @@ def _files_to_push(folder: Path) -> tuple[list[str], list[str]]:
 
 
 def _prepare_repo(
-    api, repo_id: str, token: str, *, private: bool, revision: str | None, create_pr: bool
+    api, repo_id: str, token: str, *, private: bool, branch: str | None, create_pr: bool
 ) -> tuple[bool, list[str]]:
     """Create the repo and the branch where they do not exist: (whether the repo was created, notes)."""
     try:
         created, notes = _ensure_repo(api, repo_id, private=private)
-        if revision is not None and not create_pr and not revision.startswith("refs/pr/"):
-            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        if branch is not None and not create_pr and not branch.startswith("refs/pr/"):
+            api.create_branch(repo_id, branch=branch, exist_ok=True)
     except Exception as exc:
         raise write_error(exc, repo_id, token, "prepare") from None
     return created, notes
@@ -273,7 +382,7 @@ def _preupload(api, repo_id: str, token: str, folder: Path, ops: list, **where) 
     done: list[str] = []
     for i, op in enumerate(ops):
         try:
-            api.preupload_lfs_files(repo_id, additions=[op], revision=where["revision"], create_pr=where["create_pr"])
+            api.preupload_lfs_files(repo_id, additions=[op], revision=where["branch"], create_pr=where["create_pr"])
         except Exception as exc:
             raise _partial_error(exc, repo_id, token, folder, ops, i, done, **where) from None
         if op._upload_mode == "lfs":
@@ -327,7 +436,7 @@ def _ensure_repo(api, repo_id: str, *, private: bool) -> tuple[bool, list[str]]:
     return False, notes
 
 
-def _partial_error(exc, repo_id, token, folder, ops, failed_at, done, *, revision, create_pr, private) -> Exception:
+def _partial_error(exc, repo_id, token, folder, ops, failed_at, done, *, branch, create_pr, private) -> Exception:
     """One line: what reached the Hub, what did not, and the command that finishes the job."""
     base = write_error(exc, repo_id, token, "push")
     if not isinstance(base, HubError) or (isinstance(base, (HubAuthError, HubAccessError)) and not done):
@@ -337,7 +446,7 @@ def _partial_error(exc, repo_id, token, folder, ops, failed_at, done, *, revisio
         op.path_in_repo for op in ops[:failed_at] if op.path_in_repo not in done
     ]
     flags = (
-        (f" --revision {shlex.quote(revision)}" if revision else "")
+        (f" --branch {shlex.quote(branch)}" if branch else "")
         + (" --create-pr" if create_pr else "")
         + (" --private" if private else "")
     )

@@ -23,8 +23,13 @@ from ..errors import OptionError, RankFailed, opt
 if TYPE_CHECKING:
     from ..compute.engine import ProjectionResult
     from ..compute.per_file import Compute
+    from ..detect import Detection
+    from ..detect.hints import Hints
     from ..open.formats.write_plan import WritePlan
     from ..open.source import Source
+    from ..options import ReinitOptions
+    from ..plan.planner import Plan
+    from ..report.report import Report
     from .output import Destination
 
 T = TypeVar("T")
@@ -126,6 +131,78 @@ def refuse(*, in_place: bool, push: bool, source: Source | None = None, dest: De
             f"{source.path} is {weights.describe()}: several ranks run on a DCP folder or a sharded safetensors "
             "folder; run this in one process"
         )
+
+
+def reinit_ranks(
+    group: Ranks,
+    model: str | Path,
+    opts: ReinitOptions,
+    hints: Hints,
+    output: str | Path | None,
+    *,
+    overwrite: bool,
+    dry_run: bool,
+    device: Any,
+    revision: str | None,
+    config: str | Path | None,
+    full: bool,
+) -> Report:
+    """surgeon.reinit_checkpoint on every rank of ``group``: each plans alike, writes its share, returns the whole report."""
+    import time
+
+    from ..compute.per_file import Compute
+    from ..detect import detect_source
+    from ..open.hub import open_model
+    from ..plan.planner import prepare_checkpoint
+    from ..report.card import source_card, write_card
+    from ..report.checkpoint import done_rows, dry_run_notes, planned_rows, reinit_report, reproduce
+    from .journal import hold
+    from .output import resolve_destination
+
+    start = time.perf_counter()
+
+    def prepare() -> tuple[Source, Destination, Detection, Plan]:
+        source = open_model(model, config=config, revision=revision)
+        dest = resolve_destination(source, output, in_place=False, overwrite=overwrite or dry_run)
+        refuse(in_place=False, push=False, source=source, dest=dest)
+        detection = detect_source(source, hints)
+        return source, dest, detection, prepare_checkpoint(source, detection, opts)
+
+    source, dest, detection, plan = group.step(prepare)  # a refusal on one rank stops them all
+    notes = source.notes + detection.notes[:5] + plan.notes
+    if dry_run:
+        notes += dry_run_notes(source, dest, overwrite=overwrite, push=None)
+        return reinit_report(source, detection, plan, dest, planned_rows(source, plan), notes, device=str(device))
+    with hold(source, exclusive=False):
+        write_plan = group.step(lambda: source.primary.write_plan(plan, detection))
+        notes += write_plan.notes
+        original = group.step(lambda: source_card(source) if group.rank == 0 else None)
+        run = Compute(plan, device, whole=full, progress=False, total=len(plan.tensors()))
+        command = reproduce(model, source, plan.options, hints, dest.path)
+
+        def card(folder: Path, results: list) -> None:
+            write_card(
+                folder, source=source, original=original, plan=plan, results=results, command=command,
+                title=dest.path.name,
+            )  # fmt: skip
+
+        try:
+            written, results = write(group, source, dest, run, plan.record(), write_plan, card=card)
+        finally:
+            run.close()
+    used = str(run.engine.device) if run.started else str(device)
+    return reinit_report(
+        source,
+        detection,
+        plan,
+        dest,
+        done_rows(results),
+        notes + written,
+        device=used,
+        seconds=time.perf_counter() - start,
+        bytes_written=dest.size(source, patched=0),
+        dry_run=False,
+    )
 
 
 def write(

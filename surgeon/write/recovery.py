@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointError, HalfPatchedError, OutputError
@@ -124,15 +125,58 @@ def checkpoint_files(folder: Path, key: str) -> list[str]:
 # --- recovery ------------------------------------------------------------------------------------
 
 
-def recover(path: str | Path, *, own: bool = False) -> list[str]:
-    """Roll back in-place runs on the checkpoint at ``path`` (a file or folder) that did not finish.
+@dataclass(frozen=True)
+class Recovered:
+    """What :func:`recover` did with one journal."""
 
-    Returns one note per journal handled (an empty list when there was nothing to do). A journal
-    whose run is still going (its lock is held) is left alone; one that fails a check is refused
-    (CheckpointError) and left in place. For a shard, the journal of its index too, unless ``own``
-    (what an in-place run on the shard alone asks for).
+    action: str  # "rolled_back", "removed_unfinished" (its run died before patching) or "in_progress" (left alone)
+    checkpoint: Path  # the file or index the journal belongs to
+    journal: Path
+    files: tuple[str, ...] = ()  # the files given back (rolled_back)
+
+    def note(self) -> str:
+        """The line ``surgeon recover`` prints for it."""
+        if self.action == "removed_unfinished":
+            return f"removed {self.journal.name}, left by an in-place run that died before patching anything"
+        if self.action == "rolled_back":
+            return (
+                f"rolled back an interrupted in-place run: {', '.join(self.files)} in {self.checkpoint.parent} "
+                "are as they were before it"
+            )
+        return f"an in-place run on {self.checkpoint} is in progress (journal {self.journal.name}); not touched"
+
+    def to_dict(self) -> dict:
+        return {
+            "action": self.action,
+            "checkpoint": str(self.checkpoint),
+            "journal": str(self.journal),
+            "files": list(self.files),
+        }
+
+
+def recover(path: str | Path, *, own: bool = False) -> list[str]:
+    """Roll back in-place runs on the checkpoint at ``path`` that did not finish.
+
+    A journal whose run is still going (its lock is held) is left alone; for a shard, the journal of its
+    index is handled too, unless ``own`` (what an in-place run on the shard alone asks for).
+
+    Args:
+        path: A checkpoint file, index or folder.
+        own: Only the journal of ``path`` itself, not that of an index listing it.
+
+    Returns:
+        One note per journal handled; an empty list when there was nothing to do.
+
+    Raises:
+        CheckpointError: A journal fails a check (it is left in place).
+        HalfPatchedError: Writing the old bytes back failed part-way.
     """
-    notes = []
+    return [done.note() for done in recover_journals(path, own=own)]
+
+
+def recover_journals(path: str | Path, *, own: bool = False) -> list[Recovered]:
+    """:func:`recover`, saying what was done with each journal."""
+    done: list[Recovered] = []
     for key, journal in find_journals(Path(path), unfinished=True, own=own):
         folder, unfinished = journal.parent, journal.name.endswith(".tmp")
         if unfinished and not os.path.isfile(folder / key):
@@ -143,19 +187,17 @@ def recover(path: str | Path, *, own: bool = False) -> list[str]:
             with locks.hold(lock, exclusive=True):
                 if unfinished:  # never completed, so nothing was patched
                     journal.unlink(missing_ok=True)
-                    notes.append(f"removed {journal.name}, left by an in-place run that died before patching anything")
+                    done.append(Recovered("removed_unfinished", folder / key, journal))
                 elif os.path.lexists(journal):
                     try:
                         restored = apply(folder, key, journal, files)
                     except HalfPatchedError as exc:  # say what earlier journals already gave back
-                        exc.context = f"{'; '.join(notes)}; then " if notes else None
+                        exc.context = f"{'; '.join(d.note() for d in done)}; then " if done else None
                         raise
-                    notes.append(
-                        f"rolled back an interrupted in-place run: {', '.join(restored)} in {folder} are as they were before it"
-                    )
+                    done.append(Recovered("rolled_back", folder / key, journal, tuple(restored)))
         except locks.Busy:
-            notes.append(f"an in-place run on {folder / key} is in progress (journal {journal.name}); not touched")
-    return notes
+            done.append(Recovered("in_progress", folder / key, journal))
+    return done
 
 
 def apply(folder: Path, key: str, journal: Path, files: list[str]) -> list[str]:

@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from surgeon import reinit_checkpoint
 from surgeon.compute.modes import Mode, all_modes, get_mode, owner_of
-from surgeon.plan.planner import MODES, ReinitOptions
+from surgeon.options import MODES, ReinitOptions
 
 from helpers.tiny import tiny_bert
 

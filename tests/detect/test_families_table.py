@@ -61,7 +61,7 @@ def test_options_are_spelt_once():
 
     from surgeon.cli.commands import main
     from surgeon.detect.hints import Hints
-    from surgeon.plan.planner import ReinitOptions, option_infos
+    from surgeon.options import ReinitOptions, option_infos
     from surgeon.report.card import reproduce_command
 
     help_text = CliRunner().invoke(main, ["reinit", "--help"]).output

@@ -179,10 +179,11 @@ def _family_names():
 @pytest.mark.parametrize("name", _family_names())
 def test_emitted_layout_round_trips(name, cli, tmp_path):
     """The emitted file, fed back, gives the same blocks and the same plan (its rules matched first)."""
-    from surgeon.api import load
     from surgeon.detect import detect_source
     from surgeon.detect.hints import Hints
-    from surgeon.plan.planner import ReinitOptions, prepare_checkpoint
+    from surgeon.open.hub import open_model as load
+    from surgeon.options import ReinitOptions
+    from surgeon.plan.planner import prepare_checkpoint
 
     from helpers.families import FAMILIES
 

@@ -89,6 +89,24 @@ def test_layer_specs_and_iterables_pick_the_same_layers():
     assert all(p == [1, 2] for p in picks)
 
 
+def test_an_options_object_and_keywords_give_the_same_weights():
+    """reinit_ takes a ReinitOptions, keywords that build one, or both (the keywords win)."""
+    by_keywords, by_object, mixed = tiny_llama(), tiny_llama(), tiny_llama()
+    surgeon.reinit_(by_keywords, layers="-2-", targets="q,k", seed=4)
+    surgeon.reinit_(by_object, options=surgeon.ReinitOptions(layers="-2-", targets="q,k", seed=4))
+    report = surgeon.reinit_(
+        mixed, options=surgeon.ReinitOptions(layers="0", targets="q,k", seed=9), layers="-2-", seed=4
+    )
+    weights = dict(by_keywords.named_parameters())
+    for model in (by_object, mixed):
+        assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
+    assert report.options["layers"] == "-2-" and report.options["seed"] == 4
+    with pytest.raises(TypeError, match="unexpected keyword argument 'sed'; the options are"):
+        surgeon.reinit_(tiny_llama(), sed=4)
+    with pytest.raises(TypeError, match="options must be a surgeon.ReinitOptions, not dict"):
+        surgeon.reinit_(tiny_llama(), options={"seed": 4})
+
+
 def test_defaults_mirror_the_cli():
     report = surgeon.reinit_(tiny_llama())
     assert report.options == {

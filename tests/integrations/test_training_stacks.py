@@ -133,6 +133,19 @@ def test_conditioned_init_as_the_init_weights_step():
     assert surgeon.conditioned_init_(model.model.layers[1].self_attn, model=model, seed=5) == 6
     assert surgeon.conditioned_init_(model.model.layers[1].mlp, model=model, seed=5) == 0
     assert all(torch.equal(p, dict(one.named_parameters())[n]) for n, p in model.named_parameters())
+    # the same options as one object
+    torch.manual_seed(0)
+    by_object = LlamaForCausalLM(config)
+    assert surgeon.conditioned_init_(by_object, options=surgeon.ReinitOptions(seed=5, layers="1")) == 6
+    assert all(torch.equal(p, dict(one.named_parameters())[n]) for n, p in by_object.named_parameters())
+
+
+def test_conditioned_init_refuses_other_modes():
+    model = FAMILIES["llama"].make()
+    with pytest.raises(OptionError, match=r"^conditioned_init_ gives conditioned init; for mode=polar call surgeon"):
+        surgeon.conditioned_init_(model, mode="polar")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'sed'"):
+        surgeon.conditioned_init_(model, sed=5)
 
 
 def test_trainer_callback_reinitializes_at_train_begin(tmp_path, capsys):
@@ -180,3 +193,20 @@ def test_callback_rejects_unknown_options():
 
     with pytest.raises(OptionError, match="unknown option.*layer\\b"):
         ReinitCallback(layer="0")
+    # every keyword reinit_ takes, its own and the options' fields
+    ReinitCallback(surgeon.ReinitOptions(seed=1), layers="0", num_heads=4, example_inputs=X, full=True)
+
+
+def test_callback_with_an_options_object_reinitializes_as_reinit_does(tmp_path):
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from surgeon.integrations.transformers import ReinitCallback
+
+    model = FAMILIES["llama"].make()
+    callback = ReinitCallback(surgeon.ReinitOptions(layers="0", seed=3), targets="q")
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    state = TrainerState()
+    callback.on_train_begin(args, state, TrainerControl(), model=model, optimizer=None)
+    expected = expected_state(layers="0", seed=3, targets="q")
+    assert all(torch.equal(p, expected[n]) for n, p in model.named_parameters())
+    assert callback.report is not None and callback.report.options["targets"] == ["q"]

@@ -139,6 +139,21 @@ def test_a_push_branch_follows_the_same_rules():
 
     for branch in ("a\nb", "x~1", "..", "%2e%2e", "main.lock"):
         with pytest.raises(OptionError, match="the branch to push to"):
-            PushTarget("me/model", revision=branch)
-    assert PushTarget("me/model", revision="reset-v2").revision == "reset-v2"
-    assert PushTarget("me/model", revision="refs/pr/3").revision == "refs/pr/3"
+            PushTarget("me/model", branch=branch)
+    assert PushTarget("me/model", branch="reset-v2").branch == "reset-v2"
+    assert PushTarget("me/model", branch="refs/pr/3").branch == "refs/pr/3"
+
+
+def test_a_push_branch_given_as_revision_is_the_same_branch_with_a_warning():
+    from surgeon.write.push import PushTarget
+
+    for make in (
+        lambda: PushTarget("me/model", revision="reset-v2"),
+        lambda: PushTarget.build("me/model", revision="reset-v2"),
+    ):
+        with pytest.warns(DeprecationWarning, match="give the branch to push to as branch=") as caught:
+            target = make()
+        assert target == PushTarget("me/model", branch="reset-v2")
+        assert caught[0].filename == __file__  # the warning points at the caller
+    with pytest.raises(AttributeError):
+        PushTarget("me/model", branch="x").revision  # noqa: B018 - the field is branch

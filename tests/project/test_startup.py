@@ -76,3 +76,14 @@ def test_a_dry_run_plans_without_torch(tmp_path):
         "assert len(r.rows) == 6 and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:3]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(ROOT))
+
+
+def test_every_public_name_resolves():
+    """Each name of ``surgeon.__all__`` is loaded on first use from the module its table names."""
+    import surgeon
+
+    missing = [name for name in surgeon.__all__ if getattr(surgeon, name, None) is None]
+    assert missing == []
+    from surgeon.write.recovery import recover
+
+    assert surgeon.recover is recover

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from surgeon import reinit_checkpoint
-from surgeon.plan.planner import Plan, ReinitOptions
+from surgeon.options import ReinitOptions
+from surgeon.plan.planner import Plan
 from surgeon.report.redact import redact
 
 from helpers.hub import TOKEN, Surgeon, all_text_under, make_source

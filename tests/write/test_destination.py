@@ -15,7 +15,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import surgeon
 from surgeon import Hints, OptionError, PushTarget, ReinitOptions, reinit_checkpoint
 from surgeon.open.source import open_source
 from surgeon.write.output import OutputKind, resolve_destination
@@ -111,9 +110,11 @@ def test_grouped_objects_and_their_keywords(saved, tmp_path):
     with pytest.raises(TypeError, match="'num_head'.*the hints num_heads"):
         reinit_checkpoint(bare, num_head=8)
     with pytest.raises(
-        TypeError, match=r"'push_revision': a push is push='org/name', or push=PushTarget\('org/name', revision=...\)"
+        TypeError, match=r"'push_revision': a push is push='org/name', or push=PushTarget\('org/name', branch=...\)"
     ):
         reinit_checkpoint(bare, push_revision="dev")
+    with pytest.raises(TypeError, match=r"'push_branch': a push is .* push=PushTarget\('org/name', branch=...\)"):
+        reinit_checkpoint(bare, push_branch="dev")
     for wrong, what in (
         (dict(hints="8"), "hints must be a surgeon.Hints, not str"),
         (dict(options={"layers": "0"}), "options must be a surgeon.ReinitOptions, not dict"),
@@ -132,18 +133,23 @@ def test_push_target_is_checked_before_anything_is_opened(tmp_path):
     with pytest.raises(OptionError, match="not a"):
         reinit_checkpoint(missing, push="not a repo!")
     with pytest.raises(OptionError, match="opens a pull request against main"):
-        PushTarget("me/x", create_pr=True, revision="dev")
+        PushTarget("me/x", create_pr=True, branch="dev")
     with pytest.raises(OptionError, match="go with push_to_hub=org/name"):
         PushTarget.build(None, private=True)
     assert PushTarget.build(None) is None
     assert "token" not in repr(PushTarget("me/x", token="hf_secret_value"))
+    with (
+        pytest.raises(OptionError, match="both name the branch to push to: give branch only"),
+        pytest.warns(DeprecationWarning),
+    ):
+        PushTarget.build("me/x", branch="a", revision="b")
     assert not list(tmp_path.iterdir())
 
 
 _PUSH_FROM_PYTHON = """
 import json, sys
 from surgeon import PushTarget, reinit_checkpoint
-report = reinit_checkpoint("org/tiny", layers="0", output="out", push=PushTarget("me/py", revision="dev", private=True))
+report = reinit_checkpoint("org/tiny", layers="0", output="out", push=PushTarget("me/py", branch="dev", private=True))
 print(json.dumps(report.to_dict()))
 """
 
@@ -177,11 +183,18 @@ def test_python_push_to_a_branch(tmp_path):
 
 
 def test_api_makes_each_report_once():
-    """api.py builds a Report in one place per command and never fills one in afterwards."""
-    tree = ast.parse(Path(surgeon.api.__file__).read_text())
-    built = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "Report"]
-    assert len(built) == 2  # inspect's and reinit's
-    for node in ast.walk(tree):
+    """A checkpoint's Report is built in one place per command (inspect's in api.py, reinit's in
+    report/checkpoint.py, for one process and for ranks) and never filled in afterwards."""
+    from surgeon import api
+    from surgeon.report import checkpoint
+
+    trees = [ast.parse(Path(m.__file__).read_text()) for m in (api, checkpoint)]
+    built = [
+        [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "Report"]
+        for tree in trees
+    ]
+    assert [len(b) for b in built] == [1, 1]  # inspect's and reinit's
+    for node in (n for tree in trees for n in ast.walk(tree)):
         targets = (
             node.targets
             if isinstance(node, ast.Assign)

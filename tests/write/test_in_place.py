@@ -7,6 +7,7 @@ next command (or `surgeon recover`) gives back the exact original bytes.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import signal
@@ -138,6 +139,38 @@ def test_kill_9_rolled_back_by_recover_on_a_sharded_folder(tmp_path, cli):
     assert "rolled back" in result.output
     assert {p.name: sha256(p) for p in folder.iterdir()} == digests
     assert cli("recover", folder).output.startswith("nothing to recover")
+
+
+def test_recover_json_says_what_was_rolled_back(tmp_path, cli):
+    """``recover --json``: the journals handled (what was done, the checkpoint, the files given back) and the
+    lines the text output prints, on a checkpoint a real kill -9 left half-patched."""
+    folder = tmp_path / "sharded"
+    tiny_llama().save_pretrained(folder, max_shard_size="40KB")
+    digests = {p.name: sha256(p) for p in folder.iterdir()}
+    run = subprocess.run([sys.executable, "-c", KILLER, "reinit", str(folder), "--in-place"], capture_output=True)
+    assert run.returncode == -signal.SIGKILL
+    (journal,) = folder.glob(f".*{SUFFIX}")
+    result = cli("recover", folder, "--json")
+    assert {p.name: sha256(p) for p in folder.iterdir()} == digests
+    out = json.loads(result.stdout)
+    weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = sorted({f for name, f in weight_map.items() if name.split(".")[-2] in ("q_proj", "k_proj", "v_proj")})
+    assert 0 < len(shards) < len(set(weight_map.values()))
+    assert out == {
+        "path": str(folder),
+        "journals": [
+            {
+                "action": "rolled_back",
+                "checkpoint": str(folder / "model.safetensors.index.json"),
+                "journal": str(journal),
+                "files": shards,
+            }
+        ],
+        "notes": [
+            f"rolled back an interrupted in-place run: {', '.join(shards)} in {folder} are as they were before it"
+        ],
+    }
+    assert json.loads(cli("recover", folder, "--json").stdout) == {"path": str(folder), "journals": [], "notes": []}
 
 
 def _run_in_place(src, *, kill_at: float | None = None, kill_after_first_write: float | None = None) -> dict:

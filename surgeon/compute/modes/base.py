@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 if TYPE_CHECKING:
     import torch
 
-    from ...options import ReinitOptions
-    from ...plan.planner import Change, Plan
+    from ...detect.blocks import AttentionBlock, Projection
 
 CONDITIONED_PAPER = "[Saratchandran & Lucey](https://openreview.net/forum?id=cKNOCYPo2W)"
 CONDITIONED_BIBTEX = """\
@@ -20,6 +20,48 @@ CONDITIONED_BIBTEX = """\
   year      = {2026},
   url       = {https://openreview.net/forum?id=cKNOCYPo2W}
 }"""
+
+
+# What a mode reads of a plan's change and options, named by shape: surgeon.options and surgeon.plan.planner
+# import this package (for the modes' names and help), so it cannot import them back.
+class ModeChange(Protocol):
+    """One projection's chosen heads (a surgeon.plan.planner.Change)."""
+
+    @property
+    def block(self) -> AttentionBlock: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def heads(self) -> tuple[int, ...]: ...
+    @property
+    def projection(self) -> Projection: ...
+
+
+class ModePlan(Protocol):
+    """What a mode reads of a plan to find the tensors it writes besides Q/K/V (a surgeon.plan.planner.Plan)."""
+
+    @property
+    def changes(self) -> Sequence[ModeChange]: ...
+    @property
+    def touched_blocks(self) -> list[AttentionBlock]: ...
+
+
+class ModeOptions(Protocol):
+    """The options a mode draws with (a surgeon.options.ReinitOptions)."""
+
+    @property
+    def seed(self) -> int: ...
+    @property
+    def value_identity(self) -> str: ...
+    @property
+    def gain(self) -> float | None: ...
+    @property
+    def std(self) -> float | None: ...
+    @property
+    def effective_strength(self) -> float: ...
+
+
+Options = TypeVar("Options", bound=ModeOptions)
 
 
 @dataclass(frozen=True)
@@ -51,7 +93,7 @@ class Mode:
         return self.method
 
     def draw(
-        self, change: Change, old: torch.Tensor | None, options: ReinitOptions, *, key: str, device: Any
+        self, change: ModeChange, old: torch.Tensor | None, options: ModeOptions, *, key: str, device: Any
     ) -> torch.Tensor:
         """New per-head matrices ``(len(change.heads), d, in)`` (float64), PyTorch (out, in) orientation.
 
@@ -60,16 +102,16 @@ class Mode:
         """
         raise NotImplementedError
 
-    def with_defaults(self, options: ReinitOptions, config: Any) -> ReinitOptions:
+    def with_defaults(self, options: Options, config: Any) -> Options:
         """``options`` with what this mode takes from the model's config filled in."""
         return options
 
-    def find_outputs(self, plan: Plan, shapes: dict) -> dict[str, tuple[str, bool]]:
+    def find_outputs(self, plan: ModePlan, shapes: dict) -> dict[str, tuple[str, bool]]:
         """The tensors this mode writes besides Q/K/V, found among ``shapes`` (tensor -> shape), or refuse:
         ``plan.outputs``, block module -> (its W_O tensor, stored as nn.Linear). Most modes write none."""
         return {}
 
-    def draw_output(self, change: Change, options: ReinitOptions, *, key: str, linear: bool) -> torch.Tensor:
+    def draw_output(self, change: ModeChange, options: ModeOptions, *, key: str, linear: bool) -> torch.Tensor:
         """The whole new value (float64, as stored) of the output tensor ``find_outputs`` found for the block
         of ``change`` (its value projection); ``key``: the name the value projection's draws are keyed by."""
         raise NotImplementedError(f"{self.name} writes no output projections")
