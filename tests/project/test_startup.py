@@ -23,6 +23,8 @@ TORCH_FREE = [
     "surgeon.write.staging",
     "surgeon.cli.shell",
     "surgeon.compute.per_file",
+    "surgeon.write.carry_out",
+    "surgeon.report.checkpoint",
     "surgeon.write.journal",
     "surgeon.write.journal_file",
     "surgeon.write.recovery",
