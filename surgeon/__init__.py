@@ -40,7 +40,7 @@ _EXPORTS = {
     "HubNotFoundError": "errors",
     "HubOfflineError": "errors",
     "PushError": "errors",
-    "PushResult": "write.push",
+    "PushResult": "write.push_result",
     "PushTarget": "write.push",
     "Hints": "detect.hints",
     "push_folder": "write.push",
@@ -97,5 +97,6 @@ if TYPE_CHECKING:
     from .integrations.init_hooks import conditioned_init_
     from .options import ReinitOptions
     from .report.report import Report
-    from .write.push import PushResult, PushTarget, push_folder
+    from .write.push import PushTarget, push_folder
+    from .write.push_result import PushResult
     from .write.recovery import recover

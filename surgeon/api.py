@@ -269,7 +269,7 @@ def reinit_checkpoint(
     )
 
 
-_PUSH_KEYWORDS = {  # reinit_checkpoint's keywords before PushTarget -> the PushTarget field
+_PUSH_KEYWORDS = {  # a push setting given as a keyword of reinit_checkpoint -> the PushTarget field that takes it
     "push_to_hub": "repo_id",
     "private": "private",
     "push_branch": "branch",
@@ -287,7 +287,7 @@ def _options_and_hints(
     option_names = [f.name for f in fields(ReinitOptions)]
     unknown = sorted(set(keywords) - set(option_names) - set(HINT_KEYWORDS))
     pushed = [k for k in unknown if k in _PUSH_KEYWORDS]
-    if pushed:  # 0.2.0's spelling
+    if pushed:  # push settings given as keywords of their own: pointed to PushTarget, which takes them
         raise TypeError(
             f"unexpected keyword argument {pushed[0]!r}: a push is push='org/name', or "
             f"push=PushTarget('org/name', {_PUSH_KEYWORDS[pushed[0]]}=...) for its other settings"

@@ -33,16 +33,12 @@ class OptionInfo:
     switch: bool = False  # a bool field: given or not (--keep-scale)
     shell_default: Any = AS_FIELD  # the default a shell shows, where it differs from the field's
     spec: bool = False  # an index spec (may start with "-": a command line writes --layers=SPEC)
-    recorded: Callable[[dict], bool] | None = None  # recorded options -> whether a reproduce command needs it
+    # recorded options -> whether a reproduce command needs it (an option recorded as None never is)
+    recorded: Callable[[dict], bool] | None = None
 
 
 def _option(default: Any, help: str, **info: Any) -> Any:
     return field(default=default, metadata={"shell": OptionInfo(help, **info)})
-
-
-def _if_set(name: str) -> Callable[[dict], bool]:
-    """OptionInfo.recorded for an option a reproduce command needs only where it was given."""
-    return lambda recorded: recorded.get(name) is not None
 
 
 def option_infos() -> list[tuple[str, OptionInfo]]:
@@ -89,7 +85,6 @@ class ReinitOptions:
         None,
         "Polar mode: sigma -> sigma^(1-t) for t in (0, 1] (kappa -> kappa^(1-t)). Default 1.",
         kind=float,
-        recorded=_if_set("strength"),
     )
     value_identity: str = _option(
         "block",
@@ -114,14 +109,12 @@ class ReinitOptions:
         "Conditioned mode: scale of the semi-orthogonal q/k heads (default 1; 0.02 * sqrt(width) matches a "
         "normal(0, 0.02) init's scale).",
         kind=float,
-        recorded=_if_set("gain"),
     )
     std: float | None = _option(
         None,
         "Redraw mode: std of the normal draws (default: config.json's initializer_range, else 0.02; "
         "nn.MultiheadAttention tensors use xavier_uniform).",
         kind=float,
-        recorded=_if_set("std"),
     )
 
     @classmethod

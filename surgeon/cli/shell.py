@@ -235,7 +235,8 @@ class OneLineErrors(click.Group):
         args, debug = _debugging(list(sys.argv[1:] if args is None else args))
         try:
             rv = super().main(args, "surgeon", complete_var, standalone_mode=False, **extra)
-        except click.exceptions.NoArgsIsHelpError as exc:  # bare `surgeon`: the help, as before
+        except click.exceptions.NoArgsIsHelpError as exc:
+            # bare `surgeon`: the help alone, without click's "Error:" line, and click's exit code for it
             click.echo(exc.ctx.get_help() if exc.ctx else "", err=True)
             sys.exit(exc.exit_code)
         except click.UsageError as exc:

@@ -33,6 +33,7 @@ TORCH_FREE = [
     "surgeon.open.hub_ids",
     "surgeon.open.hub",
     "surgeon.write.push",
+    "surgeon.write.push_result",
     "surgeon.open.hub_errors",
     "surgeon.detect",
     "surgeon.detect.by_name",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -16,7 +16,7 @@ from ..blocks import KV_MAPS, AttentionBlock, Projection, Rows
 from ..by_name import place_matches
 from ..hints import Hints
 from ..placement import join, kind
-from .inputs import decoder_inputs, hf_inputs
+from .inputs import decoder_inputs, example_call, hf_inputs
 from .probe import FILLS, PROBE_TOKENS, Capture, Op, Targets, Unresolved, Watch, probing, watch_all
 
 
@@ -333,37 +333,23 @@ def _call_sites(
 ) -> list[dict[str, Watch]]:
     """Run the coded forwards where the module can be called; one entry per successful call."""
     if example_inputs is not None:
-        call = _caller(module, example_inputs)
-        runs = watch_all(module, call, names, targets)
-        if runs is None:
-            try:
-                call()
-            except Exception as exc:
-                raise LayoutError(f"{type(module).__name__} fails on the example inputs given: {_short(exc)}") from None
-        return [runs] if runs else []
-    hf = any(c.__name__ == "PreTrainedModel" for c in type(module).__mro__)
-    inputs = hf_inputs(module) if hf else decoder_inputs(module)
-    if inputs is not None:
-        runs = watch_all(module, lambda: module(**inputs), names, targets)
-        if runs is None:
-            try:
-                module(**inputs)
-            except Exception as exc:
-                raise LayoutError(
-                    f"cannot run {type(module).__name__} on a probe input ({_short(exc)}); pass example_inputs=... to observe its forward"
-                ) from None
-        return [runs] if runs else []
-    sites: list[dict[str, Watch]] = []
-    _try_calls(module, "", names, targets, skip, sites)
-    return sites
-
-
-def _caller(module: nn.Module, example_inputs: Any) -> Callable[[], Any]:
-    if isinstance(example_inputs, Mapping):
-        return lambda: module(**example_inputs)
-    if isinstance(example_inputs, (tuple, list)):
-        return lambda: module(*example_inputs)
-    return lambda: module(example_inputs)
+        call, failure = example_call(module, example_inputs), "{} fails on the example inputs given: {}"
+    else:
+        hf = any(c.__name__ == "PreTrainedModel" for c in type(module).__mro__)
+        inputs = hf_inputs(module) if hf else decoder_inputs(module)
+        if inputs is None:  # no input of its own: try the module, then its submodules, on a float probe
+            sites: list[dict[str, Watch]] = []
+            _try_calls(module, "", names, targets, skip, sites)
+            return sites
+        call = lambda: module(**inputs)  # noqa: E731
+        failure = "cannot run {} on a probe input ({}); pass example_inputs=... to observe its forward"
+    runs = watch_all(module, call, names, targets)
+    if runs is None:  # the coded forward failed: run it plainly for the model's own error
+        try:
+            call()
+        except Exception as exc:
+            raise LayoutError(failure.format(type(module).__name__, _short(exc))) from None
+    return [runs] if runs else []
 
 
 def _short(exc: Exception) -> str:

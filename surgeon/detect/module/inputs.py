@@ -1,8 +1,9 @@
-"""Probe inputs built from what a model declares: a transformers model's config (hf_inputs), a torchtitan decoder's own mask builder (decoder_inputs)."""
+"""Probe inputs built from what a model declares: a transformers model's config (hf_inputs), a torchtitan decoder's own mask builder (decoder_inputs); and the call on inputs a user gives (example_call)."""
 
 from __future__ import annotations
 
 import inspect as _inspect
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -87,3 +88,13 @@ def decoder_inputs(model: nn.Module, *, tokens: int = PROBE_TOKENS) -> dict | No
     with torch.compiler.set_stance("force_eager"):  # its compiled mask builder, run eagerly: no compile wait
         masks = build_masks(positions)
     return {"tokens": ids, "positions": positions, "attention_masks": masks}
+
+
+def example_call(module: nn.Module, example_inputs: Any) -> Callable[[], Any]:
+    """``module`` called on the inputs a user gives: a dict as keyword arguments, a tuple or list as positional
+    arguments, anything else as the one argument."""
+    if isinstance(example_inputs, Mapping):
+        return lambda: module(**example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return lambda: module(*example_inputs)
+    return lambda: module(example_inputs)

@@ -1,0 +1,123 @@
+"""What a push says it did: the result of one that finished (or of a dry run), and the error of one
+that stopped part-way, naming what reached the Hub and the command that finishes the job."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+from ..errors import HubAccessError, HubAuthError, HubError, PushError
+from ..open.hub_errors import few, write_error
+
+
+@dataclass
+class PushResult:
+    """What a push did: one commit (or pull request) with these files.
+
+    Attributes:
+        repo_id: The repo pushed to.
+        repo_url: Its URL.
+        revision: The branch committed to ("main" by default).
+        created_repo: Whether the push created the repo.
+        commit: The commit's id ("" for a dry run).
+        commit_url: The commit's URL.
+        pr_url: The pull request's URL, where one was opened.
+        files: Every file of the push, as uploaded (or as a dry run would upload them).
+        large_files: Those sent through the large-file path (LFS / Xet).
+        unchanged: Those already on the Hub with the same content, left out of the commit.
+        bytes: The bytes sent.
+        notes: What the push says besides (a repo created, files left out).
+        dry_run: Nothing was sent.
+    """
+
+    repo_id: str
+    repo_url: str
+    revision: str  # the branch committed to ("main" by default)
+    created_repo: bool
+    commit: str
+    commit_url: str
+    pr_url: str | None
+    files: list[str]
+    large_files: list[str]  # sent through the large-file path (LFS / Xet)
+    unchanged: list[str]  # already on the Hub with the same content: left out of the commit
+    bytes: int
+    notes: list[str] = field(default_factory=list)
+    dry_run: bool = False  # nothing was sent: ``files`` is what the push would upload
+
+    def to_dict(self) -> dict:
+        """The result as ``surgeon push --json`` prints it."""
+        return {
+            "repo_id": self.repo_id,
+            "repo_url": self.repo_url,
+            "revision": self.revision,
+            "created_repo": self.created_repo,
+            "commit": self.commit,
+            "commit_url": self.commit_url,
+            "pr_url": self.pr_url,
+            "files": self.files,
+            "large_files": self.large_files,
+            "unchanged": self.unchanged,
+            "bytes": self.bytes,
+            "notes": self.notes,
+            "dry_run": self.dry_run,
+        }
+
+    def summary(self) -> str:
+        """One line (names shown escaped)."""
+        from ..report.report import fmt_bytes
+        from ..report.shown import shown
+
+        if self.dry_run:
+            return (
+                f"dry run: would push these {len(self.files)} files ({fmt_bytes(self.bytes)}) to {self.repo_id} "
+                f"(branch {self.revision}); nothing was sent"
+            )
+        changed = len(self.files) - len(self.unchanged)
+        if not changed:
+            return shown(
+                f"nothing to push: all {len(self.files)} files are on {self.repo_id} (branch {self.revision}) already, unchanged"
+            )
+        what = f"{changed} files ({fmt_bytes(self.bytes)}, {len(self.large_files)} through the large-file path)"
+        if self.unchanged:
+            what += f" ({len(self.unchanged)} files already there unchanged)"
+        if self.pr_url:
+            return shown(f"opened a pull request on {self.repo_id} with {what}: {self.pr_url}")
+        return shown(f"pushed {what} to {self.repo_id} (branch {self.revision}) in one commit: {self.commit_url}")
+
+    def listing(self) -> list[str]:
+        """Every file of the push, one line each (the exact list uploaded, or that a dry run would upload)."""
+        from ..report.shown import shown
+
+        unchanged = set(self.unchanged)
+        return [f"  {shown(f)}{' (already there, unchanged)' if f in unchanged else ''}" for f in self.files]
+
+
+def partial_push_error(exc, repo_id, token, folder, ops, failed_at, done, *, branch, create_pr, private) -> Exception:
+    """One line: what reached the Hub, what did not, and the command that finishes the job."""
+    base = write_error(exc, repo_id, token, "push")
+    if not isinstance(base, HubError) or (isinstance(base, (HubAuthError, HubAccessError)) and not done):
+        return base  # refused outright: nothing reached the Hub, the plain reason is the whole story
+    # the file that failed and those after it first: they are what the re-run will send
+    pending = [op.path_in_repo for op in ops[failed_at:]] + [
+        op.path_in_repo for op in ops[:failed_at] if op.path_in_repo not in done
+    ]
+    flags = (
+        (f" --branch {shlex.quote(branch)}" if branch else "")
+        + (" --create-pr" if create_pr else "")
+        + (" --private" if private else "")
+    )
+    rerun = f"surgeon push {shlex.quote(str(folder))} {repo_id}{flags}"
+    if failed_at < len(ops):
+        before = (
+            f"uploaded before it: {few(done)} ({len(done)} large files)"
+            if done
+            else "no large file was uploaded before it"
+        )
+        what = f"stopped at {ops[failed_at].path_in_repo} ({base}); {before}; not uploaded: {few(pending)}; nothing was committed"
+    else:
+        what = f"failed at the commit ({base}); all {len(done)} large files were uploaded, but nothing was committed"
+    return PushError(
+        f"push to {repo_id} {what}: run `{rerun}` to finish (the Hub keeps what was uploaded; it is not sent again)",
+        uploaded=list(done),
+        not_uploaded=pending,
+    )
