@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .base import CONDITIONED_BIBTEX, CONDITIONED_PAPER, Mode
+
+if TYPE_CHECKING:
+    import torch
+
+    from ...options import ReinitOptions
+    from ...plan.planner import Change
 
 
 class Conditioned(Mode, name="conditioned"):
@@ -14,7 +20,9 @@ class Conditioned(Mode, name="conditioned"):
     label = "Conditioned re-initialization"
     citation = CONDITIONED_BIBTEX
 
-    def draw(self, change, old, options, *, key: str, device: Any):
+    def draw(
+        self, change: Change, old: torch.Tensor | None, options: ReinitOptions, *, key: str, device: torch.device | str
+    ) -> torch.Tensor:
         import torch
 
         from ..conditioning import head_seed, semi_orthogonal_batch, value_identity

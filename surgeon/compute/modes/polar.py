@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .base import CONDITIONED_BIBTEX, CONDITIONED_PAPER, Mode
+
+if TYPE_CHECKING:
+    import torch
+
+    from ...options import ReinitOptions
+    from ...plan.planner import Change
 
 
 class Polar(Mode, name="polar"):
@@ -17,7 +23,9 @@ class Polar(Mode, name="polar"):
     verify_bound = "semi-orthogonal/polar within the dtype's rounding (1 ulp)"
     citation = CONDITIONED_BIBTEX
 
-    def draw(self, change, old, options, *, key: str, device: Any):
+    def draw(
+        self, change: Change, old: torch.Tensor | None, options: ReinitOptions, *, key: str, device: torch.device | str
+    ) -> torch.Tensor:
         from ..conditioning import polar
 
         assert old is not None  # not fresh: the engine passes the old values

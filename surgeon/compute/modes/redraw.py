@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .base import Mode
+
+if TYPE_CHECKING:
+    import torch
+
+    from ...options import ReinitOptions
+    from ...plan.planner import Change
 
 
 class Redraw(Mode, name="redraw"):
@@ -14,12 +20,14 @@ class Redraw(Mode, name="redraw"):
     method = "default-init-redraw"
     label = "Default-init redraw"
 
-    def draw(self, change, old, options, *, key: str, device: Any):
+    def draw(
+        self, change: Change, old: torch.Tensor | None, options: ReinitOptions, *, key: str, device: torch.device | str
+    ) -> torch.Tensor:
         from ..baselines import redraw_heads
 
         return redraw_heads(change, key, options, device=device)
 
-    def with_defaults(self, options, config: Any):
+    def with_defaults(self, options: ReinitOptions, config: Any) -> ReinitOptions:
         from ..baselines import config_std
 
         return options if options.std is not None else replace(options, std=config_std(config)[0])
