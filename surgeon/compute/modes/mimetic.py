@@ -9,8 +9,7 @@ from .base import Mode
 if TYPE_CHECKING:
     import torch
 
-    from ...options import ReinitOptions
-    from ...plan.planner import Change, Plan
+    from .base import ModeChange, ModeOptions, ModePlan
 
 MIMETIC_BIBTEX = """\
 @inproceedings{trockman2023mimetic,
@@ -30,19 +29,25 @@ class Mimetic(Mode, name="mimetic"):
     citation = MIMETIC_BIBTEX
 
     def draw(
-        self, change: Change, old: torch.Tensor | None, options: ReinitOptions, *, key: str, device: torch.device | str
+        self,
+        change: ModeChange,
+        old: torch.Tensor | None,
+        options: ModeOptions,
+        *,
+        key: str,
+        device: torch.device | str,
     ) -> torch.Tensor:
         from ..baselines import mimetic_heads, module_key
 
         proj = change.projection
         return mimetic_heads(change, module_key(change.block, proj.weight.tensor, key), options, device=device)
 
-    def find_outputs(self, plan: Plan, shapes: dict) -> dict[str, tuple[str, bool]]:
+    def find_outputs(self, plan: ModePlan, shapes: dict) -> dict[str, tuple[str, bool]]:
         from ..baselines import out_projections
 
         return out_projections(plan, shapes)
 
-    def draw_output(self, change: Change, options: ReinitOptions, *, key: str, linear: bool) -> torch.Tensor:
+    def draw_output(self, change: ModeChange, options: ModeOptions, *, key: str, linear: bool) -> torch.Tensor:
         from ..baselines import mimetic_out, module_key
 
         return mimetic_out(

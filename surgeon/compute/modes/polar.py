@@ -9,8 +9,7 @@ from .base import CONDITIONED_BIBTEX, CONDITIONED_PAPER, Mode
 if TYPE_CHECKING:
     import torch
 
-    from ...options import ReinitOptions
-    from ...plan.planner import Change
+    from .base import ModeChange, ModeOptions
 
 
 class Polar(Mode, name="polar"):
@@ -24,7 +23,13 @@ class Polar(Mode, name="polar"):
     citation = CONDITIONED_BIBTEX
 
     def draw(
-        self, change: Change, old: torch.Tensor | None, options: ReinitOptions, *, key: str, device: torch.device | str
+        self,
+        change: ModeChange,
+        old: torch.Tensor | None,
+        options: ModeOptions,
+        *,
+        key: str,
+        device: torch.device | str,
     ) -> torch.Tensor:
         from ..conditioning import polar
 

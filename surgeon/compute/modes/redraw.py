@@ -10,8 +10,7 @@ from .base import Mode
 if TYPE_CHECKING:
     import torch
 
-    from ...options import ReinitOptions
-    from ...plan.planner import Change
+    from .base import ModeChange, ModeOptions, Options
 
 
 class Redraw(Mode, name="redraw"):
@@ -21,16 +20,23 @@ class Redraw(Mode, name="redraw"):
     label = "Default-init redraw"
 
     def draw(
-        self, change: Change, old: torch.Tensor | None, options: ReinitOptions, *, key: str, device: torch.device | str
+        self,
+        change: ModeChange,
+        old: torch.Tensor | None,
+        options: ModeOptions,
+        *,
+        key: str,
+        device: torch.device | str,
     ) -> torch.Tensor:
         from ..baselines import redraw_heads
 
         return redraw_heads(change, key, options, device=device)
 
-    def with_defaults(self, options: ReinitOptions, config: Any) -> ReinitOptions:
+    def with_defaults(self, options: Options, config: Any) -> Options:
         from ..baselines import config_std
 
-        return options if options.std is not None else replace(options, std=config_std(config)[0])
+        # options is a ReinitOptions, a dataclass: the ModeOptions protocol does not say so
+        return options if options.std is not None else replace(options, std=config_std(config)[0])  # type: ignore[type-var]
 
     def summary(self, options: dict, blocks: list) -> str:
         return f"redraw, {_draws(options, blocks)}"

@@ -12,11 +12,10 @@ from typing import TYPE_CHECKING
 
 from ...errors import SharedInitializerError, opt
 from .onnx_checks import aliased, refuse_aliased
-from .write_plan import SharedCopy, WritePlan
+from .write_plan import PlanView, SharedCopy, WritePlan
 
 if TYPE_CHECKING:
     from ...detect.result import Detection, GraphFacts, GraphView
-    from ...plan.planner import Plan
     from .onnx_model import OnnxModel
 
 # nodes that pass an initializer's values on to others (a copy read through them must reach only the chosen projections)
@@ -41,7 +40,7 @@ PASS_ON = frozenset(
 )
 
 
-def plan_sharing(weights: OnnxModel, plan: Plan, detection: Detection) -> WritePlan:
+def plan_sharing(weights: OnnxModel, plan: PlanView, detection: Detection) -> WritePlan:
     """Refuse to change an initializer that nodes outside the plan read too (``detection.graph``:
     the graph facts of surgeon.detect.onnx), unless the chosen projections can read a copy of their
     own. Zeroing a bias that is all zero bytes already (an untrained model's biases, which exporters
@@ -75,7 +74,7 @@ def plan_sharing(weights: OnnxModel, plan: Plan, detection: Detection) -> WriteP
     return WritePlan(tuple(notes + _already_zero(unchanged)), tuple(copies.values()))
 
 
-def _chosen_readers(plan: Plan, found: GraphFacts) -> dict[str, set[int]]:
+def _chosen_readers(plan: PlanView, found: GraphFacts) -> dict[str, set[int]]:
     """initializer -> the nodes through which the chosen projections read it (biases only when zeroed)."""
     allowed: dict[str, set[int]] = {}
     for change in plan.changes:
@@ -107,7 +106,7 @@ def _other_readers(
 
 def _share(
     weights: OnnxModel,
-    plan: Plan,
+    plan: PlanView,
     copies: dict[str, SharedCopy],
     name: str,
     what: list[str],
@@ -200,7 +199,7 @@ def passed_on(name: str, readers: set[int], graph: GraphView) -> str | None:
     return None
 
 
-def unchosen_readers(plan: Plan, detection: Detection) -> dict[str, dict[str, set[int]]]:
+def unchosen_readers(plan: PlanView, detection: Detection) -> dict[str, dict[str, set[int]]]:
     """initializer -> {"block X (role)": the nodes through which that unchosen projection reads it}."""
     found = detection.graph
     assert found is not None  # plan_sharing's caller: it returns before this for a detection without a graph
