@@ -16,6 +16,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import TypedDict
+
+    from typing_extensions import Unpack
+
+    class _Fields(TypedDict, total=False):  # SurgeonError's keyword fields, which subclasses pass on
+        tensor: str | None
+        path: object
+        context: str | None
+
 
 # «name» or «name=value»: an option named in a message (see opt)
 _OPTION = re.compile(r"«(\w+)(?:=([^»]*))?»")
@@ -138,7 +150,7 @@ class HalfPatchedError(OutputError):
     """An in-place run or its rollback stopped part-way: the journal is kept for ``surgeon recover``.
     ``interrupted``: by Ctrl-C (exit code 130, as a shell reports SIGINT)."""
 
-    def __init__(self, message: str = "", *, interrupted: bool = False, **fields) -> None:
+    def __init__(self, message: str = "", *, interrupted: bool = False, **fields: Unpack[_Fields]) -> None:
         super().__init__(message, **fields)
         self.interrupted = interrupted
         self.exit_code = 130 if interrupted else 1
@@ -172,7 +184,12 @@ class PushError(HubError):
     """A push stopped part-way; the message says what reached the Hub and what did not."""
 
     def __init__(
-        self, message: str = "", *, uploaded: list[str] | None = None, not_uploaded: list[str] | None = None, **fields
+        self,
+        message: str = "",
+        *,
+        uploaded: list[str] | None = None,
+        not_uploaded: list[str] | None = None,
+        **fields: Unpack[_Fields],
     ) -> None:
         super().__init__(message, **fields)
         self.uploaded, self.not_uploaded = list(uploaded or []), list(not_uploaded or [])

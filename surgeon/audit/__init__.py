@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -39,6 +40,14 @@ from ..report.shown import shown
 from ..write.journal import hold
 from .record import Record, card_records, other_version_note, parse_record, stored_history
 from .values import check_changed, check_untouched
+
+if TYPE_CHECKING:
+    from ..compute.engine import Engine
+    from ..detect.result import Detection
+    from ..open.formats.base import WeightSet
+    from ..open.formats.onnx import OnnxWeights
+    from ..open.source import Source
+    from ..plan.planner import Plan
 
 __all__ = ["Verification", "verify", "card_record", "card_comment", "CheckpointError", "VerificationError"]
 
@@ -132,7 +141,14 @@ def verify(
         return _verify_opened(src, out, Hints.build(hints, **hint_keywords), device, original, output)
 
 
-def _verify_opened(src, out, hints: Hints, device, original, output) -> Verification:
+def _verify_opened(
+    src: Source,
+    out: Source,
+    hints: Hints,
+    device: str | torch.device,
+    original: str | Path,
+    output: str | Path,
+) -> Verification:
     _check_kind(src, out, original, output)
     record, earlier, where = _read_record(out, output)
     files = 0
@@ -160,7 +176,7 @@ def _verify_opened(src, out, hints: Hints, device, original, output) -> Verifica
     return Verification(str(original), str(output), record.raw, sorted(changed), identical, record.options.mode, files)
 
 
-def _check_kind(src, out, original, output) -> None:
+def _check_kind(src: Source, out: Source, original: str | Path, output: str | Path) -> None:
     if out.format != src.format:
         raise VerificationError(
             f"{output} is {out.format} and {original} is {src.format}: surgeon writes the input's format"
@@ -171,7 +187,7 @@ def _check_kind(src, out, original, output) -> None:
         )
 
 
-def _read_record(out, output) -> tuple[Record, list | None, str]:
+def _read_record(out: Source, output: str | Path) -> tuple[Record, list | None, str]:
     """The last record (type-checked), the ones before it (None where the format keeps no history), where they are."""
     found, where = stored_history(out)
     if not found:
@@ -184,7 +200,16 @@ def _read_record(out, output) -> tuple[Record, list | None, str]:
     return parse_record(found[-1], f"{output} ({where})"), (found[:-1] if out.primary.record_slot else None), where
 
 
-def _check_weights(src, out, record: Record, earlier, hints, device, output, original) -> tuple[set[str], int]:
+def _check_weights(
+    src: Source,
+    out: Source,
+    record: Record,
+    earlier: list | None,
+    hints: Hints,
+    device: str | torch.device,
+    output: str | Path,
+    original: str | Path,
+) -> tuple[set[str], int]:
     """The plan made again from the record; every weight set's tensors checked. Returns (changed, identical)."""
     from ..compute.engine import Engine, resolve_device
     from ..detect import detect_source
@@ -221,13 +246,15 @@ def _check_weights(src, out, record: Record, earlier, hints, device, output, ori
     return changed, identical
 
 
-def _write_plan(src, out, plan, detection, record: Record, output) -> WritePlan:
+def _write_plan(
+    src: Source, out: Source, plan: Plan, detection: Detection, record: Record, output: str | Path
+) -> WritePlan:
     """What the original's format decided for the recorded plan, made again: an ONNX output's record must
     list exactly its copies of shared initializers, and its graph must be the original's with only them
     added (``graph.check_graph``)."""
-    a, b = src.primary, out.primary
-    if not a.graph:  # only graphs share initializers
+    if not src.primary.graph:  # only graphs share initializers
         return WritePlan()
+    a, b = cast("OnnxWeights", src.primary), cast("OnnxWeights", out.primary)  # the one format with a graph
     from ..open.formats.onnx_wire import renamed_data_files
     from .graph import check_graph
 
@@ -248,7 +275,16 @@ def _write_plan(src, out, plan, detection, record: Record, output) -> WritePlan:
     return write_plan
 
 
-def _check_set(a, b, engine, record: Record, earlier, write_plan: WritePlan, output, original) -> int:
+def _check_set(
+    a: WeightSet,
+    b: WeightSet,
+    engine: Engine,
+    record: Record,
+    earlier: list | None,
+    write_plan: WritePlan,
+    output: str | Path,
+    original: str | Path,
+) -> int:
     """One weight set: the same tensors, in order (an ONNX output adds the copies after the initializers),
     the untouched ones byte-identical, the changed ones re-derived. Returns how many were byte-identical."""
     copies = write_plan.copy_names

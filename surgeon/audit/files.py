@@ -13,12 +13,16 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import VerificationError
 from ..open.formats.fileio import same_bytes
 from ..open.source import SKIP_DIRS
 from ..write.output import folder_output_files
 from .record import Record, read_card
+
+if TYPE_CHECKING:
+    from ..open.source import Source
 
 CARD = "README.md"
 # files git or the Hub adds to a repository: loaders never read them
@@ -42,14 +46,14 @@ def output_files(folder: Path) -> dict[str, Path]:
     return found
 
 
-def expected_files(src) -> tuple[set[str], set[str]]:
+def expected_files(src: Source) -> tuple[set[str], set[str]]:
     """(weight files surgeon rewrites, files it copies byte for byte: index files and, from a folder, the
     non-weight files) in a folder output of ``src``."""
     weights, carried = folder_output_files(src)
     return set(weights), set(carried) - {CARD}
 
 
-def check_folder(src, out, output) -> int:
+def check_folder(src: Source, out: Source, output: str | Path) -> int:
     """Every file of the folder output ``out`` is one surgeon writes, and the carried ones are byte-identical;
     returns how many files were compared byte for byte."""
     weights, carried = expected_files(src)
@@ -70,7 +74,7 @@ def check_folder(src, out, output) -> int:
     return len(carried)
 
 
-def _regular(path: Path, rel: str, output) -> None:
+def _regular(path: Path, rel: str, output: str | Path) -> None:
     try:
         mode = os.stat(path).st_mode  # a link to a regular file (a Hub cache snapshot) is read through
     except OSError:
@@ -79,7 +83,7 @@ def _regular(path: Path, rel: str, output) -> None:
         raise VerificationError(f"{output}: {rel} is not a regular file; surgeon writes regular files")
 
 
-def _what_added(rel: str, src) -> str:
+def _what_added(rel: str, src: Source) -> str:
     from ..open.formats.registry import STATE_DICT_SUFFIXES, format_of
     from ..open.source import STALE_WEIGHT_SUFFIXES
 
@@ -90,7 +94,7 @@ def _what_added(rel: str, src) -> str:
     return "was added"
 
 
-def check_card(src, out, record: Record, output) -> None:
+def check_card(src: Source, out: Source, record: Record, output: str | Path) -> None:
     """README.md: surgeon's card with this record, or (an in-place output) the original's, unchanged."""
     theirs = src.folder / CARD if src.kind == "folder" else None
     card = out.folder / CARD if (out.folder / CARD).is_file() else None

@@ -11,6 +11,7 @@ the re-initialized Constant nodes hold new values, and the ``surgeon`` metadata 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import onnx
@@ -18,6 +19,9 @@ import onnx
 from ..errors import VerificationError
 
 if TYPE_CHECKING:
+    from google.protobuf.message import Message
+
+    from ..open.formats.onnx import OnnxWeights
     from ..open.formats.write_plan import WritePlan
 
 _DATA = frozenset(
@@ -25,7 +29,9 @@ _DATA = frozenset(
 )
 
 
-def check_graph(a, b, write_plan: WritePlan, renamed: dict[str, str], output) -> None:
+def check_graph(
+    a: OnnxWeights, b: OnnxWeights, write_plan: WritePlan, renamed: dict[str, str], output: str | Path
+) -> None:
     """``a``, ``b``: the original's and the output's OnnxWeights."""
     ma, mb = a.model, b.model
     for field in ma.DESCRIPTOR.fields:
@@ -47,7 +53,7 @@ def check_graph(a, b, write_plan: WritePlan, renamed: dict[str, str], output) ->
     _check_initializers(a, ga, gb, write_plan, renamed, output)
 
 
-def _value(msg, name: str):
+def _value(msg: Message, name: str) -> object:
     value = getattr(msg, name)
     if hasattr(value, "SerializeToString"):
         return value.SerializeToString(deterministic=True) if msg.HasField(name) else None
@@ -56,7 +62,7 @@ def _value(msg, name: str):
     return value
 
 
-def _first(ga, gb, name: str) -> str:
+def _first(ga: onnx.GraphProto, gb: onnx.GraphProto, name: str) -> str:
     """The first differing entry of a repeated graph field, for the message."""
     mine, theirs = getattr(ga, name), getattr(gb, name)
     label = {"input": "graph input", "output": "graph output", "value_info": "value info"}.get(
@@ -71,11 +77,13 @@ def _first(ga, gb, name: str) -> str:
     return label
 
 
-def _value_one(v):
+def _value_one(v: object) -> object:
     return v.SerializeToString(deterministic=True) if hasattr(v, "SerializeToString") else v
 
 
-def _check_nodes(a, ga, gb, write_plan: WritePlan, output) -> None:
+def _check_nodes(
+    a: OnnxWeights, ga: onnx.GraphProto, gb: onnx.GraphProto, write_plan: WritePlan, output: str | Path
+) -> None:
     renames: dict[int, dict[str, str]] = {}
     for shared in write_plan.copies:
         for n in shared.readers:
@@ -125,7 +133,14 @@ def _node_difference(expected: onnx.NodeProto, found: onnx.NodeProto) -> str:
     return "differs from the original's (name or doc string)"
 
 
-def _check_initializers(a, ga, gb, write_plan: WritePlan, renamed: dict[str, str], output) -> None:
+def _check_initializers(
+    a: OnnxWeights,
+    ga: onnx.GraphProto,
+    gb: onnx.GraphProto,
+    write_plan: WritePlan,
+    renamed: dict[str, str],
+    output: str | Path,
+) -> None:
     values = set(a.tensors) | {c.copy for c in write_plan.copies}  # names whose values are checked as tensors
     expected = [_header(t, values, {}) for t in ga.initializer]
     expected += [

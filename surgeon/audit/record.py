@@ -14,7 +14,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
 from ..compute.modes import all_modes, get_mode
@@ -23,6 +23,9 @@ from ..errors import CheckpointError, SurgeonError
 from ..open.bounded import CARD_LIMIT, loads, read_text
 from ..options import BIAS_CHOICES, MODES, ReinitOptions
 from ..report.card import CARD_CLOSE, CARD_OPEN
+
+if TYPE_CHECKING:
+    from ..open.source import Source
 
 MAX_LIST = 1_000_000  # entries in any list of a record (blocks, layer/head numbers): beyond any real model
 MAX_TEXT = 100_000  # characters in any string of a record
@@ -262,7 +265,7 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def stored_history(source) -> tuple[list | None, str]:
+def stored_history(source: Source) -> tuple[list | None, str]:
     """surgeon's records stored in an opened checkpoint (oldest first; None: none stored), and where they are.
 
     Formats with a record slot (safetensors ``__metadata__``, ONNX ``metadata_props``): the entry ``surgeon`` of

@@ -19,6 +19,10 @@ dtype's machine epsilon), which is checked too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..compute.conditioning import single_threaded
@@ -26,15 +30,21 @@ from ..compute.modes import get_mode
 from ..errors import DerivedMismatch, VerificationError
 from ..open.formats.base import tensor_bytes
 
+if TYPE_CHECKING:
+    from ..compute.engine import Engine
+    from ..open.formats.base import WeightSet
+    from ..options import ReinitOptions
+    from ..plan.planner import Change
+
 EPS64 = 2.0**-52
 
 
-def raw(weights, name: str) -> bytes:
+def raw(weights: WeightSet, name: str) -> bytes:
     """A tensor's stored bytes (``WeightSet.raw``: by byte range where the format allows, no decoding)."""
     return weights.raw(name)
 
 
-def check_untouched(a, b, names, output, original) -> int:
+def check_untouched(a: WeightSet, b: WeightSet, names: list[str], output: str | Path, original: str | Path) -> int:
     """Every tensor of ``names`` is byte-identical in ``b``; returns how many there are."""
     for name in names:
         info, theirs = a.tensors[name], b.tensors[name]
@@ -49,7 +59,15 @@ def check_untouched(a, b, names, output, original) -> int:
     return len(names)
 
 
-def check_changed(a, b, engine, names: list[str], options, output, copies: dict[str, str]) -> None:
+def check_changed(
+    a: WeightSet,
+    b: WeightSet,
+    engine: Engine,
+    names: list[str],
+    options: ReinitOptions,
+    output: str | Path,
+    copies: dict[str, str],
+) -> None:
     """Every re-initialized tensor of ``names`` (or, for a shared ONNX initializer, its recorded copy) is what the recipe gives."""
     for name in names:
         original = a.read(name)
@@ -88,12 +106,15 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.maximum(torch.ldexp(torch.ones_like(x), e - p), torch.full_like(x, info.tiny * info.eps))
 
 
-def _heads_where(name, engine, shape, per_head) -> tuple[torch.Tensor, torch.Tensor]:
+def _heads_where(
+    name: str, engine: Engine, shape: tuple[int, ...], per_head: Callable[[Change], list[float]]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(selected mask, tau per element) of tensor ``name``; ``per_head(change)`` gives each head's tau."""
     mask = torch.zeros(shape, dtype=torch.bool)
     tau = torch.zeros(shape, dtype=torch.float64)
     for change, what in engine.edits[name]:
         rows = change.projection.weight if what == "weight" else change.projection.bias
+        assert rows is not None  # a bias edit is planned only for a projection with one
         taus = per_head(change) if what == "weight" else [0.0] * len(change.heads)
         for h, t in zip(change.heads, taus):
             for target, value in ((mask, True), (tau, t)):
@@ -102,7 +123,7 @@ def _heads_where(name, engine, shape, per_head) -> tuple[torch.Tensor, torch.Ten
     return mask, tau
 
 
-def polar_tau(original: torch.Tensor, expected: torch.Tensor, change) -> list[float]:
+def polar_tau(original: torch.Tensor, expected: torch.Tensor, change: Change) -> list[float]:
     """tau of each head of ``change`` (see the module's docstring)."""
     from ..compute.engine import head_matrices
 
@@ -117,7 +138,15 @@ def polar_tau(original: torch.Tensor, expected: torch.Tensor, change) -> list[fl
     return (8 * m * EPS64 * kappa * torch.linalg.matrix_norm(new)).tolist()
 
 
-def check_polar(name, engine, original, expected, found, options, output) -> None:
+def check_polar(
+    name: str,
+    engine: Engine,
+    original: torch.Tensor,
+    expected: torch.Tensor,
+    found: torch.Tensor,
+    options: ReinitOptions,
+    output: str | Path,
+) -> None:
     mask, tau = _heads_where(name, engine, tuple(found.shape), lambda c: polar_tau(original, expected, c))
     if not torch.equal(tensor_bytes_view(found[~mask]), tensor_bytes_view(original[~mask])):
         raise VerificationError(f"{output}: tensor {name!r} changed outside the recorded heads")
@@ -140,7 +169,9 @@ def tensor_bytes_view(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8) if t.numel() else t.reshape(0).to(torch.uint8)
 
 
-def _check_semi_orthogonal(name, engine, got64, tau, dtype, output) -> None:
+def _check_semi_orthogonal(
+    name: str, engine: Engine, got64: torch.Tensor, tau: torch.Tensor, dtype: torch.dtype, output: str | Path
+) -> None:
     from ..compute.engine import head_matrices
 
     eps = torch.finfo(dtype).eps

@@ -27,7 +27,16 @@ This module is torch-free at import (the planning path imports it).
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+    from numpy.typing import NDArray
+
+    from ..detect.blocks import AttentionBlock
+    from .modes.base import ModeChange, ModeOptions, ModePlan
 
 DEFAULT_STD = 0.02
 XAVIER_TENSORS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")  # nn.MultiheadAttention
@@ -48,7 +57,9 @@ def is_xavier(tensor: str) -> bool:
     return tensor.rsplit(".", 1)[-1] in XAVIER_TENSORS
 
 
-def redraw_heads(change, key: str, options, *, device=None):
+def redraw_heads(
+    change: ModeChange, key: str, options: ModeOptions, *, device: torch.device | str | None = None
+) -> torch.Tensor:
     """Fresh default-init per-head matrices ``(len(heads), d, in)`` float64 for ``change.heads``."""
     import numpy as np
     import torch
@@ -86,7 +97,7 @@ MIMETIC = {"a1": 0.7, "b1": 0.7, "a2": 0.4, "b2": 0.4}
 OUT_NAMES = ("o_proj", "out_proj", "c_proj", "o", "wo", "dense", "proj", "to_out.0")
 
 
-def find_out_projection(block, shapes) -> tuple[str, bool] | None:
+def find_out_projection(block: AttentionBlock, shapes: Mapping[str, Sequence[int]]) -> tuple[str, bool] | None:
     """W_O of ``block`` among tensor ``shapes`` (name -> shape): (tensor, stored as (D, H*d) i.e. nn.Linear)."""
     width, inner = block.q.in_features, block.heads * block.head_dim
     linear = block.q.weight.axis == 0  # Conv1D-style (in, out) families store W_O that way too
@@ -97,7 +108,7 @@ def find_out_projection(block, shapes) -> tuple[str, bool] | None:
     return (hits[0], linear) if len(hits) == 1 else None
 
 
-def out_projections(plan, shapes) -> dict[str, tuple[str, bool]]:
+def out_projections(plan: ModePlan, shapes: Mapping[str, Sequence[int]]) -> dict[str, tuple[str, bool]]:
     """For --mode mimetic: every touched block's W_O (block module -> ``find_out_projection``), or refuse in one line."""
     from ..errors import LayoutError, OptionError, opt
 
@@ -125,14 +136,14 @@ def out_projections(plan, shapes) -> dict[str, tuple[str, bool]]:
     return outputs
 
 
-def module_key(block, tensor: str, seed_name: str | None) -> str:
+def module_key(block: AttentionBlock, tensor: str, seed_name: str | None) -> str:
     """The name the mimetic draws of ``block`` are keyed by: its module path as the checkpoint spells it."""
     name = seed_name or tensor
     suffix = tensor[len(block.module) :] if tensor.startswith(block.module + ".") else None
     return name[: -len(suffix)] if suffix and name.endswith(suffix) else block.module
 
 
-def _mimetic_z(seed: int, key: str, tag: str, head: int, width: int):
+def _mimetic_z(seed: int, key: str, tag: str, head: int, width: int) -> NDArray[np.float64]:
     import numpy as np
 
     from .conditioning import head_seed
@@ -143,7 +154,7 @@ def _mimetic_z(seed: int, key: str, tag: str, head: int, width: int):
     )
 
 
-def mimetic_qk(seed: int, key: str, head: int, width: int, d: int):
+def mimetic_qk(seed: int, key: str, head: int, width: int, d: int) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
     """(W_Q, W_K), each D x d, with W_Q W_K^T the best rank-d approximation of a1 Z + b1 I."""
     import numpy as np
 
@@ -153,7 +164,7 @@ def mimetic_qk(seed: int, key: str, head: int, width: int, d: int):
     return u[:, :d] * root, vt[:d].T * root
 
 
-def mimetic_vo(seed: int, key: str, width: int, inner: int):
+def mimetic_vo(seed: int, key: str, width: int, inner: int) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
     """(W_V, W_O): D x H*d and H*d x D, with W_V W_O the best rank-(H*d) approximation of a2 Z - b2 I."""
     import numpy as np
 
@@ -163,7 +174,9 @@ def mimetic_vo(seed: int, key: str, width: int, inner: int):
     return u[:, :inner] * root, root[:, None] * vt[:inner]
 
 
-def mimetic_heads(change, key: str, options, *, device=None):
+def mimetic_heads(
+    change: ModeChange, key: str, options: ModeOptions, *, device: torch.device | str | None = None
+) -> torch.Tensor:
     """Per-head matrices ``(len(heads), d, D)`` (PyTorch orientation) of q, k or v, float64."""
     import numpy as np
     import torch
@@ -179,7 +192,7 @@ def mimetic_heads(change, key: str, options, *, device=None):
     return torch.from_numpy(np.ascontiguousarray(out)).to(device or "cpu")
 
 
-def mimetic_out(block, key: str, options, linear: bool):
+def mimetic_out(block: AttentionBlock, key: str, options: ModeOptions, linear: bool) -> torch.Tensor:
     """The whole W_O tensor as stored (float64): (D, H*d) for nn.Linear, (H*d, D) for Conv1D."""
     import torch
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -39,13 +40,22 @@ __all__ = [
 
 _POOL: ThreadPoolExecutor | None = None
 
+_Item = TypeVar("_Item")
+_Result = TypeVar("_Result")
+
 
 def workers() -> int:
     """Threads for per-head CPU work: torch releases the GIL in randn, QR and eigensolves."""
     return max(1, min(os.cpu_count() or 1, 8))
 
 
-def in_parallel(fn, items: list, *, device: torch.device | str = "cpu", min_chunk: int = 2) -> list:
+def in_parallel(
+    fn: Callable[[list[_Item]], _Result],
+    items: list[_Item],
+    *,
+    device: torch.device | str = "cpu",
+    min_chunk: int = 2,
+) -> list[_Result]:
     """``[fn(chunk) for chunk in chunks(items)]`` over a thread pool, in order, on CPU only.
 
     Run it inside :func:`single_threaded`: the parallelism is ours (one chunk per core), not LAPACK's.
@@ -152,7 +162,9 @@ def orthonormal_columns(x: torch.Tensor, *, transposed: bool = False) -> torch.T
     return q.mT if transposed else q
 
 
-def value_identity(head: int, head_dim: int, in_features: int, kind: str, *, device=None) -> torch.Tensor:
+def value_identity(
+    head: int, head_dim: int, in_features: int, kind: str, *, device: torch.device | str | None = None
+) -> torch.Tensor:
     """The rectangular identity for value head ``head``.
 
     ``block``: the whole value projection is the rectangular identity, so head ``h`` reads input

@@ -18,8 +18,9 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, TypeGuard, cast
 
 import torch
 from torch import nn
@@ -28,6 +29,9 @@ from ..detect.blocks import AttentionBlock, Rows
 from ..errors import OptionError, UnsupportedWeightsError
 from .conditioning import Spectrum, single_threaded
 from .engine import Engine, TensorCopy, TensorStore, _row_index, head_matrices
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 _INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -120,7 +124,7 @@ def unwrapped(module: nn.Module) -> Iterator[nn.Module]:
 # --------------------------------------------------------------------------- DTensor
 
 
-def is_dtensor(t: torch.Tensor) -> bool:
+def is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:
     if "torch.distributed.tensor" not in sys.modules:
         return False
     from .._compat import DTensor
@@ -128,11 +132,11 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-def any_sharded(params: Mapping[str, torch.Tensor], names) -> bool:
+def any_sharded(params: Mapping[str, torch.Tensor], names: Iterable[str]) -> bool:
     return any(is_dtensor(params[n]) for n in names)
 
 
-def _local(param) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+def _local(param: DTensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
     """The local tensor of a DTensor, its shape and its offset in the global tensor."""
     from .._compat import Partial, Replicate, Shard, compute_local_shape_and_global_offset
 
@@ -150,7 +154,13 @@ def _local(param) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
     return local, tuple(shape), tuple(offset)
 
 
-def _owned(rows: Rows, idx: torch.Tensor, shape, offset):
+def _detached(param: DTensor) -> DTensor:
+    return cast("DTensor", param.detach())  # a DTensor's detach() is a DTensor; torch's stubs say Tensor
+
+
+def _owned(
+    rows: Rows, idx: torch.Tensor, shape: tuple[int, ...], offset: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor, slice | None]:
     """Positions in ``idx`` (global rows along ``rows.axis``) that this rank owns, their local rows, and its column range."""
     a, b = rows.axis, 1 - rows.axis if len(shape) == 2 else None
     lo, hi = offset[a], offset[a] + shape[a]
@@ -159,7 +169,7 @@ def _owned(rows: Rows, idx: torch.Tensor, shape, offset):
     return pos, idx[pos] - lo, cols
 
 
-def gather_heads(param, rows: Rows, heads=None) -> torch.Tensor:
+def gather_heads(param: torch.Tensor, rows: Rows, heads: Sequence[int] | None = None) -> torch.Tensor:
     """``head_matrices(param.full_tensor(), rows, heads)``, gathering only those heads' rows (exact bits)."""
     if not is_dtensor(param):
         return head_matrices(param.detach(), rows, heads)
@@ -168,7 +178,7 @@ def gather_heads(param, rows: Rows, heads=None) -> torch.Tensor:
     from .._compat import Shard
 
     heads = list(range(len(rows.offsets))) if heads is None else list(heads)
-    local, shape, offset = _local(param.detach())
+    local, shape, offset = _local(_detached(param))
     idx = _row_index(rows, heads, "cpu")
     n_in = param.shape[1 - rows.axis]
     buf = torch.zeros(len(idx), n_in, dtype=local.dtype, device=local.device)
@@ -188,9 +198,9 @@ def gather_heads(param, rows: Rows, heads=None) -> torch.Tensor:
     return bits.view(local.dtype).reshape(len(heads), rows.size, n_in)
 
 
-def _write_rows(param, rows: Rows, heads, values: torch.Tensor) -> None:
+def _write_rows(param: DTensor, rows: Rows, heads: Sequence[int], values: torch.Tensor) -> None:
     """Store the rounded ``values`` (len(heads), d, in) into the rows of ``heads`` that this rank owns."""
-    local, shape, offset = _local(param.detach())
+    local, shape, offset = _local(_detached(param))
     idx = _row_index(rows, heads, "cpu")
     pos, local_rows, cols = _owned(rows, idx, shape, offset)
     if not len(pos):
@@ -200,8 +210,8 @@ def _write_rows(param, rows: Rows, heads, values: torch.Tensor) -> None:
     mat.index_copy_(0, local_rows.to(local.device), values.index_select(0, pos.to(values.device))[:, cols])
 
 
-def _zero_rows(param, rows: Rows, heads) -> None:
-    local, shape, offset = _local(param.detach())
+def _zero_rows(param: DTensor, rows: Rows, heads: Sequence[int]) -> None:
+    local, shape, offset = _local(_detached(param))
     idx = _row_index(rows, heads, "cpu")
     lo, hi = offset[0], offset[0] + shape[0]
     mine = idx[(idx >= lo) & (idx < hi)] - lo
@@ -212,19 +222,19 @@ def _zero_rows(param, rows: Rows, heads) -> None:
 class ShardedTensor:
     """A DTensor parameter as the engine's tensor store: heads gathered exactly, each rank writing the rows it owns."""
 
-    def __init__(self, param) -> None:
+    def __init__(self, param: DTensor) -> None:
         self.param = param
 
-    def heads(self, rows: Rows, heads=None) -> torch.Tensor:
+    def heads(self, rows: Rows, heads: Sequence[int] | None = None) -> torch.Tensor:
         return gather_heads(self.param, rows, heads)
 
-    def set_heads(self, rows: Rows, heads, values: torch.Tensor) -> torch.Tensor:
+    def set_heads(self, rows: Rows, heads: tuple[int, ...], values: torch.Tensor) -> torch.Tensor:
         rounded = values.to(self.param.dtype)  # as apply._set_heads: round first
         if heads:
             _write_rows(self.param, rows, heads, rounded)
         return rounded
 
-    def zero_heads(self, rows: Rows, heads) -> None:
+    def zero_heads(self, rows: Rows, heads: tuple[int, ...]) -> None:
         _zero_rows(self.param, rows, heads)
 
     def fill(
@@ -242,7 +252,7 @@ def write_params(engine: Engine, params: Mapping[str, torch.Tensor]) -> None:
     (each rank its own rows; ``engine.results`` gets the same spectra on every rank).
     """
 
-    def store(param) -> TensorStore:
+    def store(param: torch.Tensor) -> TensorStore:
         return ShardedTensor(param) if is_dtensor(param) else TensorCopy(param.detach(), copy=False)
 
     with single_threaded(), torch.no_grad():

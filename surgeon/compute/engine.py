@@ -48,7 +48,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def _row_index(rows: Rows, heads, device) -> torch.Tensor:
+def _row_index(rows: Rows, heads: Sequence[int], device: torch.device | str) -> torch.Tensor:
     starts = torch.tensor([rows.offsets[h] for h in heads], dtype=torch.long)
     return (starts[:, None] + torch.arange(rows.size)).reshape(-1).to(device)
 
@@ -77,7 +77,12 @@ def _zero_heads(tensor: torch.Tensor, rows: Rows, heads: tuple[int, ...]) -> Non
 
 
 def new_heads(
-    change: Change, old: torch.Tensor | None, plan: Plan, *, seed_name: str | None = None, device=None
+    change: Change,
+    old: torch.Tensor | None,
+    plan: Plan,
+    *,
+    seed_name: str | None = None,
+    device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """New per-head matrices (float64) for ``change.heads``, given their old values ``(len(heads), d, in)``.
 
@@ -295,7 +300,7 @@ def inspect_blocks(
     blocks: list[AttentionBlock],
     read: Callable[[str], torch.Tensor],
     device: torch.device,
-    progress=None,
+    progress: Callable[[int], object] | None = None,
     *,
     whole: bool = False,
 ) -> dict[tuple[str, str], Spectrum]:
@@ -313,6 +318,11 @@ def inspect_blocks(
     return out
 
 
-def _inspect_tensor(tensor: torch.Tensor, users, out: dict, whole: bool) -> None:
+def _inspect_tensor(
+    tensor: torch.Tensor,
+    users: list[tuple[AttentionBlock, Projection]],
+    out: dict[tuple[str, str], Spectrum],
+    whole: bool,
+) -> None:
     for block, proj in users:
         out[(block.module, proj.role)] = spectrum(head_matrices(tensor, proj.weight), whole=whole)

@@ -26,11 +26,22 @@ import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+    import torch
+    from torch import nn
+
     from ..detect.blocks import AttentionBlock
     from ..detect.hints import HintInput
+    from ..open.source import Source
+
+    # One forward's arguments: token ids, or a custom module's positional / keyword arguments (whatever its
+    # forward takes, hence Any).
+    ModelCall = torch.Tensor | tuple[Any, ...] | dict[str, Any]
+    ModelInputs = ModelCall | list[torch.Tensor] | list[ModelCall]  # one call, or a list: one forward each
 
 EXACT_LIMIT = 4_000_000  # entries of J (N*d x 3*D*d) up to which the exact kappa(J) is computed
 
@@ -116,12 +127,12 @@ def _fmt(x: float) -> str:
     return f"{x:.3g}" if x < 1e4 else f"{x:.2e}"
 
 
-def kappa_of(values) -> float:
+def kappa_of(values: torch.Tensor) -> float:
     hi, lo = float(values.max()), float(values.min())
     return math.inf if lo <= 0 else hi / lo
 
 
-def pseudo_kappa(values, size: int) -> float:
+def pseudo_kappa(values: torch.Tensor, size: int) -> float:
     import torch
 
     hi = float(values.max())
@@ -129,7 +140,7 @@ def pseudo_kappa(values, size: int) -> float:
     return hi / float(keep.min()) if keep.numel() else math.nan
 
 
-def head_terms(x, wq, wk, wv, *, exact: bool) -> dict:
+def head_terms(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, *, exact: bool) -> dict:
     """The Theorem 3.1 terms for one head: ``x`` (N, D), ``w*`` (D, d), float64 tensors."""
     import torch
 
@@ -152,7 +163,7 @@ def head_terms(x, wq, wk, wv, *, exact: bool) -> dict:
     )
     if exact:
 
-        def head(q, k, v):
+        def head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return torch.softmax(x @ q @ k.T @ x.T / math.sqrt(d), dim=-1) @ x @ v
 
         parts = torch.func.jacrev(head, argnums=(0, 1, 2))(wq, wk, wv)
@@ -166,8 +177,8 @@ def head_terms(x, wq, wk, wv, *, exact: bool) -> dict:
 
 
 def jacobian_report(
-    model,
-    inputs,
+    model: nn.Module,
+    inputs: ModelInputs,
     *,
     exact: bool | None = None,
     exact_limit: int = EXACT_LIMIT,
@@ -235,11 +246,13 @@ def _self_attention(detected: list[AttentionBlock], report: JacobianReport) -> l
     return blocks
 
 
-def _run_captured(model, blocks: list[AttentionBlock], calls: list) -> dict[str, list]:
+def _run_captured(
+    model: nn.Module, blocks: list[AttentionBlock], calls: list[ModelCall]
+) -> dict[str, list[list[torch.Tensor]]]:
     """Run ``model`` on every call (eval mode, no gradients) and return each block's captured inputs."""
     import torch
 
-    captured: dict[str, list] = {b.module: [] for b in blocks}
+    captured: dict[str, list[list[torch.Tensor]]] = {b.module: [] for b in blocks}
     hooks = []
     for b in blocks:
         mod = model.get_submodule(b.module)
@@ -264,9 +277,9 @@ def _run_captured(model, blocks: list[AttentionBlock], calls: list) -> dict[str,
 
 def _add_head_rows(
     report: JacobianReport,
-    params: dict,
+    params: Mapping[str, torch.Tensor],
     blocks: list[AttentionBlock],
-    captured: dict[str, list],
+    captured: dict[str, list[list[torch.Tensor]]],
     exact: bool | None,
     exact_limit: int,
 ) -> None:
@@ -291,7 +304,7 @@ def _add_head_rows(
                     report.rows.append(HeadJacobian(i, b.module, b.layer, h, n, **terms))
 
 
-def _calls(inputs) -> list:
+def _calls(inputs: ModelInputs) -> list[ModelCall]:
     import torch
 
     if isinstance(inputs, torch.Tensor):
@@ -301,11 +314,14 @@ def _calls(inputs) -> list:
     return [inputs]  # one tuple of positional arguments or one dict of keyword arguments
 
 
-def _capture(store: list, module):
+def _capture(
+    store: list[list[torch.Tensor]], module: nn.Module
+) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
     import torch
 
-    def hook(mod, args, kwargs):
-        x = args[0] if args else kwargs.get("hidden_states", kwargs.get("query"))
+    def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        # a self-attention module gets its hidden states first, or by one of these names
+        x = cast("torch.Tensor", args[0] if args else kwargs.get("hidden_states", kwargs.get("query")))
         if isinstance(module, torch.nn.MultiheadAttention) and not module.batch_first and x.dim() == 3:
             x = x.transpose(0, 1)
         x = x.detach().to(torch.float64)
@@ -314,7 +330,7 @@ def _capture(store: list, module):
     return hook
 
 
-def source_jacobian(source, *, inputs: str | Path | None = None, exact: bool | None = None) -> JacobianReport:
+def source_jacobian(source: Source, *, inputs: str | Path | None = None, exact: bool | None = None) -> JacobianReport:
     """``surgeon inspect MODEL --jacobian`` on a checkpoint already opened (a :class:`surgeon.open.source.Source`):
     build the architecture from config.json (random init, nothing downloaded), load the checkpoint's weights into
     it, and run :func:`jacobian_report` on real text.

@@ -18,6 +18,9 @@ from ..open.bounded import read_bytes
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
+
+    from ..open.source import Source
 
 SAMPLE_TEXT = [
     "The quick brown fox jumps over the lazy dog.",
@@ -29,7 +32,7 @@ INPUTS_LIMIT = 64 << 20  # a 2-D tensor of a thousand 8k-token sequences in int6
 _PT_FORM = "a .pt file must hold a 1-D or 2-D integer tensor of token ids, saved with torch.save"
 
 
-def token_ids(source, inputs: str | Path | None) -> list[torch.Tensor]:
+def token_ids(source: Source, inputs: str | Path | None) -> list[torch.Tensor]:
     """One (1, N) int64 tensor per input sequence."""
     if inputs is not None and str(inputs).endswith(".pt"):
         return _tensor_ids(inputs)
@@ -81,9 +84,10 @@ def _tensor_ids(inputs: str | Path) -> list[torch.Tensor]:
     return [t[None].long() for t in (ids if ids.dim() == 2 else ids[None])]
 
 
-def check_ids(ids: list[torch.Tensor], model, inputs: str | Path | None) -> None:
+def check_ids(ids: list[torch.Tensor], model: nn.Module, inputs: str | Path | None) -> None:
     """Every id names a row of the model's input embedding (the forward would index past it)."""
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    has_embedding = hasattr(model, "get_input_embeddings")  # transformers models; nn.Module's stubs lack it
+    embedding = getattr(model, "get_input_embeddings")() if has_embedding else None  # noqa: B009
     rows = getattr(embedding, "num_embeddings", None)
     if not isinstance(rows, int):
         return

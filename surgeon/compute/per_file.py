@@ -13,6 +13,7 @@ from ..plan.planner import Plan
 
 if TYPE_CHECKING:
     import torch
+    from tqdm.auto import tqdm
 
     from ..open.formats.base import WeightSet
     from .engine import Engine, ProjectionResult
@@ -22,7 +23,9 @@ class Compute:
     """One run's Engine on a device (``auto`` resolved once, when the Engine is made), its progress bar,
     and the bytes its updates rewrote."""
 
-    def __init__(self, plan: Plan, device, *, whole: bool, progress: bool, total: int) -> None:
+    def __init__(
+        self, plan: Plan, device: str | torch.device | None, *, whole: bool, progress: bool, total: int
+    ) -> None:
         self.plan, self.device, self.whole = plan, device, whole
         self._engine: Engine | None = None
         self._bar = Progress(progress, total, "reinit")
@@ -80,15 +83,16 @@ class Progress:
     """A tqdm bar on stderr that appears only for runs longer than a second."""
 
     def __init__(self, enabled: bool, total: int, desc: str) -> None:
-        self.enabled, self.total, self.desc, self.bar = enabled, total, desc, None
+        self.enabled, self.total, self.desc = enabled, total, desc
+        self.bar: tqdm | None = None
 
-    def __enter__(self):
+    def __enter__(self) -> tqdm | None:
         if self.enabled and self.total:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=self.total, desc=self.desc, unit="tensor", delay=1.0, leave=False)
         return self.bar
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.bar is not None:
             self.bar.close()

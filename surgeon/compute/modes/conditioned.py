@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .base import CONDITIONED_BIBTEX, CONDITIONED_PAPER, Mode
+
+if TYPE_CHECKING:
+    import torch
+
+    from .base import ModeChange, ModeOptions
 
 
 class Conditioned(Mode, name="conditioned"):
@@ -14,7 +19,15 @@ class Conditioned(Mode, name="conditioned"):
     label = "Conditioned re-initialization"
     citation = CONDITIONED_BIBTEX
 
-    def draw(self, change, old, options, *, key: str, device: Any):
+    def draw(
+        self,
+        change: ModeChange,
+        old: torch.Tensor | None,
+        options: ModeOptions,
+        *,
+        key: str,
+        device: torch.device | str,
+    ) -> torch.Tensor:
         import torch
 
         from ..conditioning import head_seed, semi_orthogonal_batch, value_identity

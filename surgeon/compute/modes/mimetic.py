@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .base import Mode
+
+if TYPE_CHECKING:
+    import torch
+
+    from .base import ModeChange, ModeOptions, ModePlan
 
 MIMETIC_BIBTEX = """\
 @inproceedings{trockman2023mimetic,
@@ -23,18 +28,26 @@ class Mimetic(Mode, name="mimetic"):
     sharded = False
     citation = MIMETIC_BIBTEX
 
-    def draw(self, change, old, options, *, key: str, device: Any):
+    def draw(
+        self,
+        change: ModeChange,
+        old: torch.Tensor | None,
+        options: ModeOptions,
+        *,
+        key: str,
+        device: torch.device | str,
+    ) -> torch.Tensor:
         from ..baselines import mimetic_heads, module_key
 
         proj = change.projection
         return mimetic_heads(change, module_key(change.block, proj.weight.tensor, key), options, device=device)
 
-    def find_outputs(self, plan, shapes: dict) -> dict[str, tuple[str, bool]]:
+    def find_outputs(self, plan: ModePlan, shapes: dict) -> dict[str, tuple[str, bool]]:
         from ..baselines import out_projections
 
         return out_projections(plan, shapes)
 
-    def draw_output(self, change, options, *, key: str, linear: bool):
+    def draw_output(self, change: ModeChange, options: ModeOptions, *, key: str, linear: bool) -> torch.Tensor:
         from ..baselines import mimetic_out, module_key
 
         return mimetic_out(

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .base import CONDITIONED_BIBTEX, CONDITIONED_PAPER, Mode
+
+if TYPE_CHECKING:
+    import torch
+
+    from .base import ModeChange, ModeOptions
 
 
 class Polar(Mode, name="polar"):
@@ -17,7 +22,15 @@ class Polar(Mode, name="polar"):
     verify_bound = "semi-orthogonal/polar within the dtype's rounding (1 ulp)"
     citation = CONDITIONED_BIBTEX
 
-    def draw(self, change, old, options, *, key: str, device: Any):
+    def draw(
+        self,
+        change: ModeChange,
+        old: torch.Tensor | None,
+        options: ModeOptions,
+        *,
+        key: str,
+        device: torch.device | str,
+    ) -> torch.Tensor:
         from ..conditioning import polar
 
         assert old is not None  # not fresh: the engine passes the old values

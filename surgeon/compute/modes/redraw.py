@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .base import Mode
+
+if TYPE_CHECKING:
+    import torch
+
+    from .base import ModeChange, ModeOptions, Options
 
 
 class Redraw(Mode, name="redraw"):
@@ -14,15 +19,24 @@ class Redraw(Mode, name="redraw"):
     method = "default-init-redraw"
     label = "Default-init redraw"
 
-    def draw(self, change, old, options, *, key: str, device: Any):
+    def draw(
+        self,
+        change: ModeChange,
+        old: torch.Tensor | None,
+        options: ModeOptions,
+        *,
+        key: str,
+        device: torch.device | str,
+    ) -> torch.Tensor:
         from ..baselines import redraw_heads
 
         return redraw_heads(change, key, options, device=device)
 
-    def with_defaults(self, options, config: Any):
+    def with_defaults(self, options: Options, config: Any) -> Options:
         from ..baselines import config_std
 
-        return options if options.std is not None else replace(options, std=config_std(config)[0])
+        # options is a ReinitOptions, a dataclass: the ModeOptions protocol does not say so
+        return options if options.std is not None else replace(options, std=config_std(config)[0])  # type: ignore[type-var]
 
     def summary(self, options: dict, blocks: list) -> str:
         return f"redraw, {_draws(options, blocks)}"

@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING, Protocol
 from ...errors import CheckpointError
 from ..bounded import INDEX_LIMIT, read_json
 from ..folder import file_in
-from .write_plan import WritePlan
+from .write_plan import PlanView, WritePlan
 
 if TYPE_CHECKING:
     import torch
+
+    from ...detect.result import Detection
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 
@@ -136,7 +138,7 @@ class WeightSet(ABC):
         """The names :meth:`save_as` would write for ``name``: the file itself, then the files beside it."""
         raise NotImplementedError(f"{self.format} weights cannot be written under another name")
 
-    def write_plan(self, plan, detection) -> WritePlan:
+    def write_plan(self, plan: PlanView, detection: Detection) -> WritePlan:
         """What this format decides about writing ``plan`` (made from ``detection``), handed to the saves
         and to verify: notes for the report and, for a graph, the copies of shared initializers. Refuses
         a plan the format cannot carry out safely (e.g. an ONNX initializer shared with nodes outside the

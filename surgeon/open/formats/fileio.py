@@ -6,8 +6,10 @@ import errno
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import BinaryIO, TypeVar
 
 from ...errors import CheckpointError
 
@@ -15,12 +17,15 @@ _CHUNK = 16 << 20
 _KERNEL_CHUNK = 256 << 20  # one copy_file_range call at most: a cancelled copy stops within one chunk
 
 
+_T = TypeVar("_T")
+
+
 class Cancelled(Exception):
     """A background copy was stopped because the run failed."""
 
 
 def copy_range(
-    src, dst, src_offset: int, dst_offset: int, count: int, *, cancel: threading.Event | None = None
+    src: BinaryIO, dst: BinaryIO, src_offset: int, dst_offset: int, count: int, *, cancel: threading.Event | None = None
 ) -> None:
     """Copy ``count`` bytes of file ``src`` at ``src_offset`` to file ``dst`` at ``dst_offset``.
 
@@ -87,13 +92,13 @@ class BackgroundCopies:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="surgeon-copy")
         self.cancel = threading.Event()
 
-    def submit(self, fn, *args) -> Future:
+    def submit(self, fn: Callable[..., _T], *args: object) -> Future[_T]:
         return self._pool.submit(fn, *args)
 
     def __enter__(self) -> BackgroundCopies:
         return self
 
-    def __exit__(self, exc_type, *_) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         if exc_type is not None:
             self.cancel.set()
         self._pool.shutdown(wait=True, cancel_futures=exc_type is not None)

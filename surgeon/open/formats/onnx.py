@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -35,7 +36,10 @@ from .base import TensorInfo, UpdatesFn, WeightSet
 from .onnx_checks import graph_names, refuse_self_location
 from .onnx_model import Stored
 from .onnx_write import METADATA_KEY
-from .write_plan import WritePlan
+from .write_plan import PlanView, WritePlan
+
+if TYPE_CHECKING:
+    from ...detect.result import Detection
 
 # ONNX TensorProto.DataType -> (torch dtype, bytes per element)
 DTYPES: dict[int, tuple[torch.dtype, int]] = {
@@ -261,7 +265,7 @@ class OnnxWeights(WeightSet):
             return None
         return self.read(name).numpy()
 
-    def write_plan(self, plan, detection) -> WritePlan:
+    def write_plan(self, plan: PlanView, detection: Detection) -> WritePlan:
         """Refuse to change an initializer that nodes outside the plan read too, unless the chosen
         projections can have their own copy of it (see surgeon.open.formats.onnx_sharing): the copies
         :meth:`save` writes, and the notes saying so."""

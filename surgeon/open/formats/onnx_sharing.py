@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING
 
 from ...errors import SharedInitializerError, opt
 from .onnx_checks import aliased, refuse_aliased
-from .write_plan import SharedCopy, WritePlan
+from .write_plan import PlanView, SharedCopy, WritePlan
 
 if TYPE_CHECKING:
+    from ...detect.result import Detection, GraphFacts, GraphView
     from .onnx_model import OnnxModel
 
 # nodes that pass an initializer's values on to others (a copy read through them must reach only the chosen projections)
@@ -39,7 +40,7 @@ PASS_ON = frozenset(
 )
 
 
-def plan_sharing(weights: OnnxModel, plan, detection) -> WritePlan:
+def plan_sharing(weights: OnnxModel, plan: PlanView, detection: Detection) -> WritePlan:
     """Refuse to change an initializer that nodes outside the plan read too (``detection.graph``:
     the graph facts of surgeon.detect.onnx), unless the chosen projections can read a copy of their
     own. Zeroing a bias that is all zero bytes already (an untrained model's biases, which exporters
@@ -73,7 +74,7 @@ def plan_sharing(weights: OnnxModel, plan, detection) -> WritePlan:
     return WritePlan(tuple(notes + _already_zero(unchanged)), tuple(copies.values()))
 
 
-def _chosen_readers(plan, found) -> dict[str, set[int]]:
+def _chosen_readers(plan: PlanView, found: GraphFacts) -> dict[str, set[int]]:
     """initializer -> the nodes through which the chosen projections read it (biases only when zeroed)."""
     allowed: dict[str, set[int]] = {}
     for change in plan.changes:
@@ -85,7 +86,7 @@ def _chosen_readers(plan, found) -> dict[str, set[int]]:
 
 
 def _other_readers(
-    name: str, allowed: set[int], behind: dict[str, set[int]], found
+    name: str, allowed: set[int], behind: dict[str, set[int]], found: GraphFacts
 ) -> tuple[list[str], str | None] | None:
     """Who reads initializer ``name`` besides the chosen projections (``allowed``: their nodes;
     ``behind``: the unchosen projections' nodes that read it), as labels, and where one of the chosen
@@ -105,13 +106,13 @@ def _other_readers(
 
 def _share(
     weights: OnnxModel,
-    plan,
+    plan: PlanView,
     copies: dict[str, SharedCopy],
     name: str,
     what: list[str],
     leak: str | None,
     readers: set[int],
-    graph,
+    graph: GraphView,
 ) -> str:
     """The note for a shared initializer the chosen projections (``readers``) get a copy of (made in
     ``copies``); a SharedInitializerError where they cannot have one."""
@@ -146,7 +147,9 @@ def _already_zero(unchanged: list[str]) -> list[str]:
     ]
 
 
-def _copy(weights: OnnxModel, copies: dict[str, SharedCopy], name: str, readers: set[int], graph) -> str | None:
+def _copy(
+    weights: OnnxModel, copies: dict[str, SharedCopy], name: str, readers: set[int], graph: GraphView
+) -> str | None:
     """Give the chosen projections' nodes (``readers``) their own copy of initializer ``name``:
     None when that is exact (recorded in ``copies``), else why not. Exact: the nodes that read
     ``name`` directly are renamed, and whatever passes its value on (Identity, Transpose, Split, ...)
@@ -174,7 +177,7 @@ def _copy(weights: OnnxModel, copies: dict[str, SharedCopy], name: str, readers:
     return None
 
 
-def passed_on(name: str, readers: set[int], graph) -> str | None:
+def passed_on(name: str, readers: set[int], graph: GraphView) -> str | None:
     """Where a node among ``readers`` that passes initializer ``name`` on (Identity, Transpose,
     Split, ...) feeds a node outside them or a graph output, so that changing what it reads changes
     more than the chosen projections; None where it does not."""
@@ -196,13 +199,15 @@ def passed_on(name: str, readers: set[int], graph) -> str | None:
     return None
 
 
-def unchosen_readers(plan, detection) -> dict[str, dict[str, set[int]]]:
+def unchosen_readers(plan: PlanView, detection: Detection) -> dict[str, dict[str, set[int]]]:
     """initializer -> {"block X (role)": the nodes through which that unchosen projection reads it}."""
+    found = detection.graph
+    assert found is not None  # plan_sharing's caller: it returns before this for a detection without a graph
     chosen = {(c.block.module, c.role) for c in plan.changes}
     out: dict[str, dict[str, set[int]]] = {}
     for block in detection.blocks:
         for proj in block.projections:
-            users = detection.graph.users.get((block.module, proj.role))
+            users = found.users.get((block.module, proj.role))
             if (block.module, proj.role) in chosen or users is None:
                 continue
             label = f"block {block.label} ({proj.role})"

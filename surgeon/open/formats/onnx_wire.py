@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import mmap
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 from ...errors import CheckpointError
 from .fileio import copy_range
 
 if TYPE_CHECKING:
     import onnx
+
+    Bytes = bytes | mmap.mmap  # an .onnx file's bytes: mapped, or in memory
 
 # Field numbers of onnx.proto that the byte-level scan needs.
 MODEL_GRAPH, MODEL_METADATA = 7, 14
@@ -69,7 +72,7 @@ def scan(path: Path) -> Layout:
         raise CheckpointError(f"cannot read {path}: {exc}") from None
 
 
-def scan_buffer(buf) -> Layout:
+def scan_buffer(buf: Bytes) -> Layout:
     size = len(buf)
     graph = None
     metadata = []
@@ -106,7 +109,7 @@ def scan_buffer(buf) -> Layout:
     return Layout(size, graph, tensors, metadata, nodes, constants)
 
 
-def _constant(buf, start: int, end: int, out: dict) -> None:
+def _constant(buf: Bytes, start: int, end: int, out: dict[str, tuple[int | None, int, int, bool]]) -> None:
     """Where a Constant node's ``value`` tensor keeps its data (weights that exporters or optimizers
     put in Constant nodes instead of initializers)."""
     op, outputs, value = "", [], None
@@ -129,7 +132,7 @@ def _constant(buf, start: int, end: int, out: dict) -> None:
     out[outputs[0]] = (data_field, span[0], span[1], pieces <= 1)
 
 
-def fields(buf, start: int, end: int):
+def fields(buf: Bytes, start: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
     """(field number, wire type, field start, payload start, payload end) of each field in buf[start:end]."""
     pos = start
     while pos < end:
@@ -153,7 +156,7 @@ def fields(buf, start: int, end: int):
         yield number, wire, fstart, pstart, pos
 
 
-def read_varint(buf, pos: int, end: int) -> tuple[int, int]:
+def read_varint(buf: Bytes, pos: int, end: int) -> tuple[int, int]:
     result = shift = 0
     while True:
         if pos >= end:
@@ -188,7 +191,7 @@ def field(number: int, payload: bytes) -> bytes:
     return key(number) + varint(len(payload)) + payload
 
 
-def copy(src, out, offset: int, count: int) -> None:
+def copy(src: BinaryIO, out: BinaryIO, offset: int, count: int) -> None:
     """Append ``count`` bytes of ``src`` at ``offset`` to ``out``."""
     copy_range(src, out, offset, out.tell(), count)
 

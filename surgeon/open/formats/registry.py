@@ -125,7 +125,7 @@ FORMATS: tuple[Format, ...] = (  # in order of preference
 )
 
 
-def _load(ref: str):
+def _load(ref: str) -> Any:  # a WeightSet class or an opener function, by name: no one static type
     module, _, name = ref.partition(":")
     return getattr(importlib.import_module(module, __package__), name)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -29,6 +30,8 @@ from .safetensors_header import (
 )
 
 if TYPE_CHECKING:
+    import threading
+
     import torch
 
     from .write_plan import WritePlan
@@ -97,12 +100,14 @@ def start_file(header: Header, dest: Path, record: dict | None) -> int:
     return data_start
 
 
-def spans(header: Header, names) -> list[tuple[int, int]]:
+def spans(header: Header, names: Iterable[str]) -> list[tuple[int, int]]:
     """The data-section byte ranges of ``names`` in ``header``'s file, in order."""
     return sorted(tuple(header.entries[n]["data_offsets"]) for n in names)
 
 
-def copy_gaps(header: Header, dest: Path, data_start: int, skip: set[str], cancel=None) -> None:
+def copy_gaps(
+    header: Header, dest: Path, data_start: int, skip: set[str], cancel: threading.Event | None = None
+) -> None:
     """Copy the data section of ``header``'s file into ``dest``, leaving out the tensors in ``skip``."""
     size, pos = header.file_size - header.data_start, 0
     with open(header.path, "rb") as src, open(dest, "r+b") as out:
@@ -112,7 +117,7 @@ def copy_gaps(header: Header, dest: Path, data_start: int, skip: set[str], cance
             pos = max(pos, end)
 
 
-def patch(header: Header, path: Path, data_start: int, updates) -> list[str]:
+def patch(header: Header, path: Path, data_start: int, updates: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """Write each ``(name, tensor)`` of ``updates`` (an iterable, consumed one at a time) over its bytes
     in ``path``, whose data section starts at ``data_start``; returns the names written."""
     written = []
@@ -231,5 +236,5 @@ class SafetensorsWeights(WeightSet):
             self.save_shared(dest)
 
 
-def _history(value) -> list:
+def _history(value: object) -> list:
     return value if isinstance(value, list) else [value]

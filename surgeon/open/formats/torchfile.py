@@ -37,7 +37,7 @@ MEGATRON_ARGS = "args"  # Megatron-LM's legacy model_optim_rng.pt: its argparse.
 SAFE_EXTRA_GLOBALS = ("argparse.Namespace",)
 
 
-def _is_state_dict(obj) -> bool:
+def _is_state_dict(obj: object) -> bool:
     import torch
 
     return (
