@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
@@ -25,13 +26,16 @@ from .shell import (
     reinit_options,
 )
 
+if TYPE_CHECKING:
+    from ..report.report import Report
+
 __all__ = ["cli_spelling", "main"]
 
 # The commands import surgeon.api (and through it torch) when they run, so that --help and
 # --version answer at once.
 
 
-def _show(report, *, plot: str | None, as_json: bool) -> None:
+def _show(report: Report, *, plot: str | None, as_json: bool) -> None:
     """Print ``report`` (as JSON, or its table), after drawing its plot where one is asked for."""
     if plot:
         from ..report.plot import plot_kappas

@@ -11,6 +11,8 @@ from ..errors import CheckpointError
 from ..report.checkpoint import done_rows
 
 if TYPE_CHECKING:
+    import torch
+
     from ..detect import Detection
     from ..open.source import Source
     from ..plan.planner import Plan
@@ -33,7 +35,7 @@ def carry_out(
     plan: Plan,
     dest: Destination,
     *,
-    device,
+    device: str | torch.device,
     full: bool,
     progress: bool,
     title: str,

@@ -6,6 +6,7 @@ import re
 import warnings
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
 from ..errors import CheckpointError, HubAuthError, OptionError, opt
@@ -17,6 +18,9 @@ from ..report.redact import remember
 from .journal_file import SUFFIX
 from .push_result import PushResult, partial_push_error
 from .recovery import refuse_journals
+
+if TYPE_CHECKING:
+    from huggingface_hub import CommitOperationAdd, HfApi
 
 # Never uploaded: version control and huggingface_hub's own bookkeeping (same as upload_folder).
 _PUSH_SKIP = {".git", ".cache"}
@@ -224,7 +228,11 @@ def push_folder(
     created, notes = _prepare_repo(api, repo_id, token, private=private, branch=branch, create_pr=create_pr)
     notes = left_out + notes
     ops = [CommitOperationAdd(path_in_repo=f, path_or_fileobj=str(folder / f)) for f in files]
-    where = {"branch": branch, "create_pr": create_pr, "private": private}  # for messages about a partial push
+    where: dict[str, Any] = {
+        "branch": branch,
+        "create_pr": create_pr,
+        "private": private,
+    }  # for messages about a partial push
     with hf_progress(progress):
         done = _preupload(api, repo_id, token, folder, ops, **where)
         message = commit_message or f"Upload {folder.resolve().name} with surgeon {__version__}"
@@ -273,7 +281,7 @@ def _files_to_push(folder: Path) -> tuple[list[str], list[str]]:
 
 
 def _prepare_repo(
-    api, repo_id: str, token: str, *, private: bool, branch: str | None, create_pr: bool
+    api: HfApi, repo_id: str, token: str, *, private: bool, branch: str | None, create_pr: bool
 ) -> tuple[bool, list[str]]:
     """Create the repo and the branch where they do not exist: (whether the repo was created, notes)."""
     try:
@@ -285,7 +293,9 @@ def _prepare_repo(
     return created, notes
 
 
-def _preupload(api, repo_id: str, token: str, folder: Path, ops: list, **where) -> list[str]:
+def _preupload(
+    api: HfApi, repo_id: str, token: str, folder: Path, ops: list[CommitOperationAdd], **where: Any
+) -> list[str]:
     """Upload the large files one at a time before the commit; returns those sent through the large-file path."""
     done: list[str] = []
     for i, op in enumerate(ops):
@@ -326,7 +336,7 @@ def _check_card(folder: Path) -> None:
         ) from None
 
 
-def _ensure_repo(api, repo_id: str, *, private: bool) -> tuple[bool, list[str]]:
+def _ensure_repo(api: HfApi, repo_id: str, *, private: bool) -> tuple[bool, list[str]]:
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
     try:

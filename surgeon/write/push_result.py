@@ -4,10 +4,16 @@ that stopped part-way, naming what reached the Hub and the command that finishes
 from __future__ import annotations
 
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import HubAccessError, HubAuthError, HubError, PushError
 from ..open.hub_errors import few, write_error
+
+if TYPE_CHECKING:
+    from huggingface_hub import CommitOperationAdd
 
 
 @dataclass
@@ -92,7 +98,19 @@ class PushResult:
         return [f"  {shown(f)}{' (already there, unchanged)' if f in unchanged else ''}" for f in self.files]
 
 
-def partial_push_error(exc, repo_id, token, folder, ops, failed_at, done, *, branch, create_pr, private) -> Exception:
+def partial_push_error(
+    exc: Exception,
+    repo_id: str,
+    token: str,
+    folder: Path,
+    ops: Sequence[CommitOperationAdd],
+    failed_at: int,
+    done: list[str],
+    *,
+    branch: str | None,
+    create_pr: bool,
+    private: bool,
+) -> Exception:
     """One line: what reached the Hub, what did not, and the command that finishes the job."""
     base = write_error(exc, repo_id, token, "push")
     if not isinstance(base, HubError) or (isinstance(base, (HubAuthError, HubAccessError)) and not done):
