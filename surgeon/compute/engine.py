@@ -26,6 +26,7 @@ from .conditioning import (
     spectrum,
 )
 from .modes import get_mode
+from .modes.base import Draw
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -92,7 +93,7 @@ def new_heads(
     """
     opts, proj = plan.options, change.projection
     device = old.device if old is not None else (device or "cpu")
-    new = get_mode(opts.mode).draw(change, old, opts, key=seed_name or proj.weight.tensor, device=device)
+    new = get_mode(opts.mode).draw(Draw(change, old, opts, key=seed_name or proj.weight.tensor, device=device))
     if opts.keep_scale:
         assert old is not None  # needs_old_values: keep_scale reads the old values
         return rescale_to(new, old)

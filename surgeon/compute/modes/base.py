@@ -60,8 +60,21 @@ class ModeOptions(Protocol):
     @property
     def effective_strength(self) -> float: ...
 
+    __dataclass_fields__: ClassVar[dict[str, Any]]  # a dataclass: with_defaults may replace() a field
+
 
 Options = TypeVar("Options", bound=ModeOptions)
+
+
+@dataclass(frozen=True)
+class Draw:
+    """What one draw is for: a projection's chosen heads, with what the mode may read."""
+
+    change: ModeChange
+    old: torch.Tensor | None  # the heads' current values where the mode reads them (not fresh), else None
+    options: ModeOptions
+    key: str  # the name the draws are keyed by: the tensor's checkpoint name
+    device: torch.device | str
 
 
 @dataclass(frozen=True)
@@ -92,14 +105,8 @@ class Mode:
         """The model card's Hub tag: the method's name."""
         return self.method
 
-    def draw(
-        self, change: ModeChange, old: torch.Tensor | None, options: ModeOptions, *, key: str, device: Any
-    ) -> torch.Tensor:
-        """New per-head matrices ``(len(change.heads), d, in)`` (float64), PyTorch (out, in) orientation.
-
-        ``old`` holds the heads' current values where the mode reads them (``not fresh``), else None;
-        ``key`` names the tensor the draws are keyed by (its checkpoint name).
-        """
+    def draw(self, job: Draw) -> torch.Tensor:
+        """New per-head matrices ``(len(job.change.heads), d, in)`` (float64), PyTorch (out, in) orientation."""
         raise NotImplementedError
 
     def with_defaults(self, options: Options, config: Any) -> Options:

@@ -9,7 +9,7 @@ from .base import CONDITIONED_BIBTEX, CONDITIONED_PAPER, Mode
 if TYPE_CHECKING:
     import torch
 
-    from .base import ModeChange, ModeOptions
+    from .base import Draw
 
 
 class Conditioned(Mode, name="conditioned"):
@@ -19,28 +19,19 @@ class Conditioned(Mode, name="conditioned"):
     label = "Conditioned re-initialization"
     citation = CONDITIONED_BIBTEX
 
-    def draw(
-        self,
-        change: ModeChange,
-        old: torch.Tensor | None,
-        options: ModeOptions,
-        *,
-        key: str,
-        device: torch.device | str,
-    ) -> torch.Tensor:
+    def draw(self, job: Draw) -> torch.Tensor:
         import torch
 
         from ..conditioning import head_seed, semi_orthogonal_batch, value_identity
 
-        proj = change.projection
-        d, n_in = proj.head_dim, proj.in_features
+        change, options = job.change, job.options
+        d, n_in = change.projection.head_dim, change.projection.in_features
         if change.role == "v":
             return torch.stack(
-                [value_identity(h, d, n_in, options.value_identity, device=device) for h in change.heads]
+                [value_identity(h, d, n_in, options.value_identity, device=job.device) for h in change.heads]
             )
-        new = semi_orthogonal_batch(
-            d, n_in, [head_seed(options.seed, key, change.role, h) for h in change.heads], device=device
-        )
+        seeds = [head_seed(options.seed, job.key, change.role, h) for h in change.heads]
+        new = semi_orthogonal_batch(d, n_in, seeds, device=job.device)
         if options.gain is not None and options.gain != 1:
             new = new * float(options.gain)
         return new

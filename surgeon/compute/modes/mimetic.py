@@ -9,7 +9,7 @@ from .base import Mode
 if TYPE_CHECKING:
     import torch
 
-    from .base import ModeChange, ModeOptions, ModePlan
+    from .base import Draw, ModeChange, ModeOptions, ModePlan
 
 MIMETIC_BIBTEX = """\
 @inproceedings{trockman2023mimetic,
@@ -28,19 +28,11 @@ class Mimetic(Mode, name="mimetic"):
     sharded = False
     citation = MIMETIC_BIBTEX
 
-    def draw(
-        self,
-        change: ModeChange,
-        old: torch.Tensor | None,
-        options: ModeOptions,
-        *,
-        key: str,
-        device: torch.device | str,
-    ) -> torch.Tensor:
+    def draw(self, job: Draw) -> torch.Tensor:
         from ..baselines import mimetic_heads, module_key
 
-        proj = change.projection
-        return mimetic_heads(change, module_key(change.block, proj.weight.tensor, key), options, device=device)
+        block, tensor = job.change.block, job.change.projection.weight.tensor
+        return mimetic_heads(job.change, module_key(block, tensor, job.key), job.options, device=job.device)
 
     def find_outputs(self, plan: ModePlan, shapes: dict) -> dict[str, tuple[str, bool]]:
         from ..baselines import out_projections

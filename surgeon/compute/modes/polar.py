@@ -9,7 +9,7 @@ from .base import CONDITIONED_BIBTEX, CONDITIONED_PAPER, Mode
 if TYPE_CHECKING:
     import torch
 
-    from .base import ModeChange, ModeOptions
+    from .base import Draw
 
 
 class Polar(Mode, name="polar"):
@@ -22,19 +22,11 @@ class Polar(Mode, name="polar"):
     verify_bound = "semi-orthogonal/polar within the dtype's rounding (1 ulp)"
     citation = CONDITIONED_BIBTEX
 
-    def draw(
-        self,
-        change: ModeChange,
-        old: torch.Tensor | None,
-        options: ModeOptions,
-        *,
-        key: str,
-        device: torch.device | str,
-    ) -> torch.Tensor:
+    def draw(self, job: Draw) -> torch.Tensor:
         from ..conditioning import polar
 
-        assert old is not None  # not fresh: the engine passes the old values
-        return polar(old, options.effective_strength)
+        assert job.old is not None  # not fresh: the engine passes the old values
+        return polar(job.old, job.options.effective_strength)
 
     def summary(self, options: dict, blocks: list) -> str:
         return f"polar, strength {options.get('strength')}"

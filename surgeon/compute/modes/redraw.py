@@ -10,7 +10,7 @@ from .base import Mode
 if TYPE_CHECKING:
     import torch
 
-    from .base import ModeChange, ModeOptions, Options
+    from .base import Draw, Options
 
 
 class Redraw(Mode, name="redraw"):
@@ -19,24 +19,15 @@ class Redraw(Mode, name="redraw"):
     method = "default-init-redraw"
     label = "Default-init redraw"
 
-    def draw(
-        self,
-        change: ModeChange,
-        old: torch.Tensor | None,
-        options: ModeOptions,
-        *,
-        key: str,
-        device: torch.device | str,
-    ) -> torch.Tensor:
+    def draw(self, job: Draw) -> torch.Tensor:
         from ..baselines import redraw_heads
 
-        return redraw_heads(change, key, options, device=device)
+        return redraw_heads(job.change, job.key, job.options, device=job.device)
 
     def with_defaults(self, options: Options, config: Any) -> Options:
         from ..baselines import config_std
 
-        # options is a ReinitOptions, a dataclass: the ModeOptions protocol does not say so
-        return options if options.std is not None else replace(options, std=config_std(config)[0])  # type: ignore[type-var]
+        return options if options.std is not None else replace(options, std=config_std(config)[0])
 
     def summary(self, options: dict, blocks: list) -> str:
         return f"redraw, {_draws(options, blocks)}"
