@@ -13,7 +13,8 @@ from surgeon.detect import detect_source
 from surgeon.detect.result import GraphFacts
 from surgeon.open.formats.write_plan import SharedCopy, WritePlan
 from surgeon.open.source import open_source
-from surgeon.plan.planner import ReinitOptions, prepare_checkpoint
+from surgeon.options import ReinitOptions
+from surgeon.plan.planner import prepare_checkpoint
 
 from helpers.onnx_graphs import tiny_attention
 
