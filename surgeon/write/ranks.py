@@ -123,10 +123,11 @@ def refuse(*, in_place: bool, push: bool, source: Source | None = None, dest: De
         raise OptionError(f"{opt('push_to_hub')} does not run over several ranks; push the output with `surgeon push`")
     if source is None or dest is None:
         return
+    from ..open.formats.base import RankedWeightSet
     from .output import OutputKind
 
     weights = source.primary
-    if len(source.weights) != 1 or not weights.ranked or dest.kind is not OutputKind.FOLDER:
+    if len(source.weights) != 1 or not isinstance(weights, RankedWeightSet) or dest.kind is not OutputKind.FOLDER:
         raise OptionError(
             f"{source.path} is {weights.describe()}: several ranks run on a DCP folder or a sharded safetensors "
             "folder; run this in one process"
@@ -217,10 +218,12 @@ def write(
 ) -> tuple[list[str], list[ProjectionResult]]:
     """Write the output folder with every rank (see the module's docstring), as ``write_plan`` (the weights'
     ``write_plan``) says; returns (notes, the results of all ranks)."""
+    from ..open.formats.base import RankedWeightSet
     from .output import copy_extras
     from .staging import staged
 
     weights = source.primary
+    assert isinstance(weights, RankedWeightSet)  # refuse() let only these through
     mine = ranks.mine(weights.files)
     notes: list[str] = []
     with ExitStack() as stack:
@@ -230,7 +233,7 @@ def write(
 
         tmp = ranks.broadcast(ranks.step(stage))
         assert tmp is not None
-        ranks.step(lambda: weights.save_share(tmp, run.updates_for(weights, True), record, write_plan, mine))
+        ranks.step(lambda: weights.save(tmp, run.updates_for(weights, True), record, write_plan, files=mine))
         engine = run.engine if run.started else None
         shares = ranks.gather((engine.results if engine else {}, engine._zeroed if engine else set(), ranks.rank, mine))
         results = _merge(run, shares)

@@ -117,17 +117,6 @@ class WeightSet(ABC):
         :meth:`write_plan` decided for the plan ``updates`` carries out.
         """
 
-    ranked = False  # save(files=...) writes only those data files, save_shared the rest (one rank's share)
-
-    def save_share(self, dest: Path, updates: UpdatesFn, record: dict, write_plan: WritePlan, files: list[str]) -> None:
-        """Write only the data files ``files`` of this set into ``dest`` (formats with ``ranked``)."""
-        raise NotImplementedError(f"{self.format} weights are written by one process")
-
-    def save_shared(self, dest: Path) -> None:
-        """The files every rank's share has in common (the index, DCP's ``.metadata``), copied as they are."""
-        if self.index:
-            shutil.copyfile(self.folder / self.index, dest / self.index)
-
     def save_as(self, dest: Path, name: str, updates: UpdatesFn, record: dict, write_plan: WritePlan) -> list[str]:
         """Write this set into the folder ``dest`` as the single file ``name`` and the files that go
         with it (an .onnx and its external data); returns the names written. Formats whose files
@@ -181,6 +170,22 @@ class WeightSet(ABC):
     def describe(self) -> str:
         shards = f"{len(self.files)} shards" if len(self.files) > 1 else self.files[0]
         return f"{self.format} ({shards})"
+
+
+class RankedWeightSet(WeightSet):
+    """A format whose data files several ranks write apart (DCP, sharded safetensors): each rank saves its
+    own ``files``, and one rank then adds the files they have in common (:meth:`save_shared`)."""
+
+    @abstractmethod
+    def save(
+        self, dest: Path, updates: UpdatesFn, record: dict, write_plan: WritePlan, files: list[str] | None = None
+    ) -> None:
+        """:meth:`WeightSet.save`; with ``files``, only these data files and none of the shared ones."""
+
+    def save_shared(self, dest: Path) -> None:
+        """The files every rank's share has in common (the index, DCP's ``.metadata``), copied as they are."""
+        if self.index:
+            shutil.copyfile(self.folder / self.index, dest / self.index)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, cast
 
 from ...errors import CheckpointError, VerificationError
 from ..folder import file_in
-from .base import TensorInfo, UpdatesFn, WeightSet
+from .base import RankedWeightSet, TensorInfo, UpdatesFn, WeightSet
 from .dcp_metadata import METADATA, SUFFIX, Chunk, Layout, TensorEntry, all_spans, read_layout
 from .fileio import same_bytes
 from .stacked import Slice, stacked_note, unstack
@@ -109,7 +109,7 @@ def model_keys(layout: Layout, folder: Path) -> tuple[str | None, dict[str, str]
     return None, top
 
 
-class DcpWeights(WeightSet):
+class DcpWeights(RankedWeightSet):
     format = "dcp"
     patches_in_place = False  # chunks are torch.save archives: rewritten whole, each in its own byte range
     rewrites_whole_tensors = True
@@ -280,11 +280,6 @@ class DcpWeights(WeightSet):
                 tensor=name,
             )
         return buf.getvalue()
-
-    ranked = True
-
-    def save_share(self, dest: Path, updates: UpdatesFn, record: dict, write_plan: WritePlan, files: list[str]) -> None:
-        self.save(dest, updates, record, write_plan, files=files)
 
     def save(
         self, dest: Path, updates: UpdatesFn, record: dict, write_plan: WritePlan, files: list[str] | None = None

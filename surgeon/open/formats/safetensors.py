@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, cast
 
 from ...errors import CheckpointError, VerificationError
 from ..bounded import loads
-from .base import TensorInfo, UpdatesFn, WeightSet, tensor_bytes
+from .base import RankedWeightSet, TensorInfo, UpdatesFn, WeightSet, tensor_bytes
 from .fileio import BackgroundCopies, copy_range
 from .safetensors_header import (
     DTYPES,
@@ -134,7 +134,7 @@ def patch(header: Header, path: Path, data_start: int, updates: Iterable[tuple[s
     return written
 
 
-class SafetensorsWeights(WeightSet):
+class SafetensorsWeights(RankedWeightSet):
     format = "safetensors"
     patches_in_place = True
     rewrites_whole_tensors = True
@@ -202,11 +202,6 @@ class SafetensorsWeights(WeightSet):
                 text is None or _history(loads(text, where=f"{output}: the record of {out_file}")) != history
             ):
                 raise VerificationError(f"{output}: {out_file} holds other surgeon records than the ones verified")
-
-    ranked = True
-
-    def save_share(self, dest: Path, updates: UpdatesFn, record: dict, write_plan: WritePlan, files: list[str]) -> None:
-        self.save(dest, updates, record, write_plan, files=files)
 
     def save(
         self, dest: Path, updates: UpdatesFn, record: dict, write_plan: WritePlan, files: list[str] | None = None

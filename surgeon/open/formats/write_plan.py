@@ -1,7 +1,7 @@
 """What a format decides about writing a plan, before anything is written: one frozen :class:`WritePlan`.
 
 ``WeightSet.write_plan(plan, detection)`` makes it (refusing a plan the format cannot carry out safely);
-the output stage hands it to ``save``/``save_as``/``save_share``, and ``surgeon verify`` makes it again
+the output stage hands it to ``save``/``save_as``, and ``surgeon verify`` makes it again
 to know what the output must hold. No weight set keeps any of it.
 """
 
