@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from dataclasses import InitVar, dataclass, field
+from dataclasses import InitVar, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -66,43 +66,36 @@ class PushTarget:
         _push_token(self.token)
 
     @classmethod
-    def build(
-        cls,
-        repo_id: str | None,
-        *,
-        private: bool = False,
-        branch: str | None = None,
-        create_pr: bool = False,
-        commit_message: str | None = None,
-        token: str | None = None,
-        revision: str | None = None,
-    ) -> PushTarget | None:
-        """The push a shell's options ask for.
+    def build(cls, repo_id: str | None, **settings: Any) -> PushTarget | None:
+        """The push a shell's options ask for: a target, or None where no repo id is given.
 
         Args:
             repo_id: The Hub model repo, or None for no push.
-            private: As for :class:`PushTarget`; so are the others.
-            branch: The branch to commit to.
-            create_pr: Open a pull request instead of committing.
-            commit_message: The commit message.
-            token: The Hub token.
-            revision: Another name for ``branch``, accepted with a DeprecationWarning.
+            **settings: The other fields of :class:`PushTarget` (``private``, ``branch``, ...), as it takes them;
+                each may be None or false for its default.
 
         Returns:
             The target, or None without a repo id.
 
         Raises:
-            OptionError: A push option is given without a repo id, or the target is malformed.
+            OptionError: A push setting is given without a repo id, or the target is malformed.
+            TypeError: A setting is not a field of PushTarget.
         """
-        branch = _branch(branch, revision, "PushTarget.build", stacklevel=3)
+        unknown = sorted(set(settings) - {f.name for f in fields(cls)} - {"revision"})
+        if unknown:
+            raise TypeError(f"PushTarget.build() got an unexpected keyword argument {unknown[0]!r}")
+        given = {k: v for k, v in settings.items() if v is not None and v is not False}  # a flag left out
+        given["branch"] = _branch(
+            given.pop("branch", None), given.pop("revision", None), "PushTarget.build", stacklevel=3
+        )
         if repo_id is None:
-            if private or branch or create_pr or commit_message:
+            if set(given) - {"token", "branch"} or given["branch"]:
                 raise OptionError(
                     f"{opt('private')}, {opt('push_branch')}, {opt('create_pr')} and {opt('commit_message')} "
                     f"go with {opt('push_to_hub', 'org/name')}"
                 )
             return None
-        return cls(repo_id, private, branch, create_pr, commit_message, token)
+        return cls(repo_id, **given)
 
     def push(self, folder: Path, *, default_message: str, progress: bool = False) -> PushResult:
         """Upload ``folder`` here (:func:`push_folder`), with ``default_message`` where no commit message was given."""

@@ -137,6 +137,10 @@ def test_push_target_is_checked_before_anything_is_opened(tmp_path):
     with pytest.raises(OptionError, match="go with push_to_hub=org/name"):
         PushTarget.build(None, private=True)
     assert PushTarget.build(None) is None
+    assert PushTarget.build(None, token="hf_x", private=False, commit_message=None) is None  # settings left out
+    with pytest.raises(TypeError, match="'privat'"):
+        PushTarget.build("me/x", privat=True)
+    assert PushTarget.build("me/x", private=True, create_pr=True) == PushTarget("me/x", private=True, create_pr=True)
     assert "token" not in repr(PushTarget("me/x", token="hf_secret_value"))
     with (
         pytest.raises(OptionError, match="both name the branch to push to: give branch only"),
