@@ -7,7 +7,7 @@ how ``surgeon verify`` checks it, where it is supported, and how it describes it
 the model card and the record. Plan, engine, verify, report, card and the sharded path ask the mode;
 none of them compares mode names.
 
-To add a mode: a module here with a :class:`Mode` subclass (``class X(Mode, name="x")``), one line in ``_REGISTRY``;
+To add a mode: a module here with a :class:`Mode` subclass (``class X(Mode, name="x", option="y")``), one line in ``_REGISTRY``;
 ``tests/compute/test_modes.py`` fails while a slot is left empty.
 
 Torch-free at import: planning and the CLI import this package.

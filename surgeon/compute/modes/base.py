@@ -79,25 +79,25 @@ class Draw:
 
 @dataclass(frozen=True)
 class Mode:
-    """One way of re-initializing the chosen heads: ``class X(Mode, name="x")`` (its --mode value), a frozen
-    dataclass. Subclasses fill every slot without a default here (tests/compute/test_modes.py); the defaults
-    are what most modes are: fresh, exact, sharded."""
+    """One way of re-initializing the chosen heads: ``class X(Mode, name="x", option="y")`` (its --mode value
+    and the ReinitOptions field only it takes, if any), a frozen dataclass. Subclasses fill every slot without a
+    default here (tests/compute/test_modes.py); the defaults are what most modes are: fresh, exact, sharded."""
 
     name: ClassVar[str]
     help: ClassVar[str]  # one sentence for --help and the "unknown mode" error
     method: ClassVar[str]  # the record's "method": what was done, by name
     label: ClassVar[str]  # what was done, as a Hub commit message starts ("Conditioned re-initialization")
     fresh: ClassVar[bool] = True  # draws new values without reading the old ones: biases are zeroed by default
-    option: ClassVar[str | None] = None  # the ReinitOptions field only this mode takes (None: none)
+    option: ClassVar[str | None]  # the ReinitOptions field only this mode takes (None: none); a class keyword
     exact: ClassVar[bool] = True  # verify re-derives the bytes exactly (else within verify_bound)
     verify_bound: ClassVar[str] = "re-derived byte for byte from the seed"  # how verify checks it, in words
     writes_outputs: ClassVar[bool] = False  # also rewrites each block's output projection W_O (find_outputs)
     sharded: ClassVar[bool] = True  # supported on sharded (FSDP2 / DTensor) parameters
     citation: ClassVar[str | None] = None  # BibTeX for the card, None: nothing to cite
 
-    def __init_subclass__(cls, *, name: str, **kwargs: Any) -> None:
+    def __init_subclass__(cls, *, name: str, option: str | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls.name = name
+        cls.name, cls.option = name, option
         dataclass(frozen=True)(cls)  # frozen too: a subclass not made a dataclass itself would take attributes
 
     @property

@@ -12,9 +12,8 @@ if TYPE_CHECKING:
     from .base import Draw
 
 
-class Conditioned(Mode, name="conditioned"):
+class Conditioned(Mode, name="conditioned", option="gain"):
     help = "the paper's fresh reset (semi-orthogonal q/k heads, value = rectangular identity; every head kappa 1)"
-    option = "gain"
     method = "conditioned-initialization"
     label = "Conditioned re-initialization"
     citation = CONDITIONED_BIBTEX

@@ -12,10 +12,9 @@ if TYPE_CHECKING:
     from .base import Draw
 
 
-class Polar(Mode, name="polar"):
+class Polar(Mode, name="polar", option="strength"):
     help = "condition the existing weights (keep each head's singular vectors, move its singular values to 1)"
     fresh = False
-    option = "strength"
     method = "polar-conditioning"
     label = "Polar conditioning"
     exact = False

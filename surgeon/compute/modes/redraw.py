@@ -13,9 +13,8 @@ if TYPE_CHECKING:
     from .base import Draw, Options
 
 
-class Redraw(Mode, name="redraw"):
+class Redraw(Mode, name="redraw", option="std"):
     help = "the family's own default init, drawn again (the control)"
-    option = "std"
     method = "default-init-redraw"
     label = "Default-init redraw"
 
