@@ -112,10 +112,7 @@ def inspect(
     jacobian,
     inputs,
     plot,
-    revision,
-    config,
-    hints,
-    device,
+    model_flags,
     full,
     as_json,
 ):
@@ -129,10 +126,7 @@ def inspect(
 
     report = api.inspect_checkpoint(
         model,
-        hints=hints,
-        revision=revision,
-        config=config,
-        device=device,
+        **model_flags.keywords(),
         full=full,
         progress=not as_json and sys.stderr.isatty(),
         verify_layout=verify_layout,
@@ -186,9 +180,7 @@ negative numbers count from the end (-1 is the last). Each stack of layers is nu
 @model_options
 @full_option
 @handle_errors
-def reinit(
-    model, output, overwrite, in_place, dry_run, plot, push, revision, config, hints, device, full, as_json, options
-):
+def reinit(model, output, overwrite, in_place, dry_run, plot, push, model_flags, full, as_json, options):
     """Re-initialize query/key/value projections of MODEL with conditioned initialization.
 
     Writes a new checkpoint in the same format and layout; every tensor that is not
@@ -211,15 +203,12 @@ def reinit(
     report = api.reinit_checkpoint(
         model,
         options=options,
-        hints=hints,
+        **model_flags.keywords(),
         output=output,
         in_place=in_place,
         overwrite=overwrite,
         dry_run=dry_run,
         push=push,
-        device=device,
-        revision=revision,
-        config=config,
         full=full,
         progress=not as_json and sys.stderr.isatty() and not distributed,
         distributed=distributed,
@@ -295,7 +284,7 @@ malformed one, bad input, or another surgeon version's output whose draws differ
 @click.argument("output", type=click.Path())
 @model_options
 @handle_errors
-def verify(original, output, revision, config, hints, device, as_json):
+def verify(original, output, model_flags, as_json):
     """Check that OUTPUT is exactly what surgeon made from ORIGINAL, by the record surgeon wrote in it.
 
     Every file of a folder output must be one surgeon writes (carried-over files byte for byte, nothing
@@ -306,14 +295,8 @@ def verify(original, output, revision, config, hints, device, as_json):
     """
     from ..audit import verify as check
 
-    result = check(
-        original,
-        output,
-        revision=revision,
-        config=config,
-        hints=hints,
-        device="cpu" if device == "auto" else device,
-    )
+    device = "cpu" if model_flags.device == "auto" else model_flags.device
+    result = check(original, output, **model_flags.keywords(device=device))
     _out(json.dumps(result.to_dict(), indent=2) if as_json else result.summary())
 
 

@@ -6,11 +6,16 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..errors import OptionError, SurgeonError, spell
 from ..errors import shell_spelling as cli_spelling  # how the shell names an option the core names by keyword
+
+if TYPE_CHECKING:
+    from ..detect.hints import Hints
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -82,21 +87,35 @@ class _Hint(click.ParamType):
 HINT = _Hint()
 
 
+@dataclass(frozen=True)
+class ModelFlags:
+    """How to read MODEL (the flags of :func:`model_options`), as the Python API's keywords of the same names."""
+
+    revision: str | None
+    config: str | None
+    hints: Hints
+    device: str
+
+    def keywords(self, **replaced: Any) -> dict[str, Any]:
+        """The keywords for surgeon.api's functions and verify, with ``replaced`` put in."""
+        return {"revision": self.revision, "config": self.config, "hints": self.hints, "device": self.device} | replaced
+
+
 def model_options(fn):
-    """Options that tell surgeon about the checkpoint when its config.json does not. The command gets the
-    head hints as one ``hints`` argument (a surgeon.Hints), as the Python API takes them."""
+    """Options that tell surgeon how to read the checkpoint, and what its config.json does not say. The command
+    gets them as one ``model_flags`` argument (a :class:`ModelFlags`), and ``as_json``."""
 
     command = fn
 
     @functools.wraps(command)
-    def with_hints(*args, num_heads, num_kv_heads, head_dim, force_hints, layout, **kwargs):
+    def with_hints(*args, revision, config, num_heads, num_kv_heads, head_dim, force_hints, layout, device, **kwargs):
         from ..detect.hints import Hints
 
         try:  # a layout file is read here: a bad one is one line too
             hints = Hints(num_heads, num_kv_heads, head_dim, force_hints, layout)
         except SurgeonError as exc:
             _fail(exc.describe(cli_spelling), exc.exit_code)
-        return command(*args, hints=hints, **kwargs)
+        return command(*args, model_flags=ModelFlags(revision, config, hints, device), **kwargs)
 
     fn = with_hints
     for decorator in reversed(
