@@ -62,6 +62,28 @@ def finish(results: list[dict], lines: list[str], args, plot: Callable[[], str],
     return {"results": results, "summary": lines}
 
 
+NO_PLOT = "matplotlib is not installed (pip install 'attention-surgeon[examples]'): no plot"
+COLORS = {  # one color per variant in every replication plot
+    "default": "tab:gray",
+    "redraw": "tab:orange",
+    "conditioned": "tab:blue",
+    "conditioned-matched": "tab:green",
+    "mimetic": "tab:red",
+}
+
+
+def pyplot():
+    """matplotlib.pyplot drawing to files (the Agg backend), or None where matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
 def plot_curves(
     results: list[dict],
     args,
@@ -78,13 +100,9 @@ def plot_curves(
 ) -> str:
     """Training curves (moving average) on the left, evaluations on the right: thin lines per seed,
     thick lines the mean over seeds. ``left``/``right`` are (title, y label)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install 'attention-surgeon[examples]'): no plot"
+    plt = pyplot()
+    if plt is None:
+        return NO_PLOT
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for variant in args.variants:
         runs = [r for r in results if r["variant"] == variant]

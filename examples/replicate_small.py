@@ -156,20 +156,10 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def plot_runs(results: list[dict], args) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install 'attention-surgeon[examples]'): no plot"
-    colors = {
-        "default": "tab:gray",
-        "redraw": "tab:orange",
-        "conditioned": "tab:blue",
-        "conditioned-matched": "tab:green",
-        "mimetic": "tab:red",
-    }
+    plt = _compare.pyplot()
+    if plt is None:
+        return _compare.NO_PLOT
+    colors = _compare.COLORS
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for r in results:
         steps = [s for s, _, _ in r["evals"]]

@@ -139,19 +139,10 @@ def summarize(results: list[dict], args) -> list[str]:
 
 
 def plot_runs(results: list[dict], args) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install 'attention-surgeon[examples]'): no plot"
-    colors = {
-        "default": "tab:gray",
-        "redraw": "tab:orange",
-        "conditioned": "tab:blue",
-        "conditioned-matched": "tab:green",
-    }
+    plt = _compare.pyplot()
+    if plt is None:
+        return _compare.NO_PLOT
+    colors = _compare.COLORS
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in results:
         ax.plot(
