@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from typing import TypedDict
@@ -103,7 +103,7 @@ class SurgeonError(Exception):
     def __str__(self) -> str:
         return self.describe()
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type, tuple[str], dict[str, Any]]:
         # (class, (message,), fields): pickles across processes (multiprocessing, DDP workers) with every field,
         # whatever the builtin base (OSError's own reduce would pass errno-style arguments).
         # path is named: on an ImportError it is a slot of the builtin, not in __dict__

@@ -27,7 +27,10 @@ from .shell import (
 )
 
 if TYPE_CHECKING:
+    from ..options import ReinitOptions
     from ..report.report import Report
+    from ..write.push import PushTarget
+    from .shell import ModelFlags
 
 __all__ = ["cli_spelling", "main"]
 
@@ -106,16 +109,16 @@ Examples:
 @full_option
 @handle_errors
 def inspect(
-    model,
-    emit_layout,
-    verify_layout,
-    jacobian,
-    inputs,
-    plot,
-    model_flags,
-    full,
-    as_json,
-):
+    model: str,
+    emit_layout: str | None,
+    verify_layout: bool,
+    jacobian: bool,
+    inputs: str | None,
+    plot: str | None,
+    model_flags: ModelFlags,
+    full: bool,
+    as_json: bool,
+) -> None:
     """List the attention blocks of MODEL and the condition numbers of their projections.
 
     MODEL is a .safetensors/.bin/.pt/.onnx file, a sharded *.index.json, a model folder, or a Hugging
@@ -180,7 +183,19 @@ negative numbers count from the end (-1 is the last). Each stack of layers is nu
 @model_options
 @full_option
 @handle_errors
-def reinit(model, output, overwrite, in_place, dry_run, plot, push, model_flags, full, as_json, options):
+def reinit(
+    model: str,
+    output: str | None,
+    overwrite: bool,
+    in_place: bool,
+    dry_run: bool,
+    plot: str | None,
+    push: PushTarget | None,
+    model_flags: ModelFlags,
+    full: bool,
+    as_json: bool,
+    options: ReinitOptions,
+) -> None:
     """Re-initialize query/key/value projections of MODEL with conditioned initialization.
 
     Writes a new checkpoint in the same format and layout; every tensor that is not
@@ -241,7 +256,17 @@ The token comes from HF_TOKEN or `hf auth login`; HF_ENDPOINT selects another Hu
 @click.option("--dry-run", is_flag=True, help="Print the files that would be uploaded and send nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was pushed as JSON on stdout.")
 @handle_errors
-def push(folder, repo_id, private, branch, revision, create_pr, commit_message, dry_run, as_json):
+def push(
+    folder: str,
+    repo_id: str,
+    private: bool,
+    branch: str | None,
+    revision: str | None,
+    create_pr: bool,
+    commit_message: str | None,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
     """Upload FOLDER (e.g. an output of surgeon reinit) to the Hub model repo ORG/NAME.
 
     Creates the repo if needed and uploads every file in one commit, large files through
@@ -284,7 +309,7 @@ malformed one, bad input, or another surgeon version's output whose draws differ
 @click.argument("output", type=click.Path())
 @model_options
 @handle_errors
-def verify(original, output, model_flags, as_json):
+def verify(original: str, output: str, model_flags: ModelFlags, as_json: bool) -> None:
     """Check that OUTPUT is exactly what surgeon made from ORIGINAL, by the record surgeon wrote in it.
 
     Every file of a folder output must be one surgeon writes (carried-over files byte for byte, nothing
@@ -315,7 +340,7 @@ checkpoint rolls back first, and says so.
 @click.argument("path", type=click.Path(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="Print what was recovered as JSON on stdout.")
 @handle_errors
-def recover(path, as_json):
+def recover(path: str, as_json: bool) -> None:
     """Roll back an interrupted `surgeon reinit --in-place` on the checkpoint at PATH.
 
     --in-place saves the old bytes of every range it patches to a journal

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +16,7 @@ from ..errors import OptionError, SurgeonError, spell
 from ..errors import shell_spelling as cli_spelling  # how the shell names an option the core names by keyword
 
 if TYPE_CHECKING:
-    from ..detect.hints import Hints
+    from ..detect.hints import HintInput, Hints
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -35,11 +36,11 @@ def _out(text: str) -> None:
     click.echo(redact(spell(text, cli_spelling)))
 
 
-def handle_errors(fn):
+def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Bad input ends in one line on stderr and a non-zero exit code, never a traceback."""
 
     @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except SurgeonError as exc:
@@ -74,7 +75,7 @@ class _Hint(click.ParamType):
 
     name = "N|STACK=N,..."
 
-    def convert(self, value, param, ctx):
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         from ..detect.hints import parse_hint
         from ..errors import OptionError
 
@@ -101,14 +102,25 @@ class ModelFlags:
         return {"revision": self.revision, "config": self.config, "hints": self.hints, "device": self.device} | replaced
 
 
-def model_options(fn):
+def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Options that tell surgeon how to read the checkpoint, and what its config.json does not say. The command
     gets them as one ``model_flags`` argument (a :class:`ModelFlags`), and ``as_json``."""
 
     command = fn
 
     @functools.wraps(command)
-    def with_hints(*args, revision, config, num_heads, num_kv_heads, head_dim, force_hints, layout, device, **kwargs):
+    def with_hints(
+        *args: Any,
+        revision: str | None,
+        config: str | None,
+        num_heads: HintInput,
+        num_kv_heads: HintInput,
+        head_dim: HintInput,
+        force_hints: bool,
+        layout: str | None,
+        device: str,
+        **kwargs: Any,
+    ) -> Any:
         from ..detect.hints import Hints
 
         try:  # a layout file is read here: a bad one is one line too
@@ -168,7 +180,7 @@ def model_options(fn):
     return fn
 
 
-def reinit_options(fn):
+def reinit_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """The fields of surgeon.options.ReinitOptions as --flags, made from their OptionInfo (one spelling). The
     command gets them as one ``options`` argument (a ReinitOptions), as the Python API takes them."""
     from ..options import AS_FIELD, ReinitOptions, option_infos
@@ -176,7 +188,7 @@ def reinit_options(fn):
     names = [name for name, _ in option_infos()]
 
     @functools.wraps(fn)
-    def with_options(*args, **kwargs):
+    def with_options(*args: Any, **kwargs: Any) -> Any:
         given = {name: kwargs.pop(name) for name in names}
         options = ReinitOptions.build(**{k: v for k, v in given.items() if v is not None})
         return fn(*args, options=options, **kwargs)
@@ -247,7 +259,14 @@ class OneLineErrors(click.Group):
     redacted, with exit code 1; ``--debug`` or SURGEON_DEBUG=1 adds the (redacted) traceback.
     """
 
-    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
         from ..report.redact import redact_library_output
 
         redact_library_output()
@@ -273,12 +292,21 @@ class OneLineErrors(click.Group):
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
-def push_options(fn):
+def push_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """--push-to-hub and its companions (surgeon.write.push.PushTarget's fields). The command gets them as one
     ``push`` argument (a PushTarget, or None), as the Python API takes them."""
 
     @functools.wraps(fn)
-    def with_push(*args, push_to_hub, private, push_branch, push_revision, create_pr, commit_message, **kwargs):
+    def with_push(
+        *args: Any,
+        push_to_hub: str | None,
+        private: bool,
+        push_branch: str | None,
+        push_revision: str | None,
+        create_pr: bool,
+        commit_message: str | None,
+        **kwargs: Any,
+    ) -> Any:
         from ..write.push import PushTarget
 
         try:  # checked here, before anything is opened: a bad target is one line too

@@ -133,7 +133,15 @@ def _orientation_choices(parts: list[tuple[Part, TensorInfo]]) -> list[tuple[int
     return [tuple(c) for c in choices]
 
 
-def _head_dim_candidates(parts, packings, outs, ins, heads, hint, hidden):
+def _head_dim_candidates(
+    parts: list[tuple[Part, TensorInfo]],
+    packings: list[str],
+    outs: list[int],
+    ins: list[int],
+    heads: int,
+    hint: int | None,
+    hidden: int | None,
+) -> list[int]:
     if hint:
         return [hint]
     cands = []
@@ -153,7 +161,7 @@ def _head_dim_candidates(parts, packings, outs, ins, heads, hint, hidden):
     return list(dict.fromkeys(cands))
 
 
-def _kv_candidates(packings, outs, heads, head_dim, hint):
+def _kv_candidates(packings: list[str], outs: list[int], heads: int, head_dim: int, hint: int | None) -> list[int]:
     if hint:
         return [hint]
     cands = []

@@ -84,7 +84,7 @@ def _built(
     cap = 64 * len(tensors) + 4096
     count = [0]
 
-    def counted(module, name, submodule):
+    def counted(module: torch.nn.Module, name: str, submodule: torch.nn.Module) -> None:
         count[0] += 1
         if count[0] > cap:
             raise _TooManyModules

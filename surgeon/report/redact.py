@@ -15,7 +15,11 @@ from __future__ import annotations
 import base64
 import os
 import re
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
+
+if TYPE_CHECKING:
+    import logging
 
 MASK = "***"
 # Hub tokens are "hf_" + 30-40 letters and digits (test tokens and org tokens add "_"/"-"); 16 or more
@@ -73,7 +77,7 @@ def _url_secrets() -> set[str]:
     return out
 
 
-def redact_obj(value):
+def redact_obj(value: Any) -> Any:
     """Every string in a JSON-like value (dicts, lists), redacted."""
     if isinstance(value, str):
         return redact(value)
@@ -95,7 +99,7 @@ def redact_library_output() -> None:
         return
     make_record = logging.getLogRecordFactory()
 
-    def redacted_record(*args, **kwargs):
+    def redacted_record(*args: Any, **kwargs: Any) -> logging.LogRecord:
         record = make_record(*args, **kwargs)
         try:
             record.msg, record.args = redact(record.getMessage()), None

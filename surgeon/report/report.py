@@ -50,7 +50,7 @@ def table(headers: list[str], rows: list[list[str]], right: frozenset[int] | set
     headers, rows = [shown(h) for h in headers], [[shown(c) for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
 
-    def line(cells):
+    def line(cells: list[str]) -> str:
         return "  ".join(
             c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
         ).rstrip()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +37,7 @@ from .journal_file import journal_path
 from .recovery import apply, open_file, read_small, refuse_journals
 
 if TYPE_CHECKING:
+    import torch
     from _typeshed import ReadableBuffer
 
     from ..open.formats.base import UpdatesFn
@@ -233,7 +234,7 @@ def _patch_files(
     log: _Log,
     fds: dict[str, int],
 ) -> None:
-    def logged(file, items):
+    def logged(file: str, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in items:
             log.before(file, name, _raw(tensor))
             yield name, tensor
@@ -251,11 +252,11 @@ def _patch_files(
         os.fsync(fds[file])
 
 
-def _raw(tensor):
+def _raw(tensor: torch.Tensor) -> memoryview:
     """The bytes a tensor is stored as (little-endian, as in safetensors), without a copy where it can."""
     import torch
 
-    return tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+    return tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data
 
 
 def _changed_files(weights: SafetensorsWeights, updates: UpdatesFn) -> dict[str, list[str]]:

@@ -23,7 +23,7 @@ def hf_inputs(model: nn.Module, *, tokens: int = PROBE_TOKENS) -> dict:
     dev, dtype = first.device, first.dtype if first.is_floating_point() else torch.float32
     gen = torch.Generator().manual_seed(0)
 
-    def get(*keys, scope=None):
+    def get(*keys: str, scope: Any = None) -> int | None:
         # multimodal configs (CLIP, SigLIP) keep the text tower's numbers in text_config
         for c in (scope,) if scope is not None else (cfg, getattr(cfg, "text_config", None)):
             for k in keys:
@@ -32,7 +32,7 @@ def hf_inputs(model: nn.Module, *, tokens: int = PROBE_TOKENS) -> dict:
                     return v
         return None
 
-    def pixels(c):
+    def pixels(c: Any) -> torch.Tensor:
         size = c.image_size if isinstance(c.image_size, int) else c.image_size[0]
         if not isinstance(size, int) or not 0 < size <= MAX_IMAGE_SIZE:  # no tensor holds it in every model (Swin)
             raise LayoutError(

@@ -82,10 +82,10 @@ class Watch(TorchFunctionMode):
         self.kept_norms: list[tuple[str, int]] = []  # (norm module, parameter number) passed through
 
     # module stack: which module's own forward an op runs in
-    def pre_hook(self, module, args):
+    def pre_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         self.frames.append((module, []))
 
-    def post_hook(self, module, args, output):
+    def post_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if not self.frames or self.frames[-1][0] is not module:
             return
         _, events = self.frames.pop()
@@ -94,7 +94,7 @@ class Watch(TorchFunctionMode):
             # a leaf module such as nn.Softmax: its events belong to its caller's pattern
             self.frames[-1][1].extend(e for e in events if e[0] == "softmax")
 
-    def norm_hook(self, module, args, output):
+    def norm_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> torch.Tensor | None:
         """A normalization applied to a projection's codes (or a view of them) hands them on unchanged."""
         x = args[0] if args else None
         if not isinstance(x, torch.Tensor):
@@ -105,7 +105,9 @@ class Watch(TorchFunctionMode):
         self.kept_norms.append((self.names.get(module, ""), op.pid))
         return x
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if name in _PROJ_OPS:
