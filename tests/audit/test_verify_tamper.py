@@ -240,19 +240,11 @@ def test_onnx_weights_in_constant_nodes(cli, tmp_path):
     """2-D weights kept in Constant nodes are patched in place: the re-initialized ones verify as tensors,
     every other Constant node must be the original's."""
     from helpers.families import FAMILIES
-    from helpers.onnx_helpers import export
+    from helpers.onnx_helpers import export, weights_as_constants
 
     path = tmp_path / "model.onnx"
     export(FAMILIES["bert"].make(), "bert", path, dynamo=False)
-    model = onnx.load(str(path))
-    moved = [t for t in model.graph.initializer if len(t.dims) == 2]
-    for t in moved:
-        model.graph.initializer.remove(t)
-    nodes = [
-        onnx.helper.make_node("Constant", [], [t.name], value=t, name=f"const_{i}") for i, t in enumerate(moved)
-    ] + list(model.graph.node)
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    model = weights_as_constants(onnx.load(str(path)))
     src, out = tmp_path / "consts.onnx", tmp_path / "out.onnx"
     onnx.save_model(model, str(src))
     cli("reinit", src, "--layers", "1", "-o", out)

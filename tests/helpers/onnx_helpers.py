@@ -90,6 +90,41 @@ def export(
     return {k: v.numpy() for k, v in feeds.items()}
 
 
+def export_one_input(
+    model: torch.nn.Module, shape: tuple[int, ...], path: Path, *, exporter: str
+) -> dict[str, np.ndarray]:
+    """Give ``model``'s parameters distinct, non-zero values, then export it with one random input "x" of
+    ``shape`` to ``path`` (the ``legacy`` or the ``dynamo`` exporter); returns the feeds."""
+    with torch.no_grad():  # distinct layers (TransformerEncoder deep-copies one) and non-zero biases
+        for p in model.parameters():
+            p.normal_(0.0, 0.05 if p.ndim == 1 else 0.2)
+    x = torch.randn(*shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            model,
+            (x,),
+            str(path),
+            input_names=["x"],
+            dynamo=exporter == "dynamo",
+            opset_version=18 if exporter == "legacy" else None,
+        )
+    return {"x": x.numpy()}
+
+
+def weights_as_constants(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with its matrices moved from initializers into Constant nodes, as some exporters write them."""
+    moved = [t for t in model.graph.initializer if len(t.dims) == 2]
+    for t in moved:
+        model.graph.initializer.remove(t)
+    nodes = [
+        onnx.helper.make_node("Constant", [], [t.name], value=t, name=f"const_{i}") for i, t in enumerate(moved)
+    ] + list(model.graph.node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return model
+
+
 def torch_forward(model, feeds: dict[str, np.ndarray]) -> np.ndarray:
     with torch.no_grad():
         return Wrap(model, list(feeds)).eval()(*(torch.from_numpy(v) for v in feeds.values())).numpy()

@@ -20,6 +20,7 @@ from helpers.onnx_helpers import (
     assert_semi_orthogonal,
     assert_value_identity,
     check_against_pytorch,
+    export_one_input,
     initializers,
     locate,
     ort_run,
@@ -74,22 +75,8 @@ def exported(request, tmp_path_factory):
     cls, shape = MODELS[name]
     torch.manual_seed(0)
     model = cls().eval()
-    with torch.no_grad():  # distinct layers (TransformerEncoder deep-copies one) and non-zero biases
-        for p in model.parameters():
-            p.normal_(0.0, 0.05 if p.ndim == 1 else 0.2)
-    x = torch.randn(*shape)
     path = tmp_path_factory.mktemp(f"{name}-{exporter}") / "model.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            model,
-            (x,),
-            str(path),
-            input_names=["x"],
-            dynamo=exporter == "dynamo",
-            opset_version=18 if exporter == "legacy" else None,
-        )
-    return model, path, {"x": x.numpy()}
+    return model, path, export_one_input(model, shape, path, exporter=exporter)
 
 
 def test_custom_modules_detected_and_reinitialized(exported, tmp_path):

@@ -17,7 +17,16 @@ from surgeon.compute.engine import head_matrices
 from surgeon.open.formats.onnx import open_onnx
 
 from helpers.modules import TimmAttention
-from helpers.onnx_helpers import as_param, assert_semi_orthogonal, assert_value_identity, initializers, locate, ort_run
+from helpers.onnx_helpers import (
+    as_param,
+    assert_semi_orthogonal,
+    assert_value_identity,
+    export_one_input,
+    initializers,
+    locate,
+    ort_run,
+    weights_as_constants,
+)
 
 DIM, HEADS = 32, 4
 
@@ -52,21 +61,9 @@ class Vit(torch.nn.Module):
 def test_timm_fused_qkv(tmp_path, pick, exporter):
     torch.manual_seed(0)
     model = Vit(GatherAttention if pick == "gather" else TimmAttention).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.05 if p.ndim == 1 else 0.2)
-    x = torch.randn(1, 5, DIM)
     path = tmp_path / "model.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            model,
-            (x,),
-            str(path),
-            input_names=["x"],
-            dynamo=exporter == "dynamo",
-            opset_version=18 if exporter == "legacy" else None,
-        )
+    feeds = export_one_input(model, (1, 5, DIM), path, exporter=exporter)
+    x = torch.from_numpy(feeds["x"])
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     inits = initializers(path)
     blocks = inspect_checkpoint(path, device="cpu").blocks
@@ -100,7 +97,7 @@ def test_timm_fused_qkv(tmp_path, pick, exporter):
     with torch.no_grad():
         want = reference(x).numpy()
         old = model(x).numpy()
-    got = ort_run(out, {"x": x.numpy()})
+    got = ort_run(out, feeds)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     assert not np.allclose(got, old, atol=1e-4)
 
@@ -198,15 +195,7 @@ def test_weights_in_constant_nodes(tmp_path):
 
     path = tmp_path / "model.onnx"
     feeds = export(FAMILIES["bert"].make(), "bert", path, dynamo=False)
-    model = onnx.load(str(path))
-    moved = [t for t in model.graph.initializer if len(t.dims) == 2]
-    for t in moved:
-        model.graph.initializer.remove(t)
-    nodes = [
-        onnx.helper.make_node("Constant", [], [t.name], value=t, name=f"const_{i}") for i, t in enumerate(moved)
-    ] + list(model.graph.node)
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    model = weights_as_constants(onnx.load(str(path)))
     consts = tmp_path / "consts.onnx"
     onnx.save_model(model, str(consts))
     blocks = inspect_checkpoint(consts, device="cpu").blocks
