@@ -24,7 +24,7 @@ from surgeon.open.formats.safetensors_header import encode_header, read_header, 
 
 from helpers.cli import expect_cli_error
 from helpers.onnx_graphs import tiny_attention
-from helpers.records import edit_last, rewrite_record
+from helpers.records import DEFAULT_OPTIONS, edit_last, rewrite_record
 from helpers.tiny import tiny_llama
 
 
@@ -496,19 +496,7 @@ _GENUINE = {
     "tool": "surgeon",
     "version": __version__,
     "method": "conditioned-initialization",
-    "options": {
-        "layers": "1",
-        "targets": ["q", "k", "v"],
-        "heads": "all",
-        "attention": "all",
-        "stack": None,
-        "mode": "conditioned",
-        "strength": None,
-        "value_identity": "block",
-        "keep_scale": False,
-        "bias": "zero",
-        "seed": 0,
-    },
+    "options": {**DEFAULT_OPTIONS, "layers": "1"},
     "blocks": [
         {
             "module": "model.layers.1.self_attn",

@@ -7,6 +7,22 @@ import struct
 
 from surgeon.open.formats.safetensors import encode_header, read_header, with_metadata
 
+# The options a record and a report hold for a run with every default, written out here (not read from surgeon):
+# the CLI's defaults, which the Python API mirrors.
+DEFAULT_OPTIONS = {
+    "layers": "all",
+    "targets": ["q", "k", "v"],
+    "heads": "all",
+    "attention": "all",
+    "stack": None,
+    "mode": "conditioned",
+    "strength": None,
+    "value_identity": "block",
+    "keep_scale": False,
+    "bias": "zero",
+    "seed": 0,
+}
+
 
 def rewrite_record(path, edit):
     """The safetensors file with its surgeon metadata replaced by ``edit(records)`` (a string: stored as it is)."""

@@ -14,6 +14,7 @@ from surgeon.errors import NoAttentionFoundError, OptionError, SelectionError
 
 from helpers.families import FAMILIES
 from helpers.modules import LucidAttention, Stack
+from helpers.records import DEFAULT_OPTIONS
 from helpers.tiny import tiny_llama
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -109,19 +110,7 @@ def test_an_options_object_and_keywords_give_the_same_weights():
 
 def test_defaults_mirror_the_cli():
     report = surgeon.reinit_(tiny_llama())
-    assert report.options == {
-        "layers": "all",
-        "targets": ["q", "k", "v"],
-        "heads": "all",
-        "attention": "all",
-        "stack": None,
-        "mode": "conditioned",
-        "strength": None,
-        "value_identity": "block",
-        "keep_scale": False,
-        "bias": "zero",
-        "seed": 0,
-    }
+    assert report.options == DEFAULT_OPTIONS
     assert len(report.rows) == 9
 
 
