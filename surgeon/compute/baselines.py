@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from numpy.typing import NDArray
 
     from ..detect.blocks import AttentionBlock
-    from .modes.base import ModeChange, ModeOptions, ModePlan
+    from ..plan.change import Change, OptionsView, PlanView
 
 DEFAULT_STD = 0.02
 XAVIER_TENSORS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")  # nn.MultiheadAttention
@@ -58,7 +58,7 @@ def is_xavier(tensor: str) -> bool:
 
 
 def redraw_heads(
-    change: ModeChange, key: str, options: ModeOptions, *, device: torch.device | str | None = None
+    change: Change, key: str, options: OptionsView, *, device: torch.device | str | None = None
 ) -> torch.Tensor:
     """Fresh default-init per-head matrices ``(len(heads), d, in)`` float64 for ``change.heads``."""
     import numpy as np
@@ -108,7 +108,7 @@ def find_out_projection(block: AttentionBlock, shapes: Mapping[str, Sequence[int
     return (hits[0], linear) if len(hits) == 1 else None
 
 
-def out_projections(plan: ModePlan, shapes: Mapping[str, Sequence[int]]) -> dict[str, tuple[str, bool]]:
+def out_projections(plan: PlanView, shapes: Mapping[str, Sequence[int]]) -> dict[str, tuple[str, bool]]:
     """For --mode mimetic: every touched block's W_O (block module -> ``find_out_projection``), or refuse in one line."""
     from ..errors import LayoutError, OptionError, opt
 
@@ -175,7 +175,7 @@ def mimetic_vo(seed: int, key: str, width: int, inner: int) -> tuple[NDArray[np.
 
 
 def mimetic_heads(
-    change: ModeChange, key: str, options: ModeOptions, *, device: torch.device | str | None = None
+    change: Change, key: str, options: OptionsView, *, device: torch.device | str | None = None
 ) -> torch.Tensor:
     """Per-head matrices ``(len(heads), d, D)`` (PyTorch orientation) of q, k or v, float64."""
     import numpy as np
@@ -192,7 +192,7 @@ def mimetic_heads(
     return torch.from_numpy(np.ascontiguousarray(out)).to(device or "cpu")
 
 
-def mimetic_out(block: AttentionBlock, key: str, options: ModeOptions, linear: bool) -> torch.Tensor:
+def mimetic_out(block: AttentionBlock, key: str, options: OptionsView, linear: bool) -> torch.Tensor:
     """The whole W_O tensor as stored (float64): (D, H*d) for nn.Linear, (H*d, D) for Conv1D."""
     import torch
 

@@ -16,7 +16,8 @@ import torch
 
 from ..detect.blocks import AttentionBlock, Projection, Rows
 from ..errors import OptionError, UnsupportedWeightsError, opt
-from ..plan.planner import Change, Plan
+from ..plan.change import Change
+from ..plan.planner import Plan
 from ..plan.selection import format_indices
 from .conditioning import (
     Spectrum,

@@ -8,28 +8,16 @@ from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
 from ..compute.modes import get_mode
-from ..detect.blocks import AttentionBlock, Projection, Unreadable
+from ..detect.blocks import AttentionBlock, Unreadable
 from ..detect.placement import kind
 from ..errors import OptionError, SelectionError, opt
 from ..options import ReinitOptions, stacks_of
+from .change import Change
 from .selection import IndexSpec, format_indices, parse_attention, parse_targets, resolve_indices
 
 if TYPE_CHECKING:
     from ..detect.result import Detection
     from ..open.source import Source
-
-
-@dataclass(frozen=True)
-class Change:
-    """Re-initialize ``heads`` of one projection (key/value head numbers for k and v)."""
-
-    block: AttentionBlock
-    role: str
-    heads: tuple[int, ...]
-
-    @property
-    def projection(self) -> Projection:
-        return self.block.projection(self.role)
 
 
 @dataclass(frozen=True)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 if TYPE_CHECKING:
     import torch
 
-    from ...detect.blocks import AttentionBlock, Projection
+    from ...plan.change import Change, OptionsView, PlanView
 
 CONDITIONED_PAPER = "[Saratchandran & Lucey](https://openreview.net/forum?id=cKNOCYPo2W)"
 CONDITIONED_BIBTEX = """\
@@ -22,57 +21,16 @@ CONDITIONED_BIBTEX = """\
 }"""
 
 
-# What a mode reads of a plan's change and options, named by shape: surgeon.options and surgeon.plan.planner
-# import this package (for the modes' names and help), so it cannot import them back.
-class ModeChange(Protocol):
-    """One projection's chosen heads (a surgeon.plan.planner.Change)."""
-
-    @property
-    def block(self) -> AttentionBlock: ...
-    @property
-    def role(self) -> str: ...
-    @property
-    def heads(self) -> tuple[int, ...]: ...
-    @property
-    def projection(self) -> Projection: ...
-
-
-class ModePlan(Protocol):
-    """What a mode reads of a plan to find the tensors it writes besides Q/K/V (a surgeon.plan.planner.Plan)."""
-
-    @property
-    def changes(self) -> Sequence[ModeChange]: ...
-    @property
-    def touched_blocks(self) -> list[AttentionBlock]: ...
-
-
-class ModeOptions(Protocol):
-    """The options a mode draws with (a surgeon.options.ReinitOptions)."""
-
-    @property
-    def seed(self) -> int: ...
-    @property
-    def value_identity(self) -> str: ...
-    @property
-    def gain(self) -> float | None: ...
-    @property
-    def std(self) -> float | None: ...
-    @property
-    def effective_strength(self) -> float: ...
-
-    __dataclass_fields__: ClassVar[dict[str, Any]]  # a dataclass: with_defaults may replace() a field
-
-
-Options = TypeVar("Options", bound=ModeOptions)
+Options = TypeVar("Options", bound="OptionsView")
 
 
 @dataclass(frozen=True)
 class Draw:
     """What one draw is for: a projection's chosen heads, with what the mode may read."""
 
-    change: ModeChange
+    change: Change
     old: torch.Tensor | None  # the heads' current values where the mode reads them (not fresh), else None
-    options: ModeOptions
+    options: OptionsView
     key: str  # the name the draws are keyed by: the tensor's checkpoint name
     device: torch.device | str
 
@@ -113,12 +71,12 @@ class Mode:
         """``options`` with what this mode takes from the model's config filled in."""
         return options
 
-    def find_outputs(self, plan: ModePlan, shapes: dict) -> dict[str, tuple[str, bool]]:
+    def find_outputs(self, plan: PlanView, shapes: dict) -> dict[str, tuple[str, bool]]:
         """The tensors this mode writes besides Q/K/V, found among ``shapes`` (tensor -> shape), or refuse:
         ``plan.outputs``, block module -> (its W_O tensor, stored as nn.Linear). Most modes write none."""
         return {}
 
-    def draw_output(self, change: ModeChange, options: ModeOptions, *, key: str, linear: bool) -> torch.Tensor:
+    def draw_output(self, change: Change, options: OptionsView, *, key: str, linear: bool) -> torch.Tensor:
         """The whole new value (float64, as stored) of the output tensor ``find_outputs`` found for the block
         of ``change`` (its value projection); ``key``: the name the value projection's draws are keyed by."""
         raise NotImplementedError(f"{self.name} writes no output projections")

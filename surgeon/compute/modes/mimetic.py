@@ -9,7 +9,8 @@ from .base import Mode
 if TYPE_CHECKING:
     import torch
 
-    from .base import Draw, ModeChange, ModeOptions, ModePlan
+    from ...plan.change import Change, OptionsView, PlanView
+    from .base import Draw
 
 MIMETIC_BIBTEX = """\
 @inproceedings{trockman2023mimetic,
@@ -34,12 +35,12 @@ class Mimetic(Mode, name="mimetic"):
         block, tensor = job.change.block, job.change.projection.weight.tensor
         return mimetic_heads(job.change, module_key(block, tensor, job.key), job.options, device=job.device)
 
-    def find_outputs(self, plan: ModePlan, shapes: dict) -> dict[str, tuple[str, bool]]:
+    def find_outputs(self, plan: PlanView, shapes: dict) -> dict[str, tuple[str, bool]]:
         from ..baselines import out_projections
 
         return out_projections(plan, shapes)
 
-    def draw_output(self, change: ModeChange, options: ModeOptions, *, key: str, linear: bool) -> torch.Tensor:
+    def draw_output(self, change: Change, options: OptionsView, *, key: str, linear: bool) -> torch.Tensor:
         from ..baselines import mimetic_out, module_key
 
         return mimetic_out(

@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from ...errors import CheckpointError
+from ...plan.change import PlanView
 from ..bounded import INDEX_LIMIT, read_json
 from ..folder import file_in
-from .write_plan import PlanView, WritePlan
+from .write_plan import WritePlan
 
 if TYPE_CHECKING:
     import torch

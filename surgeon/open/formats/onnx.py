@@ -28,6 +28,7 @@ import onnx
 import torch
 
 from ...errors import CheckpointError
+from ...plan.change import PlanView
 from ..bounded import loads
 from ..folder import file_in
 from . import onnx_wire as wire
@@ -36,7 +37,7 @@ from .base import TensorInfo, UpdatesFn, WeightSet
 from .onnx_checks import graph_names, refuse_self_location
 from .onnx_model import Stored
 from .onnx_write import METADATA_KEY
-from .write_plan import PlanView, WritePlan
+from .write_plan import WritePlan
 
 if TYPE_CHECKING:
     from ...detect.result import Detection

@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ...errors import SharedInitializerError, opt
+from ...plan.change import PlanView
 from .onnx_checks import aliased, refuse_aliased
-from .write_plan import PlanView, SharedCopy, WritePlan
+from .write_plan import SharedCopy, WritePlan
 
 if TYPE_CHECKING:
     from ...detect.result import Detection, GraphFacts, GraphView

@@ -7,42 +7,11 @@ to know what the output must hold. No weight set keeps any of it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ...detect.blocks import AttentionBlock, Projection
-
-
-# What a format reads of a plan, named by shape: surgeon.plan.planner imports surgeon.open.source, which imports
-# the formats, so they cannot import it back.
-class PlannedChange(Protocol):
-    """One projection's chosen heads (a surgeon.plan.planner.Change)."""
-
-    @property
-    def block(self) -> AttentionBlock: ...
-    @property
-    def role(self) -> str: ...
-    @property
-    def projection(self) -> Projection: ...
-
-
-class PlannedOptions(Protocol):
-    """The options a format reads (a surgeon.options.ReinitOptions)."""
-
-    @property
-    def zero_bias(self) -> bool: ...
-
-
-class PlanView(Protocol):
-    """A plan as a format reads it to decide how to write it (a surgeon.plan.planner.Plan)."""
-
-    @property
-    def changes(self) -> Sequence[PlannedChange]: ...
-    @property
-    def options(self) -> PlannedOptions: ...
-    def tensors(self) -> list[str]: ...
+    pass
 
 
 @dataclass(frozen=True)
