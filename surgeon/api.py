@@ -114,7 +114,7 @@ def inspect_checkpoint(
     with hold(source, exclusive=False), Progress(progress, len(tensors), "inspect") as bar:
         spectra = inspect_blocks(detection.blocks, weights.read, dev, progress=bar.update if bar else None, whole=full)
     unread = [f"cannot be read, left as it is by any reinit: {u.why}" for u in detection.unreadable]
-    notes = source.notes + detection.left_alone + unread[:3] + detection.notes[:5]
+    notes = [*source.notes, *detection.left_alone, *unread[:3], *detection.notes[:5]]
     if emit_layout is not None:
         notes.append(f"wrote the detected layout to {emit_layout} (give it back with {opt('layout', emit_layout)})")
     if verify_layout:
@@ -234,7 +234,7 @@ def reinit_checkpoint(
     )
     detection = detect_source(source, hints)
     plan = prepare_checkpoint(source, detection, opts)
-    notes = source.notes + detection.notes[:5] + plan.notes
+    notes = [*source.notes, *detection.notes[:5], *plan.notes]
     if dry_run:
         notes += dry_run_notes(source, dest, overwrite=overwrite, push=target)
         return reinit_report(source, detection, plan, dest, planned_rows(source, plan), notes, device=str(device))

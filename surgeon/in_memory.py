@@ -110,11 +110,9 @@ def _reinit_report(
         for r in engine.ordered_results()
     ]
     seconds = time.perf_counter() - start
-    notes = (
-        _notes(found)
-        + plan.notes
-        + [f"changed {len(engine.tensor_names)} parameters in place in {seconds:.2f} s on {device}"]
-    )
+    notes = [*_notes(found), *plan.notes] + [
+        f"changed {len(engine.tensor_names)} parameters in place in {seconds:.2f} s on {device}"
+    ]
     return Report(
         "reinit",
         _label(module),

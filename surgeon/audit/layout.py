@@ -9,6 +9,7 @@ checkpoint, block by block.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -56,7 +57,7 @@ def verify_layout(
     return check_layout(source, detect_source(source, Hints(num_heads, num_kv_heads, head_dim, force_hints)).blocks)
 
 
-def check_layout(source: Source, blocks: list[AttentionBlock]) -> LayoutCheck:
+def check_layout(source: Source, blocks: Sequence[AttentionBlock]) -> LayoutCheck:
     """:func:`verify_layout` on a checkpoint already opened and detected (``blocks``)."""
     from ..detect.module import checkpoint_names, probe_blocks
     from ..open.architecture import CheckpointNames, build_architecture, config_name
@@ -98,7 +99,7 @@ def _describe(p: Projection) -> str:
     return f"{p.heads} heads x {p.head_dim} at {axis} {starts} of {p.weight.tensor}"
 
 
-def _compare(by_names: list[AttentionBlock], by_forward: list[AttentionBlock], arch: str) -> None:
+def _compare(by_names: Sequence[AttentionBlock], by_forward: list[AttentionBlock], arch: str) -> None:
     forward = {b.q.weight.tensor: b for b in by_forward}
     for block in by_names:
         seen = forward.pop(block.q.weight.tensor, None)

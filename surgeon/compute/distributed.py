@@ -265,7 +265,7 @@ def write_params(engine: Engine, params: Mapping[str, torch.Tensor]) -> None:
 
 
 def inspect_sharded(
-    blocks: list[AttentionBlock], params: Mapping[str, torch.Tensor], device: torch.device, *, whole: bool = False
+    blocks: Sequence[AttentionBlock], params: Mapping[str, torch.Tensor], device: torch.device, *, whole: bool = False
 ) -> dict[tuple[str, str], Spectrum]:
     """``apply.inspect_blocks`` on DTensor parameters: one projection gathered at a time."""
     from .conditioning import spectrum

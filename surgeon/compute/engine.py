@@ -299,7 +299,7 @@ class Engine:
 
 
 def inspect_blocks(
-    blocks: list[AttentionBlock],
+    blocks: Sequence[AttentionBlock],
     read: Callable[[str], torch.Tensor],
     device: torch.device,
     progress: Callable[[int], object] | None = None,

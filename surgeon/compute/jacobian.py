@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Callable, Mapping, Sequence
 
     import torch
     from torch import nn
@@ -226,7 +226,7 @@ def jacobian_report(
     return report
 
 
-def _self_attention(detected: list[AttentionBlock], report: JacobianReport) -> list[AttentionBlock]:
+def _self_attention(detected: Sequence[AttentionBlock], report: JacobianReport) -> list[AttentionBlock]:
     """The self-attention blocks the theorem is about; the report notes what else was skipped."""
     from ..detect.blocks import split_module
     from ..errors import OptionError

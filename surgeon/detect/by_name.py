@@ -92,7 +92,7 @@ def detect(
                 f"config.json leaves out facts of {view.model_type} blocks (save_pretrained writes only what differs "
                 f"from the defaults): read from transformers' defaults for {view.model_type}"
             )
-            return replace(again, notes=[filled_in, *again.notes])
+            return replace(again, notes=(filled_in, *again.notes))
     unknown, left_alone = unknown_attention(tensors, [owner(p[0]) for p in placed])
     unreadable += refused + unknown
     if not blocks:
@@ -108,11 +108,11 @@ def detect(
     depths = stack_depths([b.stack for b in blocks], tensors)
     notes = block_notes(blocks, view) + library_notes(blocks) + notes
     return Detection(
-        blocks,
-        notes,
+        tuple(blocks),
+        tuple(notes),
         depths=depths,
-        unreadable=unreadable,
-        left_alone=linear_notes(linear) + left_alone + projectionless(tensors),
+        unreadable=tuple(unreadable),
+        left_alone=(*linear_notes(linear), *left_alone, *projectionless(tensors)),
     )
 
 

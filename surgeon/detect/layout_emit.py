@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,9 @@ from .layout_file import MAX_LAYOUT_BYTES
 from .shapes import packing as part_packing
 
 
-def emit(tensors: Mapping[str, Any], config: dict | None, hints: Any, blocks: list[AttentionBlock]) -> dict[str, Any]:
+def emit(
+    tensors: Mapping[str, Any], config: dict | None, hints: Any, blocks: Sequence[AttentionBlock]
+) -> dict[str, Any]:
     """The layout of ``blocks`` (found by tensor names in ``tensors``) as a layout file's JSON object:
     each rule that matched with its packing and orientation as read, and the heads, key/value heads
     and head size per stack (one number where every stack agrees; left to the config where the

@@ -39,12 +39,12 @@ class GraphFacts:
 
 @dataclass(frozen=True)
 class Detection:
-    blocks: list[AttentionBlock]
-    notes: list[str] = field(default_factory=list)  # why candidates were rejected, for "nothing found"
+    blocks: tuple[AttentionBlock, ...]
+    notes: tuple[str, ...] = ()  # why candidates were rejected, for "nothing found"
     graph: GraphFacts | None = None  # routes that walk a graph (ONNX); None for those that read names
-    depths: dict[str, int] = field(default_factory=dict)  # stack -> its layers, with those without attention
-    unreadable: list[Unreadable] = field(default_factory=list)  # attention left alone; refused when selected
-    left_alone: list[str] = field(default_factory=list)  # what is not softmax attention, named in every report and card
+    depths: Mapping[str, int] = field(default_factory=dict)  # stack -> its layers, with those without attention
+    unreadable: tuple[Unreadable, ...] = ()  # attention left alone; refused when selected
+    left_alone: tuple[str, ...] = ()  # what is not softmax attention, named in every report and card
 
     def stacks(self) -> list[str]:
         seen: list[str] = []

@@ -23,11 +23,11 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Plan:
     options: ReinitOptions
-    blocks: list[AttentionBlock]  # everything detected
-    changes: list[Change] = field(default_factory=list)
+    blocks: tuple[AttentionBlock, ...]  # everything detected
+    changes: tuple[Change, ...] = ()
     # the tensors the mode writes besides Q/K/V (Mode.find_outputs): block module -> (W_O tensor, nn.Linear layout)
-    outputs: dict[str, tuple[str, bool]] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)  # what the selection skipped or reaches beyond its layers
+    outputs: Mapping[str, tuple[str, bool]] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()  # what the selection skipped or reaches beyond its layers
 
     @property
     def touched_blocks(self) -> list[AttentionBlock]:
@@ -88,17 +88,17 @@ def prepare_checkpoint(source: Source, detection: Detection, options: ReinitOpti
         depths=detection.depths,
         unreadable=detection.unreadable,
     )
-    return replace(plan, notes=[*detection.left_alone, *plan.notes])  # named in the report and the card too
+    return replace(plan, notes=(*detection.left_alone, *plan.notes))  # named in the report and the card too
 
 
 def prepare(
-    blocks: list[AttentionBlock],
+    blocks: Sequence[AttentionBlock],
     options: ReinitOptions,
     *,
     config: Any = None,
     shapes: dict[str, tuple[int, ...]] | None = None,
     whole_tensors: bool = True,
-    depths: dict[str, int] | None = None,
+    depths: Mapping[str, int] | None = None,
     unreadable: Sequence[Unreadable] = (),
 ) -> Plan:
     """The one planning step of every entry point (checkpoints, verify, models in memory, init hooks).
@@ -126,7 +126,7 @@ def _stack_matches(stack: str, wanted: list[str]) -> bool:
 
 
 def make_plan(
-    blocks: list[AttentionBlock],
+    blocks: Sequence[AttentionBlock],
     options: ReinitOptions,
     depths: Mapping[str, int] | None = None,
     unreadable: Sequence[Unreadable] = (),
@@ -183,11 +183,14 @@ def make_plan(
         raise SelectionError(
             f"the selection picks no projection: check {opt('layers')}, {opt('heads')}, {opt('targets')} and {opt('attention')}"
         )
-    return Plan(options=options, blocks=blocks, changes=changes, notes=notes)
+    return Plan(options=options, blocks=tuple(blocks), changes=tuple(changes), notes=tuple(notes))
 
 
 def _check_unreadable(
-    blocks: list[AttentionBlock], unreadable: Sequence[Unreadable], options: ReinitOptions, depths: Mapping[str, int]
+    blocks: Sequence[AttentionBlock],
+    unreadable: Sequence[Unreadable],
+    options: ReinitOptions,
+    depths: Mapping[str, int],
 ) -> list[str]:
     """Refuse a selection that includes attention surgeon cannot read; name the rest as left untouched."""
     kinds = parse_attention(options.attention)
@@ -222,7 +225,7 @@ _PICK_A_STACK = f" (pick a stack with {opt('stack')})"
 def _pick_layers(
     stack: str,
     members: list[AttentionBlock],
-    blocks: list[AttentionBlock],
+    blocks: Sequence[AttentionBlock],
     depths: Mapping[str, int],
     spec: IndexSpec,
     several: bool,
@@ -291,6 +294,6 @@ def _kv_heads(block: AttentionBlock, q_heads: list[int], role: str) -> list[int]
     return out
 
 
-def _kinds_present(blocks: list[AttentionBlock]) -> str:
+def _kinds_present(blocks: Sequence[AttentionBlock]) -> str:
     kinds = sorted({b.kind for b in blocks})
     return " and ".join(f"{k}-attention" for k in kinds)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,7 +108,7 @@ class Report:
     command: str  # "inspect" or "reinit"
     source: str
     format: str
-    blocks: list[AttentionBlock]
+    blocks: Sequence[AttentionBlock]
     rows: list[ProjectionRow] = field(default_factory=list)
     options: dict | None = None
     output: str | None = None
@@ -290,7 +291,7 @@ class Report:
         return table(["block", "proj", "heads", "head kappa min/med/max"], rows)
 
 
-def with_streams(blocks: list[AttentionBlock]) -> tuple[list[AttentionBlock], dict[str, list[AttentionBlock]]]:
+def with_streams(blocks: Sequence[AttentionBlock]) -> tuple[list[AttentionBlock], dict[str, list[AttentionBlock]]]:
     """The attention blocks as the model has them, and each one's second streams by its module: a joint
     block's context projections (module "<attention>:context") are a stream of that attention, not a block."""
     attention = [b for b in blocks if not split_module(b.module)[1]]
@@ -301,7 +302,7 @@ def with_streams(blocks: list[AttentionBlock]) -> tuple[list[AttentionBlock], di
     return attention, streams
 
 
-def block_dicts(blocks: list[AttentionBlock]) -> list[dict]:
+def block_dicts(blocks: Sequence[AttentionBlock]) -> list[dict]:
     """``--json``'s blocks: one entry per attention block, its second streams under "streams" by name."""
     attention, streams = with_streams(blocks)
     out = []

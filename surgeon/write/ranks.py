@@ -170,7 +170,7 @@ def reinit_ranks(
         return source, dest, detection, prepare_checkpoint(source, detection, opts)
 
     source, dest, detection, plan = group.step(prepare)  # a refusal on one rank stops them all
-    notes = source.notes + detection.notes[:5] + plan.notes
+    notes = [*source.notes, *detection.notes[:5], *plan.notes]
     if dry_run:
         notes += dry_run_notes(source, dest, overwrite=overwrite, push=None)
         return reinit_report(source, detection, plan, dest, planned_rows(source, plan), notes, device=str(device))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -81,7 +82,7 @@ class Mode:
         of ``change`` (its value projection); ``key``: the name the value projection's draws are keyed by."""
         raise NotImplementedError(f"{self.name} writes no output projections")
 
-    def summary(self, options: dict, blocks: list) -> str:
+    def summary(self, options: dict, blocks: Sequence) -> str:
         """The report's one-line description (``options``: as recorded)."""
         raise NotImplementedError
 
@@ -89,11 +90,11 @@ class Mode:
         """What the report's reader should know about the condition numbers this mode leaves ('' for nothing)."""
         return ""
 
-    def card_intro(self, options: dict, blocks: list) -> str:
+    def card_intro(self, options: dict, blocks: Sequence) -> str:
         """Completes "... re-initialized by surgeon X " in the model card: what was done to ``blocks``, in words."""
         raise NotImplementedError
 
-    def card_row(self, options: dict, blocks: list) -> str:
+    def card_row(self, options: dict, blocks: Sequence) -> str:
         """The "mode" row of the card's options table (``blocks``: the re-initialized ones)."""
         raise NotImplementedError
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .base import CONDITIONED_BIBTEX, CONDITIONED_PAPER, Mode
@@ -35,7 +36,7 @@ class Conditioned(Mode, name="conditioned", option="gain"):
             new = new * float(options.gain)
         return new
 
-    def summary(self, options: dict, blocks: list) -> str:
+    def summary(self, options: dict, blocks: Sequence) -> str:
         gain = f", q/k gain {options['gain']}" if options.get("gain") is not None else ""
         return f"conditioned, value identity {options.get('value_identity')}{gain}"
 
@@ -46,10 +47,10 @@ class Conditioned(Mode, name="conditioned", option="gain"):
             + ("; the block value identity is kappa 1 as a whole." if options.get("value_identity") == "block" else ".")
         )
 
-    def card_intro(self, options: dict, blocks: list) -> str:
+    def card_intro(self, options: dict, blocks: Sequence) -> str:
         return f"with conditioned initialization ({CONDITIONED_PAPER})"
 
-    def card_row(self, options: dict, blocks: list) -> str:
+    def card_row(self, options: dict, blocks: Sequence) -> str:
         gain = f"; q/k gain {options['gain']}" if options.get("gain") is not None else ""
         return (
             "conditioned: independent semi-orthogonal query and key per head, value = rectangular identity "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .base import Mode
@@ -47,17 +48,17 @@ class Mimetic(Mode, name="mimetic"):
             change.block, module_key(change.block, change.projection.weight.tensor, key), options, linear
         )
 
-    def summary(self, options: dict, blocks: list) -> str:
+    def summary(self, options: dict, blocks: Sequence) -> str:
         return (
             "mimetic (W_Q W_K^T ~ 0.7 Z + 0.7 I per head, W_V W_O ~ 0.4 Z - 0.4 I per layer; "
             "the output projections W_O are rewritten too)"
         )
 
-    def card_intro(self, options: dict, blocks: list) -> str:
+    def card_intro(self, options: dict, blocks: Sequence) -> str:
         return (
             "with mimetic initialization (Trockman & Kolter, ICML 2023: W_Q W_K^T ~ 0.7 Z + 0.7 I per head, "
             "W_V W_O ~ 0.4 Z - 0.4 I per layer), the output projections W_O included"
         )
 
-    def card_row(self, options: dict, blocks: list) -> str:
+    def card_row(self, options: dict, blocks: Sequence) -> str:
         return "mimetic: W_Q W_K^T ~ 0.7 Z + 0.7 I per head, W_V W_O ~ 0.4 Z - 0.4 I per layer (W_O rewritten)"

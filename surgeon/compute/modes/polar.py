@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .base import CONDITIONED_BIBTEX, CONDITIONED_PAPER, Mode
@@ -27,16 +28,16 @@ class Polar(Mode, name="polar", option="strength"):
         assert job.old is not None  # not fresh: the engine passes the old values
         return polar(job.old, job.options.effective_strength)
 
-    def summary(self, options: dict, blocks: list) -> str:
+    def summary(self, options: dict, blocks: Sequence) -> str:
         return f"polar, strength {options.get('strength')}"
 
-    def card_intro(self, options: dict, blocks: list) -> str:
+    def card_intro(self, options: dict, blocks: Sequence) -> str:
         return (
             f"by polar conditioning of the existing weights (strength {options.get('strength')}): each head keeps its "
             f"singular vectors and its singular values move toward 1, the condition of {CONDITIONED_PAPER}"
         )
 
-    def card_row(self, options: dict, blocks: list) -> str:
+    def card_row(self, options: dict, blocks: Sequence) -> str:
         return (
             f"polar, strength {options.get('strength')}: each head's singular values sigma -> sigma^(1 - strength), "
             "singular vectors kept"

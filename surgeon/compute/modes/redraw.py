@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -28,20 +29,20 @@ class Redraw(Mode, name="redraw", option="std"):
 
         return options if options.std is not None else replace(options, std=config_std(config)[0])
 
-    def summary(self, options: dict, blocks: list) -> str:
+    def summary(self, options: dict, blocks: Sequence) -> str:
         return f"redraw, {_draws(options, blocks)}"
 
-    def card_intro(self, options: dict, blocks: list) -> str:
+    def card_intro(self, options: dict, blocks: Sequence) -> str:
         return (
             f"with a fresh draw of the family's own default initialization ({_draws(options, blocks)}). "
             "This is the control of a comparison, not conditioned initialization"
         )
 
-    def card_row(self, options: dict, blocks: list) -> str:
+    def card_row(self, options: dict, blocks: Sequence) -> str:
         return f"redraw: the family's default init drawn again, {_draws(options, blocks)}"
 
 
-def _draws(options: dict, blocks: list) -> str:
+def _draws(options: dict, blocks: Sequence) -> str:
     """The draws the blocks get, in words: normal(0, std), and xavier_uniform only where nn.MultiheadAttention
     tensors are among them (that is its own default init)."""
     from ..baselines import is_xavier

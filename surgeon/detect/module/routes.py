@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -21,17 +22,28 @@ from .decode import kept_norms_note, placed, prefixed, probe_blocks, under
 from .probe import NORMS
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModuleDetection:
     """Attention blocks of a module, with the parameters their tensor names refer to."""
 
-    blocks: list[AttentionBlock]
-    params: dict[str, nn.Parameter]  # tensor name used in blocks -> the parameter
+    blocks: tuple[AttentionBlock, ...]
+    params: Mapping[str, nn.Parameter]  # tensor name used in blocks -> the parameter
     # tensor, or (tensor, role) for a fused tensor saved split per role -> checkpoint name (the draws' key)
+    seed_names: Mapping[str | tuple[str, str], str] = field(default_factory=dict)
+    routes: Mapping[str, str] = field(default_factory=dict)  # block module -> "names", "class" or "forward"
+    notes: tuple[str, ...] = ()
+    depths: Mapping[str, int] = field(default_factory=dict)  # stack -> its layers, with those without attention
+
+
+@dataclass
+class _Found:
+    """What detect_module gathers, route by route, before it hands on one frozen ModuleDetection."""
+
+    blocks: list[AttentionBlock] = field(default_factory=list)
     seed_names: dict[str | tuple[str, str], str] = field(default_factory=dict)
-    routes: dict[str, str] = field(default_factory=dict)  # block module -> "names", "class" or "forward"
+    routes: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    depths: dict[str, int] = field(default_factory=dict)  # stack -> its layers, with those without attention
+    depths: dict[str, int] = field(default_factory=dict)
 
 
 def detect_module(module: nn.Module, *, hints: Hints | None = None, example_inputs: Any = None) -> ModuleDetection:
@@ -40,7 +52,7 @@ def detect_module(module: nn.Module, *, hints: Hints | None = None, example_inpu
         raise TypeError(f"expected a torch.nn.Module, not {type(module).__name__}")
     hints = hints or Hints()
     params = dict(module.named_parameters())
-    found = ModuleDetection([], params)
+    found = _Found()
     handled: list[str] = []  # module paths whose subtree is settled
     for prefix, hf, config in _configured_models(module):
         handled.append(prefix)
@@ -93,12 +105,12 @@ def detect_module(module: nn.Module, *, hints: Hints | None = None, example_inpu
         found.depths.update(stack_depths([b.stack for b in own], [n for n, _ in module.named_modules()]))
     if not found.blocks:
         raise NoAttentionFoundError(_nothing(module))
-    return found
+    return ModuleDetection(
+        tuple(found.blocks), params, found.seed_names, found.routes, tuple(found.notes), found.depths
+    )
 
 
-def _add(
-    found: ModuleDetection, blocks: list[AttentionBlock], route: str | None, routes: dict[str, str] | None = None
-) -> None:
+def _add(found: _Found, blocks: list[AttentionBlock], route: str | None, routes: dict[str, str] | None = None) -> None:
     found.blocks += blocks
     for b in blocks:
         found.routes[b.module] = route or (routes or {}).get(b.module, "forward")
@@ -125,7 +137,7 @@ def _named_blocks(module: nn.Module, handled: list[str], hints: Hints, notes: li
         "names and the heads passed; each rank writes the rows of the global tensors it holds"
     )
     notes += detection.notes[:5]
-    return detection.blocks
+    return list(detection.blocks)
 
 
 def _saved_split(blocks: list[AttentionBlock]) -> dict[str | tuple[str, str], str]:

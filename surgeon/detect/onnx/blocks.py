@@ -67,7 +67,7 @@ def find_attention(
             users[(module, role)] = {"weight": frozenset(p.weight_nodes), "bias": frozenset(p.bias_nodes)}
             for m in p.weight_nodes | p.bias_nodes:
                 owners.setdefault(m, (block.label, role))
-    return Detection(blocks, notes, GraphFacts(graph, users, owners), depths=_depths(graph, blocks))
+    return Detection(tuple(blocks), tuple(notes), GraphFacts(graph, users, owners), depths=_depths(graph, blocks))
 
 
 def _depths(graph: Graph, blocks: list[AttentionBlock]) -> dict[str, int]:
