@@ -20,6 +20,10 @@ from typing import TYPE_CHECKING, Any
 from transformers import TrainerCallback
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
     from ..options import ReinitOptions
     from ..report.report import Report
 
@@ -60,7 +64,15 @@ class ReinitCallback(TrainerCallback):
         self.options = {"options": options, **keywords}
         self.report: Report | None = None
 
-    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        **kwargs: Any,
+    ) -> None:
         if state.global_step > 0:
             logger.info("surgeon: resumed at step %d, weights left as loaded (no re-initialization)", state.global_step)
             return
@@ -70,6 +82,10 @@ class ReinitCallback(TrainerCallback):
             raise OptionError(
                 "ReinitCallback: the optimizer already holds state for these weights; re-initialize before the first step"
             )
+        if model is None:  # the Trainer passes its model; a caller that does not gets a reason, not a TypeError
+            from ..errors import OptionError
+
+            raise OptionError("ReinitCallback: on_train_begin was called without the model to re-initialize")
         from ..in_memory import reinit_
 
         self.report = reinit_(model, **self.options)

@@ -210,3 +210,15 @@ def test_callback_with_an_options_object_reinitializes_as_reinit_does(tmp_path):
     expected = expected_state(layers="0", seed=3, targets="q")
     assert all(torch.equal(p, expected[n]) for n, p in model.named_parameters())
     assert callback.report is not None and callback.report.options["targets"] == ["q"]
+
+
+def test_callback_called_without_a_model_says_so(tmp_path):
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from surgeon.integrations.transformers import ReinitCallback
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    callback = ReinitCallback(layers="0")
+    with pytest.raises(OptionError, match="without the model"):
+        callback.on_train_begin(args, TrainerState(), TrainerControl())
+    assert callback.report is None
