@@ -1,50 +1,100 @@
-"""Real kill -9 of a surgeon process, timed by what it is seen doing on disk.
+"""Real signals to real surgeon processes, sequenced by what the child says, never by which process is faster.
 
-A calibration run, watched from outside, says when writing starts and ends on this machine; the kills
-are then set inside that window, relative to the moment writing is seen to start, so that a slow start
-(a busy machine, a cold import) does not move them out of it.
+Two tools:
+
+- ``Interruptible``: a child script that calls ``paused(label)`` at the point to be interrupted. ``paused``
+  writes the label on a pipe the test holds and then waits there, without a time limit the test relies on,
+  until the test's signal ends the wait (SIGINT raises KeyboardInterrupt, SIGKILL ends the process). The test
+  blocks on that pipe, so the signal always lands at that point, however busy the machine is.
+- ``kill_at``: ``python -m surgeon ARGS`` SIGKILLed from outside at a wall-clock time. Where such a kill lands
+  depends on the machine, so a test may assert only what holds wherever it lands (the input is as it was, the
+  output absent or complete); a kill at a known point is ``Interruptible``'s job.
 """
 
 from __future__ import annotations
 
+import os
+import select
 import signal
 import subprocess
 import sys
+import tempfile
+import textwrap
 import time
-from collections.abc import Callable
 
-Probe = Callable[[dict], bool]
+# Prepended to an ``Interruptible`` script. The wait is a loop of short sleeps: Python runs a signal's handler
+# (KeyboardInterrupt) in the main thread between two of them, whichever thread the kernel gave the signal to.
+# Past the hang guard it returns, so a stand-in built on it still does what it replaces.
+PAUSE = textwrap.dedent(
+    """
+    import os as _os, time as _time
+
+    def paused(label):
+        _os.write(int(_os.environ["SURGEON_TEST_PAUSE_FD"]), label.encode() + b"\\n")
+        guard = _time.monotonic() + 600
+        while _time.monotonic() < guard:
+            _time.sleep(0.01)
+    """
+)
+
+HANG_GUARD = 600  # seconds: only against a hang, far beyond any run on a busy machine
 
 
-def watch(
-    args: list[str],
-    probes: dict[str, Probe],
-    *,
-    kill_at: float | None = None,
-    kill_after: tuple[str, float] | None = None,
-) -> dict:
-    """Run ``python -m surgeon ARGS`` in a child process and poll ``probes`` (in order, each given the times
-    seen so far) until it exits; the time (seconds from the start) each probe is first true is recorded
-    under its name (None: never seen). SIGKILLed ``kill_at`` seconds after the start, or, with
-    ``kill_after=(name, s)``, ``s`` seconds after probe ``name`` was first seen. ``killed``: whether the
-    kill came before the child exited on its own."""
+class Interruptible:
+    """``python -c PAUSE+SCRIPT ARGS`` in a child process; ``wait_for(label)`` blocks until the child calls
+    ``paused(label)``, then ``send(sig)`` signals it there; ``finish()`` waits for the exit."""
+
+    def __init__(self, script: str, *args: object) -> None:
+        read, write = os.pipe()
+        self._out, self._err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+        env = dict(os.environ, SURGEON_TEST_PAUSE_FD=str(write), HF_HUB_OFFLINE="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", PAUSE + textwrap.dedent(script), *map(str, args)],
+            stdout=self._out,
+            stderr=self._err,
+            pass_fds=(write,),
+            env=env,
+        )
+        os.close(write)  # the child's copy alone: its exit closes the pipe, so a read never waits on a dead child
+        self._pipe = os.fdopen(read, "rb")
+
+    def wait_for(self, label: str) -> None:
+        ready, _, _ = select.select([self._pipe], [], [], HANG_GUARD)
+        line = self._pipe.readline().decode().strip() if ready else "(no answer: hang guard)"
+        if line != label:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"the child never reached {label!r} (it said {line!r}): {self._text(self._err)}")
+
+    def send(self, sig: signal.Signals) -> None:
+        self.proc.send_signal(sig)
+
+    def finish(self) -> subprocess.CompletedProcess:
+        code = self.proc.wait(timeout=HANG_GUARD)
+        self._pipe.close()
+        return subprocess.CompletedProcess(self.proc.args, code, self._text(self._out), self._text(self._err))
+
+    @staticmethod
+    def _text(f) -> str:
+        f.seek(0)
+        return f.read().decode(errors="replace")
+
+
+def duration(args: list[str]) -> float:
+    """How long ``python -m surgeon ARGS`` takes here, start to exit (it must succeed)."""
     start = time.monotonic()
+    subprocess.run([sys.executable, "-m", "surgeon", *args], check=True, capture_output=True, timeout=HANG_GUARD)
+    return time.monotonic() - start
+
+
+def kill_at(args: list[str], at: float) -> bool:
+    """``python -m surgeon ARGS``, SIGKILLed ``at`` seconds after its start; whether the kill came before it
+    exited on its own."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "surgeon", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
-    seen: dict = dict.fromkeys(probes) | {"killed": False}
-    while proc.poll() is None:
-        now = time.monotonic() - start
-        for name, probe in probes.items():
-            if seen[name] is None and probe(seen):
-                seen[name] = now
-        due = kill_at
-        if kill_after is not None and seen[kill_after[0]] is not None:
-            due = seen[kill_after[0]] + kill_after[1]
-        if due is not None and now >= due:
-            proc.send_signal(signal.SIGKILL)
-            seen["killed"] = proc.wait() == -signal.SIGKILL
-            break
-        time.sleep(0.0005)
-    proc.wait(timeout=600)  # a hang guard only
-    return seen
+    try:
+        proc.wait(timeout=at)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGKILL)
+    return proc.wait(timeout=HANG_GUARD) == -signal.SIGKILL

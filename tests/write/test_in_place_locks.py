@@ -24,6 +24,7 @@ from surgeon.write.journal_file import SUFFIX, journal_path
 from helpers.cli import expect_cli_error
 from helpers.digests import sha256, tree_digest
 from helpers.journals import kill_half_way, tensor_range
+from helpers.kill import Interruptible
 from helpers.tiny import tiny_llama
 
 Q0 = "model.layers.0.self_attn.q_proj.weight"
@@ -261,42 +262,45 @@ def test_disk_full_while_journaling_leaves_no_temporary_journal(llama_dir):
     assert sorted(p.name for p in llama_dir.iterdir() if p.name.startswith(".")) == []  # no journal, no .tmp
 
 
-# The first Ctrl-C after one tensor is patched; with "twice", a second one as the rollback starts.
-CTRL_C = textwrap.dedent(
-    """
-    import os, signal, sys, time
-    import surgeon.write.journal as journal
-    real_patch, real_restore, times = journal.patch, journal.jf.restore, sys.argv[1]
+# Ctrl-C (from the test) after one tensor is patched; with "twice", a second one as the rollback starts.
+CTRL_C = """
+import sys
+import surgeon.write.journal as journal
+real_patch, real_restore, times, state = journal.patch, journal.jf.restore, sys.argv[1], {}
 
-    def patch(header, path, start, updates):
-        real_patch(header, path, start, [next(iter(updates))])
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(30)
+def patch(header, path, start, updates):
+    if state:
+        return real_patch(header, path, start, updates)
+    items = iter(updates)
+    done = real_patch(header, path, start, [next(items)])
+    state["patching"] = True
+    paused("patching")
+    return done + real_patch(header, path, start, items)
 
-    def restore(*args):
-        if times == "twice":
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(30)
-        return real_restore(*args)
+def restore(*args):
+    if times == "twice" and "restoring" not in state:
+        state["restoring"] = True
+        paused("restoring")
+    return real_restore(*args)
 
-    journal.patch, journal.jf.restore = patch, restore
-    from surgeon.cli.commands import main
-    sys.argv = ["surgeon", *sys.argv[2:]]
-    main()
-    """
-)
+journal.patch, journal.jf.restore = patch, restore
+from surgeon.cli.commands import main
+sys.argv = ["surgeon", *sys.argv[2:]]
+main()
+"""
 
 
 @pytest.mark.parametrize("times", ["once", "twice"])
 def test_ctrl_c_while_patching_says_what_is_true(llama_dir, cli, times):
     src = llama_dir / "model.safetensors"
     original = sha256(src)
-    run = subprocess.run(
-        [sys.executable, "-c", CTRL_C, times, "reinit", str(src), "--in-place", "--layers", "all"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    child = Interruptible(CTRL_C, times, "reinit", src, "--in-place", "--layers", "all")
+    child.wait_for("patching")
+    child.send(signal.SIGINT)
+    if times == "twice":
+        child.wait_for("restoring")
+        child.send(signal.SIGINT)
+    run = child.finish()
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 130 and len(lines) == 1, run.stderr
     if times == "once":  # rolled back at once: the input is as it was
@@ -438,24 +442,24 @@ KILL_AFTER_ALL = textwrap.dedent(
     """
 )
 
-# `surgeon recover ARGS` with a Ctrl-C right after the first tensor is written back.
-CTRL_C_IN_RECOVER = textwrap.dedent(
-    """
-    import os, signal, sys, time
-    import surgeon.write.journal_file as jf
-    real = jf.restore
+# `surgeon recover ARGS` with a Ctrl-C (from the test) right after the first tensor is written back.
+CTRL_C_IN_RECOVER = """
+import sys
+import surgeon.write.journal_file as jf
+real, state = jf.restore, {}
 
-    def restore(*args):
-        real(*args)
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(30)
+def restore(*args):
+    done = real(*args)
+    if not state:
+        state["restored"] = True
+        paused("restored one")
+    return done
 
-    jf.restore = restore
-    from surgeon.cli.commands import main
-    sys.argv = ["surgeon", *sys.argv[1:]]
-    main()
-    """
-)
+jf.restore = restore
+from surgeon.cli.commands import main
+sys.argv = ["surgeon", *sys.argv[1:]]
+main()
+"""
 
 
 def test_ctrl_c_during_recover_says_what_was_restored(llama_dir, cli):
@@ -471,9 +475,10 @@ def test_ctrl_c_during_recover_says_what_was_restored(llama_dir, cli):
     changed = [n for n in tree_names(src) if _bytes_of(original, src, n) != _bytes_of(patched, src, n)]
     assert len(changed) == 9  # q, k and v of 3 layers
 
-    run = subprocess.run(
-        [sys.executable, "-c", CTRL_C_IN_RECOVER, "recover", str(src)], capture_output=True, text=True, timeout=300
-    )
+    child = Interruptible(CTRL_C_IN_RECOVER, "recover", src)
+    child.wait_for("restored one")
+    child.send(signal.SIGINT)
+    run = child.finish()
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 130 and len(lines) == 1, run.stderr
     now = src.read_bytes()
