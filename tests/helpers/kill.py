@@ -22,12 +22,14 @@ import tempfile
 import textwrap
 import time
 
-# Prepended to an ``Interruptible`` script. The wait is a loop of short sleeps: Python runs a signal's handler
-# (KeyboardInterrupt) in the main thread between two of them, whichever thread the kernel gave the signal to.
-# Past the hang guard it returns, so a stand-in built on it still does what it replaces.
+# Prepended to an ``Interruptible`` script. Ctrl-C raises KeyboardInterrupt as in a terminal, even where the test
+# runs in a background job (whose children inherit SIGINT ignored, and Python then leaves it ignored). The wait is
+# a loop of short sleeps: Python runs a signal's handler in the main thread between two of them, whichever thread
+# the kernel gave the signal to. Past the hang guard it returns, so a stand-in built on it does what it replaces.
 PAUSE = textwrap.dedent(
     """
-    import os as _os, time as _time
+    import os as _os, signal as _signal, time as _time
+    _signal.signal(_signal.SIGINT, _signal.default_int_handler)
 
     def paused(label):
         _os.write(int(_os.environ["SURGEON_TEST_PAUSE_FD"]), label.encode() + b"\\n")
