@@ -111,11 +111,17 @@ def main() -> int:
     expected = json.loads(EXPECTED.read_text())["verdicts"] if EXPECTED.is_file() else {}
     changed = [r for r in rows if expected.get(r["type"]) != expected_verdict(r["verdict"])]
     for r in changed:
-        print(f"changed  {r['type']:28s} {expected.get(r['type'])} -> {expected_verdict(r['verdict'])}")
+        was = expected.get(r["type"], "(new type)")
+        print(f"changed  {r['type']:28s} {was} -> {expected_verdict(r['verdict'])}")
+    if not args.types:
+        for gone in sorted(set(expected) - {r["type"] for r in rows}):
+            print(f"gone     {gone:28s} (no longer in transformers {expected.get(gone)})")
     if args.update:
         import transformers
 
-        new = dict(expected) | {r["type"]: expected_verdict(r["verdict"]) for r in rows}
+        # every type: exactly this transformers' types (a type it dropped goes); some: those rows replaced
+        new = {} if not args.types else dict(expected)
+        new |= {r["type"]: expected_verdict(r["verdict"]) for r in rows}
         EXPECTED.write_text(
             json.dumps({"transformers": transformers.__version__, "verdicts": dict(sorted(new.items()))}, indent=1)
             + "\n"

@@ -9,7 +9,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-if [ $# -ge 1 ]; then VENVS=$1; shift; mkdir -p "$VENVS"; else VENVS=$(mktemp -d /tmp/surgeon-frameworks.XXXXXX); trap 'rm -rf "$VENVS"' EXIT; fi
+if [ "${1:-}" = "--requirements" ]; then REQUIREMENTS_ONLY=$2; else REQUIREMENTS_ONLY=; fi
+if [ -n "$REQUIREMENTS_ONLY" ]; then :
+elif [ $# -ge 1 ]; then VENVS=$1; shift; mkdir -p "$VENVS"; else VENVS=$(mktemp -d /tmp/surgeon-frameworks.XXXXXX); trap 'rm -rf "$VENVS"' EXIT; fi
 NAMES=("$@")
 [ ${#NAMES[@]} -eq 0 ] && NAMES=(litgpt olmo titan megatron)
 unset PYTHONPATH
@@ -26,16 +28,21 @@ requirements() {  # the framework and what it needs beside CPU torch (DEVELOPERS
         *) echo "unknown framework $1 (litgpt, olmo, titan, megatron)" >&2; exit 2 ;;
     esac
 }
+if [ -n "$REQUIREMENTS_ONLY" ]; then requirements "$REQUIREMENTS_ONLY"; exit 0; fi
 
 for name in "${NAMES[@]}"; do
     reqs=$(requirements "$name")
     venv="$VENVS/$name"
     step "$name: $reqs attention-surgeon"
     [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-    "$venv/bin/pip" install --quiet torch==2.13.0
+    lock=(-c "$ROOT/constraints/framework-$name.txt")
+    [ -n "${SURGEON_LOCK_WRITE:-}" ] && lock=()
+    "$venv/bin/pip" install --quiet torch==2.13.0 "${lock[@]}"
     # shellcheck disable=SC2086  # the requirements are words
-    "$venv/bin/pip" install --quiet $reqs -e "$ROOT" "pytest>=8"
+    "$venv/bin/pip" install --quiet $reqs -e "$ROOT" "pytest>=8" "${lock[@]}"
     "$venv/bin/pip" check
+    [ -n "${SURGEON_LOCK_WRITE:-}" ] && continue
+    "$venv/bin/python" "$ROOT/scripts/check_lock.py" "$ROOT/constraints/framework-$name.txt"
     "$venv/bin/python" -c "import importlib.metadata as m; print('resolved:', *(f'{d}=={m.version(d)}' for d in ('torch', 'huggingface-hub', 'attention-surgeon')))"
     (cd "$ROOT" && SURGEON_FRAMEWORK=$name HF_HUB_OFFLINE=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider -W ignore "${TESTS[@]}")
 done

