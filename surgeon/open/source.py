@@ -14,6 +14,7 @@ from ..errors import CheckpointError
 from .bounded import read_json, read_yaml
 from .folder import file_in, walk
 from .formats.base import WeightSet
+from .formats.stacked import check_layer_count
 from .formats.registry import (
     ALONE_SUFFIXES,
     EXPORT_DIRS,
@@ -98,7 +99,19 @@ def open_source(path: str | Path, *, config: str | Path | None = None, recover: 
         source.notes.append(f"head counts from the model arguments saved in {source.primary.embedded_config_file}")
     source.notes[:0] = recovered
     source.notes += [note for w in source.weights for note in w.notes]
+    for weights in source.weights:  # stacked layers: as many as the config says the model has
+        check_layer_count(getattr(weights, "slices", {}), layer_counts(source.config), source.path)
     return source
+
+
+LAYER_COUNT_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
+
+
+def layer_counts(config: dict | None) -> dict[str, int]:
+    """The layer counts a config gives (config.json's, or Megatron's arguments), by field."""
+    return {
+        k: v for k in LAYER_COUNT_KEYS if isinstance(v := (config or {}).get(k), int) and not isinstance(v, bool)
+    }
 
 
 def _config_beside(source: Source) -> Path | None:
