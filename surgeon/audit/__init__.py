@@ -127,6 +127,7 @@ def verify(
         CheckpointError: It cannot verify: no record, a malformed one, or one of another surgeon version
             whose values differ.
     """
+    from ..open.bounded import refuse_special
     from ..open.hub import open_model
     from ..open.source import open_source
 
@@ -134,8 +135,7 @@ def verify(
     out_path = Path(output)
     if not out_path.exists():
         raise CheckpointError(f"no such file or folder {output}: give the output of surgeon reinit as OUTPUT")
-    if not out_path.is_dir() and not out_path.is_file():  # a FIFO or a device would hang the readers
-        raise CheckpointError(f"{output} is not a regular file or folder: give the output of surgeon reinit as OUTPUT")
+    refuse_special(out_path, what="OUTPUT")  # a FIFO or a device would hang the readers
     out = open_source(out_path, config=config)
     with hold(src, exclusive=False), hold(out, exclusive=False):  # never while an in-place run patches either
         return _verify_opened(src, out, Hints.build(hints, **hint_keywords), device, original, output)

@@ -25,7 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import LayoutError, OptionError, opt
+from ..errors import CheckpointError, LayoutError, OptionError
+from ..open.bounded import read_bytes
 from .blocks import PACKINGS
 from .families import Part, Rule
 
@@ -69,13 +70,10 @@ class Layout:
 def read_layout(path: str | os.PathLike[str]) -> Layout:
     """Read and check a layout file; a one-line OptionError naming the field at fault otherwise."""
     where = f"layout file {path}"
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_LAYOUT_BYTES + 1)
-    except OSError as e:
-        raise OptionError(f"cannot read {opt('layout', path)}: {e.strerror or e}") from None
-    if len(raw) > MAX_LAYOUT_BYTES:
-        raise OptionError(f"{where} is over {MAX_LAYOUT_BYTES} bytes: a layout file holds a few rules")
+    try:  # the shared opener: a FIFO or a device is refused without blocking, the size before a byte is read
+        raw = read_bytes(path, what="layout file", limit=MAX_LAYOUT_BYTES)
+    except CheckpointError as e:
+        raise OptionError(e.message) from None
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:

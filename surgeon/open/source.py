@@ -11,7 +11,7 @@ from typing import NoReturn
 from ..detect.config import framework_config
 from ..detect.config_keys import FRAMEWORK_CONFIGS, FrameworkConfig
 from ..errors import CheckpointError
-from .bounded import read_json, read_yaml
+from .bounded import read_json, read_yaml, refuse_special
 from .folder import file_in, walk
 from .formats.base import WeightSet
 from .formats.stacked import check_layer_count
@@ -74,6 +74,7 @@ def open_source(path: str | Path, *, config: str | Path | None = None, recover: 
     from ..write.recovery import refuse_journals
 
     path = Path(path)
+    refuse_special(path, what="model")
     if not path.is_dir() and not path.is_file():
         raise CheckpointError(f"no such file or folder: {path}")
     recovered = roll_back(path, own=True) if recover else []
