@@ -129,10 +129,10 @@ def parse_hint(name: str, value: object) -> HintValue:
     if isinstance(value, str):
         text = value.strip()
         if "=" not in text:
-            value = int(text) if text.isdigit() else text
+            value = int(text) if text.isascii() and text.isdigit() else text
         else:
             pairs = [item.partition("=") for item in text.split(",") if item.strip()]
-            if any(not k.strip() or not v.strip().isdigit() for k, _, v in pairs):
+            if any(not k.strip() or not (v.strip().isascii() and v.strip().isdigit()) for k, _, v in pairs):
                 raise OptionError(
                     f"cannot read {opt(name, text)}: give one count (16) or one per stack (encoder=16,decoder=4)"
                 )
