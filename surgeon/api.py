@@ -273,7 +273,6 @@ _PUSH_KEYWORDS = {  # a push setting given as a keyword of reinit_checkpoint -> 
     "push_to_hub": "repo_id",
     "private": "private",
     "push_branch": "branch",
-    "push_revision": "branch",
     "create_pr": "create_pr",
     "commit_message": "commit_message",
     "token": "token",

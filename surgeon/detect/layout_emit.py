@@ -84,7 +84,9 @@ def _rule_json(rule: Rule) -> dict[str, Any]:
 def write_layout(data: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """Write a layout file atomically (a temporary file beside it, then renamed)."""
     target = Path(path)
-    refuse_special(target, what=opt("emit_layout"), error=OutputError)  # a FIFO would block the check below, a device take the file
+    refuse_special(
+        target, what=opt("emit_layout"), error=OutputError
+    )  # a FIFO would block the check below, a device take the file
     if target.is_dir():
         raise OutputError(f"{opt('emit_layout', path)} is a folder; give a file name such as layout.json")
     if not target.parent.is_dir():

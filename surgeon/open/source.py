@@ -14,7 +14,6 @@ from ..errors import CheckpointError
 from .bounded import read_json, read_yaml, refuse_special
 from .folder import file_in, walk
 from .formats.base import WeightSet
-from .formats.stacked import check_layer_count
 from .formats.registry import (
     ALONE_SUFFIXES,
     EXPORT_DIRS,
@@ -26,6 +25,7 @@ from .formats.registry import (
     format_of,
     pick_dcp,
 )
+from .formats.stacked import check_layer_count
 
 SKIP_DIRS = {".git", ".cache"}
 OPEN_CLIP_CONFIG = "open_clip_config.json"
@@ -110,9 +110,7 @@ LAYER_COUNT_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
 
 def layer_counts(config: dict | None) -> dict[str, int]:
     """The layer counts a config gives (config.json's, or Megatron's arguments), by field."""
-    return {
-        k: v for k in LAYER_COUNT_KEYS if isinstance(v := (config or {}).get(k), int) and not isinstance(v, bool)
-    }
+    return {k: v for k in LAYER_COUNT_KEYS if isinstance(v := (config or {}).get(k), int) and not isinstance(v, bool)}
 
 
 def _config_beside(source: Source) -> Path | None:

@@ -326,9 +326,7 @@ def test_a_data_file_spelled_two_ways_is_one_file(tmp_path, cli, one_thread):
     (target,) = [i for i in dcp_helpers.metadata(shared).storage_data.items() if i[0].fqn == other]
 
     def point_q_at_o(md):
-        dcp_helpers.move_chunk(
-            md, Q.format(0), relative_path="./" + target[1].relative_path, offset=target[1].offset
-        )
+        dcp_helpers.move_chunk(md, Q.format(0), relative_path="./" + target[1].relative_path, offset=target[1].offset)
 
     dcp_helpers.rewrite_metadata(shared, point_q_at_o)
     expect_cli_error(cli, tmp_path, "reinit", shared, "-o", tmp_path / "o", match="share bytes of __0_0.distcp")

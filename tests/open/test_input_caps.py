@@ -126,7 +126,10 @@ def test_an_oversized_index_is_refused_before_it_is_read(cli, tmp_path):
     "args, said",
     [
         (("inspect", "{model}", "--config", "{fifo}"), "cannot read config {fifo}: it is a FIFO, not a regular file"),
-        (("inspect", "{model}", "--layout", "{fifo}"), "cannot read layout file {fifo}: it is a FIFO, not a regular file"),
+        (
+            ("inspect", "{model}", "--layout", "{fifo}"),
+            "cannot read layout file {fifo}: it is a FIFO, not a regular file",
+        ),
         (("inspect", "{model}", "--emit-layout", "{fifo}"), "--emit-layout {fifo} is a FIFO"),
         (("inspect", "{model}", "--jacobian", "--inputs", "{fifo}"), "cannot read inputs {fifo}: it is a FIFO"),
         (("inspect", "{fifo}"), "model {fifo} is a FIFO"),
