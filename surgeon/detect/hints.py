@@ -106,6 +106,13 @@ class Hints:
                     raise LayoutError(
                         f"{opt(name, _spelled(value))} names {key!r}, which is no stack of this model: its stacks are {shown}"
                     )
+            for stack in stacks if isinstance(value, dict) else ():  # one key per stack, never a silent choice
+                keys = [k for k in value if k == stack or any(_names(k, w) for w in stack.split("."))]
+                if len(keys) > 1:
+                    raise LayoutError(
+                        f"{opt(name, _spelled(value))} names the stack {stack} twice ({keys[0]!r} and {keys[1]!r}): "
+                        "give one count per stack"
+                    )
 
     def spelled(self, name: str) -> str | None:
         """The hint as a command line writes it (``16``, ``encoder=16,decoder=4``), or None."""

@@ -19,6 +19,7 @@ checkpoint's detection found in the same form, so that the file fed back gives t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -50,6 +51,11 @@ class Layout:
     kv_heads: Count = None
     head_dim: Count = None
     path: str = ""  # where it was read, for messages and the model card
+    sha256: str = ""  # of the file's bytes: the record keeps it, so verify uses the same layout
+
+    def recorded(self) -> dict[str, str]:
+        """What the record keeps of this layout: the file's name (not its folder) and the digest of its bytes."""
+        return {"file": os.path.basename(self.path), "sha256": self.sha256}
 
     def counts(self, config: Mapping[str, Any] | None) -> dict[str, int | dict[str, int]]:
         """The hint each number gives (``num_heads`` -> 4), a config field's read from ``config``."""
@@ -88,6 +94,7 @@ def read_layout(path: str | os.PathLike[str]) -> Layout:
         kv_heads=_count(data.get("kv_heads"), f"{where}: kv_heads"),
         head_dim=_count(data.get("head_dim"), f"{where}: head_dim"),
         path=str(path),
+        sha256=hashlib.sha256(raw).hexdigest(),
     )
 
 
@@ -127,6 +134,13 @@ def _rule(data: object, where: str, index: int) -> Rule:
     if not isinstance(parts, list) or not parts:
         raise OptionError(f"{where}.parts must be a non-empty list of parts")
     read = tuple(_part(p, f"{where}.parts[{i}]") for i, p in enumerate(parts))
+    for i, part in enumerate(read):  # one tensor, one role: a tensor named twice would be two roles' rows
+        for j, other in enumerate(read[:i]):
+            if part.weight in (other.weight, other.bias):  # a bias shared by parts is one packed bias_packing
+                raise OptionError(
+                    f"{where}.parts[{j}] and parts[{i}] both name {part.weight}: each part's weight is its own "
+                    "tensor (a packed tensor is one part whose packing holds its roles, e.g. qkv)"
+                )
     requires = data.get("requires", [])
     if not isinstance(requires, list):
         raise OptionError(f"{where}.requires must be a list of tensor names")
