@@ -77,7 +77,7 @@ def read_layout(path: str | os.PathLike[str]) -> Layout:
     """Read and check a layout file; a one-line OptionError naming the field at fault otherwise."""
     where = f"layout file {path}"
     try:  # the shared opener: a FIFO or a device is refused without blocking, the size before a byte is read
-        raw = read_bytes(path, what="layout file", limit=MAX_LAYOUT_BYTES)
+        raw = read_bytes(os.fspath(path), what="layout file", limit=MAX_LAYOUT_BYTES)
     except CheckpointError as e:
         raise OptionError(e.message) from None
     try:

@@ -325,7 +325,8 @@ def _spans(entries: dict[str, TensorEntry | BytesEntry]) -> list[tuple[str, Span
 
 def _check_files(folder: Path, layout: Layout, path: Path) -> None:
     """Every data file is a regular file in the folder, and every byte range lies inside it, alone."""
-    sizes, seen = {}, {}
+    sizes: dict[str, int] = {}
+    seen: dict[tuple[int, int], str] = {}  # (device, inode) -> the first name of that file
     for rel in layout.files:
         found = file_in(folder, rel)  # a link out of the folder, a FIFO: refused here
         if found is None:
