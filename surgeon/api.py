@@ -39,7 +39,7 @@ def check_device(device: str | torch.device | None) -> None:
     kind, _, index = text.partition(":")
     if kind in ("meta", "mps", "xpu", "xla", "hpu", "mtia", "privateuseone"):
         raise OptionError(f"unsupported device {text!r}: use auto, cpu, cuda or cuda:N")
-    if kind not in ("auto", "cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
+    if kind not in ("auto", "cpu", "cuda") or (index and (kind != "cuda" or not (index.isascii() and index.isdigit()))):
         raise OptionError(f"unknown device {text!r}: use auto, cpu, cuda or cuda:N")
 
 
@@ -273,7 +273,6 @@ _PUSH_KEYWORDS = {  # a push setting given as a keyword of reinit_checkpoint -> 
     "push_to_hub": "repo_id",
     "private": "private",
     "push_branch": "branch",
-    "push_revision": "branch",
     "create_pr": "create_pr",
     "commit_message": "commit_message",
     "token": "token",

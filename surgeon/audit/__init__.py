@@ -33,7 +33,7 @@ from .._version import __version__
 from ..compute.modes import get_mode
 from ..detect.blocks import split_module
 from ..detect.hints import HintInput, Hints
-from ..errors import CheckpointError, DerivedMismatch, SurgeonError, VerificationError
+from ..errors import CheckpointError, DerivedMismatch, SurgeonError, VerificationError, opt
 from ..open.formats.write_plan import WritePlan
 from ..report.card import card_comment
 from ..report.shown import shown
@@ -127,6 +127,7 @@ def verify(
         CheckpointError: It cannot verify: no record, a malformed one, or one of another surgeon version
             whose values differ.
     """
+    from ..open.bounded import refuse_special
     from ..open.hub import open_model
     from ..open.source import open_source
 
@@ -134,8 +135,7 @@ def verify(
     out_path = Path(output)
     if not out_path.exists():
         raise CheckpointError(f"no such file or folder {output}: give the output of surgeon reinit as OUTPUT")
-    if not out_path.is_dir() and not out_path.is_file():  # a FIFO or a device would hang the readers
-        raise CheckpointError(f"{output} is not a regular file or folder: give the output of surgeon reinit as OUTPUT")
+    refuse_special(out_path, what="OUTPUT")  # a FIFO or a device would hang the readers
     out = open_source(out_path, config=config)
     with hold(src, exclusive=False), hold(out, exclusive=False):  # never while an in-place run patches either
         return _verify_opened(src, out, Hints.build(hints, **hint_keywords), device, original, output)
@@ -200,6 +200,22 @@ def _read_record(out: Source, output: str | Path) -> tuple[Record, list | None, 
     return parse_record(found[-1], f"{output} ({where})"), (found[:-1] if out.primary.record_slot else None), where
 
 
+def _same_layout(given: dict | None, used: dict | None, output: str | Path) -> None:
+    """The blocks are read with the layout file the run used (the record keeps its name and digest), or not at all:
+    another layout could name other tensors for the same roles, and re-derive them the same wrong way."""
+    if (given or {}).get("sha256") == (used or {}).get("sha256"):  # the same bytes, under any name
+        return
+    if used is None:
+        raise DerivedMismatch(f"{output} was made without a layout file: leave {opt('layout')} out")
+    said = f"layout file {used['file']} (sha256 {used['sha256'][:16]}...)"
+    if given is None:
+        raise DerivedMismatch(f"{output} was made with {said}: give that file with {opt('layout', used['file'])}")
+    raise DerivedMismatch(
+        f"{output} was made with {said}, and {opt('layout', given['file'])} is another layout "
+        f"(sha256 {given['sha256'][:16]}...): give the layout file the run used"
+    )
+
+
 def _check_weights(
     src: Source,
     out: Source,
@@ -222,6 +238,7 @@ def _check_weights(
         raise DerivedMismatch(
             f"{output}: its recorded options do not fit {original} ({exc}); is ORIGINAL the model it was made from?"
         ) from None
+    _same_layout(plan.record().get("layout"), record.raw.get("layout"), output)
     if plan.record()["blocks"] != record.blocks:
         raise DerivedMismatch(
             f"{output}: its record lists re-initialized blocks that the recorded options do not select in {original}; "

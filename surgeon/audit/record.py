@@ -114,7 +114,15 @@ def parse_record(value: Any, where: str) -> Record:
 
 # Records of surgeon 0.2.0 and older say this for every mode; since then each mode names its own method.
 LEGACY_METHOD = "conditioned-initialization"
-_TOP: dict[str, type] = {"tool": str, "version": str, "method": str, "options": dict, "blocks": list, "copies": dict}
+_TOP: dict[str, type] = {
+    "tool": str,
+    "version": str,
+    "method": str,
+    "options": dict,
+    "blocks": list,
+    "copies": dict,
+    "layout": dict,
+}
 _REQUIRED = ("tool", "version", "method", "options", "blocks")
 
 
@@ -140,6 +148,15 @@ def _parse(value: dict, version: str, where: str) -> Record:
     copies = value.get("copies", {})
     if not all(isinstance(k, str) and isinstance(v, str) and _text(k) and _text(v) for k, v in copies.items()):
         raise CheckpointError(f"{where}: the last surgeon record's copies are not initializer names")
+    layout = value.get("layout")
+    if layout is not None and not (
+        set(layout) == {"file", "sha256"}
+        and isinstance(layout["file"], str)
+        and _text(layout["file"])
+        and isinstance(layout["sha256"], str)
+        and re.fullmatch("[0-9a-f]{64}", layout["sha256"])
+    ):
+        raise CheckpointError(f"{where}: the last surgeon record's layout is not a layout file's name and sha256")
     return Record(value, version, options, blocks, dict(copies))
 
 

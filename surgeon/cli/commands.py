@@ -16,7 +16,6 @@ from .shell import (
     CONTEXT,
     OneLineErrors,
     _out,
-    branch_flag,
     cli_spelling,
     full_option,
     handle_errors,
@@ -250,7 +249,6 @@ The token comes from HF_TOKEN or `hf auth login`; HF_ENDPOINT selects another Hu
 @click.argument("repo_id", metavar="ORG/NAME")
 @click.option("--private", is_flag=True, help="Create the repo as private (an existing repo keeps its visibility).")
 @click.option("--branch", metavar="BRANCH", help="Commit to this branch, created from main if missing (default: main).")
-@click.option("--revision", metavar="BRANCH", hidden=True, help="The same as --branch.")
 @click.option("--create-pr", is_flag=True, help="Open a pull request against main instead of committing.")
 @click.option("--commit-message", help="The commit message (default: Upload FOLDER with surgeon VERSION).")
 @click.option("--dry-run", is_flag=True, help="Print the files that would be uploaded and send nothing.")
@@ -261,7 +259,6 @@ def push(
     repo_id: str,
     private: bool,
     branch: str | None,
-    revision: str | None,
     create_pr: bool,
     commit_message: str | None,
     dry_run: bool,
@@ -280,7 +277,7 @@ def push(
         folder,
         repo_id,
         private=private,
-        branch=branch_flag(branch, revision, new="branch", old="revision"),
+        branch=branch,
         create_pr=create_pr,
         commit_message=commit_message,
         progress=not as_json and sys.stderr.isatty(),

@@ -77,7 +77,6 @@ class _Hint(click.ParamType):
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         from ..detect.hints import parse_hint
-        from ..errors import OptionError
 
         try:
             return parse_hint(param.name if param else "num_heads", value)
@@ -210,23 +209,6 @@ def reinit_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return with_options
 
 
-def _warn(message: str) -> None:
-    from ..report.shown import one_line
-
-    click.echo(f"surgeon: warning: {one_line(message)}", err=True)
-
-
-def branch_flag(branch: str | None, revision: str | None, *, new: str, old: str) -> str | None:
-    """The branch to push to, from its flag ``--new`` or from ``--old``, which is read too, with a warning that
-    says to use ``--new`` (``--revision`` names the revision a model is read at in every other place)."""
-    if revision is None:
-        return branch
-    if branch is not None:
-        raise OptionError(f"--{new} and --{old} both name the branch to push to: give --{new} only")
-    _warn(f"use --{new} for the branch to push to; --revision names the revision a model is read at")
-    return revision
-
-
 def _debugging(args: list[str]) -> tuple[list[str], bool]:
     """``args`` without ``--debug`` (accepted anywhere before ``--``), and whether it or SURGEON_DEBUG asks for tracebacks."""
     end = args.index("--") if "--" in args else len(args)
@@ -302,7 +284,6 @@ def push_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         push_to_hub: str | None,
         private: bool,
         push_branch: str | None,
-        push_revision: str | None,
         create_pr: bool,
         commit_message: str | None,
         **kwargs: Any,
@@ -313,7 +294,7 @@ def push_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             push = PushTarget.build(
                 push_to_hub,
                 private=private,
-                branch=branch_flag(push_branch, push_revision, new="push-branch", old="push-revision"),
+                branch=push_branch,
                 create_pr=create_pr,
                 commit_message=commit_message,
             )
@@ -335,7 +316,6 @@ def push_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                 metavar="BRANCH",
                 help="With --push-to-hub: commit to this branch (created from main if missing).",
             ),
-            click.option("--push-revision", metavar="BRANCH", hidden=True, help="The same as --push-branch."),
             click.option(
                 "--create-pr",
                 is_flag=True,

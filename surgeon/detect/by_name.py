@@ -18,10 +18,19 @@ from .config import ConfigView, StackFacts, with_transformers_defaults
 from .families import MODULE_FACTS, RULES, SECOND_SETS, SHARED_BLOCKS, Part, Rule, projection_names
 from .hints import Hints
 from .latent import LATENT_RULE, latent_block, latent_modules
+from .layout_file import Layout
 from .libraries import companion_block, kv_map, library_notes, roles_by_position, with_separate_biases
 from .notes import block_notes, linear_notes, projectionless, unknown_attention
 from .placement import join, kind, place, stack_depths
-from .refusals import check_part, refuse_marker_names, refuse_mixed_widths, refuse_quantized, refused_layouts
+from .refusals import (
+    check_part,
+    refuse_marker_names,
+    refuse_mixed_widths,
+    refuse_quantized,
+    refuse_rules_on_one_module,
+    refuse_shared_rows,
+    refused_layouts,
+)
 from .result import Detection
 from .shapes import heads_from_head_dim, solve
 from .shapes import packing as part_packing
@@ -43,6 +52,7 @@ def detect(
     view = ConfigView(config, hints)
     refuse_quantized(tensors)
     matches = match_modules(tensors, hints.layout_rules + RULES)
+    refuse_rules_on_one_module(matches, hints.layout_rules, tensors)
     notes = _partial_matches(tensors, matches)
     latents = latent_modules(tensors)
     matches |= {m: LATENT_RULE for m in latents if m not in matches}
@@ -104,6 +114,7 @@ def detect(
             raise UnsupportedWeightsError(where + refused[0].why.partition(" uses ")[2])
         raise NoAttentionFoundError(_nothing_found(tensors, notes + [u.why for u in unknown], source))
     refuse_mixed_widths(blocks, view)
+    refuse_shared_rows(blocks)
     blocks = shared_blocks(blocks, view)
     depths = stack_depths([b.stack for b in blocks], tensors)
     notes = block_notes(blocks, view) + library_notes(blocks) + notes
@@ -113,6 +124,7 @@ def detect(
         depths=depths,
         unreadable=tuple(unreadable),
         left_alone=(*linear_notes(linear), *left_alone, *projectionless(tensors)),
+        layout=hints.layout.recorded() if isinstance(hints.layout, Layout) else None,
     )
 
 

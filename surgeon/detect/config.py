@@ -131,7 +131,9 @@ class ConfigView:
             table = scope.get(key)
             if isinstance(table, dict):
                 out += [
-                    v for k, v in table.items() if isinstance(v, dict) and str(k).strip().isdigit() and int(k) == layer
+                    v
+                    for k, v in table.items()
+                    if isinstance(v, dict) and str(k).strip().isascii() and str(k).strip().isdigit() and int(k) == layer
                 ]
         layer_type = self._layer_type(scope, layer) or ""
         prefix = LAYER_TYPE_PREFIXES.get(layer_type)

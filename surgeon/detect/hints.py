@@ -106,6 +106,13 @@ class Hints:
                     raise LayoutError(
                         f"{opt(name, _spelled(value))} names {key!r}, which is no stack of this model: its stacks are {shown}"
                     )
+            for stack in stacks if isinstance(value, dict) else ():  # one key per stack, never a silent choice
+                keys = [k for k in value if k == stack or any(_names(k, w) for w in stack.split("."))]
+                if len(keys) > 1:
+                    raise LayoutError(
+                        f"{opt(name, _spelled(value))} names the stack {stack} twice ({keys[0]!r} and {keys[1]!r}): "
+                        "give one count per stack"
+                    )
 
     def spelled(self, name: str) -> str | None:
         """The hint as a command line writes it (``16``, ``encoder=16,decoder=4``), or None."""
@@ -129,10 +136,10 @@ def parse_hint(name: str, value: object) -> HintValue:
     if isinstance(value, str):
         text = value.strip()
         if "=" not in text:
-            value = int(text) if text.isdigit() else text
+            value = int(text) if text.isascii() and text.isdigit() else text
         else:
             pairs = [item.partition("=") for item in text.split(",") if item.strip()]
-            if any(not k.strip() or not v.strip().isdigit() for k, _, v in pairs):
+            if any(not k.strip() or not (v.strip().isascii() and v.strip().isdigit()) for k, _, v in pairs):
                 raise OptionError(
                     f"cannot read {opt(name, text)}: give one count (16) or one per stack (encoder=16,decoder=4)"
                 )

@@ -11,7 +11,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import LayoutError, OutputError, opt
+from ..errors import CheckpointError, LayoutError, OutputError, opt
+from ..open.bounded import read_bytes, refuse_special
 from .blocks import AttentionBlock
 from .by_name import match_modules, place_matches
 from .config import ConfigView
@@ -83,6 +84,9 @@ def _rule_json(rule: Rule) -> dict[str, Any]:
 def write_layout(data: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """Write a layout file atomically (a temporary file beside it, then renamed)."""
     target = Path(path)
+    refuse_special(
+        target, what=opt("emit_layout"), error=OutputError
+    )  # a FIFO would block the check below, a device take the file
     if target.is_dir():
         raise OutputError(f"{opt('emit_layout', path)} is a folder; give a file name such as layout.json")
     if not target.parent.is_dir():
@@ -105,8 +109,7 @@ def write_layout(data: dict[str, Any], path: str | os.PathLike[str]) -> None:
 def _is_layout(path: Path) -> bool:
     """Whether an existing file is a layout file (a JSON object with rules), which may be written over."""
     try:
-        with open(path, "rb") as f:
-            data = json.loads(f.read(MAX_LAYOUT_BYTES + 1).decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        data = json.loads(read_bytes(path, what="layout file", limit=MAX_LAYOUT_BYTES).decode("utf-8"))
+    except (CheckpointError, UnicodeDecodeError, ValueError, RecursionError):
         return False
     return isinstance(data, dict) and "rules" in data

@@ -19,13 +19,15 @@ checkpoint's detection found in the same form, so that the file fed back gives t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import LayoutError, OptionError, opt
+from ..errors import CheckpointError, LayoutError, OptionError
+from ..open.bounded import read_bytes
 from .blocks import PACKINGS
 from .families import Part, Rule
 
@@ -49,6 +51,11 @@ class Layout:
     kv_heads: Count = None
     head_dim: Count = None
     path: str = ""  # where it was read, for messages and the model card
+    sha256: str = ""  # of the file's bytes: the record keeps it, so verify uses the same layout
+
+    def recorded(self) -> dict[str, str]:
+        """What the record keeps of this layout: the file's name (not its folder) and the digest of its bytes."""
+        return {"file": os.path.basename(self.path), "sha256": self.sha256}
 
     def counts(self, config: Mapping[str, Any] | None) -> dict[str, int | dict[str, int]]:
         """The hint each number gives (``num_heads`` -> 4), a config field's read from ``config``."""
@@ -69,13 +76,10 @@ class Layout:
 def read_layout(path: str | os.PathLike[str]) -> Layout:
     """Read and check a layout file; a one-line OptionError naming the field at fault otherwise."""
     where = f"layout file {path}"
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_LAYOUT_BYTES + 1)
-    except OSError as e:
-        raise OptionError(f"cannot read {opt('layout', path)}: {e.strerror or e}") from None
-    if len(raw) > MAX_LAYOUT_BYTES:
-        raise OptionError(f"{where} is over {MAX_LAYOUT_BYTES} bytes: a layout file holds a few rules")
+    try:  # the shared opener: a FIFO or a device is refused without blocking, the size before a byte is read
+        raw = read_bytes(os.fspath(path), what="layout file", limit=MAX_LAYOUT_BYTES)
+    except CheckpointError as e:
+        raise OptionError(e.message) from None
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
@@ -90,6 +94,7 @@ def read_layout(path: str | os.PathLike[str]) -> Layout:
         kv_heads=_count(data.get("kv_heads"), f"{where}: kv_heads"),
         head_dim=_count(data.get("head_dim"), f"{where}: head_dim"),
         path=str(path),
+        sha256=hashlib.sha256(raw).hexdigest(),
     )
 
 
@@ -129,6 +134,13 @@ def _rule(data: object, where: str, index: int) -> Rule:
     if not isinstance(parts, list) or not parts:
         raise OptionError(f"{where}.parts must be a non-empty list of parts")
     read = tuple(_part(p, f"{where}.parts[{i}]") for i, p in enumerate(parts))
+    for i, part in enumerate(read):  # one tensor, one role: a tensor named twice would be two roles' rows
+        for j, other in enumerate(read[:i]):
+            if part.weight in (other.weight, other.bias):  # a bias shared by parts is one packed bias_packing
+                raise OptionError(
+                    f"{where}.parts[{j}] and parts[{i}] both name {part.weight}: each part's weight is its own "
+                    "tensor (a packed tensor is one part whose packing holds its roles, e.g. qkv)"
+                )
     requires = data.get("requires", [])
     if not isinstance(requires, list):
         raise OptionError(f"{where}.requires must be a list of tensor names")

@@ -242,7 +242,7 @@ def _second_of_run(block: AttentionBlock, names: Mapping[str, Any]) -> bool:
         if not block.stack.endswith(stack) or not block.module.startswith(block.stack + "."):
             continue
         entry = block.module[len(block.stack) + 1 :].split(".")[0]
-        if not entry.isdigit():
+        if not (entry.isascii() and entry.isdigit()):  # "²".isdigit() too, and int() refuses it
             return False
         index = int(entry)
         # the entry before it is an attention entry (not a feedforward, and it exists)
@@ -311,7 +311,7 @@ def _olmo_core(config: dict) -> dict | None:
         if not isinstance(overrides, dict):
             raise _olmo_bad(f"{where}block_overrides", overrides, "an object of block configs by layer number")
         for layer, override in overrides.items():
-            if not str(layer).isdigit():
+            if not (str(layer).isascii() and str(layer).isdigit()):  # "²".isdigit(), and int() refuses it
                 raise _olmo_bad(f"{where}block_overrides", layer, "a layer number")
             per_layer[str(int(layer))] = _olmo_heads(override, f"{where}block_overrides.{layer}")
     if per_layer:

@@ -5,13 +5,14 @@ as surgeon's own block names.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ..errors import CheckpointError, LayoutError, UnsupportedWeightsError, opt
 from ..open.formats.base import TensorInfo
 from .blocks import AttentionBlock, Unreadable, split_module
 from .config import ConfigView
-from .families import QUANT_PARAMS, REFUSED, RULES
+from .families import QUANT_PARAMS, REFUSED, RULES, Rule
 from .placement import join, place
 from .shapes import pointwise
 
@@ -98,3 +99,41 @@ def check_part(info: TensorInfo, view: ConfigView, stack: str, module: str) -> N
             "the checkpoint is damaged or not a model surgeon can rewrite",
             tensor=info.name,
         )
+
+
+def refuse_shared_rows(blocks: Sequence[AttentionBlock]) -> None:
+    """Every tensor's rows play at most one role in one block: q, k and v of a block are distinct tensors, or
+    distinct row ranges of one packed tensor. A layout that names one tensor for two roles (q and v) would write the
+    value identity into the query and report all three re-initialized: refused, naming both."""
+    claimed: dict[tuple[str, str], list[tuple[int, int, str]]] = {}  # (tensor, weight/bias) -> (start, end, who)
+    for block in blocks:
+        for p in block.projections:
+            for part, rows in (("weight", p.weight), ("bias", p.bias)):
+                if rows is None:
+                    continue
+                who = f"the {p.role} {part} of {block.module}"
+                spans = claimed.setdefault((rows.tensor, part), [])
+                for start in sorted(set(rows.offsets)):
+                    spans.append((start, start + rows.size, who))
+    for (tensor, _), spans in claimed.items():
+        spans.sort()
+        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+            if start < end and a != b:
+                raise LayoutError(
+                    f"{tensor} is both {a} and {b}: a tensor's rows play one role in one block; fix the layout "
+                    "(a layout file's rules, or --num-heads and its kin) so each role names its own tensor or rows",
+                    tensor=tensor,
+                )
+
+
+def refuse_rules_on_one_module(matches: Mapping[str, Rule], rules: Sequence[Rule], tensors: Mapping[str, Any]) -> None:
+    """Two rules of a layout file that both match one attention module: which one the file means is not known."""
+    for module, rule in matches.items():
+        if rule not in rules:
+            continue
+        for other in rules:
+            if other is not rule and all(join(module, p.weight) in tensors for p in other.parts):
+                raise LayoutError(
+                    f"layout rules {rule.name!r} and {other.name!r} both match {module or '(top level)'}: one rule per "
+                    "attention module; make one rule's tensor names more specific, or drop one"
+                )

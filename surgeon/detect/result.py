@@ -45,6 +45,7 @@ class Detection:
     depths: Mapping[str, int] = field(default_factory=dict)  # stack -> its layers, with those without attention
     unreadable: tuple[Unreadable, ...] = ()  # attention left alone; refused when selected
     left_alone: tuple[str, ...] = ()  # what is not softmax attention, named in every report and card
+    layout: Mapping[str, str] | None = None  # the layout file the blocks were read with (Layout.recorded)
 
     def stacks(self) -> list[str]:
         seen: list[str] = []

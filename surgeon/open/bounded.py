@@ -3,7 +3,7 @@
 Everything surgeon parses from a model folder (config.json and the libraries' configs, index files, the
 model card, surgeon's records, ``--jacobian --inputs``) comes from someone else, so its size and
 nesting are checked before it costs memory or stack: the size with ``fstat`` before a byte is read (a
-regular file only, opened without blocking, so a FIFO cannot hang), the nesting by a scan of the
+regular file only, opened without blocking by :func:`open_regular`, so a FIFO cannot hang), the nesting by a scan of the
 brackets before ``json.loads`` can recurse. Each refusal is one ``CheckpointError`` naming the file.
 """
 
@@ -16,7 +16,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, SurgeonError
 
 CONFIG_LIMIT = 16 << 20  # config.json of real models is under 100 KiB; a library's config alike
 INDEX_LIMIT = 64 << 20  # a *.index.json lists every tensor name: a few MiB for the largest models
@@ -35,18 +35,48 @@ def _size(limit: int) -> str:
     return f"{limit >> 20} MiB" if limit >= 1 << 20 else f"{limit} bytes"
 
 
-def read_bytes(path: str | Path, *, what: str, limit: int) -> bytes:
-    """The bytes of ``path`` (a regular file of at most ``limit`` bytes); ``what``: "config", "index", ..."""
+_SPECIAL = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device"}
+
+
+def special(mode: int) -> str | None:
+    """What a file of ``mode`` is when reading or replacing it could block or reach a device: "a FIFO", "a
+    socket", "a device"; None for a regular file, a folder or a link."""
+    return _SPECIAL.get(stat.S_IFMT(mode))
+
+
+def refuse_special(path: str | Path, *, what: str, error: type[SurgeonError] = CheckpointError) -> None:
+    """Every path a user names (the model, ``--output``, ``--emit-layout``) that is a FIFO, a socket or a device is
+    refused in one line, before anything opens it (opening a FIFO blocks until a writer comes)."""
+    try:
+        kind = special(os.stat(path).st_mode)
+    except OSError:
+        return  # nothing there (or a link to nothing): the caller says what it needs
+    if kind is not None:
+        raise error(f"{what} {path} is {kind}: surgeon reads and writes regular files and folders only", path=path)
+
+
+def open_regular(path: str | Path, *, what: str) -> int:
+    """The one opener of a file a user names or a folder holds: opened without blocking (a FIFO cannot hang it),
+    then refused unless it is a regular file. Returns the descriptor (the caller closes it)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise CheckpointError(f"no such {what} file: {path}", path=path) from None
     except OSError as exc:
         raise CheckpointError(f"cannot read {what} {path}: {exc.strerror or exc}", path=path) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = special(mode) or ("a folder" if stat.S_ISDIR(mode) else "not a regular file")
+        raise CheckpointError(f"cannot read {what} {path}: it is {kind}, not a regular file", path=path)
+    return fd
+
+
+def read_bytes(path: str | Path, *, what: str, limit: int) -> bytes:
+    """The bytes of ``path`` (a regular file of at most ``limit`` bytes); ``what``: "config", "index", ..."""
+    fd = open_regular(path, what=what)
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(f"cannot read {what} {path}: not a regular file", path=path)
         if st.st_size > limit:
             raise CheckpointError(
                 f"{what} {path} is {st.st_size} bytes: too large (surgeon reads at most {_size(limit)} of it); "

@@ -11,7 +11,7 @@ from typing import NoReturn
 from ..detect.config import framework_config
 from ..detect.config_keys import FRAMEWORK_CONFIGS, FrameworkConfig
 from ..errors import CheckpointError
-from .bounded import read_json, read_yaml
+from .bounded import read_json, read_yaml, refuse_special
 from .folder import file_in, walk
 from .formats.base import WeightSet
 from .formats.registry import (
@@ -25,6 +25,7 @@ from .formats.registry import (
     format_of,
     pick_dcp,
 )
+from .formats.stacked import check_layer_count
 
 SKIP_DIRS = {".git", ".cache"}
 OPEN_CLIP_CONFIG = "open_clip_config.json"
@@ -73,6 +74,7 @@ def open_source(path: str | Path, *, config: str | Path | None = None, recover: 
     from ..write.recovery import refuse_journals
 
     path = Path(path)
+    refuse_special(path, what="model")
     if not path.is_dir() and not path.is_file():
         raise CheckpointError(f"no such file or folder: {path}")
     recovered = roll_back(path, own=True) if recover else []
@@ -98,7 +100,17 @@ def open_source(path: str | Path, *, config: str | Path | None = None, recover: 
         source.notes.append(f"head counts from the model arguments saved in {source.primary.embedded_config_file}")
     source.notes[:0] = recovered
     source.notes += [note for w in source.weights for note in w.notes]
+    for weights in source.weights:  # stacked layers: as many as the config says the model has
+        check_layer_count(getattr(weights, "slices", {}), layer_counts(source.config), source.path)
     return source
+
+
+LAYER_COUNT_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
+
+
+def layer_counts(config: dict | None) -> dict[str, int]:
+    """The layer counts a config gives (config.json's, or Megatron's arguments), by field."""
+    return {k: v for k in LAYER_COUNT_KEYS if isinstance(v := (config or {}).get(k), int) and not isinstance(v, bool)}
 
 
 def _config_beside(source: Source) -> Path | None:

@@ -28,6 +28,7 @@ class Plan:
     # the tensors the mode writes besides Q/K/V (Mode.find_outputs): block module -> (W_O tensor, nn.Linear layout)
     outputs: Mapping[str, tuple[str, bool]] = field(default_factory=dict)
     notes: tuple[str, ...] = ()  # what the selection skipped or reaches beyond its layers
+    layout: Mapping[str, str] | None = None  # the layout file the blocks were read with: kept in the record
 
     @property
     def touched_blocks(self) -> list[AttentionBlock]:
@@ -72,6 +73,8 @@ class Plan:
             "options": self.options.to_dict(),
             "blocks": blocks,
         }
+        if self.layout is not None:  # verify reads the blocks with this layout, or refuses
+            record["layout"] = dict(self.layout)
         return redact_obj(record)  # never a token, even one typed into an option
 
 
@@ -88,7 +91,8 @@ def prepare_checkpoint(source: Source, detection: Detection, options: ReinitOpti
         depths=detection.depths,
         unreadable=detection.unreadable,
     )
-    return replace(plan, notes=(*detection.left_alone, *plan.notes))  # named in the report and the card too
+    # named in the report and the card too; the layout file the blocks were read with, kept in the record
+    return replace(plan, notes=(*detection.left_alone, *plan.notes), layout=detection.layout)
 
 
 def prepare(

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError, OptionError, OutputError, opt
+from ..open.bounded import refuse_special
 from ..open.folder import file_in
 from ..open.formats.registry import OTHER_FORMAT_SUFFIXES, WEIGHT_SUFFIXES
 from ..open.source import Source
@@ -120,6 +121,8 @@ def resolve_destination(
         _check_companions(source, dest, companions, overwrite=overwrite)
     if kind is OutputKind.FILE and dest.is_dir():
         dest = dest / source.path.name  # like cp: a folder given for a file output receives the file
+    for path in (dest, *companions):  # replacing a FIFO or a device is not writing a checkpoint
+        refuse_special(path, what=opt("output"), error=OutputError)
     if kind is OutputKind.FOLDER:
         _check_folder(source, dest, output)
     _check_not_input(source, dest, kind)

@@ -226,3 +226,18 @@ def test_a_namespace_holding_anything_else_is_still_refused(tmp_path):
         CheckpointError, match=r"cannot be loaded safely \(it asks for test_framework_layouts.Stranger\): "
     ):
         inspect_checkpoint(tmp_path / "model_optim_rng.pt")
+
+
+@pytest.mark.parametrize("key", ["²", "١"], ids=["superscript-two", "arabic-indic-one"])
+def test_an_olmo_core_override_key_that_is_not_an_ascii_layer_number_is_one_line(llama_dir, tmp_path, cli, key):
+    """OLMo-core's block_overrides are keyed by layer number: a key str.isdigit() takes and int() refuses ("²"),
+    or reads as another number ("١" is 1), is refused in one line naming the key, not an internal error."""
+    import json
+
+    from surgeon.detect.families import OLMO_CORE_MODEL_CLASS
+
+    block = {"sequence_mixer": {"n_heads": 8, "n_kv_heads": 2}}
+    model = {"_CLASS_": OLMO_CORE_MODEL_CLASS, "d_model": 64, "n_layers": 3, "block": block}
+    (llama_dir / "config.json").write_text(json.dumps({"model": {**model, "block_overrides": {key: block}}}))
+    said = expect_cli_error(cli, tmp_path, "inspect", llama_dir, match="model.block_overrides")
+    assert repr(key) in said or key in said, said

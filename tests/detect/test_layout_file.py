@@ -252,3 +252,92 @@ def test_every_built_in_rule_is_an_instance_of_the_layout_schema(tmp_path):
             continue
         layout.write_text(json.dumps({"rules": [_rule_json(rule)]}))
         assert read_layout(layout).rules == (rule,), rule.name
+
+
+def _write(path: Path, layout: dict) -> Path:
+    path.write_text(json.dumps(layout))
+    return path
+
+
+def test_one_tensor_in_two_roles_is_refused(custom, cli, tmp_path):
+    """A layout that names my_q for both the query and the value would write the value identity into the query and
+    leave the value as it was, reporting q, k and v re-initialized: refused in one line naming both, nothing
+    written, whether the two roles are parts of one rule or blocks of two rules that share tensors."""
+    folder, _, _ = custom
+    same = json.loads(json.dumps(LAYOUT))
+    same["rules"][0]["parts"][2] = {"weight": "my_q.weight", "packing": "v"}
+    nested = json.loads(json.dumps(LAYOUT))  # a second rule, one module up, reading the same tensors as q, k, v
+    nested["rules"].append(
+        {"name": "up", "parts": [{"weight": f"attn.my_{r}.weight", "packing": p} for r, p in zip("qkv", "vkq")]}
+    )
+    for layout, match in (
+        (_write(tmp_path / "same.json", same), "parts[0] and parts[2] both name my_q.weight"),
+        (_write(tmp_path / "nested.json", nested), "weight of blocks.0 and the "),
+    ):
+        for command in ("inspect", "reinit"):
+            args = (command, folder, "--layout", layout) + (("-o", tmp_path / "out") if command == "reinit" else ())
+            said = expect_cli_error(cli, tmp_path, *args, match=match)
+        assert not (tmp_path / "out").exists(), said
+    assert said.split("error: ")[1].startswith("blocks.0.attn.my_") and "weight of blocks.0.attn" in said
+
+
+def test_two_keys_on_one_stack_are_refused(cli, tmp_path):
+    """encoder.layer is named by "encoder" and by "layer": which count is meant is not known, so neither is taken."""
+    from helpers.tiny import tiny_bert
+
+    folder = tmp_path / "bert"
+    tiny_bert().save_pretrained(folder)
+    expect_cli_error(cli, tmp_path, "inspect", folder, "--num-heads", "encoder=4,layer=2", match="names the stack")
+    rule = {
+        "name": "bert",
+        "parts": [{"weight": f"{r}.weight", "packing": r[0]} for r in ("query", "key", "value")],
+    }
+    layout = _write(tmp_path / "layout.json", {"rules": [rule], "heads": {"encoder": 4, "layer": 2}})
+    said = expect_cli_error(
+        cli, tmp_path, "inspect", folder, "--layout", layout, match="names the stack encoder.layer twice"
+    )
+    assert "'encoder' and 'layer'" in said
+    _write(layout, {"rules": [rule], "heads": {"encoder": 4}})  # one key per stack: read as said
+    assert "2 attention blocks" in cli("inspect", folder, "--layout", layout).stdout
+
+
+def test_verify_uses_the_layout_the_record_keeps(custom, cli, tmp_path):
+    """The record keeps the layout file's name and the sha256 of its bytes; verify with another layout (the same
+    rules with the roles of my_q and my_v swapped: a different reading of the same tensors) is refused, not
+    trusted; the same bytes under another name verify."""
+    import hashlib
+
+    from surgeon.audit.record import card_records
+
+    folder, layout, _ = custom
+    out = tmp_path / "out"
+    cli("reinit", folder, "--layout", layout, "-o", out)
+    (record,) = card_records((out / "README.md").read_text())[:1]
+    assert record["layout"] == {"file": "layout.json", "sha256": hashlib.sha256(layout.read_bytes()).hexdigest()}
+    swapped = json.loads(layout.read_text())
+    swapped["rules"][0]["parts"][0]["packing"], swapped["rules"][0]["parts"][2]["packing"] = "v", "q"
+    other = _write(tmp_path / "other.json", swapped)
+    expect_cli_error(cli, tmp_path, "verify", folder, out, "--layout", other, match="is another layout")
+    renamed = tmp_path / "renamed.json"
+    renamed.write_bytes(layout.read_bytes())
+    assert cli("verify", folder, out, "--layout", renamed).stdout.startswith("verified:")
+    plain = tmp_path / "plain"  # a model no layout made: verify given one refuses it too
+    from helpers.tiny import tiny_bert
+
+    tiny_bert().save_pretrained(plain)
+    cli("reinit", plain, "-o", tmp_path / "plain-out")
+    rule = {
+        "name": "bert",
+        "parts": [{"weight": f"{r}.weight", "packing": r[0]} for r in ("query", "key", "value")],
+    }
+    bert_layout = _write(tmp_path / "bert.json", {"rules": [rule]})
+    expect_cli_error(
+        cli,
+        tmp_path,
+        "verify",
+        plain,
+        tmp_path / "plain-out",
+        "--layout",
+        bert_layout,
+        match="made without a layout file",
+    )

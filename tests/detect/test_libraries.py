@@ -59,6 +59,27 @@ def test_torchvision_vit_layers_are_one_stack_numbered_by_the_model(tmp_path):
     reinit_checkpoint(src, output=tmp_path / "one", num_heads=4, layers="1")  # layer 1 exists: no "out of range"
 
 
+def test_torchvision_vit_pth_reads_as_its_safetensors(tmp_path):
+    """torchvision's own .pth (``encoder.layers.encoder_layer_N...``, 1-D LayerNorm weights beside 2-D
+    projections) is one tensor per layer, as its .safetensors is: ``layers.`` followed by a word is not a
+    stack of layers (only Megatron-Core's TransformerLayer parts after ``layers.`` are)."""
+    torch.manual_seed(0)
+    model = randomize_biases(TorchvisionViT(num_layers=3, num_heads=4, hidden_dim=32))
+    src = save(model, tmp_path / "st")
+    pth = tmp_path / "vit_b_16.pth"
+    torch.save(model.state_dict(), pth)
+    blocks = [(b.stack, b.layer, b.q.weight.tensor) for b in inspect_checkpoint(src, num_heads=4).blocks]
+    assert [(b.stack, b.layer, b.q.weight.tensor) for b in inspect_checkpoint(pth, num_heads=4).blocks] == blocks
+    assert len(blocks) == 3
+    reinit_checkpoint(pth, output=tmp_path / "out.pth", num_heads=4, layers="-1")
+    after = torch.load(tmp_path / "out.pth", weights_only=True)
+    layer = "encoder.layers.encoder_layer_2.self_attention"
+    assert changed(model.state_dict(), after) == {f"{layer}.in_proj_weight", f"{layer}.in_proj_bias"}
+    model.load_state_dict(after)
+    maps = observe_mha(model.encoder.layers.encoder_layer_2.self_attention)
+    assert orthonormal_rows(maps.q) and orthonormal_rows(maps.k)
+
+
 # --------------------------------------------------------------------------- timm MaxViT
 
 

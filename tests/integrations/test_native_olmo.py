@@ -289,8 +289,17 @@ def test_heads_per_layer_from_block_overrides(tmp_path, cli, one_thread):
             "n_layers",
         ),
         (lambda c: c["model"].update(block_overrides={"x": {}}), "block_overrides"),
+        (lambda c: c["model"].update(block_overrides={"²": {}}), "block_overrides"),  # isdigit(), not int()
     ],
-    ids=["heads-string", "kv-list", "width-bool", "no-attention-config", "pattern-of-1e9-layers", "override-key"],
+    ids=[
+        "heads-string",
+        "kv-list",
+        "width-bool",
+        "no-attention-config",
+        "pattern-of-1e9-layers",
+        "override-key",
+        "override-superscript",
+    ],
 )
 def test_a_bad_olmo_config_is_refused_in_one_line(trainer_step, tmp_path, cli, edit, match):
     src = tmp_path / "step2"

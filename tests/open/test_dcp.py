@@ -9,6 +9,7 @@ touch) and reads nothing outside it.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -291,3 +292,57 @@ def test_flattened_training_state_reads_top_level_tensors(tmp_path, cli):
     dcp_helpers.load(sd, tmp_path / "out")
     loaded.load_state_dict(sd)
     dcp_helpers.conditioned(observe(loaded)["model.layers.0.self_attn"])
+
+
+def _spell_all(folder: Path, spelling) -> None:
+    """Every storage entry's data file renamed by ``spelling(name)`` in the metadata."""
+
+    def edit(md):
+        for index, info in list(md.storage_data.items()):
+            md.storage_data[index] = dataclasses.replace(info, relative_path=spelling(info.relative_path))
+
+    dcp_helpers.rewrite_metadata(folder, edit)
+
+
+def test_a_data_file_spelled_two_ways_is_one_file(tmp_path, cli, one_thread):
+    """``./x`` and ``x`` name one file: read in one spelling before the overlap check, so a query chunk pointed
+    (as ``./x``) at the bytes of another tensor (stored under ``x``) is refused, not written over them; a
+    metadata spelling every file ``./x`` reads, writes and loads in torch as before."""
+    model = tiny_llama()
+    src = dcp_helpers.save(model.state_dict(), tmp_path / "ckpt", model.config)
+    dotted = dcp_helpers.copy(src, tmp_path / "dotted")
+    _spell_all(dotted, lambda rel: "./" + rel)
+    cli("reinit", dotted, "-o", tmp_path / "out", "--layers", "0")
+    loaded = dcp_helpers.fresh()
+    sd = loaded.state_dict()
+    dcp_helpers.load(sd, tmp_path / "out")  # torch's own loader, with the metadata's own spelling
+    loaded.load_state_dict(sd)
+    dcp_helpers.conditioned(observe(loaded)["model.layers.0.self_attn"])
+    dcp_helpers.same_maps(observe(loaded)["model.layers.1.self_attn"], observe(model)["model.layers.1.self_attn"])
+    cli("verify", dotted, tmp_path / "out")
+
+    shared = dcp_helpers.copy(src, tmp_path / "shared")
+    other = "model.layers.0.self_attn.o_proj.weight"  # the same shape as the query: an archive of the same length
+    (target,) = [i for i in dcp_helpers.metadata(shared).storage_data.items() if i[0].fqn == other]
+
+    def point_q_at_o(md):
+        dcp_helpers.move_chunk(md, Q.format(0), relative_path="./" + target[1].relative_path, offset=target[1].offset)
+
+    dcp_helpers.rewrite_metadata(shared, point_q_at_o)
+    expect_cli_error(cli, tmp_path, "reinit", shared, "-o", tmp_path / "o", match="share bytes of __0_0.distcp")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("name", ["README.md", ".metadata", "config.json"])
+def test_a_data_file_named_like_a_file_surgeon_writes_is_refused(tmp_path, cli, name):
+    """A data file named as the model card (README.md, which also carries the record), the index (.metadata) or a
+    file carried beside it would be written over in the output (torch's dcp.load of it then fails): refused before
+    anything is written."""
+    model = tiny_llama()
+    src = dcp_helpers.save(model.state_dict(), tmp_path / "ckpt", model.config)
+    if name != ".metadata":  # the data under that name too (config.json: over the folder's own)
+        (src / name).write_bytes((src / "__0_0.distcp").read_bytes())
+    dcp_helpers.rewrite_metadata(src, lambda md: dcp_helpers.move_chunk(md, Q.format(0), relative_path=name))
+    for args in (("inspect", src), ("reinit", src, "-o", tmp_path / "out")):
+        expect_cli_error(cli, tmp_path, *args, match=f"names the data file '{name}'")
+    assert not (tmp_path / "out").exists()

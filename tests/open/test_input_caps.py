@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import stat
 import subprocess
 import sys
 import tracemalloc
@@ -121,18 +122,39 @@ def test_an_oversized_index_is_refused_before_it_is_read(cli, tmp_path):
     one_line_error(result, f"index {index} is {80 * MiB} bytes: too large (surgeon reads at most 64 MiB of it)")
 
 
-def test_a_fifo_as_config_is_refused_without_waiting_for_a_writer(llama_dir, tmp_path):
-    fifo = tmp_path / "config.json"
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (("inspect", "{model}", "--config", "{fifo}"), "cannot read config {fifo}: it is a FIFO, not a regular file"),
+        (
+            ("inspect", "{model}", "--layout", "{fifo}"),
+            "cannot read layout file {fifo}: it is a FIFO, not a regular file",
+        ),
+        (("inspect", "{model}", "--emit-layout", "{fifo}"), "--emit-layout {fifo} is a FIFO"),
+        (("inspect", "{model}", "--jacobian", "--inputs", "{fifo}"), "cannot read inputs {fifo}: it is a FIFO"),
+        (("inspect", "{fifo}"), "model {fifo} is a FIFO"),
+        (("reinit", "{model}", "-o", "{fifo}", "--overwrite"), "-o/--output {fifo} is a FIFO"),
+        (("verify", "{model}", "{fifo}"), "{fifo} is a FIFO"),
+    ],
+    ids=["config", "layout", "emit-layout", "inputs", "model", "output", "verify-output"],
+)
+def test_a_fifo_for_any_path_is_refused_without_waiting_for_a_writer(llama_dir, tmp_path, args, said):
+    """Every path a user names goes through one non-blocking opener (or, where it may be a folder, one check of
+    its kind): a FIFO is refused in one line, never opened to wait for a writer, never replaced."""
+    fifo = tmp_path / "named.json"
     os.mkfifo(fifo)
+    before = sorted(p.name for p in tmp_path.iterdir())
     run = subprocess.run(
-        [sys.executable, "-m", "surgeon", "inspect", str(llama_dir), "--config", str(fifo)],
+        [sys.executable, "-m", "surgeon", *(a.format(model=llama_dir, fifo=fifo) for a in args)],
         capture_output=True,
         text=True,
         timeout=120,  # a guard against a hang only: opening a FIFO to read blocks until a writer comes
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
-    assert run.returncode == 1
-    assert run.stderr.strip() == f"surgeon: error: cannot read config {fifo}: not a regular file"
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 1 and len(lines) == 1, run.stderr
+    assert lines[0].startswith("surgeon: error: ") and said.format(fifo=fifo) in lines[0], lines[0]
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and sorted(p.name for p in tmp_path.iterdir()) == before
 
 
 @pytest.mark.parametrize("command", ["reinit", "push"])

@@ -109,10 +109,6 @@ def test_grouped_objects_and_their_keywords(saved, tmp_path):
     assert Hints.build(hints, head_dim=8, force_hints=True) == Hints(8, 2, 8, True)
     with pytest.raises(TypeError, match="'num_head'.*the hints num_heads"):
         reinit_checkpoint(bare, num_head=8)
-    with pytest.raises(
-        TypeError, match=r"'push_revision': a push is push='org/name', or push=PushTarget\('org/name', branch=...\)"
-    ):
-        reinit_checkpoint(bare, push_revision="dev")
     with pytest.raises(TypeError, match=r"'push_branch': a push is .* push=PushTarget\('org/name', branch=...\)"):
         reinit_checkpoint(bare, push_branch="dev")
     for wrong, what in (

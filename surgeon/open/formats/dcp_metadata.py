@@ -4,8 +4,9 @@ torch's own reader opens ``.metadata`` with a bare ``pickle.load``: a stranger's
 Here it goes through an unpickler that admits only DCP's metadata classes and the few values they hold
 (``torch.Size``, dtypes, layouts, a ``PosixPath``); any other global is refused in one line naming it.
 What it builds is then type-checked field by field into frozen values (:class:`Layout`), and every byte
-range is checked against the real files before anything is allocated or read: a chunk path stays inside
-the folder, every range lies inside its file, no two ranges overlap, a tensor's chunks tile it exactly,
+range is checked against the real files before anything is allocated or read: a chunk path is spelled one way
+(``./x`` is ``x``), names a ``.distcp`` file inside the folder (never one surgeon writes into an output), every
+range lies inside its file, no two ranges overlap, a tensor's chunks tile it exactly,
 and a chunk's elements fit in the bytes stored for it (a claim of 10^12 elements is refused here).
 """
 
@@ -249,15 +250,26 @@ def _checked(metadata: Any, path: Path) -> Layout:
 
 
 def _relative(rel: str, path: Path) -> str:
-    """A data file's path from the metadata, which must name a file inside the folder."""
+    """A data file's path from the metadata in its one spelling (``./x.distcp`` and ``x.distcp`` are one file), which
+    must name a ``.distcp`` file inside the folder: never a file surgeon writes into an output (the model card and
+    its record, ``.metadata``, a journal, a staging file), which would take the data file's place."""
     p = PurePosixPath(rel)
-    if not rel or "\\" in rel or "\0" in rel or p.is_absolute() or any(part in ("..", "") for part in rel.split("/")):
+    parts = [part for part in rel.split("/") if part != "."]
+    if not rel or "\\" in rel or "\0" in rel or p.is_absolute() or any(part in ("..", "") for part in parts):
         raise CheckpointError(
             f"{path} names the data file {rel[:80]!r}, which is not inside the checkpoint's folder: surgeon reads "
             "nothing outside it; this is not a checkpoint dcp.save writes",
             path=path,
         )
-    return rel
+    canonical = "/".join(parts)
+    if not canonical.endswith(SUFFIX) or canonical.split("/")[-1] == SUFFIX:
+        raise CheckpointError(
+            f"{path} names the data file {rel[:80]!r}: DCP's data files are named NAME{SUFFIX} (surgeon writes "
+            f"its own files, such as the model card README.md and {METADATA}, beside them); this is not a "
+            "checkpoint dcp.save writes",
+            path=path,
+        )
+    return canonical
 
 
 def _check_tiling(entry: TensorEntry, itemsize: int, path: Path) -> None:
@@ -313,14 +325,20 @@ def _spans(entries: dict[str, TensorEntry | BytesEntry]) -> list[tuple[str, Span
 
 def _check_files(folder: Path, layout: Layout, path: Path) -> None:
     """Every data file is a regular file in the folder, and every byte range lies inside it, alone."""
-    sizes = {}
+    sizes: dict[str, int] = {}
+    seen: dict[tuple[int, int], str] = {}  # (device, inode) -> the first name of that file
     for rel in layout.files:
         found = file_in(folder, rel)  # a link out of the folder, a FIFO: refused here
         if found is None:
             raise CheckpointError(
                 f"{path} names the data file {rel}, which is not in {folder}: the checkpoint is incomplete", path=path
             )
-        sizes[rel] = os.stat(found).st_size
+        st = os.stat(found)
+        sizes[rel] = st.st_size
+        # two names of one file (a hard link, a case-insensitive file system): their ranges would share bytes
+        other = seen.setdefault((st.st_dev, st.st_ino), rel)
+        if other != rel:
+            raise _bad(path, f"its data files {other} and {rel} are one file")
         with open(found, "rb") as f:
             head = f.read(4)
         if head and head != b"PK\x03\x04":  # each item of torch_save serialization is a torch.save zip archive

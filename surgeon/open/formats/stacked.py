@@ -17,9 +17,17 @@ from dataclasses import dataclass, replace
 from ...errors import CheckpointError
 from .base import TensorInfo
 
-# The word Megatron-Core's TransformerBlock keys its stacked layers under (f"{prefix}layers."): a name whose
-# part after it is not a layer number is one tensor of every layer.
+# The word Megatron-Core's TransformerBlock keys its stacked layers under (f"{prefix}layers."), and the
+# submodules of its TransformerLayer that follow it in a stacked key. A name of that shape only (``layers.`` then
+# one of these words) is read as every layer stacked: ``encoder.layers.encoder_layer_0.ln_1.weight`` (torchvision's
+# ViT) is one tensor of one layer, whatever comes after ``layers.``.
 STACK_WORD = "layers"
+MEGATRON_LAYER_PARTS = frozenset(
+    ("input_layernorm", "self_attention", "pre_cross_attn_layernorm", "cross_attention", "pre_mlp_layernorm", "mlp")
+)
+# A stacked tensor's layer count is read from the file: real models have up to some hundreds of layers, and each
+# layer becomes a tensor entry here, so a count beyond this is refused before any entry is made.
+MAX_STACKED_LAYERS = 4096
 
 
 @dataclass(frozen=True)
@@ -34,7 +42,7 @@ def _split(name: str) -> tuple[str, str] | None:
     """(``prefix.layers``, the rest) of a stacked tensor's name, or None for any other name."""
     parts = name.split(".")
     for i, part in enumerate(parts[:-1]):
-        if part == STACK_WORD and not parts[i + 1].isdigit():
+        if part == STACK_WORD and parts[i + 1] in MEGATRON_LAYER_PARTS:
             return ".".join(parts[: i + 1]), ".".join(parts[i + 1 :])
     return None
 
@@ -54,6 +62,7 @@ def unstack(
     if not stacks:
         return dict(infos), {}
     for stack, depths in stacks.items():
+        _check_sizes(stack, depths, infos, where)
         if len(set(depths.values())) != 1 or 0 in depths.values():
             shown = ", ".join(f"{n} {infos[n].shape}" for n in list(depths)[:3])
             raise CheckpointError(
@@ -80,6 +89,40 @@ def unstack(
                 info, name=per_layer, shape=info.shape[1:], file=file, nbytes=info.nbytes // info.shape[0]
             )
     return out, slices
+
+
+def _check_sizes(stack: str, depths: Mapping[str, int], infos: Mapping[str, TensorInfo], where: object) -> None:
+    """Each stacked tensor's layer count bounded, and every layer holding values: a file's number alone
+    (10^9 layers of zero elements each) would otherwise make that many per-layer entries."""
+    for name, depth in depths.items():
+        shape = infos[name].shape
+        if depth and 0 in shape[1:]:
+            raise CheckpointError(
+                f"{where}: {name} stacks {depth} layers of zero elements each (shape {list(shape)}): no layer holds "
+                "a value; the file is not a model's checkpoint"
+            )
+        if depth > MAX_STACKED_LAYERS:
+            raise CheckpointError(
+                f"{where}: {name} claims {depth} stacked layers (shape {list(shape)}); surgeon reads at most "
+                f"{MAX_STACKED_LAYERS}: the file is not a model's checkpoint"
+            )
+
+
+def check_layer_count(slices: Mapping[str, Slice], counts: Mapping[str, int], where: object) -> None:
+    """The stacked tensors' layer count (the same for every stack, checked in :func:`unstack`) agrees with one
+    the model's config gives (``counts``: its layer-count fields and their values; none: nothing to compare)."""
+    if not slices or not counts:
+        return
+    by_stack: dict[str, set[int]] = {}
+    for per_layer, part in slices.items():
+        by_stack.setdefault(per_layer.split(f".{STACK_WORD}.")[0], set()).add(part.layer)
+    for stack, layers in by_stack.items():
+        if len(layers) not in counts.values():
+            said = ", ".join(f"{k}={v}" for k, v in counts.items())
+            raise CheckpointError(
+                f"{where}: the tensors under {stack}.{STACK_WORD} stack {len(layers)} layers and the model's config "
+                f"says {said}: the weights are not this config's model; give the config the weights were saved with"
+            )
 
 
 def stacked_note(slices: Mapping[str, Slice]) -> list[str]:

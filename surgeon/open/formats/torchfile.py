@@ -211,7 +211,7 @@ def megatron_config(args: Mapping, version: object = None) -> dict:
     group_query_attention (arguments.py core_transformer_config_from_args; its default is 1 either way)."""
     plain = {k: v for k, v in args.items() if isinstance(k, str) and isinstance(v, (int, float, str, bool))}
     config: dict[str, object] = {
-        k: plain[k] for k in ("num_attention_heads", "kv_channels", "hidden_size") if k in plain
+        k: plain[k] for k in ("num_attention_heads", "kv_channels", "hidden_size", "num_layers") if k in plain
     }
     heads = config.get("num_attention_heads")
     if isinstance(heads, int):
