@@ -210,7 +210,7 @@ def reinit_checkpoint(
     >>> reinit_checkpoint("./bert", options=ReinitOptions(targets="q,k"), push="me/bert-reset")  # doctest: +SKIP
     """
     opts, hints = _options_and_hints(options, hints, keywords)
-    target = _push_target(push, in_place=in_place)
+    target = _push_target(push, in_place=in_place, dry_run=dry_run)
     opts = opts.validated()
     check_device(device)
     if distributed:
@@ -301,8 +301,8 @@ def _options_and_hints(
     return ReinitOptions.build(options, **keywords), Hints.build(hints, **hint_keywords)
 
 
-def _push_target(push: PushTarget | str | None, *, in_place: bool) -> PushTarget | None:
-    """The push a reinit asks for, checked before anything is opened."""
+def _push_target(push: PushTarget | str | None, *, in_place: bool, dry_run: bool) -> PushTarget | None:
+    """The push a reinit asks for, checked before anything is opened (its token too, unless nothing is sent)."""
     if push is None:
         return None
     if in_place:
@@ -312,7 +312,8 @@ def _push_target(push: PushTarget | str | None, *, in_place: bool) -> PushTarget
     if not isinstance(push, (PushTarget, str)):
         raise TypeError(f"push must be a repo id 'org/name' or a surgeon.PushTarget, not {type(push).__name__}")
     target = push if isinstance(push, PushTarget) else PushTarget(push)
-    target.check_token()
+    if not dry_run:
+        target.check_token()
     return target
 
 

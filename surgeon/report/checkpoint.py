@@ -59,6 +59,10 @@ def dry_run_notes(source: Source, dest: Destination, *, overwrite: bool, push: P
         weights, carried = folder_output_files(source)
         files = sorted({*weights, *carried, "README.md"})  # the folder surgeon writes, its model card included
         notes.append(f"the real run pushes {dest.path.name} to {push.repo_id}: {len(files)} files, {', '.join(files)}")
+        from ..write.push import NO_TOKEN_YET, has_token
+
+        if not has_token(push.token):
+            notes.append(NO_TOKEN_YET)
     return notes
 
 
