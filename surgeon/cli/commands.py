@@ -15,6 +15,7 @@ from ..report.shown import note_lines, shown
 from .shell import (
     CONTEXT,
     OneLineErrors,
+    SectionedCommand,
     _out,
     branch_flag,
     cli_spelling,
@@ -140,7 +141,18 @@ def inspect(
     _show(report, plot=plot, as_json=as_json)
 
 
+REINIT_SECTIONS = {  # `surgeon reinit --help`, by what a flag decides
+    "Selection (what to re-initialize)": ("layers", "targets", "heads", "attention", "stack"),
+    "Mode (how)": ("mode", "strength", "value_identity", "keep_scale", "bias", "seed", "gain", "std"),
+    "Output": ("output", "overwrite", "in_place", "dry_run", "as_json", "full", "plot", "device"),
+    "Hub": ("revision", "push_to_hub", "private", "push_branch", "create_pr", "commit_message", "base_model"),
+    "Hints (when config.json does not say)": ("config", "num_heads", "num_kv_heads", "head_dim", "force_hints", "layout"),
+}
+
+
 @main.command(
+    cls=SectionedCommand,
+    sections=REINIT_SECTIONS,
     context_settings=CONTEXT,
     epilog="""\b
 Examples:
