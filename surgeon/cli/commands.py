@@ -190,6 +190,12 @@ negative numbers count from the end (-1 is the last). Each stack of layers is nu
     "other formats: the files are replaced atomically.",
 )
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
+@click.option(
+    "--base-model",
+    metavar="ORG/NAME",
+    help="The Hub model a local MODEL comes from: the model card's base_model and first line name it "
+    "(default: the base_model of MODEL's own card).",
+)
 @plot_option
 @push_options
 @model_options
@@ -201,6 +207,7 @@ def reinit(
     overwrite: bool,
     in_place: bool,
     dry_run: bool,
+    base_model: str | None,
     plot: str | None,
     push: PushTarget | None,
     model_flags: ModelFlags,
@@ -239,6 +246,7 @@ def reinit(
         full=full,
         progress=not as_json and sys.stderr.isatty() and not distributed,
         distributed=distributed,
+        base_model=base_model,
     )
     if distributed and os.environ.get("RANK", "0") != "0":
         return  # rank 0 prints the report (and draws the plot) for all ranks

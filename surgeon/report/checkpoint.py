@@ -102,8 +102,8 @@ def reproduce(model: str | Path, source: Source, options: ReinitOptions, hints: 
 
     if source.hub_id:
         label, revision = source.hub_id, source.hub_commit
-    else:  # a relative path as typed; never an absolute one (it would publish a local directory layout)
-        label, revision = (str(model) if not Path(model).is_absolute() else Path(model).name), None
+    else:  # its name only: a path, relative or absolute, would publish a local directory layout
+        label, revision = Path(model).name, None
     return reproduce_command(label, revision=revision, options=options.to_dict(), hints=hints, output=dest.name)
 
 
