@@ -48,6 +48,16 @@ def _show(report: Report, *, plot: str | None, as_json: bool) -> None:
     _out(report.to_json(cli_spelling) if as_json else report.render(cli_spelling))
 
 
+def _list_names(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """``inspect --list-names``: the q/k/v projection names of the built-in rules, one set a line (no MODEL needed)."""
+    if not value or ctx.resilient_parsing:
+        return
+    from ..detect.families import projection_names
+
+    click.echo("\n".join(projection_names()))
+    ctx.exit()
+
+
 @click.group(cls=OneLineErrors, context_settings=CONTEXT)
 @click.version_option(__version__, "-V", "--version", prog_name="surgeon")
 @click.option(
@@ -82,6 +92,14 @@ Examples:
 """,
 )
 @click.argument("model")
+@click.option(
+    "--list-names",
+    is_flag=True,
+    is_eager=True,
+    expose_value=False,
+    callback=_list_names,
+    help="List the projection names surgeon recognizes (a layout file names others) and exit.",
+)
 @click.option(
     "--emit-layout",
     type=click.Path(dir_okay=False),
