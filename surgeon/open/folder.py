@@ -59,12 +59,13 @@ class _Root:
 
 
 def walk(
-    folder: Path, *, prune: Callable[[PurePosixPath, bool], bool] | None = None, refuse_links: bool = True
+    folder: Path, *, prune: Callable[[PurePosixPath, bool], bool] | None = None, names_only: bool = False
 ) -> FolderFiles:
     """Every file under ``folder`` that surgeon may read, walking no link; raises a one-line CheckpointError
-    for a link that leads out of the folder (``refuse_links=False``: leaves it out, for a look at the names
-    only). ``prune(rel, is_folder)``: entries neither walked nor checked (bookkeeping such as ``.git``, that
-    surgeon never reads)."""
+    for a link that leads out of the folder. ``names_only``: a look at what the folder holds, for deciding
+    whether it holds weights at all: a link out of it is listed among the files, not refused, and nothing may
+    be read from that listing. ``prune(rel, is_folder)``: entries neither walked nor checked (bookkeeping such
+    as ``.git``, that surgeon never reads)."""
     root, found = _Root.of(folder), FolderFiles()
     for here, dirs, names in os.walk(folder, followlinks=False):
         base = Path(here)
@@ -85,9 +86,9 @@ def walk(
             try:
                 why = classify(folder, str(rel), root)
             except CheckpointError:
-                if refuse_links:
+                if not names_only:
                     raise
-                why = "a link out of the folder"
+                why = None
             if why is None:
                 found.files.append(str(rel))
             else:
