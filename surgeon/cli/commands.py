@@ -14,8 +14,10 @@ from ..errors import OptionError
 from ..report.shown import note_lines, shown
 from .shell import (
     CONTEXT,
+    REINIT_SECTIONS,
     OneLineErrors,
     SectionedCommand,
+    _list_names,
     _out,
     branch_flag,
     cli_spelling,
@@ -46,16 +48,6 @@ def _show(report: Report, *, plot: str | None, as_json: bool) -> None:
 
         report.notes.append(f"wrote {plot_kappas(report, plot)}")
     _out(report.to_json(cli_spelling) if as_json else report.render(cli_spelling))
-
-
-def _list_names(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
-    """``inspect --list-names``: the q/k/v projection names of the built-in rules, one set a line (no MODEL needed)."""
-    if not value or ctx.resilient_parsing:
-        return
-    from ..detect.families import projection_names
-
-    click.echo("\n".join(projection_names()))
-    ctx.exit()
 
 
 @click.group(cls=OneLineErrors, context_settings=CONTEXT)
@@ -157,15 +149,6 @@ def inspect(
         emit_layout=emit_layout,
     )
     _show(report, plot=plot, as_json=as_json)
-
-
-REINIT_SECTIONS = {  # `surgeon reinit --help`, by what a flag decides
-    "Selection (what to re-initialize)": ("layers", "targets", "heads", "attention", "stack"),
-    "Mode (how)": ("mode", "strength", "value_identity", "keep_scale", "bias", "seed", "gain", "std"),
-    "Output": ("output", "overwrite", "in_place", "dry_run", "as_json", "full", "plot", "device"),
-    "Hub": ("revision", "push_to_hub", "private", "push_branch", "create_pr", "commit_message", "base_model"),
-    "Hints (when config.json does not say)": ("config", "num_heads", "num_kv_heads", "head_dim", "force_hints", "layout"),
-}
 
 
 @main.command(

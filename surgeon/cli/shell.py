@@ -350,6 +350,32 @@ def push_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return with_push
 
 
+REINIT_SECTIONS = {  # `surgeon reinit --help`, by what a flag decides
+    "Selection (what to re-initialize)": ("layers", "targets", "heads", "attention", "stack"),
+    "Mode (how)": ("mode", "strength", "value_identity", "keep_scale", "bias", "seed", "gain", "std"),
+    "Output": ("output", "overwrite", "in_place", "dry_run", "as_json", "full", "plot", "device"),
+    "Hub": ("revision", "push_to_hub", "private", "push_branch", "create_pr", "commit_message", "base_model"),
+    "Hints (when config.json does not say)": (
+        "config",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "force_hints",
+        "layout",
+    ),
+}
+
+
+def _list_names(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """``inspect --list-names``: the q/k/v projection names of the built-in rules, one set a line (no MODEL needed)."""
+    if not value or ctx.resilient_parsing:
+        return
+    from ..detect.families import projection_names
+
+    click.echo("\n".join(projection_names()))
+    ctx.exit()
+
+
 class SectionedCommand(click.Command):
     """A command whose ``--help`` lists its options in named sections (click has one flat list).
 

@@ -15,7 +15,7 @@ names that carry it, as transformers' own loader does when it loads a base model
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 
@@ -32,12 +32,31 @@ def relative_to(name: str, base: str) -> str:
     return name[len(base) + 1 :] if base and name.startswith(base + ".") else name
 
 
-def checkpoint_draw_keys(tensors: Iterable[str], config: Mapping[str, Any] | None) -> dict[str | tuple[str, str], str]:
-    """Tensor name -> draw key, for the tensors of a checkpoint whose names carry its class's base-model prefix."""
-    prefix = _prefix_of(_architecture(config))
-    if not prefix:
-        return {}
-    return {name: relative_to(name, prefix) for name in tensors if name.startswith(prefix + ".")}
+class CheckpointDrawKeys(Mapping[str | tuple[str, str], str]):
+    """Tensor name -> draw key, for the tensors of a checkpoint whose names carry its class's base-model prefix.
+
+    The prefix is looked up on first use, in the compute stage: it imports the class's transformers module (and
+    torch), which planning, a dry run and the first byte copies do not wait for.
+    """
+
+    def __init__(self, tensors: Iterable[str], config: Mapping[str, Any] | None) -> None:
+        self._tensors, self._architecture = tuple(tensors), _architecture(config)
+        self._keys: dict[str | tuple[str, str], str] | None = None
+
+    def _resolved(self) -> dict[str | tuple[str, str], str]:
+        if self._keys is None:
+            prefix = _prefix_of(self._architecture)
+            self._keys = {n: relative_to(n, prefix) for n in self._tensors if prefix and n.startswith(prefix + ".")}
+        return self._keys
+
+    def __getitem__(self, name: str | tuple[str, str]) -> str:
+        return self._resolved()[name]
+
+    def __iter__(self) -> Iterator[str | tuple[str, str]]:
+        return iter(self._resolved())
+
+    def __len__(self) -> int:
+        return len(self._resolved())
 
 
 def _architecture(config: Mapping[str, Any] | None) -> str | None:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
 from ..compute.modes import get_mode
-from ..detect.base_model import checkpoint_draw_keys
+from ..detect.base_model import CheckpointDrawKeys
 from ..detect.blocks import AttentionBlock, Unreadable
 from ..detect.placement import kind
 from ..errors import OptionError, SelectionError, opt
@@ -92,7 +92,7 @@ def prepare_checkpoint(source: Source, detection: Detection, options: ReinitOpti
         depths=detection.depths,
         unreadable=detection.unreadable,
     )
-    plan = replace(plan, draw_keys=checkpoint_draw_keys(plan.tensors(), source.config))
+    plan = replace(plan, draw_keys=CheckpointDrawKeys(plan.tensors(), source.config))  # resolved when drawn
     return replace(plan, notes=(*detection.left_alone, *plan.notes))  # named in the report and the card too
 
 

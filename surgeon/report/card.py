@@ -145,7 +145,8 @@ def build_card(
     ]
     if mode.fresh:
         parts.append(
-            "Each head's random draw depends only on (seed, tensor name, role, head), not on the order of processing, "
+            "Each head's random draw depends only on (seed, tensor name, role, head), the name as in the base model "
+            "(without a task class's prefix such as `bert.` or `model.`), not on the order of processing, "
             "the sharding or the other heads selected."
         )
     if mode.citation:

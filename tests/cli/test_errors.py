@@ -113,7 +113,9 @@ def test_head_counts_that_do_not_divide_name_the_flag_at_fault(cli, tmp_path):
     m = tmp_path / "m.safetensors"
     msg = expect_error(cli, tmp_path, "reinit", m, "--num-heads", 5, match="384 is not divisible by 5")
     assert "(3, 4 or 6)" in msg  # divisors of 384, the nearest to 5
-    msg = expect_error(cli, tmp_path, "reinit", m, "--num-heads", 8, "--num-kv-heads", 3, match="8 is not divisible by 3")
+    msg = expect_error(
+        cli, tmp_path, "reinit", m, "--num-heads", 8, "--num-kv-heads", 3, match="8 is not divisible by 3"
+    )
     assert msg.startswith("surgeon: error: --num-kv-heads 3 does not divide the 8 query heads")
     assert "pass a --num-kv-heads that divides 8 (1, 2 or 4)" in msg
 

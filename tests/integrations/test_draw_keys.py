@@ -28,7 +28,10 @@ transformers.logging.set_verbosity_error()
 SEED = 7
 SMALL = dict(vocab_size=96, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32)
 FAMILIES = {
-    "bert": (dict(hidden_size=48, intermediate_size=64), [AutoModelForSequenceClassification, AutoModelForQuestionAnswering]),
+    "bert": (
+        dict(hidden_size=48, intermediate_size=64),
+        [AutoModelForSequenceClassification, AutoModelForQuestionAnswering],
+    ),
     "llama": (
         dict(hidden_size=64, intermediate_size=96, num_key_value_heads=2, pad_token_id=0),
         [AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForQuestionAnswering],
