@@ -19,7 +19,7 @@ def test_no_attention_found(cli, tmp_path):
     msg = expect_error(cli, tmp_path, "reinit", tmp_path / "mlp.safetensors", match="no attention found")
     assert "none of its 2 tensors" in msg and "mlp.fc1.weight" in msg
     assert "`surgeon inspect --list-names` lists them" in msg and "query_key_value" not in msg  # not the 40 names
-    assert len(msg) < 300, msg
+    assert len(msg.replace(str(tmp_path), "")) < 250, msg  # was ~950 characters with the 40 names
     listed = cli("inspect", "--list-names").stdout.splitlines()
     assert "q_proj/k_proj/v_proj" in listed and "query_key_value" in listed and len(listed) > 20
     expect_error(cli, tmp_path, "inspect", tmp_path / "mlp.safetensors", match="no attention found")
