@@ -41,11 +41,13 @@ class CheckpointDrawKeys(Mapping[str | tuple[str, str], str]):
 
     def __init__(self, tensors: Iterable[str], config: Mapping[str, Any] | None) -> None:
         self._tensors, self._architecture = tuple(tensors), _architecture(config)
+        model_type = (config or {}).get("model_type")
+        self._model_type = model_type if isinstance(model_type, str) and model_type.isidentifier() else None
         self._keys: dict[str | tuple[str, str], str] | None = None
 
     def _resolved(self) -> dict[str | tuple[str, str], str]:
         if self._keys is None:
-            prefix = _prefix_of(self._architecture)
+            prefix = _prefix_of(self._architecture, self._model_type)
             self._keys = {n: relative_to(n, prefix) for n in self._tensors if prefix and n.startswith(prefix + ".")}
         return self._keys
 
@@ -67,10 +69,16 @@ def _architecture(config: Mapping[str, Any] | None) -> str | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _prefix_of(architecture: str | None) -> str:
-    """``base_model_prefix`` of a transformers class by name; "" for a class transformers does not have."""
+def _prefix_of(architecture: str | None, model_type: str | None = None) -> str:
+    """``base_model_prefix`` of a transformers class by name; "" for a class transformers does not have.
+
+    Read first from the class's own source (``models/TYPE/modeling_TYPE.py``, parsed, not imported: importing it
+    imports torch and transformers' model registry, seconds before the first draw); else from the class itself."""
     if architecture is None:
         return ""
+    read = _prefix_in_source(architecture, model_type) if model_type else None
+    if read is not None:
+        return read
     try:
         import transformers
 
@@ -78,3 +86,35 @@ def _prefix_of(architecture: str | None) -> str:
     except Exception:  # no transformers, a class it does not have (remote code), a class that fails to import
         return ""
     return prefix if isinstance(prefix, str) and prefix.isidentifier() else ""
+
+
+def _prefix_in_source(architecture: str, model_type: str) -> str | None:
+    """``base_model_prefix`` as the class and its bases in its modeling file assign it; None when the file, the
+    class or an assignment cannot be followed there (a base defined elsewhere): then the class is imported."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "models" / model_type / f"modeling_{model_type}.py"
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    name: str | None = architecture
+    while name is not None and name in classes:
+        node = classes[name]
+        for statement in node.body:
+            if isinstance(statement, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "base_model_prefix" for t in statement.targets
+            ):
+                value = statement.value
+                return value.value if isinstance(value, ast.Constant) and isinstance(value.value, str) else None
+        bases = [b.id for b in node.bases if isinstance(b, ast.Name)]
+        if "PreTrainedModel" in bases:
+            return ""  # transformers' own default
+        name = next((b for b in bases if b in classes), None)
+    return None
