@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +20,13 @@ def add_options(parser: argparse.ArgumentParser, *, variants: tuple[str, ...], p
     parser.add_argument(
         "--variants", default=",".join(variants), help=f"comma-separated subset of {','.join(variants)}"
     )
-    parser.add_argument("--out", type=Path, default=OUT / plot_name)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help=f"the plot (numbers beside it, .json); default: examples/out/{plot_name}, "
+        "or a new temporary folder for --quick (a smoke run never overwrites the tracked results)",
+    )
+    parser.set_defaults(plot_name=plot_name)
     parser.add_argument(
         "--threads",
         type=int,
@@ -31,6 +38,9 @@ def add_options(parser: argparse.ArgumentParser, *, variants: tuple[str, ...], p
 
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None, variants: tuple[str, ...]) -> argparse.Namespace:
     args = parser.parse_args(argv)
+    if args.out is None:
+        folder = Path(tempfile.mkdtemp(prefix="surgeon-example-")) if args.quick else OUT
+        args.out = folder / args.plot_name
     if args.threads:
         torch.set_num_threads(args.threads)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]

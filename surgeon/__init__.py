@@ -56,7 +56,13 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 
+# subpackages reachable as attributes after a plain ``import surgeon`` (``surgeon.integrations.transformers``)
+_SUBPACKAGES = ("integrations",)
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f".{name}", __name__)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'surgeon' has no attribute {name!r}")

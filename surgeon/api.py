@@ -12,6 +12,7 @@ from .detect import detect_source
 from .detect.hints import HINT_KEYWORDS, HintInput, Hints
 from .errors import HubError, OptionError, opt
 from .open import hub
+from .open.hub_ids import require_repo_id
 from .open.source import Source
 from .options import ReinitOptions
 from .plan.planner import Plan, prepare_checkpoint
@@ -162,6 +163,7 @@ def reinit_checkpoint(
     full: bool = False,
     progress: bool = False,
     distributed: bool = False,
+    base_model: str | None = None,
     **keywords: Any,
 ) -> Report:
     """Re-initialize the chosen Q/K/V projections of a checkpoint and write a new one.
@@ -191,6 +193,9 @@ def reinit_checkpoint(
             rank calls this with the same arguments and writes its own share of a DCP or sharded
             safetensors folder (:mod:`surgeon.write.ranks`); the output is the one a single process
             writes, byte for byte, and every rank returns the whole report.
+        base_model: The Hub model a local MODEL comes from, ``org/name``, for the model card's lineage (its
+            ``base_model`` metadata and first line); default: a Hub MODEL's own id, else the ``base_model`` the
+            source's own card names.
         **keywords: Fields of ReinitOptions (``layers``, ``targets``, ``mode``, ``seed``, ...) or of Hints
             (``num_heads``, ``head_dim``, ...), replacing those of ``options`` and ``hints``.
 
@@ -210,7 +215,9 @@ def reinit_checkpoint(
     >>> reinit_checkpoint("./bert", options=ReinitOptions(targets="q,k"), push="me/bert-reset")  # doctest: +SKIP
     """
     opts, hints = _options_and_hints(options, hints, keywords)
-    target = _push_target(push, in_place=in_place)
+    target = _push_target(push, in_place=in_place, dry_run=dry_run)
+    if base_model is not None:
+        base_model = require_repo_id(base_model, opt("base_model"))
     opts = opts.validated()
     check_device(device)
     if distributed:
@@ -221,7 +228,7 @@ def reinit_checkpoint(
         try:
             return ranks.reinit_ranks(
                 group, model, opts, hints, output, overwrite=overwrite, dry_run=dry_run, device=device,
-                revision=revision, config=config, full=full,
+                revision=revision, config=config, full=full, base_model=base_model,
             )  # fmt: skip
         finally:
             group.close()
@@ -249,6 +256,7 @@ def reinit_checkpoint(
             full=full,
             progress=progress,
             title=title,
+            base_model=base_model,
             command=lambda: reproduce(model, source, plan.options, hints, dest.path),
         )
     seconds = time.perf_counter() - start
@@ -300,8 +308,8 @@ def _options_and_hints(
     return ReinitOptions.build(options, **keywords), Hints.build(hints, **hint_keywords)
 
 
-def _push_target(push: PushTarget | str | None, *, in_place: bool) -> PushTarget | None:
-    """The push a reinit asks for, checked before anything is opened."""
+def _push_target(push: PushTarget | str | None, *, in_place: bool, dry_run: bool) -> PushTarget | None:
+    """The push a reinit asks for, checked before anything is opened (its token too, unless nothing is sent)."""
     if push is None:
         return None
     if in_place:
@@ -311,7 +319,8 @@ def _push_target(push: PushTarget | str | None, *, in_place: bool) -> PushTarget
     if not isinstance(push, (PushTarget, str)):
         raise TypeError(f"push must be a repo id 'org/name' or a surgeon.PushTarget, not {type(push).__name__}")
     target = push if isinstance(push, PushTarget) else PushTarget(push)
-    target.check_token()
+    if not dry_run:
+        target.check_token()
     return target
 
 

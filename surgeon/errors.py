@@ -73,6 +73,7 @@ class SurgeonError(Exception):
         tensor: The tensor it concerns, if any.
         path: The file it concerns, if any.
         context: Text put before the message (what had been done when it happened).
+        follow_up: Text put after the message (the command that retries what failed).
     """
 
     exit_code = 1
@@ -85,6 +86,7 @@ class SurgeonError(Exception):
         self.tensor = tensor
         self.path = None if path is None else str(path)
         self.context = context
+        self.follow_up: str | None = None
         self.options: tuple[str, ...] = tuple(dict.fromkeys(m[1] for m in _OPTION.finditer(message)))
 
     @property
@@ -98,7 +100,8 @@ class SurgeonError(Exception):
         from .report.shown import one_line
 
         text = spell(self.message, spelling)
-        return one_line(f"{self.context}{text}" if self.context else text)
+        text = f"{self.context}{text}" if self.context else text
+        return one_line(f"{text.rstrip('. ')}; {self.follow_up}" if self.follow_up else text)
 
     def __str__(self) -> str:
         return self.describe()

@@ -90,10 +90,11 @@ def _change_in_place(
         config=getattr(inner, "config", None),
         shapes={n: tuple(p.shape) for n, p in found.params.items()},
         depths=found.depths,
+        draw_keys=found.seed_names,
     )
     options = plan.options
     device = found.params[plan.changes[0].projection.weight.tensor].device
-    engine = Engine(plan, device, seed_names=found.seed_names, whole=full)
+    engine = Engine(plan, device, whole=full)
     if any_sharded(found.params, engine.tensor_names) and not get_mode(options.mode).sharded:  # FSDP2 / DTensor
         raise OptionError(
             f"{opt('mode', options.mode)} on sharded (FSDP2/DTensor) parameters is not supported: reinit before sharding"

@@ -103,7 +103,9 @@ class ReinitOptions:
         choices=("zero", "keep"),
         shell_default=None,
     )
-    seed: int = _option(0, "Random seed; each head's draw depends only on (seed, tensor, head).", kind=int)
+    seed: int = _option(
+        0, "Random seed; each head's draw depends only on (seed, the tensor's name in the base model, head).", kind=int
+    )
     gain: float | None = _option(
         None,
         "Conditioned mode: scale of the semi-orthogonal q/k heads (default 1; 0.02 * sqrt(width) matches a "

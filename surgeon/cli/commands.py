@@ -14,7 +14,10 @@ from ..errors import OptionError
 from ..report.shown import note_lines, shown
 from .shell import (
     CONTEXT,
+    REINIT_SECTIONS,
     OneLineErrors,
+    SectionedCommand,
+    _list_names,
     _out,
     cli_spelling,
     full_option,
@@ -81,6 +84,14 @@ Examples:
 )
 @click.argument("model")
 @click.option(
+    "--list-names",
+    is_flag=True,
+    is_eager=True,
+    expose_value=False,
+    callback=_list_names,
+    help="List the projection names surgeon recognizes (a layout file names others) and exit.",
+)
+@click.option(
     "--emit-layout",
     type=click.Path(dir_okay=False),
     help="Write the detected layout (the rules that matched, heads, head size) as a layout file for --layout.",
@@ -140,6 +151,8 @@ def inspect(
 
 
 @main.command(
+    cls=SectionedCommand,
+    sections=REINIT_SECTIONS,
     context_settings=CONTEXT,
     epilog="""\b
 Examples:
@@ -177,6 +190,12 @@ negative numbers count from the end (-1 is the last). Each stack of layers is nu
     "other formats: the files are replaced atomically.",
 )
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
+@click.option(
+    "--base-model",
+    metavar="ORG/NAME",
+    help="The Hub model a local MODEL comes from: the model card's base_model and first line name it "
+    "(default: the base_model of MODEL's own card).",
+)
 @plot_option
 @push_options
 @model_options
@@ -188,6 +207,7 @@ def reinit(
     overwrite: bool,
     in_place: bool,
     dry_run: bool,
+    base_model: str | None,
     plot: str | None,
     push: PushTarget | None,
     model_flags: ModelFlags,
@@ -226,6 +246,7 @@ def reinit(
         full=full,
         progress=not as_json and sys.stderr.isatty() and not distributed,
         distributed=distributed,
+        base_model=base_model,
     )
     if distributed and os.environ.get("RANK", "0") != "0":
         return  # rank 0 prints the report (and draws the plot) for all ranks

@@ -328,3 +328,52 @@ def push_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     ):
         with_push = decorator(with_push)
     return with_push
+
+
+REINIT_SECTIONS = {  # `surgeon reinit --help`, by what a flag decides
+    "Selection (what to re-initialize)": ("layers", "targets", "heads", "attention", "stack"),
+    "Mode (how)": ("mode", "strength", "value_identity", "keep_scale", "bias", "seed", "gain", "std"),
+    "Output": ("output", "overwrite", "in_place", "dry_run", "as_json", "full", "plot", "device"),
+    "Hub": ("revision", "push_to_hub", "private", "push_branch", "create_pr", "commit_message", "base_model"),
+    "Hints (when config.json does not say)": (
+        "config",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "force_hints",
+        "layout",
+    ),
+}
+
+
+def _list_names(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """``inspect --list-names``: the q/k/v projection names of the built-in rules, one set a line (no MODEL needed)."""
+    if not value or ctx.resilient_parsing:
+        return
+    from ..detect.families import projection_names
+
+    click.echo("\n".join(projection_names()))
+    ctx.exit()
+
+
+class SectionedCommand(click.Command):
+    """A command whose ``--help`` lists its options in named sections (click has one flat list).
+
+    ``sections``: title -> the parameter names (as the command function takes them) it lists, in order. An option
+    in no section is listed under "Other options", so none is ever left out of the help.
+    """
+
+    def __init__(self, *args: Any, sections: dict[str, tuple[str, ...]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sections = sections
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        records = {p.name: p.get_help_record(ctx) for p in self.get_params(ctx) if isinstance(p, click.Option)}
+        placed = {name for names in self.sections.values() for name in names}
+        titled = [(title, [records.get(n) for n in names]) for title, names in self.sections.items()]
+        titled.append(("Other options", [r for n, r in records.items() if n not in placed]))  # -h/--help
+        for title, rows in titled:
+            shown_rows = [r for r in rows if r is not None]  # hidden options have no record
+            if shown_rows:
+                with formatter.section(title):
+                    formatter.write_dl(shown_rows)

@@ -8,7 +8,7 @@ from the original and from the stored result, so the "after" column is what the 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -167,14 +167,12 @@ class Engine:
         plan: Plan,
         device: torch.device,
         *,
-        seed_names: Mapping[str | tuple[str, str], str] | None = None,
         whole: bool = False,
     ) -> None:
         self.plan = plan
         self.device = device
         self.whole = whole
-        # tensor, or (tensor, role) for a fused tensor saved split per role -> the name its draws are keyed by
-        self.seed_names = dict(seed_names or {})
+        self.seed_names = plan.draw_keys  # the names the draws are keyed by (the model's base names)
         self.edits: dict[str, list[tuple[Change, str]]] = defaultdict(list)
         for change in plan.changes:
             proj = change.projection

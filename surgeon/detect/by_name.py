@@ -15,7 +15,7 @@ from ..errors import LayoutError, NoAttentionFoundError, UnsupportedWeightsError
 from ..open.formats.base import TensorInfo
 from .blocks import AttentionBlock, Projection, Rows, Unreadable, owner, packed_size, slot_offsets, split_module
 from .config import ConfigView, StackFacts, with_transformers_defaults
-from .families import MODULE_FACTS, RULES, SECOND_SETS, SHARED_BLOCKS, Part, Rule, projection_names
+from .families import MODULE_FACTS, RULES, SECOND_SETS, SHARED_BLOCKS, Part, Rule
 from .hints import Hints
 from .latent import LATENT_RULE, latent_block, latent_modules
 from .layout_file import Layout
@@ -238,7 +238,9 @@ def _build(
     user = rule in view.hints.layout_rules
     packings = [p.packing if user else part_packing(p, view, stack, module, where) for p, _ in parts]
     v_dim = facts.v_head_dim if "v" in packings else None
-    layout = solve(parts, packings, heads, kv_hint, facts.head_dim, facts.hidden, where, facts.source, v_dim)
+    layout = solve(
+        parts, packings, heads, kv_hint, facts.head_dim, facts.hidden, where, facts.source, v_dim, facts.hinted
+    )
     head_dim, kv_heads, orientations = layout
     projections = {}
     for (part, info), packing, axis in zip(parts, packings, orientations):
@@ -336,9 +338,11 @@ def with_companions(
 def _nothing_found(tensors: Mapping[str, TensorInfo], notes: list[str], source: str) -> str:
     names = list(tensors)
     sample = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-    known = ", ".join(projection_names())
     why = f"; closest: {notes[0]}" if notes else ""
-    return (
-        f"no attention found in {source}: looked at {len(names)} tensors ({sample}) and none sits under a module "
-        f"with projections named {known}{why}; name yours in a layout file ({opt('layout', 'FILE')})"
+    return (  # short: the names surgeon knows are a command away, not in the message
+        f"no attention found in {source}: none of its {len(names)} tensors ({sample}) is named like a q/k/v projection "
+        f"surgeon knows (`{LIST_NAMES}` lists them){why}; name yours in a layout file ({opt('layout', 'FILE')})"
     )
+
+
+LIST_NAMES = "surgeon inspect --list-names"  # the command that prints projection_names()

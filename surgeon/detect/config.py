@@ -54,6 +54,7 @@ class StackFacts:
     hidden: int | None
     source: str  # where the numbers came from, for messages
     v_head_dim: int | None = None  # a value head size of its own (MiMo-V2-Flash's v_head_dim), where it differs
+    hinted: tuple[str, ...] = ()  # the hints (num_heads, num_kv_heads, head_dim) the user gave for these numbers
 
     def pick(self, value: int | list[int] | None, stage: int | None) -> int | None:
         if isinstance(value, list):  # per-stage lists (Swin): indexed by the stage number
@@ -247,6 +248,7 @@ class ConfigView:
             hidden if isinstance(hidden, int) else None,
             source,
             v_head_dim if isinstance(v_head_dim, int) and not isinstance(v_head_dim, bool) and v_head_dim > 0 else None,
+            tuple(name for name, value in hinted.items() if value is not None),
         )
 
     def latent_sizes(self, stack: str, latent: Latent) -> tuple[int, int, int] | None:

@@ -90,9 +90,12 @@ def solve(
     where: str,
     source: str,
     v_head_dim: int | None = None,
+    hinted: tuple[str, ...] = (),
 ) -> tuple[int, int, tuple[int, ...]]:
     """Find (head_dim, kv_heads, output axis per part) that fit every tensor's shape; a separate value
-    projection has heads of ``v_head_dim`` where that is given."""
+    projection has heads of ``v_head_dim`` where that is given. ``hinted``: the counts the user passed (a
+    refusal names the one at fault, with the arithmetic)."""
+    _refuse_indivisible(parts, packings, heads, kv_hint, head_dim_hint, hidden, where, source, hinted)
     tried = []
     for orientations in _orientation_choices(parts):
         outs = [info.shape[axis] for (_, info), axis in zip(parts, orientations)]
@@ -119,10 +122,65 @@ def solve(
     shapes = ", ".join(
         f"{info.name.rsplit('.', 2)[-2] if '.' in info.name else info.name} {list(info.shape)}" for _, info in parts
     )
+    given = [opt(name, value) for name, value in zip(_HINTS, (heads, kv_hint, head_dim_hint)) if name in hinted]
+    advice = (
+        f"check {' and '.join(given)}"
+        if given
+        else f"check the config or pass {opt('num_heads')}/{opt('num_kv_heads')}/{opt('head_dim')}"
+    )
     raise LayoutError(
         f"the shapes of {where} ({shapes}) do not fit {heads} heads from {source}"
-        f"{' (' + tried[0] + ')' if tried else ''}; check the config or pass {opt('num_heads')}/{opt('num_kv_heads')}/{opt('head_dim')}"
+        f"{' (' + tried[0] + ')' if tried else ''}; {advice}"
     )
+
+
+_HINTS = ("num_heads", "num_kv_heads", "head_dim")
+
+
+def _refuse_indivisible(
+    parts: list[tuple[Part, TensorInfo]],
+    packings: list[str],
+    heads: int,
+    kv_heads: int | None,
+    head_dim: int | None,
+    hidden: int | None,
+    where: str,
+    source: str,
+    hinted: tuple[str, ...],
+) -> None:
+    """The counts that cannot divide what they must, refused with the arithmetic and the flag at fault."""
+    if kv_heads and heads % kv_heads:
+        if "num_kv_heads" in hinted:
+            raise LayoutError(
+                f"{opt('num_kv_heads', kv_heads)} does not divide the {heads} query heads of {where} (from {source}): "
+                f"{heads} is not divisible by {kv_heads}; pass a {opt('num_kv_heads')} that divides {heads} "
+                f"({_near(heads, kv_heads)})"
+            )
+        culprit = opt("num_heads", heads) if "num_heads" in hinted else f"the {heads} query heads {source} says"
+        raise LayoutError(
+            f"{culprit} cannot share {kv_heads} key/value heads in {where}: {heads} is not divisible by {kv_heads}"
+        )
+    linear_q = [info.shape[0] for (part, info), p in zip(parts, packings) if p == "q" and part.orientation == "linear"]
+    width = hidden or (parts[0][1].shape[1] if parts and len(parts[0][1].shape) == 2 else None)
+    if head_dim or not linear_q or linear_q[0] % heads == 0 or (width and width % heads == 0):
+        return
+    out = linear_q[0]
+    name = parts[packings.index("q")][1].name.rsplit(".", 2)[-2]
+    fix = (
+        f"pass a {opt('num_heads')} that divides {out} ({_near(out, heads)})"
+        if "num_heads" in hinted
+        else f"check {source}, or pass {opt('num_heads')} (one that divides {out}: {_near(out, heads)})"
+    )
+    what = opt("num_heads", heads) if "num_heads" in hinted else f"{heads} heads from {source}"
+    raise LayoutError(
+        f"{what} cannot split {where}'s {name} ({out} output features) into heads: {out} is not divisible by {heads}; {fix}"
+    )
+
+
+def _near(n: int, wanted: int) -> str:
+    """The three divisors of ``n`` nearest ``wanted``, for an error's suggestion: ``4, 6 or 8``."""
+    divisors = sorted(sorted((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - wanted), d))[:3])
+    return ", ".join(map(str, divisors[:-1])) + f" or {divisors[-1]}" if len(divisors) > 1 else str(divisors[0])
 
 
 def _orientation_choices(parts: list[tuple[Part, TensorInfo]]) -> list[tuple[int, ...]]:

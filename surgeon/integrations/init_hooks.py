@@ -9,18 +9,20 @@ model's own tensor names), so a pre-training script gets conditioned init from t
             super().init_weights()
             surgeon.conditioned_init_(self, seed=0)
 
-``conditioned_init_(module, model=self)`` inside ``_init_weights(module)`` works per attention module
-(only the blocks inside ``module``); note that transformers 5 initializes a composite model's inner
-``PreTrainedModel`` (e.g. ``LlamaModel``) with that inner class's own ``_init_weights``, so overriding
-``init_weights`` on the outer class, as above, is the dependable hook. On the meta device
-(``from_pretrained`` / ``init_empty_weights``) there are no values to write and nothing happens:
-call ``surgeon.reinit_`` after the weights are loaded.
+``conditioned_init_(module, model=self)`` inside ``_init_weights(module)`` writes the projections held by
+``module``: the attention module or, as transformers hands a user's (custom) model only the modules with
+parameters of their own, each q/k/v Linear. transformers initializes a model nested in another (a task class's
+``bert`` or ``model``) with the inner class's own ``_init_weights``, so a hook there never sees that attention:
+the first call says so (an OptionError naming ``init_weights``, the dependable hook) instead of leaving the
+default init in place. Weights ``from_pretrained`` loaded are left as loaded, as transformers' own init leaves
+them; on the meta device there are no values to write: a warning says to call ``surgeon.reinit_`` once loaded.
 
 The model's detection and plan are made once per model (the first call) and reused.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from dataclasses import replace
 from typing import Any
@@ -33,6 +35,7 @@ from ..detect.hints import HintInput, Hints
 from ..detect.module import ModuleDetection, detect_module
 from ..errors import OptionError, opt
 from ..options import ReinitOptions
+from ..plan.change import Change
 from ..plan.planner import Plan, prepare
 
 _PLANS: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
@@ -62,47 +65,98 @@ def conditioned_init_(
             those of ``options``.
 
     Returns:
-        How many parameters were written: 0 for a module without attention projections, or while the
-        model is built on the meta device, where there are no values to write (then call
-        ``surgeon.reinit_`` after materializing).
+        How many parameters were written: 0 for a module without attention projections, for weights
+        ``from_pretrained`` loaded, or on the meta device (with a warning: call ``surgeon.reinit_`` once loaded).
 
     Raises:
-        OptionError: An option is out of range, or names another mode than conditioned.
+        OptionError: An option is out of range, or names another mode than conditioned; or called per module
+            from ``_init_weights`` of a model whose attention transformers initializes with another model's
+            ``_init_weights`` (a task class): the message says to use ``init_weights``.
         TypeError: A keyword is not an option.
     """
     chosen = ReinitOptions.build(options, **keywords)
     model = module if model is None else model
-    if any(p.is_meta for p in module.parameters()):
-        return 0
     if chosen.validated().mode != ReinitOptions().mode:  # the default mode is the paper's conditioned init
         raise OptionError(
             f"conditioned_init_ gives conditioned init; for {opt('mode', chosen.mode)} call surgeon.reinit_ "
             "once the model is built"
         )
+    if any(p.is_meta for p in module.parameters()):
+        if module is model:  # once per model (the init_weights recipe); the per-module hook is not called on meta
+            warnings.warn(_ON_META.format(type(model).__name__), stacklevel=2)
+        return 0
     key = repr(chosen)  # every field, whatever their types (a list of layers is not hashable)
     cache = _PLANS.setdefault(model, {})
     if key not in cache:
         found = detect_module(model, hints=Hints(num_heads, num_kv_heads, head_dim))
-        plan = prepare(found.blocks, chosen, depths=found.depths)
+        plan = prepare(found.blocks, chosen, depths=found.depths, draw_keys=found.seed_names)
         paths = {id(m): p for p, m in model.named_modules()}
+        if module is not model:  # the per-module hook: refuse attention it will never be handed
+            _refuse_unreachable(model, plan)
         cache[key] = (found, plan, paths, set())
     found, plan, paths, done = cache[key]
     path = paths.get(id(module))
     if path is None:
         return 0
-    if module is model:  # the model itself comes last in transformers' init: finish what its submodules' calls left
+    if module is model:  # the whole model (the init_weights recipe, or the last call of the per-module hook)
         del cache[key]
-        mine = [c for c in plan.changes if c.block.module not in done]
+        mine = [c for c in plan.changes if _change_id(c) not in done]
     else:
-        mine = [c for c in plan.changes if c.block.module == path or c.block.module.startswith(path + ".")]
-        done.update(c.block.module for c in mine)
+        mine = [c for c in plan.changes if _inside(c, path) and _change_id(c) not in done]
+        done.update(_change_id(c) for c in mine)
+        if len(done) == len(plan.changes):  # all written: a later call on the model plans afresh
+            del cache[key]
+    mine = [c for c in mine if not _loaded(found, c)]  # what from_pretrained loaded stays as loaded
     return _write(found, replace(plan, changes=mine)) if mine else 0
+
+
+_ON_META = (
+    "surgeon.conditioned_init_: {} is on the meta device (from_pretrained, init_empty_weights), so nothing was "
+    "written; weights loaded into it stay as loaded: to reset them, call surgeon.reinit_(model) once it is loaded"
+)
+
+
+def _change_id(change: Change) -> tuple[str, str]:
+    return change.projection.weight.tensor, change.role
+
+
+def _inside(change: Change, path: str) -> bool:
+    """Whether the module at ``path`` holds ``change``: its block, a module around it, or the projection's own
+    parameters (transformers hands a custom model's ``_init_weights`` only modules with parameters of their own,
+    i.e. the q/k/v Linears, not the attention module around them)."""
+    if not path:
+        return True
+    tensors = [r.tensor for r in (change.projection.weight, change.projection.bias) if r is not None]
+    return any(n == path or n.startswith(path + ".") for n in (change.block.module, *tensors))
+
+
+def _loaded(found: ModuleDetection, change: Change) -> bool:
+    """A weight transformers' from_pretrained loaded (it marks them): its own init leaves it alone, so do we."""
+    return bool(getattr(found.params[change.projection.weight.tensor], "_is_hf_initialized", False))
+
+
+def _refuse_unreachable(model: nn.Module, plan: Plan) -> None:
+    """transformers initializes a model nested in ``model`` (a task class's ``bert``, ``model``, ...) with that
+    inner model's own ``_init_weights``: a hook in ``type(model)._init_weights`` never sees its attention."""
+    hook = getattr(type(model), "_init_weights", None)
+    params = dict(model.named_parameters())
+    for path, inner in model.named_modules():
+        if not path or not hasattr(inner, "_initialize_weights") or getattr(type(inner), "_init_weights", None) is hook:
+            continue
+        loaded = [getattr(params[c.projection.weight.tensor], "_is_hf_initialized", False) for c in plan.changes]
+        if any(_inside(c, path) and not was for c, was in zip(plan.changes, loaded, strict=True)):
+            raise OptionError(
+                f"conditioned_init_ in {type(model).__name__}._init_weights never sees the attention of {path} "
+                f"({type(inner).__name__}): transformers initializes it with {type(inner).__name__}'s own _init_weights. "
+                f"Call it from {type(model).__name__}.init_weights() instead: super().init_weights(), then "
+                "surgeon.conditioned_init_(self, ...)"
+            )
 
 
 def _write(found: ModuleDetection, plan: Plan) -> int:
     """Write ``plan``'s new heads into the parameters ``found`` holds; returns how many were written."""
     device = found.params[plan.changes[0].projection.weight.tensor].device
-    engine = Engine(plan, device, seed_names=found.seed_names)
+    engine = Engine(plan, device)
     with torch.no_grad():
         for name in engine.tensor_names:
             param = found.params[name]

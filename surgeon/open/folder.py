@@ -58,10 +58,14 @@ class _Root:
         return inside or (self.blobs is not None and os.path.dirname(target) == self.blobs)
 
 
-def walk(folder: Path, *, prune: Callable[[PurePosixPath, bool], bool] | None = None) -> FolderFiles:
+def walk(
+    folder: Path, *, prune: Callable[[PurePosixPath, bool], bool] | None = None, names_only: bool = False
+) -> FolderFiles:
     """Every file under ``folder`` that surgeon may read, walking no link; raises a one-line CheckpointError
-    for a link that leads out of the folder. ``prune(rel, is_folder)``: entries neither walked nor checked
-    (bookkeeping such as ``.git``, that surgeon never reads)."""
+    for a link that leads out of the folder. ``names_only``: a look at what the folder holds, for deciding
+    whether it holds weights at all: a link out of it is listed among the files, not refused, and nothing may
+    be read from that listing. ``prune(rel, is_folder)``: entries neither walked nor checked (bookkeeping such
+    as ``.git``, that surgeon never reads)."""
     root, found = _Root.of(folder), FolderFiles()
     for here, dirs, names in os.walk(folder, followlinks=False):
         base = Path(here)
@@ -79,7 +83,12 @@ def walk(folder: Path, *, prune: Callable[[PurePosixPath, bool], bool] | None = 
             rel = PurePosixPath((base / n).relative_to(folder).as_posix())
             if prune is not None and prune(rel, False):
                 continue
-            why = classify(folder, str(rel), root)
+            try:
+                why = classify(folder, str(rel), root)
+            except CheckpointError:
+                if not names_only:
+                    raise
+                why = None
             if why is None:
                 found.files.append(str(rel))
             else:

@@ -189,8 +189,12 @@ def _variant_indexes(folder: Path, top: list[str], sets: list[WeightSet]) -> lis
 
 
 def _open_folder(folder: Path) -> Source:
-    # One walk, before any file is opened: a link out of the folder is refused here, FIFOs and linked
-    # folders are left out (folder_files), so nothing from outside reaches the weights, the card or the output.
+    # A folder without weights is said to be one, whatever links lie in it (a project folder's .venv): a look
+    # at the names, nothing opened. Then one walk, before any file is opened: a link out of the folder is refused
+    # here, FIFOs and linked folders are left out, so nothing from outside reaches the weights, card or output.
+    seen = walk(folder, prune=_not_read, names_only=True).files
+    if not any(fmt.pick([f for f in seen if "/" not in f]) for fmt in FORMATS) and not _dcp_folders(seen):
+        _refuse_no_weights(folder, seen)
     found = walk(folder, prune=_not_read)
     top = [f for f in found.files if "/" not in f]
     sets = _weight_sets(folder, top) or _nested_dcp(folder, found.files)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
 from ..compute.modes import get_mode
+from ..detect.base_model import CheckpointDrawKeys
 from ..detect.blocks import AttentionBlock, Unreadable
 from ..detect.placement import kind
 from ..errors import OptionError, SelectionError, opt
@@ -29,6 +30,9 @@ class Plan:
     outputs: Mapping[str, tuple[str, bool]] = field(default_factory=dict)
     notes: tuple[str, ...] = ()  # what the selection skipped or reaches beyond its layers
     layout: Mapping[str, str] | None = None  # the layout file the blocks were read with: kept in the record
+    # tensor, or (tensor, role) for a fused tensor saved split per role -> the name its draws are keyed by: the
+    # name relative to the model's own base (no task-class prefix such as bert. or model.); absent: the tensor's own
+    draw_keys: Mapping[str | tuple[str, str], str] = field(default_factory=dict)
 
     @property
     def touched_blocks(self) -> list[AttentionBlock]:
@@ -91,6 +95,7 @@ def prepare_checkpoint(source: Source, detection: Detection, options: ReinitOpti
         depths=detection.depths,
         unreadable=detection.unreadable,
     )
+    plan = replace(plan, draw_keys=CheckpointDrawKeys(plan.tensors(), source.config))  # resolved when drawn
     # named in the report and the card too; the layout file the blocks were read with, kept in the record
     return replace(plan, notes=(*detection.left_alone, *plan.notes), layout=detection.layout)
 
@@ -104,6 +109,7 @@ def prepare(
     whole_tensors: bool = True,
     depths: Mapping[str, int] | None = None,
     unreadable: Sequence[Unreadable] = (),
+    draw_keys: Mapping[str | tuple[str, str], str] | None = None,
 ) -> Plan:
     """The one planning step of every entry point (checkpoints, verify, models in memory, init hooks).
 
@@ -111,7 +117,8 @@ def prepare(
     adds the extra tensors the mode writes (W_O, found among ``shapes``: tensor name -> shape).
     ``whole_tensors``: whether the weights' format can rewrite tensors besides Q/K/V
     (``WeightSet.rewrites_whole_tensors``), for modes that write more (W_O); ``depths``: each stack's number of layers,
-    those without attention included (Detection.depths), so that layer numbers are the model's own.
+    those without attention included (Detection.depths), so that layer numbers are the model's own;
+    ``draw_keys``: the names the draws are keyed by, where they are not the tensors' own (``Plan.draw_keys``).
     """
     options = options.validated()
     mode = get_mode(options.mode)
@@ -121,7 +128,7 @@ def prepare(
             "(an ONNX graph) surgeon patches Q/K/V initializers only; use a safetensors/PyTorch checkpoint"
         )
     plan = make_plan(blocks, mode.with_defaults(options, config), depths, unreadable)
-    return replace(plan, outputs=mode.find_outputs(plan, shapes or {}))
+    return replace(plan, outputs=mode.find_outputs(plan, shapes or {}), draw_keys=dict(draw_keys or {}))
 
 
 def _stack_matches(stack: str, wanted: list[str]) -> bool:

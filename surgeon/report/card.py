@@ -116,16 +116,19 @@ def build_card(
     results: list[ProjectionResult],
     command: str,
     title: str,
+    base_model: str | None = None,
 ) -> ModelCard:
     """The card as a ``huggingface_hub.ModelCard`` (metadata validated by its own parser); ``original``:
-    the input's card (:func:`source_card`), whose metadata and text it keeps."""
+    the input's card (:func:`source_card`), whose metadata and text it keeps; ``base_model``: the Hub model a
+    local source comes from (default: the source's Hub id, else the ``base_model`` its own card names)."""
     from huggingface_hub import ModelCard
 
     mode = get_mode(plan.options.mode)
-    data = _card_data(source, original.metadata if original else {}, mode.tag)
+    lineage = source.hub_id or base_model or _named_base(original.metadata if original else {})
+    data = _card_data(source, original.metadata if original else {}, mode.tag, lineage)
     parts = [
         f"# {shown(title)}",
-        _intro(source, plan),
+        _intro(source, plan, lineage),
         mode.card_caveat(),
         "## What was done",
         _options_table(plan),
@@ -142,7 +145,8 @@ def build_card(
     ]
     if mode.fresh:
         parts.append(
-            "Each head's random draw depends only on (seed, tensor name, role, head), not on the order of processing, "
+            "Each head's random draw depends only on (seed, tensor name, role, head), the name as in the base model "
+            "(without a task class's prefix such as `bert.` or `model.`), not on the order of processing, "
             "the sharding or the other heads selected."
         )
     if mode.citation:
@@ -158,7 +162,16 @@ def build_card(
     return card
 
 
-def _card_data(source: Source, meta: dict, mode_tag: str) -> ModelCardData:
+def _named_base(meta: dict) -> str | None:
+    """The one Hub id a card's ``base_model`` names (a string, or a list of one), if it is a well-formed one."""
+    from ..open.hub_ids import parse_repo_id
+
+    named = meta.get("base_model")
+    named = named[0] if isinstance(named, list) and len(named) == 1 else named
+    return parse_repo_id(f"hf://{named}") if isinstance(named, str) else None
+
+
+def _card_data(source: Source, meta: dict, mode_tag: str, lineage: str | None) -> ModelCardData:
     """The front matter: the source's metadata that still holds (KEPT_METADATA), its tags and surgeon's."""
     from huggingface_hub import ModelCardData
 
@@ -171,10 +184,10 @@ def _card_data(source: Source, meta: dict, mode_tag: str) -> ModelCardData:
             [TAG, mode_tag] + [str(t) for t in (source_tags if isinstance(source_tags, list) else [source_tags])]
         )
     )
-    return ModelCardData(base_model=source.hub_id, tags=tags, **kept)
+    return ModelCardData(base_model=lineage, tags=tags, **kept)
 
 
-def _intro(source: Source, plan: Plan) -> str:
+def _intro(source: Source, plan: Plan, lineage: str | None) -> str:
     """The card's first paragraph: which model, how many blocks changed, by which mode."""
     from huggingface_hub import constants
 
@@ -183,6 +196,8 @@ def _intro(source: Source, plan: Plan) -> str:
     if source.hub_id:
         commit = f" (commit `{source.hub_commit[:12]}`)" if source.hub_commit else ""
         origin = f"[`{source.hub_id}`]({endpoint}/{source.hub_id}){commit}"
+    elif lineage:
+        origin = f"{_code(source.path.name)} (base model [`{lineage}`]({endpoint}/{lineage}))"
     else:
         origin = _code(source.path.name)
     touched, blocks = len(with_streams(plan.touched_blocks)[0]), len(with_streams(plan.blocks)[0])

@@ -59,6 +59,10 @@ def dry_run_notes(source: Source, dest: Destination, *, overwrite: bool, push: P
         weights, carried = folder_output_files(source)
         files = sorted({*weights, *carried, "README.md"})  # the folder surgeon writes, its model card included
         notes.append(f"the real run pushes {dest.path.name} to {push.repo_id}: {len(files)} files, {', '.join(files)}")
+        from ..write.push import NO_TOKEN_YET, has_token
+
+        if not has_token(push.token):
+            notes.append(NO_TOKEN_YET)
     return notes
 
 
@@ -98,8 +102,8 @@ def reproduce(model: str | Path, source: Source, options: ReinitOptions, hints: 
 
     if source.hub_id:
         label, revision = source.hub_id, source.hub_commit
-    else:  # a relative path as typed; never an absolute one (it would publish a local directory layout)
-        label, revision = (str(model) if not Path(model).is_absolute() else Path(model).name), None
+    else:  # its name only: a path, relative or absolute, would publish a local directory layout
+        label, revision = Path(model).name, None
     return reproduce_command(label, revision=revision, options=options.to_dict(), hints=hints, output=dest.name)
 
 

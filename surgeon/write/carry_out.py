@@ -40,6 +40,7 @@ def carry_out(
     progress: bool,
     title: str,
     command: Callable[[], str],
+    base_model: str | None = None,
 ) -> Done:
     """Compute the new values and write them to ``dest``.
 
@@ -55,8 +56,9 @@ def carry_out(
 
     def card(folder: Path) -> None:
         write_card(
-            folder, source=source, original=original, plan=plan, results=run.results(), command=command(), title=title
-        )
+            folder, source=source, original=original, plan=plan, results=run.results(), command=command(), title=title,
+            base_model=base_model,
+        )  # fmt: skip
 
     try:
         notes += dest.write(source, run.updates_for, plan.record(), write_plans, card=card)

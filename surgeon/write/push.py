@@ -9,14 +9,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
-from ..errors import CheckpointError, HubAuthError, OptionError, opt
+from ..errors import CheckpointError, HubAuthError, HubError, OptionError, PushError, opt
 from ..open.bounded import CARD_LIMIT, read_bytes
 from ..open.folder import walk
 from ..open.hub_errors import one_line, write_error
 from ..open.hub_ids import check_revision, hf_progress, require_repo_id
 from ..report.redact import remember
 from .journal_file import SUFFIX
-from .push_result import PushResult, partial_push_error
+from .push_result import PushResult, partial_push_error, push_command
 from .recovery import refuse_journals
 
 if TYPE_CHECKING:
@@ -115,13 +115,6 @@ class PushTarget:
 del PushTarget.revision  # type: ignore[attr-defined]
 
 
-def check_push(repo_id: str, *, branch: str | None = None, create_pr: bool = False, token: str | None = None) -> str:
-    """Everything about a push that can fail before anything is written; returns the repo id."""
-    repo_id = _check_target(repo_id, branch, create_pr)
-    _push_token(token)
-    return repo_id
-
-
 def _branch(branch: str | None, revision: str | None, where: str, *, stacklevel: int) -> str | None:
     """The branch to push to, given as ``branch`` or by its other name ``revision`` (warned: it names what a
     model is read at everywhere else)."""
@@ -203,20 +196,67 @@ def push_folder(
         OptionError: The folder, the repo id or the branch cannot be pushed.
         HubError: The Hub refused or failed (PushError: part-way, saying what arrived).
     """
-    from huggingface_hub import CommitOperationAdd, HfApi, constants
+    from huggingface_hub import constants
 
     folder = Path(folder)
     if folder.is_dir():  # a half-patched folder (an in-place run's journal beside its weights) is never offered
         refuse_journals(folder, unfinished=True)
     branch = _branch(branch, revision, "push_folder", stacklevel=3)
-    repo_id = check_push(repo_id, branch=branch, create_pr=create_pr, token=token)
-    token = _push_token(token)
+    repo_id = _check_target(repo_id, branch, create_pr)
     files, left_out = _files_to_push(folder)
-    if dry_run:
+    if dry_run:  # nothing is sent, so no token is needed: the result says whether the real push has one
         url, size = f"{constants.ENDPOINT.rstrip('/')}/{repo_id}", sum((folder / f).stat().st_size for f in files)
-        return PushResult(
-            repo_id, url, branch or "main", False, "", "", None, files, [], [], size, left_out, dry_run=True
+        notes = left_out + ([] if has_token(token) else [NO_TOKEN_YET])
+        return PushResult(repo_id, url, branch or "main", False, "", "", None, files, [], [], size, notes, dry_run=True)
+    retry = push_command(
+        folder, repo_id, branch=branch, create_pr=create_pr, private=private, commit_message=commit_message
+    )
+    try:
+        return _push(
+            folder,
+            repo_id,
+            files,
+            left_out,
+            private,
+            branch,
+            create_pr,
+            commit_message,
+            commit_description,
+            token,
+            progress,
         )
+    except HubError as exc:
+        if not isinstance(exc, PushError):  # a partial push names its own command, with what reached the Hub
+            exc.follow_up = f"retry with `{retry}`"
+        raise
+
+
+NO_TOKEN_YET = "no Hub token found: the real push needs one with write access (HF_TOKEN or `hf auth login`)"
+
+
+def has_token(token: str | None = None) -> bool:
+    """Whether a token to push with is there (the argument, HF_TOKEN or `hf auth login`); nothing is sent."""
+    from huggingface_hub import get_token
+
+    return bool(token or get_token())
+
+
+def _push(
+    folder: Path,
+    repo_id: str,
+    files: list[str],
+    left_out: list[str],
+    private: bool,
+    branch: str | None,
+    create_pr: bool,
+    commit_message: str | None,
+    commit_description: str | None,
+    token: str | None,
+    progress: bool,
+) -> PushResult:
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    token = _push_token(token)
     api = HfApi(token=token)
     created, notes = _prepare_repo(api, repo_id, token, private=private, branch=branch, create_pr=create_pr)
     notes = left_out + notes
@@ -225,6 +265,7 @@ def push_folder(
         "branch": branch,
         "create_pr": create_pr,
         "private": private,
+        "commit_message": commit_message,
     }  # for messages about a partial push
     with hf_progress(progress):
         done = _preupload(api, repo_id, token, folder, ops, **where)

@@ -98,6 +98,25 @@ class PushResult:
         return [f"  {shown(f)}{' (already there, unchanged)' if f in unchanged else ''}" for f in self.files]
 
 
+def push_command(
+    folder: Path,
+    repo_id: str,
+    *,
+    branch: str | None,
+    create_pr: bool,
+    private: bool,
+    commit_message: str | None = None,
+) -> str:
+    """The ``surgeon push`` command that sends ``folder`` as the push that failed would have."""
+    flags = (
+        (f" --branch {shlex.quote(branch)}" if branch else "")
+        + (" --create-pr" if create_pr else "")
+        + (" --private" if private else "")
+        + (f" --commit-message {shlex.quote(commit_message)}" if commit_message else "")
+    )
+    return f"surgeon push {shlex.quote(str(folder))} {repo_id}{flags}"
+
+
 def partial_push_error(
     exc: Exception,
     repo_id: str,
@@ -110,6 +129,7 @@ def partial_push_error(
     branch: str | None,
     create_pr: bool,
     private: bool,
+    commit_message: str | None = None,
 ) -> Exception:
     """One line: what reached the Hub, what did not, and the command that finishes the job."""
     base = write_error(exc, repo_id, token, "push")
@@ -119,12 +139,9 @@ def partial_push_error(
     pending = [op.path_in_repo for op in ops[failed_at:]] + [
         op.path_in_repo for op in ops[:failed_at] if op.path_in_repo not in done
     ]
-    flags = (
-        (f" --branch {shlex.quote(branch)}" if branch else "")
-        + (" --create-pr" if create_pr else "")
-        + (" --private" if private else "")
+    rerun = push_command(
+        folder, repo_id, branch=branch, create_pr=create_pr, private=private, commit_message=commit_message
     )
-    rerun = f"surgeon push {shlex.quote(str(folder))} {repo_id}{flags}"
     if failed_at < len(ops):
         before = (
             f"uploaded before it: {few(done)} ({len(done)} large files)"

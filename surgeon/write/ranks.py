@@ -147,6 +147,7 @@ def reinit_ranks(
     revision: str | None,
     config: str | Path | None,
     full: bool,
+    base_model: str | None = None,
 ) -> Report:
     """surgeon.reinit_checkpoint on every rank of ``group``: each plans alike, writes its share, returns the whole report."""
     import time
@@ -184,7 +185,7 @@ def reinit_ranks(
         def card(folder: Path, results: list) -> None:
             write_card(
                 folder, source=source, original=original, plan=plan, results=results, command=command,
-                title=dest.path.name,
+                title=dest.path.name, base_model=base_model,
             )  # fmt: skip
 
         try:

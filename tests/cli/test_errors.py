@@ -17,7 +17,11 @@ from helpers.tiny import tiny_llama
 def test_no_attention_found(cli, tmp_path):
     save_file({"mlp.fc1.weight": torch.randn(8, 4), "mlp.fc2.weight": torch.randn(4, 8)}, tmp_path / "mlp.safetensors")
     msg = expect_error(cli, tmp_path, "reinit", tmp_path / "mlp.safetensors", match="no attention found")
-    assert "looked at 2 tensors" in msg and "mlp.fc1.weight" in msg
+    assert "none of its 2 tensors" in msg and "mlp.fc1.weight" in msg
+    assert "`surgeon inspect --list-names` lists them" in msg and "query_key_value" not in msg  # not the 40 names
+    assert len(msg.replace(str(tmp_path), "")) < 250, msg  # was ~950 characters with the 40 names
+    listed = cli("inspect", "--list-names").stdout.splitlines()
+    assert "q_proj/k_proj/v_proj" in listed and "query_key_value" in listed and len(listed) > 20
     expect_error(cli, tmp_path, "inspect", tmp_path / "mlp.safetensors", match="no attention found")
 
 
@@ -97,7 +101,23 @@ def test_quantized_and_integer_projections(cli, tmp_path):
 def test_heads_unknown_without_config(cli, tmp_path):
     save_file({f"layers.0.attn.{p}_proj.weight": torch.randn(64, 64) for p in "qkv"}, tmp_path / "m.safetensors")
     expect_error(cli, tmp_path, "reinit", tmp_path / "m.safetensors", match="pass --num-heads N")
-    expect_error(cli, tmp_path, "reinit", tmp_path / "m.safetensors", "--num-heads", 5, match="do not fit 5 heads")
+    msg = expect_error(
+        cli, tmp_path, "reinit", tmp_path / "m.safetensors", "--num-heads", 5, match="64 is not divisible by 5"
+    )
+    assert msg.startswith("surgeon: error: --num-heads 5 cannot split") and "pass a --num-heads that divides 64" in msg
+    assert "pass --num-heads N" not in msg
+
+
+def test_head_counts_that_do_not_divide_name_the_flag_at_fault(cli, tmp_path):
+    save_file({f"layers.0.attn.{p}_proj.weight": torch.randn(384, 384) for p in "qkv"}, tmp_path / "m.safetensors")
+    m = tmp_path / "m.safetensors"
+    msg = expect_error(cli, tmp_path, "reinit", m, "--num-heads", 5, match="384 is not divisible by 5")
+    assert "(3, 4 or 6)" in msg  # divisors of 384, the nearest to 5
+    msg = expect_error(
+        cli, tmp_path, "reinit", m, "--num-heads", 8, "--num-kv-heads", 3, match="8 is not divisible by 3"
+    )
+    assert msg.startswith("surgeon: error: --num-kv-heads 3 does not divide the 8 query heads")
+    assert "pass a --num-kv-heads that divides 8 (1, 2 or 4)" in msg
 
 
 def test_missing_shard_and_index_entry(cli, tmp_path):

@@ -46,7 +46,7 @@ def test_redraw_llama_is_the_config_normal_through_the_forward(one_thread):
     cfg = model.config
     for i in range(cfg.num_hidden_layers):
         for role, proj, heads in (("q", "q_proj", 8), ("k", "k_proj", 2), ("v", "v_proj", 2)):
-            name = f"model.layers.{i}.self_attn.{proj}.weight"
+            name = f"layers.{i}.self_attn.{proj}.weight"  # keyed relative to the base model (no model.)
             w = _expected_redraw(getattr(_attn(expected, i), proj).weight, name, role, heads, 0.05, seed=3)
             getattr(_attn(expected, i), proj).weight.data.copy_(w)
     with torch.no_grad():
@@ -217,7 +217,7 @@ def test_mimetic_gpt2_checkpoint_equals_in_memory_and_verifies(cli, tmp_path):
     assert not torch.equal(wo.float(), before)
     assert torch.allclose(
         wv @ wo,
-        torch.from_numpy(0.4 * _z(0, "transformer.h.0.attn", "vo/mimetic", 0, 32) - 0.4 * np.eye(32)),
+        torch.from_numpy(0.4 * _z(0, "h.0.attn", "vo/mimetic", 0, 32) - 0.4 * np.eye(32)),  # keyed without transformer.
         atol=1e-5,
     )
     with torch.no_grad():

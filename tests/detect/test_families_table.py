@@ -25,12 +25,17 @@ def test_every_rule_names_known_packings():
             assert part.bias_packing is None or part.bias_packing in PACKINGS
 
 
-def test_nothing_found_lists_the_families_from_the_table():
+def test_nothing_found_points_at_the_list_of_the_families_from_the_table():
+    from click.testing import CliRunner
+
+    from surgeon.cli.commands import main
+
     tensors = {"mlp.weight": TensorInfo("mlp.weight", (4, 4), "F32", "float32", "model.safetensors", 64)}
     with pytest.raises(NoAttentionFoundError) as err:
         detect(tensors)
-    for names in projection_names():
-        assert names in str(err.value)
+    assert "`surgeon inspect --list-names` lists them" in str(err.value)
+    listed = CliRunner().invoke(main, ["inspect", "--list-names"]).output.splitlines()
+    assert listed == list(projection_names())
     assert len(projection_names()) == len({"/".join(p.weight.removesuffix(".weight") for p in r.parts) for r in RULES})
 
 

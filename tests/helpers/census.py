@@ -55,7 +55,7 @@ REASONS = (
     ("quantized", r"quantized"),
     ("no attention", r"no attention found"),
     ("needs --num-heads", r"cannot tell the number of heads"),
-    ("shapes do not fit", r"do not fit"),
+    ("shapes do not fit", r"do not fit|is not divisible by"),
     ("packing unknown", r"packs query/key/value|packing surgeon cannot tell"),
     ("unknown projections", r"looks like attention"),
     ("unreadable block", r"cannot be read|unknown projections|left untouched"),

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from helpers.cli import expect_cli_error
 from helpers.hub import TOKEN, Surgeon, build_cache, make_source
 from helpers.hub_server import HubServer
 from helpers.onnx_graphs import tiny_attention
+from helpers.paths import ROOT
 from helpers.tiny import tiny_llama
 
 SECRET = b"-----BEGIN OPENSSH PRIVATE KEY----- surgeon-folder-links-0f3a9c61 -----END-----"
@@ -312,3 +314,19 @@ def test_onnx_external_data_in_a_hub_cache_snapshot_is_read_from_its_blobs(tmp_p
         tmp_path / "x.onnx",
         match=f"model.onnx_data in {snapshot} is a link to {target}",
     )
+
+
+def test_a_folder_without_weights_says_so_whatever_links_lie_in_it(tmp_path, cli):
+    """A project folder (its .venv full of links out of it) holds no weights: that is the one thing to say."""
+    project = tmp_path / "project"
+    (project / ".venv" / "bin").mkdir(parents=True)
+    (project / "train.py").write_text("print('hi')\n")
+    (project / ".venv" / "bin" / "python3").symlink_to(sys.executable)
+    for args in (["reinit", project, "-o", tmp_path / "out"], ["inspect", project]):
+        line = expect_cli_error(
+            cli, tmp_path, *args, match=f"no weights in folder {project}: expected model.safetensors"
+        )
+        assert ".venv" not in line and "link" not in line
+    # with weights there, the same link is still refused before anything is read
+    shutil.copytree(ROOT / "examples" / "tiny-bert", project, dirs_exist_ok=True)
+    expect_cli_error(cli, tmp_path, "inspect", project, match=".venv/bin/python3 in")

@@ -122,3 +122,18 @@ def test_replicate_vit_quick(tmp_path, capsys):
         assert all(k >= 1 for k in r["kappa_j"])
     assert runs["conditioned"]["kappa_j"][0] < runs["default"]["kappa_j"][0]  # same model, conditioned heads
     assert "kappa(J) start -> end" in capsys.readouterr().out and out.stat().st_size > 5_000
+
+
+@pytest.mark.parametrize("name", ["pretrain_gpt", "prefinetune_minilm"])
+def test_a_quick_run_without_out_writes_a_temporary_folder_not_the_tracked_results(name, tmp_path, capsys, monkeypatch):
+    import tempfile
+
+    from helpers.digests import tree_digest
+
+    tracked = tree_digest(EXAMPLES / "out")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where mkdtemp makes the run's folder
+    load(name).main(["--quick", "--threads", "1"])
+    assert tree_digest(EXAMPLES / "out") == tracked
+    plots = list(tmp_path.glob(f"surgeon-example-*/{name}.png"))
+    assert len(plots) == 1 and plots[0].with_suffix(".json").is_file()
+    assert f"plot: {plots[0]}" in capsys.readouterr().out

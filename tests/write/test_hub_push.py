@@ -189,7 +189,9 @@ def test_an_interrupted_push_says_what_arrived_and_a_rerun_finishes(sources, tmp
 
         hub.faults.clear()
         rerun = re.search(r"run `([^`]+)` to finish", error).group(1)
-        assert rerun == f"surgeon push {out} org/sharded"
+        args = shlex.split(rerun)
+        assert args[:4] == ["surgeon", "push", str(out), "org/sharded"]  # and the commit message the push had
+        assert args[4] == "--commit-message" and "q,k,v in 1 attention block of org/tiny" in args[5]
         finished = surgeon(*shlex.split(rerun)[1:], token=TOKEN)
         assert "pushed" in finished.stdout and len(hub.pushed) == 1
         arrived = {
@@ -264,3 +266,61 @@ def test_push_refusals_are_one_line_and_write_nothing(sources, tmp_path):
         bad = surgeon("push", out, "me/x", token="hf_bad", ok=False)
         assert "the Hub rejected the token (HF_TOKEN or the saved login)" in bad.error and "hf_bad" not in bad.stderr
         assert hub.pushed == []
+
+
+def test_dry_runs_need_no_token_and_every_failed_push_ends_with_the_command_that_retries_it(sources, tmp_path):
+    """Nothing is sent by a dry run, so no token is asked for (it says the real push needs one); a push that
+    fails before anything reached the Hub ends with the `surgeon push` command that sends the same folder."""
+    out = tmp_path / "made-earlier"
+    reinit_checkpoint(sources[0], output=out, layers="0")
+    with serve(sources[0]) as hub:
+        surgeon = Surgeon(tmp_path, hub.url)
+        before = digest(out)
+        pushed, reinit = surgeon.many(
+            ["push", out, "me/x", "--dry-run"],
+            ["reinit", "org/tiny", "-o", "planned", "--push-to-hub", "me/x", "--dry-run"],
+        )
+        for run in (pushed, reinit):
+            assert run.rc == 0, run.stderr
+            assert "no Hub token found: the real push needs one with write access" in run.stdout
+        assert "dry run: would push these" in pushed.stdout and "the real run pushes planned to me/x" in reinit.stdout
+        assert not any(r.method in ("POST", "PUT") for r in hub.requests)  # nothing sent
+        assert digest(out) == before and not (tmp_path / "planned").exists()  # nothing written
+        with_token = surgeon("push", out, "me/x", "--dry-run", token=TOKEN)
+        assert "no Hub token found" not in with_token.stdout
+        # the Hub refuses a stranger's push outright: nothing arrived, and the line ends with the retry
+        refused, kept = surgeon.many(
+            ["push", out, "org/tiny", "--branch", "dev"],
+            ["reinit", "org/tiny", "-o", "kept", "--push-to-hub", "org/tiny", "--commit-message", "reset it"],
+            token=OTHER_TOKEN,
+        )
+    for run, rerun in (
+        (refused, f"surgeon push {out} org/tiny --branch dev"),
+        (kept, "surgeon push kept org/tiny --commit-message 'reset it'"),
+    ):
+        assert run.rc != 0 and run.error.endswith(f"; retry with `{rerun}`"), run.error
+        assert OTHER_TOKEN not in run.stderr
+    assert (tmp_path / "kept" / "model.safetensors").is_file() and hub.pushed == []
+
+
+def test_a_local_source_card_names_its_lineage_and_never_the_local_path(sources, tmp_path):
+    local = tmp_path / "somewhere" / "deep" / "minilm"
+    local.parent.mkdir(parents=True)
+    import shutil
+
+    shutil.copytree(sources[0], local)
+    out = tmp_path / "out"
+    reinit_checkpoint(local, output=out, layers="0", base_model="org/tiny")
+    card = ModelCard.load(out / "README.md")
+    assert card.data.base_model == "org/tiny"
+    assert "This is `minilm` (base model [`org/tiny`](" in card.text
+    reproduce = card.text.split("## Reproduce")[1]
+    assert "surgeon reinit minilm " in reproduce and "somewhere" not in card.content
+    # without the flag, the base_model the source's own card names
+    (local / "README.md").write_text("---\nbase_model: org/parent\nlicense: mit\n---\n\n# minilm\n")
+    reinit_checkpoint(local, output=tmp_path / "out2", layers="0")
+    card = ModelCard.load(tmp_path / "out2" / "README.md")
+    assert card.data.base_model == "org/parent" and card.data.license == "mit"
+    with pytest.raises(Exception, match=r"base_model 'not an id' is not a Hub repository id"):
+        reinit_checkpoint(local, output=tmp_path / "out3", base_model="not an id")
+    assert not (tmp_path / "out3").exists()

@@ -10,6 +10,7 @@ from torch import nn
 
 from ...errors import LayoutError, NoAttentionFoundError, SurgeonError, TensorParallelError
 from ...open.formats.base import TensorInfo
+from ..base_model import base_path, relative_to
 from ..blocks import AttentionBlock, Projection, Rows, slot_offsets
 from ..by_name import detect, match_modules, with_companions
 from ..config import framework_config
@@ -76,10 +77,12 @@ def detect_module(module: nn.Module, *, hints: Hints | None = None, example_inpu
         blocks = [prefixed(b, prefix) for b in detection.blocks]
         _add(found, blocks, "names")
         found.depths.update({f"{prefix}.{s}" if prefix else s: n for s, n in detection.depths.items()})
+        base = base_path(hf)  # the draws' keys: relative to the base model (no task-class bert. / model.)
         for block in blocks:
             for name in block.tensors():
-                rel = name[len(prefix) + 1 :] if prefix else name
-                found.seed_names[name] = renames.get(rel, rel)
+                rel = relative_to(name, prefix)
+                saved = renames.get(rel, rel)
+                found.seed_names[name] = relative_to(saved, base) if rel.startswith(base + ".") else saved
         found.notes += detection.notes[:5]
         found.notes += kept_norms_note(_norms_in(module, blocks), blocks)
     own: list[AttentionBlock] = []
