@@ -47,7 +47,9 @@ def test_every_block_is_run_or_marked():
     assert len(illustrative) <= MOST_ILLUSTRATIVE, [b.where for b in illustrative]
     assert all(len(b.marker[1].split()) >= 3 for b in illustrative), "say why a block is not run"
     pages_with_runs = {b.page for b in every if b.how == "run"} - {"README.md"}
-    assert pages_with_runs <= set(PAGE_MODELS), f"say which models these pages name: {pages_with_runs - set(PAGE_MODELS)}"
+    assert pages_with_runs <= set(PAGE_MODELS), (
+        f"say which models these pages name: {pages_with_runs - set(PAGE_MODELS)}"
+    )
 
 
 def _tests_in(path: Path) -> set[str]:
