@@ -140,6 +140,17 @@ def test_the_readme_links_resolve():
             assert anchor in _anchors(target), f"README.md links to {link}: {path} has no such heading"
 
 
+def _built_conditioned(page_blocks: list[Block], printed: dict[int, str]) -> None:
+    """The construction recipe builds the model conditioned: the table it prints has every head at kappa 1."""
+    (line,) = [b.line for b in page_blocks if "class ConditionedLlama" in b.text]
+    rows = re.findall(r"^model\.layers\.\d+ self +([qkv]) +\S+ +\S+ +(\S+)$", printed[line], re.M)
+    assert len(rows) == 9 and {kappa for _, kappa in rows} == {"1.00/1.00/1.00"}, printed[line]
+
+
+# what a page's printed output must show beyond its console blocks
+PAGE_CHECKS = {"docs/python-api.md": _built_conditioned}
+
+
 @pytest.fixture(scope="module")
 def hub():
     with HubServer() as server:
@@ -168,3 +179,4 @@ def test_the_page_runs(page, tmp_path, hub):
     printed = run_page(page_blocks, cwd, env, tmp_path / "blocks")
     assert printed  # something ran
     assert not any("Traceback" in out for out in printed.values()), printed
+    PAGE_CHECKS.get(page, lambda *_: None)(page_blocks, printed)
