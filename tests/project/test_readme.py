@@ -40,6 +40,14 @@ def test_first_command_runs_the_main_job(tmp_path):
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 
 
+def test_the_readme_is_a_start_not_the_reference():
+    """About 250 lines at most (the reference is the site under docs/), with the three quick starts."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    headings = re.findall(r"^## (Quick start \d)", text, re.M)
+    assert headings == ["Quick start 1", "Quick start 2", "Quick start 3"]
+
+
 def _head_kappas(weight, head_dim: int) -> list[float]:
     """Condition number of each head's rows of a projection, by torch's own SVD (not surgeon's)."""
     import torch
