@@ -19,7 +19,7 @@ shopt -s nullglob
 TESTS=(tests/integrations/test_frameworks_native.py tests/integrations/test_native_*.py)
 step() { printf '\n== %s (%ss)\n' "$1" "$SECONDS"; }
 
-requirements() {  # the framework and what it needs beside CPU torch (DEVELOPERS notes in README "From your training framework")
+requirements() {  # the framework and what it needs beside CPU torch (docs/frameworks.md "From your training framework" lists them)
     case $1 in
         litgpt) echo "litgpt==0.5.13 requests" ;;
         olmo) echo "ai2-olmo-core==3.0.0" ;;

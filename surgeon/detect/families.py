@@ -269,7 +269,7 @@ LATENTS = (
 SECOND_SETS: tuple[tuple[str, Rule], ...] = ((SET_TAGS[0], _separate("query_global", "key_global", "value_global")),)
 
 
-# --- libraries beyond transformers (README "Libraries") ----------------------------------
+# --- libraries beyond transformers (docs/formats.md "Libraries") ----------------------------------
 
 # Layer-list entries named with their index instead of numbered, read as that number (torchvision
 # vision_transformer.py: encoder.layers.encoder_layer_3.self_attention).

@@ -1,6 +1,6 @@
 """The census in the suite: a stratified slice of every transformers model type, each built tiny offline,
 re-initialized, and judged by the model's own forward (tests/helpers/census.py), must keep the verdict that
-tests/project/census_expected.json records. The whole census is `python scripts/census.py` (README "Census")."""
+tests/project/census_expected.json records. The whole census is `python scripts/census.py` (docs/census.md)."""
 
 from __future__ import annotations
 
