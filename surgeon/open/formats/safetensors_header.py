@@ -220,16 +220,23 @@ def with_metadata(entries: dict, metadata: dict[str, str]) -> dict:
     return {"__metadata__": metadata, **entries}
 
 
-def add_record(metadata: dict[str, str], record: dict) -> dict[str, str]:
-    """Append surgeon's record to the history kept under ``__metadata__['surgeon']``."""
-    history = []
-    if METADATA_KEY in metadata:
-        try:
-            history = loads(metadata[METADATA_KEY], where="surgeon's record")
-            history = history if isinstance(history, list) else [history]
-        except CheckpointError:  # not JSON: kept as the text it is
-            history = [metadata[METADATA_KEY]]
+def add_record(metadata: dict[str, str], record: dict, history: list | None = None) -> dict[str, str]:
+    """Append surgeon's record to the history kept under ``__metadata__['surgeon']`` (``history``: the one
+    to append to, where the checkpoint's longest is not this file's own: a shard an earlier run left alone)."""
+    if history is None:
+        history = history_in(metadata)
     return {**metadata, METADATA_KEY: json.dumps(history + [record], separators=(",", ":"), sort_keys=True)}
+
+
+def history_in(metadata: dict[str, str]) -> list:
+    """The history under ``__metadata__['surgeon']`` as a list (text that is not JSON: kept as it is)."""
+    if METADATA_KEY not in metadata:
+        return []
+    try:
+        history = loads(metadata[METADATA_KEY], where="surgeon's record")
+    except CheckpointError:
+        return [metadata[METADATA_KEY]]
+    return history if isinstance(history, list) else [history]
 
 
 def records(metadata: dict[str, str]) -> list[dict]:
