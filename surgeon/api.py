@@ -12,6 +12,7 @@ from .detect import detect_source
 from .detect.hints import HINT_KEYWORDS, HintInput, Hints
 from .errors import HubError, OptionError, opt
 from .open import hub
+from .open.hub_remote import fetch_weights, transfer_notes
 from .open.source import Source
 from .options import ReinitOptions
 from .plan.planner import Plan, prepare_checkpoint
@@ -99,7 +100,8 @@ def inspect_checkpoint(
 
     dev = resolve_device(device)
     start = time.perf_counter()
-    source = hub.open_model(model, config=config, revision=revision, progress=progress)
+    # read by Range where it can: the measured tensors' bytes, not whole shards (the jacobian loads the model)
+    source = hub.open_model(model, config=config, revision=revision, progress=progress, remote=not jacobian)
     detection = detect_source(source, hints)
     weights = source.primary
     if emit_layout is not None:
@@ -114,7 +116,7 @@ def inspect_checkpoint(
     with hold(source, exclusive=False), Progress(progress, len(tensors), "inspect") as bar:
         spectra = inspect_blocks(detection.blocks, weights.read, dev, progress=bar.update if bar else None, whole=full)
     unread = [f"cannot be read, left as it is by any reinit: {u.why}" for u in detection.unreadable]
-    notes = [*source.notes, *detection.left_alone, *unread[:3], *detection.notes[:5]]
+    notes = [*source.notes, *detection.left_alone, *unread[:3], *detection.notes[:5], *transfer_notes(source)]
     if emit_layout is not None:
         notes.append(f"wrote the detected layout to {emit_layout} (give it back with {opt('layout', emit_layout)})")
     if verify_layout:
@@ -227,7 +229,7 @@ def reinit_checkpoint(
             group.close()
     start = time.perf_counter()
     source = hub.open_model(
-        model, config=config, revision=revision, progress=progress, recover=in_place and not dry_run
+        model, config=config, revision=revision, progress=progress, recover=in_place and not dry_run, remote=True
     )
     dest = resolve_destination(
         source, output, in_place=in_place, overwrite=overwrite or dry_run, push=target is not None
@@ -236,8 +238,9 @@ def reinit_checkpoint(
     plan = prepare_checkpoint(source, detection, opts)
     notes = [*source.notes, *detection.notes[:5], *plan.notes]
     if dry_run:
-        notes += dry_run_notes(source, dest, overwrite=overwrite, push=target)
+        notes += dry_run_notes(source, dest, overwrite=overwrite, push=target) + transfer_notes(source)
         return reinit_report(source, detection, plan, dest, planned_rows(source, plan), notes, device=str(device))
+    fetch_weights(source)
     title = target.repo_id if target is not None else dest.path.name
     with hold(source, exclusive=in_place):  # in place: alone; a copy: never while an in-place run patches it
         done = carry_out(
@@ -252,7 +255,7 @@ def reinit_checkpoint(
             command=lambda: reproduce(model, source, plan.options, hints, dest.path),
         )
     seconds = time.perf_counter() - start
-    notes += done.notes
+    notes += done.notes + transfer_notes(source)
     if target is not None:
         notes += _push(dest, target, source, plan, progress=progress)
     return reinit_report(

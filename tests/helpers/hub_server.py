@@ -732,7 +732,10 @@ def lfs_transfer(hub: HubServer, method: str, parts: list[str], req: Seen):
             if f'"{hashlib.md5(chunks.get(p["partNumber"], b"")).hexdigest()}"' != p["etag"]:
                 raise _error(400, f"part {p['partNumber']} does not match its etag")
         return _store(
-            hub, repo_id, oid, b"".join(chunks[p["partNumber"]] for p in sorted(done["parts"], key=lambda p: p["partNumber"]))
+            hub,
+            repo_id,
+            oid,
+            b"".join(chunks[p["partNumber"]] for p in sorted(done["parts"], key=lambda p: p["partNumber"])),
         )
     raise _error(404, "unknown LFS transfer")
 

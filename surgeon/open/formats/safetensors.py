@@ -25,8 +25,8 @@ from .safetensors_header import (
     Header,
     add_record,
     encode_header,
-    read_header,
     history_in,
+    read_header,
     with_metadata,
 )
 
@@ -49,7 +49,8 @@ def tensor_info(header: Header, name: str, file: str) -> TensorInfo:
     return TensorInfo(name, tuple(entry["shape"]), entry["dtype"], dtype, file, end - begin)
 
 
-def read_tensor(header: Header, name: str) -> torch.Tensor:
+def torch_dtype(header: Header, name: str) -> torch.dtype:
+    """The torch dtype of tensor ``name`` (refused where this torch has none)."""
     import torch
 
     entry = header.entries[name]
@@ -61,6 +62,14 @@ def read_tensor(header: Header, name: str) -> torch.Tensor:
             path=header.path,
             tensor=name,
         )
+    return dtype
+
+
+def read_tensor(header: Header, name: str) -> torch.Tensor:
+    import torch
+
+    entry = header.entries[name]
+    dtype = torch_dtype(header, name)
     begin, end = entry["data_offsets"]
     shape = tuple(entry["shape"])
     if end == begin:
@@ -148,17 +157,20 @@ class SafetensorsWeights(RankedWeightSet):
     record_slot = True
     shard_suffix = FILE_SUFFIX
 
-    def __init__(self, folder: Path, files: list[str], index: str | None = None) -> None:
+    def __init__(
+        self, folder: Path, files: list[str], index: str | None = None, headers: dict[str, Header] | None = None
+    ) -> None:
+        """``headers``: the shards' headers, read already (a Hub model's, by Range: see open.hub_remote)."""
         super().__init__(folder, files, index)
         self.headers: dict[str, Header] = {}
         found: dict[str, str] = {}
         for file in files:
             path = folder / file
-            if not path.is_file():
+            if headers is None and not path.is_file():
                 raise CheckpointError(
                     f"missing shard {file}: {index or 'the checkpoint'} lists it but it is not in {folder}"
                 )
-            header = self.headers[file] = read_header(path)
+            header = self.headers[file] = read_header(path) if headers is None else headers[file]
             for name in header.tensor_entries():
                 if name in found:
                     raise CheckpointError(f"tensor {name!r} is in both {found[name]} and {file}")

@@ -89,18 +89,24 @@ def read_header_fd(fd: int, path: Path) -> Header:
     try:
         size = os.fstat(fd).st_size
         prefix = os.pread(fd, 8, 0)
-        if len(prefix) < 8:
-            raise CheckpointError(f"{path} is not a safetensors file: it is only {size} bytes long", path=path)
-        (length,) = struct.unpack("<Q", prefix)
-        if length > _MAX_HEADER or 8 + length > size:
-            raise CheckpointError(
-                f"{path} has a corrupt or truncated safetensors header (it claims {length} header "
-                f"bytes, the file has {size}); re-download or re-save it"
-            )
+        length = header_length(path, prefix, size)
         raw = os.pread(fd, length, 8)
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
     return parse_header(path, length, raw, size)
+
+
+def header_length(path: Path, prefix: bytes, size: int) -> int:
+    """N, from a file's first 8 bytes ``prefix``, checked against the cap and the file's ``size``."""
+    if len(prefix) < 8:
+        raise CheckpointError(f"{path} is not a safetensors file: it is only {size} bytes long", path=path)
+    (length,) = struct.unpack("<Q", prefix[:8])
+    if length > _MAX_HEADER or 8 + length > size:
+        raise CheckpointError(
+            f"{path} has a corrupt or truncated safetensors header (it claims {length} header "
+            f"bytes, the file has {size}); re-download or re-save it"
+        )
+    return int(length)
 
 
 def parse_header(path: Path, length: int, raw: bytes, size: int) -> Header:
