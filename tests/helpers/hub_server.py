@@ -212,11 +212,12 @@ class HubServer:
         return repo.commits[self._resolve(repo, revision)].files
 
     def downloads(self) -> list[str]:
-        """Paths of files served by GET .../resolve/... (what the client actually downloaded)."""
+        """Paths of files served whole by GET .../resolve/... (what the client downloaded; byte ranges read
+        are in ``ranges``)."""
         out = []
         for r in self.requests:
             m = re.match(r"^/[^/]+/[^/]+/resolve/[^/]+/(.+)$", r.path)
-            if r.method == "GET" and m and r.status in (200, 206):
+            if r.method == "GET" and m and r.status == 200:
                 out.append(unquote(m.group(1)))
         return out
 
