@@ -26,6 +26,7 @@ from .report.checkpoint import (
 )
 from .report.report import ProjectionRow, Report
 from .write.carry_out import carry_out
+from .write.hub_copy import no_copy_reason
 from .write.journal import hold
 from .write.output import Destination, resolve_destination
 from .write.push import PushTarget
@@ -231,16 +232,23 @@ def reinit_checkpoint(
     source = hub.open_model(
         model, config=config, revision=revision, progress=progress, recover=in_place and not dry_run, remote=True
     )
-    dest = resolve_destination(
-        source, output, in_place=in_place, overwrite=overwrite or dry_run, push=target is not None
+    why_not = (
+        None
+        if target is None
+        else no_copy_reason(source, output_given=output is not None, no_server_copy=target.no_server_copy)
     )
+    dest = resolve_destination(
+        source, output, in_place=in_place, overwrite=overwrite or dry_run, push=target is not None,
+        changes_only=target is not None and why_not is None,
+    )  # fmt: skip
     detection = detect_source(source, hints)
     plan = prepare_checkpoint(source, detection, opts)
-    notes = [*source.notes, *detection.notes[:5], *plan.notes]
+    notes = [*source.notes, *detection.notes[:5], *plan.notes, *([why_not] if why_not else [])]
     if dry_run:
         notes += dry_run_notes(source, dest, overwrite=overwrite, push=target) + transfer_notes(source)
         return reinit_report(source, detection, plan, dest, planned_rows(source, plan), notes, device=str(device))
-    fetch_weights(source)
+    # a push by changes fetches only the shards that change; any other output, every shard
+    fetch_weights(source, source.primary.changed_files(plan.tensors()) if dest.changes_only else None)  # type: ignore[attr-defined]
     title = target.repo_id if target is not None else dest.path.name
     with hold(source, exclusive=in_place):  # in place: alone; a copy: never while an in-place run patches it
         done = carry_out(
@@ -320,9 +328,22 @@ def _push_target(push: PushTarget | str | None, *, in_place: bool) -> PushTarget
 
 
 def _push(dest: Destination, target: PushTarget, source: Source, plan: Plan, *, progress: bool) -> list[str]:
+    from .write.hub_copy import CopyRefused, complete_staging, copies_for
+
+    message, notes = commit_message(source, plan), []
     try:
-        pushed = target.push(dest.path, default_message=commit_message(source, plan), progress=progress)
+        try:
+            copies = None
+            if dest.changes_only:
+                staged = sorted(p.relative_to(dest.path).as_posix() for p in dest.path.rglob("*") if p.is_file())
+                copies = copies_for(source, staged)
+            pushed = target.push(dest.path, default_message=message, progress=progress, copies=copies)
+        except CopyRefused as why:  # nothing was committed: make the whole output here, and upload it
+            notes.append(str(why))
+            fetch_weights(source)
+            complete_staging(dest.path, source)
+            pushed = target.push(dest.path, default_message=message, progress=progress)
     except HubError as exc:  # the output is on disk: say so, and keep the error's type
         exc.context = f"wrote {dest.path}, but the push failed: "
         raise
-    return pushed.notes + [pushed.summary(), f"files pushed: {', '.join(pushed.files)}"]
+    return notes + pushed.notes + [pushed.summary(), f"files pushed: {', '.join(pushed.files)}"]
