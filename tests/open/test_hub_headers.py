@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import struct
-from urllib.parse import unquote
 
 import pytest
 from safetensors import safe_open

@@ -64,7 +64,9 @@ def test_reads_by_id_fetching_only_what_it_needs(surgeon, hub, sources, tmp_path
     assert sorted(hub.downloads()) == [f for f in FETCHED if f != "model.safetensors"]
     assert {unquote(path.rsplit("/", 1)[1]) for path, _ in hub.ranges()} == {"model.safetensors"}
     snapshot = surgeon.hf_home / "hub" / "models--org--tiny" / "snapshots" / commit
-    assert digest(snapshot) == {k: v for k, v in digest(sources[0]).items() if k in FETCHED and k != "model.safetensors"}
+    assert digest(snapshot) == {
+        k: v for k, v in digest(sources[0]).items() if k in FETCHED and k != "model.safetensors"
+    }
     assert (surgeon.hf_home / "hub" / "models--org--tiny" / "refs" / "main").read_text() == commit
     assert kappas(report) == [
         list(r.before.head_kappas) for r in inspect_checkpoint(sources[0]).rows
