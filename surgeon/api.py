@@ -328,7 +328,8 @@ def _push_target(push: PushTarget | str | None, *, in_place: bool) -> PushTarget
 
 
 def _push(dest: Destination, target: PushTarget, source: Source, plan: Plan, *, progress: bool) -> list[str]:
-    from .write.hub_copy import CopyRefused, complete_staging, copies_for
+    from .errors import PushError
+    from .write.hub_copy import CopyRefused, complete_staging, copies_for, resume_by_reinit
 
     message, notes = commit_message(source, plan), []
     try:
@@ -344,6 +345,8 @@ def _push(dest: Destination, target: PushTarget, source: Source, plan: Plan, *, 
             complete_staging(dest.path, source)
             pushed = target.push(dest.path, default_message=message, progress=progress)
     except HubError as exc:  # the output is on disk: say so, and keep the error's type
+        if dest.changes_only and isinstance(exc, PushError):  # the folder holds only the changes: not pushed alone
+            exc = resume_by_reinit(exc)
         exc.context = f"wrote {dest.path}, but the push failed: "
-        raise
+        raise exc from None
     return notes + pushed.notes + [pushed.summary(), f"files pushed: {', '.join(pushed.files)}"]

@@ -19,6 +19,7 @@ from ..open.hub_errors import one_line
 if TYPE_CHECKING:
     from huggingface_hub import CommitOperationCopy
 
+    from ..errors import PushError
     from ..open.source import Source
 
 
@@ -100,3 +101,18 @@ def complete_staging(folder: Path, source: Source) -> None:
         if path is not None and not (folder / rel).exists():
             (folder / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, folder / rel)
+
+
+def resume_by_reinit(exc: PushError) -> PushError:
+    """A push by changes that stopped part-way is finished by the same reinit run again (its output is the
+    same bytes, and what reached the Hub is not sent again), not by pushing the staging folder alone."""
+    import re
+
+    from ..errors import PushError
+
+    text = re.sub(
+        r"run `surgeon push [^`]*` to finish",
+        "run the same `surgeon reinit` again with --overwrite to finish",
+        str(exc),
+    )
+    return PushError(text, uploaded=exc.uploaded, not_uploaded=exc.not_uploaded)

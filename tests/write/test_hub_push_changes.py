@@ -112,3 +112,28 @@ def test_fallbacks_say_why_in_one_line_and_push_the_same_repo(shards, hub, tmp_p
         assert why in line and line.endswith("uploading every file instead"), line
     for repo in ("me/forced", "me/refused", "me/private"):
         assert same_repo(hub, repo, "me/full"), repo
+
+
+def test_an_interrupted_push_resumes(shards, hub, tmp_path):
+    """The commit fails after the changed shard was uploaded: the error says how to finish, the same reinit
+    finishes it without sending the shard again, and the repo is the whole output."""
+    surgeon = Surgeon(tmp_path, hub.url)
+    hub.fail("POST", r"^/api/models/me/resumed/commit/", status=503, message="try later")
+    stopped = surgeon("reinit", "org/M", "--layers", "-1", "--push-to-hub", "me/resumed", ok=False, token=TOKEN)
+    assert "run the same `surgeon reinit` again with --overwrite to finish" in stopped.error
+    assert "surgeon push" not in stopped.error  # the staging folder alone is not the model
+    sent = hub.received(LFS_DATA)
+    surgeon("reinit", "org/M", "--layers", "-1", "--push-to-hub", "me/resumed", "--overwrite", token=TOKEN)
+    assert hub.received(LFS_DATA) == sent == len(pushed(hub, "me/resumed")[LAST])  # uploaded once, in all
+    surgeon(
+        "reinit",
+        "org/M",
+        "--layers",
+        "-1",
+        "-o",
+        tmp_path / "full" / "M-reinit",
+        "--push-to-hub",
+        "me/whole",
+        token=TOKEN,
+    )
+    assert same_repo(hub, "me/resumed", "me/whole")
