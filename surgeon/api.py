@@ -246,6 +246,10 @@ def reinit_checkpoint(
     notes = [*source.notes, *detection.notes[:5], *plan.notes, *([why_not] if why_not else [])]
     if dry_run:
         notes += dry_run_notes(source, dest, overwrite=overwrite, push=target) + transfer_notes(source)
+        if dest.changes_only:
+            from .write.hub_copy import predicted
+
+            notes.append(predicted(source, source.primary.changed_files(plan.tensors())))  # type: ignore[attr-defined]
         return reinit_report(source, detection, plan, dest, planned_rows(source, plan), notes, device=str(device))
     # a push by changes fetches only the shards that change; any other output, every shard
     fetch_weights(source, source.primary.changed_files(plan.tensors()) if dest.changes_only else None)  # type: ignore[attr-defined]

@@ -116,3 +116,21 @@ def resume_by_reinit(exc: PushError) -> PushError:
         str(exc),
     )
     return PushError(text, uploaded=exc.uploaded, not_uploaded=exc.not_uploaded)
+
+
+def predicted(source: Source, changed: list[str]) -> str:
+    """What a push by changes will move, from the headers read (a dry run's line): the changed shards'
+    bytes, downloaded and then uploaded (with the record added to their headers), and the copies."""
+    from ..open.hub_remote import RemoteSafetensorsWeights
+    from ..report.report import fmt_bytes
+
+    weights = source.primary
+    assert isinstance(weights, RemoteSafetensorsWeights)
+    moved = sum(weights.headers[f].file_size for f in changed)
+    copied = sum(h.file_size for f, h in weights.headers.items() if f not in changed)
+    return (
+        f"the real run downloads {len(changed)} changed shard(s) ({', '.join(changed)}: {moved:,} bytes), "
+        f"uploads them with the record added and the card, and copies {len(weights.files) - len(changed)} "
+        f"unchanged shard(s) ({fmt_bytes(copied)}) and the other files server-side from "
+        f"{source.hub_id}@{str(source.hub_commit)[:12]}"
+    )

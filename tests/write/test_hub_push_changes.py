@@ -137,3 +137,13 @@ def test_an_interrupted_push_resumes(shards, hub, tmp_path):
         token=TOKEN,
     )
     assert same_repo(hub, "me/resumed", "me/whole")
+
+
+def test_dry_run_predicts_the_bytes_a_push_moves(shards, hub, tmp_path):
+    run = Surgeon(tmp_path, hub.url)(
+        "reinit", "org/M", "--layers", "-1", "--push-to-hub", "me/M2", "--dry-run", token=TOKEN
+    )
+    assert weights_served(hub) == header_bytes(shards) and "me/M2" not in hub.repos  # headers only, nothing sent
+    size = (shards / LAST).stat().st_size
+    assert f"downloads 1 changed shard(s) ({LAST}: {size:,} bytes)" in run.stdout
+    assert "copies 7 unchanged shard(s)" in run.stdout
