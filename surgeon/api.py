@@ -13,6 +13,7 @@ from .detect.hints import HINT_KEYWORDS, HintInput, Hints
 from .errors import HubError, OptionError, opt
 from .open import hub
 from .open.hub_ids import require_repo_id
+from .open.hub_remote import fetch_weights, transfer_notes
 from .open.source import Source
 from .options import ReinitOptions
 from .plan.planner import Plan, prepare_checkpoint
@@ -26,6 +27,7 @@ from .report.checkpoint import (
 )
 from .report.report import ProjectionRow, Report
 from .write.carry_out import carry_out
+from .write.hub_copy import no_copy_reason
 from .write.journal import hold
 from .write.output import Destination, resolve_destination
 from .write.push import PushTarget
@@ -100,7 +102,8 @@ def inspect_checkpoint(
 
     dev = resolve_device(device)
     start = time.perf_counter()
-    source = hub.open_model(model, config=config, revision=revision, progress=progress)
+    # read by Range where it can: the measured tensors' bytes, not whole shards (the jacobian loads the model)
+    source = hub.open_model(model, config=config, revision=revision, progress=progress, remote=not jacobian)
     detection = detect_source(source, hints)
     weights = source.primary
     if emit_layout is not None:
@@ -115,7 +118,7 @@ def inspect_checkpoint(
     with hold(source, exclusive=False), Progress(progress, len(tensors), "inspect") as bar:
         spectra = inspect_blocks(detection.blocks, weights.read, dev, progress=bar.update if bar else None, whole=full)
     unread = [f"cannot be read, left as it is by any reinit: {u.why}" for u in detection.unreadable]
-    notes = [*source.notes, *detection.left_alone, *unread[:3], *detection.notes[:5]]
+    notes = [*source.notes, *detection.left_alone, *unread[:3], *detection.notes[:5], *transfer_notes(source)]
     if emit_layout is not None:
         notes.append(f"wrote the detected layout to {emit_layout} (give it back with {opt('layout', emit_layout)})")
     if verify_layout:
@@ -234,17 +237,29 @@ def reinit_checkpoint(
             group.close()
     start = time.perf_counter()
     source = hub.open_model(
-        model, config=config, revision=revision, progress=progress, recover=in_place and not dry_run
+        model, config=config, revision=revision, progress=progress, recover=in_place and not dry_run, remote=True
+    )
+    why_not = (
+        None
+        if target is None
+        else no_copy_reason(source, output_given=output is not None, no_server_copy=target.no_server_copy)
     )
     dest = resolve_destination(
-        source, output, in_place=in_place, overwrite=overwrite or dry_run, push=target is not None
-    )
+        source, output, in_place=in_place, overwrite=overwrite or dry_run, push=target is not None,
+        changes_only=target is not None and why_not is None,
+    )  # fmt: skip
     detection = detect_source(source, hints)
     plan = prepare_checkpoint(source, detection, opts)
-    notes = [*source.notes, *detection.notes[:5], *plan.notes]
+    notes = [*source.notes, *detection.notes[:5], *plan.notes, *([why_not] if why_not else [])]
     if dry_run:
-        notes += dry_run_notes(source, dest, overwrite=overwrite, push=target)
+        notes += dry_run_notes(source, dest, overwrite=overwrite, push=target) + transfer_notes(source)
+        if dest.changes_only:
+            from .write.hub_copy import predicted
+
+            notes.append(predicted(source, source.primary.changed_files(plan.tensors())))  # type: ignore[attr-defined]
         return reinit_report(source, detection, plan, dest, planned_rows(source, plan), notes, device=str(device))
+    # a push by changes fetches only the shards that change; any other output, every shard
+    fetch_weights(source, source.primary.changed_files(plan.tensors()) if dest.changes_only else None)  # type: ignore[attr-defined]
     title = target.repo_id if target is not None else dest.path.name
     with hold(source, exclusive=in_place):  # in place: alone; a copy: never while an in-place run patches it
         done = carry_out(
@@ -260,7 +275,7 @@ def reinit_checkpoint(
             command=lambda: reproduce(model, source, plan.options, hints, dest.path),
         )
     seconds = time.perf_counter() - start
-    notes += done.notes
+    notes += done.notes + transfer_notes(source)
     if target is not None:
         notes += _push(dest, target, source, plan, progress=progress)
     return reinit_report(
@@ -325,9 +340,25 @@ def _push_target(push: PushTarget | str | None, *, in_place: bool, dry_run: bool
 
 
 def _push(dest: Destination, target: PushTarget, source: Source, plan: Plan, *, progress: bool) -> list[str]:
+    from .errors import PushError
+    from .write.hub_copy import CopyRefused, complete_staging, copies_for, resume_by_reinit
+
+    message, notes = commit_message(source, plan), []
     try:
-        pushed = target.push(dest.path, default_message=commit_message(source, plan), progress=progress)
+        try:
+            copies = None
+            if dest.changes_only:
+                staged = sorted(p.relative_to(dest.path).as_posix() for p in dest.path.rglob("*") if p.is_file())
+                copies = copies_for(source, staged)
+            pushed = target.push(dest.path, default_message=message, progress=progress, copies=copies)
+        except CopyRefused as why:  # nothing was committed: make the whole output here, and upload it
+            notes.append(str(why))
+            fetch_weights(source)
+            complete_staging(dest.path, source)
+            pushed = target.push(dest.path, default_message=message, progress=progress)
     except HubError as exc:  # the output is on disk: say so, and keep the error's type
+        if dest.changes_only and isinstance(exc, PushError):  # the folder holds only the changes: not pushed alone
+            exc = resume_by_reinit(exc)
         exc.context = f"wrote {dest.path}, but the push failed: "
-        raise
-    return pushed.notes + [pushed.summary(), f"files pushed: {', '.join(pushed.files)}"]
+        raise exc from None
+    return notes + pushed.notes + [pushed.summary(), f"files pushed: {', '.join(pushed.files)}"]

@@ -286,6 +286,7 @@ def push_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         push_branch: str | None,
         create_pr: bool,
         commit_message: str | None,
+        no_server_copy: bool,
         **kwargs: Any,
     ) -> Any:
         from ..write.push import PushTarget
@@ -297,6 +298,7 @@ def push_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                 branch=push_branch,
                 create_pr=create_pr,
                 commit_message=commit_message,
+                no_server_copy=no_server_copy,
             )
         except SurgeonError as exc:
             _fail(exc.describe(cli_spelling), exc.exit_code)
@@ -323,6 +325,12 @@ def push_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             ),
             click.option(
                 "--commit-message", help="With --push-to-hub: the commit message (default: what was re-initialized)."
+            ),
+            click.option(
+                "--no-server-copy",
+                is_flag=True,
+                help="With --push-to-hub: upload every file, even those a Hub source holds unchanged "
+                "(default: copy those server-side from the source's commit).",
             ),
         ]
     ):

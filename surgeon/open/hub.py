@@ -27,10 +27,13 @@ from .formats.registry import (
 )
 from .hub_errors import few, is_connection_error, read_error
 from .hub_ids import HF_PREFIX, check_commit, check_revision, hf_progress, parse_repo_id
+from .hub_remote import remote_layout
 from .source import Source, open_source
 
 if TYPE_CHECKING:
     from huggingface_hub import HfApi
+
+    from .hub_remote import RemoteSafetensorsWeights
 
 # --- reading -----------------------------------------------------------------------------------
 
@@ -46,6 +49,7 @@ class Snapshot:
     files: list[str]
     skipped_weights: list[str] = field(default_factory=list)  # other formats of the same weights, not fetched
     cache_only: str | None = None  # why the Hub was not asked, when it was not
+    remote: tuple[list[str], str | None] | None = None  # safetensors left on the Hub, read by Range: (files, index)
 
 
 def open_model(
@@ -55,10 +59,13 @@ def open_model(
     revision: str | None = None,
     progress: bool = False,
     recover: bool = False,
+    remote: bool = False,
 ) -> Source:
     """Open MODEL: a local path when one exists by that name, otherwise a Hub id (``org/name`` or ``hf://org/name``).
 
-    ``recover``: roll back an interrupted in-place run on a local checkpoint first (see ``source.open_source``)."""
+    ``recover``: roll back an interrupted in-place run on a local checkpoint first (see ``source.open_source``).
+    ``remote``: a Hub model's safetensors stay on the Hub, their headers read by Range (``hub_remote``); the
+    caller fetches the shards it writes. Otherwise (and offline) every weight file is fetched."""
     revision = check_revision(revision)  # before anything else sees it: it becomes a path in the HF cache
     text = str(model)
     explicit = isinstance(model, str) and text.startswith(HF_PREFIX)
@@ -80,24 +87,39 @@ def open_model(
         return source
     assert repo_id is not None
     try:
-        snap = download(repo_id, revision=revision, progress=progress)
+        snap = download(repo_id, revision=revision, progress=progress, remote=remote)
     except (HubNotFoundError, HubOfflineError) as exc:
         if not explicit and revision is None:  # it may as well be a mistyped path: say there is none
             exc.context = f"there is no file or folder {text}, and "
         raise
     try:
-        source = open_source(snap.path, config=config)
+        weights = None if snap.remote is None else _open_remote(repo_id, snap, revision)
+        source = open_source(snap.path, config=config, weights=weights)
     except CheckpointError as exc:
         raise CheckpointError(f"Hub model {repo_id}: {exc}") from None
     source.hub_id, source.hub_revision, source.hub_commit = repo_id, revision, snap.commit
     where = f"the HF cache ({snap.cache_only}, nothing downloaded)" if snap.cache_only else "the HF cache"
+    kept = "" if weights is None else f", the headers of its {len(weights.files)} safetensors files read by HTTP Range"
     source.notes.append(
         f"read {repo_id} from the Hugging Face Hub, revision {snap.revision} (commit {snap.commit[:12]}): "
-        f"{len(snap.files)} files in {where} at {snap.path}"
+        f"{len(snap.files) - len(weights.files if weights else [])} files in {where} at {snap.path}{kept}"
     )
     if snap.skipped_weights:
         source.notes.append(f"not fetched (same weights in another format): {few(snap.skipped_weights)}")
     return source
+
+
+def _open_remote(repo_id: str, snap: Snapshot, revision: str | None) -> RemoteSafetensorsWeights:
+    """The Hub model's safetensors, their headers read by Range at the snapshot's commit."""
+    from .hub_remote import RemoteRepo, open_remote
+
+    assert snap.remote is not None
+    try:
+        return open_remote(snap.path, RemoteRepo(repo_id, snap.commit), *snap.remote)
+    except SurgeonError:
+        raise
+    except Exception as exc:  # the client's errors, as for a download
+        raise read_error(exc, repo_id, revision, False) from None
 
 
 def _in_cache(repo_id: str) -> bool:
@@ -107,8 +129,9 @@ def _in_cache(repo_id: str) -> bool:
     return (Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}").is_dir()
 
 
-def download(repo_id: str, *, revision: str | None = None, progress: bool = False) -> Snapshot:
-    """Resolve ``repo_id`` at ``revision`` and fetch the files surgeon needs (from the cache when there).
+def download(repo_id: str, *, revision: str | None = None, progress: bool = False, remote: bool = False) -> Snapshot:
+    """Resolve ``repo_id`` at ``revision`` and fetch the files surgeon needs (from the cache when there);
+    ``remote``: safetensors weights are left on the Hub (``Snapshot.remote``) when it can be reached.
 
     Offline (HF_HUB_OFFLINE) or when the Hub cannot be reached, the cache is used as it is, without the
     client's retries: a cached model opens at once, an uncached one fails with one line.
@@ -145,11 +168,13 @@ def download(repo_id: str, *, revision: str | None = None, progress: bool = Fals
                 f"Hub model {repo_id} (revision {resolved}) has no weights surgeon reads at its top level "
                 f"(safetensors, PyTorch .bin/.pt or .onnx); it has {few(files) or 'no files'}"
             )
+        layout = remote_layout(wanted) if remote and info is not None else None
+        fetched = [f for f in wanted if layout is None or f not in layout[0]]
         with hf_progress(progress):
             path = snapshot_download(
                 repo_id,
                 revision=resolved.resolved if isinstance(resolved, _Resolved) else resolved,  # pinned either way
-                allow_patterns=[glob.escape(f) for f in wanted],
+                allow_patterns=[glob.escape(f) for f in fetched],
                 local_files_only=not reachable,
             )
     except SurgeonError:
@@ -159,7 +184,9 @@ def download(repo_id: str, *, revision: str | None = None, progress: bool = Fals
     cache_only = (
         "HF_HUB_OFFLINE is set" if offline else None if reachable else f"{constants.ENDPOINT} could not be reached"
     )
-    return Snapshot(repo_id, str(resolved), resolved.resolved, Path(path), wanted, skipped, cache_only=cache_only)
+    return Snapshot(
+        repo_id, str(resolved), resolved.resolved, Path(path), wanted, skipped, cache_only=cache_only, remote=layout
+    )
 
 
 class _Resolved(str):

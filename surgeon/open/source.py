@@ -66,10 +66,15 @@ class Source:
         return self.primary.describe()
 
 
-def open_source(path: str | Path, *, config: str | Path | None = None, recover: bool = False) -> Source:
+def open_source(
+    path: str | Path, *, config: str | Path | None = None, recover: bool = False, weights: WeightSet | None = None
+) -> Source:
     """Open the checkpoint at ``path``. A checkpoint an in-place run left half-patched (its journal is
     there) is refused, unless ``recover``: then the journal is checked and rolled back first (an
-    in-place run on the same checkpoint does that; nothing else writes to an input)."""
+    in-place run on the same checkpoint does that; nothing else writes to an input).
+
+    ``weights``: the folder's weights, opened already (a Hub model's read by Range, whose shards are not
+    in the folder); the folder gives the rest."""
     from ..write.recovery import recover as roll_back
     from ..write.recovery import refuse_journals
 
@@ -79,7 +84,7 @@ def open_source(path: str | Path, *, config: str | Path | None = None, recover: 
         raise CheckpointError(f"no such file or folder: {path}")
     recovered = roll_back(path, own=True) if recover else []
     refuse_journals(path)
-    source = _open_folder(path) if path.is_dir() else _open_file(path)
+    source = _open_folder(path, weights) if path.is_dir() else _open_file(path)
     if config is not None:  # given by the user: theirs to choose, wherever it is
         source.config_path = Path(config)
     elif source.config_path is None:  # found beside the weights: only the folder's own (folder_files)
@@ -188,16 +193,18 @@ def _variant_indexes(folder: Path, top: list[str], sets: list[WeightSet]) -> lis
     return out
 
 
-def _open_folder(folder: Path) -> Source:
+def _open_folder(folder: Path, weights: WeightSet | None = None) -> Source:
     # A folder without weights is said to be one, whatever links lie in it (a project folder's .venv): a look
     # at the names, nothing opened. Then one walk, before any file is opened: a link out of the folder is refused
     # here, FIFOs and linked folders are left out, so nothing from outside reaches the weights, card or output.
-    seen = walk(folder, prune=_not_read, names_only=True).files
-    if not any(fmt.pick([f for f in seen if "/" not in f]) for fmt in FORMATS) and not _dcp_folders(seen):
-        _refuse_no_weights(folder, seen)
+    # ``weights``: read where they are (a Hub model's shards by Range), not from the folder.
+    if weights is None:
+        seen = walk(folder, prune=_not_read, names_only=True).files
+        if not any(fmt.pick([f for f in seen if "/" not in f]) for fmt in FORMATS) and not _dcp_folders(seen):
+            _refuse_no_weights(folder, seen)
     found = walk(folder, prune=_not_read)
     top = [f for f in found.files if "/" not in f]
-    sets = _weight_sets(folder, top) or _nested_dcp(folder, found.files)
+    sets = [weights] if weights is not None else _weight_sets(folder, top) or _nested_dcp(folder, found.files)
     if not sets:
         _refuse_no_weights(folder, found.files)
     extras, stale = _other_files(found.files, {f for s in sets for f in s.all_files})

@@ -91,7 +91,7 @@ def _other_copies(source: Source) -> str:
 def hold(source: Source, *, exclusive: bool) -> Iterator[None]:
     """The checkpoint's lock for a run: exclusive (in place, refused at once when held) or shared (a copy,
     which waits a while for an in-place run to finish); then no journal may be there."""
-    files = [w.folder / f for w in source.weights for f in w.all_files]
+    files = [w.folder / f for w in source.weights for f in w.local_files]
     try:
         with locks.hold(files, exclusive=exclusive, wait=0.0 if exclusive else locks.COPY_WAIT_S):
             refuse_journals(source.path)

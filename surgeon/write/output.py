@@ -13,7 +13,7 @@ import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from ..errors import CheckpointError, OptionError, OutputError, opt
 from ..open.bounded import refuse_special
@@ -23,7 +23,7 @@ from ..open.source import Source
 from .staging import staged
 
 if TYPE_CHECKING:
-    from ..open.formats.base import UpdatesFn, WeightSet
+    from ..open.formats.base import RankedWeightSet, UpdatesFn, WeightSet
     from ..open.formats.write_plan import WritePlan
 
 _WEIGHT_SUFFIXES = (
@@ -48,6 +48,7 @@ class Destination:
     staged_name: str  # the main file's name in the staging folder (file kinds)
     companions: tuple[Path, ...] = ()  # FILES: the data files written beside ``path``
     in_place: bool = False
+    changes_only: bool = False  # FOLDER staged for a push by changes: only changed shards and the card
 
     @property
     def gets_card(self) -> bool:
@@ -77,9 +78,13 @@ class Destination:
                 source.primary.save_as(tmp, self.path.name, updates(source.primary, True), record, write_plans[0])
                 return notes
             for i, (weights, write_plan) in enumerate(zip(source.weights, write_plans, strict=True)):
-                weights.save(tmp, updates(weights, i == 0), record, write_plan)
+                new = updates(weights, i == 0)
+                if self.changes_only:  # the rest is copied server-side (write.hub_copy)
+                    cast("RankedWeightSet", weights).save(tmp, new, record, write_plan, changed_files(weights, new))
+                else:
+                    weights.save(tmp, new, record, write_plan)
             if self.kind is OutputKind.FOLDER:
-                if source.kind == "folder":
+                if source.kind == "folder" and not self.changes_only:
                     copy_extras(source, tmp)
                 card(tmp)
         return notes
@@ -95,12 +100,26 @@ class Destination:
         return sum(p.stat().st_size for p in (self.path, *self.companions))
 
 
+def changed_files(weights: WeightSet, updates: UpdatesFn) -> list[str]:
+    """The files of ``weights`` that hold a tensor ``updates`` changes (safetensors shards)."""
+    from ..open.formats.safetensors import SafetensorsWeights
+
+    return cast(SafetensorsWeights, weights).changed_files(updates.names)
+
+
 def resolve_destination(
-    source: Source, output: str | Path | None, *, in_place: bool, overwrite: bool, push: bool = False
+    source: Source,
+    output: str | Path | None,
+    *,
+    in_place: bool,
+    overwrite: bool,
+    push: bool = False,
+    changes_only: bool = False,
 ) -> Destination:
     """The destination, after every check that can fail before anything is written.
 
-    ``push``: the output is uploaded, so it must be a folder (even for an .onnx with external data)."""
+    ``push``: the output is uploaded, so it must be a folder (even for an .onnx with external data);
+    ``changes_only``: a staging folder for a push by changes (``write.hub_copy``)."""
     if in_place:
         return _in_place(source, output)
     if push and source.kind == "file":
@@ -133,7 +152,7 @@ def resolve_destination(
         )
     if kind is OutputKind.FILES:
         return Destination(dest, kind, dest.name, companions)
-    return Destination(dest, kind, source.path.name)
+    return Destination(dest, kind, source.path.name, changes_only=changes_only and kind is OutputKind.FOLDER)
 
 
 def default_output(source: Source, *, folder: bool = False) -> Path:

@@ -15,6 +15,7 @@ from ..open.folder import walk
 from ..open.hub_errors import one_line, write_error
 from ..open.hub_ids import check_revision, hf_progress, require_repo_id
 from ..report.redact import remember
+from .hub_copy import ServerCopies, is_copy_error, refused
 from .journal_file import SUFFIX
 from .push_result import PushResult, partial_push_error, push_command
 from .recovery import refuse_journals
@@ -38,6 +39,8 @@ class PushTarget:
         commit_message: The commit message (default: what was re-initialized).
         token: The Hub token (default: HF_TOKEN or `hf auth login`).
         revision: Another name for ``branch``, accepted with a DeprecationWarning.
+        no_server_copy: Upload every file, even those a Hub source holds unchanged (default: copy those
+            server-side from the source's commit; see :mod:`surgeon.write.hub_copy`).
 
     Raises:
         OptionError: The repo id or the branch is malformed, or ``create_pr`` is given a branch.
@@ -49,6 +52,7 @@ class PushTarget:
     create_pr: bool = False
     commit_message: str | None = None
     token: str | None = field(default=None, repr=False)
+    no_server_copy: bool = False
     revision: InitVar[str | None] = None
 
     def __post_init__(
@@ -97,8 +101,11 @@ class PushTarget:
             return None
         return cls(repo_id, **given)
 
-    def push(self, folder: Path, *, default_message: str, progress: bool = False) -> PushResult:
-        """Upload ``folder`` here (:func:`push_folder`), with ``default_message`` where no commit message was given."""
+    def push(
+        self, folder: Path, *, default_message: str, progress: bool = False, copies: ServerCopies | None = None
+    ) -> PushResult:
+        """Upload ``folder`` here (:func:`push_folder`), with ``default_message`` where no commit message was
+        given; ``copies``: files committed as server-side copies besides."""
         return push_folder(
             folder,
             self.repo_id,
@@ -108,6 +115,7 @@ class PushTarget:
             commit_message=self.commit_message or default_message,
             token=self.token,
             progress=progress,
+            copies=copies,
         )
 
 
@@ -170,8 +178,13 @@ def push_folder(
     progress: bool = False,
     dry_run: bool = False,
     revision: str | None = None,
+    copies: ServerCopies | None = None,
 ) -> PushResult:
     """Upload every file of ``folder`` to the model repo ``repo_id`` in one commit.
+
+    ``copies``: more files for the same commit, copied server-side from another repo at a pinned commit
+    (``hub_copy``); where the Hub refuses them, :class:`~surgeon.write.hub_copy.CopyRefused` is raised
+    before anything is committed.
 
     Large files are uploaded before the commit, one at a time, so a failure can say which reached the Hub;
     running the same push again uploads only the rest (the Hub already holds the others) and commits.
@@ -273,13 +286,15 @@ def _push(
         try:
             info = api.create_commit(
                 repo_id,
-                ops,
+                [*ops, *(copies.operations() if copies else [])],
                 commit_message=message,
                 commit_description=commit_description,
                 revision=branch,
                 create_pr=create_pr,
             )
         except Exception as exc:
+            if copies is not None and is_copy_error(exc, copies):
+                raise refused(exc) from None
             raise partial_push_error(exc, repo_id, token, folder, ops, len(ops), done, **where) from None
     unchanged = [op.path_in_repo for op in ops if op._remote_oid is not None and op._remote_oid == op._local_oid]
     large = [op.path_in_repo for op in ops if op._upload_mode == "lfs" and op.path_in_repo not in unchanged]
@@ -298,6 +313,8 @@ def _push(
         unchanged,
         sent,
         notes,
+        copied=list(copies.files) if copies else [],
+        copied_from=f"{copies.repo_id}@{copies.commit}" if copies else None,
     )
 
 

@@ -49,6 +49,8 @@ class PushResult:
     bytes: int
     notes: list[str] = field(default_factory=list)
     dry_run: bool = False  # nothing was sent: ``files`` is what the push would upload
+    copied: list[str] = field(default_factory=list)  # committed as server-side copies, not uploaded
+    copied_from: str | None = None  # the repo and pinned commit they were copied from ("org/name@sha")
 
     def to_dict(self) -> dict:
         """The result as ``surgeon push --json`` prints it."""
@@ -66,6 +68,8 @@ class PushResult:
             "bytes": self.bytes,
             "notes": self.notes,
             "dry_run": self.dry_run,
+            "copied": self.copied,
+            "copied_from": self.copied_from,
         }
 
     def summary(self) -> str:
@@ -86,6 +90,8 @@ class PushResult:
         what = f"{changed} files ({fmt_bytes(self.bytes)}, {len(self.large_files)} through the large-file path)"
         if self.unchanged:
             what += f" ({len(self.unchanged)} files already there unchanged)"
+        if self.copied:
+            what += f", and {len(self.copied)} unchanged files copied server-side from {self.copied_from}"
         if self.pr_url:
             return shown(f"opened a pull request on {self.repo_id} with {what}: {self.pr_url}")
         return shown(f"pushed {what} to {self.repo_id} (branch {self.revision}) in one commit: {self.commit_url}")
@@ -95,7 +101,9 @@ class PushResult:
         from ..report.shown import shown
 
         unchanged = set(self.unchanged)
-        return [f"  {shown(f)}{' (already there, unchanged)' if f in unchanged else ''}" for f in self.files]
+        return [f"  {shown(f)}{' (already there, unchanged)' if f in unchanged else ''}" for f in self.files] + [
+            f"  {shown(f)} (copied server-side)" for f in self.copied
+        ]
 
 
 def push_command(

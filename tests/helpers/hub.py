@@ -76,6 +76,19 @@ def make_source(folder: Path, *, seed: int = 0, shard: str | None = None) -> Pat
     return folder
 
 
+def make_llama_shards(folder: Path) -> Path:
+    """A Llama-shaped model folder of 8 safetensors shards (8 layers, saved by transformers' own
+    save_pretrained with a small max_shard_size), with a card and tokenizer files, as Hub repos hold them:
+    the last layer's q/k/v are in one shard (model-00007-of-00008)."""
+    model = tiny_llama(num_hidden_layers=8)
+    model.save_pretrained(folder, max_shard_size="140KB")
+    assert len(list(folder.glob("*.safetensors"))) == 8, sorted(folder.iterdir())
+    (folder / "README.md").write_text(SOURCE_CARD)
+    (folder / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "BPE"}}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
+    return folder
+
+
 def build_cache(hf_home: Path, repo_id: str, files: dict[str, bytes], *, refs: tuple[str, ...] = ("main",)) -> str:
     """The HF cache layout, written by hand: blobs/<etag>, snapshots/<commit>/<path> -> ../../blobs/<etag>,
     refs/<branch> holding the commit. Returns the commit hash."""

@@ -6,9 +6,17 @@ preupload, the LFS batch API (basic and multipart transfers, verify) and NDJSON 
 arrives (files, bytes, commit messages, every request) so tests can check it, and can be told to fail
 chosen requests to test interrupted pushes.
 
+As the real Hub: resolve answers a Range request (the client sends the header as lowercase ``range``)
+with 206 and the slice; tree and paths-info list LFS entries with their sha256 and a Xet hash; large
+files are stored per repository, so a file reaches a repo only by an upload or by the duplicate endpoint
+(``/api/models/SRC/lfs-files/duplicate``, which huggingface_hub 2.x calls for a cross-repo
+``CommitOperationCopy``), never because another repo holds the same bytes. Every request keeps the bytes
+it received and the bytes it was sent (``Seen.received``, ``Seen.sent``), counted on the wire's body.
+
 Not implemented: Xet storage (CAS) uploads and downloads. The server never advertises Xet for
 downloads, and tests that push run the client with HF_HUB_DISABLE_XET=1, the client's documented switch
-to its LFS path.
+to its LFS path. Xet hashes here are a stand-in (a hash of the content that is not its sha256): the Hub
+checks them against the object, and so does this server.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import yaml
 
@@ -52,6 +60,12 @@ def git_oid(content: bytes) -> str:
 
 def sha256(content: bytes) -> str:
     return hashlib.sha256(content).hexdigest()
+
+
+def xet_hash(content: bytes) -> str:
+    """A stand-in for the Xet hash of ``content`` (the real one is a Merkle hash of its chunks): as on the
+    Hub, another hash of the same bytes than their sha256, which the duplicate endpoint checks."""
+    return hashlib.sha256(b"xet\0" + content).hexdigest()
 
 
 def is_lfs(path: str, size: int) -> bool:
@@ -92,6 +106,12 @@ class Seen:
     headers: dict
     body: bytes
     status: int = 0
+    sent: int = 0  # body bytes of the answer (0 for HEAD)
+
+    @property
+    def received(self) -> int:
+        """Body bytes of the request."""
+        return len(self.body)
 
 
 class HubServer:
@@ -100,12 +120,16 @@ class HubServer:
     def __init__(self, *, multipart_threshold: int | None = None, chunk_size: int = 64 * 1024) -> None:
         self.repos: dict[str, Repo] = {}
         self.tokens: dict[str, tuple[str, set[str]]] = {}  # token -> (user, orgs)
-        self.lfs: dict[str, bytes] = {}  # sha256 -> content: the large-file store
+        self.lfs: dict[str, dict[str, bytes]] = {}  # repo id -> sha256 -> content: each repo's large files
+        # the duplicate endpoint answers every file with this error in its "failed" list (a storage region
+        # that differs, say); None: it duplicates
+        self.refuse_duplicate: str | None = None
         self.parts: dict[str, dict[int, bytes]] = {}
         self.requests: list[Seen] = []
         self.validated_cards: list[str] = []
         self.pushed: list[dict] = []  # one entry per commit received through the API
         self.faults: list[dict] = []
+        self._duplicated: list[dict] = []
         # model info field -> the request's Authorization header, in a 200 answer (a careless mirror)
         self.echo_auth_in: str | None = None
         self.multipart_threshold = multipart_threshold
@@ -155,7 +179,7 @@ class HubServer:
             merged.update(files)
             for path, content in files.items():
                 if is_lfs(path, len(content)):
-                    self.lfs[sha256(content)] = content
+                    self.lfs.setdefault(repo_id, {})[sha256(content)] = content
             return self._commit(repo, branch, merged, message, "", base)
 
     def fail(
@@ -188,13 +212,30 @@ class HubServer:
         return repo.commits[self._resolve(repo, revision)].files
 
     def downloads(self) -> list[str]:
-        """Paths of files served by GET .../resolve/... (what the client actually downloaded)."""
+        """Paths of files served whole by GET .../resolve/... (what the client downloaded; byte ranges read
+        are in ``ranges``)."""
         out = []
         for r in self.requests:
             m = re.match(r"^/[^/]+/[^/]+/resolve/[^/]+/(.+)$", r.path)
-            if r.method == "GET" and m and r.status in (200, 206):
+            if r.method == "GET" and m and r.status == 200:
                 out.append(unquote(m.group(1)))
         return out
+
+    def served(self, pattern: str = "") -> int:
+        """Body bytes sent in answers to requests whose path matches ``pattern`` (a regex; all by default)."""
+        return sum(r.sent for r in self.requests if re.search(pattern, r.path))
+
+    def received(self, pattern: str = "") -> int:
+        """Body bytes received in requests whose path matches ``pattern``."""
+        return sum(r.received for r in self.requests if re.search(pattern, r.path))
+
+    def ranges(self) -> list[tuple[str, str]]:
+        """(path, Range header) of every GET .../resolve/... answered 206: the slices the client read."""
+        return [(r.path, _header(r.headers, "range")) for r in self.requests if r.status == 206]
+
+    def duplicated(self) -> list[dict]:
+        """What the duplicate endpoint copied: {"source", "target", "sha256", "filename"} for each file."""
+        return list(self._duplicated)
 
     def lfs_uploads(self) -> list[str]:
         """sha256 of every large file that arrived through an LFS upload (basic or multipart)."""
@@ -298,7 +339,7 @@ def _handler(hub: HubServer):
             except _Reply as r:
                 reply = r
             seen.status = reply.status
-            self._send(method, reply)
+            seen.sent = self._send(method, reply)
 
         def _fault(self, method: str, path: str, auth: str | None = None) -> None:
             with hub.lock:
@@ -308,7 +349,7 @@ def _handler(hub: HubServer):
                             f["times"] -= 1
                         raise _error(f["status"], f"{f['message']} {auth}" if f["echo_auth"] else f["message"])
 
-        def _send(self, method: str, reply: _Reply) -> None:
+        def _send(self, method: str, reply: _Reply) -> int:
             body, headers = reply.body, dict(reply.headers)
             if isinstance(body, _Raw):
                 headers.update(body.headers)
@@ -323,8 +364,10 @@ def _handler(hub: HubServer):
                 self.send_header(k, str(v))
             self.send_header("Content-Length", str(len(data)))  # for HEAD: the size GET would send
             self.end_headers()
-            if method != "HEAD":
-                self.wfile.write(data)
+            if method == "HEAD":
+                return 0
+            self.wfile.write(data)
+            return len(data)
 
     return Handler
 
@@ -351,6 +394,10 @@ def route(hub: HubServer, method: str, path: str, req: Seen):
             return tree(hub, repo_id, rest[1], "/".join(rest[2:]), req)
         if method == "POST" and rest[0] == "preupload" and len(rest) == 2:
             return preupload(hub, repo_id, rest[1], req)
+        if method == "POST" and rest[0] == "paths-info" and len(rest) == 2:
+            return paths_info(hub, repo_id, rest[1], req)
+        if method == "POST" and rest == ["lfs-files", "duplicate"]:
+            return duplicate(hub, repo_id, req)
         if method == "POST" and rest[0] == "commit" and len(rest) == 2:
             return commit(hub, repo_id, rest[1], req)
         if method == "POST" and rest[0] == "branch" and len(rest) == 2:
@@ -444,7 +491,59 @@ def _entry(path: str, content: bytes) -> dict:
         pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256(content)}\nsize {len(content)}\n"
         entry["oid"] = git_oid(pointer.encode())
         entry["lfs"] = {"oid": sha256(content), "size": len(content), "pointerSize": len(pointer)}
+        entry["xetHash"] = xet_hash(content)
     return entry
+
+
+def paths_info(hub: HubServer, repo_id: str, revision: str, req: Seen) -> list:
+    """POST /api/models/REPO/paths-info/REV, a form of ``paths`` (repeated) and ``expand``: the entries of
+    those paths that exist (files; a folder's entry for a folder), in the order asked."""
+    repo = _readable(hub, repo_id, req)
+    files = repo.commits[_commit_of(repo, revision)].files
+    form = parse_qs(req.body.decode())
+    out = []
+    for path in form.get("paths", []):
+        if path in files:
+            out.append(_entry(path, files[path]))
+        elif any(p.startswith(path.rstrip("/") + "/") for p in files):
+            out.append({"type": "directory", "oid": hashlib.sha1(path.encode()).hexdigest(), "size": 0, "path": path})
+    return out
+
+
+def duplicate(hub: HubServer, source_id: str, req: Seen) -> dict:
+    """POST /api/models/SRC/lfs-files/duplicate {"target": {"type", "name"}, "files": [{"xetHash", "sha256",
+    "filename"}]}: copy the source repo's large files into the target repo's store, server-side. The token
+    must read the source and write the target; a file the source does not hold, or whose Xet hash is not
+    its own, is answered in "failed"."""
+    source = _readable(hub, source_id, req)
+    if req.user is None:
+        raise _error(401, "You must be authenticated to duplicate files")
+    payload = json.loads(req.body)
+    target = payload.get("target") or {}
+    if target.get("type", "model") != "model":
+        raise _error(400, "this server holds model repos only")
+    target_id = str(target.get("name"))
+    _writable(hub, target_id, req)
+    held = hub.lfs.get(source.repo_id, {})
+    failed = []
+    with hub.lock:
+        for f in payload.get("files") or []:
+            content = held.get(f.get("sha256"))
+            if hub.refuse_duplicate is not None:
+                failed.append({"sha256": f.get("sha256"), "error": hub.refuse_duplicate})
+            elif content is None or xet_hash(content) != f.get("xetHash"):
+                failed.append({"sha256": f.get("sha256"), "error": "file not found in the source repository"})
+            else:
+                hub.lfs.setdefault(target_id, {})[f["sha256"]] = content
+                hub._duplicated.append(
+                    {"source": source_id, "target": target_id, "sha256": f["sha256"], "filename": f.get("filename")}
+                )
+    return {"failed": failed}
+
+
+def _header(headers: dict, name: str) -> str:
+    """A request header by name, whatever its case (the client sends ``range`` in lowercase)."""
+    return next((v for k, v in headers.items() if k.lower() == name), "")
 
 
 def tree(hub: HubServer, repo_id: str, revision: str, prefix: str, req: Seen) -> list:
@@ -487,12 +586,27 @@ def resolve_file(hub: HubServer, repo_id: str, revision: str, path: str, req: Se
     if lfs:
         headers.update({"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(len(content))})
     status, data = 200, content
-    m = re.fullmatch(r"bytes=(\d+)-(\d*)", req.headers.get("Range", ""))
-    if m and req.method == "GET":
-        start, end = int(m.group(1)), int(m.group(2) or len(content) - 1)
+    asked = _header(req.headers, "range").strip()
+    if asked and req.method == "GET":
+        start, end = _byte_range(asked, len(content))
         data, status = content[start : end + 1], 206
-        headers["Content-Range"] = f"bytes {start}-{start + len(data) - 1}/{len(content)}"
+        headers["Content-Range"] = f"bytes {start}-{end}/{len(content)}"
     return _Raw(data, headers, status)
+
+
+def _byte_range(asked: str, size: int) -> tuple[int, int]:
+    """The first and last byte of one HTTP range (``bytes=A-B``, ``bytes=A-``, ``bytes=-N``), as RFC 9110
+    reads it: a last byte past the end means the end; a first byte past the end is unsatisfiable (416)."""
+    m = re.fullmatch(r"bytes=(\d*)-(\d*)", asked)
+    if not m or not (m.group(1) or m.group(2)):
+        raise _error(400, f"malformed or multiple ranges: {asked}")
+    if not m.group(1):  # the last N bytes
+        start, end = max(0, size - int(m.group(2))), size - 1
+    else:
+        start, end = int(m.group(1)), min(int(m.group(2) or size - 1), size - 1)
+    if start >= size or start > end:
+        raise _error(416, f"range {asked} not satisfiable for {size} bytes", **{"Content-Range": f"bytes */{size}"})
+    return start, end
 
 
 def create_repo(hub: HubServer, req: Seen) -> dict:
@@ -577,32 +691,37 @@ def lfs_batch(hub: HubServer, repo_id: str, req: Seen) -> _Raw:
     for obj in payload["objects"]:
         oid, size = obj["oid"], obj["size"]
         entry = {"oid": oid, "size": size}
-        if oid not in hub.lfs:
+        if oid not in hub.lfs.get(repo_id, {}):  # only this repo's own store counts, as on the Hub
             entry["authenticated"] = True
+            to = f"?repo={quote(repo_id, safe='')}"
             if multipart and size > hub.multipart_threshold:
                 n = -(-size // hub.chunk_size)
                 header = {
                     "chunk_size": str(hub.chunk_size),
-                    **{str(i): f"{hub.url}/__lfs/{oid}/part/{i}" for i in range(1, n + 1)},
+                    **{str(i): f"{hub.url}/__lfs/{oid}/part/{i}{to}" for i in range(1, n + 1)},
                 }
-                upload = {"href": f"{hub.url}/__lfs/{oid}/complete", "header": header}
+                upload = {"href": f"{hub.url}/__lfs/{oid}/complete{to}", "header": header}
             else:
-                upload = {"href": f"{hub.url}/__lfs/{oid}"}
-            entry["actions"] = {"upload": upload, "verify": {"href": f"{hub.url}/__lfs/verify", "header": {}}}
+                upload = {"href": f"{hub.url}/__lfs/{oid}{to}"}
+            entry["actions"] = {"upload": upload, "verify": {"href": f"{hub.url}/__lfs/verify{to}", "header": {}}}
         objects.append(entry)
     body = json.dumps({"transfer": "multipart" if multipart else "basic", "objects": objects}).encode()
     return _Raw(body, {"Content-Type": "application/vnd.git-lfs+json"})
 
 
 def lfs_transfer(hub: HubServer, method: str, parts: list[str], req: Seen):
+    repo_id = req.query.get("repo", [""])[0]
+    if repo_id not in hub.repos:
+        raise _error(404, "unknown repository for this LFS transfer")
     if method == "POST" and parts == ["verify"]:
         obj = json.loads(req.body)
-        if hub.lfs.get(obj["oid"]) is None or len(hub.lfs[obj["oid"]]) != obj["size"]:
+        held = hub.lfs.get(repo_id, {}).get(obj["oid"])
+        if held is None or len(held) != obj["size"]:
             raise _error(404, "object not found")
         return {}
     oid = parts[0]
     if method == "PUT" and len(parts) == 1:
-        return _store(hub, oid, req.body)
+        return _store(hub, repo_id, oid, req.body)
     if method == "PUT" and len(parts) == 3 and parts[1] == "part":
         with hub.lock:
             hub.parts.setdefault(oid, {})[int(parts[2])] = req.body
@@ -614,16 +733,19 @@ def lfs_transfer(hub: HubServer, method: str, parts: list[str], req: Seen):
             if f'"{hashlib.md5(chunks.get(p["partNumber"], b"")).hexdigest()}"' != p["etag"]:
                 raise _error(400, f"part {p['partNumber']} does not match its etag")
         return _store(
-            hub, oid, b"".join(chunks[p["partNumber"]] for p in sorted(done["parts"], key=lambda p: p["partNumber"]))
+            hub,
+            repo_id,
+            oid,
+            b"".join(chunks[p["partNumber"]] for p in sorted(done["parts"], key=lambda p: p["partNumber"])),
         )
     raise _error(404, "unknown LFS transfer")
 
 
-def _store(hub: HubServer, oid: str, data: bytes) -> dict:
+def _store(hub: HubServer, repo_id: str, oid: str, data: bytes) -> dict:
     if sha256(data) != oid:
         raise _error(400, f"content does not match sha256 {oid}")
     with hub.lock:
-        hub.lfs[oid] = data
+        hub.lfs.setdefault(repo_id, {})[oid] = data
     return {}
 
 
@@ -651,10 +773,13 @@ def commit(hub: HubServer, repo_id: str, revision: str, req: Seen) -> dict:
             key, value = line["key"], line["value"]
             if key == "file":
                 files[value["path"]] = base64.b64decode(value["content"])
-            elif key == "lfsFile":
-                if value["oid"] not in hub.lfs:
-                    raise _error(422, f"LFS object {value['oid']} for {value['path']} was never uploaded")
-                files[value["path"]] = hub.lfs[value["oid"]]
+            elif key == "lfsFile":  # an upload, or a copy (no size: the client only names the object)
+                held = hub.lfs.get(repo_id, {}).get(value["oid"])
+                if held is None:
+                    raise _error(422, f"LFS object {value['oid']} for {value['path']} is not in {repo_id}")
+                if "size" in value and value["size"] != len(held):
+                    raise _error(422, f"LFS object {value['oid']} for {value['path']} has another size")
+                files[value["path"]] = held
             elif key in ("deletedFile", "deletedFolder"):
                 files = {
                     p: c

@@ -188,7 +188,9 @@ def test_a_link_to_a_file_inside_the_folder_is_read_as_that_file(tmp_path, cli):
 def test_hub_cache_links_work_only_into_that_repos_blobs(source, tmp_path):
     with hub_with(source) as hub:
         surgeon = Surgeon(tmp_path, hub.url)
-        surgeon("inspect", "org/tiny")  # a real download: huggingface_hub's own snapshot links
+        # a real download: huggingface_hub's own snapshot links (a reinit fetches the weights it writes from;
+        # inspect would read them by Range)
+        surgeon("reinit", "org/tiny", "--layers", "0", "-o", tmp_path / "first")
         repo = surgeon.hf_home / "hub" / "models--org--tiny"
         (snapshot,) = (repo / "snapshots").iterdir()
         assert (snapshot / "model.safetensors").is_symlink()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from urllib.parse import unquote
 
 import pytest
 
@@ -58,10 +59,14 @@ def test_reads_by_id_fetching_only_what_it_needs(surgeon, hub, sources, tmp_path
         f"read org/tiny from the Hugging Face Hub, revision main (commit {commit[:12]})" in n for n in report["notes"]
     )
     assert "not fetched (same weights in another format): pytorch_model.bin" in report["notes"]
-    # one weight format, configs, tokenizer and card; never pytorch_model.bin, onnx/, training_args.bin
-    assert sorted(hub.downloads()) == FETCHED
+    # one weight format, configs, tokenizer and card; never pytorch_model.bin, onnx/, training_args.bin; the
+    # weights are read by Range (their header, then the measured tensors), not downloaded
+    assert sorted(hub.downloads()) == [f for f in FETCHED if f != "model.safetensors"]
+    assert {unquote(path.rsplit("/", 1)[1]) for path, _ in hub.ranges()} == {"model.safetensors"}
     snapshot = surgeon.hf_home / "hub" / "models--org--tiny" / "snapshots" / commit
-    assert digest(snapshot) == {k: v for k, v in digest(sources[0]).items() if k in FETCHED}
+    assert digest(snapshot) == {
+        k: v for k, v in digest(sources[0]).items() if k in FETCHED and k != "model.safetensors"
+    }
     assert (surgeon.hf_home / "hub" / "models--org--tiny" / "refs" / "main").read_text() == commit
     assert kappas(report) == [
         list(r.before.head_kappas) for r in inspect_checkpoint(sources[0]).rows
@@ -70,7 +75,7 @@ def test_reads_by_id_fetching_only_what_it_needs(surgeon, hub, sources, tmp_path
     # reinit by id: the default output is ./<name>-reinit, the same weights as a local run, from the cache
     n = len(hub.downloads())
     run = surgeon("reinit", "org/tiny", "--layers", "0")
-    assert len(hub.downloads()) == n  # nothing downloaded twice
+    assert hub.downloads()[n:] == ["model.safetensors"]  # the weights, to write from; nothing downloaded twice
     out = tmp_path / "tiny-reinit"
     assert f"wrote {out}" in run.stdout
     local = tmp_path / "local"

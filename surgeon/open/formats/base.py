@@ -101,6 +101,11 @@ class WeightSet(ABC):
         return self.files + ([self.index] if self.index else [])
 
     @property
+    def local_files(self) -> list[str]:
+        """The files of ``all_files`` that are on disk (a Hub model read by Range has only some there)."""
+        return self.all_files
+
+    @property
     def tensors(self) -> dict[str, TensorInfo]:
         """Every tensor, in file order."""
         return self._infos

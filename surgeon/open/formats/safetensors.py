@@ -25,6 +25,7 @@ from .safetensors_header import (
     Header,
     add_record,
     encode_header,
+    history_in,
     read_header,
     with_metadata,
 )
@@ -48,7 +49,8 @@ def tensor_info(header: Header, name: str, file: str) -> TensorInfo:
     return TensorInfo(name, tuple(entry["shape"]), entry["dtype"], dtype, file, end - begin)
 
 
-def read_tensor(header: Header, name: str) -> torch.Tensor:
+def torch_dtype(header: Header, name: str) -> torch.dtype:
+    """The torch dtype of tensor ``name`` (refused where this torch has none)."""
     import torch
 
     entry = header.entries[name]
@@ -60,6 +62,14 @@ def read_tensor(header: Header, name: str) -> torch.Tensor:
             path=header.path,
             tensor=name,
         )
+    return dtype
+
+
+def read_tensor(header: Header, name: str) -> torch.Tensor:
+    import torch
+
+    entry = header.entries[name]
+    dtype = torch_dtype(header, name)
     begin, end = entry["data_offsets"]
     shape = tuple(entry["shape"])
     if end == begin:
@@ -83,15 +93,20 @@ def write_patched(header: Header, dest: Path, updates: dict[str, torch.Tensor], 
     patch(header, dest, data_start, updates.items())
 
 
-def start_file(header: Header, dest: Path, record: dict | None) -> int:
-    """Create ``dest`` at its final size with ``header`` (plus ``record``) written; returns where its data starts.
+def start_file(header: Header, dest: Path, record: dict | None, history: list | None = None) -> int:
+    """Create ``dest`` at its final size with ``header`` (plus ``record``, appended to ``history``) written;
+    returns where its data starts. Without a record the header is the original's bytes, so a shard with
+    no change is byte for byte its source (and can be copied server-side on the Hub).
 
     The data section is left as a hole, for :func:`copy_gaps` and :func:`patch` to fill in any order.
     """
-    entries = header.entries
-    if record is not None:
-        entries = with_metadata(entries, add_record(header.metadata, record))
-    raw_header = encode_header(entries)
+    if record is None:
+        with open(header.path, "rb") as src:
+            raw_header = os.pread(src.fileno(), header.length, 8)
+        if len(raw_header) != header.length:
+            raise CheckpointError(f"{header.path} changed while surgeon read it; run this again", path=header.path)
+    else:
+        raw_header = encode_header(with_metadata(header.entries, add_record(header.metadata, record, history)))
     data_start = 8 + len(raw_header)
     with open(dest, "wb") as out:
         out.write(struct.pack("<Q", len(raw_header)))
@@ -142,17 +157,20 @@ class SafetensorsWeights(RankedWeightSet):
     record_slot = True
     shard_suffix = FILE_SUFFIX
 
-    def __init__(self, folder: Path, files: list[str], index: str | None = None) -> None:
+    def __init__(
+        self, folder: Path, files: list[str], index: str | None = None, headers: dict[str, Header] | None = None
+    ) -> None:
+        """``headers``: the shards' headers, read already (a Hub model's, by Range: see open.hub_remote)."""
         super().__init__(folder, files, index)
         self.headers: dict[str, Header] = {}
         found: dict[str, str] = {}
         for file in files:
             path = folder / file
-            if not path.is_file():
+            if headers is None and not path.is_file():
                 raise CheckpointError(
                     f"missing shard {file}: {index or 'the checkpoint'} lists it but it is not in {folder}"
                 )
-            header = self.headers[file] = read_header(path)
+            header = self.headers[file] = read_header(path) if headers is None else headers[file]
             for name in header.tensor_entries():
                 if name in found:
                     raise CheckpointError(f"tensor {name!r} is in both {found[name]} and {file}")
@@ -179,6 +197,16 @@ class SafetensorsWeights(RankedWeightSet):
             text = self.metadata(file).get(METADATA_KEY)
             out.append((file, [] if text is None else [text]))
         return out
+
+    def changed_files(self, names: Iterable[str]) -> list[str]:
+        """The shards holding any of the tensors ``names`` (the first shard where none does: the record has to
+        go somewhere)."""
+        wanted = set(names)
+        return [f for f in self.files if wanted & self.headers[f].entries.keys()] or self.files[:1]
+
+    def history(self) -> list:
+        """surgeon's records in these files, the longest one (an earlier run wrote it only where it changed)."""
+        return max((history_in(self.metadata(f)) for f in self.files), key=len, default=[])
 
     def metadata(self, file: str | None = None) -> dict[str, str]:
         return self.headers[file or self.files[0]].metadata
@@ -214,9 +242,12 @@ class SafetensorsWeights(RankedWeightSet):
         with BackgroundCopies() as copies:
             jobs = []
             starts = {}
+            history = self.history()
+            changed = self.changed_files(updates.names)
             for file in self.files if files is None else files:
                 header = self.headers[file]
-                starts[file] = start_file(header, dest / file, record)
+                # the record goes where the change is: a shard with no change stays its source's bytes
+                starts[file] = start_file(header, dest / file, record if file in changed else None, history)
                 skip = {n for n in header.tensor_entries() if n in updates.names}
                 jobs.append(copies.submit(copy_gaps, header, dest / file, starts[file], skip, copies.cancel))
             for file in starts:

@@ -89,18 +89,24 @@ def read_header_fd(fd: int, path: Path) -> Header:
     try:
         size = os.fstat(fd).st_size
         prefix = os.pread(fd, 8, 0)
-        if len(prefix) < 8:
-            raise CheckpointError(f"{path} is not a safetensors file: it is only {size} bytes long", path=path)
-        (length,) = struct.unpack("<Q", prefix)
-        if length > _MAX_HEADER or 8 + length > size:
-            raise CheckpointError(
-                f"{path} has a corrupt or truncated safetensors header (it claims {length} header "
-                f"bytes, the file has {size}); re-download or re-save it"
-            )
+        length = header_length(path, prefix, size)
         raw = os.pread(fd, length, 8)
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
     return parse_header(path, length, raw, size)
+
+
+def header_length(path: Path, prefix: bytes, size: int) -> int:
+    """N, from a file's first 8 bytes ``prefix``, checked against the cap and the file's ``size``."""
+    if len(prefix) < 8:
+        raise CheckpointError(f"{path} is not a safetensors file: it is only {size} bytes long", path=path)
+    (length,) = struct.unpack("<Q", prefix[:8])
+    if length > _MAX_HEADER or 8 + length > size:
+        raise CheckpointError(
+            f"{path} has a corrupt or truncated safetensors header (it claims {length} header "
+            f"bytes, the file has {size}); re-download or re-save it"
+        )
+    return int(length)
 
 
 def parse_header(path: Path, length: int, raw: bytes, size: int) -> Header:
@@ -220,16 +226,23 @@ def with_metadata(entries: dict, metadata: dict[str, str]) -> dict:
     return {"__metadata__": metadata, **entries}
 
 
-def add_record(metadata: dict[str, str], record: dict) -> dict[str, str]:
-    """Append surgeon's record to the history kept under ``__metadata__['surgeon']``."""
-    history = []
-    if METADATA_KEY in metadata:
-        try:
-            history = loads(metadata[METADATA_KEY], where="surgeon's record")
-            history = history if isinstance(history, list) else [history]
-        except CheckpointError:  # not JSON: kept as the text it is
-            history = [metadata[METADATA_KEY]]
+def add_record(metadata: dict[str, str], record: dict, history: list | None = None) -> dict[str, str]:
+    """Append surgeon's record to the history kept under ``__metadata__['surgeon']`` (``history``: the one
+    to append to, where the checkpoint's longest is not this file's own: a shard an earlier run left alone)."""
+    if history is None:
+        history = history_in(metadata)
     return {**metadata, METADATA_KEY: json.dumps(history + [record], separators=(",", ":"), sort_keys=True)}
+
+
+def history_in(metadata: dict[str, str]) -> list:
+    """The history under ``__metadata__['surgeon']`` as a list (text that is not JSON: kept as it is)."""
+    if METADATA_KEY not in metadata:
+        return []
+    try:
+        history = loads(metadata[METADATA_KEY], where="surgeon's record")
+    except CheckpointError:
+        return [metadata[METADATA_KEY]]
+    return history if isinstance(history, list) else [history]
 
 
 def records(metadata: dict[str, str]) -> list[dict]:

@@ -1,0 +1,136 @@
+"""Pushing a Hub model's re-initialization by changes only: the changed shards, the card and the record are
+uploaded; every other file of the output is committed as a server-side copy from the source repo at the
+commit it was read from (never a branch name, which could move between planning and commit).
+
+huggingface_hub 2.x copies across repositories (``CommitOperationCopy(src_repo_id=...)``: the large files
+are duplicated server-side through the source repo's duplicate endpoint); before it, or where the Hub
+refuses the copy, surgeon uploads every file instead and says why in one line.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..open.hub_errors import one_line
+
+if TYPE_CHECKING:
+    from huggingface_hub import CommitOperationCopy
+
+    from ..errors import PushError
+    from ..open.source import Source
+
+
+@dataclass(frozen=True)
+class ServerCopies:
+    """The files a push commits as copies of ``repo_id`` at ``commit`` (same paths on both sides)."""
+
+    repo_id: str
+    commit: str
+    files: tuple[str, ...]
+
+    def operations(self) -> list[CommitOperationCopy]:
+        from huggingface_hub import CommitOperationCopy
+
+        return [
+            CommitOperationCopy(f, f, src_repo_id=self.repo_id, src_repo_type="model", src_revision=self.commit)
+            for f in self.files
+        ]
+
+
+class CopyRefused(Exception):
+    """The server-side copy could not be done; the message is the one-line reason."""
+
+
+def no_copy_reason(source: Source, *, output_given: bool, no_server_copy: bool) -> str | None:
+    """Why a push of ``source``'s re-initialization cannot copy unchanged files server-side (None: it can)."""
+    from huggingface_hub import CommitOperationCopy, __version__
+
+    from ..open.hub_remote import RemoteSafetensorsWeights
+
+    if output_given or not isinstance(source.primary, RemoteSafetensorsWeights) or len(source.weights) > 1:
+        return ""  # not a Hub model read by Range, or a full output asked for: nothing to say
+    if no_server_copy:
+        return "uploading every file (--no-server-copy)"
+    if "src_repo_id" not in getattr(CommitOperationCopy, "__dataclass_fields__", {}):
+        return f"uploading every file: huggingface_hub {__version__} has no cross-repo copies (2.x has)"
+    return None
+
+
+def copies_for(source: Source, staged: list[str]) -> ServerCopies:
+    """What a full output of ``source`` holds and the staging folder (``staged``) does not: copied."""
+    from .output import folder_output_files
+
+    weights, carried = folder_output_files(source)
+    assert source.hub_id is not None and source.hub_commit is not None
+    rest = sorted({*weights, *carried} - set(staged) - {"README.md"})
+    return ServerCopies(source.hub_id, source.hub_commit, tuple(rest))
+
+
+def is_copy_error(exc: BaseException, copies: ServerCopies) -> bool:
+    """Whether ``exc`` came from the copy (the duplicate endpoint, or asking the source repo about its files)."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if type(exc).__name__ == "FileDuplicationError":  # huggingface_hub 2.x only
+        return True
+    response: Any = getattr(exc, "response", None)
+    url = str(getattr(getattr(response, "request", None), "url", "")) if response is not None else ""
+    return isinstance(exc, HfHubHTTPError) and f"/api/models/{copies.repo_id}/" in url
+
+
+def refused(exc: BaseException) -> CopyRefused:
+    # a duplication error lists each file's reason on a line of its own: all on one line, shortened
+    why = " ".join(str(exc).split()) if type(exc).__name__ == "FileDuplicationError" else one_line(exc)
+    why = why if len(why) <= 300 else why[:297] + "..."
+    return CopyRefused(f"the Hub refused the server-side copy ({why}); uploading every file instead")
+
+
+def complete_staging(folder: Path, source: Source) -> None:
+    """Make the staging folder the whole output: the unchanged shards (fetched, so as their source) and
+    the files carried over, beside the changed shards and card already there."""
+    from ..open.folder import file_in
+
+    weights = source.primary
+    for file in weights.all_files:
+        if not (folder / file).exists():
+            shutil.copyfile(weights.folder / file, folder / file)
+    for rel in source.extra_files:  # as copy_extras does, but the new card stays
+        path = file_in(source.folder, rel)
+        if path is not None and not (folder / rel).exists():
+            (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, folder / rel)
+
+
+def resume_by_reinit(exc: PushError) -> PushError:
+    """A push by changes that stopped part-way is finished by the same reinit run again (its output is the
+    same bytes, and what reached the Hub is not sent again), not by pushing the staging folder alone."""
+    import re
+
+    from ..errors import PushError
+
+    text = re.sub(
+        r"run `surgeon push [^`]*` to finish",
+        "run the same `surgeon reinit` again with --overwrite to finish",
+        str(exc),
+    )
+    return PushError(text, uploaded=exc.uploaded, not_uploaded=exc.not_uploaded)
+
+
+def predicted(source: Source, changed: list[str]) -> str:
+    """What a push by changes will move, from the headers read (a dry run's line): the changed shards'
+    bytes, downloaded and then uploaded (with the record added to their headers), and the copies."""
+    from ..open.hub_remote import RemoteSafetensorsWeights
+    from ..report.report import fmt_bytes
+
+    weights = source.primary
+    assert isinstance(weights, RemoteSafetensorsWeights)
+    moved = sum(weights.headers[f].file_size for f in changed)
+    copied = sum(h.file_size for f, h in weights.headers.items() if f not in changed)
+    return (
+        f"the real run downloads {len(changed)} changed shard(s) ({', '.join(changed)}: {moved:,} bytes), "
+        f"uploads them with the record added and the card, and copies {len(weights.files) - len(changed)} "
+        f"unchanged shard(s) ({fmt_bytes(copied)}) and the other files server-side from "
+        f"{source.hub_id}@{str(source.hub_commit)[:12]}"
+    )

@@ -1,0 +1,149 @@
+"""`reinit org/M --push-to-hub me/M2` on an 8-shard Llama-shaped repo: only the changed shard is
+downloaded and uploaded, the card beside it; every other file arrives as a server-side copy pinned to the
+source's commit; the pushed repo is byte-identical to the full local output pushed whole (the fallback)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from huggingface_hub import CommitOperationCopy
+
+from helpers.hub import TOKEN, Surgeon, make_llama_shards
+from helpers.hub_server import HubServer
+
+pytestmark = pytest.mark.skipif(
+    "src_repo_id" not in CommitOperationCopy.__dataclass_fields__,
+    reason="this huggingface_hub has no cross-repo copies (2.x has)",
+)
+LAST = "model-00007-of-00008.safetensors"  # holds layer 7's q/k/v (make_llama_shards)
+LFS_DATA = r"^/__lfs/[0-9a-f]{64}$"  # the loopback Hub's LFS upload of one object's bytes
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return make_llama_shards(tmp_path_factory.mktemp("src") / "m")
+
+
+@pytest.fixture
+def hub(shards):
+    with HubServer() as server:
+        server.add_token(TOKEN, "me", ("org",))
+        server.add_model("org/M", shards)
+        yield server
+
+
+def weights_served(hub, since: int = 0) -> int:
+    return sum(r.sent for r in hub.requests[since:] if r.method == "GET" and r.path.endswith(".safetensors"))
+
+
+def header_bytes(folder) -> int:
+    import struct
+
+    return sum(8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in folder.glob("*.safetensors"))
+
+
+def pushed(hub, repo):
+    return {p: c for p, c in hub.files(repo).items() if p != ".gitattributes"}
+
+
+def same_repo(hub, repo, other) -> bool:
+    """The two repos hold the same files, byte for byte (the card's title names its own repo)."""
+    a, b = pushed(hub, repo), pushed(hub, other)
+    b["README.md"] = b["README.md"].replace(f"# {other}\n".encode(), f"# {repo}\n".encode(), 1)
+    return a == b
+
+
+def test_push_by_changes_matches_the_full_output_pushed_whole(shards, hub, tmp_path):
+    surgeon = Surgeon(tmp_path, hub.url)
+    commit = hub.repos["org/M"].branches["main"]
+    surgeon("reinit", "org/M", "--layers", "-1", "--push-to-hub", "me/M2", token=TOKEN)
+    last = (shards / LAST).stat().st_size
+    # downloaded: the headers and the one changed shard (the small files are counted apart)
+    assert weights_served(hub) == header_bytes(shards) + last
+    assert [f for f in hub.downloads() if f.endswith(".safetensors")] == [LAST]
+    # staged: the changed shard and the card, nothing else
+    assert sorted(p.name for p in (tmp_path / "M-reinit").iterdir()) == ["README.md", LAST]
+    # uploaded through LFS: that shard; the card inline; everything else copied from the pinned commit
+    card = len(pushed(hub, "me/M2")["README.md"])
+    assert hub.received(LFS_DATA) == len(pushed(hub, "me/M2")[LAST])  # the new shard's bytes, once
+    (ops,) = [
+        [json.loads(x) for x in r.body.splitlines()] for r in hub.requests if "/commit/" in r.path and r.status == 200
+    ]
+    assert {op["value"]["path"] for op in ops[1:] if op["key"] == "lfsFile" and "size" in op["value"]} == {LAST}
+    copied = {d["filename"] for d in hub.duplicated()}
+    assert copied == {p.name for p in shards.glob("*.safetensors")} - {LAST}
+    paths_info = [r for r in hub.requests if "/api/models/org/M/paths-info/" in r.path]
+    assert paths_info and all(r.path.endswith(f"/paths-info/{commit}") for r in paths_info)  # pinned, never main
+    # the commit carries the card, the small files inline (base64) and pointers: no weight bytes
+    small = sum(p.stat().st_size for p in shards.iterdir() if not p.name.endswith(".safetensors"))
+    assert hub.received(r"/commit/") < card + 2 * small + 4096 < last
+    # the same repo as the full local output, pushed whole (today's path, the fallback)
+    full = tmp_path / "full" / "M-reinit"  # the same name: the card's reproduce command names the output
+    surgeon("reinit", "org/M", "--layers", "-1", "-o", full, "--push-to-hub", "me/M3", token=TOKEN)
+    assert same_repo(hub, "me/M2", "me/M3")
+
+
+def test_layers_all_uploads_every_shard_and_copies_none_that_changed(shards, hub, tmp_path):
+    Surgeon(tmp_path, hub.url)("reinit", "org/M", "--push-to-hub", "me/all", token=TOKEN)
+    index = json.loads((shards / "model.safetensors.index.json").read_text())["weight_map"]
+    changed = {s for n, s in index.items() if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))}
+    assert {d["filename"] for d in hub.duplicated()} == {p.name for p in shards.glob("*.safetensors")} - changed
+    assert hub.received(LFS_DATA) == sum(len(pushed(hub, "me/all")[s]) for s in changed)
+    for shard in changed:
+        assert pushed(hub, "me/all")[shard] != (shards / shard).read_bytes()
+
+
+def test_fallbacks_say_why_in_one_line_and_push_the_same_repo(shards, hub, tmp_path):
+    surgeon = Surgeon(tmp_path, hub.url)
+    full = tmp_path / "full" / "M-reinit"  # the same name: the card's reproduce command names the output
+    surgeon("reinit", "org/M", "--layers", "-1", "-o", full, "--push-to-hub", "me/full", token=TOKEN)
+    forced = surgeon("reinit", "org/M", "--layers", "-1", "--push-to-hub", "me/forced", "--no-server-copy", token=TOKEN)
+    assert "note: uploading every file (--no-server-copy)" in forced.stdout
+    hub.refuse_duplicate = "source and target are in different storage regions"
+    refused = surgeon("reinit", "org/M", "--layers", "-1", "--push-to-hub", "me/refused", "--overwrite", token=TOKEN)
+    hub.refuse_duplicate = None
+    # a source the token cannot read: the Hub answers 404 when asked about its files
+    hub.fail("POST", r"^/api/models/org/M/paths-info/", status=404, message="Repository not found")
+    private = surgeon("reinit", "org/M", "--layers", "-1", "--push-to-hub", "me/private", "--overwrite", token=TOKEN)
+    assert hub.duplicated() == []
+    for run, why in ((refused, "different storage regions"), (private, "404 Not Found")):
+        (line,) = [x for x in run.stdout.splitlines() if "server-side copy" in x]
+        assert why in line and line.endswith("uploading every file instead"), line
+    for repo in ("me/forced", "me/refused", "me/private"):
+        assert same_repo(hub, repo, "me/full"), repo
+
+
+def test_an_interrupted_push_resumes(shards, hub, tmp_path):
+    """The commit fails after the changed shard was uploaded: the error says how to finish, the same reinit
+    finishes it without sending the shard again, and the repo is the whole output."""
+    surgeon = Surgeon(tmp_path, hub.url)
+    hub.fail("POST", r"^/api/models/me/resumed/commit/", status=503, message="try later")
+    stopped = surgeon("reinit", "org/M", "--layers", "-1", "--push-to-hub", "me/resumed", ok=False, token=TOKEN)
+    assert "run the same `surgeon reinit` again with --overwrite to finish" in stopped.error
+    assert "surgeon push" not in stopped.error  # the staging folder alone is not the model
+    sent = hub.received(LFS_DATA)
+    surgeon("reinit", "org/M", "--layers", "-1", "--push-to-hub", "me/resumed", "--overwrite", token=TOKEN)
+    assert hub.received(LFS_DATA) == sent == len(pushed(hub, "me/resumed")[LAST])  # uploaded once, in all
+    surgeon(
+        "reinit",
+        "org/M",
+        "--layers",
+        "-1",
+        "-o",
+        tmp_path / "full" / "M-reinit",
+        "--push-to-hub",
+        "me/whole",
+        token=TOKEN,
+    )
+    assert same_repo(hub, "me/resumed", "me/whole")
+
+
+def test_dry_run_predicts_the_bytes_a_push_moves(shards, hub, tmp_path):
+    run = Surgeon(tmp_path, hub.url)(
+        "reinit", "org/M", "--layers", "-1", "--push-to-hub", "me/M2", "--dry-run", token=TOKEN
+    )
+    assert weights_served(hub) == header_bytes(shards) and "me/M2" not in hub.repos  # headers only, nothing sent
+    size = (shards / LAST).stat().st_size
+    assert f"downloads 1 changed shard(s) ({LAST}: {size:,} bytes)" in run.stdout
+    assert "copies 7 unchanged shard(s)" in run.stdout
