@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import re
-import warnings
-from dataclasses import InitVar, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +37,6 @@ class PushTarget:
         create_pr: Open a pull request against main instead of committing.
         commit_message: The commit message (default: what was re-initialized).
         token: The Hub token (default: HF_TOKEN or `hf auth login`).
-        revision: Another name for ``branch``, accepted with a DeprecationWarning.
         no_server_copy: Upload every file, even those a Hub source holds unchanged (default: copy those
             server-side from the source's commit; see :mod:`surgeon.write.hub_copy`).
 
@@ -53,12 +51,8 @@ class PushTarget:
     commit_message: str | None = None
     token: str | None = field(default=None, repr=False)
     no_server_copy: bool = False
-    revision: InitVar[str | None] = None
 
-    def __post_init__(
-        self, revision: str | None
-    ) -> None:  # the token is checked by check_token, where the caller chooses
-        object.__setattr__(self, "branch", _branch(self.branch, revision, "PushTarget", stacklevel=4))
+    def __post_init__(self) -> None:  # the token is checked by check_token, where the caller chooses
         object.__setattr__(self, "repo_id", _check_target(self.repo_id, self.branch, self.create_pr))
 
     def check_token(self) -> None:
@@ -85,15 +79,12 @@ class PushTarget:
             OptionError: A push setting is given without a repo id, or the target is malformed.
             TypeError: A setting is not a field of PushTarget.
         """
-        unknown = sorted(set(settings) - {f.name for f in fields(cls)} - {"revision"})
+        unknown = sorted(set(settings) - {f.name for f in fields(cls)})
         if unknown:
             raise TypeError(f"PushTarget.build() got an unexpected keyword argument {unknown[0]!r}")
         given = {k: v for k, v in settings.items() if v is not None and v is not False}  # a flag left out
-        given["branch"] = _branch(
-            given.pop("branch", None), given.pop("revision", None), "PushTarget.build", stacklevel=3
-        )
         if repo_id is None:
-            if set(given) - {"token", "branch"} or given["branch"]:
+            if set(given) - {"token"}:
                 raise OptionError(
                     f"{opt('private')}, {opt('push_branch')}, {opt('create_pr')} and {opt('commit_message')} "
                     f"go with {opt('push_to_hub', 'org/name')}"
@@ -117,27 +108,6 @@ class PushTarget:
             progress=progress,
             copies=copies,
         )
-
-
-# An InitVar's default stays behind as a class attribute: reading target.revision would give None, not the branch.
-del PushTarget.revision  # type: ignore[attr-defined]
-
-
-def _branch(branch: str | None, revision: str | None, where: str, *, stacklevel: int) -> str | None:
-    """The branch to push to, given as ``branch`` or by its other name ``revision`` (warned: it names what a
-    model is read at everywhere else)."""
-    if revision is None:
-        return branch
-    warnings.warn(
-        f"{where}: give the branch to push to as branch= (revision= names the revision a model is read at)",
-        DeprecationWarning,
-        stacklevel=stacklevel,
-    )
-    if branch is not None and branch != revision:
-        raise OptionError(
-            f"{opt('branch')} and {opt('revision')} both name the branch to push to: give {opt('branch')} only"
-        )
-    return revision
 
 
 def _check_target(repo_id: str, branch: str | None, create_pr: bool) -> str:
@@ -177,7 +147,6 @@ def push_folder(
     token: str | None = None,
     progress: bool = False,
     dry_run: bool = False,
-    revision: str | None = None,
     copies: ServerCopies | None = None,
 ) -> PushResult:
     """Upload every file of ``folder`` to the model repo ``repo_id`` in one commit.
@@ -200,7 +169,6 @@ def push_folder(
         token: The Hub token (default: HF_TOKEN or `hf auth login`).
         progress: Show the Hub client's progress bars.
         dry_run: Make every check, then return the files that would be uploaded; send nothing.
-        revision: Another name for ``branch``, accepted with a DeprecationWarning.
 
     Returns:
         What was pushed (or, for a dry run, what would be).
@@ -214,7 +182,6 @@ def push_folder(
     folder = Path(folder)
     if folder.is_dir():  # a half-patched folder (an in-place run's journal beside its weights) is never offered
         refuse_journals(folder, unfinished=True)
-    branch = _branch(branch, revision, "push_folder", stacklevel=3)
     repo_id = _check_target(repo_id, branch, create_pr)
     files, left_out = _files_to_push(folder)
     if dry_run:  # nothing is sent, so no token is needed: the result says whether the real push has one
@@ -237,6 +204,7 @@ def push_folder(
             commit_description,
             token,
             progress,
+            copies,
         )
     except HubError as exc:
         if not isinstance(exc, PushError):  # a partial push names its own command, with what reached the Hub
@@ -266,6 +234,7 @@ def _push(
     commit_description: str | None,
     token: str | None,
     progress: bool,
+    copies: ServerCopies | None,
 ) -> PushResult:
     from huggingface_hub import CommitOperationAdd, HfApi
 

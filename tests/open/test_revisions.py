@@ -144,16 +144,11 @@ def test_a_push_branch_follows_the_same_rules():
     assert PushTarget("me/model", branch="refs/pr/3").branch == "refs/pr/3"
 
 
-def test_a_push_branch_given_as_revision_is_the_same_branch_with_a_warning():
+def test_a_push_branch_has_one_name():
+    """revision= names what a model is read at; the branch a push commits to is branch= only (no alias)."""
     from surgeon.write.push import PushTarget
 
-    for make in (
-        lambda: PushTarget("me/model", revision="reset-v2"),
-        lambda: PushTarget.build("me/model", revision="reset-v2"),
-    ):
-        with pytest.warns(DeprecationWarning, match="give the branch to push to as branch=") as caught:
-            target = make()
-        assert target == PushTarget("me/model", branch="reset-v2")
-        assert caught[0].filename == __file__  # the warning points at the caller
-    with pytest.raises(AttributeError):
-        PushTarget("me/model", branch="x").revision  # noqa: B018 - the field is branch
+    with pytest.raises(TypeError, match="revision"):
+        PushTarget("me/model", revision="reset-v2")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="revision"):
+        PushTarget.build("me/model", revision="reset-v2")
