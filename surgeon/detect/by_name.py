@@ -70,6 +70,8 @@ def detect(
         if fixed is not None:
             facts = replace(facts, heads=fixed[0], kv_heads=fixed[0], head_dim=None, source=f"{view.model_type}'s code")
         try:
+            if fixed is None and view.hints.get("num_heads", stack) is None and (doubt := view.doubt(stack, module)):
+                raise LayoutError(doubt)
             if rule is LATENT_RULE:
                 blocks.append(latent_block(module, latents[module], stack, layer, tensors, view, facts))
                 continue

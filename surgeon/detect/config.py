@@ -90,15 +90,16 @@ class ConfigView:
             return library, "the library's config"
         scope, names = self.config, []
         overrides = SUBCONFIG_BY_PATH.get(self.model_type or "", {})
-        if "." in stack and isinstance(nested := _nested(scope, overrides.get(stack.lower(), "")), dict):
-            return nested, f"config.json {overrides[stack.lower()]}"  # a whole stack's own entry (T5Gemma 2)
+        whole = overrides.get(stack.lower(), "") if "." in stack else ""
+        if whole and (own := _override(scope, whole)) is not None:
+            return own[0], f"{self.file} {own[1]}"  # a whole stack's own entry (T5Gemma 2, Evolla's resampler)
         for word in (w.lower() for w in stack.split(".")):
-            key, _, prefix = (overrides.get(word, "") if scope is self.config else "").partition("/")
-            if prefix and (not key or isinstance(_nested(scope, key), dict)):  # "key/prefix", "/prefix" of this config
-                base = _nested(scope, key) if key else scope
-                scope = {k.removeprefix(prefix): v for k, v in base.items() if k.startswith(prefix)}
-                names.append(f"{key + '.' if key else ''}{prefix}*")
+            spec = overrides.get(word, "") if scope is self.config else ""
+            if "/" in spec and (own := _override(scope, spec)) is not None:  # "key/prefix", "/prefix" of this config
+                scope = own[0]
+                names.append(own[1])
                 continue
+            key = spec
             found = key if isinstance(_nested(scope, key), dict) else _subconfig(scope, word)
             if found is not None:
                 key = found
@@ -108,6 +109,25 @@ class ConfigView:
                 scope, prefix = prefixed
                 names.append(prefix + "*")
         return scope, f"{self.file} " + ".".join(names) if names else self.file
+
+    def doubt(self, stack: str, module: str) -> str | None:
+        """Why surgeon cannot tell which config ``stack``'s heads come from, or None: config.json gives heads
+        under a prefix that a word of the path names (``resampler_heads`` for ``...compressor_resampler...``),
+        other than those of the config the path leads to, and no SUBCONFIG_BY_PATH entry settles it."""
+        scope, source = self._scope(stack)
+        if source.endswith("*"):  # the path's own prefixed keys were read
+            return None
+        ours = _first([scope], HEADS_KEYS)
+        for part in dict.fromkeys(p for w in stack.lower().split(".") for p in w.split("_") if len(p) > 3):
+            for key in (f"{part}_{k}" for k in HEADS_KEYS):
+                theirs = self.config.get(key)
+                if isinstance(theirs, int) and not isinstance(theirs, bool) and theirs > 0 and theirs != ours:
+                    return (
+                        f"cannot tell which config {module or stack} was built from: {source} says {ours} heads, "
+                        f"{self.file} {key} says {theirs}; pass {opt('num_heads', f'{stack}=N')} and "
+                        f"{opt('head_dim', f'{stack}=D')}, or leave it out of the selection"
+                    )
+        return None
 
     def linear_layer(self, stack: str, layer: int) -> bool:
         """Whether the config says layer ``layer`` of ``stack`` is linear attention (LINEAR_LAYER_TYPES)."""
@@ -369,6 +389,18 @@ def _prefixed_scope(scope: dict, word: str) -> tuple[dict, str] | None:
         if any(k in sub for k in heads):
             return {**sub, "model_type": scope.get("model_type")}, prefix
     return None
+
+
+def _override(scope: dict, spec: str) -> tuple[dict, str] | None:
+    """The config a SUBCONFIG_BY_PATH entry names, and how messages name it: "key" (a nested config, dotted),
+    "key/prefix" (its keys under a prefix), "/prefix" (this config's keys under a prefix); None if absent."""
+    key, slash, prefix = spec.partition("/")
+    base = _nested(scope, key) if key else scope
+    if not isinstance(base, dict):
+        return None
+    if not slash:
+        return base, key
+    return {k.removeprefix(prefix): v for k, v in base.items() if k.startswith(prefix)}, f"{key + '.' if key else ''}{prefix}*"
 
 
 def _sided(side: str, keys: tuple[str, ...]) -> tuple[str, ...]:
