@@ -64,12 +64,16 @@ class StackFacts:
 
 
 class ConfigView:
-    def __init__(self, config: dict | None, hints: Hints | None = None) -> None:
+    def __init__(
+        self, config: dict | None, hints: Hints | None = None, aliases: Mapping[str, tuple[str, ...]] | None = None
+    ) -> None:
         self.config = (
             normalize_config(config) or {}
         )  # a library's own config (diffusers, open_clip, timm) in these terms
         self.has_config = config is not None
         self.hints = hints or Hints()
+        # a stack's other spellings (surgeon.detect.renames: the names transformers loads the checkpoint's as)
+        self.aliases = dict(aliases or {})
         # how messages name it: a framework's own file (litgpt's model_config.yaml), else config.json
         self.file = next((f.file for f in FRAMEWORK_CONFIGS if self.model_type == f.model_type), "config.json")
 
@@ -79,7 +83,18 @@ class ConfigView:
         return model_type if isinstance(model_type, str) else None  # a list or object names no family
 
     def _scope(self, stack: str) -> tuple[dict, str]:
-        """The (sub)config that describes ``stack``, and its name.
+        """The (sub)config that describes ``stack``, and its name; where the stack's own name leads to a config
+        that says no heads, the first of its aliases that leads to one that does."""
+        scope, source = self._scope_of(stack)
+        if _first([scope], _HEAD_FACTS) is None:
+            for alias in self.aliases.get(stack, ()):
+                other, named = self._scope_of(alias)
+                if _first([other], _HEAD_FACTS) is not None:
+                    return other, f"{named} (for {stack}, which transformers names {alias})"
+        return scope, source
+
+    def _scope_of(self, stack: str) -> tuple[dict, str]:
+        """The (sub)config that describes ``stack`` by its own name, and its name.
 
         Each word of the path in turn may name a tower nested in the config chosen so far
         (:func:`_subconfig`): ``vlm.language_model.layers`` is described by ``vlm_config``'s
@@ -90,7 +105,8 @@ class ConfigView:
             return library, "the library's config"
         scope, names = self.config, []
         overrides = SUBCONFIG_BY_PATH.get(self.model_type or "", {})
-        whole = overrides.get(stack.lower(), "") if "." in stack else ""
+        # a whole stack's path, also under a head model's prefix (T5Gemma 2's model.encoder.layers)
+        whole = next((v for k, v in overrides.items() if "." in k and _under_one_word(stack.lower(), k)), "")
         if whole and (own := _override(scope, whole)) is not None:
             return own[0], f"{self.file} {own[1]}"  # a whole stack's own entry (T5Gemma 2, Evolla's resampler)
         for word in (w.lower() for w in stack.split(".")):
@@ -389,6 +405,14 @@ def _prefixed_scope(scope: dict, word: str) -> tuple[dict, str] | None:
         if any(k in sub for k in heads):
             return {**sub, "model_type": scope.get("model_type")}, prefix
     return None
+
+
+def _under_one_word(stack: str, path: str) -> bool:
+    """``stack`` is ``path``, or ``path`` under one more word (a head model's ``model.``)."""
+    return stack == path or (stack.endswith("." + path) and "." not in stack[: -len(path) - 1])
+
+
+_HEAD_FACTS = HEADS_KEYS + HEAD_DIM_KEYS + tuple(f"{side}_attention_heads" for side in ("encoder", "decoder"))
 
 
 def _override(scope: dict, spec: str) -> tuple[dict, str] | None:
