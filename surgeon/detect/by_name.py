@@ -21,8 +21,8 @@ from .latent import LATENT_RULE, latent_block, latent_modules
 from .libraries import companion_block, kv_map, library_notes, roles_by_position, with_separate_biases
 from .notes import block_notes, linear_notes, projectionless, unknown_attention
 from .placement import join, kind, place, stack_depths
-from .renames import stack_aliases
 from .refusals import check_part, refuse_marker_names, refuse_mixed_widths, refuse_quantized, refused_layouts
+from .renames import stack_aliases
 from .result import Detection
 from .shapes import heads_from_head_dim, solve
 from .shapes import packing as part_packing
@@ -88,9 +88,9 @@ def detect(
     refused = [u for u in refused_layouts(tensors) if u.module not in matches]
     owners = [owner(p[0]) for p in placed]
     if errors and aliases is None and (renamed := stack_aliases(config, tensors, [p[2] for p in placed])):
-        again = detect(tensors, config, hints, source=source, defaults=defaults, aliases=renamed)
-        if len(again.unreadable) < len(errors) + len(refused) + len(unknown_attention(tensors, owners)[0]):
-            return again
+        named = detect(tensors, config, hints, source=source, defaults=defaults, aliases=renamed)
+        if len(named.unreadable) < len(errors) + len(refused) + len(unknown_attention(tensors, owners)[0]):
+            return named
     if errors and not defaults and (filled := with_transformers_defaults(config)) is not None:
         try:
             again = detect(tensors, filled, hints, source=source, defaults=True, aliases=aliases)

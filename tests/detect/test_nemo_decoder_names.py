@@ -12,10 +12,11 @@ import re
 import pytest
 
 import surgeon
+from surgeon.errors import SurgeonError
+
 from helpers.census import build
 from helpers.cli import Cli
 from helpers.owned import changed, head_problems
-from surgeon.errors import SurgeonError
 
 DECODER = "transf_decoder._decoder.layers"
 # the decoder's own heads, apart from the encoder's (4 of 16 after the census shrink)

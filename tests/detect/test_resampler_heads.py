@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 
 import surgeon
+from surgeon.errors import SurgeonError
+
 from helpers.census import build
 from helpers.owned import changed, head_problems
-from surgeon.errors import SurgeonError
 
 RESAMPLER = "protein_encoder.sequence_compressor_resampler.layers"
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import surgeon
+
 from helpers.census import HEAD_FIRST, build
 from helpers.owned import changed, head_problems
 

@@ -74,7 +74,9 @@ def test_breaking_a_family_row_changes_the_verdict(model_type, row, broken, monk
     monkeypatch.setattr(config_keys, row, broken)
     monkeypatch.setattr(config, row, broken)
     if row == "SUBCONFIG_WORDS":
-        monkeypatch.setattr(config, "_subconfig", lambda scope, word: None)
-        monkeypatch.setattr(config, "_prefixed_scope", lambda scope, word: None)
+        from surgeon.detect import subconfigs
+
+        monkeypatch.setattr(subconfigs, "subconfig_key", lambda scope, word: None)
+        monkeypatch.setattr(subconfigs, "prefixed_scope", lambda scope, word: None)
     verdict = census_one(model_type, work=tmp_path)
     assert verdict.kind in ("wrong", "refused"), verdict.verdict
