@@ -136,11 +136,13 @@ class ConfigView:
         scope, source = self._scope(stack)
         if source.endswith("*"):  # the path's own prefixed keys were read
             return None
-        ours = _first([scope], HEADS_KEYS)
-        for part in dict.fromkeys(p for w in stack.lower().split(".") for p in w.split("_") if len(p) > 3):
+        ours = self.facts(stack).heads
+        ours_all = ours if isinstance(ours, list) else [ours]
+        words = (p for w in stack.lower().split(".") for p in w.split("_") if len(p) > 3 and p not in _SIDE_WORDS)
+        for part in dict.fromkeys(words):
             for key in (f"{part}_{k}" for k in HEADS_KEYS):
                 theirs = self.config.get(key)
-                if isinstance(theirs, int) and not isinstance(theirs, bool) and theirs > 0 and theirs != ours:
+                if isinstance(theirs, int) and not isinstance(theirs, bool) and theirs > 0 and theirs not in ours_all:
                     return (
                         f"cannot tell which config {module or stack} was built from: {source} says {ours} heads, "
                         f"{self.file} {key} says {theirs}; pass {opt('num_heads', f'{stack}=N')} and "
@@ -315,6 +317,10 @@ class ConfigView:
         if tensor == "c_attn" and model_type == "gpt_bigcode" and scope.get("multi_query") is False:
             return "interleaved"  # GPTBigCode without multi-query views c_attn as (heads, 3 * d)
         return FUSED_PACKING_BY_MODEL_TYPE.get((tensor, model_type)) or library_packing(tensor, module, self.config)
+
+
+# path words whose prefixed heads facts() reads itself (decoder_attention_heads for a decoder's stack)
+_SIDE_WORDS = ("encoder", "decoder", "cross")
 
 
 def framework_config(framework: FrameworkConfig, data: Mapping[str, Any]) -> dict:
