@@ -179,9 +179,9 @@ NO_PROJECTION_ATTENTION = {
     "attn_queries": "attention residuals (a learned query over earlier layers' outputs, no query/key/value projections)"
 }
 ATTENTION_WORDS = ("attn", "attention")  # a module-path word holding one of these names attention
-# ...and so does a module with a child named for the query and another named for the key, whatever the module's own
+# ...and so does a module with children named for the query, the key and the value, whatever the module's own
 # name (NeMo's first_sub_layer.query_net/key_net): each word a part of the child's name split on "_"
-QUERY_KEY_WORDS = (("query", "q"), ("key", "k"))
+QUERY_KEY_WORDS = (("query", "q"), ("key", "k"), ("value", "v"))
 NOT_ATTENTION_WORDS = ("norm", "linear_attn", "linear_attention")  # ...unless it holds one of these
 
 

@@ -164,7 +164,7 @@ def unknown_attention(tensors: Mapping[str, TensorInfo], matched: list[str]) -> 
 
 
 def _query_key_modules(tensors: Mapping[str, TensorInfo]) -> list[list[str]]:
-    """The module paths (as lists of parts) with a child matrix named for the query and another for the key
+    """The module paths (as lists of parts) with child matrices named for the query, the key and the value
     (QUERY_KEY_WORDS), whatever the module's own name."""
     children: dict[tuple[str, ...], set[str]] = {}
     for name, info in tensors.items():
@@ -175,7 +175,7 @@ def _query_key_modules(tensors: Mapping[str, TensorInfo]) -> list[list[str]]:
         list(module)
         for module, names in children.items()
         if all(any(set(w) & set(n.split("_")) for n in names) for w in QUERY_KEY_WORDS)
-        and len({n for n in names if any(set(w) & set(n.split("_")) for w in QUERY_KEY_WORDS)}) >= 2
+        and len({n for n in names if any(set(w) & set(n.split("_")) for w in QUERY_KEY_WORDS)}) >= 3
     ]
 
 
