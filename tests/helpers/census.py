@@ -663,8 +663,10 @@ def _problems(model, seen, report, saved, names: _Names, out: Path, last_only: b
     ran = [name for name, _ in model.named_modules() if any(_inside(a, name) or _inside(name, a) for a in seen)]
     seen = dict(seen)
     for m in sorted(changed_modules):
-        if attention_of(m) is None and not any(_inside(m, r) for r in ran if r):
-            found = _declared(model, m)  # no forward ran it: the heads its attention module declares
+        if attention_of(m) is None:
+            # no forward ran its attention (or ran it where the census cannot see): the heads its attention module
+            # was built with and declares, a judgement made at construction
+            found = _declared(model, m)
             if found is not None:
                 seen[found[0]] = found[1]
     for m in sorted(changed_modules):
@@ -739,6 +741,8 @@ def _declared(model, module: str) -> tuple[str, Seen] | None:
         m = model.get_submodule(name)
 
         heads, head_dim = _attr(m, HEADS_ATTRS), _attr(m, HEAD_DIM_ATTRS)
+        if heads is None and head_dim and hasattr(m, "num_key_value_groups"):  # the config it was built with
+            heads = _attr(getattr(m, "config", None), HEADS_ATTRS)
         if heads and head_dim:
             groups = getattr(m, "num_key_value_groups", None)
             kv = _attr(m, KV_ATTRS) or (heads // groups if isinstance(groups, int) and groups > 0 else None)
