@@ -118,7 +118,9 @@ def inspect_checkpoint(
     with hold(source, exclusive=False), Progress(progress, len(tensors), "inspect") as bar:
         spectra = inspect_blocks(detection.blocks, weights.read, dev, progress=bar.update if bar else None, whole=full)
     unread = [f"cannot be read, left as it is by any reinit: {u.why}" for u in detection.unreadable]
-    notes = [*source.notes, *detection.left_alone, *unread[:3], *detection.notes[:5], *transfer_notes(source)]
+    rest = [u.module or "the top-level attention module" for u in detection.unreadable[3:]]
+    unread = unread[:3] + ([f"and {len(rest)} more that cannot be read: {', '.join(rest)}"] if rest else [])
+    notes = [*source.notes, *detection.left_alone, *unread, *detection.notes[:5], *transfer_notes(source)]
     if emit_layout is not None:
         notes.append(f"wrote the detected layout to {emit_layout} (give it back with {opt('layout', emit_layout)})")
     if verify_layout:

@@ -31,6 +31,7 @@ from .refusals import (
     refuse_shared_rows,
     refused_layouts,
 )
+from .renames import stack_aliases
 from .result import Detection
 from .shapes import heads_from_head_dim, solve
 from .shapes import packing as part_packing
@@ -45,11 +46,14 @@ def detect(
     *,
     source: str = "the checkpoint",
     defaults: bool = False,
+    aliases: Mapping[str, tuple[str, ...]] | None = None,
 ) -> Detection:
     """Find every attention block. Raises NoAttentionFoundError if there is none. Where config.json leaves
-    out what a block needs, its model type's defaults in transformers are tried (``defaults``: this is that try)."""
+    out what a block needs, the stacks are looked up under the names transformers loads them as (``aliases``,
+    surgeon.detect.renames), then its model type's defaults in transformers are tried (``defaults``: this is
+    that try)."""
     hints = (hints or Hints()).with_layout_counts(config)  # a layout file's heads: hints where none is given
-    view = ConfigView(config, hints)
+    view = ConfigView(config, hints, aliases)
     refuse_quantized(tensors)
     matches = match_modules(tensors, hints.layout_rules + RULES)
     refuse_rules_on_one_module(matches, hints.layout_rules, tensors)
@@ -80,6 +84,8 @@ def detect(
         if fixed is not None:
             facts = replace(facts, heads=fixed[0], kv_heads=fixed[0], head_dim=None, source=f"{view.model_type}'s code")
         try:
+            if fixed is None and view.hints.get("num_heads", stack) is None and (doubt := view.doubt(stack, module)):
+                raise LayoutError(doubt)
             if rule is LATENT_RULE:
                 blocks.append(latent_block(module, latents[module], stack, layer, tensors, view, facts))
                 continue
@@ -90,20 +96,25 @@ def detect(
             errors.append(e)
     blocks = with_companions(roles_by_position(blocks, tensors), tensors)
     refused = [u for u in refused_layouts(tensors) if u.module not in matches]
+    owners = [owner(p[0]) for p in placed]
+    if errors and aliases is None and (renamed := stack_aliases(config, tensors, [p[2] for p in placed])):
+        named = detect(tensors, config, hints, source=source, defaults=defaults, aliases=renamed)
+        if len(named.unreadable) < len(errors) + len(refused) + len(unknown_attention(tensors, owners)[0]):
+            return named
     if errors and not defaults and (filled := with_transformers_defaults(config)) is not None:
         try:
-            again = detect(tensors, filled, hints, source=source, defaults=True)
+            again = detect(tensors, filled, hints, source=source, defaults=True, aliases=aliases)
         except LayoutError:
             again = None
         if again is not None and len(again.unreadable) < len(errors) + len(refused_layouts(tensors)) + len(
-            unknown_attention(tensors, [owner(p[0]) for p in placed])[0]
+            unknown_attention(tensors, owners)[0]
         ):
             filled_in = (
                 f"config.json leaves out facts of {view.model_type} blocks (save_pretrained writes only what differs "
                 f"from the defaults): read from transformers' defaults for {view.model_type}"
             )
             return replace(again, notes=(filled_in, *again.notes))
-    unknown, left_alone = unknown_attention(tensors, [owner(p[0]) for p in placed])
+    unknown, left_alone = unknown_attention(tensors, owners)
     unreadable += refused + unknown
     if not blocks:
         if errors:

@@ -14,6 +14,7 @@ from itertools import accumulate
 from typing import Any
 
 from ..errors import LayoutError, opt
+from . import subconfigs
 from .config_keys import (
     BLOCKS_PER_STAGE_KEYS,
     FRAMEWORK_CONFIGS,
@@ -35,7 +36,6 @@ from .config_keys import (
     PER_LAYER_SUFFIX,
     PER_STAGE_SUFFIX,
     SUBCONFIG_BY_PATH,
-    SUBCONFIG_WORDS,
     V_HEAD_DIM_KEYS,
     FrameworkConfig,
 )
@@ -44,6 +44,7 @@ from .hints import Hints
 from .layout_file import LAYOUT_KEYS, Layout
 from .libraries import fused_packing as library_packing
 from .libraries import normalize_config, stack_scope
+from .subconfigs import HEAD_FACTS, nested
 
 
 @dataclass(frozen=True)
@@ -65,12 +66,16 @@ class StackFacts:
 
 
 class ConfigView:
-    def __init__(self, config: dict | None, hints: Hints | None = None) -> None:
+    def __init__(
+        self, config: dict | None, hints: Hints | None = None, aliases: Mapping[str, tuple[str, ...]] | None = None
+    ) -> None:
         self.config = (
             normalize_config(config) or {}
         )  # a library's own config (diffusers, open_clip, timm) in these terms
         self.has_config = config is not None
         self.hints = hints or Hints()
+        # a stack's other spellings (surgeon.detect.renames: the names transformers loads the checkpoint's as)
+        self.aliases = dict(aliases or {})
         # how messages name it: a framework's own file (litgpt's model_config.yaml), else config.json
         self.file = next((f.file for f in FRAMEWORK_CONFIGS if self.model_type == f.model_type), "config.json")
 
@@ -80,10 +85,21 @@ class ConfigView:
         return model_type if isinstance(model_type, str) else None  # a list or object names no family
 
     def _scope(self, stack: str) -> tuple[dict, str]:
-        """The (sub)config that describes ``stack``, and its name.
+        """The (sub)config that describes ``stack``, and its name; where the stack's own name leads to a config
+        that says no heads, the first of its aliases that leads to one that does."""
+        scope, source = self._scope_of(stack)
+        if _first([scope], HEAD_FACTS) is None:
+            for alias in self.aliases.get(stack, ()):
+                other, named = self._scope_of(alias)
+                if _first([other], HEAD_FACTS) is not None:
+                    return other, f"{named} (for {stack}, which transformers names {alias})"
+        return scope, source
+
+    def _scope_of(self, stack: str) -> tuple[dict, str]:
+        """The (sub)config that describes ``stack`` by its own name, and its name.
 
         Each word of the path in turn may name a tower nested in the config chosen so far
-        (:func:`_subconfig`): ``vlm.language_model.layers`` is described by ``vlm_config``'s
+        (:func:`surgeon.detect.subconfigs.subconfig_key`): ``vlm.language_model.layers`` is described by ``vlm_config``'s
         ``text_config``; ``decoder.bert.encoder.layer`` (an EncoderDecoderModel's decoder) by ``decoder``.
         """
         library = stack_scope(self.config, stack)
@@ -91,24 +107,49 @@ class ConfigView:
             return library, "the library's config"
         scope, names = self.config, []
         overrides = SUBCONFIG_BY_PATH.get(self.model_type or "", {})
-        if "." in stack and isinstance(nested := _nested(scope, overrides.get(stack.lower(), "")), dict):
-            return nested, f"config.json {overrides[stack.lower()]}"  # a whole stack's own entry (T5Gemma 2)
+        # a whole stack's path, also under a head model's prefix (T5Gemma 2's model.encoder.layers)
+        whole = next((v for k, v in overrides.items() if "." in k and subconfigs.under_one_word(stack.lower(), k)), "")
+        if whole and (own := subconfigs.override(scope, whole)) is not None:
+            return own[0], f"{self.file} {own[1]}"  # a whole stack's own entry (T5Gemma 2, Evolla's resampler)
         for word in (w.lower() for w in stack.split(".")):
-            key, _, prefix = (overrides.get(word, "") if scope is self.config else "").partition("/")
-            if prefix and (not key or isinstance(_nested(scope, key), dict)):  # "key/prefix", "/prefix" of this config
-                base = _nested(scope, key) if key else scope
-                scope = {k.removeprefix(prefix): v for k, v in base.items() if k.startswith(prefix)}
-                names.append(f"{key + '.' if key else ''}{prefix}*")
+            spec = overrides.get(word, "") if scope is self.config else ""
+            if (
+                "/" in spec and (own := subconfigs.override(scope, spec)) is not None
+            ):  # "key/prefix", "/prefix" of this config
+                scope = own[0]
+                names.append(own[1])
                 continue
-            found = key if isinstance(_nested(scope, key), dict) else _subconfig(scope, word)
+            key = spec
+            found = key if isinstance(nested(scope, key), dict) else subconfigs.subconfig_key(scope, word)
             if found is not None:
                 key = found
-                scope = _nested(scope, key)
+                scope = nested(scope, key)
                 names.append(key)
-            elif (prefixed := _prefixed_scope(scope, word)) is not None:
+            elif (prefixed := subconfigs.prefixed_scope(scope, word)) is not None:
                 scope, prefix = prefixed
                 names.append(prefix + "*")
         return scope, f"{self.file} " + ".".join(names) if names else self.file
+
+    def doubt(self, stack: str, module: str) -> str | None:
+        """Why surgeon cannot tell which config ``stack``'s heads come from, or None: config.json gives heads
+        under a prefix that a word of the path names (``resampler_heads`` for ``...compressor_resampler...``),
+        other than those of the config the path leads to, and no SUBCONFIG_BY_PATH entry settles it."""
+        scope, source = self._scope(stack)
+        if source.endswith("*"):  # the path's own prefixed keys were read
+            return None
+        ours = self.facts(stack).heads
+        ours_all = ours if isinstance(ours, list) else [ours]
+        words = (p for w in stack.lower().split(".") for p in w.split("_") if len(p) > 3 and p not in _SIDE_WORDS)
+        for part in dict.fromkeys(words):
+            for key in (f"{part}_{k}" for k in HEADS_KEYS):
+                theirs = self.config.get(key)
+                if isinstance(theirs, int) and not isinstance(theirs, bool) and theirs > 0 and theirs not in ours_all:
+                    return (
+                        f"cannot tell which config {module or stack} was built from: {source} says {ours} heads, "
+                        f"{self.file} {key} says {theirs}; pass {opt('num_heads', f'{stack}=N')} and "
+                        f"{opt('head_dim', f'{stack}=D')}, or leave it out of the selection"
+                    )
+        return None
 
     def linear_layer(self, stack: str, layer: int) -> bool:
         """Whether the config says layer ``layer`` of ``stack`` is linear attention (LINEAR_LAYER_TYPES)."""
@@ -282,10 +323,14 @@ class ConfigView:
         return FUSED_PACKING_BY_MODEL_TYPE.get((tensor, model_type)) or library_packing(tensor, module, self.config)
 
 
+# path words whose prefixed heads facts() reads itself (decoder_attention_heads for a decoder's stack)
+_SIDE_WORDS = ("encoder", "decoder", "cross")
+
+
 def framework_config(framework: FrameworkConfig, data: Mapping[str, Any]) -> dict:
     """A framework's own config (its file's fields, or its config object's attributes) in config.json's terms:
     the family's model type and the counts its FRAMEWORK_CONFIGS entry maps."""
-    facts = {key: _nested(dict(data), field) for field, key in framework.fields.items()}
+    facts = {key: nested(dict(data), field) for field, key in framework.fields.items()}
     counts = {k: v for k, v in facts.items() if isinstance(v, int) and not isinstance(v, bool)}
     return {"model_type": framework.model_type, **counts}
 
@@ -337,54 +382,8 @@ def _merged(defaults: dict, config: dict) -> dict:
     return out
 
 
-def _subconfig(scope: dict, word: str) -> str | None:
-    """The key of the config nested in ``scope`` that a module-path word names, or None: a word of
-    SUBCONFIG_WORDS (``visual`` names ``vision_config``), or the key's own stem (``qformer`` names
-    ``qformer_config``, ``image_model`` names ``image_config``, ``image_encoder`` names ``image_model_config``);
-    the closest spelling wins."""
-    best, best_score = None, 0
-    for key, value in scope.items():
-        if not isinstance(value, dict) or not any(k in value for k in ("model_type",) + HEADS_KEYS + HIDDEN_KEYS):
-            continue
-        stem = key.removesuffix("_config")
-        if word == stem:
-            score = 4
-        elif any(m in word for m in SUBCONFIG_WORDS.get(key, ())):
-            score = 3
-        elif word.startswith(stem + "_") or stem.startswith(word + "_"):
-            score = 2
-        elif len(word) > 2 and word.split("_")[0] == stem.split("_")[0] and stem != word.split("_")[0] + "s":
-            score = 1
-        else:
-            continue
-        if score > best_score:
-            best, best_score = key, score
-    return best
-
-
-def _prefixed_scope(scope: dict, word: str) -> tuple[dict, str] | None:
-    """A tower whose facts sit in the config under a prefix its module's name starts with (SeamlessM4T's
-    t2u_model: t2u_decoder_attention_heads, t2u_hidden_size, ...), as a config of its own."""
-    heads = HEADS_KEYS + tuple(f"{side}_attention_heads" for side in ("encoder", "decoder"))
-    for prefix in (word + "_", word.split("_")[0] + "_"):  # SAM2-video's memory_attention_num_attention_heads
-        if len(prefix) < 3 or (prefix == word.split("_")[0] + "_" and word == prefix[:-1]):
-            continue
-        sub = {k.removeprefix(prefix): v for k, v in scope.items() if k.startswith(prefix)}
-        if any(k in sub for k in heads):
-            return {**sub, "model_type": scope.get("model_type")}, prefix
-    return None
-
-
 def _sided(side: str, keys: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(f"{side}_{key}" for key in keys)
-
-
-def _nested(scope: dict, path: str) -> Any:
-    """The entry of ``scope`` at a dotted path of keys ("structure_head.diffusion_module"), or None."""
-    value: Any = scope if path else None
-    for key in path.split(".") if path else ():
-        value = value.get(key) if isinstance(value, dict) else None
-    return value
 
 
 def _first(scopes: list[dict], keys: tuple[str, ...]) -> Any:

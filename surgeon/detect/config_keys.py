@@ -82,6 +82,9 @@ SUBCONFIG_BY_PATH = {
     "t5gemma2": {"encoder.layers": "encoder.text_config"},  # the encoder's text layers; its vision tower apart
     "unlimited_ocr_vision": {"vision_encoder": "encoder_config", "sam_encoder": "sam_config"},
     "videoprism": {"video_model": "vision_config"},
+    # the protein encoder's resampler runs resampler_heads heads of resampler_dim_head (modeling_evolla.py
+    # EvollaSequenceCompressorResampler), not its protein_encoder_config's heads
+    "evolla": {"protein_encoder.sequence_compressor_resampler.layers": "/resampler_"},
     "vjepa2": {"predictor": "/pred_"},  # the predictor: pred_num_attention_heads, pred_hidden_size
 }
 # Megatron-LM's legacy (pre-Core) models: how query_key_value packs its rows, by the checkpoint_version saved beside

@@ -73,6 +73,9 @@ RULES: tuple[Rule, ...] = (
     _separate("w_q", "w_k", "w_v"),  # OLMo-core (olmo_core/nn/attention: Attention.w_q/w_k/w_v, w_out)
     _separate("q_linear", "k_linear", "v_linear"),  # a widely copied from-scratch spelling
     _separate("c_q", "c_k", "c_v"),  # nanochat (gpt.py CausalSelfAttention: c_q, c_k, c_v, c_proj)
+    # NeMo's transformer decoder (MultiHeadAttention: query_net, key_net, value_net, out_projection), as Cohere ASR
+    # checkpoints store it (transformers' conversion_mapping renames them to self_attn/encoder_attn q/k/v_proj)
+    _separate("query_net", "key_net", "value_net"),
     Rule(
         "fused cross c_attn",  # GPT-2 cross-attention: Conv1D q_attn, Conv1D c_attn holding [K | V]
         (Part("q_attn.weight", "q_attn.bias", "q", "conv1d"), Part("c_attn.weight", "c_attn.bias", "kv", "conv1d")),
@@ -176,6 +179,9 @@ NO_PROJECTION_ATTENTION = {
     "attn_queries": "attention residuals (a learned query over earlier layers' outputs, no query/key/value projections)"
 }
 ATTENTION_WORDS = ("attn", "attention")  # a module-path word holding one of these names attention
+# ...and so does a module with children named for the query, the key and the value, whatever the module's own
+# name (NeMo's first_sub_layer.query_net/key_net): each word a part of the child's name split on "_"
+QUERY_KEY_WORDS = (("query", "q"), ("key", "k"), ("value", "v"))
 NOT_ATTENTION_WORDS = ("norm", "linear_attn", "linear_attention")  # ...unless it holds one of these
 
 
@@ -315,7 +321,12 @@ SELF_BESIDE = (("attn2", "attn.add_q_proj.weight"),)
 # cross_vit.py, whose MultiScaleEncoder layers are [small-patch Transformer, large-patch Transformer, CrossTransformer];
 # each CrossTransformer layer holds two ProjectInOut(fn=Attention) whose CLS token reads the other branch's patch
 # tokens (sm_attend_lg(sm_cls, context=lg_patch_tokens, kv_include_self=True)).
-CROSS_BY_PATH = (r"(^|\.)multi_scale_encoder\.layers\.\d+\.2\.layers\.\d+\.[01]\.fn$",)
+CROSS_BY_PATH = (
+    r"(^|\.)multi_scale_encoder\.layers\.\d+\.2\.layers\.\d+\.[01]\.fn$",
+    # NeMo's TransformerDecoderBlock (nemo transformer_modules.py): first_sub_layer self-attention, second_sub_layer
+    # the encoder-decoder attention, third_sub_layer the feed-forward (Cohere ASR's transf_decoder._decoder)
+    r"(^|\.)_decoder\.layers\.\d+\.second_sub_layer$",
+)
 
 # timm fused qkv whose packing depends on the model, by config.json "architecture" (first match wins).
 # maxxvit.py (MaxViT, MaxxViT, CoAtNet): head_first=True packs per head [q_h | k_h | v_h] ("interleaved"),

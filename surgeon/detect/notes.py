@@ -13,6 +13,7 @@ from .families import (
     NO_PROJECTION_ATTENTION,
     NOT_ATTENTION_WORDS,
     NOT_QK_ATTENTION,
+    QUERY_KEY_WORDS,
     SHARED_BLOCKS,
     projection_names,
 )
@@ -127,6 +128,7 @@ def unknown_attention(tensors: Mapping[str, TensorInfo], matched: list[str]) -> 
     no found block is in or around: attention surgeon cannot read (refused when selected), or attention
     without a query-key product (NOT_QK_ATTENTION: only named). Returns both."""
     owners = matched  # the modules that hold the found blocks' tensors
+    query_key = _query_key_modules(tensors)
     found: dict[str, list[str]] = {}
     for name, info in tensors.items():
         if len(info.shape) < 2:
@@ -134,7 +136,9 @@ def unknown_attention(tensors: Mapping[str, TensorInfo], matched: list[str]) -> 
         parts = name.split(".")[:-1]
         hits = [i for i, p in enumerate(parts) if any(w in p.lower() for w in ATTENTION_WORDS)]
         if not hits or any(w in parts[hits[-1]].lower() for w in NOT_ATTENTION_WORDS):
-            continue
+            hits = [len(parts) - 2] if len(parts) > 1 and parts[:-1] in query_key else []
+            if not hits:
+                continue
         module = ".".join(parts[: hits[-1] + 1])
         if any(_inside(o, module) or _inside(module, o) for o in owners):
             continue
@@ -157,6 +161,22 @@ def unknown_attention(tensors: Mapping[str, TensorInfo], matched: list[str]) -> 
     kind = next(why for mark, why in NOT_QK_ATTENTION.items() if any(n.startswith(mark) for n in found[notes[0]]))
     more = f" and {len(notes) - 1} more like it" if len(notes) > 1 else ""
     return unread, [f"left alone: {notes[0]}{more}: {kind}"]
+
+
+def _query_key_modules(tensors: Mapping[str, TensorInfo]) -> list[list[str]]:
+    """The module paths (as lists of parts) with child matrices named for the query, the key and the value
+    (QUERY_KEY_WORDS), whatever the module's own name."""
+    children: dict[tuple[str, ...], set[str]] = {}
+    for name, info in tensors.items():
+        parts = name.split(".")
+        if len(info.shape) >= 2 and len(parts) > 2:
+            children.setdefault(tuple(parts[:-2]), set()).add(parts[-2].lower())
+    return [
+        list(module)
+        for module, names in children.items()
+        if all(any(set(w) & set(n.split("_")) for n in names) for w in QUERY_KEY_WORDS)
+        and len({n for n in names if any(set(w) & set(n.split("_")) for w in QUERY_KEY_WORDS)}) >= 3
+    ]
 
 
 def _inside(inner: str, outer: str) -> bool:

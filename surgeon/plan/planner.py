@@ -226,8 +226,13 @@ def _check_unreadable(
                 f"layer {u.layer} of {u.stack or 'the model'} holds attention surgeon cannot read, so it would be left "
                 f"as it is: {u.why}; leave it out of the selection" + (f" ({skip})" if skip else "")
             )
-        notes.append(f"left untouched: {u.why}")
-    return notes[:1] + ([f"and {len(notes) - 1} more such blocks left untouched"] if len(notes) > 1 else [])
+        notes.append(u.module or "the top-level attention module")
+    if not notes:
+        return []
+    first = next(u for u in unreadable if (u.module or "the top-level attention module") == notes[0])
+    # every block named (attention left alone is never silent), the first with why
+    more = f"and {len(notes) - 1} more such blocks left untouched: {', '.join(notes[1:])}" if len(notes) > 1 else ""
+    return [f"left untouched: {first.why}"] + ([more] if more else [])
 
 
 _PICK_A_STACK = f" (pick a stack with {opt('stack')})"

@@ -200,8 +200,32 @@ def _shrink(cfg, width: bool) -> None:
             d[key] = 2 * d[wkey]
 
 
-def build(model_type: str, folder: Path):
-    """The smallest model of ``model_type`` that builds, saved to ``folder``; (model, config) or raise."""
+BASE_FIRST = (
+    "MODEL_MAPPING",
+    "MODEL_FOR_CAUSAL_LM_MAPPING",
+    "MODEL_FOR_PRETRAINING_MAPPING",
+    "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING",
+    "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING",
+    "MODEL_FOR_TEXT_TO_WAVEFORM_MAPPING",
+    "MODEL_FOR_BACKBONE_MAPPING",
+)
+# The class a checkpoint on the Hub is usually saved from (a head model: Qwen2VLForConditionalGeneration saves
+# model.layers.N and visual.blocks.N, its base model language_model.layers.N)
+HEAD_FIRST = (
+    "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING",
+    "MODEL_FOR_MULTIMODAL_LM_MAPPING",
+    "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING",
+    "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING",
+    "MODEL_FOR_CAUSAL_LM_MAPPING",
+    "MODEL_FOR_PRETRAINING_MAPPING",
+    "MODEL_MAPPING",
+)
+
+
+def build(model_type: str, folder: Path, mappings: tuple[str, ...] = BASE_FIRST, **settings):
+    """The smallest model of ``model_type`` that builds, saved to ``folder``; (model, config) or raise.
+    ``mappings``: transformers' Auto mappings tried for its class, in order; ``settings``: config values set
+    after the shrink (a dotted key sets a sub-config's: ``text_config.num_attention_heads``)."""
     from transformers import AutoConfig
 
     errors: list[Exception] = []
@@ -210,11 +234,17 @@ def build(model_type: str, folder: Path):
             config = AutoConfig.for_model(model_type)
             for cfg in _configs(config):
                 _shrink(cfg, width)
+            for key, value in settings.items():
+                *path, leaf = key.split(".")
+                target = config
+                for part in path:
+                    target = getattr(target, part)
+                setattr(target, leaf, value)
             with torch.device("meta"):  # count first: a shrunk config may still be huge
-                n = sum(p.numel() for p in _instantiate(config).parameters())
+                n = sum(p.numel() for p in _instantiate(config, mappings).parameters())
             if n > MAX_PARAMS:
                 raise RuntimeError(f"{n / 1e6:.0f}M parameters even shrunk")
-            model = _instantiate(config)
+            model = _instantiate(config, mappings)
         except Exception as e:  # noqa: BLE001 - the census records why a type does not build
             errors.append(e)
             continue
@@ -226,19 +256,11 @@ def build(model_type: str, folder: Path):
     raise RuntimeError(_one_line(errors[0]))
 
 
-def _instantiate(config):
-    """The model class transformers' own Auto mappings give the config (the base model first)."""
+def _instantiate(config, mappings: tuple[str, ...] = BASE_FIRST):
+    """The model class transformers' own Auto mappings give the config (``mappings`` in order)."""
     import transformers.models.auto.modeling_auto as auto
 
-    for mapping in (
-        "MODEL_MAPPING",
-        "MODEL_FOR_CAUSAL_LM_MAPPING",
-        "MODEL_FOR_PRETRAINING_MAPPING",
-        "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING",
-        "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING",
-        "MODEL_FOR_TEXT_TO_WAVEFORM_MAPPING",
-        "MODEL_FOR_BACKBONE_MAPPING",
-    ):
+    for mapping in mappings:
         table = getattr(auto, mapping, None)
         try:
             cls = table[type(config)] if table is not None else None
@@ -641,8 +663,10 @@ def _problems(model, seen, report, saved, names: _Names, out: Path, last_only: b
     ran = [name for name, _ in model.named_modules() if any(_inside(a, name) or _inside(name, a) for a in seen)]
     seen = dict(seen)
     for m in sorted(changed_modules):
-        if attention_of(m) is None and not any(_inside(m, r) for r in ran if r):
-            found = _declared(model, m)  # no forward ran it: the heads its attention module declares
+        if attention_of(m) is None:
+            # no forward ran its attention (or ran it where the census cannot see): the heads its attention module
+            # was built with and declares, a judgement made at construction
+            found = _declared(model, m)
             if found is not None:
                 seen[found[0]] = found[1]
     for m in sorted(changed_modules):
@@ -717,6 +741,8 @@ def _declared(model, module: str) -> tuple[str, Seen] | None:
         m = model.get_submodule(name)
 
         heads, head_dim = _attr(m, HEADS_ATTRS), _attr(m, HEAD_DIM_ATTRS)
+        if heads is None and head_dim and hasattr(m, "num_key_value_groups"):  # the config it was built with
+            heads = _attr(getattr(m, "config", None), HEADS_ATTRS)
         if heads and head_dim:
             groups = getattr(m, "num_key_value_groups", None)
             kv = _attr(m, KV_ATTRS) or (heads // groups if isinstance(groups, int) and groups > 0 else None)

@@ -72,9 +72,13 @@ def test_breaking_a_family_row_changes_the_verdict(model_type, row, broken, monk
 
     assert EXPECTED["verdicts"][model_type] in ("right", "unjudged")
     monkeypatch.setattr(config_keys, row, broken)
-    monkeypatch.setattr(config, row, broken)
     if row == "SUBCONFIG_WORDS":
-        monkeypatch.setattr(config, "_subconfig", lambda scope, word: None)
-        monkeypatch.setattr(config, "_prefixed_scope", lambda scope, word: None)
+        from surgeon.detect import subconfigs
+
+        monkeypatch.setattr(subconfigs, row, broken)
+        monkeypatch.setattr(subconfigs, "subconfig_key", lambda scope, word: None)
+        monkeypatch.setattr(subconfigs, "prefixed_scope", lambda scope, word: None)
+    else:
+        monkeypatch.setattr(config, row, broken)
     verdict = census_one(model_type, work=tmp_path)
     assert verdict.kind in ("wrong", "refused"), verdict.verdict
