@@ -163,7 +163,7 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             click.option(
                 "--layout",
                 type=click.Path(dir_okay=False),
-                help="A JSON layout file naming your attention projections (see README, and "
+                help="A JSON layout file naming your attention projections (see docs/formats.md, and "
                 "`surgeon inspect --emit-layout`): its rules are tried before the built-in ones.",
             ),
             click.option(
