@@ -342,7 +342,16 @@ REINIT_SECTIONS = {  # `surgeon reinit --help`, by what a flag decides
     "Selection (what to re-initialize)": ("layers", "targets", "heads", "attention", "stack"),
     "Mode (how)": ("mode", "strength", "value_identity", "keep_scale", "bias", "seed", "gain", "std"),
     "Output": ("output", "overwrite", "in_place", "dry_run", "as_json", "full", "plot", "device"),
-    "Hub": ("revision", "push_to_hub", "private", "push_branch", "create_pr", "commit_message", "base_model"),
+    "Hub": (
+        "revision",
+        "push_to_hub",
+        "private",
+        "push_branch",
+        "create_pr",
+        "commit_message",
+        "no_server_copy",
+        "base_model",
+    ),
     "Hints (when config.json does not say)": (
         "config",
         "num_heads",
