@@ -46,15 +46,15 @@ Capture, per family group:
   ``(module, query, key, value, ...)`` exactly as the kernel would -- keys and
   values *before* ``repeat_kv``, i.e. already per key/value head -- records
   them and returns a plain softmax(QK^T)V output so the forward continues.
-* Families that compute attention inline (bloom, falcon, mpt): a
+* Families that compute attention inline (bloom, mpt; falcon before transformers 5.25): a
   ``torch.overrides.TorchFunctionMode`` plus a module stack (forward pre/post
   hooks on every module) attributes the tensor ops executed *directly* in each
   module's own forward (ops inside child modules, e.g. the projection's matmul,
   are ignored).  A module that calls ``scaled_dot_product_attention`` gives
-  ``(q, k, v)`` directly (falcon under sdpa); otherwise the eager pattern is
+  ``(q, k, v)`` directly (falcon under sdpa, before 5.25); otherwise the eager pattern is
   recognised: the last ``matmul/bmm/baddbmm`` before the first ``softmax`` is
   ``Q @ K^T`` (bloom: ``alibi.baddbmm(batch1=Q, batch2=K^T)``; falcon/mpt
-  eager: ``Q @ K^T``) and the first product after it is ``P @ V`` (a softmax
+  eager before 5.25: ``Q @ K^T``) and the first product after it is ``P @ V`` (a softmax
   done by a leaf module such as ``nn.Softmax`` counts for its caller).
   Batch-major ``(B*H, L, d)`` tensors (bloom) are viewed as ``(B, H, L, d)``.
 

@@ -309,10 +309,7 @@ CAPTURE = {name: "attention-interface" for name in FAMILIES}
 CAPTURE.update(
     bloom="matmul/softmax",  # alibi.baddbmm(batch1=Q, batch2=K^T) ... softmax ... bmm(P, V)
     mpt="matmul/softmax",  # matmul(Q, K^T) ... softmax ... matmul(P, V)
-    falcon_new="sdpa",  # F.scaled_dot_product_attention under the default sdpa config
-    falcon_mqa="sdpa",
-    falcon_mha="sdpa",
-)
+)  # falcon: through the attention interface since transformers 5.25 (its inline sdpa/eager code before)
 
 
 def test_specs_cover_all_families():
@@ -491,16 +488,16 @@ def test_mpt_clip_qkv_is_refused():
 
 @pytest.mark.parametrize("family", ["falcon_new", "falcon_mqa", "falcon_mha", "llama", "bart"])
 def test_eager_attention_paths(family):
-    """Falcon's inline eager path (matmul/softmax pattern instead of sdpa) and
-    interface families configured as eager give the same maps."""
+    """Families configured as eager give the same maps as under their default kernel (falcon included: since
+    transformers 5.25 its eager path goes through the attention interface too; bloom and mpt keep the inline
+    matmul/softmax pattern, test_observed_maps_equal_weight_layout)."""
     model = FAMILIES[family].make()
     ref = observe(model)
     for cfg in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
         cfg._attn_implementation_internal = "eager"
     got = observe(model)
     assert list(got) == list(ref)
-    expected_capture = "matmul/softmax" if family.startswith("falcon") else "attention-interface"
-    assert {b.capture for b in got.values()} == {expected_capture}
+    assert {b.capture for b in got.values()} == {"attention-interface"}
     for name in ref:
         for key in ("q", "q_bias", "k", "k_bias", "v", "v_bias"):
             assert torch.allclose(getattr(got[name], key), getattr(ref[name], key), atol=ATOL), (name, key)
