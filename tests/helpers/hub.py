@@ -14,11 +14,14 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from helpers.hub_server import HubServer
 from helpers.tiny import tiny_llama
 
 TOKEN = "hf_test_Wm9yYmlkZGVuLW5ldmVyLXByaW50ZWQ"  # distinctive, so a leak anywhere is found by search
@@ -74,6 +77,15 @@ def make_source(folder: Path, *, seed: int = 0, shard: str | None = None) -> Pat
     (folder / "onnx" / "model.onnx").write_bytes(b"an onnx export of the same model")
     (folder / "onnx" / "config.json").write_text("{}")
     return folder
+
+
+@contextmanager
+def serving(repo_id: str, folder: Path) -> Iterator[HubServer]:
+    """A loopback Hub holding ``folder`` as ``repo_id``, with TOKEN (user ``me``, member of ``org``)."""
+    with HubServer() as server:
+        server.add_token(TOKEN, "me", ("org",))
+        server.add_model(repo_id, folder)
+        yield server
 
 
 def make_llama_shards(folder: Path) -> Path:

@@ -39,6 +39,34 @@ PAUSE = textwrap.dedent(
     """
 )
 
+# Child-script pieces. PAUSE_AFTER_FIRST_TENSOR: an in-place patch writes its first tensor, then ``paused("patching")``,
+# then the rest (once per run). RUN_SURGEON: the command line with the script's arguments (after those it took).
+PAUSE_AFTER_FIRST_TENSOR = textwrap.dedent(
+    """
+    import sys
+    import surgeon.write.journal as journal
+    real_patch, state = journal.patch, {}
+
+    def patch(header, path, start, updates):
+        if state:
+            return real_patch(header, path, start, updates)
+        items = iter(updates)
+        done = real_patch(header, path, start, [next(items)])
+        state["patching"] = True
+        paused("patching")
+        return done + real_patch(header, path, start, items)
+
+    journal.patch = patch
+    """
+)
+RUN_SURGEON = textwrap.dedent(
+    """
+    from surgeon.cli.commands import main
+    sys.argv = ["surgeon", *sys.argv[1:]]
+    main()
+    """
+)
+
 HANG_GUARD = 600  # seconds: only against a hang, far beyond any run on a busy machine
 
 

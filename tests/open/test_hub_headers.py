@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from surgeon import inspect_checkpoint
 
-from helpers.hub import TOKEN, Surgeon, make_llama_shards
+from helpers.hub import Surgeon, make_llama_shards, serving
 from helpers.hub_server import HubServer
 
 
@@ -23,9 +23,7 @@ def shards(tmp_path_factory):
 
 @pytest.fixture
 def hub(shards):
-    with HubServer() as server:
-        server.add_token(TOKEN, "me", ("org",))
-        server.add_model("org/M", shards)
+    with serving("org/M", shards) as server:
         yield server
 
 

@@ -12,8 +12,7 @@ from surgeon.options import ReinitOptions
 from surgeon.plan.planner import Plan
 from surgeon.report.redact import redact
 
-from helpers.hub import TOKEN, Surgeon, all_text_under, make_source
-from helpers.hub_server import HubServer
+from helpers.hub import TOKEN, Surgeon, all_text_under, make_source, serving
 
 STRANGER_TOKEN = "hf_QWxsIHlvdXIgYmFzZSBhcmUgYmVsb25n"  # shaped like a token, known to no one
 
@@ -25,9 +24,7 @@ def source(tmp_path_factory):
 
 @pytest.fixture
 def hub(source):
-    with HubServer() as server:
-        server.add_token(TOKEN, "me", ("org",))
-        server.add_model("org/tiny", source)
+    with serving("org/tiny", source) as server:
         yield server
 
 

@@ -23,7 +23,7 @@ import pytest
 from surgeon.write.staging import STAGING_SUFFIX, _owner_prefix
 
 from helpers.digests import tree_digest
-from helpers.kill import Interruptible, duration, kill_at
+from helpers.kill import RUN_SURGEON, Interruptible, duration, kill_at
 from helpers.tiny import tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -157,7 +157,8 @@ def _staging(folder: Path, name: str) -> list[Path]:
 
 
 # `surgeon ARGS` that writes the first output file's new tensors, then tells the test and waits for its kill -9.
-PAUSE_AFTER_FIRST_FILE = """
+PAUSE_AFTER_FIRST_FILE = (
+    """
 import sys
 import surgeon.open.formats.safetensors as st
 real, state = st.patch, {}
@@ -170,10 +171,9 @@ def patch(header, path, start, updates):
     return done
 
 st.patch = patch
-from surgeon.cli.commands import main
-sys.argv = ["surgeon", *sys.argv[1:]]
-main()
 """
+    + RUN_SURGEON
+)
 
 
 def _sharded_llama(tmp_path) -> Path:

@@ -9,8 +9,7 @@ import json
 import pytest
 from huggingface_hub import CommitOperationCopy
 
-from helpers.hub import TOKEN, Surgeon, make_llama_shards
-from helpers.hub_server import HubServer
+from helpers.hub import TOKEN, Surgeon, make_llama_shards, serving
 
 pytestmark = pytest.mark.skipif(
     "src_repo_id" not in CommitOperationCopy.__dataclass_fields__,
@@ -27,9 +26,7 @@ def shards(tmp_path_factory):
 
 @pytest.fixture
 def hub(shards):
-    with HubServer() as server:
-        server.add_token(TOKEN, "me", ("org",))
-        server.add_model("org/M", shards)
+    with serving("org/M", shards) as server:
         yield server
 
 

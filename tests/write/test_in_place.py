@@ -26,7 +26,7 @@ from surgeon.write.journal_file import SUFFIX, journal_path
 
 from helpers.cli import expect_cli_error
 from helpers.digests import sha256
-from helpers.kill import Interruptible, duration, kill_at
+from helpers.kill import PAUSE_AFTER_FIRST_TENSOR, RUN_SURGEON, Interruptible, duration, kill_at
 from helpers.tiny import tiny_llama
 
 ATTN = ("q_proj", "k_proj", "v_proj")
@@ -173,28 +173,6 @@ def test_recover_json_says_what_was_rolled_back(tmp_path, cli):
     assert json.loads(cli("recover", folder, "--json").stdout) == {"path": str(folder), "journals": [], "notes": []}
 
 
-# `surgeon ARGS` (a reinit --in-place) that patches the first tensor, then tells the test and waits for its kill -9.
-PAUSE_AFTER_FIRST_TENSOR = """
-import sys
-import surgeon.write.journal as journal
-real, state = journal.patch, {}
-
-def patch(header, path, start, updates):
-    if state:
-        return real(header, path, start, updates)
-    items = iter(updates)
-    done = real(header, path, start, [next(items)])
-    state["paused"] = True
-    paused("one tensor patched")
-    return done + real(header, path, start, items)
-
-journal.patch = patch
-from surgeon.cli.commands import main
-sys.argv = ["surgeon", *sys.argv[1:]]
-main()
-"""
-
-
 def _llama_6(tmp_path):
     """A 6-layer Llama (the source), and the bytes of the original and of the finished in-place patch."""
     src_dir = tmp_path / "src"
@@ -213,8 +191,8 @@ def test_kill_9_from_outside_in_the_middle_of_patching_is_rolled_back(tmp_path, 
     original nor the result, and `surgeon recover` gives back the exact original."""
     src_dir, original, finished = _llama_6(tmp_path)
     src = src_dir / "model.safetensors"
-    child = Interruptible(PAUSE_AFTER_FIRST_TENSOR, "reinit", src, "--in-place")
-    child.wait_for("one tensor patched")
+    child = Interruptible(PAUSE_AFTER_FIRST_TENSOR + RUN_SURGEON, "reinit", src, "--in-place")
+    child.wait_for("patching")
     child.send(signal.SIGKILL)
     assert child.finish().returncode == -signal.SIGKILL
     assert journal_path(src_dir, "model.safetensors").exists() and sha256(src) not in (original, finished)

@@ -24,7 +24,7 @@ from surgeon.write.journal_file import SUFFIX, journal_path
 from helpers.cli import expect_cli_error
 from helpers.digests import sha256, tree_digest
 from helpers.journals import kill_half_way, tensor_range
-from helpers.kill import Interruptible
+from helpers.kill import PAUSE_AFTER_FIRST_TENSOR, RUN_SURGEON, Interruptible
 from helpers.tiny import tiny_llama
 
 Q0 = "model.layers.0.self_attn.q_proj.weight"
@@ -263,19 +263,10 @@ def test_disk_full_while_journaling_leaves_no_temporary_journal(llama_dir):
 
 
 # Ctrl-C (from the test) after one tensor is patched; with "twice", a second one as the rollback starts.
-CTRL_C = """
-import sys
-import surgeon.write.journal as journal
-real_patch, real_restore, times, state = journal.patch, journal.jf.restore, sys.argv[1], {}
-
-def patch(header, path, start, updates):
-    if state:
-        return real_patch(header, path, start, updates)
-    items = iter(updates)
-    done = real_patch(header, path, start, [next(items)])
-    state["patching"] = True
-    paused("patching")
-    return done + real_patch(header, path, start, items)
+CTRL_C = (
+    PAUSE_AFTER_FIRST_TENSOR
+    + """
+real_restore, times = journal.jf.restore, sys.argv.pop(1)
 
 def restore(*args):
     if times == "twice" and "restoring" not in state:
@@ -283,11 +274,10 @@ def restore(*args):
         paused("restoring")
     return real_restore(*args)
 
-journal.patch, journal.jf.restore = patch, restore
-from surgeon.cli.commands import main
-sys.argv = ["surgeon", *sys.argv[2:]]
-main()
+journal.jf.restore = restore
 """
+    + RUN_SURGEON
+)
 
 
 @pytest.mark.parametrize("times", ["once", "twice"])
@@ -443,7 +433,8 @@ KILL_AFTER_ALL = textwrap.dedent(
 )
 
 # `surgeon recover ARGS` with a Ctrl-C (from the test) right after the first tensor is written back.
-CTRL_C_IN_RECOVER = """
+CTRL_C_IN_RECOVER = (
+    """
 import sys
 import surgeon.write.journal_file as jf
 real, state = jf.restore, {}
@@ -456,10 +447,9 @@ def restore(*args):
     return done
 
 jf.restore = restore
-from surgeon.cli.commands import main
-sys.argv = ["surgeon", *sys.argv[1:]]
-main()
 """
+    + RUN_SURGEON
+)
 
 
 def test_ctrl_c_during_recover_says_what_was_restored(llama_dir, cli):
