@@ -138,10 +138,7 @@ def test_push_target_is_checked_before_anything_is_opened(tmp_path):
         PushTarget.build("me/x", privat=True)
     assert PushTarget.build("me/x", private=True, create_pr=True) == PushTarget("me/x", private=True, create_pr=True)
     assert "token" not in repr(PushTarget("me/x", token="hf_secret_value"))
-    with (
-        pytest.raises(OptionError, match="both name the branch to push to: give branch only"),
-        pytest.warns(DeprecationWarning),
-    ):
+    with pytest.raises(TypeError, match="'revision'"):  # never published: no alias for branch
         PushTarget.build("me/x", branch="a", revision="b")
     assert not list(tmp_path.iterdir())
 
