@@ -2,9 +2,11 @@
 
     python benchmarks/hub_roundtrip.py          # the 8-shard tiny Llama on the loopback Hub, then Llama-3-70B shapes
 
-Old path: `reinit org/M -o out --push-to-hub` (every shard downloaded, every file uploaded). New path:
-`reinit org/M --push-to-hub` (headers read by Range, the changed shards downloaded and uploaded, the rest
-copied server-side from the source's commit). Measured on the loopback Hub (tests/helpers/hub_server.py, a
+Old path: `reinit org/M -o out --push-to-hub --no-server-copy` (every shard downloaded, every file uploaded).
+Whole output: `reinit org/M -o out --push-to-hub` (every shard downloaded; the files its record's source commit
+holds unchanged copied server-side, as `surgeon push out` does). New path: `reinit org/M --push-to-hub`
+(headers read by Range, the changed shards downloaded and uploaded, the rest copied server-side from the
+source's commit). Measured on the loopback Hub (tests/helpers/hub_server.py, a
 real HTTP server driven by the real huggingface_hub client), counting the bodies at the server. Then the
 same bytes computed for Llama-3-70B's shapes: its tensors in transformers' order, bf16, grouped into 5 GB
 shards the way save_pretrained groups them (no number assumed: all from the shapes).
@@ -31,9 +33,9 @@ def measured() -> None:
     src = make_llama_shards(base / "m")
     weights = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     print(f"8-shard Llama-shaped repo: {weights:,} bytes of weights")
-    print(f"{'run':<28}{'downloaded':>12}{'by Range':>10}{'uploaded':>12}{'copied':>12}{'seconds':>9}")
+    print(f"{'run':<34}{'downloaded':>12}{'by Range':>10}{'uploaded':>12}{'copied':>12}{'seconds':>9}")
     for layers in ("-1", "all"):
-        for path in ("old", "new"):
+        for path in ("old", "whole output", "new"):
             with HubServer() as hub:
                 hub.add_token(TOKEN, "me", ("org",))
                 hub.add_model("org/M", src)
@@ -42,7 +44,8 @@ def measured() -> None:
                 env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
                 env.update(HF_HOME=str(work / "hf"), HF_ENDPOINT=hub.url, HF_HUB_DISABLE_XET="1", HF_TOKEN=TOKEN)
                 args = ["reinit", "org/M", f"--layers={layers}", "--push-to-hub", "me/M2"]
-                args += ["-o", str(work / "out")] if path == "old" else []
+                args += ["-o", str(work / "out")] if path != "new" else []
+                args += ["--no-server-copy"] if path == "old" else []
                 start = time.perf_counter()
                 subprocess.run(
                     [sys.executable, "-m", "surgeon", *args], cwd=work, env=env, check=True, capture_output=True
@@ -55,7 +58,7 @@ def measured() -> None:
                 up = hub.received(r"^/__lfs/[0-9a-f]{64}$") + hub.received(r"/commit/")
                 copied = sum(sizes[d["sha256"]] for d in hub.duplicated())
                 print(
-                    f"{f'--layers {layers}, {path}':<28}{down:>12,}{ranged:>10,}{up:>12,}{copied:>12,}{seconds:>9.1f}"
+                    f"{f'--layers {layers}, {path}':<34}{down:>12,}{ranged:>10,}{up:>12,}{copied:>12,}{seconds:>9.1f}"
                 )
 
 
@@ -98,7 +101,7 @@ def llama3_70b() -> None:
     headers = sum(header(s) for s in shards)
     print(f"\nLlama-3-70B shapes (bf16): {total / 1e9:.1f} GB in {len(shards)} shards of at most 5 GB")
     print(f"headers read by Range: {headers:,} bytes")
-    print(f"{'run':<28}{'downloaded GB':>14}{'uploaded GB':>13}{'copied GB':>11}")
+    print(f"{'run':<34}{'downloaded GB':>14}{'uploaded GB':>13}{'copied GB':>11}")
     for label, chosen in (("-1", {layers - 1}), ("all", set(range(layers)))):
         qkv = {f"model.layers.{i}.self_attn.{r}_proj.weight" for i in chosen for r in "qkv"}
         changed = [s for s in shards if any(n in qkv for n, _, _ in s)]

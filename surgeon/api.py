@@ -13,7 +13,7 @@ from .detect.hints import HINT_KEYWORDS, HintInput, Hints
 from .errors import HubError, OptionError, opt
 from .open import hub
 from .open.hub_ids import require_repo_id
-from .open.hub_remote import fetch_weights, transfer_notes
+from .open.hub_remote import fetch_weights, transfer_notes, transfer_of
 from .open.source import Source
 from .options import ReinitOptions
 from .plan.planner import Plan, prepare_checkpoint
@@ -34,6 +34,8 @@ from .write.push import PushTarget
 
 if TYPE_CHECKING:  # torch is imported when tensors are first touched, so that opening, planning and
     import torch  # the byte copies of a reinit run while it loads
+
+    from .write.push_result import PushResult
 
 
 def check_device(device: str | torch.device | None) -> None:
@@ -149,6 +151,7 @@ def inspect_checkpoint(
         device=str(dev),
         notes=notes,
         jacobian=report_jacobian,
+        transfer=transfer_of(source),
     )
 
 
@@ -255,11 +258,15 @@ def reinit_checkpoint(
     notes = [*source.notes, *detection.notes[:5], *plan.notes, *([why_not] if why_not else [])]
     if dry_run:
         notes += dry_run_notes(source, dest, overwrite=overwrite, push=target) + transfer_notes(source)
+        transfer = transfer_of(source)
         if dest.changes_only:
             from .write.hub_copy import predicted
 
-            notes.append(predicted(source, source.primary.changed_files(plan.tensors())))  # type: ignore[attr-defined]
-        return reinit_report(source, detection, plan, dest, planned_rows(source, plan), notes, device=str(device))
+            line, predicted_bytes = predicted(source, source.primary.changed_files(plan.tensors()))  # type: ignore[attr-defined]
+            notes.append(line)
+            transfer = {**(transfer or {}), **predicted_bytes}
+        rows = planned_rows(source, plan)
+        return reinit_report(source, detection, plan, dest, rows, notes, device=str(device), transfer=transfer)
     # a push by changes fetches only the shards that change; any other output, every shard
     fetch_weights(source, source.primary.changed_files(plan.tensors()) if dest.changes_only else None)  # type: ignore[attr-defined]
     title = target.repo_id if target is not None else dest.path.name
@@ -278,8 +285,11 @@ def reinit_checkpoint(
         )
     seconds = time.perf_counter() - start
     notes += done.notes + transfer_notes(source)
+    transfer = transfer_of(source)
     if target is not None:
-        notes += _push(dest, target, source, plan, progress=progress)
+        pushed_notes, pushed = _push(dest, target, source, plan, progress=progress)
+        notes += pushed_notes
+        transfer = {**(transfer or {}), "uploaded": pushed.bytes, "copied_server_side": pushed.copied_bytes}
     return reinit_report(
         source,
         detection,
@@ -291,6 +301,7 @@ def reinit_checkpoint(
         seconds=seconds,
         bytes_written=done.bytes_written,
         dry_run=False,
+        transfer=transfer,
     )
 
 
@@ -341,7 +352,9 @@ def _push_target(push: PushTarget | str | None, *, in_place: bool, dry_run: bool
     return target
 
 
-def _push(dest: Destination, target: PushTarget, source: Source, plan: Plan, *, progress: bool) -> list[str]:
+def _push(
+    dest: Destination, target: PushTarget, source: Source, plan: Plan, *, progress: bool
+) -> tuple[list[str], PushResult]:
     from .errors import PushError
     from .write.hub_copy import CopyRefused, complete_staging, copies_for, resume_by_reinit
 
@@ -357,10 +370,10 @@ def _push(dest: Destination, target: PushTarget, source: Source, plan: Plan, *, 
             notes.append(str(why))
             fetch_weights(source)
             complete_staging(dest.path, source)
-            pushed = target.push(dest.path, default_message=message, progress=progress)
+            pushed = target.push(dest.path, default_message=message, progress=progress, server_copy=False)
     except HubError as exc:  # the output is on disk: say so, and keep the error's type
         if dest.changes_only and isinstance(exc, PushError):  # the folder holds only the changes: not pushed alone
             exc = resume_by_reinit(exc)
         exc.context = f"wrote {dest.path}, but the push failed: "
         raise exc from None
-    return notes + pushed.notes + [pushed.summary(), f"files pushed: {', '.join(pushed.files)}"]
+    return notes + pushed.notes + [pushed.summary(), f"files pushed: {', '.join(pushed.files)}"], pushed

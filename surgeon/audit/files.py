@@ -109,12 +109,13 @@ def check_card(src: Source, out: Source, record: Record, output: str | Path) -> 
     own = read_card(card)[:1]
     if not own:
         raise VerificationError(f"{output}: its {CARD} is neither surgeon's model card nor {src.path}'s")
-    if not isinstance(own[0], dict) or _without_copies(own[0]) != _without_copies(record.raw):
+    if not isinstance(own[0], dict) or _as_weights_hold(own[0]) != _as_weights_hold(record.raw):
         raise VerificationError(
             f"{output}: the record in its {CARD} is not the record of its weights: the card was changed after surgeon wrote it"
         )
 
 
-def _without_copies(record: dict) -> dict:
-    """The record as the card carries it: an ONNX model's record adds the copies its writer made."""
-    return {k: v for k, v in record.items() if k != "copies"}
+def _as_weights_hold(record: dict) -> dict:
+    """The record as both the card and the weights carry it: an ONNX model's record adds the copies its writer
+    made, and the card the Hub model it was made from."""
+    return {k: v for k, v in record.items() if k not in ("copies", "origin")}

@@ -2,7 +2,8 @@
 
 A record is what ``Plan.record()`` wrote: ``tool``, ``version``, ``method``, ``options`` (the fields of
 ``ReinitOptions.to_dict()``), ``blocks`` (one entry per re-initialized block) and, in ONNX outputs,
-``copies`` (shared initializer -> the copy the chosen projections read). Anything else, a missing key,
+``copies`` (shared initializer -> the copy the chosen projections read), ``layout`` (the layout file the blocks
+were read with) and ``origin`` (the Hub model and commit it was read from). Anything else, a missing key,
 a wrong type or a value surgeon never writes is a one-line :class:`CheckpointError` (exit 1), never a
 traceback. Where the record was written by another surgeon version, the message says so first: that
 version's records (and draws) may differ from this one's.
@@ -21,6 +22,7 @@ from ..compute.modes import all_modes, get_mode
 from ..compute.spectrum import VALUE_IDENTITIES
 from ..errors import CheckpointError, SurgeonError
 from ..open.bounded import CARD_LIMIT, loads, read_text
+from ..open.hub_ids import parse_repo_id
 from ..options import BIAS_CHOICES, MODES, ReinitOptions
 from ..report.card import CARD_CLOSE, CARD_OPEN
 
@@ -40,6 +42,12 @@ class Record:
     options: ReinitOptions
     blocks: list
     copies: dict[str, str]
+
+    @property
+    def origin(self) -> tuple[str, str] | None:
+        """The Hub model and commit the output was made from (checked when parsed), if it was made from one."""
+        found = self.raw.get("origin")
+        return (found["repo"], found["commit"]) if found else None
 
     @property
     def other_version(self) -> bool:
@@ -122,6 +130,7 @@ _TOP: dict[str, type] = {
     "blocks": list,
     "copies": dict,
     "layout": dict,
+    "origin": dict,
 }
 _REQUIRED = ("tool", "version", "method", "options", "blocks")
 
@@ -157,6 +166,15 @@ def _parse(value: dict, version: str, where: str) -> Record:
         and re.fullmatch("[0-9a-f]{64}", layout["sha256"])
     ):
         raise CheckpointError(f"{where}: the last surgeon record's layout is not a layout file's name and sha256")
+    origin = value.get("origin")
+    if origin is not None and not (
+        set(origin) == {"repo", "commit"}
+        and isinstance(origin["repo"], str)
+        and parse_repo_id(origin["repo"]) == origin["repo"]
+        and isinstance(origin["commit"], str)
+        and re.fullmatch("[0-9a-f]{40}", origin["commit"])
+    ):
+        raise CheckpointError(f"{where}: the last surgeon record's origin is not a Hub model id and a commit id")
     return Record(value, version, options, blocks, dict(copies))
 
 

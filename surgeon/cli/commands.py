@@ -272,6 +272,12 @@ The token comes from HF_TOKEN or `hf auth login`; HF_ENDPOINT selects another Hu
 @click.option("--branch", metavar="BRANCH", help="Commit to this branch, created from main if missing (default: main).")
 @click.option("--create-pr", is_flag=True, help="Open a pull request against main instead of committing.")
 @click.option("--commit-message", help="The commit message (default: Upload FOLDER with surgeon VERSION).")
+@click.option(
+    "--no-server-copy",
+    is_flag=True,
+    help="Upload every file, even those the Hub model FOLDER was made from holds unchanged "
+    "(default: copy those server-side from its commit).",
+)
 @click.option("--dry-run", is_flag=True, help="Print the files that would be uploaded and send nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was pushed as JSON on stdout.")
 @handle_errors
@@ -282,6 +288,7 @@ def push(
     branch: str | None,
     create_pr: bool,
     commit_message: str | None,
+    no_server_copy: bool,
     dry_run: bool,
     as_json: bool,
 ) -> None:
@@ -289,8 +296,10 @@ def push(
 
     Creates the repo if needed and uploads every file in one commit, large files through
     the Hub client's large-file path, and prints the files uploaded. Only the folder's own
-    files go: a link that leads out of it is refused. If the push stops part-way, running
-    it again sends only what is missing and commits.
+    files go: a link that leads out of it is refused. A folder made from a Hub model names
+    it and its commit in its record: the files it holds unchanged are copied server-side
+    from there, not uploaded. If the push stops part-way, running it again sends only
+    what is missing and commits.
     """
     from ..write.push import push_folder
 
@@ -303,6 +312,7 @@ def push(
         commit_message=commit_message,
         progress=not as_json and sys.stderr.isatty(),
         dry_run=dry_run,
+        server_copy=not no_server_copy,
     )
     if as_json:
         _out(json.dumps(result.to_dict(), indent=2))

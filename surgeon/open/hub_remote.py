@@ -198,6 +198,12 @@ def transfer_notes(source: Source) -> list[str]:
     return [weights.repo.transfer.note()] if isinstance(weights, RemoteSafetensorsWeights) else []
 
 
+def transfer_of(source: Source) -> dict[str, int] | None:
+    """What a Hub model read by Range moved so far, for the report's ``transfer`` (None for other sources)."""
+    weights = source.primary
+    return weights.repo.transfer.to_dict() if isinstance(weights, RemoteSafetensorsWeights) else None
+
+
 def fetch_weights(source: Source, files: list[str] | None = None) -> None:
     """Fetch ``files`` (default: all) of a Hub model read by Range, before they are written from."""
     weights = source.primary

@@ -33,6 +33,10 @@ class Plan:
     # tensor, or (tensor, role) for a fused tensor saved split per role -> the name its draws are keyed by: the
     # name relative to the model's own base (no task-class prefix such as bert. or model.); absent: the tensor's own
     draw_keys: Mapping[str | tuple[str, str], str] = field(default_factory=dict)
+    # the Hub model and commit the checkpoint was read from, kept in the card's record only (the weights are
+    # the same bytes wherever they were read from): `surgeon push` of the output copies the files it holds
+    # unchanged from there, server-side (surgeon.write.hub_copy)
+    origin: Mapping[str, str] | None = None
 
     @property
     def touched_blocks(self) -> list[AttentionBlock]:
@@ -97,7 +101,8 @@ def prepare_checkpoint(source: Source, detection: Detection, options: ReinitOpti
     )
     plan = replace(plan, draw_keys=CheckpointDrawKeys(plan.tensors(), source.config))  # resolved when drawn
     # named in the report and the card too; the layout file the blocks were read with, kept in the record
-    return replace(plan, notes=(*detection.left_alone, *plan.notes), layout=detection.layout)
+    origin = {"repo": source.hub_id, "commit": source.hub_commit} if source.hub_id and source.hub_commit else None
+    return replace(plan, notes=(*detection.left_alone, *plan.notes), layout=detection.layout, origin=origin)
 
 
 def prepare(

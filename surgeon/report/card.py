@@ -215,8 +215,12 @@ def _intro(source: Source, plan: Plan, lineage: str | None) -> str:
 
 
 def _record_comment(plan: Plan) -> str:
-    """surgeon's record, for `surgeon verify` (PyTorch files have no metadata slot for it)."""
-    return card_comment(plan.record())
+    """surgeon's record, for `surgeon verify` (PyTorch files have no metadata slot for it), and the Hub model
+    and commit it was made from (``origin``), for `surgeon push`."""
+    record = plan.record()
+    if plan.origin is not None:
+        record["origin"] = dict(plan.origin)
+    return card_comment(record)
 
 
 # surgeon's record in a card: an HTML comment (invisible when rendered) that `surgeon verify` reads back

@@ -78,6 +78,7 @@ def reinit_report(
     seconds: float = 0.0,
     bytes_written: int = 0,
     dry_run: bool = True,
+    transfer: dict[str, int] | None = None,
 ) -> Report:
     """The reinit's report, made once from what was planned or done."""
     return Report(
@@ -93,6 +94,7 @@ def reinit_report(
         bytes_written=bytes_written,
         device=device,
         notes=notes,
+        transfer=transfer,
     )
 
 

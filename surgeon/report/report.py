@@ -118,6 +118,8 @@ class Report:
     device: str = "cpu"
     notes: list[str] = field(default_factory=list)
     jacobian: Any = None  # inspect with jacobian=True: a surgeon.compute.jacobian.JacobianReport
+    # a Hub model read by Range, or a push: the bytes moved, counted as they went (surgeon.open.hub_remote)
+    transfer: dict[str, int] | None = None
 
     # --- machines ------------------------------------------------------------------------
     def to_dict(self, spelling: Spelling = python_spelling) -> dict:
@@ -137,6 +139,8 @@ class Report:
         }
         if self.jacobian is not None:
             out["jacobian"] = self.jacobian.to_dict()
+        if self.transfer is not None:
+            out["transfer"] = self.transfer
         return out
 
     def to_json(self, spelling: Spelling = python_spelling, **kwargs: Any) -> str:

@@ -5,12 +5,19 @@ commit it was read from (never a branch name, which could move between planning 
 huggingface_hub 2.x copies across repositories (``CommitOperationCopy(src_repo_id=...)``: the large files
 are duplicated server-side through the source repo's duplicate endpoint); before it, or where the Hub
 refuses the copy, surgeon uploads every file instead and says why in one line.
+
+``surgeon push OUTPUT`` does the same for a whole output made from a Hub model: its record names the model and
+the commit it was read from (``origin``), and every file whose bytes equal that commit's file of the same path
+(sha256 for large files, the git blob id for the others) is copied rather than uploaded. The record is read
+as hostile input, but it can only make a push copy bytes the folder holds anyway: nothing is copied that was
+not compared.
 """
 
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +37,7 @@ class ServerCopies:
     repo_id: str
     commit: str
     files: tuple[str, ...]
+    sizes: Mapping[str, int] = field(default_factory=dict, compare=False)  # of files not in the pushed folder
 
     def operations(self) -> list[CommitOperationCopy]:
         from huggingface_hub import CommitOperationCopy
@@ -61,12 +69,75 @@ def no_copy_reason(source: Source, *, output_given: bool, no_server_copy: bool) 
 
 def copies_for(source: Source, staged: list[str]) -> ServerCopies:
     """What a full output of ``source`` holds and the staging folder (``staged``) does not: copied."""
+    from ..open.folder import file_in
+    from ..open.hub_remote import RemoteSafetensorsWeights
     from .output import folder_output_files
 
     weights, carried = folder_output_files(source)
     assert source.hub_id is not None and source.hub_commit is not None
     rest = sorted({*weights, *carried} - set(staged) - {"README.md"})
-    return ServerCopies(source.hub_id, source.hub_commit, tuple(rest))
+    headers = source.primary.headers if isinstance(source.primary, RemoteSafetensorsWeights) else {}
+    sizes = {f: headers[f].file_size for f in rest if f in headers}
+    for f in rest:
+        path = None if f in sizes else file_in(source.folder, f)
+        if path is not None:
+            sizes[f] = path.stat().st_size
+    return ServerCopies(source.hub_id, source.hub_commit, tuple(rest), sizes)
+
+
+def copies_from_record(
+    folder: Path, files: list[str], token: str | None, *, repo_id: str, revision: str | None
+) -> tuple[ServerCopies | None, str | None]:
+    """The files of an output folder its record's origin holds unchanged, to copy server-side rather than
+    upload, and a one-line note where none can be (None, None: the folder was not made from a Hub model).
+    Files the destination (``repo_id`` at ``revision``) holds unchanged already are left to the upload,
+    which sends nothing for them: copied again, they would make a commit that changes nothing."""
+    from huggingface_hub import CommitOperationCopy, HfApi, __version__
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from ..audit.record import parse_record, read_card
+    from ..errors import SurgeonError
+
+    card = folder / "README.md"
+    try:
+        records = read_card(card) if card.is_file() else []
+        origin = parse_record(records[0], str(card)).origin if records else None
+    except SurgeonError as exc:  # not surgeon's record: pushed as it is, every file uploaded
+        return None, f"every file uploaded: {exc.args[0]}"
+    if origin is None:
+        return None, None
+    source, commit = origin
+    if "src_repo_id" not in getattr(CommitOperationCopy, "__dataclass_fields__", {}):
+        return None, f"uploading every file: huggingface_hub {__version__} has no cross-repo copies (2.x has)"
+    candidates = [f for f in files if f != "README.md"]  # the card is always new
+    api = HfApi(token=token)
+    try:
+        found = {e.path: e for e in api.get_paths_info(source, candidates, revision=commit)}
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        why = f"could not ask {source}@{commit[:12]} about its files ({one_line(exc)})"
+        return None, f"{why}; uploading every file instead"
+    same = [f for f in candidates if f in found and _same_bytes(folder / f, found[f])]
+    try:
+        there = {e.path: e for e in api.get_paths_info(repo_id, same, revision=revision)} if same else {}
+    except (HfHubHTTPError, OSError, ValueError):  # no such repo or branch yet: nothing is there
+        there = {}
+    same = [f for f in same if not (f in there and _same_bytes(folder / f, there[f]))]
+    return (ServerCopies(source, commit, tuple(same)) if same else None), None
+
+
+def _same_bytes(path: Path, remote: Any) -> bool:
+    """Whether the local file holds the bytes of the Hub's entry: its sha256 for a large file, its git blob id
+    for the others; sizes are compared first, so most files that differ are not read."""
+    import hashlib
+
+    lfs, size = getattr(remote, "lfs", None), path.stat().st_size
+    if getattr(remote, "size", None) != size:
+        return False
+    digest = hashlib.sha256() if lfs is not None else hashlib.sha1(b"blob %d\0" % size)  # git's blob id
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest() == (lfs.sha256 if lfs is not None else getattr(remote, "blob_id", None))
 
 
 def is_copy_error(exc: BaseException, copies: ServerCopies) -> bool:
@@ -118,9 +189,10 @@ def resume_by_reinit(exc: PushError) -> PushError:
     return PushError(text, uploaded=exc.uploaded, not_uploaded=exc.not_uploaded)
 
 
-def predicted(source: Source, changed: list[str]) -> str:
-    """What a push by changes will move, from the headers read (a dry run's line): the changed shards'
-    bytes, downloaded and then uploaded (with the record added to their headers), and the copies."""
+def predicted(source: Source, changed: list[str]) -> tuple[str, dict[str, int]]:
+    """What a push by changes will move, from the headers read (a dry run's line, and its figures for the
+    report's transfer): the changed shards' bytes, downloaded and then uploaded (with the record added to
+    their headers), and the copies."""
     from ..open.hub_remote import RemoteSafetensorsWeights
     from ..report.report import fmt_bytes
 
@@ -128,9 +200,10 @@ def predicted(source: Source, changed: list[str]) -> str:
     assert isinstance(weights, RemoteSafetensorsWeights)
     moved = sum(weights.headers[f].file_size for f in changed)
     copied = sum(h.file_size for f, h in weights.headers.items() if f not in changed)
-    return (
+    line = (
         f"the real run downloads {len(changed)} changed shard(s) ({', '.join(changed)}: {moved:,} bytes), "
         f"uploads them with the record added and the card, and copies {len(weights.files) - len(changed)} "
         f"unchanged shard(s) ({fmt_bytes(copied)}) and the other files server-side from "
         f"{source.hub_id}@{str(source.hub_commit)[:12]}"
     )
+    return line, {"predicted_downloaded": moved, "predicted_copied_server_side": copied}

@@ -14,7 +14,7 @@ from ..open.folder import walk
 from ..open.hub_errors import one_line, write_error
 from ..open.hub_ids import check_revision, hf_progress, require_repo_id
 from ..report.redact import remember
-from .hub_copy import ServerCopies, is_copy_error, refused
+from .hub_copy import CopyRefused, ServerCopies, copies_from_record, is_copy_error, refused
 from .journal_file import SUFFIX
 from .push_result import PushResult, partial_push_error, push_command
 from .recovery import refuse_journals
@@ -93,10 +93,17 @@ class PushTarget:
         return cls(repo_id, **given)
 
     def push(
-        self, folder: Path, *, default_message: str, progress: bool = False, copies: ServerCopies | None = None
+        self,
+        folder: Path,
+        *,
+        default_message: str,
+        progress: bool = False,
+        copies: ServerCopies | None = None,
+        server_copy: bool = True,
     ) -> PushResult:
         """Upload ``folder`` here (:func:`push_folder`), with ``default_message`` where no commit message was
-        given; ``copies``: files committed as server-side copies besides."""
+        given; ``copies``: files committed as server-side copies besides; ``server_copy=False``: no copies
+        from the folder's record either (a copy was refused already)."""
         return push_folder(
             folder,
             self.repo_id,
@@ -107,6 +114,7 @@ class PushTarget:
             token=self.token,
             progress=progress,
             copies=copies,
+            server_copy=server_copy and not self.no_server_copy,
         )
 
 
@@ -148,12 +156,16 @@ def push_folder(
     progress: bool = False,
     dry_run: bool = False,
     copies: ServerCopies | None = None,
+    server_copy: bool = True,
 ) -> PushResult:
     """Upload every file of ``folder`` to the model repo ``repo_id`` in one commit.
 
-    ``copies``: more files for the same commit, copied server-side from another repo at a pinned commit
-    (``hub_copy``); where the Hub refuses them, :class:`~surgeon.write.hub_copy.CopyRefused` is raised
-    before anything is committed.
+    A folder made by ``surgeon reinit`` from a Hub model names that model and commit in its record: the files
+    it holds unchanged are copied server-side from there rather than uploaded (``server_copy=False``: every
+    file uploaded); where the copy cannot be done, every file is uploaded and a note says why.
+    ``copies``: files for the same commit that are not in ``folder``, copied server-side from another repo at a
+    pinned commit (``hub_copy``); where the Hub refuses them, :class:`~surgeon.write.hub_copy.CopyRefused` is
+    raised before anything is committed.
 
     Large files are uploaded before the commit, one at a time, so a failure can say which reached the Hub;
     running the same push again uploads only the rest (the Hub already holds the others) and commits.
@@ -169,6 +181,8 @@ def push_folder(
         token: The Hub token (default: HF_TOKEN or `hf auth login`).
         progress: Show the Hub client's progress bars.
         dry_run: Make every check, then return the files that would be uploaded; send nothing.
+        copies: Files not in the folder, copied server-side into the same commit.
+        server_copy: Copy what the folder's record names as unchanged from a Hub model, server-side.
 
     Returns:
         What was pushed (or, for a dry run, what would be).
@@ -184,28 +198,31 @@ def push_folder(
         refuse_journals(folder, unfinished=True)
     repo_id = _check_target(repo_id, branch, create_pr)
     files, left_out = _files_to_push(folder)
+    own_copies = copies is None and server_copy
+    if own_copies:  # read-only questions to the Hub: a dry run asks them too
+        copies, why = copies_from_record(folder, files, token, repo_id=repo_id, revision=branch)
+        left_out += [why] if why else []
     if dry_run:  # nothing is sent, so no token is needed: the result says whether the real push has one
-        url, size = f"{constants.ENDPOINT.rstrip('/')}/{repo_id}", sum((folder / f).stat().st_size for f in files)
+        sent = [f for f in files if not (own_copies and copies and f in copies.files)]
+        url, size = f"{constants.ENDPOINT.rstrip('/')}/{repo_id}", sum((folder / f).stat().st_size for f in sent)
         notes = left_out + ([] if has_token(token) else [NO_TOKEN_YET])
-        return PushResult(repo_id, url, branch or "main", False, "", "", None, files, [], [], size, notes, dry_run=True)
+        return PushResult(
+            repo_id, url, branch or "main", False, "", "", None, sent, [], [], size, notes, dry_run=True,
+            **_copied(folder, copies if own_copies else None),
+        )  # fmt: skip
     retry = push_command(
-        folder, repo_id, branch=branch, create_pr=create_pr, private=private, commit_message=commit_message
-    )
+        folder, repo_id, branch=branch, create_pr=create_pr, private=private, commit_message=commit_message,
+        no_server_copy=not server_copy,
+    )  # fmt: skip
+    where = (private, branch, create_pr, commit_message, commit_description, token, progress)
     try:
-        return _push(
-            folder,
-            repo_id,
-            files,
-            left_out,
-            private,
-            branch,
-            create_pr,
-            commit_message,
-            commit_description,
-            token,
-            progress,
-            copies,
-        )
+        if not own_copies or copies is None:
+            return _push(folder, repo_id, files, left_out, *where, copies, server_copy)
+        rest = [f for f in files if f not in copies.files]
+        try:
+            return _push(folder, repo_id, rest, left_out, *where, copies, server_copy)
+        except CopyRefused as why:  # nothing was committed: upload the rest too (what was sent is not sent again)
+            return _push(folder, repo_id, files, [*left_out, str(why)], *where, None, server_copy)
     except HubError as exc:
         if not isinstance(exc, PushError):  # a partial push names its own command, with what reached the Hub
             exc.follow_up = f"retry with `{retry}`"
@@ -235,6 +252,7 @@ def _push(
     token: str | None,
     progress: bool,
     copies: ServerCopies | None,
+    server_copy: bool,
 ) -> PushResult:
     from huggingface_hub import CommitOperationAdd, HfApi
 
@@ -248,6 +266,7 @@ def _push(
         "create_pr": create_pr,
         "private": private,
         "commit_message": commit_message,
+        "no_server_copy": not server_copy,
     }  # for messages about a partial push
     with hf_progress(progress):
         done = _preupload(api, repo_id, token, folder, ops, **where)
@@ -282,9 +301,17 @@ def _push(
         unchanged,
         sent,
         notes,
-        copied=list(copies.files) if copies else [],
-        copied_from=f"{copies.repo_id}@{copies.commit}" if copies else None,
+        **_copied(folder, copies),
     )
+
+
+def _copied(folder: Path, copies: ServerCopies | None) -> dict[str, Any]:
+    """A result's fields on the server-side copies: the files, where from, and their bytes (what the Hub
+    duplicates instead of receiving; a copied file the folder lacks is measured from the source's headers)."""
+    if copies is None:
+        return {}
+    size = sum((folder / f).stat().st_size if (folder / f).is_file() else copies.sizes.get(f, 0) for f in copies.files)
+    return {"copied": list(copies.files), "copied_from": f"{copies.repo_id}@{copies.commit}", "copied_bytes": size}
 
 
 def _files_to_push(folder: Path) -> tuple[list[str], list[str]]:

@@ -31,7 +31,9 @@ class PushResult:
         files: Every file of the push, as uploaded (or as a dry run would upload them).
         large_files: Those sent through the large-file path (LFS / Xet).
         unchanged: Those already on the Hub with the same content, left out of the commit.
-        bytes: The bytes sent.
+        bytes: The bytes sent (the files uploaded; those already on the Hub are not sent again).
+        copied: Files committed as server-side copies of ``copied_from`` (``org/name@commit``), not uploaded.
+        copied_bytes: Their bytes.
         notes: What the push says besides (a repo created, files left out).
         dry_run: Nothing was sent.
     """
@@ -51,6 +53,7 @@ class PushResult:
     dry_run: bool = False  # nothing was sent: ``files`` is what the push would upload
     copied: list[str] = field(default_factory=list)  # committed as server-side copies, not uploaded
     copied_from: str | None = None  # the repo and pinned commit they were copied from ("org/name@sha")
+    copied_bytes: int = 0  # their bytes, duplicated by the Hub instead of sent
 
     def to_dict(self) -> dict:
         """The result as ``surgeon push --json`` prints it."""
@@ -70,6 +73,7 @@ class PushResult:
             "dry_run": self.dry_run,
             "copied": self.copied,
             "copied_from": self.copied_from,
+            "copied_bytes": self.copied_bytes,
         }
 
     def summary(self) -> str:
@@ -78,9 +82,15 @@ class PushResult:
         from ..report.shown import shown
 
         if self.dry_run:
-            return (
-                f"dry run: would push these {len(self.files)} files ({fmt_bytes(self.bytes)}) to {self.repo_id} "
-                f"(branch {self.revision}); nothing was sent"
+            copies = (
+                f" and copy {len(self.copied)} unchanged files ({fmt_bytes(self.copied_bytes)}) server-side from "
+                f"{self.copied_from}"
+                if self.copied
+                else ""
+            )
+            return shown(
+                f"dry run: would push these {len(self.files)} files ({fmt_bytes(self.bytes)}){copies} to "
+                f"{self.repo_id} (branch {self.revision}); nothing was sent"
             )
         changed = len(self.files) - len(self.unchanged)
         if not changed:
@@ -91,7 +101,10 @@ class PushResult:
         if self.unchanged:
             what += f" ({len(self.unchanged)} files already there unchanged)"
         if self.copied:
-            what += f", and {len(self.copied)} unchanged files copied server-side from {self.copied_from}"
+            what += (
+                f", and {len(self.copied)} unchanged files ({fmt_bytes(self.copied_bytes)}) copied server-side "
+                f"from {self.copied_from}"
+            )
         if self.pr_url:
             return shown(f"opened a pull request on {self.repo_id} with {what}: {self.pr_url}")
         return shown(f"pushed {what} to {self.repo_id} (branch {self.revision}) in one commit: {self.commit_url}")
@@ -114,6 +127,7 @@ def push_command(
     create_pr: bool,
     private: bool,
     commit_message: str | None = None,
+    no_server_copy: bool = False,
 ) -> str:
     """The ``surgeon push`` command that sends ``folder`` as the push that failed would have."""
     flags = (
@@ -121,6 +135,7 @@ def push_command(
         + (" --create-pr" if create_pr else "")
         + (" --private" if private else "")
         + (f" --commit-message {shlex.quote(commit_message)}" if commit_message else "")
+        + (" --no-server-copy" if no_server_copy else "")
     )
     return f"surgeon push {shlex.quote(str(folder))} {repo_id}{flags}"
 
@@ -138,6 +153,7 @@ def partial_push_error(
     create_pr: bool,
     private: bool,
     commit_message: str | None = None,
+    no_server_copy: bool = False,
 ) -> Exception:
     """One line: what reached the Hub, what did not, and the command that finishes the job."""
     base = write_error(exc, repo_id, token, "push")
@@ -148,8 +164,9 @@ def partial_push_error(
         op.path_in_repo for op in ops[:failed_at] if op.path_in_repo not in done
     ]
     rerun = push_command(
-        folder, repo_id, branch=branch, create_pr=create_pr, private=private, commit_message=commit_message
-    )
+        folder, repo_id, branch=branch, create_pr=create_pr, private=private, commit_message=commit_message,
+        no_server_copy=no_server_copy,
+    )  # fmt: skip
     if failed_at < len(ops):
         before = (
             f"uploaded before it: {few(done)} ({len(done)} large files)"

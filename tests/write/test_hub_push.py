@@ -50,6 +50,7 @@ def test_reinit_and_push_in_one_commit(sources, tmp_path):
             "--push-to-hub",
             "me/tiny-reset",
             "--private",
+            "--no-server-copy",  # every file uploaded (the copies: test_push_of_an_output_made_from_the_hub_...)
             token=TOKEN,
         )
         out = tmp_path / "out"
@@ -177,8 +178,9 @@ def test_an_interrupted_push_says_what_arrived_and_a_rerun_finishes(sources, tmp
         surgeon = Surgeon(tmp_path, hub.url)
         out = tmp_path / "out"
         error = surgeon(
-            "reinit", "org/tiny", "--layers", "0", "-o", out, "--push-to-hub", "org/sharded", token=TOKEN, ok=False
-        ).error
+            "reinit", "org/tiny", "--layers", "0", "-o", out, "--push-to-hub", "org/sharded", "--no-server-copy",
+            token=TOKEN, ok=False,
+        ).error  # fmt: skip
         assert all(digest(out)[s] == digest(expected)[s] for s in shards)  # the output is complete on disk
         assert f"wrote {out}, but the push failed: push to org/sharded stopped at {shards[1]} " in error
         assert "(the Hub answered 507 for org/sharded: Insufficient Storage)" in error
@@ -192,6 +194,7 @@ def test_an_interrupted_push_says_what_arrived_and_a_rerun_finishes(sources, tmp
         args = shlex.split(rerun)
         assert args[:4] == ["surgeon", "push", str(out), "org/sharded"]  # and the commit message the push had
         assert args[4] == "--commit-message" and "q,k,v in 1 attention block of org/tiny" in args[5]
+        assert args[6:] == ["--no-server-copy"]  # as the failed push was
         finished = surgeon(*shlex.split(rerun)[1:], token=TOKEN)
         assert "pushed" in finished.stdout and len(hub.pushed) == 1
         arrived = {
@@ -324,3 +327,34 @@ def test_a_local_source_card_names_its_lineage_and_never_the_local_path(sources,
     with pytest.raises(Exception, match=r"base_model 'not an id' is not a Hub repository id"):
         reinit_checkpoint(local, output=tmp_path / "out3", base_model="not an id")
     assert not (tmp_path / "out3").exists()
+
+
+def test_push_of_an_output_made_from_the_hub_copies_or_says_why_not(sources, tmp_path):
+    """`surgeon push` of an output made from org/tiny: with a huggingface_hub that copies across repos (2.x),
+    the files the record's commit holds unchanged are copied server-side; with one that cannot (the floors
+    job's 1.3), a note says so and every file is uploaded. Either way the repo holds the folder's bytes."""
+    from huggingface_hub import CommitOperationCopy, __version__
+
+    with serve(sources[1]) as hub:
+        surgeon = Surgeon(tmp_path, hub.url)
+        surgeon("reinit", "org/tiny", "--layers", "0", "-o", "out")
+        out = tmp_path / "out"
+        run = surgeon("push", out, "me/copied", token=TOKEN)
+        arrived = {p: c for p, c in hub.files("me/copied").items() if p != ".gitattributes"}
+        assert arrived == {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+        unchanged = {
+            p.relative_to(out).as_posix()
+            for p in out.rglob("*")
+            if p.is_file()
+            and p.name != "README.md"
+            and (sources[1] / p.relative_to(out)).read_bytes() == p.read_bytes()
+        }
+        assert any(f.endswith(".safetensors") for f in unchanged)  # the shards layer 0 is not in
+        copied = {d["filename"] for d in hub.duplicated()}
+        if "src_repo_id" in CommitOperationCopy.__dataclass_fields__:
+            assert f"and {len(unchanged)} unchanged files (" in run.stdout
+            assert copied == {f for f in unchanged if f.endswith(".safetensors")}
+            assert f"copied server-side from org/tiny@{hub.repos['org/tiny'].branches['main']}" in run.stdout
+        else:
+            assert copied == set()
+            assert f"note: uploading every file: huggingface_hub {__version__} has no cross-repo copies" in run.stdout

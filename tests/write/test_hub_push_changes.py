@@ -94,7 +94,10 @@ def test_layers_all_uploads_every_shard_and_copies_none_that_changed(shards, hub
 def test_fallbacks_say_why_in_one_line_and_push_the_same_repo(shards, hub, tmp_path):
     surgeon = Surgeon(tmp_path, hub.url)
     full = tmp_path / "full" / "M-reinit"  # the same name: the card's reproduce command names the output
-    surgeon("reinit", "org/M", "--layers", "-1", "-o", full, "--push-to-hub", "me/full", token=TOKEN)
+    surgeon(
+        "reinit", "org/M", "--layers", "-1", "-o", full, "--push-to-hub", "me/full", "--no-server-copy", token=TOKEN
+    )
+    assert hub.duplicated() == []  # every file uploaded: the reference
     forced = surgeon("reinit", "org/M", "--layers", "-1", "--push-to-hub", "me/forced", "--no-server-copy", token=TOKEN)
     assert "note: uploading every file (--no-server-copy)" in forced.stdout
     hub.refuse_duplicate = "source and target are in different storage regions"
@@ -144,3 +147,83 @@ def test_dry_run_predicts_the_bytes_a_push_moves(shards, hub, tmp_path):
     size = (shards / LAST).stat().st_size
     assert f"downloads 1 changed shard(s) ({LAST}: {size:,} bytes)" in run.stdout
     assert "copies 7 unchanged shard(s)" in run.stdout
+
+
+def test_push_of_a_whole_output_copies_what_its_record_names_unchanged(shards, hub, tmp_path):
+    """`surgeon push OUTPUT` of a whole local output made from org/M: its record names org/M and the commit,
+    so the files equal to that commit's are copied server-side and only the changed shard and the card are
+    uploaded; the repo is the one every file uploaded gives."""
+    surgeon = Surgeon(tmp_path, hub.url)
+    commit = hub.repos["org/M"].branches["main"]
+    out = tmp_path / "full" / "M-reinit"
+    surgeon("reinit", "org/M", "--layers", "-1", "-o", out)
+    hub.add_model("org/M", shards)  # org/M moves on after the output was made: its commit is what counts
+    assert hub.repos["org/M"].branches["main"] != commit
+    dry = json.loads(surgeon("push", out, "me/P", "--dry-run", "--json").stdout)
+    assert dry["files"] == ["README.md", LAST] and dry["copied_from"] == f"org/M@{commit}"
+    assert hub.duplicated() == [] and "me/P" not in hub.repos  # a dry run sends nothing
+    run = json.loads(surgeon("push", out, "me/P", "--json", token=TOKEN).stdout)
+    assert sorted(run["files"]) == ["README.md", LAST]
+    assert {d["filename"] for d in hub.duplicated()} == {p.name for p in shards.glob("*.safetensors")} - {LAST}
+    assert run["copied_bytes"] == sum(p.stat().st_size for p in out.iterdir() if p.name in run["copied"])
+    assert hub.received(LFS_DATA) == run["bytes"] - len(pushed(hub, "me/P")["README.md"])  # the shard, once
+    paths_info = [r for r in hub.requests if "/api/models/org/M/paths-info/" in r.path]
+    assert paths_info and all(r.path.endswith(f"/paths-info/{commit}") for r in paths_info)  # pinned, never main
+    surgeon("push", out, "me/whole", "--no-server-copy", token=TOKEN)
+    assert len(hub.duplicated()) == 7  # none more
+    assert pushed(hub, "me/P") == pushed(hub, "me/whole") == {p.name: p.read_bytes() for p in out.iterdir()}
+
+
+def test_a_record_naming_another_model_copies_nothing_that_differs(shards, hub, tmp_path):
+    """The record is a stranger's text: an origin that names a model whose files differ copies none of
+    them (each is compared before it is copied), and a malformed origin is a note; the push goes on."""
+    surgeon = Surgeon(tmp_path, hub.url)
+    other = {p.name: p.read_bytes() for p in shards.iterdir()}
+    for name in other:  # the same files, but each shard's last weight byte differs
+        if name.endswith(".safetensors"):
+            other[name] = other[name][:-1] + bytes([other[name][-1] ^ 1])
+    hub.add_model("org/Other", other)
+    out = tmp_path / "M-reinit"
+    surgeon("reinit", "org/M", "--layers", "-1", "-o", out)
+    card = (out / "README.md").read_text()
+    origin = '"origin":{"commit":"%s","repo":"%s"}'
+    ours = origin % (hub.repos["org/M"].branches["main"], "org/M")
+    assert ours in card
+    (out / "README.md").write_text(card.replace(ours, origin % (hub.repos["org/Other"].branches["main"], "org/Other")))
+    run = json.loads(surgeon("push", out, "me/A", "--json", token=TOKEN).stdout)
+    same = {p.name for p in out.iterdir() if other.get(p.name) == p.read_bytes()}
+    assert set(run["copied"]) == same - {"README.md"}
+    assert not any(f.endswith(".safetensors") for f in run["copied"])
+    assert pushed(hub, "me/A") == {p.name: p.read_bytes() for p in out.iterdir()}
+    (out / "README.md").write_text(card.replace(ours, origin % ("main", "org/M")))
+    run = surgeon("push", out, "me/B", token=TOKEN)
+    assert "note: every file uploaded: " in run.stdout and "origin is not a Hub model id and a commit id" in run.stdout
+    assert pushed(hub, "me/B") == {p.name: p.read_bytes() for p in out.iterdir()}
+
+
+def test_json_gives_the_bytes_moved_as_counted(shards, hub, tmp_path):
+    """`--json`'s transfer: bytes read by Range and downloaded, counted as they arrived (the server's own count
+    of what it served agrees), uploaded and copied server-side (the pushed repo's files); a dry run predicts."""
+    surgeon = Surgeon(tmp_path, hub.url)
+    dry = json.loads(
+        surgeon("reinit", "org/M", "--layers", "-1", "--push-to-hub", "me/J", "--dry-run", "--json").stdout
+    )["transfer"]
+    last = (shards / LAST).stat().st_size
+    others = sum(p.stat().st_size for p in shards.glob("*.safetensors")) - last
+    assert dry == {
+        "read_by_range": header_bytes(shards),
+        "header_bytes": header_bytes(shards),
+        "tensor_bytes": 0,
+        "range_requests": dry["range_requests"],
+        "downloaded": 0,
+        "predicted_downloaded": last,
+        "predicted_copied_server_side": others,
+    }
+    since = len(hub.requests)
+    run = json.loads(
+        surgeon("reinit", "org/M", "--layers", "-1", "--push-to-hub", "me/J", "--json", token=TOKEN).stdout
+    )
+    moved, repo = run["transfer"], pushed(hub, "me/J")
+    assert moved["read_by_range"] + moved["downloaded"] == weights_served(hub, since) == header_bytes(shards) + last
+    assert moved["uploaded"] == len(repo[LAST]) + len(repo["README.md"])
+    assert moved["copied_server_side"] == sum(len(c) for p, c in repo.items() if p not in (LAST, "README.md"))
