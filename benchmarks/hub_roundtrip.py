@@ -106,10 +106,12 @@ def llama3_70b() -> None:
         qkv = {f"model.layers.{i}.self_attn.{r}_proj.weight" for i in chosen for r in "qkv"}
         changed = [s for s in shards if any(n in qkv for n, _, _ in s)]
         moved = sum(b for s in changed for _, _, b in s)
-        print(f"{f'--layers {label}, old':<28}{total / 1e9:>14.2f}{total / 1e9:>13.2f}{0:>11.2f}")
-        print(
-            f"{f'--layers {label}, new':<28}{(moved + headers) / 1e9:>14.2f}{moved / 1e9:>13.2f}{(total - moved) / 1e9:>11.2f}"
-        )
+        for path, down, up in (
+            ("old", total, total),
+            ("whole output", total, moved),
+            ("new", moved + headers, moved),
+        ):
+            print(f"{f'--layers {label}, {path}':<34}{down / 1e9:>14.2f}{up / 1e9:>13.2f}{(total - up) / 1e9:>11.2f}")
         changed_qkv = sum(b for s in shards for n, _, b in s if n in qkv)
         print(f"  (q/k/v changed: {changed_qkv / 1e9:.2f} GB in {len(changed)} shards)")
 
