@@ -240,6 +240,15 @@ def reinit_checkpoint(
             )  # fmt: skip
         finally:
             group.close()
+    if target is not None and target.staging is not None:
+        if output is not None:
+            raise OptionError(
+                f"{opt('staging')} is where a push stages what changed, and {opt('output')} writes the whole "
+                "output: give one of them"
+            )
+        output, staged = target.staging, True
+    else:
+        staged = False
     start = time.perf_counter()
     source = hub.open_model(
         model, config=config, revision=revision, progress=progress, recover=in_place and not dry_run, remote=True
@@ -247,7 +256,9 @@ def reinit_checkpoint(
     why_not = (
         None
         if target is None
-        else no_copy_reason(source, output_given=output is not None, no_server_copy=target.no_server_copy)
+        else no_copy_reason(
+            source, output_given=output is not None and not staged, no_server_copy=target.no_server_copy
+        )
     )
     dest = resolve_destination(
         source, output, in_place=in_place, overwrite=overwrite or dry_run, push=target is not None,

@@ -287,6 +287,7 @@ def push_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         create_pr: bool,
         commit_message: str | None,
         no_server_copy: bool,
+        staging: str | None,
         **kwargs: Any,
     ) -> Any:
         from ..write.push import PushTarget
@@ -299,6 +300,7 @@ def push_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                 create_pr=create_pr,
                 commit_message=commit_message,
                 no_server_copy=no_server_copy,
+                staging=staging,
             )
         except SurgeonError as exc:
             _fail(exc.describe(cli_spelling), exc.exit_code)
@@ -332,6 +334,13 @@ def push_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                 help="With --push-to-hub: upload every file, even those a Hub source holds unchanged "
                 "(default: copy those server-side from the source's commit).",
             ),
+            click.option(
+                "--staging",
+                metavar="DIR",
+                type=click.Path(),
+                help="With --push-to-hub and no -o: stage the changed shards and the card in DIR "
+                "(default: ./NAME-reinit).",
+            ),
         ]
     ):
         with_push = decorator(with_push)
@@ -350,6 +359,7 @@ REINIT_SECTIONS = {  # `surgeon reinit --help`, by what a flag decides
         "create_pr",
         "commit_message",
         "no_server_copy",
+        "staging",
         "base_model",
     ),
     "Hints (when config.json does not say)": (

@@ -39,6 +39,9 @@ class PushTarget:
         token: The Hub token (default: HF_TOKEN or `hf auth login`).
         no_server_copy: Upload every file, even those a Hub source holds unchanged (default: copy those
             server-side from the source's commit; see :mod:`surgeon.write.hub_copy`).
+        staging: The folder a push by changes stages the changed shards and the card in, for a reinit
+            given no output (default: ``./NAME-reinit``); where the changes cannot be pushed alone, the
+            whole output goes there.
 
     Raises:
         OptionError: The repo id or the branch is malformed, or ``create_pr`` is given a branch.
@@ -51,6 +54,7 @@ class PushTarget:
     commit_message: str | None = None
     token: str | None = field(default=None, repr=False)
     no_server_copy: bool = False
+    staging: str | Path | None = None
 
     def __post_init__(self) -> None:  # the token is checked by check_token, where the caller chooses
         object.__setattr__(self, "repo_id", _check_target(self.repo_id, self.branch, self.create_pr))

@@ -227,3 +227,16 @@ def test_json_gives_the_bytes_moved_as_counted(shards, hub, tmp_path):
     assert moved["read_by_range"] + moved["downloaded"] == weights_served(hub, since) == header_bytes(shards) + last
     assert moved["uploaded"] == len(repo[LAST]) + len(repo["README.md"])
     assert moved["copied_server_side"] == sum(len(c) for p, c in repo.items() if p not in (LAST, "README.md"))
+
+
+def test_staging_names_where_the_changes_are_staged(shards, hub, tmp_path):
+    surgeon = Surgeon(tmp_path, hub.url)
+    surgeon("reinit", "org/M", "--layers", "-1", "--push-to-hub", "me/S", "--staging", "stage/here", token=TOKEN)
+    assert sorted(p.name for p in (tmp_path / "stage" / "here").iterdir()) == ["README.md", LAST]
+    assert not (tmp_path / "M-reinit").exists() and len(hub.duplicated()) == 7
+    both = surgeon("reinit", "org/M", "--push-to-hub", "me/S", "--staging", "s2", "-o", "out", ok=False, token=TOKEN)
+    assert (
+        both.error
+        == "--staging is where a push stages what changed, and -o/--output writes the whole output: give one of them"
+    )
+    assert not (tmp_path / "s2").exists() and not (tmp_path / "out").exists()
