@@ -237,6 +237,6 @@ def test_staging_names_where_the_changes_are_staged(shards, hub, tmp_path):
     both = surgeon("reinit", "org/M", "--push-to-hub", "me/S", "--staging", "s2", "-o", "out", ok=False, token=TOKEN)
     assert (
         both.error
-        == "--staging is where a push stages what changed, and -o/--output writes the whole output: give one of them"
+        == "surgeon: error: --staging is where a push stages what changed, and -o/--output writes the whole output: give one of them"
     )
     assert not (tmp_path / "s2").exists() and not (tmp_path / "out").exists()
