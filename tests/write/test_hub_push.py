@@ -358,3 +358,14 @@ def test_push_of_an_output_made_from_the_hub_copies_or_says_why_not(sources, tmp
         else:
             assert copied == set()
             assert f"note: uploading every file: huggingface_hub {__version__} has no cross-repo copies" in run.stdout
+        # reinit --push-to-hub without -o: the changes alone where the client copies, the whole output where not
+        direct = surgeon("reinit", "org/tiny", "--layers", "0", "--push-to-hub", "me/direct", token=TOKEN)
+        staged = {p.name for p in (tmp_path / "tiny-reinit").iterdir()}
+        if "src_repo_id" in CommitOperationCopy.__dataclass_fields__:
+            assert staged == {"README.md"} | {f for f in arrived if f.endswith(".safetensors")} - unchanged
+        else:
+            assert staged == set(arrived) and len(hub.duplicated()) == 0
+            assert (
+                f"note: uploading every file: huggingface_hub {__version__} has no cross-repo copies" in direct.stdout
+            )
+        assert {p: c for p, c in hub.files("me/direct").items() if p != ".gitattributes"}.keys() == arrived.keys()
