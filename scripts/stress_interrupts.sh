@@ -5,7 +5,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-20}
-K=${2:-"ctrl_c or kill"}
+# every test that interrupts, kills or waits on another surgeon process (24 tests)
+K=${2:-"ctrl_c or kill or waits or half_way or exclude_each_other or running_in_place or recover_json or rolled_back_with or recovered_weights"}
 TESTS=(tests/write/test_in_place_locks.py tests/write/test_in_place.py tests/write/test_crash.py tests/write/test_journal_fuzz.py tests/write/test_journal_security.py)
 burners=()
 for _ in 1 2; do python3 -c "while True: pass" & burners+=($!); done
