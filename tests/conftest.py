@@ -51,6 +51,23 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    """An 8-shard Llama-shaped model folder (helpers.hub.make_llama_shards), made once per module."""
+    from helpers.hub import make_llama_shards
+
+    return make_llama_shards(tmp_path_factory.mktemp("src") / "m")
+
+
+@pytest.fixture
+def hub(shards):
+    """A loopback Hub serving ``shards`` as org/M (helpers.hub.serving)."""
+    from helpers.hub import serving
+
+    with serving("org/M", shards) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
 def saved_family(tmp_path_factory):
     """``saved_family(name)`` -> (folder of the saved tiny model, its observed maps), built once per module."""
     from helpers.families import FAMILIES

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -240,3 +241,15 @@ def digest(folder: Path) -> dict[str, str]:
 def all_text_under(folder: Path) -> str:
     """Every byte under ``folder`` (following the cache's symlinks), for leak searches."""
     return "".join(p.read_bytes().decode("latin-1") for p in sorted(Path(folder).rglob("*")) if p.is_file())
+
+
+def header_bytes(folder: Path) -> int:
+    """8 + N for every safetensors shard of ``folder``, N read from the file's first 8 bytes: its header's bytes."""
+    import struct
+
+    return sum(8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in folder.glob("*.safetensors"))
+
+
+def weights_served(hub: Any, since: int = 0) -> int:
+    """The bytes of safetensors files the loopback Hub sent (whole or by Range), from request ``since`` on."""
+    return sum(r.sent for r in hub.requests[since:] if r.method == "GET" and r.path.endswith(".safetensors"))

@@ -12,34 +12,14 @@ from safetensors import safe_open
 
 from surgeon import inspect_checkpoint
 
-from helpers.hub import Surgeon, make_llama_shards, serving
+from helpers.hub import Surgeon, header_bytes, weights_served
 from helpers.hub_server import HubServer
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return make_llama_shards(tmp_path_factory.mktemp("src") / "m")
-
-
-@pytest.fixture
-def hub(shards):
-    with serving("org/M", shards) as server:
-        yield server
-
-
-def header_bytes(folder) -> int:
-    """8 + N for every shard, N read from the file's first 8 bytes."""
-    return sum(8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in folder.glob("*.safetensors"))
-
-
-def weight_bytes_served(hub) -> int:
-    return sum(r.sent for r in hub.requests if r.path.endswith(".safetensors") and r.method == "GET")
 
 
 def test_dry_run_reads_headers_only(shards, hub, tmp_path):
     run = Surgeon(tmp_path, hub.url)("reinit", "org/M", "--layers", "-1", "--dry-run", "--json")
     assert not [f for f in hub.downloads() if f.endswith(".safetensors")]  # no weight file downloaded
-    assert weight_bytes_served(hub) == header_bytes(shards)  # the headers, to the byte, and nothing else
+    assert weights_served(hub) == header_bytes(shards)  # the headers, to the byte, and nothing else
     report = json.loads(run.stdout)
     assert {p["layer"] for p in report["projections"]} == {7}
     assert not list((tmp_path / "hf-home").rglob("model-*.safetensors"))
@@ -56,7 +36,7 @@ def test_inspect_reads_only_the_measured_tensors(shards, hub, tmp_path):
                 if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))
             }
     assert not [f for f in hub.downloads() if f.endswith(".safetensors")]
-    assert weight_bytes_served(hub) == header_bytes(shards) + sum(size for _, size in measured)
+    assert weights_served(hub) == header_bytes(shards) + sum(size for _, size in measured)
     local = inspect_checkpoint(shards)  # the same numbers as the whole files on disk give
     assert [p["before"]["heads"] for p in report["projections"]] == [list(r.before.head_kappas) for r in local.rows]
     assert any("by HTTP Range" in n for n in report["notes"])

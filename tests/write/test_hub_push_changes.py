@@ -9,7 +9,7 @@ import json
 import pytest
 from huggingface_hub import CommitOperationCopy
 
-from helpers.hub import TOKEN, Surgeon, make_llama_shards, serving
+from helpers.hub import TOKEN, Surgeon, header_bytes, weights_served
 
 pytestmark = pytest.mark.skipif(
     "src_repo_id" not in CommitOperationCopy.__dataclass_fields__,
@@ -17,27 +17,6 @@ pytestmark = pytest.mark.skipif(
 )
 LAST = "model-00007-of-00008.safetensors"  # holds layer 7's q/k/v (make_llama_shards)
 LFS_DATA = r"^/__lfs/[0-9a-f]{64}$"  # the loopback Hub's LFS upload of one object's bytes
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return make_llama_shards(tmp_path_factory.mktemp("src") / "m")
-
-
-@pytest.fixture
-def hub(shards):
-    with serving("org/M", shards) as server:
-        yield server
-
-
-def weights_served(hub, since: int = 0) -> int:
-    return sum(r.sent for r in hub.requests[since:] if r.method == "GET" and r.path.endswith(".safetensors"))
-
-
-def header_bytes(folder) -> int:
-    import struct
-
-    return sum(8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in folder.glob("*.safetensors"))
 
 
 def pushed(hub, repo):
