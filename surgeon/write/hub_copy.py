@@ -93,7 +93,6 @@ def copies_from_record(
     Files the destination (``repo_id`` at ``revision``) holds unchanged already are left to the upload,
     which sends nothing for them: copied again, they would make a commit that changes nothing."""
     from huggingface_hub import CommitOperationCopy, HfApi, __version__
-    from huggingface_hub.errors import HfHubHTTPError
 
     from ..audit.record import parse_record, read_card
     from ..errors import SurgeonError
@@ -111,15 +110,15 @@ def copies_from_record(
         return None, f"uploading every file: huggingface_hub {__version__} has no cross-repo copies (2.x has)"
     candidates = [f for f in files if f != "README.md"]  # the card is always new
     api = HfApi(token=token)
-    try:
+    try:  # any failure (an HTTP error, no network, a malformed answer) only means no copies: said, then uploaded
         found = {e.path: e for e in api.get_paths_info(source, candidates, revision=commit)}
-    except (HfHubHTTPError, OSError, ValueError) as exc:
+    except Exception as exc:
         why = f"could not ask {source}@{commit[:12]} about its files ({one_line(exc)})"
         return None, f"{why}; uploading every file instead"
     same = [f for f in candidates if f in found and _same_bytes(folder / f, found[f])]
     try:
         there = {e.path: e for e in api.get_paths_info(repo_id, same, revision=revision)} if same else {}
-    except (HfHubHTTPError, OSError, ValueError):  # no such repo or branch yet: nothing is there
+    except Exception:  # no such repo or branch yet (or no answer): nothing counts as there
         there = {}
     same = [f for f in same if not (f in there and _same_bytes(folder / f, there[f]))]
     return (ServerCopies(source, commit, tuple(same)) if same else None), None

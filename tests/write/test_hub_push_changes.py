@@ -178,6 +178,15 @@ def test_a_record_naming_another_model_copies_nothing_that_differs(shards, hub, 
     run = surgeon("push", out, "me/B", token=TOKEN)
     assert "note: every file uploaded: " in run.stdout and "origin is not a Hub model id and a commit id" in run.stdout
     assert pushed(hub, "me/B") == {p.name: p.read_bytes() for p in out.iterdir()}
+    # the source cannot be asked about its files: said in one line, every file uploaded
+    (out / "README.md").write_text(card)
+    hub.fail("POST", r"^/api/models/org/M/paths-info/", status=500, message="try later")
+    run = surgeon("push", out, "me/C", token=TOKEN)
+    (line,) = [x for x in run.stdout.splitlines() if "could not ask org/M@" in x]
+    assert line.endswith("about its files (the Hub answered 500 for org/M: try later); uploading every file instead"), (
+        line
+    )
+    assert pushed(hub, "me/C") == {p.name: p.read_bytes() for p in out.iterdir()}
 
 
 def test_json_gives_the_bytes_moved_as_counted(shards, hub, tmp_path):
