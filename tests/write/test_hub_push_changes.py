@@ -183,9 +183,7 @@ def test_a_record_naming_another_model_copies_nothing_that_differs(shards, hub, 
     hub.fail("POST", r"^/api/models/org/M/paths-info/", status=500, message="try later")
     run = surgeon("push", out, "me/C", token=TOKEN)
     (line,) = [x for x in run.stdout.splitlines() if "could not ask org/M@" in x]
-    assert line.endswith("about its files (the Hub answered 500 for org/M: try later); uploading every file instead"), (
-        line
-    )
+    assert "500" in line and line.endswith("); uploading every file instead"), line
     assert pushed(hub, "me/C") == {p.name: p.read_bytes() for p in out.iterdir()}
 
 
