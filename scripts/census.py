@@ -52,7 +52,13 @@ def _one(model_type: str) -> dict:
         verdict = Verdict(model_type, f"crash: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
     finally:
         signal.alarm(0)
-    return {"type": model_type, "verdict": verdict.verdict, "detail": verdict.detail, "seconds": verdict.seconds}
+    return {
+        "type": model_type,
+        "verdict": verdict.verdict,
+        "reason": verdict.reason,
+        "detail": verdict.detail,
+        "seconds": verdict.seconds,
+    }
 
 
 def all_types() -> list[str]:
@@ -91,6 +97,15 @@ def summary(rows: list[dict]) -> str:
     )
 
 
+def _by_reason(rows: list[dict], kind: str) -> str:
+    """How many types of ``kind`` for each reason of helpers.census.NOT_JUDGED (and any no reason names)."""
+    from helpers.census import NOT_JUDGED
+
+    reasons = [r["reason"] for r in rows if r["verdict"].split(":")[0] == kind]
+    named = [f"{reasons.count(reason)} {reason}" for reason, _ in NOT_JUDGED[kind] if reason in reasons]
+    return ", ".join(named + ([f"{reasons.count(None)} with no reason named"] if None in reasons else [])) or "none"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", help="comma-separated model types (default: every type)")
@@ -127,6 +142,8 @@ def main() -> int:
             + "\n"
         )
     print(summary(rows) + f" ({time.perf_counter() - start:.0f} s)")
+    for kind in ("unjudged", "unbuildable"):
+        print(f"  {kind}, by reason: {_by_reason(rows, kind)}")
     bad = any(r["verdict"].split(":")[0] in ("wrong", "crash") for r in rows)
     return 1 if bad or (args.check and changed) else 0
 

@@ -65,6 +65,24 @@ REASONS = (
 )
 
 
+# Why a type is not judged, in a fixed vocabulary (the verdict's free text says the rest): the first that matches.
+NOT_JUDGED: dict[str, tuple[tuple[str, str], ...]] = {
+    "unbuildable": (
+        ("no model class", r"no model class"),
+        ("too large even shrunk", r"parameters even shrunk"),
+        ("needs a package", r"ImportError|ModuleNotFoundError|requires the \S+ library"),
+        ("the config refuses the shrunk sizes", r"ValidationError|ValueError"),
+        ("the model's code fails on the shrunk config", r"."),
+    ),
+    "unjudged": (
+        ("the forward needs inputs the census cannot make", r"the forward did not run"),
+        ("a changed projection no forward runs", r"changed, and no forward runs it"),
+        ("the class does not load its own checkpoint", r"does not load its own checkpoint"),
+        ("a softmax that is not torch's", r"softmax is not torch's"),
+    ),
+}
+
+
 @dataclass
 class Verdict:
     model_type: str
@@ -77,6 +95,15 @@ class Verdict:
     @property
     def kind(self) -> str:
         return self.verdict.split(":")[0]
+
+    @property
+    def reason(self) -> str | None:
+        """Why an unbuildable or unjudged type is not judged, from NOT_JUDGED (None for other verdicts, and for
+        a text no entry matches: a new kind of failure, to be named there)."""
+        import re
+
+        rest = self.verdict.partition(": ")[2]
+        return next((r for r, pattern in NOT_JUDGED.get(self.kind, ()) if re.search(pattern, rest)), None)
 
 
 # ------------------------------------------------------------------------------------------ build
