@@ -37,7 +37,7 @@ class ServerCopies:
     repo_id: str
     commit: str
     files: tuple[str, ...]
-    sizes: Mapping[str, int] = field(default_factory=dict, compare=False)  # of files not in the pushed folder
+    sizes: Mapping[str, int] = field(default_factory=dict, compare=False)  # each file's bytes, for the report
 
     def operations(self) -> list[CommitOperationCopy]:
         from huggingface_hub import CommitOperationCopy
@@ -121,7 +121,8 @@ def copies_from_record(
     except Exception:  # no such repo or branch yet (or no answer): nothing counts as there
         there = {}
     same = [f for f in same if not (f in there and _same_bytes(folder / f, there[f]))]
-    return (ServerCopies(source, commit, tuple(same)) if same else None), None
+    sizes = {f: (folder / f).stat().st_size for f in same}
+    return (ServerCopies(source, commit, tuple(same), sizes) if same else None), None
 
 
 def _same_bytes(path: Path, remote: Any) -> bool:

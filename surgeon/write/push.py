@@ -206,13 +206,13 @@ def push_folder(
     if own_copies:  # read-only questions to the Hub: a dry run asks them too
         copies, why = copies_from_record(folder, files, token, repo_id=repo_id, revision=branch)
         left_out += [why] if why else []
+    rest = [f for f in files if copies is None or f not in copies.files]  # what is uploaded
     if dry_run:  # nothing is sent, so no token is needed: the result says whether the real push has one
-        sent = [f for f in files if not (own_copies and copies and f in copies.files)]
-        url, size = f"{constants.ENDPOINT.rstrip('/')}/{repo_id}", sum((folder / f).stat().st_size for f in sent)
+        url, size = f"{constants.ENDPOINT.rstrip('/')}/{repo_id}", sum((folder / f).stat().st_size for f in rest)
         notes = left_out + ([] if has_token(token) else [NO_TOKEN_YET])
         return PushResult(
-            repo_id, url, branch or "main", False, "", "", None, sent, [], [], size, notes, dry_run=True,
-            **_copied(folder, copies if own_copies else None),
+            repo_id, url, branch or "main", False, "", "", None, rest, [], [], size, notes, dry_run=True,
+            **_copied(copies),
         )  # fmt: skip
     retry = push_command(
         folder, repo_id, branch=branch, create_pr=create_pr, private=private, commit_message=commit_message,
@@ -220,12 +220,11 @@ def push_folder(
     )  # fmt: skip
     where = (private, branch, create_pr, commit_message, commit_description, token, progress)
     try:
-        if not own_copies or copies is None:
-            return _push(folder, repo_id, files, left_out, *where, copies, server_copy)
-        rest = [f for f in files if f not in copies.files]
         try:
             return _push(folder, repo_id, rest, left_out, *where, copies, server_copy)
         except CopyRefused as why:  # nothing was committed: upload the rest too (what was sent is not sent again)
+            if not own_copies:  # the caller's copies: the caller decides what to upload instead
+                raise
             return _push(folder, repo_id, files, [*left_out, str(why)], *where, None, server_copy)
     except HubError as exc:
         if not isinstance(exc, PushError):  # a partial push names its own command, with what reached the Hub
@@ -305,16 +304,16 @@ def _push(
         unchanged,
         sent,
         notes,
-        **_copied(folder, copies),
+        **_copied(copies),
     )
 
 
-def _copied(folder: Path, copies: ServerCopies | None) -> dict[str, Any]:
+def _copied(copies: ServerCopies | None) -> dict[str, Any]:
     """A result's fields on the server-side copies: the files, where from, and their bytes (what the Hub
-    duplicates instead of receiving; a copied file the folder lacks is measured from the source's headers)."""
+    duplicates instead of receiving)."""
     if copies is None:
         return {}
-    size = sum((folder / f).stat().st_size if (folder / f).is_file() else copies.sizes.get(f, 0) for f in copies.files)
+    size = sum(copies.sizes.get(f, 0) for f in copies.files)
     return {"copied": list(copies.files), "copied_from": f"{copies.repo_id}@{copies.commit}", "copied_bytes": size}
 
 
