@@ -56,6 +56,7 @@ def _one(model_type: str) -> dict:
         "type": model_type,
         "verdict": verdict.verdict,
         "reason": verdict.reason,
+        "judged_by": verdict.judged_by,
         "detail": verdict.detail,
         "seconds": verdict.seconds,
     }
@@ -88,8 +89,10 @@ def summary(rows: list[dict]) -> str:
 
     kinds = [r["verdict"].split(":")[0] for r in rows]
     counts = {k: kinds.count(k) for k in ("right", "none", "refused", "wrong", "crash", "unjudged", "unbuildable")}
+    built = sum(r.get("judged_by") == "construction" for r in rows if r["verdict"] == "right")
     return (
-        f"census of {len(rows)} model types (transformers {transformers.__version__}): {counts['right']} right, "
+        f"census of {len(rows)} model types (transformers {transformers.__version__}): {counts['right']} right "
+        f"({built} of them judged by the heads their attention modules were built with, the forward not run), "
         f"{counts['none']} without attention (surgeon and the forward agree), "
         f"{counts['refused']} refused, {counts['wrong']} silently wrong, {counts['crash']} crashed, "
         f"{counts['unjudged']} built but not judged (their forward could not be run), "

@@ -86,6 +86,10 @@ SUBCONFIG_BY_PATH = {
     # EvollaSequenceCompressorResampler), not its protein_encoder_config's heads
     "evolla": {"protein_encoder.sequence_compressor_resampler.layers": "/resampler_"},
     "vjepa2": {"predictor": "/pred_"},  # the predictor: pred_num_attention_heads, pred_hidden_size
+    # Idefics2PerceiverAttention: perceiver_config.resampler_n_heads heads of resampler_head_dim, and its
+    # num_key_value_heads (modeling_idefics2.py), not the vision or text tower's heads
+    "idefics2": {"connector": "perceiver_config/resampler_"},
+    "idefics2_perceiver": {"layers": "/resampler_"},
 }
 # Megatron-LM's legacy (pre-Core) models: how query_key_value packs its rows, by the checkpoint_version saved beside
 # them (model_optim_rng.pt's checkpoint_version; Megatron's loader reads a missing one as 0). Its

@@ -48,6 +48,8 @@ KV_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "kv_n_heads", "mu
 LAYER_KEY = re.compile(
     r"^(num_(hidden_)?layers|n_layers?|num_\w*_layers|\w*_layers|encoder_layers|decoder_layers|depth)$"
 )
+# a component's own heads (Idefics2's resampler_n_heads, with its resampler_head_dim)
+PREFIXED_HEADS = re.compile(r"^(?!mamba|ssm|linear|conv|index)([a-z]+)_(n_heads|num_heads|num_attention_heads)$")
 FFN_KEY = re.compile(r"intermediate_size|ffn_dim|d_ff|n_inner|ffn_hidden|mlp_dim|\w*_intermediate_size$")
 # The refusal vocabulary: the first pattern found in surgeon's message names the reason.
 REASONS = (
@@ -91,6 +93,9 @@ class Verdict:
     blocks: int = 0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # "forward": by the attention the model's forward ran; "construction": by what its attention modules were
+    # built with (heads, head size), where no forward could be run
+    judged_by: str = "forward"
 
     @property
     def kind(self) -> str:
@@ -159,9 +164,10 @@ def _shrink(cfg, width: bool) -> None:
         for k in per_layer:
             if len(d[k]) == value:
                 d[k] = d[k][:n]
-        for k, v in list(d.items()):  # per-layer lists of the same length (per-layer head counts)
-            if k not in per_layer and "layer" in k and isinstance(v, list) and len(v) == value and value > n:
-                d[k] = v[:n]
+        for k, v in list(d.items()):  # per-layer lists of the same length (per-layer head counts, indexer
+            # types, wav2vec2's conv_dim for num_feat_extract_layers)
+            if k not in per_layer and isinstance(v, (list, tuple)) and len(v) == value and value > n:
+                d[k] = type(v)(v[:n])
     if isinstance(d.get("_out_indices"), (list, tuple)) and isinstance(d.get("stage_names"), list):
         layers = next((d[k] for k in ("num_hidden_layers", "num_layers") if isinstance(d.get(k), int)), None)
         if layers is not None and len(d["stage_names"]) > layers + 1:  # a backbone's outputs: stages it still has
@@ -181,7 +187,11 @@ def _shrink(cfg, width: bool) -> None:
     if not width:
         return
     wkey = next((k for k in WIDTH_KEYS if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)), None)
-    hkeys = [k for k in HEAD_KEYS if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)]
+    hkeys = [
+        k
+        for k in d
+        if (k in HEAD_KEYS or PREFIXED_HEADS.match(k)) and isinstance(d[k], int) and not isinstance(d[k], bool)
+    ]
     if wkey is None or not hkeys or d[wkey] < 64:
         return
     if any(isinstance(v, list) and re.search(r"dim|hidden|width|channel", k) for k, v in d.items()):
@@ -196,7 +206,16 @@ def _shrink(cfg, width: bool) -> None:
     d.update(new_heads)
     if head_dim is not None and "qk_rope_head_dim" not in d:  # latent attention: head_dim is the rotary part
         d["head_dim"] = hd
-    for k in ("d_kv", "kv_channels", "attention_head_dim", "head_size", "dim_head"):  # the head size, spelled otherwise
+    prefixed = [m.group(1) + "_head_dim" for m in map(PREFIXED_HEADS.match, hkeys) if m]  # resampler_head_dim
+    for k in (
+        "d_kv",
+        "d_head",
+        "kv_channels",
+        "attention_head_dim",
+        "head_size",
+        "dim_head",
+        *prefixed,
+    ):  # the head size
         if isinstance(d.get(k), int) and not isinstance(d.get(k), bool) and d[k] > hd:
             d[k] = hd
 
@@ -225,6 +244,41 @@ def _shrink(cfg, width: bool) -> None:
     for key, value in list(d.items()):
         if FFN_KEY.search(key) and isinstance(value, int) and not isinstance(value, bool) and value > 2 * d[wkey]:
             d[key] = 2 * d[wkey]
+
+
+# sizes the last shrink leaves alone: token ids, positions, lengths, rates, image geometry
+KEEP_SIZE = re.compile(r"_id$|_ids$|index|token|position|max_|length|rate|window|image_size|patch|seq|chunk|stride")
+SQUEEZE = re.compile(r"vocab|size|dim|embed|channel|hidden|entit|codebook|intermediate|ffn|latent|inner|width")
+
+
+def _squeeze(cfg) -> None:
+    """The last shrink, for a type still over the budget: every remaining large size (vocabularies, widths of
+    towers the plain shrink cannot tell heads of, codebooks, per-layer embeddings) divided down to at most
+    1024, keeping its multiples of 64 (a width stays divisible by its heads)."""
+    d = vars(cfg)
+    for key, value in list(d.items()):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 1024:
+            continue
+        if SQUEEZE.search(key) and not KEEP_SIZE.search(key):
+            factor = -(-value // 1024)
+            d[key] = max(64, value // factor // 64 * 64) if value % 64 == 0 else max(64, value // factor)
+
+
+FEATURE_LAYERS = re.compile(r"feature_layers?$|select_layers?$|feature_layer_ids?$")
+
+
+def _fit_references(cfg) -> None:
+    """What the shrink left pointing past the layers it kept: a tower's feature layers counted from the end
+    (Molmo2's vision_feature_layer [24, 18] -> [-1, -2]); a forecast length the default leaves unset."""
+    d = vars(cfg)
+    for key, value in list(d.items()):
+        if FEATURE_LAYERS.search(key):
+            if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+                d[key] = -1
+            elif isinstance(value, list) and all(isinstance(v, int) for v in value) and any(v > 1 for v in value):
+                d[key] = [-1 - i for i in range(len(value))]
+    if "prediction_length" in d and d["prediction_length"] is None:  # time-series transformers: a required size
+        d["prediction_length"] = 4
 
 
 BASE_FIRST = (
@@ -256,11 +310,17 @@ def build(model_type: str, folder: Path, mappings: tuple[str, ...] = BASE_FIRST,
     from transformers import AutoConfig
 
     errors: list[Exception] = []
-    for width in (True, False):
+    for width, squeeze in ((True, False), (False, False), (True, True)):
+        if squeeze and not any("even shrunk" in str(e) for e in errors):
+            break
         try:
             config = AutoConfig.for_model(model_type)
             for cfg in _configs(config):
                 _shrink(cfg, width)
+                if squeeze:
+                    _squeeze(cfg)
+            for cfg in _configs(config):
+                _fit_references(cfg)
             for key, value in settings.items():
                 *path, leaf = key.split(".")
                 target = config
@@ -278,45 +338,132 @@ def build(model_type: str, folder: Path, mappings: tuple[str, ...] = BASE_FIRST,
         model.eval()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model.save_pretrained(folder)
+            _save(model, config, folder)
         return model, config
     raise RuntimeError(_one_line(errors[0]))
 
 
 def _instantiate(config, mappings: tuple[str, ...] = BASE_FIRST):
-    """The model class transformers' own Auto mappings give the config (``mappings`` in order)."""
+    """The model class transformers' own Auto mappings give the config (``mappings`` in order), built while
+    :func:`_constructed` records what each module was built with."""
     import transformers.models.auto.modeling_auto as auto
 
-    for mapping in mappings:
+    # then any other of transformers' task mappings (UperNet is a segmentation model only)
+    others = sorted(n for n in vars(auto) if n.startswith("MODEL_") and n.endswith("_MAPPING") and n not in mappings)
+    for mapping in (*mappings, *others):
         table = getattr(auto, mapping, None)
         try:
             cls = table[type(config)] if table is not None else None
-        except KeyError:
+        except (KeyError, TypeError):
             continue
-        torch.manual_seed(0)
-        return cls(config)
-    cls = _model_of_module(config)  # a tower's own config (clap_audio_model): its model class in the same module
+        break
+    else:
+        cls = _model_of_module(config)  # a tower's own config (clap_audio_model): its model class in the same module
     if cls is None:
         raise RuntimeError("no model class in transformers' Auto mappings or the config's own module")
     torch.manual_seed(0)
-    return cls(config)
+    with _constructed() as built:
+        model = cls(config)
+    for m in model.modules():
+        if id(m) in built:
+            m.__dict__["_census_built_with"] = built[id(m)]
+    return model
+
+
+@contextlib.contextmanager
+def _constructed():
+    """{id(module): the integer arguments its class's ``__init__`` (and its parents') received}, for every
+    module built inside: what a module was constructed with, read from the constructor's own frame."""
+    import sys
+
+    built: dict[int, dict[str, int]] = {}
+    original = torch.nn.Module.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        frame, found = sys._getframe(1), {}
+        while frame is not None and frame.f_locals.get("self") is self:
+            code = frame.f_code
+            names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+            for n in names:
+                v = frame.f_locals.get(n)
+                if isinstance(v, int) and not isinstance(v, bool) and n not in found:
+                    found[n] = v
+            frame = frame.f_back
+        if found:
+            built[id(self)] = found
+
+    torch.nn.Module.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield built
+    finally:
+        torch.nn.Module.__init__ = original  # type: ignore[method-assign]
 
 
 def _model_of_module(config):
+    """A class of the config's own modeling module built from the config alone: a model class declaring the
+    config as its own; else, for a tower's or a decoder's config no model class declares (sam_mask_decoder,
+    canary_decoder), the largest module whose constructor takes that config alone (the tower itself, not one
+    of its layers). None where there is none."""
     import importlib
 
     from transformers import PreTrainedModel
 
-    module = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
+    try:
+        module = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
+    except ImportError:
+        return None
+    classes = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, torch.nn.Module)]
     found = [
         c
-        for c in vars(module).values()
-        if isinstance(c, type)
-        and issubclass(c, PreTrainedModel)
+        for c in classes
+        if issubclass(c, PreTrainedModel)
         and getattr(c, "config_class", None) is type(config)
         and c.__name__.endswith("Model")
+        and not c.__name__.endswith("PreTrainedModel")
     ]
-    return min(found, key=lambda c: len(c.__name__)) if found else None
+    if found:
+        return min(found, key=lambda c: len(c.__name__))
+    takes = [c for c in classes if _takes_only(c, config)]
+    sizes = {}
+    for c in takes:
+        with contextlib.suppress(Exception), torch.device("meta"):
+            sizes[c] = sum(p.numel() for p in c(config).parameters())
+    sizes = {c: n for c, n in sizes.items() if n}  # a rotary embedding holds no weights: not the tower
+    # a model class before a plain module, then the largest: the tower, not one of its parts
+    return max(sizes, key=lambda c: (issubclass(c, PreTrainedModel), sizes[c])) if sizes else None
+
+
+def _takes_only(cls, config) -> bool:
+    """Whether ``cls(config)`` is how ``cls`` is built: its constructor's ``config`` is annotated with the
+    config's class, and it needs no other argument."""
+    try:
+        params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    if not params or params[0].name != "config":
+        return False
+    note = params[0].annotation
+    if note is not type(config) and note != type(config).__name__:
+        return False
+    return all(
+        p.default is not inspect.Parameter.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params[1:]
+    )
+
+
+def _save(model, config, folder: Path) -> None:
+    """The model saved as transformers saves it; a plain module (a tower no model class wraps) as its config
+    and its own state dict in one safetensors file."""
+    from transformers import PreTrainedModel
+
+    if isinstance(model, PreTrainedModel):
+        model.save_pretrained(folder)
+        return
+    from safetensors.torch import save_model
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    save_model(model, str(folder / "model.safetensors"))
 
 
 # ------------------------------------------------------------------------------------------ observe
@@ -438,7 +585,7 @@ def _inputs(model, config) -> list[dict]:
     text: dict = {"input_ids": ids} if "input_ids" in sig else {}
     if "decoder_input_ids" in sig and getattr(config, "is_encoder_decoder", False):
         text["decoder_input_ids"] = ids
-    main = model.main_input_name
+    main = getattr(model, "main_input_name", None)
     tries = []
     if main == "input_features":
         mel = get("num_mel_bins", "feature_size", "input_feat_per_channel", default=80)
@@ -480,6 +627,8 @@ def observe(model, config) -> dict[str, Seen]:
                     errors.append(e)
     if not seen and errors:
         raise errors[0]
+    if not seen and not _inputs(model, config):
+        raise RuntimeError(f"no inputs the census can make for {type(model).__name__}.forward")
     return seen
 
 
@@ -637,8 +786,12 @@ def _judge(model_type: str, model, config, folder: Path, tmp: Path) -> Verdict:
         except Exception as e:  # noqa: BLE001
             return Verdict(model_type, f"crash: {_one_line(e)}")
     n = len(reports["all"].blocks)
+    judged_by = "forward"
     if seen is None:
-        return Verdict(model_type, f"unjudged: the forward did not run ({why})", blocks=n)
+        seen = declared_attention(model)
+        if not seen:
+            return Verdict(model_type, f"unjudged: the forward did not run ({why})", blocks=n)
+        judged_by = "construction"
     saved = _tensors(folder)
     names = _Names(model, saved)
     problems = []
@@ -652,15 +805,25 @@ def _judge(model_type: str, model, config, folder: Path, tmp: Path) -> Verdict:
         ]
     wrong = [p for p in problems if not p.startswith("unjudged: ")]
     if problems and not wrong:
-        return Verdict(model_type, problems[0], "; ".join(problems[:4]), blocks=n, notes=reports["all"].notes)
+        return Verdict(
+            model_type, problems[0], "; ".join(problems[:4]), blocks=n, notes=reports["all"].notes, judged_by=judged_by
+        )
     if wrong:
         problems = wrong
         return Verdict(
-            model_type, f"wrong: {problems[0]}", "; ".join(problems[:4]), blocks=n, notes=reports["all"].notes
+            model_type,
+            f"wrong: {problems[0]}",
+            "; ".join(problems[:4]),
+            blocks=n,
+            notes=reports["all"].notes,
+            judged_by=judged_by,
         )
-    return Verdict(
-        model_type, "right", f"{n} blocks, {len(seen)} attention modules run", blocks=n, notes=reports["all"].notes
+    how = (
+        f"{len(seen)} attention modules run"
+        if judged_by == "forward"
+        else f"{len(seen)} attention modules as built (the forward did not run: {why})"
     )
+    return Verdict(model_type, "right", f"{n} blocks, {how}", blocks=n, notes=reports["all"].notes, judged_by=judged_by)
 
 
 def _problems(model, seen, report, saved, names: _Names, out: Path, last_only: bool) -> list[str]:
@@ -749,6 +912,12 @@ KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "head_size", "dim_head", "d_head", "key_value_proj_dim")
 
 
+def _config_of(folder: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder)
+
+
 def _attention_modules(model) -> list[str]:
     """The model's modules that its own code names or shapes as attention: a class called so, torch's
     MultiheadAttention, or a module declaring its heads (for a model whose forward the census cannot run)."""
@@ -760,21 +929,80 @@ def _attention_modules(model) -> list[str]:
 
 
 def _declared(model, module: str) -> tuple[str, Seen] | None:
-    """The nearest module at or above ``module`` that declares its heads and head size as attributes (the
-    model's own ``self.num_heads``, ``self.head_dim``), for attention no forward of the census ran."""
+    """The nearest module at or above ``module`` that declares its heads and head size, for attention no forward
+    of the census ran."""
     parts = module.split(".")
     for i in range(len(parts), 0, -1):
         name = ".".join(parts[:i])
-        m = model.get_submodule(name)
-
-        heads, head_dim = _attr(m, HEADS_ATTRS), _attr(m, HEAD_DIM_ATTRS)
-        if heads is None and head_dim and hasattr(m, "num_key_value_groups"):  # the config it was built with
-            heads = _attr(getattr(m, "config", None), HEADS_ATTRS)
-        if heads and head_dim:
-            groups = getattr(m, "num_key_value_groups", None)
-            kv = _attr(m, KV_ATTRS) or (heads // groups if isinstance(groups, int) and groups > 0 else None)
-            return name, Seen(heads, kv, head_dim, "attributes")
+        seen = _declares(model.get_submodule(name))
+        if seen is not None:
+            return name, seen
     return None
+
+
+def _declares(m) -> Seen | None:
+    """The heads, key/value heads and head size module ``m`` declares: as attributes (the model's own
+    ``self.num_heads``, ``self.head_dim``), else as the arguments its constructor received (a Perceiver
+    resampler's ``n_heads``, ``head_dim``); None where it declares no heads and head size."""
+    heads, head_dim = _attr(m, HEADS_ATTRS), _attr(m, HEAD_DIM_ATTRS)
+    if heads is None and head_dim and hasattr(m, "num_key_value_groups"):  # the config it was built with
+        heads = _attr(getattr(m, "config", None), HEADS_ATTRS)
+    via = "attributes"
+    args = m.__dict__.get("_census_built_with", {})
+    if not (heads and head_dim) and args:
+        heads, head_dim, via = heads or _arg(args, HEADS_ARGS), head_dim or _arg(args, HEAD_DIM_ARGS), "constructor"
+    if heads and not head_dim:  # heads declared, the head size what the forward splits its own query into
+        query = next((c for n, c in m.named_children() if QUERY_CHILD.match(n) and hasattr(c, "out_features")), None)
+        if query is not None and query.out_features % heads == 0 and not QKV_CHILD.match(_child_name(m, query)):
+            head_dim, via = query.out_features // heads, "declared heads, split query"
+    if not (heads and head_dim):
+        return None
+    groups = getattr(m, "num_key_value_groups", None)
+    kv = (
+        _attr(m, KV_ATTRS)
+        or _arg(args, KV_ATTRS)
+        or (heads // groups if isinstance(groups, int) and groups > 0 else None)
+    )
+    return Seen(heads, kv, head_dim, via)
+
+
+HEADS_ARGS = HEADS_ATTRS + ("heads", "attention_heads", "n_heads", "num_head")
+HEAD_DIM_ARGS = HEAD_DIM_ATTRS + ("attention_head_dim", "kv_channels", "dim_per_head")
+
+
+def _arg(args: dict[str, int], names) -> int | None:
+    return next((args[n] for n in names if isinstance(args.get(n), int) and args[n] > 0), None)
+
+
+# a module with a child of such a name projects queries (a Mamba mixer declares heads, but projects none)
+QUERY_CHILD = re.compile(
+    r"(q|query|to_q|to_qkv|q_proj|qkv|qkv_proj|wq|wqkv|c_attn|query_key_value|Wqkv|q_lin|query_net)$"
+)
+
+
+QKV_CHILD = re.compile(r"(to_qkv|qkv|qkv_proj|wqkv|c_attn|query_key_value|Wqkv)$")
+
+
+def _child_name(parent, child) -> str:
+    return next(n for n, c in parent.named_children() if c is child)
+
+
+def declared_attention(model) -> dict[str, Seen]:
+    """The construction-time capture: every attention module the model's own code built (its class names it
+    attention, or it declares heads), with the heads and head size it declares, where it declares both; the
+    innermost such module of each nest (the one that owns the projections). What judges a model whose
+    forward the census cannot run."""
+    found = {}
+    for name, m in model.named_modules():
+        if not name or next(m.parameters(), None) is None:
+            continue
+        seen = _declares(m)
+        if seen is not None and (
+            re.search(r"att(ention|n)|multihead|mha", type(m).__name__, re.I)
+            or any(QUERY_CHILD.match(child) for child, _ in m.named_children())
+        ):
+            found[name] = seen
+    return {n: s for n, s in found.items() if not any(o != n and _inside(o, n) for o in found)}
 
 
 def _attr(module, names) -> int | None:
@@ -831,6 +1059,17 @@ def _named(attention: str, names: _Names, notes: str) -> bool:
 
 def _load(model, folder: Path):
     """(the model's own class loaded from ``folder``, None) with every key, or (None, why)."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):  # a plain module: built from its config, its state dict loaded strictly
+        from safetensors.torch import load_model
+
+        try:
+            loaded = type(model)(_config_of(folder))
+            load_model(loaded, str(folder / "model.safetensors"), strict=True)
+        except Exception as e:  # noqa: BLE001
+            return None, _one_line(e)
+        return loaded.eval(), ""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

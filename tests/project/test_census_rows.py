@@ -46,6 +46,8 @@ ROWS = {
     "mistral_large4_text": "LATENTS: Mistral's wq/wkv_a_with_mqa/wkv_b spelling of latent attention",
     "nemo_speechlm": "rule w_qkv ([Q | K | V])",
     "glm4_moe_lite": "LATENTS: latent attention with a query latent (q_a_proj/q_b_proj)",
+    "idefics2": "SUBCONFIG_BY_PATH connector -> perceiver_config.resampler_* with its own num_key_value_heads",
+    "idefics2_perceiver": "SUBCONFIG_BY_PATH layers -> resampler_*",
 }
 
 
