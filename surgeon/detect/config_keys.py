@@ -90,6 +90,13 @@ SUBCONFIG_BY_PATH = {
     # num_key_value_heads (modeling_idefics2.py), not the vision or text tower's heads
     "idefics2": {"connector": "perceiver_config/resampler_"},
     "idefics2_perceiver": {"layers": "/resampler_"},
+    # Qwen2.5-Omni (modeling_qwen2_5_omni.py): the thinker's language model is built from thinker_config.text_config,
+    # token2wav's DiT from its dit_config
+    "qwen2_5_omni": {
+        "thinker.model.layers": "thinker_config.text_config",
+        "token2wav.code2wav_dit_model.transformer_blocks": "token2wav_config.dit_config",
+    },
+    "qwen2_5_omni_token2wav": {"code2wav_dit_model.transformer_blocks": "dit_config"},
 }
 # Megatron-LM's legacy (pre-Core) models: how query_key_value packs its rows, by the checkpoint_version saved beside
 # them (model_optim_rng.pt's checkpoint_version; Megatron's loader reads a missing one as 0). Its

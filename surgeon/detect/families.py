@@ -236,6 +236,28 @@ REFUSED = (  # MLA: in an ONNX graph (the by-name route reads it: LATENT); litgp
         "its per-head projections (q_b_proj, kv_b_proj over the latents) are read by their names in a PyTorch or "
         "safetensors checkpoint, not traced in an ONNX graph; re-initialize the checkpoint, then export it",
     ),
+    # Conditional DETR's and DAB-DETR's decoders (modeling_conditional_detr.py ConditionalDetrDecoderLayer, as the
+    # checkpoint names it: sa_/ca_ projections on the layer; modeling_dab_detr.py): a head's query and key are the
+    # sum of a content and a position projection, and the cross-attention's query and key heads are each two
+    # halves (content+position | sine position); no single q/k/v projection holds a head
+    Refused(
+        "conditional attention (Conditional DETR's decoder: content + position query/key projections)",
+        ("sa_qcontent_proj.weight", "sa_kcontent_proj.weight", "sa_v_proj.weight"),
+        "each head's query and key are sums of a content and a position projection (sa_qcontent_proj + sa_qpos_proj), "
+        "and its cross-attention's heads concatenate a sine position query (ca_qpos_sine_proj)",
+    ),
+    Refused(
+        "conditional attention (DAB-DETR's decoder self-attention: content + position query/key projections)",
+        ("self_attn_query_content_proj.weight", "self_attn_key_content_proj.weight", "self_attn_value_proj.weight"),
+        "each head's query and key are sums of a content and a position projection (self_attn_query_content_proj + "
+        "self_attn_query_pos_proj)",
+    ),
+    Refused(
+        "conditional attention (DAB-DETR's decoder cross-attention: content + position query/key projections)",
+        ("cross_attn_query_content_proj.weight", "cross_attn_key_content_proj.weight", "cross_attn_value_proj.weight"),
+        "each head's query and key are two halves, content + position and a sine position query "
+        "(cross_attn_query_pos_sine_proj)",
+    ),
     Refused(  # litgpt/lora.py LoRAQKVLinear: the frozen base qkv in .linear, the low-rank update beside it
         "litgpt LoRA (qkv.linear with lora_A/lora_B)",
         ("qkv.linear.weight", "qkv.lora_A", "qkv.lora_B"),

@@ -60,7 +60,7 @@ REASONS = (
     ("shapes do not fit", r"do not fit|is not divisible by"),
     ("packing unknown", r"packs query/key/value|packing surgeon cannot tell"),
     ("unknown projections", r"looks like attention"),
-    ("unreadable block", r"cannot be read|unknown projections|left untouched"),
+    ("unreadable block", r"cannot be read|unknown projections|left untouched|does not re-initialize"),
     ("shared block", r"shared block"),
     ("not 2-D", r"must be 2-D"),
     ("format", r"cannot read|not a|unsupported"),
@@ -154,6 +154,10 @@ def _shrink(cfg, width: bool) -> None:
         if isinstance(d.get("depths"), list) and len(d["depths"]) == value:
             continue  # the number of stages (Swin): their lists stay whole
         n = max([2] + [p + 1 for p in periods])
+        for k, v in d.items():  # a repeating pattern of block types (RecurrentGemma's block_types): one whole cycle
+            if re.search(r"types|pattern", k) and isinstance(v, list) and 0 < len(v) < value:
+                if all(isinstance(t, str) for t in v):
+                    n = max(n, len(v))
         for k in per_layer:
             types = d[k]
             if len(types) == value:
@@ -264,6 +268,24 @@ def _squeeze(cfg) -> None:
             d[key] = max(64, value // factor // 64 * 64) if value % 64 == 0 else max(64, value // factor)
 
 
+def _own_backbones(config) -> None:
+    """A detector's timm ResNet backbone (DETR's resnet50) replaced by transformers' own ResNet with the same
+    outputs, where timm is not installed: the census judges the detector's
+    attention, which reads the backbone's features whatever built them."""
+    import importlib.util
+
+    from transformers import PretrainedConfig, ResNetConfig
+
+    if importlib.util.find_spec("timm") is not None:
+        return
+    for cfg in _configs(config):
+        for key, value in list(vars(cfg).items()):
+            if isinstance(value, PretrainedConfig) and value.model_type == "timm_backbone":
+                name, indices = str(getattr(value, "backbone", "")), list(getattr(value, "out_indices", None) or [])
+                if name.startswith("resnet") and indices:
+                    setattr(cfg, key, ResNetConfig(out_indices=indices))
+
+
 FEATURE_LAYERS = re.compile(r"feature_layers?$|select_layers?$|feature_layer_ids?$")
 
 
@@ -279,6 +301,40 @@ def _fit_references(cfg) -> None:
                 d[key] = [-1 - i for i in range(len(value))]
     if "prediction_length" in d and d["prediction_length"] is None:  # time-series transformers: a required size
         d["prediction_length"] = 4
+    if "context_length" in d and d["context_length"] is None and isinstance(d.get("prediction_length"), int):
+        d["context_length"] = d["prediction_length"]  # their documented default
+    width = next((d[k] for k in WIDTH_KEYS if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)), None)
+    heads = d.get("num_attention_heads")
+    for key, value in UNSET_SIZES.items():
+        if key in d and d[key] is None:
+            if value == "width/heads":
+                if isinstance(width, int) and isinstance(heads, int) and heads:
+                    d[key] = width // heads
+            elif value == "heads":
+                if isinstance(heads, int):
+                    d[key] = heads
+            elif value == "2*width":
+                if isinstance(width, int):
+                    d[key] = 2 * width
+            else:
+                d[key] = value
+
+
+# Sizes a type's default config leaves unset (None) where its own code needs a number: what the config's
+# documentation gives as their meaning (a head size of width / heads; as many key/value heads as heads)
+UNSET_SIZES: dict[str, object] = {
+    "head_dim": "width/heads",
+    "num_key_value_heads": "heads",
+    "vocab_size": 64,
+    "n_routed_experts": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "top_k_experts": 2,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "moe_intermediate_size": "2*width",
+}
 
 
 BASE_FIRST = (
@@ -315,6 +371,7 @@ def build(model_type: str, folder: Path, mappings: tuple[str, ...] = BASE_FIRST,
             break
         try:
             config = AutoConfig.for_model(model_type)
+            _own_backbones(config)
             for cfg in _configs(config):
                 _shrink(cfg, width)
                 if squeeze:
@@ -907,7 +964,7 @@ def _problems(model, seen, report, saved, names: _Names, out: Path, last_only: b
     return problems
 
 
-HEADS_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_attention_heads_per_partition")
+HEADS_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_attention_heads_per_partition", "heads")
 KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "head_size", "dim_head", "d_head", "key_value_proj_dim")
 
@@ -966,7 +1023,7 @@ def _declares(m) -> Seen | None:
     return Seen(heads, kv, head_dim, via)
 
 
-HEADS_ARGS = HEADS_ATTRS + ("heads", "attention_heads", "n_heads", "num_head")
+HEADS_ARGS = HEADS_ATTRS + ("attention_heads", "num_head")
 HEAD_DIM_ARGS = HEAD_DIM_ATTRS + ("attention_head_dim", "kv_channels", "dim_per_head")
 
 

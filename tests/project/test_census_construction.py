@@ -75,3 +75,35 @@ def test_a_tower_no_model_class_wraps_is_built_from_its_own_config(tmp_path):
     assert loaded is not None, why
     for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_attention_under_the_checkpoints_own_names_is_refused_by_name(tmp_path):
+    """Conditional DETR as transformers saves it holds its decoder's attention under the original key names
+    (decoder.layers.N.sa_qcontent_proj, ca_qpos_sine_proj, ...), each head's query a sum of a content and a
+    position projection: --layers all is refused naming the decoder layer, nothing written; the encoder alone
+    is re-initialized, the report names the decoder as left untouched, the decoder's weights stay byte for
+    byte, and the model's own class loads the output back."""
+    from safetensors.torch import load_file
+
+    import surgeon
+    from surgeon.errors import SelectionError
+
+    model, _ = build("conditional_detr", tmp_path / "model")
+    saved = load_file(next((tmp_path / "model").glob("*.safetensors")))
+    assert "decoder.layers.0.sa_qcontent_proj.weight" in saved  # the checkpoint's own names, not the modules'
+    try:
+        surgeon.reinit_checkpoint(tmp_path / "model", layers="all", output=tmp_path / "all")
+    except SelectionError as e:
+        assert "decoder.layers.0" in str(e) and "sa_qcontent_proj + sa_qpos_proj" in str(e), str(e)
+    else:
+        raise AssertionError("--layers all re-initialized a model whose decoder attention surgeon cannot read")
+    assert not (tmp_path / "all").exists()
+    report = surgeon.reinit_checkpoint(tmp_path / "model", stack="encoder", output=tmp_path / "out")
+    assert {b.module for b in report.blocks} == {
+        f"encoder.layers.{i}.self_attn" for i in range(len(model.encoder.layers))
+    }
+    assert any("left untouched: decoder.layers.0 uses conditional attention" in n for n in report.notes), report.notes
+    after = load_file(next((tmp_path / "out").glob("*.safetensors")))
+    assert all(torch.equal(after[n], t) for n, t in saved.items() if n.startswith("decoder."))
+    loaded, why = _load(model, tmp_path / "out")
+    assert loaded is not None, why
