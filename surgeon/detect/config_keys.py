@@ -86,8 +86,8 @@ SUBCONFIG_BY_PATH = {
     # EvollaSequenceCompressorResampler), not its protein_encoder_config's heads
     "evolla": {"protein_encoder.sequence_compressor_resampler.layers": "/resampler_"},
     "vjepa2": {"predictor": "/pred_"},  # the predictor: pred_num_attention_heads, pred_hidden_size
-    # Idefics2PerceiverAttention: perceiver_config.resampler_n_heads heads of resampler_head_dim, and its
-    # num_key_value_heads (modeling_idefics2.py), not the vision or text tower's heads
+    # Idefics2PerceiverAttention: perceiver_config.resampler_n_heads heads of resampler_head_dim (modeling_idefics2.py),
+    # not the vision or text tower's heads; its key/value heads follow from k_proj's rows
     "idefics2": {"connector": "perceiver_config/resampler_"},
     "idefics2_perceiver": {"layers": "/resampler_"},
     # Qwen2.5-Omni (modeling_qwen2_5_omni.py): the thinker's language model is built from thinker_config.text_config,

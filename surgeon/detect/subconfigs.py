@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config_keys import HEAD_DIM_KEYS, HEADS_KEYS, HIDDEN_KEYS, KV_HEADS_KEYS, SUBCONFIG_WORDS
+from .config_keys import HEAD_DIM_KEYS, HEADS_KEYS, HIDDEN_KEYS, SUBCONFIG_WORDS
 
 
 def subconfig_key(scope: dict, word: str) -> str | None:
@@ -67,12 +67,9 @@ def override(scope: dict, spec: str) -> tuple[dict, str] | None:
         return None
     if not slash:
         return base, key
-    own = {k.removeprefix(prefix): v for k, v in base.items() if k.startswith(prefix)}
-    if key and not any(k in own for k in KV_HEADS_KEYS):
-        # a component's own config: its unprefixed key/value heads are the component's too (Idefics2's
-        # perceiver_config: resampler_n_heads, resampler_head_dim, num_key_value_heads)
-        own |= {k: base[k] for k in KV_HEADS_KEYS if k in base}
-    return own, f"{key + '.' if key else ''}{prefix}*"
+    return {
+        k.removeprefix(prefix): v for k, v in base.items() if k.startswith(prefix)
+    }, f"{key + '.' if key else ''}{prefix}*"
 
 
 def nested(scope: dict, path: str) -> Any:
