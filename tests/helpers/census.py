@@ -418,6 +418,8 @@ def _instantiate(config, mappings: tuple[str, ...] = BASE_FIRST):
         cls = _model_of_module(config)  # a tower's own config (clap_audio_model): its model class in the same module
     if cls is None:
         raise RuntimeError("no model class in transformers' Auto mappings or the config's own module")
+    if isinstance(cls, tuple):  # a type with several base classes (Funnel's full and base model): the first
+        cls = cls[0]
     torch.manual_seed(0)
     with _constructed() as built:
         model = cls(config)
