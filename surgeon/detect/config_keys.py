@@ -123,6 +123,9 @@ FUSED_PACKING_BY_MODEL_TYPE = {
     ("attn", "litgpt"): "grouped",
     ("query_key_value", "litgpt"): "grouped",
     ("qkv_proj", "codegen"): "codegen",
+    # Kimi-K2.5's vision tower: Chunk(dim=0) into q/k/v_proj (conversion_mapping.py)
+    ("wqkv", "kimi_k25_vision"): "qkv",
+    ("wqkv", "ergo"): "qkv",  # renamed to qkv_proj, split (heads, kv heads, kv heads) per head (modeling_ergo.py)
     # gated attention: q_proj holds per head [query | gate] (view(..., -1, 2 * head_dim).chunk(2))
     ("q_proj", "qwen3_next"): "gated",
     ("q_proj", "qwen3_5_text"): "gated",
@@ -134,6 +137,7 @@ FUSED_PACKING_BY_MODEL_TYPE = {
 AUTO_PACKING_WHY = {
     "query_key_value": "it is interleaved per head in GPT-NeoX/Bloom and grouped in Falcon",
     "attn": "litgpt before 0.5 groups it per query group, but its name alone does not say it is litgpt's",
+    "wqkv": "Kimi-K2.5's vision tower and Ergo stack [Q | K | V], torchtitan groups it per key/value head",
 }
 
 

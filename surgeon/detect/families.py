@@ -101,6 +101,12 @@ RULES: tuple[Rule, ...] = (
     # heads per KV head + 2, head dim), split [its query heads | its key | its value]; its state-dict hook
     # saves them as qkv_linear.wq/wk/wv (the separate wq/wk/wv rule)
     _fused("qkv_linear.wqkv", "grouped"),
+    # Kimi-K2.5's vision tower as its checkpoints store it (MoonViT: encoder.blocks.N.wqkv beside .wo, or beside
+    # .attn.proj as transformers saves a base model; its conversion_mapping chunks wqkv into q/k/v_proj, permuting
+    # rows within each head for its rotary), Ergo's attention.wqkv beside .wo: the packing by model type, since
+    # torchtitan's wqkv groups its rows another way
+    Rule("fused wqkv", (Part("wqkv.weight", "wqkv.bias", "auto"),), requires=("wo.weight",)),
+    Rule("fused wqkv, attn.proj", (Part("wqkv.weight", "wqkv.bias", "auto"),), requires=("attn.proj.weight",)),
     # litgpt before 0.5 (lit-gpt CausalSelfAttention.attn, beside .proj): grouped per query group like
     # linear_qkv, as litgpt 0.5's own loader says (model.py _load_from_state_dict: qkv_reassemble); the name
     # alone is too common to say so: the packing comes from litgpt's model_config.yaml (FUSED_PACKING_BY_MODEL_TYPE)

@@ -1,7 +1,8 @@
 """Checkpoints as transformers 5 saves them from the class they are used with, whose key names differ from the
 modules' (transformers' conversion mappings, reversed on save): Qwen2-VL's language model under ``model.layers.N``
 and its vision tower under ``visual.blocks.N`` with the heads only in ``text_config`` / ``vision_config``; pi0's
-PaliGemma and Gemma expert; T5Gemma 2's encoder under a head model's ``model.``. Every attention module is
+PaliGemma and Gemma expert; T5Gemma 2's encoder under a head model's ``model.``; Kimi-K2.5's vision tower as one
+fused ``vision_tower.blocks.N.wqkv``. Every attention module is
 re-initialized in the heads it was built with (its own ``head_dim`` / ``num_heads``), not refused for want of
 a head count config.json gives under another name."""
 
@@ -22,6 +23,8 @@ CASES = {
     "qwen2_vl": {"vision_config.num_heads": 2},
     "pi0": {},
     "t5gemma2": {},
+    # its vision tower fused as blocks.N.wqkv ([Q | K | V], rows permuted within each head for its rotary)
+    "kimi_k25": {},
 }
 
 

@@ -542,11 +542,15 @@ class _Watch(TorchFunctionMode):
         self.names = {m: n for n, m in model.named_modules()}
         self.stack: list = []
         self.seen: dict[str, Seen] = {}
+        self.ran: set[str] = set()  # every module a forward entered
         self.in_kernel = 0
         self.last_product: dict = {}
 
     def pre(self, module, args):
         self.stack.append(module)
+        name = self.names.get(module)
+        if name is not None:
+            self.ran.add(name)
 
     def post(self, module, args, out):
         if self.stack and self.stack[-1] is module:
@@ -663,27 +667,32 @@ def _inputs(model, config) -> list[dict]:
     return tries
 
 
-def observe(model, config) -> dict[str, Seen]:
+def observe(model, config, ran: set[str] | None = None) -> dict[str, Seen]:
     """The attention modules the model's forward runs, by qualified name; towers its forward did not run
     (a vision tower under text inputs) are run on their own inputs, each a model of transformers' own.
-    Raises the first forward's error when no forward ran any attention."""
+    ``ran`` gets the name of every module a forward entered. Raises the first forward's error when no
+    forward ran any attention."""
     from transformers import PreTrainedModel
 
     seen: dict[str, Seen] = {}
+    entered: set[str] = set() if ran is None else ran
     errors: list[Exception] = []
     for inputs in _inputs(model, config):
         try:
-            seen.update(_observe(model, config, inputs))
+            seen.update(_observe(model, config, inputs, entered))
         except Exception as e:  # noqa: BLE001 - the next inputs may fit
             errors.append(e)
     for name, sub in model.named_modules():
         if name and isinstance(sub, PreTrainedModel) and not any(_inside(a, name) for a in seen):
             for inputs in _inputs(sub, sub.config):
+                inner: set[str] = set()
                 try:
-                    seen.update({f"{name}.{a}": s for a, s in _observe(sub, sub.config, inputs).items()})
+                    seen.update({f"{name}.{a}": s for a, s in _observe(sub, sub.config, inputs, inner).items()})
                     break
                 except Exception as e:  # noqa: BLE001
                     errors.append(e)
+                finally:
+                    entered.update(f"{name}.{m}" if m else name for m in inner)
     if not seen and errors:
         raise errors[0]
     if not seen and not _inputs(model, config):
@@ -691,16 +700,16 @@ def observe(model, config) -> dict[str, Seen]:
     return seen
 
 
-def _observe(model, config, inputs: dict) -> dict[str, Seen]:
+def _observe(model, config, inputs: dict, ran: set[str]) -> dict[str, Seen]:
     """One forward under the census kernel; where a family's code does not take it, under eager attention
     (its sdpa or softmax is then what is caught)."""
     try:
-        return _observe_with(model, config, inputs, "census")
+        return _observe_with(model, config, inputs, "census", ran)
     except Exception:  # noqa: BLE001
-        return _observe_with(model, config, inputs, "eager")
+        return _observe_with(model, config, inputs, "eager", ran)
 
 
-def _observe_with(model, config, inputs: dict, implementation: str) -> dict[str, Seen]:
+def _observe_with(model, config, inputs: dict, implementation: str, ran: set[str]) -> dict[str, Seen]:
     import transformers
 
     global _WATCH
@@ -725,6 +734,7 @@ def _observe_with(model, config, inputs: dict, implementation: str) -> dict[str,
         _WATCH = None
         for h in handles:
             h.remove()
+        ran.update(watch.ran)
     return watch.seen
 
 
@@ -823,8 +833,9 @@ def _judge(model_type: str, model, config, folder: Path, tmp: Path) -> Verdict:
     import surgeon
     from surgeon.errors import SurgeonError
 
+    ran: set[str] = set()
     try:
-        seen = observe(model, config)
+        seen = observe(model, config, ran)
         why = ""
     except Exception as e:  # noqa: BLE001
         seen, why = None, _one_line(e)
@@ -851,6 +862,12 @@ def _judge(model_type: str, model, config, folder: Path, tmp: Path) -> Verdict:
         if not seen:
             return Verdict(model_type, f"unjudged: the forward did not run ({why})", blocks=n)
         judged_by = "construction"
+    else:  # attention modules no forward of the census entered (a tower its inputs did not run): as built
+        run = len(seen)
+        seen = dict(seen)
+        for name, built in declared_attention(model).items():
+            if name not in ran and not any(_inside(name, a) or _inside(a, name) for a in seen):
+                seen[name] = built
     saved = _tensors(folder)
     names = _Names(model, saved)
     problems = []
@@ -878,7 +895,7 @@ def _judge(model_type: str, model, config, folder: Path, tmp: Path) -> Verdict:
             judged_by=judged_by,
         )
     how = (
-        f"{len(seen)} attention modules run"
+        f"{run} attention modules run" + (f", {len(seen) - run} more as built" if len(seen) > run else "")
         if judged_by == "forward"
         else f"{len(seen)} attention modules as built (the forward did not run: {why})"
     )

@@ -107,3 +107,22 @@ def test_attention_under_the_checkpoints_own_names_is_refused_by_name(tmp_path):
     assert all(torch.equal(after[n], t) for n, t in saved.items() if n.startswith("decoder."))
     loaded, why = _load(model, tmp_path / "out")
     assert loaded is not None, why
+
+
+def test_a_tower_no_forward_reached_is_judged_as_built(tmp_path, monkeypatch):
+    """Kimi-K2.5 as transformers saves it holds its vision tower's attention as one fused
+    ``vision_tower.blocks.N.wqkv`` beside ``attn.proj``; the census's text forward never enters the tower, so
+    the tower's attention modules, as built, are judged too: with the rule that reads ``wqkv`` removed from
+    surgeon, the tower is left as it was without a word, and the census says so (silently wrong); with it,
+    every head of the tower is re-initialized in the heads its modules were built with."""
+    from surgeon.detect import by_name, families
+
+    right = census_one("kimi_k25", work=tmp_path)
+    assert right.verdict == "right" and "more as built" in right.detail, right.detail
+    without = tuple(r for r in families.RULES if not r.name.startswith("fused wqkv"))
+    assert len(without) == len(families.RULES) - 2
+    monkeypatch.setattr(by_name, "RULES", without)
+    monkeypatch.setattr(by_name.match_modules, "__defaults__", (without,))
+    wrong = census_one("kimi_k25", work=tmp_path)
+    assert wrong.kind == "wrong", wrong.verdict
+    assert "vision_tower.layers.0.attn runs attention, left untouched without a word" in wrong.detail, wrong.detail

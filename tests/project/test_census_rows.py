@@ -48,6 +48,9 @@ ROWS = {
     "glm4_moe_lite": "LATENTS: latent attention with a query latent (q_a_proj/q_b_proj)",
     "idefics2": "SUBCONFIG_BY_PATH connector -> perceiver_config.resampler_* with its own num_key_value_heads",
     "idefics2_perceiver": "SUBCONFIG_BY_PATH layers -> resampler_*",
+    "kimi_k25": "rule fused wqkv beside attn.proj, FUSED_PACKING_BY_MODEL_TYPE (wqkv, kimi_k25_vision): [Q | K | V]",
+    "ergo": "rule fused wqkv beside wo, FUSED_PACKING_BY_MODEL_TYPE (wqkv, ergo): [Q | K | V] by head counts",
+    "qwen2_5_omni": "SUBCONFIG_BY_PATH thinker.model.layers and token2wav's DiT, whole stack paths",
 }
 
 
