@@ -235,7 +235,7 @@ class Refused:
     why: str
 
 
-REFUSED = (  # MLA: in an ONNX graph (the by-name route reads it: LATENT); litgpt LoRA: anywhere
+REFUSED = (  # MLA: in an ONNX graph (the by-name route reads it: LATENT); the others: anywhere
     Refused(
         "multi-head latent attention (MLA: DeepSeek-V2/V3/R1, Kimi K2)",
         ("kv_a_proj_with_mqa.weight", "kv_b_proj.weight"),

@@ -7,15 +7,18 @@ One type, :func:`census_one`, ends in one verdict:
   kernel: transformers' AttentionInterface, ``scaled_dot_product_attention``, or a softmax over a score
   matrix) is re-initialized with the heads, key/value heads and head size its forward uses, or named in the
   report as left alone; nothing else changed; the output loads back into the model's own class with every
-  key; ``--layers -1`` changes exactly the last layer of each attention stack.
+  key; ``--layers -1`` changes exactly the last layer of each attention stack. Attention modules no forward
+  entered, and every attention module of a type whose forward cannot run, are judged the same way by the
+  heads and head size they were built with (:func:`declared_attention`; ``Verdict.judged_by``).
 * ``refused: REASON``: surgeon stopped with its one-line error; REASON is a word of :data:`REASONS`.
 * ``none``: surgeon finds no attention, and the model's forward runs none either (a CNN, an SSM).
 * ``wrong: WHAT``: a silent wrong answer (exit 0) -- the worst bug there is.
 * ``crash: ...``: an exception that is not one of surgeon's errors.
 * ``unbuildable: WHY`` / ``unjudged: WHY``: transformers cannot build the type from its config offline, or
-  its forward could not be run to judge it (such a type is never counted right).
+  neither its forward nor its modules' declared heads judge it (such a type is never counted right).
 
-Nothing here reads surgeon's tables: heads come from the shapes the model's forward hands its kernel.
+Nothing here reads surgeon's tables: heads come from the shapes the model's forward hands its kernel, or from
+what the model's own code built each attention module with.
 """
 
 from __future__ import annotations
