@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
+from helpers.census_settings import TYPE_SETTINGS
+
 MAX_PARAMS = 80_000_000
 WIDTH_KEYS = ("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim", "width", "hidden_dim")
 HEAD_KEYS = (
@@ -368,12 +370,14 @@ def build(model_type: str, folder: Path, mappings: tuple[str, ...] = BASE_FIRST,
     after the shrink (a dotted key sets a sub-config's: ``text_config.num_attention_heads``)."""
     from transformers import AutoConfig
 
+    settings = {**TYPE_SETTINGS.get(model_type, {}), **settings}
+    created = {k: v for k, v in settings.items() if "." not in k}  # a default config its own validator refuses
     errors: list[Exception] = []
     for width, squeeze in ((True, False), (False, False), (True, True)):
         if squeeze and not any("even shrunk" in str(e) for e in errors):
             break
         try:
-            config = AutoConfig.for_model(model_type)
+            config = AutoConfig.for_model(model_type, **created)
             _own_backbones(config)
             for cfg in _configs(config):
                 _shrink(cfg, width)
@@ -387,18 +391,21 @@ def build(model_type: str, folder: Path, mappings: tuple[str, ...] = BASE_FIRST,
                 for part in path:
                     target = getattr(target, part)
                 setattr(target, leaf, value)
+            for cfg in _configs(config):  # sizes the config ties together (saving would refuse them later)
+                if callable(getattr(cfg, "validate", None)):
+                    cfg.validate()
             with torch.device("meta"):  # count first: a shrunk config may still be huge
                 n = sum(p.numel() for p in _instantiate(config, mappings).parameters())
             if n > MAX_PARAMS:
                 raise RuntimeError(f"{n / 1e6:.0f}M parameters even shrunk")
             model = _instantiate(config, mappings)
+            model.eval()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _save(model, config, folder)  # saving validates the config: a shrink it refuses is the next try's
         except Exception as e:  # noqa: BLE001 - the census records why a type does not build
             errors.append(e)
             continue
-        model.eval()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _save(model, config, folder)
         return model, config
     raise RuntimeError(_one_line(errors[0]))
 
