@@ -76,6 +76,7 @@ REASONS = (
 NOT_JUDGED: dict[str, tuple[tuple[str, str], ...]] = {
     "unbuildable": (
         ("no model class", r"no model class"),
+        ("built only inside a type that leaves it out", r"no attention module built from"),
         ("too large even shrunk", r"parameters even shrunk"),
         ("needs a package", r"ImportError|ModuleNotFoundError|requires the \S+ library"),
         ("the config refuses the shrunk sizes", r"ValidationError|ValueError"),
@@ -364,14 +365,18 @@ HEAD_FIRST = (
 )
 
 
-def build(model_type: str, folder: Path, mappings: tuple[str, ...] = BASE_FIRST, **settings):
+def build(
+    model_type: str, folder: Path, mappings: tuple[str, ...] = BASE_FIRST, created: dict | None = None, **settings
+):
     """The smallest model of ``model_type`` that builds, saved to ``folder``; (model, config) or raise.
-    ``mappings``: transformers' Auto mappings tried for its class, in order; ``settings``: config values set
-    after the shrink (a dotted key sets a sub-config's: ``text_config.num_attention_heads``)."""
+    ``mappings``: transformers' Auto mappings tried for its class, in order; ``created``: config values given
+    when the config is created (a tower its default leaves out: ``{"audio_config": {}}``); ``settings``: config
+    values set after the shrink (a dotted key sets a sub-config's: ``text_config.num_attention_heads``)."""
     from transformers import AutoConfig
 
     settings = {**TYPE_SETTINGS.get(model_type, {}), **settings}
-    created = {k: v for k, v in settings.items() if "." not in k}  # a default config its own validator refuses
+    # a default config its own validator refuses: the top-level settings from the start
+    created = {**{k: v for k, v in settings.items() if "." not in k}, **(created or {})}
     errors: list[Exception] = []
     for width, squeeze in ((True, False), (False, False), (True, True)):
         if squeeze and not any("even shrunk" in str(e) for e in errors):
@@ -431,21 +436,25 @@ def _instantiate(config, mappings: tuple[str, ...] = BASE_FIRST):
     if isinstance(cls, tuple):  # a type with several base classes (Funnel's full and base model): the first
         cls = cls[0]
     torch.manual_seed(0)
-    with _constructed() as built:
+    with _constructed() as (built, made_from):
         model = cls(config)
     for m in model.modules():
         if id(m) in built:
             m.__dict__["_census_built_with"] = built[id(m)]
+        if id(m) in made_from:
+            m.__dict__["_census_config"] = made_from[id(m)]
     return model
 
 
 @contextlib.contextmanager
 def _constructed():
-    """{id(module): the integer arguments its class's ``__init__`` (and its parents') received}, for every
-    module built inside: what a module was constructed with, read from the constructor's own frame."""
+    """({id(module): the integer arguments its class's ``__init__`` (and its parents') received}, {id(module):
+    the config it was given}) for every module built inside: what a module was constructed with, read from the
+    constructor's own frame."""
     import sys
 
     built: dict[int, dict[str, int]] = {}
+    made_from: dict[int, object] = {}
     original = torch.nn.Module.__init__
 
     def init(self, *args, **kwargs):
@@ -458,13 +467,15 @@ def _constructed():
                 v = frame.f_locals.get(n)
                 if isinstance(v, int) and not isinstance(v, bool) and n not in found:
                     found[n] = v
+                elif n == "config" and hasattr(v, "model_type"):
+                    made_from.setdefault(id(self), v)
             frame = frame.f_back
         if found:
             built[id(self)] = found
 
     torch.nn.Module.__init__ = init  # type: ignore[method-assign]
     try:
-        yield built
+        yield built, made_from
     finally:
         torch.nn.Module.__init__ = original  # type: ignore[method-assign]
 
@@ -635,9 +646,26 @@ def _kernel(module, query, key, value, attention_mask=None, scaling=None, dropou
             _WATCH.in_kernel -= 1
 
 
+# a forward whose inputs its main input's name does not say, made from its config's own sizes: {model_type: inputs}
+OWN_INPUTS = {
+    # the conformer audio encoder phi4_multimodal feeds (B, frames, input_size) features and their mask (or None)
+    "phi4_multimodal_audio": lambda cfg: {"hidden_states": torch.randn(1, 64, cfg.input_size), "mask": None},
+    # an input image, a prompt image and its mask, each half of image_size's height (stacked on height to image_size)
+    "seggpt": lambda cfg: {
+        k: torch.randn(1, cfg.num_channels, cfg.image_size[0] // 2, cfg.image_size[1])
+        for k in ("pixel_values", "prompt_pixel_values", "prompt_masks")
+    },
+}
+
+
 def _inputs(model, config) -> list[dict]:
     """Small inputs to try, in turn, for the forward: its main input (and a decoder's), from the config's
-    own sizes; then text and image together (CLIP-like models need both)."""
+    own sizes; then text and image together (CLIP-like models need both). A type of :data:`OWN_INPUTS`
+    gets its own; a video model (its config has ``num_frames``) also gets a clip of frames, a codec (its
+    config has ``audio_channels``) audio as (batch, channels, samples)."""
+    own = OWN_INPUTS.get(getattr(config, "model_type", None))
+    if own is not None:
+        return [own(config)]
     sig = inspect.signature(model.forward).parameters
     cfgs = _configs(config)
 
@@ -654,7 +682,16 @@ def _inputs(model, config) -> list[dict]:
     vocab = get("vocab_size", default=100)
     ids = torch.randint(3, max(4, min(vocab, 100)), (1, 8))
     size = get("image_size", "img_size", "input_size", default=224)
-    pixels = torch.randn(1, get("num_channels", "in_channels", "in_chans", default=3), size, size)
+    height, width = size, size
+    for cfg in cfgs:  # an image size given as (height, width): MGP-STR's (32, 128)
+        v = getattr(cfg, "image_size", None)
+        if isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(x, int) and x > 0 for x in v):
+            height, width = v
+            break
+        if v is not None:
+            break
+    channels = get("num_channels", "in_channels", "in_chans", default=3)
+    pixels = torch.randn(1, channels, height, width)
     text: dict = {"input_ids": ids} if "input_ids" in sig else {}
     if "decoder_input_ids" in sig and getattr(config, "is_encoder_decoder", False):
         text["decoder_input_ids"] = ids
@@ -667,9 +704,15 @@ def _inputs(model, config) -> list[dict]:
             {"input_features": torch.randn(1, mel, frames)} | {k: v for k, v in text.items() if k != "input_ids"}
         )
     elif main == "input_values":
-        tries.append({"input_values": torch.randn(1, 4000)} | {k: v for k, v in text.items() if k != "input_ids"})
+        audio_channels = getattr(config, "audio_channels", None)
+        audio = torch.randn(1, 4000) if not isinstance(audio_channels, int) else torch.randn(1, audio_channels, 4000)
+        tries.append({"input_values": audio} | {k: v for k, v in text.items() if k != "input_ids"})
     elif main == "pixel_values" or ("pixel_values" in sig and not text):
         tries.append({"pixel_values": pixels} | {k: v for k, v in text.items() if k != "input_ids"})
+        frames = getattr(config, "num_frames", None)
+        if isinstance(frames, int) and frames > 0:  # a video model: (batch, frames, channels, height, width)
+            video = torch.randn(1, frames, channels, height, width)
+            tries.append({"pixel_values": video} | {k: v for k, v in text.items() if k != "input_ids"})
     if text:
         tries.append(text)
     if "pixel_values" in sig and text:
@@ -797,22 +840,64 @@ def _key(t: torch.Tensor) -> tuple:
     return (t.dtype, tuple(t.shape), t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
 
-def census_one(model_type: str, work: Path | None = None) -> Verdict:
+def census_one(
+    model_type: str, work: Path | None = None, holding: type | None = None, within: dict | None = None
+) -> Verdict:
+    """The verdict on ``model_type``. A config type no class builds alone (T5Gemma2's decoder config) is
+    judged inside the type whose config nests it: that type's verdict, if the model built holds it.
+    ``holding``: a config class the built model's config must nest, else the type is unbuildable;
+    ``within``: config values given at creation (that sub-config, as its defaults)."""
     import time
 
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=work) as tmp:
         folder = Path(tmp) / "model"
         try:
-            model, config = build(model_type, folder)
+            model, config = build(model_type, folder, created=within)
         except Exception as e:  # noqa: BLE001
-            return Verdict(model_type, f"unbuildable: {_one_line(e)}", seconds=time.perf_counter() - start)
+            outer = _nesting(model_type) if holding is None and "no model class" in str(e) else None
+            if outer is None:
+                return Verdict(model_type, f"unbuildable: {_one_line(e)}", seconds=time.perf_counter() - start)
+            parent, key, own = outer
+            # the parent built with that sub-config even where its default leaves it out (Gemma 4's towers)
+            v = census_one(parent, work, holding=own, within={key: {}})
+            v.detail = f"no model class of its own: judged inside {parent} (its {key}); {v.detail}"
+            v.model_type, v.judged_by, v.seconds = model_type, f"inside {parent}", time.perf_counter() - start
+            return v
+        if holding is not None and not _built_from(model, holding):
+            del model
+            return Verdict(model_type, f"unbuildable: no attention module built from a {holding.__name__}")
         try:
             v = _judge(model_type, model, config, folder, Path(tmp))
         finally:
             del model
         v.seconds = time.perf_counter() - start
         return v
+
+
+def _built_from(model, config_class: type) -> list[str]:
+    """The attention modules of ``model`` built inside a module that was given a ``config_class`` config."""
+    roots = [n for n, m in model.named_modules() if isinstance(m.__dict__.get("_census_config"), config_class)]
+    return [a for a in declared_attention(model) if any(_inside(a, r) for r in roots)]
+
+
+def _nesting(model_type: str) -> tuple[str, str, type] | None:
+    """(the type whose config declares ``model_type``'s config as a sub-config, under which key, that config
+    class), or None."""
+    from transformers import CONFIG_MAPPING
+
+    own = CONFIG_MAPPING[model_type]
+    for parent in CONFIG_MAPPING:
+        if parent == model_type:
+            continue
+        try:
+            subs = getattr(CONFIG_MAPPING[parent], "sub_configs", None) or {}
+        except Exception:  # noqa: BLE001 - a type whose config does not import
+            continue
+        key = next((k for k, c in subs.items() if c is own), None)
+        if key is not None:
+            return parent, key, own
+    return None
 
 
 class _Names:
