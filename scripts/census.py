@@ -4,6 +4,7 @@ with --layers all and --layers -1, and judged against the model's own forward (t
     HF_HUB_OFFLINE=1 python scripts/census.py                 # every type: the table, then one summary line
     HF_HUB_OFFLINE=1 python scripts/census.py --types bert,t5  # some types
     HF_HUB_OFFLINE=1 python scripts/census.py --update         # rewrite tests/project/census_expected.json
+    HF_HUB_OFFLINE=1 python scripts/census.py --head-classes   # head classes, under a Hub checkpoint's key names
 
 Exits 1 when a type is silently wrong or crashes, or (with --check) when a verdict differs from the
 expectations file.
@@ -12,6 +13,7 @@ expectations file.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing
 import os
@@ -40,12 +42,12 @@ def _worker_init() -> None:
     signal.signal(signal.SIGALRM, _alarm)
 
 
-def _one(model_type: str) -> dict:
-    from helpers.census import Verdict, census_one
+def _one(model_type: str, head_classes: bool = False) -> dict:
+    from helpers.census import BASE_FIRST, HEAD_FIRST, Verdict, census_one
 
     signal.alarm(TIMEOUT_S)
     try:
-        verdict = census_one(model_type)
+        verdict = census_one(model_type, mappings=HEAD_FIRST if head_classes else BASE_FIRST)
     except TimeoutError as e:
         verdict = Verdict(model_type, f"crash: {e}")
     except Exception as e:  # noqa: BLE001 - one type's failure is its verdict, not the census's
@@ -74,11 +76,11 @@ def expected_verdict(verdict: str) -> str:
     return verdict if kind == "refused" else kind
 
 
-def run(types: list[str], jobs: int) -> list[dict]:
+def run(types: list[str], jobs: int, head_classes: bool = False) -> list[dict]:
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(jobs, initializer=_worker_init, maxtasksperchild=25) as pool:
         out = []
-        for row in pool.imap_unordered(_one, types):
+        for row in pool.imap_unordered(functools.partial(_one, head_classes=head_classes), types):
             out.append(row)
             print(f"{row['type']:32s} {row['seconds']:6.1f}s  {row['verdict'][:110]}", flush=True)
     return sorted(out, key=lambda r: r["type"])
@@ -116,10 +118,18 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write every row here")
     parser.add_argument("--update", action="store_true", help="rewrite tests/project/census_expected.json")
     parser.add_argument("--check", action="store_true", help="fail when a verdict differs from the expectations")
+    parser.add_argument(
+        "--head-classes",
+        action="store_true",
+        help="build each type's head class (what a Hub checkpoint is saved from, its own key names) rather than "
+        "its base model; the expectations file is for base models: not with --update or --check",
+    )
     args = parser.parse_args()
+    if args.head_classes and (args.update or args.check):
+        parser.error("--head-classes cannot --update or --check the expectations (they are for base models)")
     types = args.types.split(",") if args.types else all_types()
     start = time.perf_counter()
-    rows = run(types, args.jobs)
+    rows = run(types, args.jobs, args.head_classes)
     print()
     for kind in ("wrong", "crash", "refused"):
         for r in (r for r in rows if r["verdict"].startswith(kind)):

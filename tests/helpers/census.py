@@ -841,26 +841,31 @@ def _key(t: torch.Tensor) -> tuple:
 
 
 def census_one(
-    model_type: str, work: Path | None = None, holding: type | None = None, within: dict | None = None
+    model_type: str,
+    work: Path | None = None,
+    holding: type | None = None,
+    within: dict | None = None,
+    mappings: tuple[str, ...] = BASE_FIRST,
 ) -> Verdict:
     """The verdict on ``model_type``. A config type no class builds alone (T5Gemma2's decoder config) is
     judged inside the type whose config nests it: that type's verdict, if the model built holds it.
     ``holding``: a config class the built model's config must nest, else the type is unbuildable;
-    ``within``: config values given at creation (that sub-config, as its defaults)."""
+    ``within``: config values given at creation (that sub-config, as its defaults); ``mappings``: the Auto
+    mappings the class comes from (:data:`HEAD_FIRST`: the head class a Hub checkpoint is saved from)."""
     import time
 
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=work) as tmp:
         folder = Path(tmp) / "model"
         try:
-            model, config = build(model_type, folder, created=within)
+            model, config = build(model_type, folder, mappings, created=within)
         except Exception as e:  # noqa: BLE001
             outer = _nesting(model_type) if holding is None and "no model class" in str(e) else None
             if outer is None:
                 return Verdict(model_type, f"unbuildable: {_one_line(e)}", seconds=time.perf_counter() - start)
             parent, key, own = outer
             # the parent built with that sub-config even where its default leaves it out (Gemma 4's towers)
-            v = census_one(parent, work, holding=own, within={key: {}})
+            v = census_one(parent, work, holding=own, within={key: {}}, mappings=mappings)
             v.detail = f"no model class of its own: judged inside {parent} (its {key}); {v.detail}"
             v.model_type, v.judged_by, v.seconds = model_type, f"inside {parent}", time.perf_counter() - start
             return v

@@ -126,3 +126,27 @@ def test_a_tower_no_forward_reached_is_judged_as_built(tmp_path, monkeypatch):
     wrong = census_one("kimi_k25", work=tmp_path)
     assert wrong.kind == "wrong", wrong.verdict
     assert "vision_tower.layers.0.attn runs attention, left untouched without a word" in wrong.detail, wrong.detail
+
+
+def test_a_config_no_class_builds_alone_is_judged_inside_the_type_that_nests_it(tmp_path):
+    """T5Gemma2's decoder config has no model class of its own: it is judged inside T5Gemma2, whose decoder
+    the model's own code builds from it, and takes that verdict, saying so."""
+    from transformers import T5Gemma2DecoderConfig
+
+    model, _ = build("t5gemma2", tmp_path / "model")
+    from helpers.census import _built_from
+
+    decoder = _built_from(model, T5Gemma2DecoderConfig)
+    assert decoder and all(".decoder." in f".{name}" for name in decoder), decoder
+    verdict = census_one("t5gemma2_decoder", work=tmp_path)
+    assert verdict.verdict == "right" and verdict.judged_by == "inside t5gemma2", verdict.verdict
+    assert "judged inside t5gemma2 (its decoder)" in verdict.detail
+
+
+def test_a_sub_config_the_nesting_model_never_builds_from_is_not_judged(tmp_path):
+    """Gemma 4 unified's audio config is declared as a sub-config, but its model builds no attention module
+    from it: the type stays unbuildable, with that reason, and is never counted right on the strength of the
+    nesting type's text attention."""
+    verdict = census_one("gemma4_unified_audio", work=tmp_path)
+    assert verdict.kind == "unbuildable", verdict.verdict
+    assert verdict.reason == "built only inside a type that leaves it out", verdict.verdict
