@@ -97,6 +97,15 @@ SUBCONFIG_BY_PATH = {
         "token2wav.code2wav_dit_model.transformer_blocks": "token2wav_config.dit_config",
     },
     "qwen2_5_omni_token2wav": {"code2wav_dit_model.transformer_blocks": "dit_config"},
+    # Qwen3-Omni-MoE (modeling_qwen3_omni_moe.py): the thinker's language model from thinker_config.text_config, the
+    # talker's from talker_config.text_config, its code predictor from talker_config.code_predictor_config,
+    # code2wav's pre-transformer from code2wav_config
+    "qwen3_omni_moe": {
+        "thinker.model.layers": "thinker_config.text_config",
+        "talker.model.layers": "talker_config.text_config",
+        "talker.code_predictor.model.layers": "talker_config.code_predictor_config",
+        "code2wav.pre_transformer.layers": "code2wav_config",
+    },
 }
 # Megatron-LM's legacy (pre-Core) models: how query_key_value packs its rows, by the checkpoint_version saved beside
 # them (model_optim_rng.pt's checkpoint_version; Megatron's loader reads a missing one as 0). Its

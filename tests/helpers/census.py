@@ -428,6 +428,8 @@ def _instantiate(config, mappings: tuple[str, ...] = BASE_FIRST):
             cls = table[type(config)] if table is not None else None
         except (KeyError, TypeError):
             continue
+        if cls is not None and _built_for_part(cls, config):  # a part's class (MusicgenModel: the decoder alone)
+            continue
         break
     else:
         cls = _model_of_module(config)  # a tower's own config (clap_audio_model): its model class in the same module
@@ -444,6 +446,16 @@ def _instantiate(config, mappings: tuple[str, ...] = BASE_FIRST):
         if id(m) in made_from:
             m.__dict__["_census_config"] = made_from[id(m)]
     return model
+
+
+def _built_for_part(cls, config) -> bool:
+    """Whether model class ``cls`` is built from one of ``config``'s own sub-configs, not from it: an Auto
+    mapping that gives a composite type its part's class (MODEL_MAPPING's musicgen -> MusicgenModel, the
+    decoder alone, built from MusicgenDecoderConfig)."""
+    own = getattr(cls[0] if isinstance(cls, tuple) else cls, "config_class", None)
+    return (
+        isinstance(own, type) and not isinstance(config, own) and any(isinstance(c, own) for c in _configs(config)[1:])
+    )
 
 
 @contextlib.contextmanager
@@ -646,8 +658,20 @@ def _kernel(module, query, key, value, attention_mask=None, scaling=None, dropou
             _WATCH.in_kernel -= 1
 
 
+def _windowed(cfg) -> dict:
+    """RF-DETR's DINOv2 backbone splits the patch grid into num_windows x num_windows windows: an image whose
+    side they divide, the config's image_size rounded up to patch_size * num_windows (518 -> 560, RF-DETR's own
+    resolution)."""
+    b = getattr(cfg, "backbone_config", None) or cfg
+    step = b.patch_size * b.num_windows
+    side = -(-b.image_size // step) * step
+    return {"pixel_values": torch.randn(1, b.num_channels, side, side)}
+
+
 # a forward whose inputs its main input's name does not say, made from its config's own sizes: {model_type: inputs}
 OWN_INPUTS = {
+    "rf_detr": _windowed,
+    "rf_detr_dinov2": _windowed,
     # the conformer audio encoder phi4_multimodal feeds (B, frames, input_size) features and their mask (or None)
     "phi4_multimodal_audio": lambda cfg: {"hidden_states": torch.randn(1, 64, cfg.input_size), "mask": None},
     # an input image, a prompt image and its mask, each half of image_size's height (stacked on height to image_size)

@@ -51,6 +51,7 @@ ROWS = {
     "kimi_k25": "rule fused wqkv beside attn.proj, FUSED_PACKING_BY_MODEL_TYPE (wqkv, kimi_k25_vision): [Q | K | V]",
     "ergo": "rule fused wqkv beside wo, FUSED_PACKING_BY_MODEL_TYPE (wqkv, ergo): [Q | K | V] by head counts",
     "qwen2_5_omni": "SUBCONFIG_BY_PATH thinker.model.layers and token2wav's DiT, whole stack paths",
+    "qwen3_omni_moe": "SUBCONFIG_BY_PATH thinker's and talker's language models, code predictor, code2wav",
 }
 
 
