@@ -38,7 +38,49 @@ _QSA = {
     "indexer_compress_ratio": 4,
 }
 
+_GEMMA3N_TYPES = ["sliding_attention"] * 4 + ["full_attention"]
+
 TYPE_SETTINGS: dict[str, dict[str, object]] = {
+    # Mamba hybrids whose default places no attention layer (Bamba-9B's own config places [9, 18, 27];
+    # granite-4.0-h mixes both)
+    "bamba": {"attn_layer_indices": [1]},
+    "granitemoehybrid": {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]},
+    # n_input_layers + n_recurrent_layers + n_output_layers == num_hidden_layers
+    "dory": {"num_hidden_layers": 4, "n_input_layers": 1, "n_recurrent_layers": 2, "n_output_layers": 1},
+    # adapter_input_size == hidden_size (given together: top-level keys go in at creation too)
+    "dots3_note_audio_encoder": {"hidden_size": 64, "num_attention_heads": 4, "adapter_input_size": 64},
+    # adapter_in_dim == hidden_size
+    "dots3_note_vision_encoder": {"hidden_size": 64, "num_attention_heads": 4, "adapter_in_dim": 64},
+    # hidden_size == out_features[-1]: its four stages kept, one block each
+    "efficientloftr": {"num_attention_layers": 2, "stage_num_blocks": [1, 1, 1, 1]},
+    # adaptor_config.intermediate_size == text_config.hidden_size // 4
+    "fun_asr_nano": {"adaptor_config.intermediate_size": 16},
+    # its validator wants no per-layer inputs, which its own default has (given at creation)
+    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}},
+    # a tower's output width == text_config.hidden_size
+    "granite_docling": {"vision_config.out_hidden_size": 64},
+    "llava_onevision1_5": {"vision_config.out_hidden_size": 64},
+    "inkling2": {"vision_config.text_hidden_size": 64},
+    "inkling2_loop": {"vision_config.text_hidden_size": 64},
+    "muse_spark": {"audio_config.out_hidden_size": 64},
+    # index_layers are derived for 5 layers; index_num_heads <= num_attention_heads // num_key_value_heads
+    "kolibri1_1": {"num_hidden_layers": 5, "index_num_heads": 2},
+    # Mimi's depthwise upsample: groups == its width
+    "csm": {"codec_config.upsample_groups": 64},
+    # KV-shared layers (as its checkpoints have them) need an earlier layer of each type producing the cache
+    "gemma3n_text": {
+        "num_hidden_layers": 10,
+        "num_kv_shared_layers": 5,
+        "layer_types": _GEMMA3N_TYPES + _GEMMA3N_TYPES,
+        "intermediate_size": [128] * 10,
+        "activation_sparsity_pattern": [0.95] * 5 + [0.0] * 5,
+    },
+    # attention_hidden_size == 2 * hidden_size; two hybrid layers share the one attention block
+    "zamba": {
+        "attention_hidden_size": 128,
+        "num_hidden_layers": 8,
+        "layers_block_type": ["linear_attention", "linear_attention", "hybrid"] + ["linear_attention"] * 4 + ["hybrid"],
+    },
     # ChameleonImageVocabularyMapping calls vocab_map.get: the image token's id, inside the vocabulary
     "chameleon": {"vocabulary_map": {"<image>": 8711}},
     "cohere_compass": {"text_config.rope_parameters": _COMPASS_ROPE},

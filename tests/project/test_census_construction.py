@@ -150,3 +150,16 @@ def test_a_sub_config_the_nesting_model_never_builds_from_is_not_judged(tmp_path
     verdict = census_one("gemma4_unified_audio", work=tmp_path)
     assert verdict.kind == "unbuildable", verdict.verdict
     assert verdict.reason == "built only inside a type that leaves it out", verdict.verdict
+
+
+def test_a_shared_block_changed_for_the_last_layer_must_be_named(tmp_path, monkeypatch):
+    """Zamba's hybrid layers 2 and 7 run one shared attention block (tied weights, stored once): --layers -1
+    re-initializes it, which changes layer 2 too. The census accepts that only because the report says so;
+    with surgeon's note dropped, the same run is a silent change outside the selection."""
+    from surgeon.plan import planner
+
+    assert census_one("zamba", work=tmp_path).verdict == "right"
+    monkeypatch.setattr(planner, "_layer_notes", lambda *args, **kwargs: [])
+    verdict = census_one("zamba", work=tmp_path)
+    assert verdict.kind == "wrong", verdict.verdict
+    assert "layers.2.shared_transf.self_attn changed, not in the last layer" in verdict.detail, verdict.detail
