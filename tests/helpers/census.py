@@ -1093,7 +1093,8 @@ def _problems(model, seen, report, saved, names: _Names, out: Path, last_only: b
                 seen[found[0]] = found[1]
     for m in sorted(changed_modules):
         if attention_of(m) is None:
-            if not any(_inside(m, r) for r in ran if r):
+            # run: the projection, or the module that holds it, was entered (not merely a tower around it)
+            if m not in ran and m.rpartition(".")[0] not in ran:
                 problems.append(f"unjudged: {m} changed, and no forward runs it")
             elif "attention" in type(model.get_submodule(m.rpartition(".")[0] or m)).__name__.lower():
                 problems.append(f"unjudged: {m} changed in an attention class whose softmax is not torch's")
@@ -1190,6 +1191,10 @@ def _declares(m) -> Seen | None:
         query = next((c for n, c in m.named_children() if QUERY_CHILD.match(n) and hasattr(c, "out_features")), None)
         if query is not None and query.out_features % heads == 0 and not QKV_CHILD.match(_child_name(m, query)):
             head_dim, via = query.out_features // heads, "declared heads, split query"
+    if head_dim and not heads:  # a head size declared, the heads what the query's width holds of it (ESMFold2)
+        query = next((c for n, c in m.named_children() if QUERY_CHILD.match(n) and hasattr(c, "out_features")), None)
+        if query is not None and query.out_features % head_dim == 0 and not QKV_CHILD.match(_child_name(m, query)):
+            heads, via = query.out_features // head_dim, "declared head size, split query"
     if not (heads and head_dim):
         return None
     groups = getattr(m, "num_key_value_groups", None)
