@@ -76,7 +76,7 @@ REASONS = (
 NOT_JUDGED: dict[str, tuple[tuple[str, str], ...]] = {
     "unbuildable": (
         ("no model class", r"no model class"),
-        ("built only inside a type that leaves it out", r"no attention module built from"),
+        ("built only inside a type that leaves it out", r"no module built from"),
         ("too large even shrunk", r"parameters even shrunk"),
         ("needs a package", r"ImportError|ModuleNotFoundError|requires the \S+ library"),
         ("the config refuses the shrunk sizes", r"ValidationError|ValueError"),
@@ -476,7 +476,7 @@ def _instantiate(config, mappings: tuple[str, ...] = BASE_FIRST):
         if id(m) in built:
             m.__dict__["_census_built_with"] = built[id(m)]
         if id(m) in made_from:
-            m.__dict__["_census_config"] = made_from[id(m)]
+            m.__dict__["_census_configs"] = made_from[id(m)]
     return model
 
 
@@ -493,12 +493,12 @@ def _built_for_part(cls, config) -> bool:
 @contextlib.contextmanager
 def _constructed():
     """({id(module): the integer arguments its class's ``__init__`` (and its parents') received}, {id(module):
-    the config it was given}) for every module built inside: what a module was constructed with, read from the
+    the configs it was given}) for every module built inside: what a module was constructed with, read from the
     constructor's own frame."""
     import sys
 
     built: dict[int, dict[str, int]] = {}
-    made_from: dict[int, object] = {}
+    made_from: dict[int, list] = {}
     original = torch.nn.Module.__init__
 
     def init(self, *args, **kwargs):
@@ -511,8 +511,8 @@ def _constructed():
                 v = frame.f_locals.get(n)
                 if isinstance(v, int) and not isinstance(v, bool) and n not in found:
                     found[n] = v
-                elif n == "config" and hasattr(v, "model_type"):
-                    made_from.setdefault(id(self), v)
+                elif hasattr(v, "model_type") and hasattr(v, "to_dict"):  # a config, by any name
+                    made_from.setdefault(id(self), []).append(v)
             frame = frame.f_back
         if found:
             built[id(self)] = found
@@ -925,21 +925,31 @@ def census_one(
             v.detail = f"no model class of its own: judged inside {parent} (its {key}); {v.detail}"
             v.model_type, v.judged_by, v.seconds = model_type, f"inside {parent}", time.perf_counter() - start
             return v
-        if holding is not None and not _built_from(model, holding):
+        roots, attention = _built_from(model, holding) if holding is not None else ([""], [])
+        if not roots:
             del model
-            return Verdict(model_type, f"unbuildable: no attention module built from a {holding.__name__}")
+            return Verdict(model_type, f"unbuildable: no module built from a {holding.__name__}")
         try:
             v = _judge(model_type, model, config, folder, Path(tmp))
         finally:
             del model
+        if holding is not None and not attention and v.verdict == "right":
+            # its modules are built (an embedder, a convolutional head), none of them attention
+            v.verdict = f"none: no attention module built from a {holding.__name__} ({', '.join(roots[:3])})"
         v.seconds = time.perf_counter() - start
         return v
 
 
-def _built_from(model, config_class: type) -> list[str]:
-    """The attention modules of ``model`` built inside a module that was given a ``config_class`` config."""
-    roots = [n for n, m in model.named_modules() if isinstance(m.__dict__.get("_census_config"), config_class)]
-    return [a for a in declared_attention(model) if any(_inside(a, r) for r in roots)]
+def _built_from(model, config_class: type) -> tuple[list[str], list[str]]:
+    """(the modules of ``model`` given a ``config_class`` config when built, the modules inside them its code
+    names or shapes as attention)."""
+    roots = [
+        n
+        for n, m in model.named_modules()
+        if any(isinstance(c, config_class) for c in m.__dict__.get("_census_configs", ()))
+    ]
+    roots = [r for r in roots if not any(_inside(r, o) and r != o for o in roots)]  # the outermost
+    return roots, [a for a in _attention_modules(model) if any(_inside(a, r) for r in roots)]
 
 
 def _nesting(model_type: str) -> tuple[str, str, type] | None:

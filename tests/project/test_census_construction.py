@@ -136,20 +136,28 @@ def test_a_config_no_class_builds_alone_is_judged_inside_the_type_that_nests_it(
     model, _ = build("t5gemma2", tmp_path / "model")
     from helpers.census import _built_from
 
-    decoder = _built_from(model, T5Gemma2DecoderConfig)
-    assert decoder and all(".decoder." in f".{name}" for name in decoder), decoder
+    roots, decoder = _built_from(model, T5Gemma2DecoderConfig)
+    assert roots and decoder and all(".decoder." in f".{name}" for name in decoder), decoder
     verdict = census_one("t5gemma2_decoder", work=tmp_path)
     assert verdict.verdict == "right" and verdict.judged_by == "inside t5gemma2", verdict.verdict
     assert "judged inside t5gemma2 (its decoder)" in verdict.detail
 
 
 def test_a_sub_config_the_nesting_model_never_builds_from_is_not_judged(tmp_path):
-    """Gemma 4 unified's audio config is declared as a sub-config, but its model builds no attention module
-    from it: the type stays unbuildable, with that reason, and is never counted right on the strength of the
-    nesting type's text attention."""
-    verdict = census_one("gemma4_unified_audio", work=tmp_path)
+    """Idefics declares its perceiver config as a sub-config but builds no module from it by default (no
+    resampler): the type stays unbuildable, with that reason, never counted right on the strength of the
+    nesting type's own attention."""
+    verdict = census_one("idefics_perciever", work=tmp_path)
     assert verdict.kind == "unbuildable", verdict.verdict
     assert verdict.reason == "built only inside a type that leaves it out", verdict.verdict
+
+
+def test_a_sub_config_whose_modules_hold_no_attention_is_none(tmp_path):
+    """Gemma 4 unified builds its audio embedder from its audio config (given): no attention module in it,
+    the nesting type right: the sub-config's verdict is none, never right."""
+    verdict = census_one("gemma4_unified_audio", work=tmp_path)
+    assert verdict.kind == "none" and verdict.judged_by == "inside gemma4_unified", verdict.verdict
+    assert "Gemma4UnifiedAudioConfig" in verdict.verdict
 
 
 def test_a_shared_block_changed_for_the_last_layer_must_be_named(tmp_path, monkeypatch):
