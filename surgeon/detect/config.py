@@ -19,6 +19,7 @@ from .config_keys import (
     BLOCKS_PER_STAGE_KEYS,
     FRAMEWORK_CONFIGS,
     FUSED_PACKING_BY_MODEL_TYPE,
+    GROUP_HEADS,
     HEAD_DIM_KEYS,
     HEAD_DIM_SIDE,
     HEAD_RATIOS,
@@ -135,9 +136,16 @@ class ConfigView:
         under a prefix that a word of the path names (``resampler_heads`` for ``...compressor_resampler...``),
         other than those of the config the path leads to, and no SUBCONFIG_BY_PATH entry settles it."""
         scope, source = self._scope(stack)
+        ours = self.facts(stack).heads
+        for word in module.split("."):
+            key = GROUP_HEADS.get(word)
+            if key is not None and key in scope and scope[key] != ours:
+                return (
+                    f"cannot tell the heads of {module}: it runs {source} {key} ({scope[key]}) groups as heads, "
+                    f"and {source} says {ours} heads; leave it out of the selection"
+                )
         if source.endswith("*"):  # the path's own prefixed keys were read
             return None
-        ours = self.facts(stack).heads
         ours_all = ours if isinstance(ours, list) else [ours]
         words = (p for w in stack.lower().split(".") for p in w.split("_") if len(p) > 3 and p not in _SIDE_WORDS)
         for part in dict.fromkeys(words):

@@ -34,6 +34,10 @@ HEAD_DIM_SIDE = {"d_fine": "decoder", "deimv2": "decoder"}
 HEAD_RATIOS = {"head_ratio": 2}  # key -> the width divisor
 # Families whose code derives the heads from the width, by model type: BridgeTower's vision tower runs
 # nn.MultiheadAttention(hidden_size, hidden_size // 64) (modeling_bridgetower.py), its config has no heads.
+# Attention that runs as many heads as a config key other than its heads says: DaViT's channel attention (Florence-2's
+# vision tower, modeling_florence2.py Florence2VisionChannelAttention) splits its channels into num_groups groups.
+# Read as num_heads where the two agree (every released config); refused where they differ.
+GROUP_HEADS = {"channel_attn": "num_groups"}
 HEAD_WIDTHS = {"bridgetower_vision_model": 64}
 HIDDEN_KEYS = ("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim", "width")
 # Where a tower's config is nested (CLIP, SigLIP, LLaVA, encoder-decoder wrappers): the words in a
@@ -97,6 +101,15 @@ SUBCONFIG_BY_PATH = {
         "token2wav.code2wav_dit_model.transformer_blocks": "token2wav_config.dit_config",
     },
     "qwen2_5_omni_token2wav": {"code2wav_dit_model.transformer_blocks": "dit_config"},
+    # the checkpoint's own names, as its head class saves them (transformers' conversion mappings rename them at
+    # load): HunYuan-VL's vision tower under vit, Nemotron-3.5-Transcribe's word-timestamp encoder under ctc_timestamp
+    "hunyuan_vl": {"vit": "vision_config"},
+    "nemo_speechlm": {
+        "ctc_timestamp.decoder.transformer.layers": "word_timestamp_config",
+        "perception.encoder.asr_encoder.layers": "audio_config.asr_config",
+        "perception.encoder.diarization_model.encoder.layers": "audio_config.diarization_config.audio_config",
+        "word_timestamp_encoder": "word_timestamp_config",
+    },
     # Qwen3-Omni-MoE (modeling_qwen3_omni_moe.py): the thinker's language model from thinker_config.text_config, the
     # talker's from talker_config.text_config, its code predictor from talker_config.code_predictor_config,
     # code2wav's pre-transformer from code2wav_config

@@ -25,6 +25,11 @@ CASES = {
     "t5gemma2": {},
     # its vision tower fused as blocks.N.wqkv ([Q | K | V], rows permuted within each head for its rotary)
     "kimi_k25": {},
+    # its vision tower under vit.layers.N (the module's vision_tower)
+    "hunyuan_vl": {"vision_config.num_attention_heads": 2, "vision_config.num_key_value_heads": 2},
+    # NeMo's names: perception.encoder.asr_encoder, ..., ctc_timestamp.decoder.transformer (the word-timestamp
+    # encoder, heads of its own)
+    "nemo_speechlm": {"word_timestamp_config.num_attention_heads": 2, "word_timestamp_config.num_key_value_heads": 2},
 }
 
 

@@ -274,6 +274,16 @@ def _squeeze(cfg) -> None:
         if SQUEEZE.search(key) and not KEEP_SIZE.search(key):
             factor = -(-value // 1024)
             d[key] = max(64, value // factor // 64 * 64) if value % 64 == 0 else max(64, value // factor)
+    # a convolutional tower whose channels double per stage (VibeVoice's tokenizers: num_filters * 2**stage over
+    # len(downsampling_ratios) stages, depths one longer for the stem): its first two stages, two blocks each
+    depths = d.get("depths")
+    if isinstance(depths, (list, tuple)) and depths and all(isinstance(v, int) for v in depths):
+        for key, value in list(d.items()):
+            if key.endswith("ratios") and isinstance(value, (list, tuple)) and len(value) > 2:
+                if len(depths) - len(value) in (0, 1):
+                    d["depths"] = type(depths)(min(v, 2) for v in depths[: 2 + len(depths) - len(value)])
+                    d[key] = type(value)(value[:2])
+                    break
 
 
 def _own_backbones(config) -> None:
@@ -428,6 +438,7 @@ def build(
                 for part in path:
                     target = getattr(target, part)
                 setattr(target, leaf, value)
+            config = _as_reloaded(config)
             for cfg in _configs(config):  # sizes the config ties together (saving would refuse them later)
                 if callable(getattr(cfg, "validate", None)):
                     cfg.validate()
@@ -445,6 +456,19 @@ def build(
             continue
         return model, config
     raise RuntimeError(_one_line(errors[0]))
+
+
+def _as_reloaded(config):
+    """The config as its config.json loads back: what a composite config derives from its parts when it is
+    created (HunYuan-VL's vision text_hidden_size from its text_config, Step3.5's intermediate_size from
+    mlp_ratio) derived again from the shrunk sizes, so the model built is the one its own checkpoint loads
+    into. The config as it is where it does not load back."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return type(config).from_dict(config.to_dict())
+    except Exception:  # noqa: BLE001 - kept as built; a config its own loader refuses fails at the save
+        return config
 
 
 def _instantiate(config, mappings: tuple[str, ...] = BASE_FIRST):

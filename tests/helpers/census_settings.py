@@ -39,8 +39,46 @@ _QSA = {
 }
 
 _GEMMA3N_TYPES = ["sliding_attention"] * 4 + ["full_attention"]
+# DaViT (Florence-2's vision tower): per-stage widths, heads and channel-attention groups, one entry per stage;
+# 32-wide heads and groups as released (embed_dim[i] / num_heads[i] == 32)
+_DAVIT = {"embed_dim": [32, 64, 128, 256], "num_heads": [1, 2, 4, 8], "num_groups": [1, 2, 4, 8]}
+# Apertus 1.5's VQ encoder: per-stage widths are base_channels * channel_multiplier (GroupNorm(32) needs multiples
+# of 32); the codebook vectors' embed_dim and the encoder's latent_channels are free sizes
+_APERTUS_VQ = {"base_channels": 32, "latent_channels": 32, "embed_dim": 32}
 
 TYPE_SETTINGS: dict[str, dict[str, object]] = {
+    "florence_vision": dict(_DAVIT),
+    "florence2": {f"vision_config.{k}": v for k, v in _DAVIT.items()},
+    # VibeVoiceConfig ties diffusion_head_config.hidden_size to text_config.hidden_size (its validator)
+    "vibevoice": {"diffusion_head_config.hidden_size": 64},
+    # the VQ attention's width (hidden_size) is base_channels * channel_multiplier[-1], as Emu3's vq_config
+    "emu3_vqgan": {"base_channels": 32, "hidden_size": 128, "num_attention_heads": 1},
+    "apertus1p5_vision_tokenizer": {**_APERTUS_VQ, "codebook_size": 1024},
+    # its validator runs at creation: image_token_offset + the vision codebook_size == audio_token_offset keeps
+    # the default offsets, and the vocabulary reaches audio_token_offset + the audio codebook_size;
+    # output_vocab_size (within vocab_size) is the LM head's width
+    "apertus1p5": {
+        "text_config.vocab_size": 262344 + 1024,
+        "text_config.output_vocab_size": 1024,
+        "audio_config.codebook_size": 1024,
+        **{f"vision_config.{k}": v for k, v in _APERTUS_VQ.items()},
+    },
+    # adapter_in_dim == the vision width, adapter_input_size == the audio width, both adapters' out_dim == the
+    # text width (its validators); swa_* are the released checkpoints' top-level keys for the sliding layers
+    # (key/value heads == heads, its validator); the MLA ranks and indexer heads are free sizes
+    "dots3_note": {
+        "vision_config.adapter_in_dim": 64,
+        "vision_config.adapter_out_dim": 64,
+        "audio_config.adapter_input_size": 64,
+        "audio_config.adapter_out_dim": 64,
+        "swa_num_attention_heads": 4,
+        "swa_num_key_value_heads": 4,
+        "swa_q_lora_rank": 128,
+        "swa_kv_lora_rank": 64,
+        "text_config.q_lora_rank": 128,
+        "text_config.kv_lora_rank": 64,
+        "text_config.index_n_heads": 4,
+    },
     # Mamba hybrids whose default places no attention layer (Bamba-9B's own config places [9, 18, 27];
     # granite-4.0-h mixes both)
     "bamba": {"attn_layer_indices": [1]},
