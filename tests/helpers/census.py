@@ -915,6 +915,12 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Byte for byte: a weight left as torch.empty made it (MoE experts some types never initialize) may hold
+    NaN, which torch.equal calls different from itself."""
+    return _key(a.detach().cpu().contiguous()) == _key(b.detach().cpu().contiguous())
+
+
 def _key(t: torch.Tensor) -> tuple:
     t = t.detach().contiguous()
     return (t.dtype, tuple(t.shape), t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
@@ -1100,13 +1106,13 @@ def _problems(model, seen, report, saved, names: _Names, out: Path, last_only: b
     if loaded is not None:  # judged on the model's own parameters, as its loader reads the output
         old = model.state_dict()
         new = loaded.state_dict()
-        changed_params = {n: new[n] for n in old if n in new and not torch.equal(old[n], new[n])}
+        changed_params = {n: new[n] for n in old if n in new and not _same(old[n], new[n])}
         changed_modules = {n.rpartition(".")[0] for n in changed_params}
     else:
         original = _load(model, out.parent / "model")[1]
         if not original:
             return problems + [f"the output does not load back: {why}"]
-        changed = [n for n, t in saved.items() if n in after and not torch.equal(after[n], t)]
+        changed = [n for n, t in saved.items() if n in after and not _same(after[n], t)]
         changed_params = {}
         changed_modules = {m for n in changed for m in names.modules(n)}
         if any(not names.modules(n) for n in changed):  # a tensor saved otherwise than the model holds it
