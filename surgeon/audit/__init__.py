@@ -36,7 +36,7 @@ from ..detect.hints import HintInput, Hints
 from ..errors import CheckpointError, DerivedMismatch, SurgeonError, VerificationError, opt
 from ..open.formats.write_plan import WritePlan
 from ..report.card import card_comment
-from ..report.shown import shown
+from ..text.shown import shown
 from ..write.journal import hold
 from .record import Record, card_records, other_version_note, parse_record, stored_history
 from .values import check_changed, check_untouched

@@ -11,7 +11,7 @@ import click
 
 from .._version import __version__
 from ..errors import OptionError
-from ..report.shown import note_lines, shown
+from ..text.shown import note_lines, shown
 from .shell import (
     CONTEXT,
     REINIT_SECTIONS,

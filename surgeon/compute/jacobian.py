@@ -92,7 +92,7 @@ class JacobianReport:
         return out
 
     def render(self) -> str:
-        from ..report.shown import note_lines, shown
+        from ..text.shown import note_lines, shown
 
         head = ["module", "kX", "kLambda", "kP", "kWq", "kWk", "kWv", "bound", "exact kJ", "holds"]
         table = []

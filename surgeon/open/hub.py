@@ -16,7 +16,7 @@ from ..errors import (
     SurgeonError,
     opt,
 )
-from ..report.redact import remember
+from ..text.redact import remember
 from .formats.registry import (
     DATA_SUFFIXES,
     EXPORT_SUFFIXES,

@@ -48,7 +48,7 @@ class Transfer:
         }
 
     def note(self) -> str:
-        from ..report.report import fmt_bytes
+        from ..text.sizes import fmt_bytes
 
         what = (
             f"read {fmt_bytes(self.ranged)} from the Hub by HTTP Range in {self.range_requests} requests "

@@ -72,7 +72,7 @@ class Plan:
                 if c.block.module == block.module:
                     entry["targets"][c.role] = "all" if len(c.heads) == c.projection.heads else format_indices(c.heads)
             blocks.append(entry)
-        from ..report.redact import redact_obj
+        from ..text.redact import redact_obj
 
         record = {
             "tool": "surgeon",

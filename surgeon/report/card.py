@@ -25,8 +25,8 @@ from ..open.folder import file_in
 from ..open.source import Source
 from ..plan.planner import Plan
 from ..plan.selection import format_indices
+from ..text.shown import shown
 from .report import fmt_kappa, with_streams
-from .shown import shown
 
 if TYPE_CHECKING:
     from huggingface_hub import ModelCard, ModelCardData
@@ -233,7 +233,7 @@ def card_comment(record: dict) -> str:
 
 
 def write_card(folder: Path, **kwargs: Any) -> Path:
-    from .redact import redact
+    from ..text.redact import redact
 
     path = Path(folder) / "README.md"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -194,7 +194,7 @@ def predicted(source: Source, changed: list[str]) -> tuple[str, dict[str, int]]:
     report's transfer): the changed shards' bytes, downloaded and then uploaded (with the record added to
     their headers), and the copies."""
     from ..open.hub_remote import RemoteSafetensorsWeights
-    from ..report.report import fmt_bytes
+    from ..text.sizes import fmt_bytes
 
     weights = source.primary
     assert isinstance(weights, RemoteSafetensorsWeights)

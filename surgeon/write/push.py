@@ -13,7 +13,7 @@ from ..open.bounded import CARD_LIMIT, read_bytes
 from ..open.folder import walk
 from ..open.hub_errors import one_line, write_error
 from ..open.hub_ids import check_revision, hf_progress, require_repo_id
-from ..report.redact import remember
+from ..text.redact import remember
 from .hub_copy import CopyRefused, ServerCopies, copies_from_record, is_copy_error, refused
 from .journal_file import SUFFIX
 from .push_result import PushResult, partial_push_error, push_command
