@@ -33,8 +33,8 @@ from .detect.module import ModuleDetection, detect_module
 from .errors import OptionError, opt
 from .options import ReinitOptions
 from .plan.planner import Plan, prepare
-from .plan.selection import IndexSpec
 from .report.report import ProjectionRow, Report
+from .vocab.selection import IndexSpec
 
 
 def reinit_(

@@ -31,23 +31,23 @@ import torch
 
 from .._version import __version__
 from ..compute.modes import get_mode
-from ..detect.blocks import split_module
 from ..detect.hints import HintInput, Hints
 from ..errors import CheckpointError, DerivedMismatch, SurgeonError, VerificationError, opt
 from ..open.formats.write_plan import WritePlan
 from ..report.card import card_comment
 from ..text.shown import shown
+from ..vocab.blocks import split_module
 from ..write.journal import hold
 from .record import Record, card_records, other_version_note, parse_record, stored_history
 from .values import check_changed, check_untouched
 
 if TYPE_CHECKING:
     from ..compute.engine import Engine
-    from ..detect.result import Detection
     from ..open.formats.base import WeightSet
     from ..open.formats.onnx import OnnxWeights
     from ..open.source import Source
     from ..plan.planner import Plan
+    from ..vocab.detection import Detection
 
 __all__ = ["Verification", "verify", "card_record", "card_comment", "CheckpointError", "VerificationError"]
 

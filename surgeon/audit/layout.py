@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..detect.blocks import AttentionBlock, Projection, Rows
 from ..detect.hints import HintInput, Hints
 from ..errors import LayoutError, OptionError, opt
+from ..vocab.blocks import AttentionBlock, Projection, Rows
 
 if TYPE_CHECKING:
     from ..open.architecture import CheckpointNames

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
 from ..compute.modes import all_modes, get_mode
-from ..compute.spectrum import VALUE_IDENTITIES
 from ..errors import CheckpointError, SurgeonError
 from ..open.bounded import CARD_LIMIT, loads, read_text
 from ..open.hub_ids import parse_repo_id
 from ..options import BIAS_CHOICES, MODES, ReinitOptions
 from ..report.card import CARD_CLOSE, CARD_OPEN
+from ..vocab.spectrum import VALUE_IDENTITIES
 
 if TYPE_CHECKING:
     from ..open.source import Source

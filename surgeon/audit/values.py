@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ..compute.engine import Engine
     from ..open.formats.base import WeightSet
     from ..options import ReinitOptions
-    from ..plan.change import Change
+    from ..vocab.change import Change
 
 EPS64 = 2.0**-52
 

@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     import torch
     from numpy.typing import NDArray
 
-    from ..detect.blocks import AttentionBlock
-    from ..plan.change import Change, OptionsView, PlanView
+    from ..vocab.blocks import AttentionBlock
+    from ..vocab.change import Change, OptionsView, PlanView
 
 DEFAULT_STD = 0.02
 XAVIER_TENSORS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")  # nn.MultiheadAttention

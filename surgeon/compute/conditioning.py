@@ -18,7 +18,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from .spectrum import VALUE_IDENTITIES, Spectrum, kappa_from
+from ..vocab.spectrum import VALUE_IDENTITIES, Spectrum, kappa_from
 
 __all__ = [
     "VALUE_IDENTITIES",

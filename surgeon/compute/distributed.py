@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, TypeGuard, cast
 import torch
 from torch import nn
 
-from ..detect.blocks import AttentionBlock, Rows
 from ..errors import OptionError, UnsupportedWeightsError
+from ..vocab.blocks import AttentionBlock, Rows
 from .conditioning import Spectrum, single_threaded
 from .engine import Engine, TensorCopy, TensorStore, _row_index, head_matrices
 

@@ -14,11 +14,11 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..detect.blocks import AttentionBlock, Projection, Rows
 from ..errors import OptionError, UnsupportedWeightsError, opt
-from ..plan.change import Change
 from ..plan.planner import Plan
-from ..plan.selection import format_indices
+from ..vocab.blocks import AttentionBlock, Projection, Rows
+from ..vocab.change import Change
+from ..vocab.selection import format_indices
 from .conditioning import (
     Spectrum,
     head_kappas,

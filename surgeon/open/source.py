@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import NoReturn
 
-from ..detect.config import framework_config
-from ..detect.config_keys import FRAMEWORK_CONFIGS, FrameworkConfig
 from ..errors import CheckpointError
+from ..vocab.config_keys import FRAMEWORK_CONFIGS, FrameworkConfig, framework_config
 from .bounded import read_json, read_yaml, refuse_special
 from .folder import file_in, walk
 from .formats.base import WeightSet

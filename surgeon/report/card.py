@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Any
 from .._version import __version__
 from ..compute.engine import ProjectionResult
 from ..compute.modes import get_mode
-from ..detect.blocks import AttentionBlock, split_module
 from ..detect.hints import Hints
 from ..open.bounded import CARD_LIMIT, read_text
 from ..open.folder import file_in
 from ..open.source import Source
 from ..plan.planner import Plan
-from ..plan.selection import format_indices
 from ..text.shown import shown
+from ..vocab.blocks import AttentionBlock, split_module
+from ..vocab.selection import format_indices
 from .report import fmt_kappa, with_streams
 
 if TYPE_CHECKING:

@@ -16,11 +16,11 @@ from .report import ProjectionRow, Report
 
 if TYPE_CHECKING:
     from ..compute.engine import ProjectionResult
-    from ..detect import Detection
     from ..detect.hints import Hints
     from ..open.source import Source
     from ..options import ReinitOptions
     from ..plan.planner import Plan
+    from ..vocab.detection import Detection
     from ..write.output import Destination
     from ..write.push import PushTarget
 

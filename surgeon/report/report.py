@@ -10,12 +10,12 @@ from typing import Any
 
 from ..compute.modes import NAMES as MODES
 from ..compute.modes import get_mode
-from ..compute.spectrum import Spectrum
-from ..detect.blocks import AttentionBlock, split_module
 from ..errors import Spelling, opt, python_spelling, spell
-from ..plan.selection import format_indices
 from ..text.shown import note_lines, shown
 from ..text.sizes import fmt_bytes
+from ..vocab.blocks import AttentionBlock, split_module
+from ..vocab.selection import format_indices
+from ..vocab.spectrum import Spectrum
 
 
 def fmt_kappa(x: float | None) -> str:

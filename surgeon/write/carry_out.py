@@ -13,10 +13,10 @@ from ..report.checkpoint import done_rows
 if TYPE_CHECKING:
     import torch
 
-    from ..detect import Detection
     from ..open.source import Source
     from ..plan.planner import Plan
     from ..report.report import ProjectionRow
+    from ..vocab.detection import Detection
     from .output import Destination
 
 

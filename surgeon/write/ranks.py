@@ -23,13 +23,13 @@ from ..errors import OptionError, RankFailed, opt
 if TYPE_CHECKING:
     from ..compute.engine import ProjectionResult
     from ..compute.per_file import Compute
-    from ..detect import Detection
     from ..detect.hints import Hints
     from ..open.formats.write_plan import WritePlan
     from ..open.source import Source
     from ..options import ReinitOptions
     from ..plan.planner import Plan
     from ..report.report import Report
+    from ..vocab.detection import Detection
     from .output import Destination
 
 T = TypeVar("T")

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from surgeon.errors import SelectionError, SurgeonError
 from surgeon.open.formats.safetensors_header import DTYPES, read_header
-from surgeon.plan.selection import resolve_indices
+from surgeon.vocab.selection import resolve_indices
 
 from helpers.digests import tree_digest
 from helpers.paths import ROOT

@@ -42,7 +42,7 @@ TORCH_FREE = [
     "surgeon.detect.latent",
     "surgeon.detect.refusals",
     "surgeon.detect.families",
-    "surgeon.detect.config_keys",
+    "surgeon.vocab.config_keys",
     "surgeon.detect.placement",
     "surgeon.open.formats.registry",
     "surgeon.open.formats.safetensors",

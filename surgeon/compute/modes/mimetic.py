@@ -10,7 +10,7 @@ from .base import Mode
 if TYPE_CHECKING:
     import torch
 
-    from ...plan.change import Change, OptionsView, PlanView
+    from ...vocab.change import Change, OptionsView, PlanView
     from .base import Draw
 
 MIMETIC_BIBTEX = """\

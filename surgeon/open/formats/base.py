@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from ...errors import CheckpointError
-from ...plan.change import PlanView
+from ...vocab.change import PlanView
 from ..bounded import INDEX_LIMIT, read_json
 from ..folder import file_in
 from .write_plan import WritePlan
@@ -18,7 +18,7 @@ from .write_plan import WritePlan
 if TYPE_CHECKING:
     import torch
 
-    from ...detect.result import Detection
+    from ...vocab.detection import Detection
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 

@@ -28,7 +28,7 @@ import onnx
 import torch
 
 from ...errors import CheckpointError
-from ...plan.change import PlanView
+from ...vocab.change import PlanView
 from ..bounded import loads
 from ..folder import file_in
 from . import onnx_wire as wire
@@ -40,7 +40,7 @@ from .onnx_write import METADATA_KEY
 from .write_plan import WritePlan
 
 if TYPE_CHECKING:
-    from ...detect.result import Detection
+    from ...vocab.detection import Detection
 
 # ONNX TensorProto.DataType -> (torch dtype, bytes per element)
 DTYPES: dict[int, tuple[torch.dtype, int]] = {

@@ -1,14 +1,17 @@
 """How config files spell each fact detection reads: config.json's keys for heads, head size and width (per
 tower, per layer type, per layer, per stage), the families whose fused packing or head count depends on their
 model type, Megatron-LM's legacy query_key_value by checkpoint version, and training frameworks' own config
-files read in config.json's terms.
+files read in config.json's terms (:func:`framework_config`, shared by opening a checkpoint and detecting a
+module; :func:`nested` reads a dotted path into nested entries).
 
 Nothing here imports torch, numpy or onnx.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 HEADS_KEYS = ("num_attention_heads", "num_heads", "n_head", "n_heads", "attention_heads", "heads")
 KV_HEADS_KEYS = (
@@ -177,6 +180,22 @@ FRAMEWORK_CONFIGS = (
         },
     ),
 )
+
+
+def framework_config(framework: FrameworkConfig, data: Mapping[str, Any]) -> dict:
+    """A framework's own config (its file's fields, or its config object's attributes) in config.json's terms:
+    the family's model type and the counts its FRAMEWORK_CONFIGS entry maps."""
+    facts = {key: nested(dict(data), field) for field, key in framework.fields.items()}
+    counts = {k: v for k, v in facts.items() if isinstance(v, int) and not isinstance(v, bool)}
+    return {"model_type": framework.model_type, **counts}
+
+
+def nested(scope: dict, path: str) -> Any:
+    """The entry of ``scope`` at a dotted path of keys ("structure_head.diffusion_module"), or None."""
+    value: Any = scope if path else None
+    for key in path.split(".") if path else ():
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
 
 
 # --- layers whose facts differ from the stack's ------------------------------------------------

@@ -1,10 +1,9 @@
-"""One chosen projection (:class:`Change`), and the plan as the stages after planning read it.
+"""One chosen projection (:class:`Change`), and the plan as the stages below planning read it.
 
-The planner (surgeon.plan.planner) makes the :class:`~surgeon.plan.planner.Plan`; the modes
-(surgeon.compute.modes) draw it and the formats (surgeon.open.formats) decide how to write it. They cannot
-import the planner back: it imports the options, which import the modes for their names, and it opens sources,
-which import the formats. So this module, which imports nothing of surgeon's but the blocks, is the one place
-that names what they read of a plan: :class:`PlanView` and :class:`OptionsView`, by shape.
+The planner (surgeon.plan.planner) makes the :class:`~surgeon.plan.planner.Plan`; the modes (surgeon.modes) draw
+it and the formats (surgeon.formats) decide how to write it. Both sit below the options and the planner in the
+package order (tests/project/test_import_graph.py), so this module, which imports nothing of surgeon's but the
+blocks, names what they read of a plan: :class:`PlanView` and :class:`OptionsView`, by shape.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from ..detect.blocks import AttentionBlock, Projection
+from .blocks import AttentionBlock, Projection
 
 
 @dataclass(frozen=True)
