@@ -7,9 +7,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from .compute.modes import NAMES as MODES
-from .compute.modes import all_modes, get_mode, owner_of
 from .errors import OptionError, opt
+from .modes import NAMES as MODES
+from .modes import all_modes, get_mode, owner_of
 from .vocab.selection import IndexSpec, parse_targets
 from .vocab.spectrum import VALUE_IDENTITIES
 

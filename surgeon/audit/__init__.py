@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from .._version import __version__
-from ..compute.modes import get_mode
 from ..detect.hints import HintInput, Hints
 from ..errors import CheckpointError, DerivedMismatch, SurgeonError, VerificationError, opt
+from ..modes import get_mode
 from ..open.formats.write_plan import WritePlan
 from ..report.card import card_comment
 from ..text.shown import shown

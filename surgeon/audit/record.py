@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
-from ..compute.modes import all_modes, get_mode
 from ..errors import CheckpointError, SurgeonError
+from ..modes import all_modes, get_mode
 from ..open.bounded import CARD_LIMIT, loads, read_text
 from ..open.hub_ids import parse_repo_id
 from ..options import BIAS_CHOICES, MODES, ReinitOptions

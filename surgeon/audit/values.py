@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..compute.conditioning import single_threaded
-from ..compute.modes import get_mode
 from ..errors import DerivedMismatch, VerificationError
+from ..modes import get_mode
+from ..modes.conditioning import single_threaded
 from ..open.formats.base import tensor_bytes
 
 if TYPE_CHECKING:

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
-from ..compute.modes import get_mode
 from ..detect.base_model import CheckpointDrawKeys
 from ..detect.placement import kind
 from ..errors import OptionError, SelectionError, opt
+from ..modes import get_mode
 from ..options import ReinitOptions, stacks_of
 from ..vocab.blocks import AttentionBlock, Unreadable
 from ..vocab.change import Change

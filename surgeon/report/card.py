@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
 from ..compute.engine import ProjectionResult
-from ..compute.modes import get_mode
 from ..detect.hints import Hints
+from ..modes import get_mode
 from ..open.bounded import CARD_LIMIT, read_text
 from ..open.folder import file_in
 from ..open.source import Source

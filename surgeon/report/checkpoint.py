@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .._version import __version__
-from ..compute.modes import get_mode
 from ..errors import opt
+from ..modes import get_mode
 from ..write.output import folder_output_files
 from .report import ProjectionRow, Report
 

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..compute.modes import NAMES as MODES
-from ..compute.modes import get_mode
 from ..errors import Spelling, opt, python_spelling, spell
+from ..modes import NAMES as MODES
+from ..modes import get_mode
 from ..text.shown import note_lines, shown
 from ..text.sizes import fmt_bytes
 from ..vocab.blocks import AttentionBlock, split_module

@@ -1,4 +1,4 @@
-"""The control: the family's own default init, drawn again (see surgeon.compute.baselines for the sources)."""
+"""The control: the family's own default init, drawn again (see surgeon.modes.baselines for the sources)."""
 
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ class Redraw(Mode, name="redraw", option="std"):
     label = "Default-init redraw"
 
     def draw(self, job: Draw) -> torch.Tensor:
-        from ..baselines import redraw_heads
+        from .baselines import redraw_heads
 
         return redraw_heads(job.change, job.key, job.options, device=job.device)
 
     def with_defaults(self, options: Options, config: Any) -> Options:
-        from ..baselines import config_std
+        from .baselines import config_std
 
         return options if options.std is not None else replace(options, std=config_std(config)[0])
 
@@ -45,7 +45,7 @@ class Redraw(Mode, name="redraw", option="std"):
 def _draws(options: dict, blocks: Sequence) -> str:
     """The draws the blocks get, in words: normal(0, std), and xavier_uniform only where nn.MultiheadAttention
     tensors are among them (that is its own default init)."""
-    from ..baselines import is_xavier
+    from .baselines import is_xavier
 
     kinds = {is_xavier(p.weight.tensor) for b in blocks for p in b.projections}
     normal = f"normal(0, {options.get('std')})"

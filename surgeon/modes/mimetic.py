@@ -10,7 +10,7 @@ from .base import Mode
 if TYPE_CHECKING:
     import torch
 
-    from ...vocab.change import Change, OptionsView, PlanView
+    from ..vocab.change import Change, OptionsView, PlanView
     from .base import Draw
 
 MIMETIC_BIBTEX = """\
@@ -31,18 +31,18 @@ class Mimetic(Mode, name="mimetic"):
     citation = MIMETIC_BIBTEX
 
     def draw(self, job: Draw) -> torch.Tensor:
-        from ..baselines import mimetic_heads, module_key
+        from .baselines import mimetic_heads, module_key
 
         block, tensor = job.change.block, job.change.projection.weight.tensor
         return mimetic_heads(job.change, module_key(block, tensor, job.key), job.options, device=job.device)
 
     def find_outputs(self, plan: PlanView, shapes: dict) -> dict[str, tuple[str, bool]]:
-        from ..baselines import out_projections
+        from .baselines import out_projections
 
         return out_projections(plan, shapes)
 
     def draw_output(self, change: Change, options: OptionsView, *, key: str, linear: bool) -> torch.Tensor:
-        from ..baselines import mimetic_out, module_key
+        from .baselines import mimetic_out, module_key
 
         return mimetic_out(
             change.block, module_key(change.block, change.projection.weight.tensor, key), options, linear

@@ -23,7 +23,7 @@ class Polar(Mode, name="polar", option="strength"):
     citation = CONDITIONED_BIBTEX
 
     def draw(self, job: Draw) -> torch.Tensor:
-        from ..conditioning import polar
+        from .conditioning import polar
 
         assert job.old is not None  # not fresh: the engine passes the old values
         return polar(job.old, job.options.effective_strength)

@@ -22,7 +22,7 @@ class Conditioned(Mode, name="conditioned", option="gain"):
     def draw(self, job: Draw) -> torch.Tensor:
         import torch
 
-        from ..conditioning import head_seed, semi_orthogonal_batch, value_identity
+        from .conditioning import head_seed, semi_orthogonal_batch, value_identity
 
         change, options = job.change, job.options
         d, n_in = change.projection.head_dim, change.projection.in_features

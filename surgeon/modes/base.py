@@ -1,4 +1,4 @@
-"""The Mode interface every init mode fills (see surgeon/compute/modes/__init__.py for the registry)."""
+"""The Mode interface every init mode fills (see surgeon/modes/__init__.py for the registry)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 if TYPE_CHECKING:
     import torch
 
-    from ...vocab.change import Change, OptionsView, PlanView
+    from ..vocab.change import Change, OptionsView, PlanView
 
 CONDITIONED_PAPER = "[Saratchandran & Lucey](https://openreview.net/forum?id=cKNOCYPo2W)"
 CONDITIONED_BIBTEX = """\

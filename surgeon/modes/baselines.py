@@ -13,7 +13,7 @@ init again, drawn fresh. Sources and defaults:
   +-sqrt(6 / (fan_in + fan_out)) of the whole tensor. surgeon uses that for tensors named so.
 
 Every head is drawn from its own generator keyed by (seed, tensor, role, head) like the conditioned
-draws (:func:`surgeon.compute.conditioning.head_seed`, with the role tagged ``/redraw`` so the two modes use
+draws (:func:`surgeon.modes.conditioning.head_seed`, with the role tagged ``/redraw`` so the two modes use
 independent streams), on the CPU with numpy's SFC64: the same bits on every machine and device,
 whatever the processing order or selection.
 
