@@ -32,8 +32,8 @@ import torch
 from .._version import __version__
 from ..detect.hints import HintInput, Hints
 from ..errors import CheckpointError, DerivedMismatch, SurgeonError, VerificationError, opt
+from ..formats.write_plan import WritePlan
 from ..modes import get_mode
-from ..open.formats.write_plan import WritePlan
 from ..report.card import card_comment
 from ..text.shown import shown
 from ..vocab.blocks import split_module
@@ -43,8 +43,8 @@ from .values import check_changed, check_untouched
 
 if TYPE_CHECKING:
     from ..compute.engine import Engine
-    from ..open.formats.base import WeightSet
-    from ..open.formats.onnx import OnnxWeights
+    from ..formats.base import WeightSet
+    from ..formats.onnx import OnnxWeights
     from ..open.source import Source
     from ..plan.planner import Plan
     from ..vocab.detection import Detection
@@ -127,7 +127,7 @@ def verify(
         CheckpointError: It cannot verify: no record, a malformed one, or one of another surgeon version
             whose values differ.
     """
-    from ..open.bounded import refuse_special
+    from ..files.bounded import refuse_special
     from ..open.hub import open_model
     from ..open.source import open_source
 
@@ -272,7 +272,7 @@ def _write_plan(
     if not src.primary.graph:  # only graphs share initializers
         return WritePlan()
     a, b = cast("OnnxWeights", src.primary), cast("OnnxWeights", out.primary)  # the one format with a graph
-    from ..open.formats.onnx_wire import renamed_data_files
+    from ..formats.onnx_wire import renamed_data_files
     from .graph import check_graph
 
     try:

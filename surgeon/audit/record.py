@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
 from ..errors import CheckpointError, SurgeonError
+from ..files.bounded import CARD_LIMIT, loads, read_text
 from ..modes import all_modes, get_mode
-from ..open.bounded import CARD_LIMIT, loads, read_text
 from ..open.hub_ids import parse_repo_id
 from ..options import BIAS_CHOICES, MODES, ReinitOptions
 from ..report.card import CARD_CLOSE, CARD_OPEN

@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import DerivedMismatch, VerificationError
+from ..formats.base import tensor_bytes
 from ..modes import get_mode
 from ..modes.conditioning import single_threaded
-from ..open.formats.base import tensor_bytes
 
 if TYPE_CHECKING:
     from ..compute.engine import Engine
-    from ..open.formats.base import WeightSet
+    from ..formats.base import WeightSet
     from ..options import ReinitOptions
     from ..vocab.change import Change
 

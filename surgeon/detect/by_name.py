@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import TypeVar
 
 from ..errors import LayoutError, NoAttentionFoundError, UnsupportedWeightsError, opt
-from ..open.formats.base import TensorInfo
+from ..formats.base import TensorInfo
 from ..vocab.blocks import AttentionBlock, Projection, Rows, Unreadable, owner, packed_size, slot_offsets, split_module
 from ..vocab.detection import Detection
 from .config import ConfigView, StackFacts, with_transformers_defaults

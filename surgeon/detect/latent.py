@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ..errors import LayoutError, opt
-from ..open.formats.base import TensorInfo
+from ..formats.base import TensorInfo
 from ..vocab.blocks import AttentionBlock, Projection, Rows, owner
 from .config import ConfigView, StackFacts
 from .families import LATENTS, Latent, Rule

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, LayoutError, OutputError, opt
-from ..open.bounded import read_bytes, refuse_special
+from ..files.bounded import read_bytes, refuse_special
 from ..vocab.blocks import AttentionBlock
 from .by_name import match_modules, place_matches
 from .config import ConfigView

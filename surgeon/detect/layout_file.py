@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointError, LayoutError, OptionError
-from ..open.bounded import read_bytes
+from ..files.bounded import read_bytes
 from ..vocab.blocks import PACKINGS
 from .families import Part, Rule
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..open.formats.base import TensorInfo
+from ..formats.base import TensorInfo
 from ..vocab.blocks import AttentionBlock, Unreadable
 from ..vocab.selection import format_indices
 from .config import ConfigView

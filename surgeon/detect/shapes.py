@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ..errors import LayoutError, opt
-from ..open.formats.base import TensorInfo
+from ..formats.base import TensorInfo
 from ..vocab.blocks import packed_size
 from ..vocab.config_keys import AUTO_PACKING_WHY
 from .config import ConfigView

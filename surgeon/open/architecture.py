@@ -16,7 +16,7 @@ import torch
 from ..errors import CheckpointError, OptionError
 
 if TYPE_CHECKING:
-    from .formats.base import TensorInfo
+    from ..formats.base import TensorInfo
     from .source import Source
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError
-from .formats.base import read_index, shard_order
-from .formats.safetensors import FILE_SUFFIX, INDEX_SUFFIX, SafetensorsWeights, torch_dtype
-from .formats.safetensors_header import Header, header_length, parse_header, read_header
+from ..formats.base import read_index, shard_order
+from ..formats.safetensors import FILE_SUFFIX, INDEX_SUFFIX, SafetensorsWeights, torch_dtype
+from ..formats.safetensors_header import Header, header_length, parse_header, read_header
 
 if TYPE_CHECKING:
     import torch

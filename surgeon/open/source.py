@@ -9,11 +9,10 @@ from pathlib import Path, PurePosixPath
 from typing import NoReturn
 
 from ..errors import CheckpointError
-from ..vocab.config_keys import FRAMEWORK_CONFIGS, FrameworkConfig, framework_config
-from .bounded import read_json, read_yaml, refuse_special
-from .folder import file_in, walk
-from .formats.base import WeightSet
-from .formats.registry import (
+from ..files.bounded import read_json, read_yaml, refuse_special
+from ..files.folder import file_in, walk
+from ..formats.base import WeightSet
+from ..formats.registry import (
     ALONE_SUFFIXES,
     EXPORT_DIRS,
     FORMATS,
@@ -24,7 +23,8 @@ from .formats.registry import (
     format_of,
     pick_dcp,
 )
-from .formats.stacked import check_layer_count
+from ..formats.stacked import check_layer_count
+from ..vocab.config_keys import FRAMEWORK_CONFIGS, FrameworkConfig, framework_config
 
 SKIP_DIRS = {".git", ".cache"}
 OPEN_CLIP_CONFIG = "open_clip_config.json"
@@ -89,7 +89,7 @@ def open_source(
     elif source.config_path is None:  # found beside the weights: only the folder's own (folder_files)
         source.config_path = _config_beside(source)
         if source.config_path is None and source.format == "dcp":  # a framework's DCP subfolder: its run's config
-            from .formats.dcp import nested_config
+            from ..formats.dcp import nested_config
 
             source.config_path = nested_config(source.folder)
             if source.config_path is not None:
@@ -270,7 +270,7 @@ def _dcp_folders(files: list[str]) -> list[str]:
 
 def _nested_dcp(folder: Path, files: list[str]) -> list[WeightSet]:
     """The DCP checkpoint in a training framework's checkpoint folder (OLMo-core's stepN/model_and_optim/)."""
-    from .formats.dcp import DcpWeights, nested_dcp
+    from ..formats.dcp import DcpWeights, nested_dcp
 
     layout = nested_dcp(folder, _dcp_folders(files))
     return [DcpWeights(folder, nested=layout)] if layout else []

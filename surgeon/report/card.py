@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 from .._version import __version__
 from ..compute.engine import ProjectionResult
 from ..detect.hints import Hints
+from ..files.bounded import CARD_LIMIT, read_text
+from ..files.folder import file_in
 from ..modes import get_mode
-from ..open.bounded import CARD_LIMIT, read_text
-from ..open.folder import file_in
 from ..open.source import Source
 from ..plan.planner import Plan
 from ..text.shown import shown

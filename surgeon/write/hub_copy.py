@@ -69,7 +69,7 @@ def no_copy_reason(source: Source, *, output_given: bool, no_server_copy: bool) 
 
 def copies_for(source: Source, staged: list[str]) -> ServerCopies:
     """What a full output of ``source`` holds and the staging folder (``staged``) does not: copied."""
-    from ..open.folder import file_in
+    from ..files.folder import file_in
     from ..open.hub_remote import RemoteSafetensorsWeights
     from .output import folder_output_files
 
@@ -161,7 +161,7 @@ def refused(exc: BaseException) -> CopyRefused:
 def complete_staging(folder: Path, source: Source) -> None:
     """Make the staging folder the whole output: the unchanged shards (fetched, so as their source) and
     the files carried over, beside the changed shards and card already there."""
-    from ..open.folder import file_in
+    from ..files.folder import file_in
 
     weights = source.primary
     for file in weights.all_files:

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from ..errors import CheckpointError, HalfPatchedError, OutputError, opt
-from ..open.formats.safetensors import SafetensorsWeights, patch
-from ..open.formats.safetensors_header import Header, add_record, encode_header, read_header_fd, with_metadata
+from ..formats.safetensors import SafetensorsWeights, patch
+from ..formats.safetensors_header import Header, add_record, encode_header, read_header_fd, with_metadata
 from . import journal_file as jf
 from . import locks
 from .journal_file import journal_path
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     import torch
     from _typeshed import ReadableBuffer
 
-    from ..open.formats.base import UpdatesFn
+    from ..formats.base import UpdatesFn
     from ..open.source import Source
 
 
@@ -80,7 +80,7 @@ def check_in_place(source: Source) -> None:
 
 def _other_copies(source: Source) -> str:
     """For a file or index given alone: the weights of another format beside it, which loaders may read instead."""
-    from ..open.formats.registry import FORMATS
+    from ..formats.registry import FORMATS
 
     folder = source.folder
     top = sorted(p.name for p in folder.iterdir() if p.is_file())

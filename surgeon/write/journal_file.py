@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError
-from ..open.bounded import loads
-from ..open.formats.safetensors_header import Header, parse_header
+from ..files.bounded import loads
+from ..formats.safetensors_header import Header, parse_header
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
 from ..errors import CheckpointError, HubAuthError, HubError, OptionError, PushError, opt
-from ..open.bounded import CARD_LIMIT, read_bytes
-from ..open.folder import walk
+from ..files.bounded import CARD_LIMIT, read_bytes
+from ..files.folder import walk
 from ..open.hub_errors import one_line, write_error
 from ..open.hub_ids import check_revision, hf_progress, require_repo_id
 from ..text.redact import remember

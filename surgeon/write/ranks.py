@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ..compute.engine import ProjectionResult
     from ..compute.per_file import Compute
     from ..detect.hints import Hints
-    from ..open.formats.write_plan import WritePlan
+    from ..formats.write_plan import WritePlan
     from ..open.source import Source
     from ..options import ReinitOptions
     from ..plan.planner import Plan
@@ -123,7 +123,7 @@ def refuse(*, in_place: bool, push: bool, source: Source | None = None, dest: De
         raise OptionError(f"{opt('push_to_hub')} does not run over several ranks; push the output with `surgeon push`")
     if source is None or dest is None:
         return
-    from ..open.formats.base import RankedWeightSet
+    from ..formats.base import RankedWeightSet
     from .output import OutputKind
 
     weights = source.primary
@@ -219,7 +219,7 @@ def write(
 ) -> tuple[list[str], list[ProjectionResult]]:
     """Write the output folder with every rank (see the module's docstring), as ``write_plan`` (the weights'
     ``write_plan``) says; returns (notes, the results of all ranks)."""
-    from ..open.formats.base import RankedWeightSet
+    from ..formats.base import RankedWeightSet
     from .output import copy_extras
     from .staging import staged
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointError, HalfPatchedError, OutputError
-from ..open.bounded import INDEX_LIMIT, loads
-from ..open.formats.safetensors import FILE_SUFFIX, INDEX_SUFFIX
-from ..open.formats.safetensors_header import Header, read_header_fd
+from ..files.bounded import INDEX_LIMIT, loads
+from ..formats.safetensors import FILE_SUFFIX, INDEX_SUFFIX
+from ..formats.safetensors_header import Header, read_header_fd
 from . import journal_file as jf
 from . import locks
 from .journal_file import SUFFIX

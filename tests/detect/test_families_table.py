@@ -7,8 +7,8 @@ import pytest
 from surgeon.detect.by_name import detect
 from surgeon.detect.families import KV_SLOTS, RULES, projection_names
 from surgeon.errors import NoAttentionFoundError
-from surgeon.open.formats.base import TensorInfo
-from surgeon.open.formats.registry import FORMATS, WEIGHT_SUFFIXES, format_of
+from surgeon.formats.base import TensorInfo
+from surgeon.formats.registry import FORMATS, WEIGHT_SUFFIXES, format_of
 from surgeon.vocab.blocks import PACKINGS
 
 from helpers.paths import ROOT

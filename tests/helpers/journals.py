@@ -14,7 +14,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from surgeon.open.formats.safetensors_header import read_header
+from surgeon.formats.safetensors_header import read_header
 from surgeon.write import journal_file as jf
 from surgeon.write.journal_file import journal_path
 

@@ -44,9 +44,9 @@ TORCH_FREE = [
     "surgeon.detect.families",
     "surgeon.vocab.config_keys",
     "surgeon.detect.placement",
-    "surgeon.open.formats.registry",
-    "surgeon.open.formats.safetensors",
-    "surgeon.open.formats.torchfile",
+    "surgeon.formats.registry",
+    "surgeon.formats.safetensors",
+    "surgeon.formats.torchfile",
 ]
 
 

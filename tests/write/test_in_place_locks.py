@@ -356,7 +356,7 @@ KILL_AFTER_HEADER = textwrap.dedent(
 def test_a_patched_header_is_rolled_back_with_the_tensors(tmp_path, cli):
     import struct
 
-    from surgeon.open.formats.safetensors_header import read_header, records
+    from surgeon.formats.safetensors_header import read_header, records
 
     folder = tmp_path / "padded"
     tiny_llama().save_pretrained(folder)

@@ -9,7 +9,7 @@ from typing import Any, cast
 from torch import nn
 
 from ...errors import LayoutError, NoAttentionFoundError, SurgeonError, TensorParallelError
-from ...open.formats.base import TensorInfo
+from ...formats.base import TensorInfo
 from ...vocab.blocks import AttentionBlock, Projection, Rows, slot_offsets
 from ...vocab.config_keys import FRAMEWORK_CONFIGS, framework_config
 from ..base_model import base_path, relative_to

@@ -10,7 +10,7 @@ import pytest
 
 from surgeon.compute.per_file import Compute
 from surgeon.detect import detect_source
-from surgeon.open.formats.write_plan import SharedCopy, WritePlan
+from surgeon.formats.write_plan import SharedCopy, WritePlan
 from surgeon.open.source import open_source
 from surgeon.options import ReinitOptions
 from surgeon.plan.planner import prepare_checkpoint

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeGuard
 
-from ...errors import CheckpointError
-from ..bounded import MAX_DEPTH, loads, too_deep
+from ..errors import CheckpointError
+from ..files.bounded import MAX_DEPTH, loads, too_deep
 
 METADATA_KEY = "surgeon"
 _MAX_HEADER = 100 * 1024 * 1024  # the limit the reference implementation enforces

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ...errors import SharedInitializerError, opt
-from ...vocab.change import PlanView
+from ..errors import SharedInitializerError, opt
+from ..vocab.change import PlanView
 from .onnx_checks import aliased, refuse_aliased
 from .write_plan import SharedCopy, WritePlan
 
 if TYPE_CHECKING:
-    from ...vocab.detection import Detection, GraphFacts, GraphView
+    from ..vocab.detection import Detection, GraphFacts, GraphView
     from .onnx_model import OnnxModel
 
 # nodes that pass an initializer's values on to others (a copy read through them must reach only the chosen projections)

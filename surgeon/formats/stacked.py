@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from ...errors import CheckpointError
+from ..errors import CheckpointError
 from .base import TensorInfo
 
 # The word Megatron-Core's TransformerBlock keys its stacked layers under (f"{prefix}layers."), and the

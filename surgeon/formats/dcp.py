@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
-from ...errors import CheckpointError, VerificationError
-from ..folder import file_in
+from ..errors import CheckpointError, VerificationError
+from ..files.folder import file_in
 from .base import RankedWeightSet, TensorInfo, UpdatesFn, WeightSet
 from .dcp_metadata import METADATA, SUFFIX, Chunk, Layout, TensorEntry, all_spans, read_layout
 from .fileio import same_bytes

@@ -27,10 +27,10 @@ import numpy as np
 import onnx
 import torch
 
-from ...errors import CheckpointError
-from ...vocab.change import PlanView
-from ..bounded import loads
-from ..folder import file_in
+from ..errors import CheckpointError
+from ..files.bounded import loads
+from ..files.folder import file_in
+from ..vocab.change import PlanView
 from . import onnx_wire as wire
 from . import onnx_write
 from .base import TensorInfo, UpdatesFn, WeightSet
@@ -40,7 +40,7 @@ from .onnx_write import METADATA_KEY
 from .write_plan import WritePlan
 
 if TYPE_CHECKING:
-    from ...vocab.detection import Detection
+    from ..vocab.detection import Detection
 
 # ONNX TensorProto.DataType -> (torch dtype, bytes per element)
 DTYPES: dict[int, tuple[torch.dtype, int]] = {
@@ -268,7 +268,7 @@ class OnnxWeights(WeightSet):
 
     def write_plan(self, plan: PlanView, detection: Detection) -> WritePlan:
         """Refuse to change an initializer that nodes outside the plan read too, unless the chosen
-        projections can have their own copy of it (see surgeon.open.formats.onnx_sharing): the copies
+        projections can have their own copy of it (see surgeon.formats.onnx_sharing): the copies
         :meth:`save` writes, and the notes saying so."""
         from .onnx_sharing import plan_sharing
 

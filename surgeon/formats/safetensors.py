@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
-from ...errors import CheckpointError, VerificationError
-from ..bounded import loads
+from ..errors import CheckpointError, VerificationError
+from ..files.bounded import loads
 from .base import RankedWeightSet, TensorInfo, UpdatesFn, WeightSet, tensor_bytes
 from .fileio import BackgroundCopies, copy_range
 from .safetensors_header import (

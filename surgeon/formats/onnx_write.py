@@ -1,4 +1,4 @@
-"""Writing an ONNX model by patching bytes, never re-serializing it (see surgeon.open.formats.onnx).
+"""Writing an ONNX model by patching bytes, never re-serializing it (see surgeon.formats.onnx).
 
 * the .onnx is copied with the changed initializers' data overwritten in place; an initializer stored
   in another encoding is rewritten as ``raw_data`` (the graph's length prefix follows). Copies of
@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 import onnx
 import torch
 
-from ...errors import CheckpointError
-from ..bounded import loads
+from ..errors import CheckpointError
+from ..files.bounded import loads
 from . import onnx_wire as wire
 from .base import UpdatesFn
 from .fileio import copy_file_sparse

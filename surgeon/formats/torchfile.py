@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from .write_plan import WritePlan
 
-from ...errors import CheckpointError, VerificationError
+from ..errors import CheckpointError, VerificationError
 from .base import TensorInfo, UpdatesFn, WeightSet
 from .fileio import same_bytes
 from .stacked import stacked_note, unstack

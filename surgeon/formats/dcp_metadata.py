@@ -20,9 +20,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ...errors import CheckpointError
-from ..bounded import read_bytes
-from ..folder import file_in
+from ..errors import CheckpointError
+from ..files.bounded import read_bytes
+from ..files.folder import file_in
 
 METADATA = ".metadata"
 SUFFIX = ".distcp"

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, BinaryIO
 
-from ...errors import CheckpointError
+from ..errors import CheckpointError
 from .fileio import copy_range
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import onnx
 
-from ...errors import CheckpointError
+from ..errors import CheckpointError
 
 
 def refuse_self_location(model_path: Path, data_path: Path, tensor: str, location: str) -> None:

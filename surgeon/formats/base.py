@@ -9,16 +9,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from ...errors import CheckpointError
-from ...vocab.change import PlanView
-from ..bounded import INDEX_LIMIT, read_json
-from ..folder import file_in
+from ..errors import CheckpointError
+from ..files.bounded import INDEX_LIMIT, read_json
+from ..files.folder import file_in
+from ..vocab.change import PlanView
 from .write_plan import WritePlan
 
 if TYPE_CHECKING:
     import torch
 
-    from ...vocab.detection import Detection
+    from ..vocab.detection import Detection
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 

@@ -11,7 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
-from ...errors import CheckpointError
+from ..errors import CheckpointError
 
 _CHUNK = 16 << 20
 _KERNEL_CHUNK = 256 << 20  # one copy_file_range call at most: a cancelled copy stops within one chunk
