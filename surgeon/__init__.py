@@ -20,7 +20,7 @@ _EXPORTS = {
     "reinit": "in_memory",
     "reinit_": "in_memory",
     "conditioned_init_": "integrations.init_hooks",
-    "recover": "write.recovery",
+    "recover": "open.recovery",
     "verify": "audit",
     "Verification": "audit",
     "VerificationError": "errors",
@@ -100,9 +100,9 @@ if TYPE_CHECKING:
     )
     from .in_memory import inspect, inspect_module, reinit, reinit_
     from .integrations.init_hooks import conditioned_init_
+    from .open.recovery import recover
     from .options import ReinitOptions
     from .report.report import Report
     from .vocab.blocks import AttentionBlock, Projection, Rows
     from .write.push import PushTarget, push_folder
     from .write.push_result import PushResult
-    from .write.recovery import recover

@@ -340,9 +340,9 @@ def source_jacobian(source: Source, *, inputs: str | Path | None = None, exact: 
     """
     import torch
 
+    from ..detect.architecture import CheckpointNames, build_architecture, config_name
     from ..detect.module import checkpoint_names
     from ..errors import CheckpointError, OptionError, opt
-    from ..open.architecture import CheckpointNames, build_architecture, config_name
     from .jacobian_inputs import check_ids, token_ids
 
     if not source.config:

@@ -74,8 +74,8 @@ def open_source(
 
     ``weights``: the folder's weights, opened already (a Hub model's read by Range, whose shards are not
     in the folder); the folder gives the rest."""
-    from ..write.recovery import recover as roll_back
-    from ..write.recovery import refuse_journals
+    from .recovery import recover as roll_back
+    from .recovery import refuse_journals
 
     path = Path(path)
     refuse_special(path, what="model")

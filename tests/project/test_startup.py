@@ -26,9 +26,9 @@ TORCH_FREE = [
     "surgeon.write.carry_out",
     "surgeon.report.checkpoint",
     "surgeon.write.journal",
-    "surgeon.write.journal_file",
-    "surgeon.write.recovery",
-    "surgeon.write.locks",
+    "surgeon.formats.journal_file",
+    "surgeon.open.recovery",
+    "surgeon.files.locks",
     "surgeon.errors",
     "surgeon.open.hub_ids",
     "surgeon.open.hub",
@@ -87,6 +87,6 @@ def test_every_public_name_resolves():
 
     missing = [name for name in surgeon.__all__ if getattr(surgeon, name, None) is None]
     assert missing == []
-    from surgeon.write.recovery import recover
+    from surgeon.open.recovery import recover
 
     assert surgeon.recover is recover

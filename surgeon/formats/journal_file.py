@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError
 from ..files.bounded import loads
-from ..formats.safetensors_header import Header, parse_header
+from .safetensors_header import Header, parse_header
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer

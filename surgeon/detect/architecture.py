@@ -17,7 +17,7 @@ from ..errors import CheckpointError, OptionError
 
 if TYPE_CHECKING:
     from ..formats.base import TensorInfo
-    from .source import Source
+    from ..open.source import Source
 
 
 # A model built from a config may hold this much more than the checkpoint (float32 bytes): heads the
@@ -149,7 +149,7 @@ def _check_against_tensors(
 ) -> None:
     """Every tensor of the model built on the meta device has the shape of the checkpoint's tensor of its
     name; the ones the checkpoint lacks (buffers, heads) add up to no more than the checkpoint plus slack."""
-    from ..detect.module import checkpoint_names
+    from .module import checkpoint_names
 
     names = CheckpointNames(checkpoint_names(meta), set(tensors))
     by_tensor: dict[int, tuple[torch.Tensor, list[str]]] = {}  # tied weights: one tensor, several names

@@ -2,7 +2,7 @@
 
 Read-only commands only look for journals by name (:func:`refuse_journals`). :func:`recover` (``surgeon
 recover``, and an in-place run on the same checkpoint) takes the checkpoint's lock, opens its files
-without following links, checks the journal against them (:mod:`surgeon.write.journal_file`), and only then
+without following links, checks the journal against them (:mod:`surgeon.formats.journal_file`), and only then
 writes the old bytes back. See :mod:`surgeon.write.journal` for the whole story.
 """
 
@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointError, HalfPatchedError, OutputError
+from ..files import locks
 from ..files.bounded import INDEX_LIMIT, loads
+from ..formats import journal_file as jf
+from ..formats.journal_file import SUFFIX
 from ..formats.safetensors import FILE_SUFFIX, INDEX_SUFFIX
 from ..formats.safetensors_header import Header, read_header_fd
-from . import journal_file as jf
-from . import locks
-from .journal_file import SUFFIX
 
 # --- finding journals (by name only: nothing is opened or followed) -------------------------------
 
