@@ -2,7 +2,7 @@
 
 The record (``__metadata__["surgeon"]`` in safetensors, ``metadata_props["surgeon"]`` in ONNX, a comment
 in the model card README.md of a folder output for PyTorch files) holds the options of the run; it is
-read as hostile input and type-checked field by field (``record.py``). From it and the ORIGINAL, the
+read as hostile input and type-checked field by field (surgeon.report.record). From it and the ORIGINAL, the
 plan is made again, exactly as ``surgeon reinit`` made it, and everything in OUTPUT is checked:
 
 - a folder output holds exactly the files surgeon writes: the carried-over ones (config.json, code,
@@ -35,10 +35,10 @@ from ..errors import CheckpointError, DerivedMismatch, SurgeonError, Verificatio
 from ..formats.write_plan import WritePlan
 from ..modes import get_mode
 from ..report.card import card_comment
+from ..report.record import Record, card_records, other_version_note, parse_record, stored_history
 from ..text.shown import shown
 from ..vocab.blocks import split_module
 from ..write.journal import hold
-from .record import Record, card_records, other_version_note, parse_record, stored_history
 from .values import check_changed, check_untouched
 
 if TYPE_CHECKING:

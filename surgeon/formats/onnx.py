@@ -307,7 +307,7 @@ class OnnxWeights(WeightSet):
     def check_non_tensor(self, out: WeightSet, changed: set[str], history: list, output: object) -> None:
         """Nothing to add here: the model and graph around the initializers are compared by
         surgeon.audit.graph (it needs the plan's copies of shared initializers), and the record by
-        surgeon.audit.record."""
+        surgeon.report.record."""
 
 
 def surgeon_records(model: onnx.ModelProto) -> list[dict]:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from ..compute.per_file import Compute
 from ..errors import CheckpointError
-from ..report.checkpoint import done_rows
+from .checkpoint_report import done_rows
 
 if TYPE_CHECKING:
     import torch

@@ -94,8 +94,8 @@ def copies_from_record(
     which sends nothing for them: copied again, they would make a commit that changes nothing."""
     from huggingface_hub import CommitOperationCopy, HfApi, __version__
 
-    from ..audit.record import parse_record, read_card
     from ..errors import SurgeonError
+    from ..report.record import parse_record, read_card
 
     card = folder / "README.md"
     try:

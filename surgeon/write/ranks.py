@@ -157,7 +157,7 @@ def reinit_ranks(
     from ..open.hub import open_model
     from ..plan.planner import prepare_checkpoint
     from ..report.card import source_card, write_card
-    from ..report.checkpoint import done_rows, dry_run_notes, planned_rows, reinit_report, reproduce
+    from .checkpoint_report import done_rows, dry_run_notes, planned_rows, reinit_report, reproduce
     from .journal import hold
     from .output import resolve_destination
 

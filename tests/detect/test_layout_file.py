@@ -308,7 +308,7 @@ def test_verify_uses_the_layout_the_record_keeps(custom, cli, tmp_path):
     trusted; the same bytes under another name verify."""
     import hashlib
 
-    from surgeon.audit.record import card_records
+    from surgeon.report.record import card_records
 
     folder, layout, _ = custom
     out = tmp_path / "out"

@@ -24,7 +24,7 @@ TORCH_FREE = [
     "surgeon.cli.shell",
     "surgeon.compute.per_file",
     "surgeon.write.carry_out",
-    "surgeon.report.checkpoint",
+    "surgeon.write.checkpoint_report",
     "surgeon.write.journal",
     "surgeon.formats.journal_file",
     "surgeon.open.recovery",

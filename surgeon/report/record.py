@@ -23,8 +23,8 @@ from ..files.bounded import CARD_LIMIT, loads, read_text
 from ..modes import all_modes, get_mode
 from ..open.hub_ids import parse_repo_id
 from ..options import BIAS_CHOICES, MODES, ReinitOptions
-from ..report.card import CARD_CLOSE, CARD_OPEN
 from ..vocab.spectrum import VALUE_IDENTITIES
+from .card import CARD_CLOSE, CARD_OPEN
 
 if TYPE_CHECKING:
     from ..open.source import Source

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 from .._version import __version__
 from ..errors import opt
 from ..modes import get_mode
-from ..write.output import folder_output_files
-from .report import ProjectionRow, Report
+from ..report.report import ProjectionRow, Report
+from .output import folder_output_files
 
 if TYPE_CHECKING:
     from ..compute.engine import ProjectionResult
@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from ..options import ReinitOptions
     from ..plan.planner import Plan
     from ..vocab.detection import Detection
-    from ..write.output import Destination
-    from ..write.push import PushTarget
+    from .output import Destination
+    from .push import PushTarget
 
 
 def source_label(source: Source) -> str:
@@ -59,7 +59,7 @@ def dry_run_notes(source: Source, dest: Destination, *, overwrite: bool, push: P
         weights, carried = folder_output_files(source)
         files = sorted({*weights, *carried, "README.md"})  # the folder surgeon writes, its model card included
         notes.append(f"the real run pushes {dest.path.name} to {push.repo_id}: {len(files)} files, {', '.join(files)}")
-        from ..write.push import NO_TOKEN_YET, has_token
+        from .push import NO_TOKEN_YET, has_token
 
         if not has_token(push.token):
             notes.append(NO_TOKEN_YET)
@@ -100,7 +100,7 @@ def reinit_report(
 
 def reproduce(model: str | Path, source: Source, options: ReinitOptions, hints: Hints, dest: Path) -> str:
     """The model card's command that makes the same output again."""
-    from .card import reproduce_command
+    from ..report.card import reproduce_command
 
     if source.hub_id:
         label, revision = source.hub_id, source.hub_commit
