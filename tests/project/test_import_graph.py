@@ -14,8 +14,9 @@ from helpers.paths import ROOT, TESTS
 PACKAGE = ROOT / "surgeon"
 
 # surgeon's packages (a folder, or a module of the package root), lowest first: a module imports from its own package
-# or from one earlier here, never from a later one. The data path reads open -> detect -> plan -> compute -> report
-# -> write, under the terms every stage shares, with the entry points (API, CLI) on top.
+# or from one earlier here, never from a later one. The stages keep the data path's order (open -> detect -> plan ->
+# compute -> write -> report), but for report below write: the write stage's runs make the report's values. Under
+# the stages sit the terms, modes and formats every stage shares; the entry points (API, CLI) are on top.
 ORDER = [
     "_version",
     "text",  # how surgeon shows text: names escaped, tokens redacted (the errors print through it)
