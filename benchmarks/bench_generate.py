@@ -28,7 +28,7 @@ def main() -> None:
 
     import torch
 
-    from surgeon.compute.conditioning import head_seed, semi_orthogonal_batch, single_threaded, value_identity
+    from surgeon.modes.conditioning import head_seed, semi_orthogonal_batch, single_threaded, value_identity
 
     device = torch.device(args.device)
     d = args.hidden // args.heads

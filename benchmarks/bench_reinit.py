@@ -34,7 +34,7 @@ VOCAB = 32000
 BY_HAND = r"""
 import sys, torch
 from safetensors.torch import load_file, save_file
-from surgeon.compute.conditioning import semi_orthogonal_batch
+from surgeon.modes.conditioning import semi_orthogonal_batch
 src, dst = sys.argv[1], sys.argv[2]
 sd = load_file(src)
 for name, t in sd.items():

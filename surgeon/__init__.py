@@ -20,7 +20,7 @@ _EXPORTS = {
     "reinit": "in_memory",
     "reinit_": "in_memory",
     "conditioned_init_": "integrations.init_hooks",
-    "recover": "write.recovery",
+    "recover": "open.recovery",
     "verify": "audit",
     "Verification": "audit",
     "VerificationError": "errors",
@@ -48,9 +48,9 @@ _EXPORTS = {
     "Report": "report.report",
     "jacobian_report": "compute.jacobian",
     "JacobianReport": "compute.jacobian",
-    "AttentionBlock": "detect.blocks",
-    "Projection": "detect.blocks",
-    "Rows": "detect.blocks",
+    "AttentionBlock": "vocab.blocks",
+    "Projection": "vocab.blocks",
+    "Rows": "vocab.blocks",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -79,7 +79,6 @@ if TYPE_CHECKING:
     from .api import inspect_checkpoint, reinit_checkpoint
     from .audit import Verification, verify
     from .compute.jacobian import JacobianReport, jacobian_report
-    from .detect.blocks import AttentionBlock, Projection, Rows
     from .detect.hints import Hints
     from .errors import (
         CheckpointError,
@@ -101,8 +100,9 @@ if TYPE_CHECKING:
     )
     from .in_memory import inspect, inspect_module, reinit, reinit_
     from .integrations.init_hooks import conditioned_init_
+    from .open.recovery import recover
     from .options import ReinitOptions
     from .report.report import Report
+    from .vocab.blocks import AttentionBlock, Projection, Rows
     from .write.push import PushTarget, push_folder
     from .write.push_result import PushResult
-    from .write.recovery import recover

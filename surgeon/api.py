@@ -17,7 +17,9 @@ from .open.hub_remote import fetch_weights, transfer_notes, transfer_of
 from .open.source import Source
 from .options import ReinitOptions
 from .plan.planner import Plan, prepare_checkpoint
-from .report.checkpoint import (
+from .report.report import ProjectionRow, Report
+from .write.carry_out import carry_out
+from .write.checkpoint_report import (
     commit_message,
     dry_run_notes,
     planned_rows,
@@ -25,8 +27,6 @@ from .report.checkpoint import (
     reproduce,
     source_label,
 )
-from .report.report import ProjectionRow, Report
-from .write.carry_out import carry_out
 from .write.hub_copy import no_copy_reason
 from .write.journal import hold
 from .write.output import Destination, resolve_destination

@@ -96,8 +96,8 @@ class SurgeonError(Exception):
 
     def describe(self, spelling: Spelling = python_spelling) -> str:
         """The one-line message, options spelt by ``spelling``; a token echoed by a server never appears, and a
-        name with a newline in it cannot add a line (:func:`surgeon.report.shown.shown`; ``tensor``/``path`` stay raw)."""
-        from .report.shown import one_line
+        name with a newline in it cannot add a line (:func:`surgeon.text.shown.shown`; ``tensor``/``path`` stay raw)."""
+        from .text.shown import one_line
 
         text = spell(self.message, spelling)
         text = f"{self.context}{text}" if self.context else text

@@ -27,14 +27,14 @@ from .compute.distributed import (
     write_params,
 )
 from .compute.engine import Engine, inspect_blocks
-from .compute.modes import get_mode
 from .detect.hints import HintInput, Hints
 from .detect.module import ModuleDetection, detect_module
 from .errors import OptionError, opt
+from .modes import get_mode
 from .options import ReinitOptions
 from .plan.planner import Plan, prepare
-from .plan.selection import IndexSpec
 from .report.report import ProjectionRow, Report
+from .vocab.selection import IndexSpec
 
 
 def reinit_(

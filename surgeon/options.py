@@ -7,11 +7,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from .compute.modes import NAMES as MODES
-from .compute.modes import all_modes, get_mode, owner_of
-from .compute.spectrum import VALUE_IDENTITIES
 from .errors import OptionError, opt
-from .plan.selection import IndexSpec, parse_targets
+from .modes import NAMES as MODES
+from .modes import all_modes, get_mode, owner_of
+from .vocab.selection import IndexSpec, parse_targets
+from .vocab.spectrum import VALUE_IDENTITIES
 
 BIAS_CHOICES = ("auto", "zero", "keep")
 

@@ -2,7 +2,7 @@
 
 The record (``__metadata__["surgeon"]`` in safetensors, ``metadata_props["surgeon"]`` in ONNX, a comment
 in the model card README.md of a folder output for PyTorch files) holds the options of the run; it is
-read as hostile input and type-checked field by field (``record.py``). From it and the ORIGINAL, the
+read as hostile input and type-checked field by field (surgeon.report.record). From it and the ORIGINAL, the
 plan is made again, exactly as ``surgeon reinit`` made it, and everything in OUTPUT is checked:
 
 - a folder output holds exactly the files surgeon writes: the carried-over ones (config.json, code,
@@ -30,24 +30,24 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from .._version import __version__
-from ..compute.modes import get_mode
-from ..detect.blocks import split_module
 from ..detect.hints import HintInput, Hints
 from ..errors import CheckpointError, DerivedMismatch, SurgeonError, VerificationError, opt
-from ..open.formats.write_plan import WritePlan
+from ..formats.write_plan import WritePlan
+from ..modes import get_mode
 from ..report.card import card_comment
-from ..report.shown import shown
+from ..report.record import Record, card_records, other_version_note, parse_record, stored_history
+from ..text.shown import shown
+from ..vocab.blocks import split_module
 from ..write.journal import hold
-from .record import Record, card_records, other_version_note, parse_record, stored_history
 from .values import check_changed, check_untouched
 
 if TYPE_CHECKING:
     from ..compute.engine import Engine
-    from ..detect.result import Detection
-    from ..open.formats.base import WeightSet
-    from ..open.formats.onnx import OnnxWeights
+    from ..formats.base import WeightSet
+    from ..formats.onnx import OnnxWeights
     from ..open.source import Source
     from ..plan.planner import Plan
+    from ..vocab.detection import Detection
 
 __all__ = ["Verification", "verify", "card_record", "card_comment", "CheckpointError", "VerificationError"]
 
@@ -127,7 +127,7 @@ def verify(
         CheckpointError: It cannot verify: no record, a malformed one, or one of another surgeon version
             whose values differ.
     """
-    from ..open.bounded import refuse_special
+    from ..files.bounded import refuse_special
     from ..open.hub import open_model
     from ..open.source import open_source
 
@@ -272,7 +272,7 @@ def _write_plan(
     if not src.primary.graph:  # only graphs share initializers
         return WritePlan()
     a, b = cast("OnnxWeights", src.primary), cast("OnnxWeights", out.primary)  # the one format with a graph
-    from ..open.formats.onnx_wire import renamed_data_files
+    from ..formats.onnx_wire import renamed_data_files
     from .graph import check_graph
 
     try:

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import VerificationError
-from ..open.formats.fileio import same_bytes
+from ..formats.fileio import same_bytes
 from ..open.source import SKIP_DIRS
+from ..report.record import Record, read_card
 from ..write.output import folder_output_files
-from .record import Record, read_card
 
 if TYPE_CHECKING:
     from ..open.source import Source
@@ -84,7 +84,7 @@ def _regular(path: Path, rel: str, output: str | Path) -> None:
 
 
 def _what_added(rel: str, src: Source) -> str:
-    from ..open.formats.registry import STATE_DICT_SUFFIXES, format_of
+    from ..formats.registry import STATE_DICT_SUFFIXES, format_of
     from ..open.source import STALE_WEIGHT_SUFFIXES
 
     if (src.folder / rel).is_file():

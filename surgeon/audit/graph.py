@@ -21,8 +21,8 @@ from ..errors import VerificationError
 if TYPE_CHECKING:
     from google.protobuf.message import Message
 
-    from ..open.formats.onnx import OnnxWeights
-    from ..open.formats.write_plan import WritePlan
+    from ..formats.onnx import OnnxWeights
+    from ..formats.write_plan import WritePlan
 
 _DATA = frozenset(
     ("raw_data", "float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data", "external_data")

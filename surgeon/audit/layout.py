@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..detect.blocks import AttentionBlock, Projection, Rows
 from ..detect.hints import HintInput, Hints
 from ..errors import LayoutError, OptionError, opt
+from ..vocab.blocks import AttentionBlock, Projection, Rows
 
 if TYPE_CHECKING:
-    from ..open.architecture import CheckpointNames
+    from ..detect.architecture import CheckpointNames
     from ..open.source import Source
 
 
@@ -59,8 +59,8 @@ def verify_layout(
 
 def check_layout(source: Source, blocks: Sequence[AttentionBlock]) -> LayoutCheck:
     """:func:`verify_layout` on a checkpoint already opened and detected (``blocks``)."""
+    from ..detect.architecture import CheckpointNames, build_architecture, config_name
     from ..detect.module import checkpoint_names, probe_blocks
-    from ..open.architecture import CheckpointNames, build_architecture, config_name
 
     purpose = opt("verify_layout", True)
     if not source.config:

@@ -25,16 +25,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..compute.conditioning import single_threaded
-from ..compute.modes import get_mode
 from ..errors import DerivedMismatch, VerificationError
-from ..open.formats.base import tensor_bytes
+from ..formats.base import tensor_bytes
+from ..modes import get_mode
+from ..modes.conditioning import single_threaded
 
 if TYPE_CHECKING:
     from ..compute.engine import Engine
-    from ..open.formats.base import WeightSet
+    from ..formats.base import WeightSet
     from ..options import ReinitOptions
-    from ..plan.change import Change
+    from ..vocab.change import Change
 
 EPS64 = 2.0**-52
 

@@ -11,7 +11,7 @@ import click
 
 from .._version import __version__
 from ..errors import OptionError
-from ..report.shown import note_lines, shown
+from ..text.shown import note_lines, shown
 from .shell import (
     CONTEXT,
     REINIT_SECTIONS,
@@ -377,7 +377,7 @@ def recover(path: str, as_json: bool) -> None:
     new bytes), then writes them back, so the checkpoint is exactly as it was before that run.
     A journal that fails a check is refused and left in place. Does nothing if there is no journal.
     """
-    from ..write.recovery import recover_journals
+    from ..open.recovery import recover_journals
 
     done = recover_journals(path)
     notes = [d.note() for d in done]

@@ -22,8 +22,8 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
 def _fail(message: str, code: int = 1) -> None:
-    """An error is one line: no token in it, and no name from a file can start another (surgeon.report.shown)."""
-    from ..report.shown import one_line
+    """An error is one line: no token in it, and no name from a file can start another (surgeon.text.shown)."""
+    from ..text.shown import one_line
 
     click.echo(f"surgeon: error: {one_line(message)}", err=True)
     sys.exit(code)
@@ -31,7 +31,7 @@ def _fail(message: str, code: int = 1) -> None:
 
 def _out(text: str) -> None:
     """Reports and notes on stdout, never with a token in them."""
-    from ..report.redact import redact
+    from ..text.redact import redact
 
     click.echo(redact(spell(text, cli_spelling)))
 
@@ -220,8 +220,8 @@ def _internal_error(exc: Exception, debug: bool) -> None:
     """A bug (an exception no code path expects) is one redacted line too; its traceback only when asked."""
     import traceback
 
-    from ..report.redact import redact
-    from ..report.shown import one_line
+    from ..text.redact import redact
+    from ..text.shown import one_line
 
     if debug:
         click.echo(redact("".join(traceback.format_exception(exc))).rstrip("\n"), err=True)
@@ -249,7 +249,7 @@ class OneLineErrors(click.Group):
         standalone_mode: bool = True,
         **extra: Any,
     ) -> Any:
-        from ..report.redact import redact_library_output
+        from ..text.redact import redact_library_output
 
         redact_library_output()
         args, debug = _debugging(list(sys.argv[1:] if args is None else args))

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, TypeGuard, cast
 import torch
 from torch import nn
 
-from ..detect.blocks import AttentionBlock, Rows
 from ..errors import OptionError, UnsupportedWeightsError
-from .conditioning import Spectrum, single_threaded
+from ..modes.conditioning import Spectrum, single_threaded
+from ..vocab.blocks import AttentionBlock, Rows
 from .engine import Engine, TensorCopy, TensorStore, _row_index, head_matrices
 
 if TYPE_CHECKING:
@@ -268,7 +268,7 @@ def inspect_sharded(
     blocks: Sequence[AttentionBlock], params: Mapping[str, torch.Tensor], device: torch.device, *, whole: bool = False
 ) -> dict[tuple[str, str], Spectrum]:
     """``apply.inspect_blocks`` on DTensor parameters: one projection gathered at a time."""
-    from .conditioning import spectrum
+    from ..modes.conditioning import spectrum
 
     out: dict[tuple[str, str], Spectrum] = {}
     with single_threaded(), torch.no_grad():

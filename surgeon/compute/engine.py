@@ -14,20 +14,20 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..detect.blocks import AttentionBlock, Projection, Rows
 from ..errors import OptionError, UnsupportedWeightsError, opt
-from ..plan.change import Change
-from ..plan.planner import Plan
-from ..plan.selection import format_indices
-from .conditioning import (
+from ..modes import get_mode
+from ..modes.base import Draw
+from ..modes.conditioning import (
     Spectrum,
     head_kappas,
     rescale_to,
     single_threaded,
     spectrum,
 )
-from .modes import get_mode
-from .modes.base import Draw
+from ..plan.planner import Plan
+from ..vocab.blocks import AttentionBlock, Projection, Rows
+from ..vocab.change import Change
+from ..vocab.selection import format_indices
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -34,9 +34,9 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from ..detect.blocks import AttentionBlock
     from ..detect.hints import HintInput
     from ..open.source import Source
+    from ..vocab.blocks import AttentionBlock
 
     # One forward's arguments: token ids, or a custom module's positional / keyword arguments (whatever its
     # forward takes, hence Any).
@@ -92,7 +92,7 @@ class JacobianReport:
         return out
 
     def render(self) -> str:
-        from ..report.shown import note_lines, shown
+        from ..text.shown import note_lines, shown
 
         head = ["module", "kX", "kLambda", "kP", "kWq", "kWk", "kWv", "bound", "exact kJ", "holds"]
         table = []
@@ -228,8 +228,8 @@ def jacobian_report(
 
 def _self_attention(detected: Sequence[AttentionBlock], report: JacobianReport) -> list[AttentionBlock]:
     """The self-attention blocks the theorem is about; the report notes what else was skipped."""
-    from ..detect.blocks import split_module
     from ..errors import OptionError
+    from ..vocab.blocks import split_module
 
     streams = [b for b in detected if split_module(b.module)[1]]  # a joint block's second stream: not a module
     blocks = [b for b in detected if b.kind == "self" and not split_module(b.module)[1]]
@@ -340,9 +340,9 @@ def source_jacobian(source: Source, *, inputs: str | Path | None = None, exact: 
     """
     import torch
 
+    from ..detect.architecture import CheckpointNames, build_architecture, config_name
     from ..detect.module import checkpoint_names
     from ..errors import CheckpointError, OptionError, opt
-    from ..open.architecture import CheckpointNames, build_architecture, config_name
     from .jacobian_inputs import check_ids, token_ids
 
     if not source.config:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import OptionError, opt
-from ..open.bounded import read_bytes
+from ..files.bounded import read_bytes
 
 if TYPE_CHECKING:
     import torch

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import torch
     from tqdm.auto import tqdm
 
-    from ..open.formats.base import WeightSet
+    from ..formats.base import WeightSet
     from .engine import Engine, ProjectionResult
 
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .result import Detection
-
 if TYPE_CHECKING:
     from ..open.source import Source
+    from ..vocab.detection import Detection
     from .hints import Hints
 
 

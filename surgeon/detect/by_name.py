@@ -2,7 +2,7 @@
 
 Each family's naming is a :class:`Rule` in :data:`RULES`: which tensors (relative to the attention
 module) hold the projections and how each packs its (role, head) slots. Matching a rule yields
-:class:`~surgeon.detect.blocks.AttentionBlock` data; nothing downstream knows about family names.
+:class:`~surgeon.vocab.blocks.AttentionBlock` data; nothing downstream knows about family names.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from dataclasses import replace
 from typing import TypeVar
 
 from ..errors import LayoutError, NoAttentionFoundError, UnsupportedWeightsError, opt
-from ..open.formats.base import TensorInfo
-from .blocks import AttentionBlock, Projection, Rows, Unreadable, owner, packed_size, slot_offsets, split_module
+from ..formats.base import TensorInfo
+from ..vocab.blocks import AttentionBlock, Projection, Rows, Unreadable, owner, packed_size, slot_offsets, split_module
+from ..vocab.detection import Detection
 from .config import ConfigView, StackFacts, with_transformers_defaults
 from .families import MODULE_FACTS, RULES, SECOND_SETS, SHARED_BLOCKS, Part, Rule
 from .hints import Hints
@@ -32,7 +33,6 @@ from .refusals import (
     refused_layouts,
 )
 from .renames import stack_aliases
-from .result import Detection
 from .shapes import heads_from_head_dim, solve
 from .shapes import packing as part_packing
 

@@ -14,8 +14,7 @@ from itertools import accumulate
 from typing import Any
 
 from ..errors import LayoutError, opt
-from . import subconfigs
-from .config_keys import (
+from ..vocab.config_keys import (
     BLOCKS_PER_STAGE_KEYS,
     FRAMEWORK_CONFIGS,
     FUSED_PACKING_BY_MODEL_TYPE,
@@ -38,14 +37,15 @@ from .config_keys import (
     PER_STAGE_SUFFIX,
     SUBCONFIG_BY_PATH,
     V_HEAD_DIM_KEYS,
-    FrameworkConfig,
+    nested,
 )
+from . import subconfigs
 from .families import Latent
 from .hints import Hints
 from .layout_file import LAYOUT_KEYS, Layout
 from .libraries import fused_packing as library_packing
 from .libraries import normalize_config, stack_scope
-from .subconfigs import HEAD_FACTS, nested
+from .subconfigs import HEAD_FACTS
 
 
 @dataclass(frozen=True)
@@ -333,14 +333,6 @@ class ConfigView:
 
 # path words whose prefixed heads facts() reads itself (decoder_attention_heads for a decoder's stack)
 _SIDE_WORDS = ("encoder", "decoder", "cross")
-
-
-def framework_config(framework: FrameworkConfig, data: Mapping[str, Any]) -> dict:
-    """A framework's own config (its file's fields, or its config object's attributes) in config.json's terms:
-    the family's model type and the counts its FRAMEWORK_CONFIGS entry maps."""
-    facts = {key: nested(dict(data), field) for field, key in framework.fields.items()}
-    counts = {k: v for k, v in facts.items() if isinstance(v, int) and not isinstance(v, bool)}
-    return {"model_type": framework.model_type, **counts}
 
 
 def megatron_legacy_packing(version: object) -> str:

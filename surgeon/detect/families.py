@@ -1,13 +1,13 @@
 """Every family fact surgeon knows, as data: adding a model family or a fused layout happens here.
 
 * :data:`RULES`: tensor names (relative to the attention module) that hold the projections, and how
-  each packs its (role, head) slots (a key of :data:`surgeon.detect.blocks.PACKINGS`).
+  each packs its (role, head) slots (a key of :data:`surgeon.vocab.blocks.PACKINGS`).
 * :data:`SAVED_SPLIT`: fused tensors in memory that a framework saves split per role (the draws' names).
 * :data:`CROSS_WORDS`: module-path words that mark cross-attention.
 * :data:`KV_SLOTS`: for each packing, how many key/value heads a tensor of ``slots`` head-sized
   blocks holds (used to infer grouped-query attention from shapes).
 
-How config files spell heads, head size and width is in :mod:`surgeon.detect.config_keys`.
+How config files spell heads, head size and width is in :mod:`surgeon.vocab.config_keys`.
 
 Nothing here imports torch, numpy or onnx.
 """
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from .blocks import SET_TAGS, STREAMS
+from ..vocab.blocks import SET_TAGS, STREAMS
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ..errors import LayoutError, opt
-from ..open.formats.base import TensorInfo
-from .blocks import AttentionBlock, Projection, Rows, owner
+from ..formats.base import TensorInfo
+from ..vocab.blocks import AttentionBlock, Projection, Rows, owner
 from .config import ConfigView, StackFacts
 from .families import LATENTS, Latent, Rule
 from .libraries import kv_map

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, LayoutError, OutputError, opt
-from ..open.bounded import read_bytes, refuse_special
-from .blocks import AttentionBlock
+from ..files.bounded import read_bytes, refuse_special
+from ..vocab.blocks import AttentionBlock
 from .by_name import match_modules, place_matches
 from .config import ConfigView
 from .families import RULES, Rule

@@ -10,7 +10,7 @@ The file is JSON::
      "heads": 4, "kv_heads": "n_kv_head", "head_dim": {"encoder.layers": 16}}
 
 Each rule is a :class:`~surgeon.detect.families.Rule` (tensor names relative to the attention module,
-``packing`` a key of :data:`surgeon.detect.blocks.PACKINGS`, ``orientation`` linear / conv1d / shape); the rules are
+``packing`` a key of :data:`surgeon.vocab.blocks.PACKINGS`, ``orientation`` linear / conv1d / shape); the rules are
 tried before the built-in ones and their packing is taken as said. ``heads``, ``kv_heads`` and ``head_dim``
 are each a number, one number per stack, or the config.json field that holds it; they act as
 ``num_heads``/``num_kv_heads``/``head_dim`` hints where those are not given. :func:`emit` writes what a
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointError, LayoutError, OptionError
-from ..open.bounded import read_bytes
-from .blocks import PACKINGS
+from ..files.bounded import read_bytes
+from ..vocab.blocks import PACKINGS
 from .families import Part, Rule
 
 ORIENTATIONS = ("linear", "conv1d", "shape")

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import CheckpointError, LayoutError, opt
-from .blocks import AttentionBlock, Projection, Rows, slot_offsets, split_module
+from ..vocab.blocks import AttentionBlock, Projection, Rows, slot_offsets, split_module
 from .families import (
     COMPANION_STREAMS,
     CROSS_BY_POSITION,

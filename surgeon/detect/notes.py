@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..open.formats.base import TensorInfo
-from ..plan.selection import format_indices
-from .blocks import AttentionBlock, Unreadable
+from ..formats.base import TensorInfo
+from ..vocab.blocks import AttentionBlock, Unreadable
+from ..vocab.selection import format_indices
 from .config import ConfigView
 from .families import (
     ATTENTION_WORDS,

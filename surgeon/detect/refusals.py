@@ -9,8 +9,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import CheckpointError, LayoutError, UnsupportedWeightsError, opt
-from ..open.formats.base import TensorInfo
-from .blocks import AttentionBlock, Unreadable, split_module
+from ..formats.base import TensorInfo
+from ..vocab.blocks import AttentionBlock, Unreadable, split_module
 from .config import ConfigView
 from .families import QUANT_PARAMS, REFUSED, RULES, Rule
 from .placement import join, place

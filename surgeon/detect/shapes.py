@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ..errors import LayoutError, opt
-from ..open.formats.base import TensorInfo
-from .blocks import packed_size
+from ..formats.base import TensorInfo
+from ..vocab.blocks import packed_size
+from ..vocab.config_keys import AUTO_PACKING_WHY
 from .config import ConfigView
-from .config_keys import AUTO_PACKING_WHY
 from .families import KV_SLOTS, RULES, Part, Rule
 from .placement import join
 

@@ -7,9 +7,7 @@ Nothing here imports torch, numpy or onnx.
 
 from __future__ import annotations
 
-from typing import Any
-
-from .config_keys import HEAD_DIM_KEYS, HEADS_KEYS, HIDDEN_KEYS, SUBCONFIG_WORDS
+from ..vocab.config_keys import HEAD_DIM_KEYS, HEADS_KEYS, HIDDEN_KEYS, SUBCONFIG_WORDS, nested
 
 
 def subconfig_key(scope: dict, word: str) -> str | None:
@@ -70,11 +68,3 @@ def override(scope: dict, spec: str) -> tuple[dict, str] | None:
     return {
         k.removeprefix(prefix): v for k, v in base.items() if k.startswith(prefix)
     }, f"{key + '.' if key else ''}{prefix}*"
-
-
-def nested(scope: dict, path: str) -> Any:
-    """The entry of ``scope`` at a dotted path of keys ("structure_head.diffusion_module"), or None."""
-    value: Any = scope if path else None
-    for key in path.split(".") if path else ():
-        value = value.get(key) if isinstance(value, dict) else None
-    return value

@@ -35,8 +35,8 @@ from ..detect.hints import HintInput, Hints
 from ..detect.module import ModuleDetection, detect_module
 from ..errors import OptionError, opt
 from ..options import ReinitOptions
-from ..plan.change import Change
 from ..plan.planner import Plan, prepare
+from ..vocab.change import Change
 
 _PLANS: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 

@@ -16,8 +16,7 @@ from ..errors import (
     SurgeonError,
     opt,
 )
-from ..report.redact import remember
-from .formats.registry import (
+from ..formats.registry import (
     DATA_SUFFIXES,
     EXPORT_SUFFIXES,
     OTHER_FORMAT_SUFFIXES,
@@ -25,6 +24,7 @@ from .formats.registry import (
     is_weight,
     pick_weights,
 )
+from ..text.redact import remember
 from .hub_errors import few, is_connection_error, read_error
 from .hub_ids import HF_PREFIX, check_commit, check_revision, hf_progress, parse_repo_id
 from .hub_remote import remote_layout

@@ -13,7 +13,7 @@ from ..errors import (
     HubOfflineError,
     opt,
 )
-from ..report.redact import redact, remember
+from ..text.redact import redact, remember
 
 if TYPE_CHECKING:
     from huggingface_hub.errors import HfHubHTTPError
@@ -152,7 +152,7 @@ def _token_hint() -> str:
 
 
 def _scrub(text: str, token: str | None) -> str:
-    """Belt and braces: a token never reaches a message, even if a server echoed it (``surgeon.report.redact``)."""
+    """Belt and braces: a token never reaches a message, even if a server echoed it (``surgeon.text.redact``)."""
     remember(token)
     return redact(text)
 

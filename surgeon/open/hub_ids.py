@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ..errors import OptionError, opt
-from .formats.registry import WEIGHT_SUFFIXES
+from ..formats.registry import WEIGHT_SUFFIXES
 
 HF_PREFIX = "hf://"
 

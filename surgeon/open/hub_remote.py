@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError
-from .formats.base import read_index, shard_order
-from .formats.safetensors import FILE_SUFFIX, INDEX_SUFFIX, SafetensorsWeights, torch_dtype
-from .formats.safetensors_header import Header, header_length, parse_header, read_header
+from ..formats.base import read_index, shard_order
+from ..formats.safetensors import FILE_SUFFIX, INDEX_SUFFIX, SafetensorsWeights, torch_dtype
+from ..formats.safetensors_header import Header, header_length, parse_header, read_header
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +48,7 @@ class Transfer:
         }
 
     def note(self) -> str:
-        from ..report.report import fmt_bytes
+        from ..text.sizes import fmt_bytes
 
         what = (
             f"read {fmt_bytes(self.ranged)} from the Hub by HTTP Range in {self.range_requests} requests "

@@ -8,13 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import NoReturn
 
-from ..detect.config import framework_config
-from ..detect.config_keys import FRAMEWORK_CONFIGS, FrameworkConfig
 from ..errors import CheckpointError
-from .bounded import read_json, read_yaml, refuse_special
-from .folder import file_in, walk
-from .formats.base import WeightSet
-from .formats.registry import (
+from ..files.bounded import read_json, read_yaml, refuse_special
+from ..files.folder import file_in, walk
+from ..formats.base import WeightSet
+from ..formats.registry import (
     ALONE_SUFFIXES,
     EXPORT_DIRS,
     FORMATS,
@@ -25,7 +23,8 @@ from .formats.registry import (
     format_of,
     pick_dcp,
 )
-from .formats.stacked import check_layer_count
+from ..formats.stacked import check_layer_count
+from ..vocab.config_keys import FRAMEWORK_CONFIGS, FrameworkConfig, framework_config
 
 SKIP_DIRS = {".git", ".cache"}
 OPEN_CLIP_CONFIG = "open_clip_config.json"
@@ -75,8 +74,8 @@ def open_source(
 
     ``weights``: the folder's weights, opened already (a Hub model's read by Range, whose shards are not
     in the folder); the folder gives the rest."""
-    from ..write.recovery import recover as roll_back
-    from ..write.recovery import refuse_journals
+    from .recovery import recover as roll_back
+    from .recovery import refuse_journals
 
     path = Path(path)
     refuse_special(path, what="model")
@@ -90,7 +89,7 @@ def open_source(
     elif source.config_path is None:  # found beside the weights: only the folder's own (folder_files)
         source.config_path = _config_beside(source)
         if source.config_path is None and source.format == "dcp":  # a framework's DCP subfolder: its run's config
-            from .formats.dcp import nested_config
+            from ..formats.dcp import nested_config
 
             source.config_path = nested_config(source.folder)
             if source.config_path is not None:
@@ -271,7 +270,7 @@ def _dcp_folders(files: list[str]) -> list[str]:
 
 def _nested_dcp(folder: Path, files: list[str]) -> list[WeightSet]:
     """The DCP checkpoint in a training framework's checkpoint folder (OLMo-core's stepN/model_and_optim/)."""
-    from .formats.dcp import DcpWeights, nested_dcp
+    from ..formats.dcp import DcpWeights, nested_dcp
 
     layout = nested_dcp(folder, _dcp_folders(files))
     return [DcpWeights(folder, nested=layout)] if layout else []

@@ -7,18 +7,18 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
-from ..compute.modes import get_mode
 from ..detect.base_model import CheckpointDrawKeys
-from ..detect.blocks import AttentionBlock, Unreadable
 from ..detect.placement import kind
 from ..errors import OptionError, SelectionError, opt
+from ..modes import get_mode
 from ..options import ReinitOptions, stacks_of
-from .change import Change
-from .selection import IndexSpec, format_indices, parse_attention, parse_targets, resolve_indices
+from ..vocab.blocks import AttentionBlock, Unreadable
+from ..vocab.change import Change
+from ..vocab.selection import IndexSpec, format_indices, parse_attention, parse_targets, resolve_indices
 
 if TYPE_CHECKING:
-    from ..detect.result import Detection
     from ..open.source import Source
+    from ..vocab.detection import Detection
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class Plan:
                 if c.block.module == block.module:
                     entry["targets"][c.role] = "all" if len(c.heads) == c.projection.heads else format_indices(c.heads)
             blocks.append(entry)
-        from ..report.redact import redact_obj
+        from ..text.redact import redact_obj
 
         record = {
             "tool": "surgeon",

@@ -17,16 +17,16 @@ from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
 from ..compute.engine import ProjectionResult
-from ..compute.modes import get_mode
-from ..detect.blocks import AttentionBlock, split_module
 from ..detect.hints import Hints
-from ..open.bounded import CARD_LIMIT, read_text
-from ..open.folder import file_in
+from ..files.bounded import CARD_LIMIT, read_text
+from ..files.folder import file_in
+from ..modes import get_mode
 from ..open.source import Source
 from ..plan.planner import Plan
-from ..plan.selection import format_indices
+from ..text.shown import shown
+from ..vocab.blocks import AttentionBlock, split_module
+from ..vocab.selection import format_indices
 from .report import fmt_kappa, with_streams
-from .shown import shown
 
 if TYPE_CHECKING:
     from huggingface_hub import ModelCard, ModelCardData
@@ -233,7 +233,7 @@ def card_comment(record: dict) -> str:
 
 
 def write_card(folder: Path, **kwargs: Any) -> Path:
-    from .redact import redact
+    from ..text.redact import redact
 
     path = Path(folder) / "README.md"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -8,13 +8,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..compute.modes import NAMES as MODES
-from ..compute.modes import get_mode
-from ..compute.spectrum import Spectrum
-from ..detect.blocks import AttentionBlock, split_module
 from ..errors import Spelling, opt, python_spelling, spell
-from ..plan.selection import format_indices
-from .shown import note_lines, shown
+from ..modes import NAMES as MODES
+from ..modes import get_mode
+from ..text.shown import note_lines, shown
+from ..text.sizes import fmt_bytes
+from ..vocab.blocks import AttentionBlock, split_module
+from ..vocab.selection import format_indices
+from ..vocab.spectrum import Spectrum
 
 
 def fmt_kappa(x: float | None) -> str:
@@ -29,14 +30,6 @@ def fmt_kappa(x: float | None) -> str:
     if x >= 100:
         return f"{x:,.0f}"
     return f"{x:.2f}" if x < 10 else f"{x:.1f}"
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError
 
 
 def _spec_cells(s: Spectrum | None) -> list[str]:

@@ -8,15 +8,15 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from ..compute.per_file import Compute
 from ..errors import CheckpointError
-from ..report.checkpoint import done_rows
+from .checkpoint_report import done_rows
 
 if TYPE_CHECKING:
     import torch
 
-    from ..detect import Detection
     from ..open.source import Source
     from ..plan.planner import Plan
     from ..report.report import ProjectionRow
+    from ..vocab.detection import Detection
     from .output import Destination
 
 

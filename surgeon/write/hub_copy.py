@@ -69,7 +69,7 @@ def no_copy_reason(source: Source, *, output_given: bool, no_server_copy: bool) 
 
 def copies_for(source: Source, staged: list[str]) -> ServerCopies:
     """What a full output of ``source`` holds and the staging folder (``staged``) does not: copied."""
-    from ..open.folder import file_in
+    from ..files.folder import file_in
     from ..open.hub_remote import RemoteSafetensorsWeights
     from .output import folder_output_files
 
@@ -94,8 +94,8 @@ def copies_from_record(
     which sends nothing for them: copied again, they would make a commit that changes nothing."""
     from huggingface_hub import CommitOperationCopy, HfApi, __version__
 
-    from ..audit.record import parse_record, read_card
     from ..errors import SurgeonError
+    from ..report.record import parse_record, read_card
 
     card = folder / "README.md"
     try:
@@ -161,7 +161,7 @@ def refused(exc: BaseException) -> CopyRefused:
 def complete_staging(folder: Path, source: Source) -> None:
     """Make the staging folder the whole output: the unchanged shards (fetched, so as their source) and
     the files carried over, beside the changed shards and card already there."""
-    from ..open.folder import file_in
+    from ..files.folder import file_in
 
     weights = source.primary
     for file in weights.all_files:
@@ -194,7 +194,7 @@ def predicted(source: Source, changed: list[str]) -> tuple[str, dict[str, int]]:
     report's transfer): the changed shards' bytes, downloaded and then uploaded (with the record added to
     their headers), and the copies."""
     from ..open.hub_remote import RemoteSafetensorsWeights
-    from ..report.report import fmt_bytes
+    from ..text.sizes import fmt_bytes
 
     weights = source.primary
     assert isinstance(weights, RemoteSafetensorsWeights)

@@ -3,7 +3,7 @@
 ``surgeon reinit --in-place`` on safetensors rewrites only the byte ranges of the re-initialized
 tensors (and the header, when surgeon's record fits in its existing length), instead of the whole
 checkpoint. Before the first byte changes, the old bytes of every range are saved to a journal beside
-the checkpoint (``.<name>.surgeon-journal``, format in :mod:`surgeon.write.journal_file`) and made durable;
+the checkpoint (``.<name>.surgeon-journal``, format in :mod:`surgeon.formats.journal_file`) and made durable;
 the digest of each range's new bytes is appended just before that range is written. After the patch
 is fsynced, the journal is removed.
 
@@ -13,7 +13,7 @@ now: same files (size, device, inode), same headers, every range exactly one ten
 header) and holding its old or its new bytes. Every other command refuses a checkpoint with a journal
 and names ``surgeon recover``: a half-patched checkpoint is never read, copied or pushed.
 
-One lock per checkpoint (:mod:`surgeon.write.locks`) on the index and every shard: exclusive for in-place
+One lock per checkpoint (:mod:`surgeon.files.locks`) on the index and every shard: exclusive for in-place
 runs and recoveries, shared for copies and ``inspect``.
 """
 
@@ -29,18 +29,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from ..errors import CheckpointError, HalfPatchedError, OutputError, opt
-from ..open.formats.safetensors import SafetensorsWeights, patch
-from ..open.formats.safetensors_header import Header, add_record, encode_header, read_header_fd, with_metadata
-from . import journal_file as jf
-from . import locks
-from .journal_file import journal_path
-from .recovery import apply, open_file, read_small, refuse_journals
+from ..files import locks
+from ..formats import journal_file as jf
+from ..formats.journal_file import journal_path
+from ..formats.safetensors import SafetensorsWeights, patch
+from ..formats.safetensors_header import Header, add_record, encode_header, read_header_fd, with_metadata
+from ..open.recovery import apply, open_file, read_small, refuse_journals
 
 if TYPE_CHECKING:
     import torch
     from _typeshed import ReadableBuffer
 
-    from ..open.formats.base import UpdatesFn
+    from ..formats.base import UpdatesFn
     from ..open.source import Source
 
 
@@ -80,7 +80,7 @@ def check_in_place(source: Source) -> None:
 
 def _other_copies(source: Source) -> str:
     """For a file or index given alone: the weights of another format beside it, which loaders may read instead."""
-    from ..open.formats.registry import FORMATS
+    from ..formats.registry import FORMATS
 
     folder = source.folder
     top = sorted(p.name for p in folder.iterdir() if p.is_file())

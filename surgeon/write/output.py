@@ -16,15 +16,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from ..errors import CheckpointError, OptionError, OutputError, opt
-from ..open.bounded import refuse_special
-from ..open.folder import file_in
-from ..open.formats.registry import OTHER_FORMAT_SUFFIXES, WEIGHT_SUFFIXES
+from ..files.bounded import refuse_special
+from ..files.folder import file_in
+from ..formats.registry import OTHER_FORMAT_SUFFIXES, WEIGHT_SUFFIXES
 from ..open.source import Source
 from .staging import staged
 
 if TYPE_CHECKING:
-    from ..open.formats.base import RankedWeightSet, UpdatesFn, WeightSet
-    from ..open.formats.write_plan import WritePlan
+    from ..formats.base import RankedWeightSet, UpdatesFn, WeightSet
+    from ..formats.write_plan import WritePlan
 
 _WEIGHT_SUFFIXES = (
     WEIGHT_SUFFIXES + OTHER_FORMAT_SUFFIXES + (".json",)
@@ -102,7 +102,7 @@ class Destination:
 
 def changed_files(weights: WeightSet, updates: UpdatesFn) -> list[str]:
     """The files of ``weights`` that hold a tensor ``updates`` changes (safetensors shards)."""
-    from ..open.formats.safetensors import SafetensorsWeights
+    from ..formats.safetensors import SafetensorsWeights
 
     return cast(SafetensorsWeights, weights).changed_files(updates.names)
 

@@ -9,15 +9,15 @@ from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
 from ..errors import CheckpointError, HubAuthError, HubError, OptionError, PushError, opt
-from ..open.bounded import CARD_LIMIT, read_bytes
-from ..open.folder import walk
+from ..files.bounded import CARD_LIMIT, read_bytes
+from ..files.folder import walk
+from ..formats.journal_file import SUFFIX
 from ..open.hub_errors import one_line, write_error
 from ..open.hub_ids import check_revision, hf_progress, require_repo_id
-from ..report.redact import remember
+from ..open.recovery import refuse_journals
+from ..text.redact import remember
 from .hub_copy import CopyRefused, ServerCopies, copies_from_record, is_copy_error, refused
-from .journal_file import SUFFIX
 from .push_result import PushResult, partial_push_error, push_command
-from .recovery import refuse_journals
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitOperationAdd, HfApi

@@ -78,8 +78,8 @@ class PushResult:
 
     def summary(self) -> str:
         """One line (names shown escaped)."""
-        from ..report.report import fmt_bytes
-        from ..report.shown import shown
+        from ..text.shown import shown
+        from ..text.sizes import fmt_bytes
 
         if self.dry_run:
             copies = (
@@ -111,7 +111,7 @@ class PushResult:
 
     def listing(self) -> list[str]:
         """Every file of the push, one line each (the exact list uploaded, or that a dry run would upload)."""
-        from ..report.shown import shown
+        from ..text.shown import shown
 
         unchanged = set(self.unchanged)
         return [f"  {shown(f)}{' (already there, unchanged)' if f in unchanged else ''}" for f in self.files] + [

@@ -23,13 +23,13 @@ from ..errors import OptionError, RankFailed, opt
 if TYPE_CHECKING:
     from ..compute.engine import ProjectionResult
     from ..compute.per_file import Compute
-    from ..detect import Detection
     from ..detect.hints import Hints
-    from ..open.formats.write_plan import WritePlan
+    from ..formats.write_plan import WritePlan
     from ..open.source import Source
     from ..options import ReinitOptions
     from ..plan.planner import Plan
     from ..report.report import Report
+    from ..vocab.detection import Detection
     from .output import Destination
 
 T = TypeVar("T")
@@ -123,7 +123,7 @@ def refuse(*, in_place: bool, push: bool, source: Source | None = None, dest: De
         raise OptionError(f"{opt('push_to_hub')} does not run over several ranks; push the output with `surgeon push`")
     if source is None or dest is None:
         return
-    from ..open.formats.base import RankedWeightSet
+    from ..formats.base import RankedWeightSet
     from .output import OutputKind
 
     weights = source.primary
@@ -157,7 +157,7 @@ def reinit_ranks(
     from ..open.hub import open_model
     from ..plan.planner import prepare_checkpoint
     from ..report.card import source_card, write_card
-    from ..report.checkpoint import done_rows, dry_run_notes, planned_rows, reinit_report, reproduce
+    from .checkpoint_report import done_rows, dry_run_notes, planned_rows, reinit_report, reproduce
     from .journal import hold
     from .output import resolve_destination
 
@@ -219,7 +219,7 @@ def write(
 ) -> tuple[list[str], list[ProjectionResult]]:
     """Write the output folder with every rank (see the module's docstring), as ``write_plan`` (the weights'
     ``write_plan``) says; returns (notes, the results of all ranks)."""
-    from ..open.formats.base import RankedWeightSet
+    from ..formats.base import RankedWeightSet
     from .output import copy_extras
     from .staging import staged
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import surgeon
-from surgeon.open.formats.safetensors_header import encode_header, read_header, with_metadata
+from surgeon.formats.safetensors_header import encode_header, read_header, with_metadata
 
 from helpers.cli import expect_cli_error
 from helpers.onnx_graphs import tiny_attention

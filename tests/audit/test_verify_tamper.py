@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 import surgeon
 from surgeon._version import __version__
-from surgeon.audit.record import card_records, history, parse_json, parse_record
 from surgeon.errors import CheckpointError
-from surgeon.open.formats.safetensors_header import encode_header, read_header, with_metadata
+from surgeon.formats.safetensors_header import encode_header, read_header, with_metadata
+from surgeon.report.record import card_records, history, parse_json, parse_record
 
 from helpers.cli import expect_cli_error
 from helpers.onnx_graphs import tiny_attention

@@ -285,7 +285,7 @@ def test_errors_name_the_tensor_and_the_file(tmp_path):
     import struct
 
     from surgeon.errors import CheckpointError
-    from surgeon.open.formats.safetensors import SafetensorsWeights
+    from surgeon.formats.safetensors import SafetensorsWeights
 
     header = b'{"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 8]}}'
     bad = tmp_path / "bad.safetensors"

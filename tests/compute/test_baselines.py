@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 import surgeon
-from surgeon.compute.conditioning import head_seed
+from surgeon.modes.conditioning import head_seed
 
 from helpers.cli import expect_cli_error
 from helpers.tiny import tiny_bert, tiny_llama

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from surgeon.compute.conditioning import (
+from surgeon.modes.conditioning import (
     head_seed,
     polar,
     rescale_to,
@@ -107,7 +107,7 @@ def test_draw_is_the_positive_qr_of_seeded_sfc64_gaussians():
     """The documented recipe, recomputed independently: numpy SFC64 Gaussians -> Householder QR, diag(R) > 0."""
     import numpy as np
 
-    from surgeon.compute.conditioning import semi_orthogonal_batch
+    from surgeon.modes.conditioning import semi_orthogonal_batch
 
     seeds = [head_seed(3, "layers.0.q_proj.weight", "q", h) for h in range(5)]
     for rows, cols in [(8, 64), (16, 16), (64, 8), (12, 40)]:
@@ -120,7 +120,7 @@ def test_draw_is_the_positive_qr_of_seeded_sfc64_gaussians():
 
 
 def test_draws_do_not_depend_on_batching_or_order():
-    from surgeon.compute.conditioning import semi_orthogonal_batch
+    from surgeon.modes.conditioning import semi_orthogonal_batch
 
     seeds = [head_seed(0, "w", "k", h) for h in range(9)]
     together = semi_orthogonal_batch(16, 256, seeds)

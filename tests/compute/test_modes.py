@@ -12,7 +12,7 @@ from huggingface_hub import ModelCard
 from safetensors import safe_open
 
 from surgeon import reinit_checkpoint
-from surgeon.compute.modes import Mode, all_modes, get_mode, owner_of
+from surgeon.modes import Mode, all_modes, get_mode, owner_of
 from surgeon.options import MODES, ReinitOptions
 
 from helpers.tiny import tiny_bert

@@ -8,11 +8,12 @@ import dataclasses
 
 import pytest
 
-from surgeon.detect import Detection, detect_source
+from surgeon.detect import detect_source
 from surgeon.detect.module import ModuleDetection, detect_module
 from surgeon.open.source import open_source
 from surgeon.options import ReinitOptions
 from surgeon.plan.planner import Plan, prepare, prepare_checkpoint
+from surgeon.vocab.detection import Detection
 
 from helpers.tiny import tiny_llama
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from surgeon.detect.blocks import PACKINGS
 from surgeon.detect.by_name import detect
 from surgeon.detect.families import KV_SLOTS, RULES, projection_names
 from surgeon.errors import NoAttentionFoundError
-from surgeon.open.formats.base import TensorInfo
-from surgeon.open.formats.registry import FORMATS, WEIGHT_SUFFIXES, format_of
+from surgeon.formats.base import TensorInfo
+from surgeon.formats.registry import FORMATS, WEIGHT_SUFFIXES, format_of
+from surgeon.vocab.blocks import PACKINGS
 
 from helpers.paths import ROOT
 
@@ -50,9 +50,10 @@ def test_every_format_is_found_by_its_suffixes():
 def test_detect_routes_by_input_kind():
     import torch
 
-    from surgeon.detect import Detection, detect
+    from surgeon.detect import detect
     from surgeon.detect.module import ModuleDetection
     from surgeon.open.source import open_source
+    from surgeon.vocab.detection import Detection
 
     found = detect(open_source(ROOT / "examples" / "tiny-bert"))
     assert isinstance(found, Detection) and found.blocks

@@ -238,10 +238,10 @@ def test_every_built_in_rule_is_an_instance_of_the_layout_schema(tmp_path):
     it and read back by the layout reader, is the same rule. Only packing "auto" (a fused tensor whose layout
     the model type decides: query_key_value, litgpt's attn) has no spelling in a file: a user states the
     packing itself, and each such rule has its refusal's reason in the table."""
-    from surgeon.detect.config_keys import AUTO_PACKING_WHY
     from surgeon.detect.families import RULES, SECOND_SETS
     from surgeon.detect.layout_emit import _rule_json
     from surgeon.detect.layout_file import read_layout
+    from surgeon.vocab.config_keys import AUTO_PACKING_WHY
 
     built_in = list(RULES) + [rule for _, rule in SECOND_SETS]
     auto = [r.name for r in built_in if any(p.packing == "auto" for p in r.parts)]
@@ -308,7 +308,7 @@ def test_verify_uses_the_layout_the_record_keeps(custom, cli, tmp_path):
     trusted; the same bytes under another name verify."""
     import hashlib
 
-    from surgeon.audit.record import card_records
+    from surgeon.report.record import card_records
 
     folder, layout, _ = custom
     out = tmp_path / "out"

@@ -43,7 +43,7 @@ def test_the_resampler_is_reset_in_the_heads_it_was_built_with(tmp_path):
 def test_a_resampler_whose_config_surgeon_cannot_tell_is_refused_by_name(tmp_path, monkeypatch):
     """Without the family row that says where Evolla's resampler heads live, two configs on its path say two
     head counts: the block is named and a selection that holds it is refused, nothing written."""
-    from surgeon.detect import config_keys
+    from surgeon.vocab import config_keys
 
     build("evolla", tmp_path / "model")
     rows = {k: v for k, v in config_keys.SUBCONFIG_BY_PATH.items() if k != "evolla"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from surgeon.compute.engine import head_matrices
-from surgeon.open.formats.safetensors import SafetensorsWeights
+from surgeon.formats.safetensors import SafetensorsWeights
 
 
 def our_maps(weights, block):

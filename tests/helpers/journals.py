@@ -14,9 +14,9 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from surgeon.open.formats.safetensors_header import read_header
-from surgeon.write import journal_file as jf
-from surgeon.write.journal_file import journal_path
+from surgeon.formats import journal_file as jf
+from surgeon.formats.journal_file import journal_path
+from surgeon.formats.safetensors_header import read_header
 
 # `surgeon ARGS` that patches the first tensor of the first file, then dies as kill -9 does.
 KILL_AFTER_FIRST = textwrap.dedent(

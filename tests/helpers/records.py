@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import struct
 
-from surgeon.open.formats.safetensors import encode_header, read_header, with_metadata
+from surgeon.formats.safetensors import encode_header, read_header, with_metadata
 
 # The options a record and a report hold for a run with every default, written out here (not read from surgeon):
 # the CLI's defaults, which the Python API mirrors.

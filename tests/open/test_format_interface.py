@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from surgeon.open.formats.base import UpdatesFn, WeightSet
-from surgeon.open.formats.registry import FORMATS, Format
+from surgeon.formats.base import UpdatesFn, WeightSet
+from surgeon.formats.registry import FORMATS, Format
 
 
 def problems(fmt: Format, cls: type) -> list[str]:

@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from surgeon.open import bounded
-from surgeon.open.bounded import MAX_DEPTH, too_deep
+from surgeon.files import bounded
+from surgeon.files.bounded import MAX_DEPTH, too_deep
 
 from helpers.cli import expect_cli_error
 from helpers.paths import ROOT

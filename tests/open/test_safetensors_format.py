@@ -9,8 +9,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from surgeon.open.formats.safetensors import SafetensorsWeights, write_patched
-from surgeon.open.formats.safetensors_header import read_header, records
+from surgeon.formats.safetensors import SafetensorsWeights, write_patched
+from surgeon.formats.safetensors_header import read_header, records
 
 
 def raw_tensors(path):

@@ -63,7 +63,7 @@ def test_zero_size_stacked_layers_are_refused_in_bounded_memory(tmp_path, cli, b
 
 def test_more_stacked_layers_than_any_model_are_refused_before_any_entry(tmp_path):
     """Layers that hold values, as many as the cap allows plus one: refused by the count alone."""
-    from surgeon.open.formats.stacked import MAX_STACKED_LAYERS
+    from surgeon.formats.stacked import MAX_STACKED_LAYERS
 
     torch.save({QKV: torch.zeros(1, 1, 1).expand(MAX_STACKED_LAYERS + 1, 1, 1).clone()}, tmp_path / "model.pt")
     with pytest.raises(CheckpointError, match=f"claims {MAX_STACKED_LAYERS + 1} stacked layers"):

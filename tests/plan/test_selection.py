@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from surgeon.errors import SelectionError
-from surgeon.plan.selection import format_indices, parse_attention, parse_targets, resolve_indices
+from surgeon.vocab.selection import format_indices, parse_attention, parse_targets, resolve_indices
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """docs/ARCHITECTURE.md's recipe for an init mode, followed to the letter on a copy of the package: one module in
-surgeon/compute/modes/ and one entry in its registry, nothing else. The claim is that the CLI's choices, the plan,
+surgeon/modes/ and one entry in its registry, nothing else. The claim is that the CLI's choices, the plan,
 the engine, the report, the record and verify all read the registry; the new mode's heads are judged by their
 singular values, read back with the reference safetensors reader."""
 
@@ -54,7 +54,7 @@ class Halved(Mode, name="halved"):
 def _package_with_a_new_mode(tmp_path: Path) -> Path:
     src = tmp_path / "src"
     shutil.copytree(ROOT / "surgeon", src / "surgeon", ignore=shutil.ignore_patterns("__pycache__"))
-    modes = src / "surgeon" / "compute" / "modes"
+    modes = src / "surgeon" / "modes"
     (modes / "halved.py").write_text(HALVED)
     init = (modes / "__init__.py").read_text()
     registry = "for m in (Conditioned(), Polar(), Redraw(), Mimetic())}"

@@ -70,7 +70,8 @@ def test_census_slice_keeps_its_verdict(model_type, tmp_path):
 )
 def test_breaking_a_family_row_changes_the_verdict(model_type, row, broken, monkeypatch, tmp_path):
     """The census can fail: with one row of surgeon's family data emptied, a type it settles is no longer right."""
-    from surgeon.detect import config, config_keys
+    from surgeon.detect import config
+    from surgeon.vocab import config_keys
 
     assert EXPECTED["verdicts"][model_type] in ("right", "unjudged")
     monkeypatch.setattr(config_keys, row, broken)

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from surgeon.errors import SelectionError, SurgeonError
-from surgeon.open.formats.safetensors_header import DTYPES, read_header
-from surgeon.plan.selection import resolve_indices
+from surgeon.formats.safetensors_header import DTYPES, read_header
+from surgeon.vocab.selection import resolve_indices
 
 from helpers.digests import tree_digest
 from helpers.paths import ROOT
@@ -186,7 +186,7 @@ def test_onnx_external_data_resolver(cli, tmp_path_factory, location, offset, le
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
     assert result.exit_code != 0 and result.stderr.count("\n") == 1  # no attention in a lone MatMul, at best
     assert tree_digest(base) == before  # nothing written, anywhere
-    from surgeon.open.formats.onnx import OnnxWeights
+    from surgeon.formats.onnx import OnnxWeights
 
     try:
         weights = OnnxWeights(folder / "model.onnx")

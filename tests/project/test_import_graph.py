@@ -1,6 +1,7 @@
-"""surgeon's own imports form no cycle (read from the source with ast, function-level imports and those under
-``if TYPE_CHECKING:`` included: a cycle a type checker sees is a cycle of meaning too), and the tests' imports keep
-to tests/README.md: shared code comes from helpers/, never from a test module.
+"""surgeon's own imports form no cycle and run down one package order (read from the source with ast,
+function-level imports and those under ``if TYPE_CHECKING:`` included: a cycle a type checker sees is a cycle of
+meaning too), and the tests' imports keep to tests/README.md: shared code comes from helpers/, never from a test
+module.
 """
 
 from __future__ import annotations
@@ -11,6 +12,37 @@ from pathlib import Path
 from helpers.paths import ROOT, TESTS
 
 PACKAGE = ROOT / "surgeon"
+
+# surgeon's packages (a folder, or a module of the package root), lowest first: a module imports from its own package
+# or from one earlier here, never from a later one. The stages keep the data path's order (open -> detect -> plan ->
+# compute -> write -> report), but for report below write: the write stage's runs make the report's values. Under
+# the stages sit the terms, modes and formats every stage shares; the entry points (API, CLI) are on top.
+ORDER = [
+    "_version",
+    "text",  # how surgeon shows text: names escaped, tokens redacted (the errors print through it)
+    "errors",
+    "_compat",  # private or fast-moving APIs, imported on first use (raises DependencyError)
+    "vocab",  # the terms every stage shares: blocks, changes, selections, detections, spectra, config keys
+    "modes",  # the init modes and the draws they make
+    "options",
+    "files",  # the file system as inputs may use it: capped reads, the folder boundary, the checkpoint lock
+    "formats",  # each file format (and the in-place journal's): read, written and compared in one module
+    "open",
+    "detect",
+    "plan",
+    "compute",
+    "report",
+    "write",
+    "audit",
+    "api",
+    "in_memory",
+    "integrations",
+    "cli",
+    "__main__",
+    "surgeon",  # the package root: the public API's lazy exports
+]
+# (importing module, imported module) pairs allowed to run up the order, each with why a move cannot fix it
+UPWARD: dict[tuple[str, str], str] = {}
 
 
 def _modules() -> dict[str, Path]:
@@ -64,13 +96,53 @@ def test_the_checker_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_no_import_cycle():
+def _graph() -> dict[str, set[str]]:
     modules = _modules()
-    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_no_import_cycle():
+    graph = _graph()
     assert "surgeon.plan.planner" in graph["surgeon.api"]  # the reader sees real imports
-    assert "surgeon.plan.change" in graph["surgeon.compute.modes.base"]  # and those under TYPE_CHECKING
+    assert "surgeon.vocab.change" in graph["surgeon.modes.base"]  # and those under TYPE_CHECKING
     cycle = _cycle(graph)
     assert cycle is None, " -> ".join(cycle)
+
+
+def _package(module: str) -> str:
+    return module.split(".")[1] if "." in module else module
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from a package to a later one in ORDER (or to one ORDER leaves out), but UPWARD's."""
+    rank = {p: i for i, p in enumerate(ORDER)}
+    return sorted(
+        f"{a} imports {b} ({_package(a)} is below {_package(b)})"
+        for a, imported in graph.items()
+        for b in imported
+        if _package(a) != _package(b)
+        and rank.get(_package(b), len(ORDER)) > rank.get(_package(a), -1)
+        and (a, b) not in UPWARD
+    )
+
+
+def test_the_order_checker_finds_an_upward_import():
+    graph = {"surgeon.errors": {"surgeon.report.shown", "surgeon.text.shown"}, "surgeon.text.shown": set()}
+    assert _upward(graph) == ["surgeon.errors imports surgeon.report.shown (errors is below report)"]
+    assert _upward({"surgeon.api": {"surgeon.errors"}, "surgeon.errors": set()}) == []
+
+
+def test_every_package_has_a_place_in_the_order():
+    packages = {_package(m) for m in _modules()}
+    assert sorted(packages - set(ORDER)) == []  # a new package: give it its place
+    assert sorted(set(ORDER) - packages) == []  # a package gone: take it out
+
+
+def test_imports_run_down_the_package_order():
+    graph = _graph()
+    found = _upward(graph)
+    assert not found, f"{len(found)} imports run up the package order:\n" + "\n".join(found)
+    assert all(b in graph[a] for a, b in UPWARD), "an exception no longer needed: take it out of UPWARD"
 
 
 def _test_files() -> list[Path]:

@@ -24,11 +24,11 @@ TORCH_FREE = [
     "surgeon.cli.shell",
     "surgeon.compute.per_file",
     "surgeon.write.carry_out",
-    "surgeon.report.checkpoint",
+    "surgeon.write.checkpoint_report",
     "surgeon.write.journal",
-    "surgeon.write.journal_file",
-    "surgeon.write.recovery",
-    "surgeon.write.locks",
+    "surgeon.formats.journal_file",
+    "surgeon.open.recovery",
+    "surgeon.files.locks",
     "surgeon.errors",
     "surgeon.open.hub_ids",
     "surgeon.open.hub",
@@ -42,11 +42,11 @@ TORCH_FREE = [
     "surgeon.detect.latent",
     "surgeon.detect.refusals",
     "surgeon.detect.families",
-    "surgeon.detect.config_keys",
+    "surgeon.vocab.config_keys",
     "surgeon.detect.placement",
-    "surgeon.open.formats.registry",
-    "surgeon.open.formats.safetensors",
-    "surgeon.open.formats.torchfile",
+    "surgeon.formats.registry",
+    "surgeon.formats.safetensors",
+    "surgeon.formats.torchfile",
 ]
 
 
@@ -87,6 +87,6 @@ def test_every_public_name_resolves():
 
     missing = [name for name in surgeon.__all__ if getattr(surgeon, name, None) is None]
     assert missing == []
-    from surgeon.write.recovery import recover
+    from surgeon.open.recovery import recover
 
     assert surgeon.recover is recover

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import surgeon.api
-from surgeon.report.redact import redact
+from surgeon.text.redact import redact
 
 from helpers.hub import TOKEN, Surgeon, closed_port_url, make_source
 from helpers.hub_server import HubServer
@@ -154,7 +154,7 @@ def test_redact_the_passwords_of_urls_in_the_environment(monkeypatch):
 
 _LIBRARY_OUTPUT = r"""
 import logging, sys, warnings
-from surgeon.report.redact import redact_library_output
+from surgeon.text.redact import redact_library_output
 redact_library_output()
 logging.basicConfig(stream=sys.stderr)
 log = logging.getLogger("huggingface_hub.some_module")

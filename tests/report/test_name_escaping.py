@@ -327,8 +327,8 @@ def test_python_api_keeps_raw_names_and_shows_them_escaped(llama, sep, tmp_path)
 
 
 def test_escapes_are_the_ones_repr_writes():
-    """Every character surgeon.report.shown escapes is one Python's repr escapes too, and written the same way."""
-    from surgeon.report.shown import shown
+    """Every character surgeon.text.shown escapes is one Python's repr escapes too, and written the same way."""
+    from surgeon.text.shown import shown
 
     unsafe = [chr(c) for c in range(0x110000) if shown(chr(c)) != chr(c)]
     assert {"\n", "\r", "\x1b", "\x85", "\u2028", "\u2029", "\u202e", "\u2066", "\u200f", "\u061c"} <= set(unsafe)

@@ -10,7 +10,7 @@ import pytest
 from surgeon import reinit_checkpoint
 from surgeon.options import ReinitOptions
 from surgeon.plan.planner import Plan
-from surgeon.report.redact import redact
+from surgeon.text.redact import redact
 
 from helpers.hub import TOKEN, Surgeon, all_text_under, make_source, serving
 

@@ -59,7 +59,7 @@ def hooked_open(file, mode="r", *a, **kw):
     f = real_open(file, mode, *a, **kw)
     return Writer(f) if any(c in mode for c in "wax+") else f
 import torch
-import surgeon.open.formats.safetensors as st, surgeon.open.formats.torchfile as tf
+import surgeon.formats.safetensors as st, surgeon.formats.torchfile as tf
 for owner, name in [(os, "replace"), (os, "rename"), (shutil, "rmtree"), (shutil, "copyfile"), (tempfile, "mkdtemp"),
                     (st, "copy_range"), (st, "write_patched"), (torch, "save")]:
     wrap(owner, name)
@@ -160,7 +160,7 @@ def _staging(folder: Path, name: str) -> list[Path]:
 PAUSE_AFTER_FIRST_FILE = (
     """
 import sys
-import surgeon.open.formats.safetensors as st
+import surgeon.formats.safetensors as st
 real, state = st.patch, {}
 
 def patch(header, path, start, updates):

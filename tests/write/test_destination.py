@@ -181,11 +181,11 @@ def test_python_push_to_a_branch(tmp_path):
 
 def test_api_makes_each_report_once():
     """A checkpoint's Report is built in one place per command (inspect's in api.py, reinit's in
-    report/checkpoint.py, for one process and for ranks) and never filled in afterwards."""
+    write/checkpoint_report.py, for one process and for ranks) and never filled in afterwards."""
     from surgeon import api
-    from surgeon.report import checkpoint
+    from surgeon.write import checkpoint_report
 
-    trees = [ast.parse(Path(m.__file__).read_text()) for m in (api, checkpoint)]
+    trees = [ast.parse(Path(m.__file__).read_text()) for m in (api, checkpoint_report)]
     built = [
         [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "Report"]
         for tree in trees

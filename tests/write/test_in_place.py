@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import load_file
 
 from surgeon import reinit_checkpoint
-from surgeon.open.formats.safetensors_header import read_header, records
-from surgeon.write.journal_file import SUFFIX, journal_path
+from surgeon.formats.journal_file import SUFFIX, journal_path
+from surgeon.formats.safetensors_header import read_header, records
 
 from helpers.cli import expect_cli_error
 from helpers.digests import sha256

@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from surgeon.write.journal_file import SUFFIX, journal_path
+from surgeon.formats.journal_file import SUFFIX, journal_path
 
 from helpers.cli import expect_cli_error
 from helpers.digests import sha256, tree_digest
@@ -143,7 +143,7 @@ def test_a_copy_refuses_while_a_patch_is_half_way(tmp_path, cli):
 SAYS_WHEN_WAITING = textwrap.dedent(
     """
     import sys, time
-    import surgeon.write.locks as locks
+    import surgeon.files.locks as locks
     waiting, said = sys.argv[1], []
 
     class Clock:
@@ -356,7 +356,7 @@ KILL_AFTER_HEADER = textwrap.dedent(
 def test_a_patched_header_is_rolled_back_with_the_tensors(tmp_path, cli):
     import struct
 
-    from surgeon.open.formats.safetensors_header import read_header, records
+    from surgeon.formats.safetensors_header import read_header, records
 
     folder = tmp_path / "padded"
     tiny_llama().save_pretrained(folder)
@@ -436,7 +436,7 @@ KILL_AFTER_ALL = textwrap.dedent(
 CTRL_C_IN_RECOVER = (
     """
 import sys
-import surgeon.write.journal_file as jf
+import surgeon.formats.journal_file as jf
 real, state = jf.restore, {}
 
 def restore(*args):

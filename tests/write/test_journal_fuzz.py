@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from surgeon import CheckpointError
-from surgeon.write import journal_file as jf
-from surgeon.write.journal_file import journal_path
-from surgeon.write.recovery import recover
+from surgeon.formats import journal_file as jf
+from surgeon.formats.journal_file import journal_path
+from surgeon.open.recovery import recover
 
 from helpers.journals import kill_half_way
 from helpers.tiny import tiny_llama

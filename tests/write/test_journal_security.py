@@ -20,8 +20,8 @@ import sys
 import pytest
 
 from surgeon import CheckpointError
-from surgeon.write.journal_file import journal_path
-from surgeon.write.recovery import recover
+from surgeon.formats.journal_file import journal_path
+from surgeon.open.recovery import recover
 
 from helpers.cli import expect_cli_error
 from helpers.digests import sha256, tree_digest

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from surgeon import reinit_checkpoint
-from surgeon.open.formats.safetensors import SafetensorsWeights
-from surgeon.open.formats.torchfile import TorchWeights
+from surgeon.formats.safetensors import SafetensorsWeights
+from surgeon.formats.torchfile import TorchWeights
 
 from helpers.digests import sha256, tree_digest
 from helpers.tiny import tiny_llama

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ...errors import LayoutError, opt
-from ..blocks import KV_MAPS, AttentionBlock, Projection, Rows
+from ...vocab.blocks import KV_MAPS, AttentionBlock, Projection, Rows
 from ..by_name import place_matches
 from ..hints import Hints
 from ..placement import join, kind

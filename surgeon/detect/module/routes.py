@@ -9,12 +9,11 @@ from typing import Any, cast
 from torch import nn
 
 from ...errors import LayoutError, NoAttentionFoundError, SurgeonError, TensorParallelError
-from ...open.formats.base import TensorInfo
+from ...formats.base import TensorInfo
+from ...vocab.blocks import AttentionBlock, Projection, Rows, slot_offsets
+from ...vocab.config_keys import FRAMEWORK_CONFIGS, framework_config
 from ..base_model import base_path, relative_to
-from ..blocks import AttentionBlock, Projection, Rows, slot_offsets
 from ..by_name import detect, match_modules, with_companions
-from ..config import framework_config
-from ..config_keys import FRAMEWORK_CONFIGS
 from ..families import SAVED_SPLIT
 from ..hints import Hints
 from ..libraries import roles_by_position, with_separate_biases

@@ -11,12 +11,12 @@ import numpy as np
 import onnx
 
 from ...errors import LayoutError, NoAttentionFoundError, UnsupportedWeightsError, opt
-from ..blocks import AttentionBlock, Projection, Rows
+from ...vocab.blocks import AttentionBlock, Projection, Rows
+from ...vocab.detection import Detection, GraphFacts
 from ..config import ConfigView
 from ..families import REFUSED
 from ..hints import Hints
 from ..placement import place, stack_depths
-from ..result import Detection, GraphFacts
 from .found import Core, Proj
 from .graph import Fail, Graph
 from .walker import Walker

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from ..blocks import slot_offsets
+from ...vocab.blocks import slot_offsets
 from .found import Core, Proj
 from .graph import CORES, MS, PROB_FORWARD, PRODUCTS, SCORE_BACK, WALK_DEPTH, WALK_STEPS, Fail, Graph, data_inputs
 from .projection import ProjectionWalk

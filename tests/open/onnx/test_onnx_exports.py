@@ -19,7 +19,7 @@ import torch
 
 from surgeon import inspect_checkpoint, reinit_checkpoint
 from surgeon.compute.engine import head_matrices
-from surgeon.open.formats.onnx import open_onnx, surgeon_records
+from surgeon.formats.onnx import open_onnx, surgeon_records
 
 from helpers.families import FAMILIES
 from helpers.onnx_helpers import (

@@ -17,7 +17,7 @@ import torch
 from onnx import helper, numpy_helper
 
 from surgeon import inspect_checkpoint, reinit_checkpoint
-from surgeon.open.formats.onnx import open_onnx, surgeon_records
+from surgeon.formats.onnx import open_onnx, surgeon_records
 
 from helpers.digests import sha256, tree_digest
 from helpers.families import FAMILIES

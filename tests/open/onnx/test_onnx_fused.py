@@ -18,7 +18,7 @@ import torch
 
 from surgeon import inspect_checkpoint, reinit_checkpoint
 from surgeon.compute.engine import head_matrices
-from surgeon.open.formats.onnx import open_onnx
+from surgeon.formats.onnx import open_onnx
 
 from helpers.families import FAMILIES
 from helpers.onnx_graphs import bert_fused, llama_group_query

@@ -14,7 +14,7 @@ import torch
 
 from surgeon import inspect_checkpoint, reinit_checkpoint
 from surgeon.compute.engine import head_matrices
-from surgeon.open.formats.onnx import open_onnx
+from surgeon.formats.onnx import open_onnx
 
 from helpers.modules import TimmAttention
 from helpers.onnx_helpers import (

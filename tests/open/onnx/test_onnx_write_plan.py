@@ -10,11 +10,11 @@ import pytest
 
 from surgeon.compute.per_file import Compute
 from surgeon.detect import detect_source
-from surgeon.detect.result import GraphFacts
-from surgeon.open.formats.write_plan import SharedCopy, WritePlan
+from surgeon.formats.write_plan import SharedCopy, WritePlan
 from surgeon.open.source import open_source
 from surgeon.options import ReinitOptions
 from surgeon.plan.planner import prepare_checkpoint
+from surgeon.vocab.detection import GraphFacts
 
 from helpers.onnx_graphs import tiny_attention
 

@@ -1,0 +1,266 @@
+"""safetensors, single file or sharded, read and patched at the byte level.
+
+A file is ``<u64 little-endian N><N bytes of JSON header><data>``; data offsets in the header are
+relative to the start of the data section. surgeon keeps every tensor's dtype and shape, so data
+offsets never move: the output is the input's data section with the updated byte ranges
+overwritten, behind a header that differs only in ``__metadata__``. Untouched tensors are copied
+as bytes, never decoded.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+from ..errors import CheckpointError, VerificationError
+from ..files.bounded import loads
+from .base import RankedWeightSet, TensorInfo, UpdatesFn, WeightSet, tensor_bytes
+from .fileio import BackgroundCopies, copy_range
+from .safetensors_header import (
+    DTYPES,
+    METADATA_KEY,
+    Header,
+    add_record,
+    encode_header,
+    history_in,
+    read_header,
+    with_metadata,
+)
+
+if TYPE_CHECKING:
+    import threading
+
+    import torch
+
+    from .write_plan import WritePlan
+
+FILE_SUFFIX = ".safetensors"
+INDEX_SUFFIX = FILE_SUFFIX + ".index.json"
+_NAMES = {dtype: name for name, (dtype, _) in DTYPES.items() if dtype is not None}
+
+
+def tensor_info(header: Header, name: str, file: str) -> TensorInfo:
+    entry = header.entries[name]
+    dtype, _ = DTYPES.get(entry["dtype"], (None, None))
+    begin, end = entry["data_offsets"]
+    return TensorInfo(name, tuple(entry["shape"]), entry["dtype"], dtype, file, end - begin)
+
+
+def torch_dtype(header: Header, name: str) -> torch.dtype:
+    """The torch dtype of tensor ``name`` (refused where this torch has none)."""
+    import torch
+
+    entry = header.entries[name]
+    element, _ = DTYPES.get(entry["dtype"], (None, None))
+    dtype = getattr(torch, element, None) if element else None
+    if dtype is None:
+        raise CheckpointError(
+            f"{header.path}: tensor {name!r} has dtype {entry['dtype']}, which this torch cannot decode",
+            path=header.path,
+            tensor=name,
+        )
+    return dtype
+
+
+def read_tensor(header: Header, name: str) -> torch.Tensor:
+    import torch
+
+    entry = header.entries[name]
+    dtype = torch_dtype(header, name)
+    begin, end = entry["data_offsets"]
+    shape = tuple(entry["shape"])
+    if end == begin:
+        return torch.empty(shape, dtype=dtype)
+    buf = bytearray(end - begin)
+    with open(header.path, "rb") as f:
+        f.seek(header.data_start + begin)
+        if f.readinto(buf) != len(buf):
+            raise CheckpointError(
+                f"{header.path} ended while reading tensor {name!r}: the file is truncated",
+                path=header.path,
+                tensor=name,
+            )
+    return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+def write_patched(header: Header, dest: Path, updates: dict[str, torch.Tensor], record: dict | None) -> None:
+    """Write ``header``'s file to ``dest`` with ``updates`` patched in and ``record`` added."""
+    data_start = start_file(header, dest, record)
+    copy_gaps(header, dest, data_start, set(updates))
+    patch(header, dest, data_start, updates.items())
+
+
+def start_file(header: Header, dest: Path, record: dict | None, history: list | None = None) -> int:
+    """Create ``dest`` at its final size with ``header`` (plus ``record``, appended to ``history``) written;
+    returns where its data starts. Without a record the header is the original's bytes, so a shard with
+    no change is byte for byte its source (and can be copied server-side on the Hub).
+
+    The data section is left as a hole, for :func:`copy_gaps` and :func:`patch` to fill in any order.
+    """
+    if record is None:
+        with open(header.path, "rb") as src:
+            raw_header = os.pread(src.fileno(), header.length, 8)
+        if len(raw_header) != header.length:
+            raise CheckpointError(f"{header.path} changed while surgeon read it; run this again", path=header.path)
+    else:
+        raw_header = encode_header(with_metadata(header.entries, add_record(header.metadata, record, history)))
+    data_start = 8 + len(raw_header)
+    with open(dest, "wb") as out:
+        out.write(struct.pack("<Q", len(raw_header)))
+        out.write(raw_header)
+        out.truncate(data_start + header.file_size - header.data_start)
+    return data_start
+
+
+def spans(header: Header, names: Iterable[str]) -> list[tuple[int, int]]:
+    """The data-section byte ranges of ``names`` in ``header``'s file, in order."""
+    return sorted(tuple(header.entries[n]["data_offsets"]) for n in names)
+
+
+def copy_gaps(
+    header: Header, dest: Path, data_start: int, skip: set[str], cancel: threading.Event | None = None
+) -> None:
+    """Copy the data section of ``header``'s file into ``dest``, leaving out the tensors in ``skip``."""
+    size, pos = header.file_size - header.data_start, 0
+    with open(header.path, "rb") as src, open(dest, "r+b") as out:
+        for begin, end in spans(header, skip) + [(size, size)]:
+            if begin > pos:
+                copy_range(src, out, header.data_start + pos, data_start + pos, begin - pos, cancel=cancel)
+            pos = max(pos, end)
+
+
+def patch(header: Header, path: Path, data_start: int, updates: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Write each ``(name, tensor)`` of ``updates`` (an iterable, consumed one at a time) over its bytes
+    in ``path``, whose data section starts at ``data_start``; returns the names written."""
+    written = []
+    with open(path, "r+b") as out:
+        for name, tensor in updates:
+            entry = header.entries[name]
+            if (
+                tuple(tensor.shape) != tuple(entry["shape"])
+                or _NAMES.get(str(tensor.dtype).removeprefix("torch.")) != entry["dtype"]
+            ):
+                raise AssertionError(f"update of {name} changes its shape or dtype")
+            os.pwrite(out.fileno(), tensor_bytes(tensor), data_start + entry["data_offsets"][0])
+            written.append(name)
+    return written
+
+
+class SafetensorsWeights(RankedWeightSet):
+    format = "safetensors"
+    patches_in_place = True
+    rewrites_whole_tensors = True
+    graph = False
+    record_slot = True
+    shard_suffix = FILE_SUFFIX
+
+    def __init__(
+        self, folder: Path, files: list[str], index: str | None = None, headers: dict[str, Header] | None = None
+    ) -> None:
+        """``headers``: the shards' headers, read already (a Hub model's, by Range: see open.hub_remote)."""
+        super().__init__(folder, files, index)
+        self.headers: dict[str, Header] = {}
+        found: dict[str, str] = {}
+        for file in files:
+            path = folder / file
+            if headers is None and not path.is_file():
+                raise CheckpointError(
+                    f"missing shard {file}: {index or 'the checkpoint'} lists it but it is not in {folder}"
+                )
+            header = self.headers[file] = read_header(path) if headers is None else headers[file]
+            for name in header.tensor_entries():
+                if name in found:
+                    raise CheckpointError(f"tensor {name!r} is in both {found[name]} and {file}")
+                found[name] = file
+                self._infos[name] = tensor_info(header, name, file)
+        self._check_index(found)
+
+    def read(self, name: str) -> torch.Tensor:
+        info = self._infos[name]
+        return read_tensor(self.headers[info.file], name)
+
+    def raw(self, name: str) -> bytes:
+        info = self.tensors[name]
+        header = self.headers[info.file]
+        begin, end = header.entries[name]["data_offsets"]
+        with open(header.path, "rb") as f:
+            f.seek(header.data_start + begin)
+            return f.read(end - begin)
+
+    def record_texts(self) -> list[tuple[str, list[str]]]:
+        # an in-place run adds its record only to the shards whose header has room for it
+        out = []
+        for file in self.files:
+            text = self.metadata(file).get(METADATA_KEY)
+            out.append((file, [] if text is None else [text]))
+        return out
+
+    def changed_files(self, names: Iterable[str]) -> list[str]:
+        """The shards holding any of the tensors ``names`` (the first shard where none does: the record has to
+        go somewhere)."""
+        wanted = set(names)
+        return [f for f in self.files if wanted & self.headers[f].entries.keys()] or self.files[:1]
+
+    def history(self) -> list:
+        """surgeon's records in these files, the longest one (an earlier run wrote it only where it changed)."""
+        return max((history_in(self.metadata(f)) for f in self.files), key=len, default=[])
+
+    def metadata(self, file: str | None = None) -> dict[str, str]:
+        return self.headers[file or self.files[0]].metadata
+
+    def check_non_tensor(self, out: WeightSet, changed: set[str], history: list, output: object) -> None:
+        """Each file's metadata is the original's but for surgeon's record, and a file's records are the
+        ``history`` verified (or, where an in-place run could not fit its record in, the original's)."""
+        out = cast(SafetensorsWeights, out)  # verify compares sets of the same format only
+        if len(self.files) != len(out.files):
+            raise VerificationError(f"{output} has {len(out.files)} safetensors files, the original {len(self.files)}")
+        for file, out_file in zip(self.files, out.files):  # a single-file output may have another name than its input
+            mine, theirs = self.metadata(file), out.metadata(out_file)
+            if {k: v for k, v in theirs.items() if k != METADATA_KEY} != {
+                k: v for k, v in mine.items() if k != METADATA_KEY
+            }:
+                raise VerificationError(
+                    f"{output}: the metadata of {out_file} differs from the original's beyond surgeon's record"
+                )
+            text = theirs.get(METADATA_KEY)
+            if text != mine.get(METADATA_KEY) and (
+                text is None or _history(loads(text, where=f"{output}: the record of {out_file}")) != history
+            ):
+                raise VerificationError(f"{output}: {out_file} holds other surgeon records than the ones verified")
+
+    def save(
+        self, dest: Path, updates: UpdatesFn, record: dict, write_plan: WritePlan, files: list[str] | None = None
+    ) -> None:
+        """``files``: only these shards, and not the index (one rank's share; see save_shared)."""
+        # Every shard is created at its final size, and all bytes but the changing tensors' are copied
+        # on a background thread (kernel-side, so it overlaps torch's import and the math). Meanwhile
+        # each new tensor is written into its own, disjoint, range as soon as it is computed, so one
+        # tensor's new value is in memory at a time, whatever the size of the shard.
+        with BackgroundCopies() as copies:
+            jobs = []
+            starts = {}
+            history = self.history()
+            changed = self.changed_files(updates.names)
+            for file in self.files if files is None else files:
+                header = self.headers[file]
+                # the record goes where the change is: a shard with no change stays its source's bytes
+                starts[file] = start_file(header, dest / file, record if file in changed else None, history)
+                skip = {n for n in header.tensor_entries() if n in updates.names}
+                jobs.append(copies.submit(copy_gaps, header, dest / file, starts[file], skip, copies.cancel))
+            for file in starts:
+                header = self.headers[file]
+                written = patch(header, dest / file, starts[file], updates(file))
+                missing = {n for n in header.tensor_entries() if n in updates.names} - set(written)
+                if missing:  # a planned tensor that was not computed would leave a hole: never write that
+                    raise AssertionError(f"no new value for {sorted(missing)[:3]} in {file}")
+            for job in jobs:
+                job.result()
+        if files is None:
+            self.save_shared(dest)
+
+
+def _history(value: object) -> list:
+    return value if isinstance(value, list) else [value]

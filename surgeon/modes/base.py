@@ -1,0 +1,106 @@
+"""The Mode interface every init mode fills (see surgeon/modes/__init__.py for the registry)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..vocab.change import Change, OptionsView, PlanView
+
+CONDITIONED_PAPER = "[Saratchandran & Lucey](https://openreview.net/forum?id=cKNOCYPo2W)"
+CONDITIONED_BIBTEX = """\
+@inproceedings{saratchandran2026conditioned,
+  title     = {Conditioned Initialization for Attention},
+  author    = {Saratchandran, Hemanth and Lucey, Simon},
+  booktitle = {Submitted to The Fourteenth International Conference on Learning Representations (ICLR)},
+  year      = {2026},
+  url       = {https://openreview.net/forum?id=cKNOCYPo2W}
+}"""
+
+
+Options = TypeVar("Options", bound="OptionsView")
+
+
+@dataclass(frozen=True)
+class Draw:
+    """What one draw is for: a projection's chosen heads, with what the mode may read."""
+
+    change: Change
+    old: torch.Tensor | None  # the heads' current values where the mode reads them (not fresh), else None
+    options: OptionsView
+    key: str  # the name the draws are keyed by: the tensor's checkpoint name
+    device: torch.device | str
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One way of re-initializing the chosen heads: ``class X(Mode, name="x", option="y")`` (its --mode value
+    and the ReinitOptions field only it takes, if any), a frozen dataclass. Subclasses fill every slot without a
+    default here (tests/compute/test_modes.py); the defaults are what most modes are: fresh, exact, sharded."""
+
+    name: ClassVar[str]
+    help: ClassVar[str]  # one sentence for --help and the "unknown mode" error
+    method: ClassVar[str]  # the record's "method": what was done, by name
+    label: ClassVar[str]  # what was done, as a Hub commit message starts ("Conditioned re-initialization")
+    fresh: ClassVar[bool] = True  # draws new values without reading the old ones: biases are zeroed by default
+    option: ClassVar[str | None]  # the ReinitOptions field only this mode takes (None: none); a class keyword
+    exact: ClassVar[bool] = True  # verify re-derives the bytes exactly (else within verify_bound)
+    verify_bound: ClassVar[str] = "re-derived byte for byte from the seed"  # how verify checks it, in words
+    writes_outputs: ClassVar[bool] = False  # also rewrites each block's output projection W_O (find_outputs)
+    sharded: ClassVar[bool] = True  # supported on sharded (FSDP2 / DTensor) parameters
+    citation: ClassVar[str | None] = None  # BibTeX for the card, None: nothing to cite
+
+    def __init_subclass__(cls, *, name: str, option: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.name, cls.option = name, option
+        dataclass(frozen=True)(cls)  # frozen too: a subclass not made a dataclass itself would take attributes
+
+    @property
+    def tag(self) -> str:
+        """The model card's Hub tag: the method's name."""
+        return self.method
+
+    def draw(self, job: Draw) -> torch.Tensor:
+        """New per-head matrices ``(len(job.change.heads), d, in)`` (float64), PyTorch (out, in) orientation."""
+        raise NotImplementedError
+
+    def with_defaults(self, options: Options, config: Any) -> Options:
+        """``options`` with what this mode takes from the model's config filled in."""
+        return options
+
+    def find_outputs(self, plan: PlanView, shapes: dict) -> dict[str, tuple[str, bool]]:
+        """The tensors this mode writes besides Q/K/V, found among ``shapes`` (tensor -> shape), or refuse:
+        ``plan.outputs``, block module -> (its W_O tensor, stored as nn.Linear). Most modes write none."""
+        return {}
+
+    def draw_output(self, change: Change, options: OptionsView, *, key: str, linear: bool) -> torch.Tensor:
+        """The whole new value (float64, as stored) of the output tensor ``find_outputs`` found for the block
+        of ``change`` (its value projection); ``key``: the name the value projection's draws are keyed by."""
+        raise NotImplementedError(f"{self.name} writes no output projections")
+
+    def summary(self, options: dict, blocks: Sequence) -> str:
+        """The report's one-line description (``options``: as recorded)."""
+        raise NotImplementedError
+
+    def legend(self, options: dict) -> str:
+        """What the report's reader should know about the condition numbers this mode leaves ('' for nothing)."""
+        return ""
+
+    def card_intro(self, options: dict, blocks: Sequence) -> str:
+        """Completes "... re-initialized by surgeon X " in the model card: what was done to ``blocks``, in words."""
+        raise NotImplementedError
+
+    def card_row(self, options: dict, blocks: Sequence) -> str:
+        """The "mode" row of the card's options table (``blocks``: the re-initialized ones)."""
+        raise NotImplementedError
+
+    def card_caveat(self) -> str:
+        """What the re-initialized projections still hold of the source model."""
+        return (
+            "The re-initialized projections no longer hold what the source model learned there: this is a starting "
+            "point for fine-tuning or further training, not a drop-in replacement for the source."
+        )

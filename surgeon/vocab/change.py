@@ -1,0 +1,59 @@
+"""One chosen projection (:class:`Change`), and the plan as the stages below planning read it.
+
+The planner (surgeon.plan.planner) makes the :class:`~surgeon.plan.planner.Plan`; the modes (surgeon.modes) draw
+it and the formats (surgeon.formats) decide how to write it. Both sit below the options and the planner in the
+package order (tests/project/test_import_graph.py), so this module, which imports nothing of surgeon's but the
+blocks, names what they read of a plan: :class:`PlanView` and :class:`OptionsView`, by shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+from .blocks import AttentionBlock, Projection
+
+
+@dataclass(frozen=True)
+class Change:
+    """Re-initialize ``heads`` of one projection (key/value head numbers for k and v)."""
+
+    block: AttentionBlock
+    role: str
+    heads: tuple[int, ...]
+
+    @property
+    def projection(self) -> Projection:
+        return self.block.projection(self.role)
+
+
+class OptionsView(Protocol):
+    """The options the modes draw with and the formats write by (a surgeon.options.ReinitOptions)."""
+
+    @property
+    def seed(self) -> int: ...
+    @property
+    def value_identity(self) -> str: ...
+    @property
+    def gain(self) -> float | None: ...
+    @property
+    def std(self) -> float | None: ...
+    @property
+    def effective_strength(self) -> float: ...
+    @property
+    def zero_bias(self) -> bool: ...
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]  # a dataclass: Mode.with_defaults may replace() a field
+
+
+class PlanView(Protocol):
+    """A plan as a mode finds the tensors it writes besides Q/K/V, and a format decides how to write it."""
+
+    @property
+    def changes(self) -> Sequence[Change]: ...
+    @property
+    def options(self) -> OptionsView: ...
+    @property
+    def touched_blocks(self) -> list[AttentionBlock]: ...
+    def tensors(self) -> list[str]: ...

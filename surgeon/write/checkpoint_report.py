@@ -1,0 +1,117 @@
+"""The report of a reinit of a checkpoint on disk, and what it says beside the tables: the dry run's notes, the
+reproduce command, the Hub commit message. Shared by the one-process run (surgeon.api) and the ranks'
+(surgeon.write.ranks)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .._version import __version__
+from ..errors import opt
+from ..modes import get_mode
+from ..report.report import ProjectionRow, Report
+from .output import folder_output_files
+
+if TYPE_CHECKING:
+    from ..compute.engine import ProjectionResult
+    from ..detect.hints import Hints
+    from ..open.source import Source
+    from ..options import ReinitOptions
+    from ..plan.planner import Plan
+    from ..vocab.detection import Detection
+    from .output import Destination
+    from .push import PushTarget
+
+
+def source_label(source: Source) -> str:
+    """How reports name the input: the Hub id for a Hub model (its cache path is in the notes)."""
+    return f"{source.hub_id}@{source.hub_revision or 'main'}" if source.hub_id else str(source.path)
+
+
+def done_rows(results: Iterable[ProjectionResult]) -> list[ProjectionRow]:
+    """The report's rows for what was computed."""
+    return [ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed) for r in results]
+
+
+def planned_rows(source: Source, plan: Plan) -> list[ProjectionRow]:
+    """A dry run's rows: what the real run would change, nothing computed."""
+    return [
+        ProjectionRow(
+            c.block,
+            c.role,
+            None,
+            heads_changed=c.heads,
+            bias_zeroed=plan.options.zero_bias and c.projection.bias is not None,
+            dtype=source.primary.tensors[c.projection.weight.tensor].element or "",
+        )
+        for c in plan.changes
+    ]
+
+
+def dry_run_notes(source: Source, dest: Destination, *, overwrite: bool, push: PushTarget | None) -> list[str]:
+    """What a dry run says besides the plan: an output in the way, the files a push would send."""
+    notes = []
+    if dest.path.exists() and not overwrite and not dest.in_place:
+        notes.append(f"{dest.path} exists: the real run needs {opt('overwrite', True)} or another {opt('output')}")
+    if push is not None:
+        weights, carried = folder_output_files(source)
+        files = sorted({*weights, *carried, "README.md"})  # the folder surgeon writes, its model card included
+        notes.append(f"the real run pushes {dest.path.name} to {push.repo_id}: {len(files)} files, {', '.join(files)}")
+        from .push import NO_TOKEN_YET, has_token
+
+        if not has_token(push.token):
+            notes.append(NO_TOKEN_YET)
+    return notes
+
+
+def reinit_report(
+    source: Source,
+    detection: Detection,
+    plan: Plan,
+    dest: Destination,
+    rows: list[ProjectionRow],
+    notes: list[str],
+    *,
+    device: str,
+    seconds: float = 0.0,
+    bytes_written: int = 0,
+    dry_run: bool = True,
+    transfer: dict[str, int] | None = None,
+) -> Report:
+    """The reinit's report, made once from what was planned or done."""
+    return Report(
+        "reinit",
+        source_label(source),
+        source.describe(),
+        detection.blocks,
+        rows,
+        options=plan.options.to_dict(),  # with the mode's defaults from config (redraw: the family's std)
+        output=str(dest.path),
+        dry_run=dry_run,
+        seconds=seconds,
+        bytes_written=bytes_written,
+        device=device,
+        notes=notes,
+        transfer=transfer,
+    )
+
+
+def reproduce(model: str | Path, source: Source, options: ReinitOptions, hints: Hints, dest: Path) -> str:
+    """The model card's command that makes the same output again."""
+    from ..report.card import reproduce_command
+
+    if source.hub_id:
+        label, revision = source.hub_id, source.hub_commit
+    else:  # its name only: a path, relative or absolute, would publish a local directory layout
+        label, revision = Path(model).name, None
+    return reproduce_command(label, revision=revision, options=options.to_dict(), hints=hints, output=dest.name)
+
+
+def commit_message(source: Source, plan: Plan) -> str:
+    """A push's default commit message: what was re-initialized, of which model."""
+    targets = ",".join(plan.options.to_dict()["targets"])
+    of = f" of {source.hub_id}" if source.hub_id else ""
+    n = len(plan.touched_blocks)
+    return f"{get_mode(plan.options.mode).label} of {targets} in {n} attention block{'s' if n != 1 else ''}{of} (surgeon {__version__})"
