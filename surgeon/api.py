@@ -226,7 +226,6 @@ def reinit_checkpoint(
     target = _push_target(push, in_place=in_place, dry_run=dry_run)
     if base_model is not None:
         base_model = require_repo_id(base_model, opt("base_model"))
-    opts = opts.validated()
     check_device(device)
     if distributed:
         from .write import ranks

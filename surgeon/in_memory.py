@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,6 @@ from .modes import get_mode
 from .options import ReinitOptions
 from .plan.planner import Plan, prepare
 from .report.report import ProjectionRow, Report
-from .vocab.selection import IndexSpec
 
 
 def reinit_(
@@ -73,7 +71,6 @@ def reinit_(
     """
     _check(module, "reinit_")
     chosen = ReinitOptions.build(options, **keywords)
-    chosen = replace(chosen, layers=_fixed(chosen.layers), heads=_fixed(chosen.heads)).validated()
     start = time.perf_counter()
     with _detected(module, Hints(num_heads, num_kv_heads, head_dim), example_inputs) as (inner, found):
         plan, engine, device = _change_in_place(inner, found, chosen, full)
@@ -247,13 +244,6 @@ def _check(module: Any, fn: str) -> None:
         )
     refuse_meta(module, fn)
     refuse_tensor_parallel(module, fn)
-
-
-def _fixed(spec: IndexSpec) -> IndexSpec:
-    # a generator would be used up by the options' record before the plan reads it
-    if spec is None or isinstance(spec, (str, int)):
-        return spec
-    return tuple(spec)
 
 
 def _label(module: nn.Module) -> str:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .errors import OptionError, opt
 from .modes import NAMES as MODES
-from .modes import all_modes, get_mode, owner_of
-from .vocab.selection import IndexSpec, parse_targets
+from .modes import all_modes, get_mode, parameter
+from .vocab.selection import TARGETS, IndexSelection, parse_attention, parse_indices, parse_targets
 from .vocab.spectrum import VALUE_IDENTITIES
 
 BIAS_CHOICES = ("auto", "zero", "keep")
@@ -41,6 +40,11 @@ def _option(default: Any, help: str, **info: Any) -> Any:
     return field(default=default, metadata={"shell": OptionInfo(help, **info)})
 
 
+def _parameter(name: str) -> Any:
+    """The field that carries the mode parameter ``name``: the mode that owns it declares its help and checks it."""
+    return field(default=None, metadata={"shell": OptionInfo(parameter(name).help, kind=float)})
+
+
 def option_infos() -> list[tuple[str, OptionInfo]]:
     """(field name, OptionInfo) of every option, in field order."""
     return [(f.name, f.metadata["shell"]) for f in fields(ReinitOptions)]
@@ -55,12 +59,18 @@ class ReinitOptions:
     ``options=`` and its fields as keywords (:meth:`build`); the CLI's flags and the model card's reproduce
     command are made from its fields. Each field's meaning is its help (``surgeon reinit --help``).
 
+    A frozen, hashable value, read and checked when made: the selection is kept read (``layers`` and ``heads`` as
+    :class:`~surgeon.vocab.selection.IndexSelection`, ``targets`` and ``stack`` as tuples), and a value no model
+    can use is refused here, before any checkpoint is opened; what needs the model (a layer past its last, a head
+    it does not have) is checked when planning. The modes' own parameters (``strength``, ``gain``, ``std``) are
+    declared and checked by their modes (``surgeon.modes.Mode.parameters``).
+
     Attributes:
-        layers: Layers per stack: a spec (``"all"``, ``"0-11"``, ``"-2-"``, ``"0,3,5-7"``) or ints.
-        targets: Projections: any of q, k, v (``"q,k"`` or an iterable).
-        heads: Query heads, as a spec or ints (K/V: the key/value heads they use).
+        layers: Layers per stack: a spec (``"all"``, ``"0-11"``, ``"-2-"``, ``"0,3,5-7"``) or ints, kept read.
+        targets: Projections: any of q, k, v (``"q,k"`` or an iterable), kept as a tuple in q, k, v order.
+        heads: Query heads, as a spec or ints (K/V: the key/value heads they use), kept read.
         attention: ``"self"``, ``"cross"`` or ``"all"``.
-        stack: Only the stacks whose path or name part is given (None: all).
+        stack: Only the stacks whose path or name part is given (None: all), kept as a tuple.
         mode: ``conditioned``, ``polar``, ``redraw`` or ``mimetic``.
         strength: Polar mode's t in (0, 1] (None: 1).
         value_identity: ``"block"`` or ``"per-head"`` value identity.
@@ -71,21 +81,22 @@ class ReinitOptions:
         std: Redraw mode's std (None: from config.json).
     """
 
-    layers: IndexSpec = _option("all", "Layers to re-initialize, per stack.", spec=True)
-    targets: str | Iterable[str] = _option(
-        ("q", "k", "v"), "Projections to re-initialize: any of q,k,v.", shell_default="q,k,v"
+    layers: IndexSelection = _option(
+        parse_indices("all", what="layer"), "Layers to re-initialize, per stack.", spec=True, shell_default="all"
     )
-    heads: IndexSpec = _option("all", "Query heads to re-initialize (K/V: the key/value heads they use).", spec=True)
+    targets: tuple[str, ...] = _option(TARGETS, "Projections to re-initialize: any of q,k,v.", shell_default="q,k,v")
+    heads: IndexSelection = _option(
+        parse_indices("all", what="head"),
+        "Query heads to re-initialize (K/V: the key/value heads they use).",
+        spec=True,
+        shell_default="all",
+    )
     attention: str = _option("all", "Self-attention, cross-attention or both.", choices=("self", "cross", "all"))
-    stack: str | Iterable[str] | None = _option(
+    stack: tuple[str, ...] | None = _option(
         None, "Only these stacks, by path or name part (e.g. encoder, decoder); comma-separated."
     )
     mode: str = _option("conditioned", " ".join(f"{m.name}: {m.help}." for m in all_modes()), choices=MODES)
-    strength: float | None = _option(
-        None,
-        "Polar mode: sigma -> sigma^(1-t) for t in (0, 1] (kappa -> kappa^(1-t)). Default 1.",
-        kind=float,
-    )
+    strength: float | None = _parameter("strength")
     value_identity: str = _option(
         "block",
         "block: the whole value projection is the rectangular identity; per-head: every head is I.",
@@ -106,22 +117,43 @@ class ReinitOptions:
     seed: int = _option(
         0, "Random seed; each head's draw depends only on (seed, the tensor's name in the base model, head).", kind=int
     )
-    gain: float | None = _option(
-        None,
-        "Conditioned mode: scale of the semi-orthogonal q/k heads (default 1; 0.02 * sqrt(width) matches a "
-        "normal(0, 0.02) init's scale).",
-        kind=float,
-    )
-    std: float | None = _option(
-        None,
-        "Redraw mode: std of the normal draws (default: config.json's initializer_range, else 0.02; "
-        "nn.MultiheadAttention tensors use xavier_uniform).",
-        kind=float,
-    )
+    gain: float | None = _parameter("gain")
+    std: float | None = _parameter("std")
+
+    def __post_init__(self) -> None:
+        """Check the values against each other, then read the selection (against a model: when planning).
+
+        Raises:
+            OptionError: A value is unknown or out of range, or applies to another mode.
+            SelectionError: A layer or head spec, a target or an attention kind cannot be read.
+        """
+        if self.mode not in MODES:
+            raise OptionError(
+                f"unknown mode {self.mode!r}: use " + "; ".join(f"{m.name} ({m.help})" for m in all_modes())
+            )
+        mode = get_mode(self.mode)
+        for owner in all_modes():
+            for given in owner.parameters:
+                if owner is not mode and getattr(self, given.name) is not None:
+                    raise OptionError(f"{opt(given.name)} applies to {opt('mode', owner.name)} only{given.elsewhere}")
+        mode.check(self)
+        if self.value_identity not in VALUE_IDENTITIES:
+            raise OptionError(f"unknown value identity {self.value_identity!r}: use block or per-head")
+        if self.bias not in BIAS_CHOICES:
+            raise OptionError(f"unknown bias policy {self.bias!r}: use zero, keep or auto")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise OptionError(f"seed must be an integer, not {self.seed!r}")
+        parse_attention(self.attention)
+        # frozen: the fields are set once, here, to their read form (replace() hands a read form back: kept as it is)
+        object.__setattr__(self, "layers", parse_indices(self.layers, what="layer"))
+        object.__setattr__(self, "heads", parse_indices(self.heads, what="head"))
+        object.__setattr__(self, "targets", parse_targets(self.targets))
+        if self.stack is not None:
+            object.__setattr__(self, "stack", _stacks(self.stack))
 
     @classmethod
     def build(cls, options: ReinitOptions | None = None, /, **keywords: Any) -> ReinitOptions:
-        """``options`` with the fields given as keywords replaced (unchecked: see :meth:`validated`).
+        """``options`` with the fields given as keywords replaced, checked as any ReinitOptions is when made.
 
         Args:
             options: The options to start from (default: the defaults).
@@ -132,6 +164,8 @@ class ReinitOptions:
 
         Raises:
             TypeError: A keyword is not a field, or ``options`` is not a ReinitOptions.
+            OptionError: A value is unknown or out of range, or applies to another mode.
+            SelectionError: A layer or head spec, a target or an attention kind cannot be read.
         """
         names = {f.name for f in fields(cls)}
         for key in keywords:
@@ -140,47 +174,6 @@ class ReinitOptions:
         if options is not None and not isinstance(options, cls):
             raise TypeError(f"options must be a surgeon.ReinitOptions, not {type(options).__name__}")
         return replace(options if options is not None else cls(), **keywords)
-
-    def validated(self) -> ReinitOptions:
-        """Check the values against each other (the selection is checked against a model when planning).
-
-        Returns:
-            These options.
-
-        Raises:
-            OptionError: A value is unknown or out of range, or applies to another mode.
-        """
-        if self.mode not in MODES:
-            raise OptionError(
-                f"unknown mode {self.mode!r}: use " + "; ".join(f"{m.name} ({m.help})" for m in all_modes())
-            )
-        for name, value in (("gain", self.gain), ("std", self.std)):
-            if value is None:
-                continue
-            owner = owner_of(name)
-            if owner is not None and self.mode != owner.name:
-                raise OptionError(f"{opt(name)} applies to {opt('mode', owner.name)} only")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise OptionError(f"{opt(name)} must be a finite number above 0, not {value!r}")
-        if self.gain is not None and self.keep_scale:
-            raise OptionError(
-                f"{opt('gain')} and {opt('keep_scale', True)} both set the scale of the new heads: use one of them"
-            )
-        if self.strength is not None:
-            if get_mode(self.mode).option != "strength":
-                owner = owner_of("strength")
-                raise OptionError(
-                    f"{opt('strength')} applies to {opt('mode', owner.name if owner else None)} only (the conditioned reset always reaches kappa = 1)"
-                )
-            if not 0.0 < float(self.strength) <= 1.0:
-                raise OptionError(f"{opt('strength')} must be in (0, 1], not {self.strength}")
-        if self.value_identity not in VALUE_IDENTITIES:
-            raise OptionError(f"unknown value identity {self.value_identity!r}: use block or per-head")
-        if self.bias not in BIAS_CHOICES:
-            raise OptionError(f"unknown bias policy {self.bias!r}: use zero, keep or auto")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise OptionError(f"seed must be an integer, not {self.seed!r}")
-        return self
 
     @property
     def effective_strength(self) -> float:
@@ -197,23 +190,27 @@ class ReinitOptions:
         """The options as recorded in reports, records and cards.
 
         Returns:
-            A JSON-ready dict: specs as given, targets and stacks as lists, the strength and the bias policy
-            resolved, ``gain`` and ``std`` only where set.
+            A JSON-ready dict: specs as given, targets and stacks as lists, the bias policy resolved; a mode
+            parameter recorded as its ``Parameter`` says (strength: resolved for its mode, None for the others;
+            gain and std only where set).
         """
-        out = asdict(self)
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
         for key in ("layers", "heads"):
-            value = out[key]
-            out[key] = value if value is None or isinstance(value, (str, int)) else list(value)
-        out["targets"] = list(parse_targets(self.targets))
-        out["stack"] = None if self.stack is None else stacks_of(self.stack)
-        out["strength"] = self.effective_strength if get_mode(self.mode).option == "strength" else None
+            given = out[key].given
+            out[key] = given if given is None or isinstance(given, (str, int)) else list(given)
+        out["targets"] = list(self.targets)
+        out["stack"] = None if self.stack is None else list(self.stack)
         out["bias"] = "zero" if self.zero_bias else "keep"
-        for key in ("gain", "std"):  # only where set: records of the other modes stay as they were
-            if out[key] is None:
-                del out[key]
+        mode = get_mode(self.mode)
+        for owner in all_modes():
+            for given in owner.parameters:
+                if given.always_recorded:
+                    out[given.name] = given.resolved(out[given.name]) if owner is mode else None
+                elif out[given.name] is None:  # only where set: records of the other modes stay as they were
+                    del out[given.name]
         return out
 
 
-def stacks_of(spec: str | Iterable[str]) -> list[str]:
+def _stacks(spec: str | Iterable[str]) -> tuple[str, ...]:
     items = spec.split(",") if isinstance(spec, str) else list(spec)
-    return [s.strip() for s in items if s.strip()]
+    return tuple(s.strip() for s in items if s.strip())

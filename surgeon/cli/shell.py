@@ -189,7 +189,10 @@ def reinit_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def with_options(*args: Any, **kwargs: Any) -> Any:
         given = {name: kwargs.pop(name) for name in names}
-        options = ReinitOptions.build(**{k: v for k, v in given.items() if v is not None})
+        try:  # read and checked when made: a bad option is one line, before any model is opened or fetched
+            options = ReinitOptions.build(**{k: v for k, v in given.items() if v is not None})
+        except SurgeonError as exc:
+            _fail(exc.describe(cli_spelling), exc.exit_code)
         return fn(*args, options=options, **kwargs)
 
     defaults = ReinitOptions()

@@ -76,7 +76,7 @@ def conditioned_init_(
     """
     chosen = ReinitOptions.build(options, **keywords)
     model = module if model is None else model
-    if chosen.validated().mode != ReinitOptions().mode:  # the default mode is the paper's conditioned init
+    if chosen.mode != ReinitOptions().mode:  # the default mode is the paper's conditioned init
         raise OptionError(
             f"conditioned_init_ gives conditioned init; for {opt('mode', chosen.mode)} call surgeon.reinit_ "
             "once the model is built"
@@ -85,27 +85,26 @@ def conditioned_init_(
         if module is model:  # once per model (the init_weights recipe); the per-module hook is not called on meta
             warnings.warn(_ON_META.format(type(model).__name__), stacklevel=2)
         return 0
-    key = repr(chosen)  # every field, whatever their types (a list of layers is not hashable)
     cache = _PLANS.setdefault(model, {})
-    if key not in cache:
+    if chosen not in cache:  # the options are a hashable value: the cache is keyed by them
         found = detect_module(model, hints=Hints(num_heads, num_kv_heads, head_dim))
         plan = prepare(found.blocks, chosen, depths=found.depths, draw_keys=found.seed_names)
         paths = {id(m): p for p, m in model.named_modules()}
         if module is not model:  # the per-module hook: refuse attention it will never be handed
             _refuse_unreachable(model, plan)
-        cache[key] = (found, plan, paths, set())
-    found, plan, paths, done = cache[key]
+        cache[chosen] = (found, plan, paths, set())
+    found, plan, paths, done = cache[chosen]
     path = paths.get(id(module))
     if path is None:
         return 0
     if module is model:  # the whole model (the init_weights recipe, or the last call of the per-module hook)
-        del cache[key]
+        del cache[chosen]
         mine = [c for c in plan.changes if _change_id(c) not in done]
     else:
         mine = [c for c in plan.changes if _inside(c, path) and _change_id(c) not in done]
         done.update(_change_id(c) for c in mine)
         if len(done) == len(plan.changes):  # all written: a later call on the model plans afresh
-            del cache[key]
+            del cache[chosen]
     mine = [c for c in mine if not _loaded(found, c)]  # what from_pretrained loaded stays as loaded
     return _write(found, replace(plan, changes=mine)) if mine else 0
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+from ..errors import OptionError, opt
 
 if TYPE_CHECKING:
     import torch
@@ -37,32 +40,76 @@ class Draw:
 
 
 @dataclass(frozen=True)
+class Parameter:
+    """A number only one mode takes, declared by that mode (``Mode.parameters``) and checked by it.
+
+    Its name is the ReinitOptions field, the Python keyword and (as ``--name``) the command-line flag that carry
+    it; options given it for another mode are refused, naming its mode.
+    """
+
+    name: str
+    help: str  # for --help
+    default: float | None = None  # the value used where not given (None: the mode decides, or none)
+    high: float | None = None  # values lie in (0, high] (None: any finite number above 0)
+    always_recorded: bool = False  # the record lists it resolved for its mode and None for the others (else: where set)
+    elsewhere: str = ""  # added to the error that refuses it for another mode
+
+    def problem(self, value: Any) -> str | None:
+        """Why ``value`` (given: not None) is refused, or None."""
+        if self.high is not None:
+            return (
+                None
+                if 0.0 < float(value) <= self.high
+                else f"{opt(self.name)} must be in (0, {self.high:g}], not {value}"
+            )
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            return f"{opt(self.name)} must be a finite number above 0, not {value!r}"
+        return None
+
+    def resolved(self, value: Any) -> float | None:
+        """``value`` as used: the default where not given."""
+        return float(value) if value is not None else self.default
+
+
+@dataclass(frozen=True)
 class Mode:
-    """One way of re-initializing the chosen heads: ``class X(Mode, name="x", option="y")`` (its --mode value
-    and the ReinitOptions field only it takes, if any), a frozen dataclass. Subclasses fill every slot without a
-    default here (tests/compute/test_modes.py); the defaults are what most modes are: fresh, exact, sharded."""
+    """One way of re-initializing the chosen heads: ``class X(Mode, name="x")`` (its --mode value), a frozen
+    dataclass. Subclasses fill every slot without a default here (tests/compute/test_modes.py); the defaults are
+    what most modes are: fresh, exact, sharded, with no parameters of their own."""
 
     name: ClassVar[str]
     help: ClassVar[str]  # one sentence for --help and the "unknown mode" error
     method: ClassVar[str]  # the record's "method": what was done, by name
     label: ClassVar[str]  # what was done, as a Hub commit message starts ("Conditioned re-initialization")
     fresh: ClassVar[bool] = True  # draws new values without reading the old ones: biases are zeroed by default
-    option: ClassVar[str | None]  # the ReinitOptions field only this mode takes (None: none); a class keyword
+    parameters: ClassVar[tuple[Parameter, ...]] = ()  # the numbers only this mode takes (ReinitOptions fields)
     exact: ClassVar[bool] = True  # verify re-derives the bytes exactly (else within verify_bound)
     verify_bound: ClassVar[str] = "re-derived byte for byte from the seed"  # how verify checks it, in words
     writes_outputs: ClassVar[bool] = False  # also rewrites each block's output projection W_O (find_outputs)
     sharded: ClassVar[bool] = True  # supported on sharded (FSDP2 / DTensor) parameters
     citation: ClassVar[str | None] = None  # BibTeX for the card, None: nothing to cite
 
-    def __init_subclass__(cls, *, name: str, option: str | None = None, **kwargs: Any) -> None:
+    def __init_subclass__(cls, *, name: str, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls.name, cls.option = name, option
+        cls.name = name
         dataclass(frozen=True)(cls)  # frozen too: a subclass not made a dataclass itself would take attributes
 
     @property
     def tag(self) -> str:
         """The model card's Hub tag: the method's name."""
         return self.method
+
+    def check(self, options: OptionsView) -> None:
+        """Refuse ``options`` where this mode's parameters are out of range (or clash with the other options).
+
+        Raises:
+            OptionError: A parameter is out of range.
+        """
+        for parameter in self.parameters:
+            value = getattr(options, parameter.name)
+            why = None if value is None else parameter.problem(value)
+            if why:
+                raise OptionError(why)
 
     def draw(self, job: Draw) -> torch.Tensor:
         """New per-head matrices ``(len(job.change.heads), d, in)`` (float64), PyTorch (out, in) orientation."""

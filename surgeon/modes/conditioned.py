@@ -5,19 +5,35 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .base import CONDITIONED_BIBTEX, CONDITIONED_PAPER, Mode
+from ..errors import OptionError, opt
+from .base import CONDITIONED_BIBTEX, CONDITIONED_PAPER, Mode, Parameter
 
 if TYPE_CHECKING:
     import torch
 
+    from ..vocab.change import OptionsView
     from .base import Draw
 
 
-class Conditioned(Mode, name="conditioned", option="gain"):
+class Conditioned(Mode, name="conditioned"):
     help = "the paper's fresh reset (semi-orthogonal q/k heads, value = rectangular identity; every head kappa 1)"
+    parameters = (
+        Parameter(
+            "gain",
+            "Conditioned mode: scale of the semi-orthogonal q/k heads (default 1; 0.02 * sqrt(width) matches a "
+            "normal(0, 0.02) init's scale).",
+        ),
+    )
     method = "conditioned-initialization"
     label = "Conditioned re-initialization"
     citation = CONDITIONED_BIBTEX
+
+    def check(self, options: OptionsView) -> None:
+        super().check(options)
+        if options.gain is not None and options.keep_scale:
+            raise OptionError(
+                f"{opt('gain')} and {opt('keep_scale', True)} both set the scale of the new heads: use one of them"
+            )
 
     def draw(self, job: Draw) -> torch.Tensor:
         import torch

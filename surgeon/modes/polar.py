@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .base import CONDITIONED_BIBTEX, CONDITIONED_PAPER, Mode
+from .base import CONDITIONED_BIBTEX, CONDITIONED_PAPER, Mode, Parameter
 
 if TYPE_CHECKING:
     import torch
@@ -13,8 +13,18 @@ if TYPE_CHECKING:
     from .base import Draw
 
 
-class Polar(Mode, name="polar", option="strength"):
+class Polar(Mode, name="polar"):
     help = "condition the existing weights (keep each head's singular vectors, move its singular values to 1)"
+    parameters = (
+        Parameter(
+            "strength",
+            "Polar mode: sigma -> sigma^(1-t) for t in (0, 1] (kappa -> kappa^(1-t)). Default 1.",
+            default=1.0,
+            high=1.0,
+            always_recorded=True,
+            elsewhere=" (the conditioned reset always reaches kappa = 1)",
+        ),
+    )
     fresh = False
     method = "polar-conditioning"
     label = "Polar conditioning"

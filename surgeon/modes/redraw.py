@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from .base import Mode
+from .base import Mode, Parameter
 
 if TYPE_CHECKING:
     import torch
@@ -14,8 +14,15 @@ if TYPE_CHECKING:
     from .base import Draw, Options
 
 
-class Redraw(Mode, name="redraw", option="std"):
+class Redraw(Mode, name="redraw"):
     help = "the family's own default init, drawn again (the control)"
+    parameters = (
+        Parameter(
+            "std",
+            "Redraw mode: std of the normal draws (default: config.json's initializer_range, else 0.02; "
+            "nn.MultiheadAttention tensors use xavier_uniform).",
+        ),
+    )
     method = "default-init-redraw"
     label = "Default-init redraw"
 

@@ -11,10 +11,10 @@ from ..detect.base_model import CheckpointDrawKeys
 from ..detect.placement import kind
 from ..errors import OptionError, SelectionError, opt
 from ..modes import get_mode
-from ..options import ReinitOptions, stacks_of
+from ..options import ReinitOptions
 from ..vocab.blocks import AttentionBlock, Unreadable
 from ..vocab.change import Change
-from ..vocab.selection import IndexSpec, format_indices, parse_attention, parse_targets, resolve_indices
+from ..vocab.selection import IndexSelection, format_indices, parse_attention
 
 if TYPE_CHECKING:
     from ..open.source import Source
@@ -118,14 +118,13 @@ def prepare(
 ) -> Plan:
     """The one planning step of every entry point (checkpoints, verify, models in memory, init hooks).
 
-    Checks the options, fills in what the mode takes from the model's ``config``, makes the plan and
+    Fills in what the mode takes from the model's ``config``, makes the plan and
     adds the extra tensors the mode writes (W_O, found among ``shapes``: tensor name -> shape).
     ``whole_tensors``: whether the weights' format can rewrite tensors besides Q/K/V
     (``WeightSet.rewrites_whole_tensors``), for modes that write more (W_O); ``depths``: each stack's number of layers,
     those without attention included (Detection.depths), so that layer numbers are the model's own;
     ``draw_keys``: the names the draws are keyed by, where they are not the tensors' own (``Plan.draw_keys``).
     """
-    options = options.validated()
     mode = get_mode(options.mode)
     if mode.writes_outputs and not whole_tensors:
         raise OptionError(
@@ -150,13 +149,11 @@ def make_plan(
     """The changes ``options`` select. Layers are the model's own numbers; ``depths`` (stack -> its
     layers, those without attention included) lets ``-1`` and ranges reach past the last attention layer.
     ``unreadable``: attention detection could not read; a selection that includes one is refused."""
-    options = options.validated()
     left = _check_unreadable(blocks, unreadable, options, depths or {})
-    targets = parse_targets(options.targets)
     kinds = parse_attention(options.attention)
     chosen = [b for b in blocks if b.kind in kinds]
     if options.stack is not None:
-        wanted = stacks_of(options.stack)
+        wanted = list(options.stack)
         stacks = list(dict.fromkeys(b.stack for b in blocks))
         unknown = [w for w in wanted if not any(_stack_matches(s, [w]) for s in stacks)]
         if unknown:
@@ -188,10 +185,8 @@ def make_plan(
         for block in members:
             if not layers & set(block.users):
                 continue
-            q_heads = resolve_indices(
-                options.heads, block.heads, what="head", where=f"{block.module} ({block.heads} heads)"
-            )
-            for role in targets:
+            q_heads = options.heads.resolve(block.heads, where=f"{block.module} ({block.heads} heads)")
+            for role in options.targets:
                 heads = q_heads if role == "q" else _kv_heads(block, q_heads, role)
                 if heads:
                     changes.append(Change(block, role, tuple(heads)))
@@ -210,12 +205,12 @@ def _check_unreadable(
 ) -> list[str]:
     """Refuse a selection that includes attention surgeon cannot read; name the rest as left untouched."""
     kinds = parse_attention(options.attention)
-    wanted = stacks_of(options.stack) if options.stack is not None else None
+    wanted = list(options.stack) if options.stack is not None else None
     notes = []
     for u in unreadable:
         depth = max([depths.get(u.stack, 0), u.layer + 1] + [max(b.users) + 1 for b in blocks if b.stack == u.stack])
         try:
-            layers = set(resolve_indices(options.layers, depth, what="layer", where=u.stack or "the model"))
+            layers = set(options.layers.resolve(depth, where=u.stack or "the model"))
         except SelectionError:
             layers = set()
         if u.layer in layers and kind(u.module) in kinds and (wanted is None or _stack_matches(u.stack, wanted)):
@@ -248,7 +243,7 @@ def _pick_layers(
     members: list[AttentionBlock],
     blocks: Sequence[AttentionBlock],
     depths: Mapping[str, int],
-    spec: IndexSpec,
+    spec: IndexSelection,
     several: bool,
     what: str,
 ) -> set[int] | SelectionError:
@@ -256,24 +251,26 @@ def _pick_layers(
     depth = max([depths.get(stack, 0)] + [max(b.users) + 1 for b in blocks if b.stack == stack])
     where = f"{stack or 'the model'}" + (_PICK_A_STACK if several else "")
     try:
-        layers = set(resolve_indices(spec, depth, what="layer", where=where))
+        layers = set(spec.resolve(depth, where=where))
     except SelectionError as exc:
         return exc
     attended = sorted({layer for b in members for layer in b.users})
     if not layers & set(attended):
         return SelectionError(
-            f"{opt('layers', _spelled(spec))} selects only layers without {what} in {stack or 'the model'} "
+            f"{opt('layers', spec.spelled)} selects only layers without {what} in {stack or 'the model'} "
             f"(layer{'s' if len(layers) > 1 else ''} {format_indices(sorted(layers))}): the layers with {what} are {format_indices(attended)}"
         )
     return layers
 
 
-def _layer_notes(stack: str, members: list[AttentionBlock], layers: set[int], spec: IndexSpec, what: str) -> list[str]:
+def _layer_notes(
+    stack: str, members: list[AttentionBlock], layers: set[int], spec: IndexSelection, what: str
+) -> list[str]:
     """Which selected layers have no attention, and which shared blocks change several layers."""
     notes = []
     attended = {layer for b in members for layer in b.users}
     without = sorted(layers - attended)
-    if without and not _is_all(spec):
+    if without and not spec.all:
         notes.append(
             f"layer{'s' if len(without) > 1 else ''} {format_indices(without)} of {stack or 'the model'} "
             f"{'have' if len(without) > 1 else 'has'} no {what}"
@@ -287,16 +284,6 @@ def _layer_notes(stack: str, members: list[AttentionBlock], layers: set[int], sp
                 f"re-initializing it changes every one of those layers"
             )
     return notes
-
-
-def _is_all(spec: IndexSpec) -> bool:
-    return spec is None or (isinstance(spec, str) and spec.strip().lower() == "all")
-
-
-def _spelled(spec: IndexSpec) -> str:
-    if isinstance(spec, (str, int)):
-        return str(spec)
-    return format_indices(sorted(spec)) if spec is not None else "all"
 
 
 def _kv_heads(block: AttentionBlock, q_heads: list[int], role: str) -> list[int]:

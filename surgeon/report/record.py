@@ -241,7 +241,7 @@ def parse_options(options: dict, where: str) -> ReinitOptions:
                 f"{where}: the last surgeon record's option {key} is {_show(options[key])}, a value surgeon never records"
             )
     try:
-        return ReinitOptions(**options).validated()
+        return ReinitOptions(**options)
     except SurgeonError as exc:
         raise CheckpointError(f"{where}: the last surgeon record's options cannot be used ({exc})") from None
 

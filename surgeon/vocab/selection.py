@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from ..errors import SelectionError, opt
 
@@ -18,19 +19,66 @@ IndexSpec = str | int | Iterable[int] | None
 _ITEM = re.compile(r"^(-?\d+)(?:(-)(-?\d+)?)?$")
 
 
-def resolve_indices(spec: IndexSpec, count: int, *, what: str, where: str) -> list[int]:
-    """Resolve ``spec`` against ``count`` items (numbered 0..count-1) to a sorted list.
+@dataclass(frozen=True)
+class IndexSelection:
+    """A ``--layers``/``--heads`` spec, read: its spelling as given (what records show) and its items.
 
-    ``what`` names the items ("layer", "head"), ``where`` their owner for error messages.
+    Made by :func:`parse_indices`, which refuses what no model can make sense of; :meth:`resolve` checks the
+    indices against a model's count.
     """
+
+    what: str  # "layer" or "head": the word the errors use
+    given: str | int | tuple | None  # as given: a spec string, one number, the items of a list, None (all)
+    items: tuple[tuple[int, int | None], ...] | None  # (start, end; None: to the last), None: all
+
+    @property
+    def all(self) -> bool:
+        return self.items is None
+
+    @property
+    def spelled(self) -> str:
+        """The selection as a message spells it."""
+        if isinstance(self.given, (str, int)):
+            return str(self.given)
+        return format_indices(sorted(self.given)) if self.given is not None else "all"
+
+    def resolve(self, count: int, *, where: str) -> list[int]:
+        """The selected indices of ``count`` items (numbered 0..count-1), sorted; ``where`` names their owner."""
+        if self.items is None:
+            return list(range(count))
+        picked: set[int] = set()
+        for start, end in self.items:
+            first = _absolute(start, count, what=self.what, where=where)
+            last = count - 1 if end is None else _absolute(end, count, what=self.what, where=where)
+            if last < first:
+                raise SelectionError(
+                    f"{self.what} range {_item(start, end)!r} is empty: its end comes before its start"
+                )
+            picked.update(range(first, last + 1))
+        return sorted(picked)
+
+
+def _item(start: int, end: int | None) -> str:
+    return f"{start}-" if end is None else f"{start}-{end}"
+
+
+def parse_indices(spec: IndexSpec | IndexSelection, *, what: str) -> IndexSelection:
+    """``spec`` read as a selection of ``what`` ("layer", "head"); an :class:`IndexSelection` is returned as it is.
+
+    Raises:
+        SelectionError: ``spec`` is no spec: an item is not N, A-B or A-, a range is empty whatever the count,
+            or a list holds a non-integer.
+    """
+    if isinstance(spec, IndexSelection):
+        return spec
     if spec is None or (isinstance(spec, str) and spec.strip().lower() == "all"):
-        return list(range(count))
+        return IndexSelection(what, spec, None)
     if isinstance(spec, bool):
         raise SelectionError(f"{what}s must be a spec like '0-3,7' or a list of integers, not {spec!r}")
     if isinstance(spec, int):
-        spec = [spec]
+        return IndexSelection(what, spec, ((spec, spec),))
     if isinstance(spec, str):
-        picked: set[int] = set()
+        items: list[tuple[int, int | None]] = []
         for raw in spec.split(","):
             item = raw.strip()
             match = _ITEM.match(item)
@@ -39,20 +87,29 @@ def resolve_indices(spec: IndexSpec, count: int, *, what: str, where: str) -> li
                     f"cannot read {what} spec item {item!r} in {spec!r}: "
                     f"use N, A-B, A- or all, e.g. '0-3,7' (negative counts from the end)"
                 )
-            start = _absolute(int(match.group(1)), count, what=what, where=where)
+            start = int(match.group(1))
             if match.group(2) is None:
-                picked.add(start)
+                items.append((start, start))
                 continue
-            end = count - 1 if match.group(3) is None else _absolute(int(match.group(3)), count, what=what, where=where)
-            if end < start:
+            end = None if match.group(3) is None else int(match.group(3))
+            if end is not None and (start < 0) == (end < 0) and end < start:  # empty whatever the count
                 raise SelectionError(f"{what} range {item!r} is empty: its end comes before its start")
-            picked.update(range(start, end + 1))
-        return sorted(picked)
+            items.append((start, end))
+        return IndexSelection(what, spec, tuple(items))
     try:
-        values = [int(i) for i in spec]
+        given = tuple(spec)
+        values = [int(i) for i in given]
     except (TypeError, ValueError):
         raise SelectionError(f"{what}s must be a spec like '0-3,7' or a list of integers, not {spec!r}") from None
-    return sorted({_absolute(i, count, what=what, where=where) for i in values})
+    return IndexSelection(what, given, tuple((i, i) for i in values))
+
+
+def resolve_indices(spec: IndexSpec, count: int, *, what: str, where: str) -> list[int]:
+    """Resolve ``spec`` against ``count`` items (numbered 0..count-1) to a sorted list.
+
+    ``what`` names the items ("layer", "head"), ``where`` their owner for error messages.
+    """
+    return parse_indices(spec, what=what).resolve(count, where=where)
 
 
 def _absolute(index: int, count: int, *, what: str, where: str) -> int:

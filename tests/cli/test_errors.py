@@ -67,6 +67,45 @@ def test_bad_selection_and_options(cli, tmp_path, args, match):
     expect_error(cli, tmp_path, "reinit", src, *args, match=match)
 
 
+_NO_MODEL_NEEDED = [
+    (["--layers", "0-x"], "cannot read layer spec item '0-x' in '0-x'"),
+    (["--layers", "5-3"], "layer range '5-3' is empty"),
+    (["--heads", "0,y"], "cannot read head spec item 'y'"),
+    (["--targets", "qk"], "unknown target 'qk': write q,k, comma-separated"),
+    (["--strength", "0.5"], "--strength applies to --mode polar only"),
+    (["--mode", "polar", "--strength", "1.5"], "--strength must be in (0, 1]"),
+    (["--mode", "redraw", "--std", "0"], "--std must be a finite number above 0"),
+    (["--gain", "2", "--keep-scale"], "--gain and --keep-scale both set the scale"),
+]
+
+
+@pytest.mark.parametrize("args,match", _NO_MODEL_NEEDED)
+def test_an_option_no_model_can_use_is_refused_before_the_model_is_opened(cli, tmp_path, args, match):
+    """The options are read and checked when made: a path that does not exist gets the option's error, not a
+    not-found error (nothing was opened)."""
+    expect_error(cli, tmp_path, "reinit", tmp_path / "missing", *args, match=match)
+
+
+def test_the_api_refuses_a_malformed_selection_before_the_model_is_opened(tmp_path):
+    import surgeon
+
+    with pytest.raises(surgeon.SelectionError, match="cannot read layer spec item '0-x'"):
+        surgeon.reinit_checkpoint(tmp_path / "missing", layers="0-x")
+
+
+def test_a_malformed_selection_sends_no_request_to_the_hub(hub, tmp_path):
+    """``surgeon reinit ORG/NAME --layers 0-x``: one line, and the Hub is never asked (nothing fetched)."""
+    from helpers.hub import Surgeon
+
+    run = Surgeon(tmp_path, hub.url)("reinit", "org/M", "--layers", "0-x", ok=False)
+    assert run.error == (
+        "surgeon: error: cannot read layer spec item '0-x' in '0-x': use N, A-B, A- or all, e.g. '0-3,7' "
+        "(negative counts from the end)"
+    )
+    assert hub.requests == []
+    assert not (tmp_path / "hf-home").exists()
+
+
 def test_output_exists(cli, tmp_path):
     src = tmp_path / "llama"
     tiny_llama().save_pretrained(src)
@@ -241,7 +280,7 @@ def test_errors_live_in_one_module_and_carry_fields(tmp_path):
     errors = [getattr(surgeon, n) for n in surgeon.__all__ if n.endswith("Error")]
     assert errors and all(e.__module__ == "surgeon.errors" and issubclass(e, SurgeonError) for e in errors)
     with pytest.raises(surgeon.OptionError) as err:  # a Python caller is told about the keyword, not --strength
-        surgeon.ReinitOptions(strength=0.5).validated()
+        surgeon.ReinitOptions(strength=0.5)
     assert str(err.value) == "strength applies to mode=polar only (the conditioned reset always reaches kappa = 1)"
     assert err.value.options == ("strength", "mode") and err.value.option == "strength"
     assert (

@@ -21,7 +21,7 @@ SLOTS = (
     "name",
     "help",
     "fresh",
-    "option",
+    "parameters",
     "method",
     "label",
     "tag",
@@ -42,7 +42,7 @@ def test_every_mode_fills_every_slot(mode):
         assert isinstance(getattr(mode, name), str) and getattr(mode, name), name
     for name in ("fresh", "exact", "writes_outputs", "sharded"):
         assert isinstance(getattr(mode, name), bool), name
-    assert mode.option is None or mode.option in {f.name for f in dataclasses.fields(ReinitOptions)}
+    assert all(p.name in {f.name for f in dataclasses.fields(ReinitOptions)} for p in mode.parameters)
     for name in METHODS:
         assert getattr(type(mode), name) is not getattr(Mode, name), f"{type(mode).__name__} does not define {name}"
     assert get_mode(mode.name) is mode and mode.name in MODES
@@ -54,7 +54,7 @@ def test_names_methods_and_tags_are_distinct_and_options_have_one_owner():
         values = [getattr(m, attr) for m in modes]
         assert len(set(values)) == len(values), attr
     for option in ("gain", "strength", "std"):
-        owners = [m.name for m in modes if m.option == option]
+        owners = [m.name for m in modes if any(p.name == option for p in m.parameters)]
         assert len(owners) == 1 and owner_of(option).name == owners[0]
 
 

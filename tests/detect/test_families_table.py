@@ -73,7 +73,7 @@ def test_options_are_spelt_once():
     help_text = CliRunner().invoke(main, ["reinit", "--help"]).output
     for name, _ in option_infos():
         assert f"--{name.replace('_', '-')}" in help_text, name
-    polar = ReinitOptions.build(mode="polar", strength=0.5, keep_scale=True, stack="encoder", seed=3).validated()
+    polar = ReinitOptions.build(mode="polar", strength=0.5, keep_scale=True, stack="encoder", seed=3)
     command = reproduce_command("m", revision=None, options=polar.to_dict(), hints=Hints(), output="out")
     for flag in (
         "--layers=all",

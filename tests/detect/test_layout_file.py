@@ -203,7 +203,7 @@ def test_emitted_layout_round_trips(name, cli, tmp_path):
     assert emitted["rules"] and ("heads" in emitted) == one_count
     given = detect_source(source, Hints(layout=layout))
     assert given.blocks == plain.blocks
-    options = ReinitOptions().validated()
+    options = ReinitOptions()
     assert prepare_checkpoint(source, given, options).changes == prepare_checkpoint(source, plain, options).changes
     # the emitted rules are the ones read: renamed, the blocks say so
     emitted["rules"] = [{**r, "name": f"mine {i}"} for i, r in enumerate(emitted["rules"])]

@@ -67,3 +67,18 @@ def test_attention_kinds():
     assert parse_attention("cross") == ("cross",)
     with pytest.raises(SelectionError):
         parse_attention("both")
+
+
+def test_options_are_a_frozen_hashable_value_read_when_made():
+    from surgeon.options import ReinitOptions
+    from surgeon.vocab.selection import IndexSelection
+
+    a = ReinitOptions.build(layers=[0, 2], targets=["v", "q"], stack="encoder, decoder", heads="-1")
+    b = ReinitOptions.build(layers=(0, 2), targets="q,v", stack=["encoder", "decoder"], heads="-1")
+    assert a == b and hash(a) == hash(b) and {a: 1}[b] == 1
+    assert isinstance(a.layers, IndexSelection) and a.layers.items == ((0, 0), (2, 2))
+    assert a.targets == ("q", "v") and a.stack == ("encoder", "decoder")
+    assert a.to_dict()["layers"] == [0, 2] and a.to_dict()["heads"] == "-1"
+    assert ReinitOptions.build(a) == a  # replace() hands the read form back: kept as it is
+    with pytest.raises(SelectionError, match="layer 2 is out of range: the model has layers 0-1"):
+        a.layers.resolve(2, where="the model")  # what needs the model is checked against it
