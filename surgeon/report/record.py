@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from .._version import __version__
 from ..errors import CheckpointError, SurgeonError
 from ..files.bounded import CARD_LIMIT, loads, read_text
-from ..modes import all_modes, get_mode
+from ..modes import all_modes, get_mode, parameter
 from ..open.hub_ids import parse_repo_id
 from ..options import BIAS_CHOICES, MODES, ReinitOptions
 from ..vocab.spectrum import VALUE_IDENTITIES
@@ -221,18 +221,28 @@ _OPTIONS: dict[str, Any] = {
         v is None or (isinstance(v, list) and len(v) <= MAX_LIST and all(isinstance(s, str) and _text(s) for s in v))
     ),
     "mode": lambda v: _choice(v, MODES),
-    "strength": lambda v: v is None or (_number(v) and 0 < v <= 1),
+    "strength": lambda v: _parameter_ok("strength", v),
     "value_identity": lambda v: _choice(v, VALUE_IDENTITIES),
     "keep_scale": lambda v: isinstance(v, bool),
     "bias": lambda v: _choice(v, BIAS_CHOICES),
     "seed": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "gain": lambda v: _number(v) and v > 0,
-    "std": lambda v: _number(v) and v > 0,
+    "gain": lambda v: _parameter_ok("gain", v),
+    "std": lambda v: _parameter_ok("std", v),
 }
 
 
+def _parameter_ok(name: str, v: Any) -> bool:
+    """A mode parameter as its mode records it: in its range, and None only where it is always recorded."""
+    declared = parameter(name)
+    return (v is None and declared.always_recorded) or (_number(v) and declared.problem(v) is None)
+
+
+# recorded only where set (the others are always recorded)
+_WHERE_SET = tuple(p.name for m in all_modes() for p in m.parameters if not p.always_recorded)
+
+
 def parse_options(options: dict, where: str) -> ReinitOptions:
-    bad = _bad_keys(options, {k: object for k in _OPTIONS}, tuple(k for k in _OPTIONS if k not in ("gain", "std")))
+    bad = _bad_keys(options, {k: object for k in _OPTIONS}, tuple(k for k in _OPTIONS if k not in _WHERE_SET))
     if bad:
         raise CheckpointError(f"{where}: the options of the last surgeon record: {bad}")
     for key, ok in _OPTIONS.items():
