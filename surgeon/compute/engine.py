@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..errors import OptionError, UnsupportedWeightsError, opt
+from ..errors import UnsupportedWeightsError, opt
 from ..modes import get_mode
 from ..modes.base import Draw
 from ..modes.conditioning import (
@@ -28,26 +28,6 @@ from ..plan.planner import Plan
 from ..vocab.blocks import AttentionBlock, Projection, Rows
 from ..vocab.change import Change
 from ..vocab.selection import format_indices
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """``auto`` (GPU when there is one), ``cpu``, ``cuda`` or ``cuda:N``."""
-    if device is None or str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise OptionError(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise OptionError(
-                f"{opt('device', device)}: no CUDA device is available here; use {opt('device', 'cpu')} or auto"
-            )
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise OptionError(f"{opt('device', device)}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    elif dev.type != "cpu":
-        raise OptionError(f"unsupported device {device!r}: use auto, cpu, cuda or cuda:N")
-    return dev
 
 
 def _row_index(rows: Rows, heads: Sequence[int], device: torch.device | str) -> torch.Tensor:
