@@ -25,7 +25,7 @@ from ..modes.conditioning import (
     spectrum,
 )
 from ..plan.planner import Plan
-from ..vocab.blocks import AttentionBlock, Projection, Rows
+from ..vocab.blocks import AttentionBlock, Projection, Role, Rows
 from ..vocab.change import Change
 from ..vocab.selection import format_indices
 
@@ -124,7 +124,7 @@ class TensorCopy:
 @dataclass
 class ProjectionResult:
     block: AttentionBlock
-    role: str
+    role: Role
     heads: tuple[int, ...]  # heads that changed
     dtype: str
     before: Spectrum

@@ -12,6 +12,7 @@ import re
 from collections.abc import Iterable, Sequence
 
 from ..errors import SelectionError, opt
+from .blocks import ROLES, Role
 
 IndexSpec = str | int | Iterable[int] | None
 
@@ -83,12 +84,12 @@ def _run(run: list[int]) -> str:
     return str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}"
 
 
-TARGETS = ("q", "k", "v")
+TARGETS: tuple[Role, ...] = ROLES
 # Spellings that are refused with a hint, never guessed: 'query' (write q), 'qk' (write q,k).
 _TARGET_HINTS = {"query": "q", "key": "k", "value": "v"}
 
 
-def parse_targets(spec: str | Iterable[str] | None) -> tuple[str, ...]:
+def parse_targets(spec: str | Iterable[str] | None) -> tuple[Role, ...]:
     """``'q,k'`` / ``['q', 'v']`` -> ordered subset of ('q', 'k', 'v'). Only q, k and v are accepted."""
     if spec is None:
         return TARGETS
