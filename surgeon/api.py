@@ -7,6 +7,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .compute.devices import check_device, resolve_device
 from .compute.per_file import Progress
 from .detect import detect_source
 from .detect.hints import HINT_KEYWORDS, HintInput, Hints
@@ -36,16 +37,6 @@ if TYPE_CHECKING:  # torch is imported when tensors are first touched, so that o
     import torch  # the byte copies of a reinit run while it loads
 
     from .write.push_result import PushResult
-
-
-def check_device(device: str | torch.device | None) -> None:
-    """Refuse a misspelt device before anything is opened (whether it exists is checked with torch)."""
-    text = "auto" if device is None else str(device)
-    kind, _, index = text.partition(":")
-    if kind in ("meta", "mps", "xpu", "xla", "hpu", "mtia", "privateuseone"):
-        raise OptionError(f"unsupported device {text!r}: use auto, cpu, cuda or cuda:N")
-    if kind not in ("auto", "cpu", "cuda") or (index and (kind != "cuda" or not (index.isascii() and index.isdigit()))):
-        raise OptionError(f"unknown device {text!r}: use auto, cpu, cuda or cuda:N")
 
 
 def inspect_checkpoint(
@@ -100,7 +91,7 @@ def inspect_checkpoint(
     hints = Hints.build(hints, **hint_keywords)
     if inputs is not None and not jacobian:
         raise OptionError(f"{opt('inputs')} goes with {opt('jacobian', True)}")
-    from .compute.engine import inspect_blocks, resolve_device
+    from .compute.engine import inspect_blocks
 
     dev = resolve_device(device)
     start = time.perf_counter()

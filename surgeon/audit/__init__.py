@@ -227,7 +227,8 @@ def _check_weights(
     original: str | Path,
 ) -> tuple[set[str], int]:
     """The plan made again from the record; every weight set's tensors checked. Returns (changed, identical)."""
-    from ..compute.engine import Engine, resolve_device
+    from ..compute.devices import resolve_device
+    from ..compute.engine import Engine
     from ..detect import detect_source
     from ..plan.planner import prepare_checkpoint
 

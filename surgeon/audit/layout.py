@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from ..detect.hints import HintInput, Hints
 from ..errors import LayoutError, OptionError, opt
-from ..vocab.blocks import AttentionBlock, Projection, Rows
+from ..vocab.blocks import ROLES, AttentionBlock, Projection, Rows
 
 if TYPE_CHECKING:
     from ..detect.architecture import CheckpointNames
@@ -107,7 +107,7 @@ def _compare(by_names: Sequence[AttentionBlock], by_forward: list[AttentionBlock
             raise LayoutError(
                 f"layout check failed: names put a query projection in {block.q.weight.tensor}, but the forward of {arch} never uses it as one"
             )
-        for role in "qkv":
+        for role in ROLES:
             ours, theirs = block.projection(role), seen.projection(role)
             if (ours.weight, ours.in_features) != (theirs.weight, theirs.in_features):
                 raise LayoutError(

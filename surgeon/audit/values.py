@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..compute.engine import EditKind
 from ..errors import DerivedMismatch, VerificationError
 from ..formats.base import tensor_bytes
 from ..modes import get_mode
@@ -79,7 +80,7 @@ def check_changed(
                 f"{output}: tensor {new_name!r} is {theirs.dtype} {list(theirs.shape)}, the original {info.dtype} {list(info.shape)}"
             )
         found = b.read(new_name)
-        if get_mode(options.mode).exact or not any(what == "weight" for _, what in engine.edits[name]):
+        if get_mode(options.mode).exact or not any(what is EditKind.WEIGHT for _, what in engine.edits[name]):
             if raw(b, new_name) != tensor_bytes(expected):
                 raise DerivedMismatch(
                     f"{output}: tensor {new_name!r}: {first_difference(expected, found)}; the recipe re-derived from the record's seed gives other values"
@@ -113,12 +114,12 @@ def _heads_where(
     mask = torch.zeros(shape, dtype=torch.bool)
     tau = torch.zeros(shape, dtype=torch.float64)
     for change, what in engine.edits[name]:
-        rows = change.projection.weight if what == "weight" else change.projection.bias
+        rows = change.projection.weight if what is EditKind.WEIGHT else change.projection.bias
         assert rows is not None  # a bias edit is planned only for a projection with one
-        taus = per_head(change) if what == "weight" else [0.0] * len(change.heads)
+        taus = per_head(change) if what is EditKind.WEIGHT else [0.0] * len(change.heads)
         for h, t in zip(change.heads, taus):
             for target, value in ((mask, True), (tau, t)):
-                view = target if rows.axis == 0 or what == "bias" else target.transpose(0, 1)
+                view = target if rows.axis == 0 or what is EditKind.BIAS else target.transpose(0, 1)
                 view[rows.head_slice(h)] = value
     return mask, tau
 
@@ -176,7 +177,7 @@ def _check_semi_orthogonal(
 
     eps = torch.finfo(dtype).eps
     for change, what in engine.edits[name]:
-        if what != "weight":
+        if what is not EditKind.WEIGHT:
             continue
         rows = change.projection.weight
         heads = head_matrices(got64, rows, change.heads)

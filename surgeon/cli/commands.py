@@ -21,7 +21,6 @@ from .shell import (
     _out,
     cli_spelling,
     full_option,
-    handle_errors,
     model_options,
     plot_option,
     push_options,
@@ -117,7 +116,6 @@ Examples:
 @plot_option
 @model_options
 @full_option
-@handle_errors
 def inspect(
     model: str,
     emit_layout: str | None,
@@ -200,7 +198,6 @@ negative numbers count from the end (-1 is the last). Each stack of layers is nu
 @push_options
 @model_options
 @full_option
-@handle_errors
 def reinit(
     model: str,
     output: str | None,
@@ -280,7 +277,6 @@ The token comes from HF_TOKEN or `hf auth login`; HF_ENDPOINT selects another Hu
 )
 @click.option("--dry-run", is_flag=True, help="Print the files that would be uploaded and send nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was pushed as JSON on stdout.")
-@handle_errors
 def push(
     folder: str,
     repo_id: str,
@@ -336,7 +332,6 @@ malformed one, bad input, or another surgeon version's output whose draws differ
 @click.argument("original")
 @click.argument("output", type=click.Path())
 @model_options
-@handle_errors
 def verify(original: str, output: str, model_flags: ModelFlags, as_json: bool) -> None:
     """Check that OUTPUT is exactly what surgeon made from ORIGINAL, by the record surgeon wrote in it.
 
@@ -367,7 +362,6 @@ checkpoint rolls back first, and says so.
 )
 @click.argument("path", type=click.Path(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="Print what was recovered as JSON on stdout.")
-@handle_errors
 def recover(path: str, as_json: bool) -> None:
     """Roll back an interrupted `surgeon reinit --in-place` on the checkpoint at PATH.
 

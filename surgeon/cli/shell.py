@@ -36,24 +36,6 @@ def _out(text: str) -> None:
     click.echo(redact(spell(text, cli_spelling)))
 
 
-def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Bad input ends in one line on stderr and a non-zero exit code, never a traceback."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except SurgeonError as exc:
-            _fail(exc.describe(cli_spelling), exc.exit_code)
-        except OSError as exc:  # disk full, permission denied, ... while reading or writing
-            where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
-            _fail(f"{exc.strerror or exc}{where}")
-        except KeyboardInterrupt:
-            _fail("interrupted; nothing was written", 130)
-
-    return wrapper
-
-
 full_option = click.option(
     "--full",
     is_flag=True,
@@ -122,10 +104,7 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     ) -> Any:
         from ..detect.hints import Hints
 
-        try:  # a layout file is read here: a bad one is one line too
-            hints = Hints(num_heads, num_kv_heads, head_dim, force_hints, layout)
-        except SurgeonError as exc:
-            _fail(exc.describe(cli_spelling), exc.exit_code)
+        hints = Hints(num_heads, num_kv_heads, head_dim, force_hints, layout)  # a layout file is read here
         return command(*args, model_flags=ModelFlags(revision, config, hints, device), **kwargs)
 
     fn = with_hints
@@ -236,13 +215,30 @@ def _internal_error(exc: Exception, debug: bool) -> None:
 
 
 class OneLineErrors(click.Group):
-    """Usage errors (a bad option value, a missing argument, an unknown command) are one line too.
+    """The one guard around every command: bad input ends in one line on stderr and a non-zero exit code, never a
+    traceback.
 
-    click prints a usage block and a hint around them; surgeon prints ``surgeon: error: ...`` with the
-    command's ``--help`` to look at, and exits 2 as click does. Anything else that escapes a command
-    (a bug, or a third-party library failing in a way surgeon does not translate) is one line,
-    redacted, with exit code 1; ``--debug`` or SURGEON_DEBUG=1 adds the (redacted) traceback.
+    surgeon's own errors (a SurgeonError) print their message with their exit code; an OSError (disk full,
+    permission denied, ... while reading or writing) its reason and file, with 1; an interrupt "interrupted", with
+    130. Usage errors (a bad option value, a missing argument, an unknown command) are one line too: click prints a
+    usage block and a hint around them; surgeon prints ``surgeon: error: ...`` with the command's ``--help`` to look
+    at, and exits 2 as click does. Anything else that escapes a command (a bug, or a third-party library failing in
+    a way surgeon does not translate) is one line, redacted, with exit code 1; ``--debug`` or SURGEON_DEBUG=1 adds
+    the (redacted) traceback.
     """
+
+    def invoke(self, ctx: click.Context) -> Any:
+        """Run the command, its errors turned into one line (inside click's own handling, which would otherwise
+        turn an interrupt or a broken pipe into its own output)."""
+        try:
+            return super().invoke(ctx)
+        except SurgeonError as exc:
+            _fail(exc.describe(cli_spelling), exc.exit_code)
+        except OSError as exc:  # disk full, permission denied, ... while reading or writing
+            where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
+            _fail(f"{exc.strerror or exc}{where}")
+        except KeyboardInterrupt:
+            _fail("interrupted; nothing was written", 130)
 
     def main(
         self,
@@ -295,18 +291,15 @@ def push_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     ) -> Any:
         from ..write.push import PushTarget
 
-        try:  # checked here, before anything is opened: a bad target is one line too
-            push = PushTarget.build(
-                push_to_hub,
-                private=private,
-                branch=push_branch,
-                create_pr=create_pr,
-                commit_message=commit_message,
-                no_server_copy=no_server_copy,
-                staging=staging,
-            )
-        except SurgeonError as exc:
-            _fail(exc.describe(cli_spelling), exc.exit_code)
+        push = PushTarget.build(  # checked here, before anything is opened
+            push_to_hub,
+            private=private,
+            branch=push_branch,
+            create_pr=create_pr,
+            commit_message=commit_message,
+            no_server_copy=no_server_copy,
+            staging=staging,
+        )
         return fn(*args, push=push, **kwargs)
 
     for decorator in reversed(

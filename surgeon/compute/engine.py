@@ -7,14 +7,15 @@ from the original and from the stored result, so the "after" column is what the 
 
 from __future__ import annotations
 
+import enum
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from ..errors import OptionError, UnsupportedWeightsError, opt
+from ..errors import UnsupportedWeightsError, opt
 from ..modes import get_mode
 from ..modes.base import Draw
 from ..modes.conditioning import (
@@ -25,29 +26,9 @@ from ..modes.conditioning import (
     spectrum,
 )
 from ..plan.planner import Plan
-from ..vocab.blocks import AttentionBlock, Projection, Rows
+from ..vocab.blocks import AttentionBlock, Projection, Role, Rows
 from ..vocab.change import Change
 from ..vocab.selection import format_indices
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """``auto`` (GPU when there is one), ``cpu``, ``cuda`` or ``cuda:N``."""
-    if device is None or str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise OptionError(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise OptionError(
-                f"{opt('device', device)}: no CUDA device is available here; use {opt('device', 'cpu')} or auto"
-            )
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise OptionError(f"{opt('device', device)}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    elif dev.type != "cpu":
-        raise OptionError(f"unsupported device {device!r}: use auto, cpu, cuda or cuda:N")
-    return dev
 
 
 def _row_index(rows: Rows, heads: Sequence[int], device: torch.device | str) -> torch.Tensor:
@@ -141,10 +122,25 @@ class TensorCopy:
         self.tensor.copy_(values.to(self.tensor.device, self.tensor.dtype))
 
 
+class EditKind(enum.Enum):
+    """What one edit of a tensor changes (as torch DCP's ``WriteItemType`` says what one write item is)."""
+
+    WEIGHT = "weight"  # the chosen heads' rows of a projection's weight, drawn by the mode
+    BIAS = "bias"  # the chosen heads of a projection's bias, zeroed
+    OUT = "out"  # the mode's output projection (mimetic's W_O), drawn whole
+
+
+class Edit(NamedTuple):
+    """One edit of a tensor: the change it carries out, and what it changes."""
+
+    change: Change
+    kind: EditKind
+
+
 @dataclass
 class ProjectionResult:
     block: AttentionBlock
-    role: str
+    role: Role
     heads: tuple[int, ...]  # heads that changed
     dtype: str
     before: Spectrum
@@ -173,14 +169,14 @@ class Engine:
         self.device = device
         self.whole = whole
         self.seed_names = plan.draw_keys  # the names the draws are keyed by (the model's base names)
-        self.edits: dict[str, list[tuple[Change, str]]] = defaultdict(list)
+        self.edits: dict[str, list[Edit]] = defaultdict(list)
         for change in plan.changes:
             proj = change.projection
-            self.edits[proj.weight.tensor].append((change, "weight"))
+            self.edits[proj.weight.tensor].append(Edit(change, EditKind.WEIGHT))
             if plan.options.zero_bias and proj.bias is not None:
-                self.edits[proj.bias.tensor].append((change, "bias"))
+                self.edits[proj.bias.tensor].append(Edit(change, EditKind.BIAS))
             if change.role == "v" and change.block.module in plan.outputs:  # the mode's W_O (mimetic) too
-                self.edits[plan.outputs[change.block.module][0]].append((change, "out"))
+                self.edits[plan.outputs[change.block.module][0]].append(Edit(change, EditKind.OUT))
         self.results: dict[tuple[str, str], ProjectionResult] = {}
         self._zeroed: set[tuple[str, str]] = set()  # projections whose bias heads were zeroed
 
@@ -203,11 +199,11 @@ class Engine:
         with single_threaded():
             for change, what in self.edits[name]:
                 proj = change.projection
-                if what == "bias":
+                if what is EditKind.BIAS:
                     assert proj.bias is not None  # a bias edit is planned only for a projection with one
                     store.zero_heads(proj.bias, change.heads)
                     self._bias_zeroed(change)
-                elif what == "out":  # the mode's output projection (mimetic's W_O), drawn whole
+                elif what is EditKind.OUT:  # the mode's output projection (mimetic's W_O), drawn whole
                     options, v = self.plan.options, proj.weight.tensor
                     linear = self.plan.outputs[change.block.module][1]
                     store.fill(
@@ -245,7 +241,7 @@ class Engine:
             return
         store = tensor if isinstance(tensor, TensorStore) else TensorCopy(tensor.detach(), copy=False)
         for change, what in self.edits[name]:
-            if what == "weight":
+            if what is EditKind.WEIGHT:
                 self.refuse_nonfinite(name, change, store.heads(change.projection.weight, change.heads))
 
     def refuse_nonfinite(self, name: str, change: Change, old: torch.Tensor) -> None:

@@ -38,7 +38,8 @@ class Compute:
     @property
     def engine(self) -> Engine:
         if self._engine is None:
-            from .engine import Engine, resolve_device
+            from .devices import resolve_device
+            from .engine import Engine
 
             self._engine = Engine(self.plan, resolve_device(self.device), whole=self.whole)
             self._bar.__enter__()

@@ -1,8 +1,9 @@
 """Finding attention blocks: by tensor names (checkpoints), ONNX graphs and nn.Module graphs.
 
-The one entry is :func:`detect`, routed by what it is given: a checkpoint (:class:`surgeon.open.source.Source`)
-by its format (ONNX by its graph, every other format by tensor names), an ``nn.Module`` by its
-modules and forward. Family facts are data in :mod:`.families`; placement is :mod:`.placement`.
+Two entries, one per kind of input: :func:`detect_source` for a checkpoint (:class:`surgeon.open.source.Source`),
+routed by its format (ONNX by its graph, every other format by tensor names), and
+:func:`surgeon.detect.module.detect_module` for an ``nn.Module``, by its modules and forward. Family facts are data in
+:mod:`.families`; placement is :mod:`.placement`.
 Importing this package does not import torch, numpy or onnx.
 """
 
@@ -16,20 +17,9 @@ if TYPE_CHECKING:
     from .hints import Hints
 
 
-def detect(what: Any, hints: Hints | None = None, **module_options: Any) -> Any:
-    """Every attention block of ``what``: a :class:`~surgeon.open.source.Source` (returns a
-    :class:`Detection`) or an ``nn.Module`` (returns a ``ModuleDetection``; ``example_inputs=``).
-    Raises NoAttentionFoundError if there is none."""
-    from ..open.source import Source
-
-    if isinstance(what, Source):
-        return detect_source(what, hints)
-    from .module import detect_module
-
-    return detect_module(what, hints=hints, **module_options)
-
-
 def detect_source(source: Source, hints: Hints | None = None) -> Detection:
+    """Every attention block of a checkpoint, by its graph (ONNX) or its tensor names.
+    Raises NoAttentionFoundError if there is none."""
     weights = source.primary
     if weights.graph:  # tensor names carry no structure: walk the graph
         if hints is not None and hints.layout is not None:

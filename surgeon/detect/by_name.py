@@ -13,7 +13,18 @@ from typing import TypeVar
 
 from ..errors import LayoutError, NoAttentionFoundError, UnsupportedWeightsError, opt
 from ..formats.base import TensorInfo
-from ..vocab.blocks import AttentionBlock, Projection, Rows, Unreadable, owner, packed_size, slot_offsets, split_module
+from ..vocab.blocks import (
+    AttentionBlock,
+    Projection,
+    Role,
+    Rows,
+    Unreadable,
+    is_role,
+    owner,
+    packed_size,
+    slot_offsets,
+    split_module,
+)
 from ..vocab.detection import Detection
 from .config import ConfigView, StackFacts, with_transformers_defaults
 from .families import MODULE_FACTS, RULES, SECOND_SETS, SHARED_BLOCKS, Part, Rule
@@ -311,7 +322,7 @@ def _part_projections(
     kv_heads: int,
     head_dim: int,
     tensors: Mapping[str, TensorInfo],
-) -> dict[str, Projection]:
+) -> dict[Role, Projection]:
     """The q/k/v projections one weight tensor holds (a gate's rows are not attention: left out)."""
     projections = {}
     offsets = slot_offsets(packing, heads, kv_heads, head_dim)
@@ -319,7 +330,7 @@ def _part_projections(
     bias_name = join(owner(module), part.bias) if part.bias else None
     bias_offsets = slot_offsets(part.bias_packing or packing, heads, kv_heads, head_dim)
     for role, offs in offsets.items():
-        if role not in ("q", "k", "v"):
+        if not is_role(role):
             continue  # a gate: not attention, left as it is
         bias = None
         if (
@@ -328,7 +339,7 @@ def _part_projections(
             and tensors[bias_name].shape == (packed_size(part.bias_packing or packing, heads, kv_heads, head_dim),)
         ):
             bias = Rows(bias_name, 0, bias_offsets[role], head_dim)
-        projections[role] = Projection(role, Rows(info.name, axis, offs, head_dim), bias, in_features)  # type: ignore[arg-type]
+        projections[role] = Projection(role, Rows(info.name, axis, offs, head_dim), bias, in_features)
     return projections
 
 

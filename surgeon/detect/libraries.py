@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import CheckpointError, LayoutError, opt
-from ..vocab.blocks import AttentionBlock, Projection, Rows, slot_offsets, split_module
+from ..vocab.blocks import ROLES, AttentionBlock, Projection, Rows, slot_offsets, split_module
 from .families import (
     COMPANION_STREAMS,
     CROSS_BY_POSITION,
@@ -183,7 +183,7 @@ def with_separate_biases(block: AttentionBlock, shapes: Mapping[str, tuple[int, 
 def companion_block(block: AttentionBlock, shapes: Mapping[str, tuple[int, ...]]) -> AttentionBlock | None:
     """The second stream of ``block`` (joint attention's context projections), with the same heads."""
     for q, k, v, suffix in COMPANION_STREAMS:
-        names = {r: f"{block.module}.{leaf}" if block.module else leaf for r, leaf in zip("qkv", (q, k, v))}
+        names = {r: f"{block.module}.{leaf}" if block.module else leaf for r, leaf in zip(ROLES, (q, k, v))}
         if not all(f"{n}.weight" in shapes for n in names.values()):
             continue
         projections = {}
@@ -198,7 +198,7 @@ def companion_block(block: AttentionBlock, shapes: Mapping[str, tuple[int, ...]]
             offsets = slot_offsets(role, block.heads, block.kv_heads, block.head_dim)[role]
             bias = f"{name}.bias" if shapes.get(f"{name}.bias") == (shape[0],) else None
             projections[role] = Projection(
-                role,  # type: ignore[arg-type]
+                role,
                 Rows(f"{name}.weight", 0, offsets, block.head_dim),
                 Rows(bias, 0, offsets, block.head_dim) if bias else None,
                 shape[1],

@@ -125,7 +125,7 @@ class OnnxWeights(WeightSet):
                 or value.data_type not in _FLOATS
             ):
                 continue
-            data_field, dstart, dend, one_piece = found
+            data_field, dstart, dend, one_piece = found  # a wire.Data
             dtype, itemsize = DTYPES[value.data_type]
             nbytes = math.prod(value.dims) * itemsize
             if data_field != wire.TENSOR_RAW or not one_piece or dend - dstart != nbytes:
@@ -152,7 +152,7 @@ class OnnxWeights(WeightSet):
             raise CheckpointError(
                 f"{self.path}: initializer {t.name!r} could not be located in the file; re-save the model with onnx.save"
             )
-        fstart, fend, data_field, dstart, dend, one_piece = entry
+        fstart, fend, (data_field, dstart, dend, one_piece) = entry  # a wire.Initializer
         raw = (
             data_field == wire.TENSOR_RAW
             or (data_field == wire.TENSOR_FLOAT and t.data_type == onnx.TensorProto.FLOAT)

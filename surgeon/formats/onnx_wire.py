@@ -6,7 +6,7 @@ import mmap
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, NamedTuple
 
 from ..errors import CheckpointError
 from .fileio import copy_range
@@ -26,20 +26,60 @@ TENSOR_DATA_FIELDS = {4, 5, 6, 7, 9, 10, 11}
 LEN = 2  # wire type of length-delimited fields
 
 
+class Field(NamedTuple):
+    """One field of a protobuf message, where it lies in the bytes."""
+
+    number: int
+    wire: int  # wire type (LEN: length-delimited)
+    start: int  # the field's first byte (its key)
+    payload_start: int
+    payload_end: int  # also the field's end
+
+
+class Span(NamedTuple):
+    """A field's bytes: start (its key) and end."""
+
+    start: int
+    end: int
+
+
+class Data(NamedTuple):
+    """Where a tensor's data lies: the field that holds it (None: no data), its payload, whether in one piece (an
+    unpacked repeated field, one element per field, cannot be patched in place)."""
+
+    field: int | None
+    start: int
+    end: int
+    one_piece: bool
+
+
+class Initializer(NamedTuple):
+    """Where one initializer lies in the .onnx: its whole field, and its data."""
+
+    start: int
+    end: int
+    data: Data
+
+
+class MetadataEntry(NamedTuple):
+    """One top-level ``metadata_props`` entry: its field start and end, key and value."""
+
+    start: int
+    end: int
+    key: str
+    value: str
+
+
 @dataclass
 class Layout:
     """Byte positions in the .onnx found by scanning its protobuf encoding."""
 
     size: int
-    graph: tuple[int, int, int]  # field start, payload start, payload end
-    tensors: dict[
-        str, tuple[int, int, int | None, int, int, bool]
-    ]  # name -> field start/end, data field, data start/end, one piece
-    metadata: list[tuple[int, int, str, str]]  # top-level metadata_props: field start/end, key, value
-    nodes: list[tuple[int, int]]  # the graph's nodes in order: field start/end
-    constants: dict[
-        str, tuple[int | None, int, int, bool]
-    ]  # Constant node output -> data field, data start/end, one piece
+    graph: Field  # the model's graph field
+    tensors: dict[str, Initializer]  # by initializer name
+    metadata: list[MetadataEntry]  # top-level metadata_props
+    nodes: list[Span]  # the graph's nodes in order
+    constants: dict[str, Data]  # a Constant node's output -> where its value tensor's data is
 
 
 def renamed_data_files(files: list[str], model_name: str, new_name: str) -> dict[str, str]:
@@ -76,24 +116,26 @@ def scan_buffer(buf: Bytes) -> Layout:
     size = len(buf)
     graph = None
     metadata = []
-    for number, wire, start, pstart, pend in fields(buf, 0, size):
-        if number == MODEL_GRAPH and wire == LEN:
+    for f in fields(buf, 0, size):
+        if f.number == MODEL_GRAPH and f.wire == LEN:
             if graph is not None:
                 raise Corrupt("the model has its graph in two pieces")
-            graph = (start, pstart, pend)
-        elif number == MODEL_METADATA and wire == LEN:
+            graph = f
+        elif f.number == MODEL_METADATA and f.wire == LEN:
             entry = {
-                n: bytes(buf[s:e]).decode("utf-8", "replace") for n, w, _, s, e in fields(buf, pstart, pend) if w == LEN
+                n: bytes(buf[s:e]).decode("utf-8", "replace")
+                for n, w, _, s, e in fields(buf, f.payload_start, f.payload_end)
+                if w == LEN
             }
-            metadata.append((start, pend, entry.get(1, ""), entry.get(2, "")))
+            metadata.append(MetadataEntry(f.start, f.payload_end, entry.get(1, ""), entry.get(2, "")))
     if graph is None:
         raise Corrupt("no graph")
     tensors = {}
     nodes = []
-    constants: dict[str, tuple[int | None, int, int, bool]] = {}
-    for number, wire, start, pstart, pend in fields(buf, graph[1], graph[2]):
+    constants: dict[str, Data] = {}
+    for number, wire, start, pstart, pend in fields(buf, graph.payload_start, graph.payload_end):
         if number == GRAPH_NODE and wire == LEN:
-            nodes.append((start, pend))
+            nodes.append(Span(start, pend))
             _constant(buf, pstart, pend, constants)
         if number != GRAPH_INITIALIZER or wire != LEN:
             continue
@@ -105,11 +147,11 @@ def scan_buffer(buf: Bytes) -> Layout:
                 # an unpacked repeated field (one element per field) cannot be patched in place
                 pieces += 1 if w == LEN else 2
                 data_field, span = n, (s, e)
-        tensors[name] = (start, pend, data_field, span[0], span[1], pieces <= 1)
+        tensors[name] = Initializer(start, pend, Data(data_field, span[0], span[1], pieces <= 1))
     return Layout(size, graph, tensors, metadata, nodes, constants)
 
 
-def _constant(buf: Bytes, start: int, end: int, out: dict[str, tuple[int | None, int, int, bool]]) -> None:
+def _constant(buf: Bytes, start: int, end: int, out: dict[str, Data]) -> None:
     """Where a Constant node's ``value`` tensor keeps its data (weights that exporters or optimizers
     put in Constant nodes instead of initializers)."""
     op, outputs, value = "", [], None
@@ -129,11 +171,11 @@ def _constant(buf: Bytes, start: int, end: int, out: dict[str, tuple[int | None,
         if n in TENSOR_DATA_FIELDS:
             pieces += 1 if w == LEN else 2
             data_field, span = n, (s, e)
-    out[outputs[0]] = (data_field, span[0], span[1], pieces <= 1)
+    out[outputs[0]] = Data(data_field, span[0], span[1], pieces <= 1)
 
 
-def fields(buf: Bytes, start: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
-    """(field number, wire type, field start, payload start, payload end) of each field in buf[start:end]."""
+def fields(buf: Bytes, start: int, end: int) -> Iterator[Field]:
+    """Each field in buf[start:end]."""
     pos = start
     while pos < end:
         fstart = pos
@@ -153,7 +195,7 @@ def fields(buf: Bytes, start: int, end: int) -> Iterator[tuple[int, int, int, in
             raise Corrupt(f"unknown wire type {wire} at byte {fstart}")
         if pos > end or number == 0:
             raise Corrupt(f"a field at byte {fstart} runs past its message")
-        yield number, wire, fstart, pstart, pos
+        yield Field(number, wire, fstart, pstart, pos)
 
 
 def read_varint(buf: Bytes, pos: int, end: int) -> tuple[int, int]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import onnx
 import torch
@@ -31,7 +31,16 @@ if TYPE_CHECKING:
 
 METADATA_KEY = "surgeon"
 
-Edits = list[tuple[int, int, bytes]]  # (start, end, new bytes) replacing a byte range of the .onnx
+
+class Patch(NamedTuple):
+    """New bytes replacing a byte range of the .onnx (an empty range: inserted; no bytes: taken out)."""
+
+    start: int
+    end: int
+    data: bytes
+
+
+Edits = list[Patch]
 
 
 def save(
@@ -91,8 +100,9 @@ def write_model(
     edits += _value_edits(weights, changed)
     graph_growth = sum(len(new) - (end - start) for start, end, new in edits)
     if graph_growth:
-        gstart, pstart, pend = layout.graph
-        edits.append((gstart, pstart, wire.key(wire.MODEL_GRAPH) + wire.varint(pend - pstart + graph_growth)))
+        g = layout.graph  # its key and length are written again
+        length = g.payload_end - g.payload_start + graph_growth
+        edits.append(Patch(g.start, g.payload_start, wire.key(wire.MODEL_GRAPH) + wire.varint(length)))
     edits += _old_records(weights)
     with open(weights.path, "rb") as src, open(target, "wb") as out:
         pos = 0
@@ -111,33 +121,34 @@ def _value_edits(weights: OnnxModel, changed: dict[str, torch.Tensor]) -> Edits:
         data = tensor_bytes(weights, name, tensor)
         stored = weights.stored[name]
         if stored.in_place:
-            edits.append((stored.offset, stored.offset + stored.length, data))
+            edits.append(Patch(stored.offset, stored.offset + stored.length, data))
             continue
         proto = onnx.TensorProto()
         proto.CopyFrom(weights.protos[name])
         for f in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data"):
             proto.ClearField(f)
         proto.raw_data = data
-        start, end = stored.field  # type: ignore[misc]
-        edits.append((start, end, wire.field(wire.GRAPH_INITIALIZER, proto.SerializeToString())))
+        assert stored.field is not None  # bytes not in place are an embedded initializer's, whose field was found
+        start, end = stored.field
+        edits.append(Patch(start, end, wire.field(wire.GRAPH_INITIALIZER, proto.SerializeToString())))
     return edits
 
 
 def _old_records(weights: OnnxModel) -> Edits:
     """Earlier ``surgeon`` metadata entries, taken out (their history goes into the new one)."""
-    return [(start, end, b"") for start, end, key, _ in weights.layout.metadata if key == METADATA_KEY]
+    return [Patch(e.start, e.end, b"") for e in weights.layout.metadata if e.key == METADATA_KEY]
 
 
 def _record_entry(weights: OnnxModel, record: dict) -> bytes:
     """The new ``surgeon`` metadata entry: the earlier entries' history, then ``record``."""
     history: list = []
-    for _, _, key, value in weights.layout.metadata:
-        if key == METADATA_KEY:
+    for entry in weights.layout.metadata:
+        if entry.key == METADATA_KEY:
             try:
-                old = loads(value, where="surgeon's record")
+                old = loads(entry.value, where="surgeon's record")
                 history += old if isinstance(old, list) else [old]
             except CheckpointError:  # not JSON: kept as the text it is
-                history.append(value)
+                history.append(entry.value)
     return wire.field(1, METADATA_KEY.encode()) + wire.field(
         2, json.dumps(history + [record], separators=(",", ":"), sort_keys=True).encode()
     )
@@ -156,7 +167,8 @@ def _copy_edits(weights: OnnxModel, copies: dict[SharedCopy, torch.Tensor]) -> E
             data_type=weights.protos[name].data_type,
             raw_data=tensor_bytes(weights, name, tensor),
         )
-        edits.append((layout.graph[2], layout.graph[2], wire.field(wire.GRAPH_INITIALIZER, proto.SerializeToString())))
+        end = layout.graph.payload_end  # appended to the graph
+        edits.append(Patch(end, end, wire.field(wire.GRAPH_INITIALIZER, proto.SerializeToString())))
         for n in shared.readers:
             inputs.setdefault(n, {})[name] = shared.copy
     for n, renames in inputs.items():
@@ -164,8 +176,8 @@ def _copy_edits(weights: OnnxModel, copies: dict[SharedCopy, torch.Tensor]) -> E
         node.CopyFrom(weights.model.graph.node[n])
         for i, x in enumerate(node.input):
             node.input[i] = renames.get(x, x)
-        start, end = layout.nodes[n]
-        edits.append((start, end, wire.field(wire.GRAPH_NODE, node.SerializeToString())))
+        span = layout.nodes[n]
+        edits.append(Patch(span.start, span.end, wire.field(wire.GRAPH_NODE, node.SerializeToString())))
     return edits
 
 
@@ -176,12 +188,12 @@ def _relocation_edits(weights: OnnxModel, renamed: dict[str, str]) -> Edits:
         moved = wire.relocated(t, renamed)
         if moved is None:
             continue
-        span = weights.layout.tensors.get(t.name)
-        if span is None:
+        where = weights.layout.tensors.get(t.name)
+        if where is None:
             raise CheckpointError(
                 f"{weights.path}: initializer {t.name!r} could not be located in the file; re-save the model with onnx.save"
             )
-        edits.append((span[0], span[1], wire.field(wire.GRAPH_INITIALIZER, moved.SerializeToString())))
+        edits.append(Patch(where.start, where.end, wire.field(wire.GRAPH_INITIALIZER, moved.SerializeToString())))
     return edits
 
 

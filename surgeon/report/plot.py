@@ -11,13 +11,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ..vocab.blocks import Role
     from .report import Report
 
 ROLES = ("q", "k", "v")
 NAMES = {"q": "query", "k": "key", "v": "value"}
 
 
-def points(report: Report) -> list[tuple[str, int, str, float, bool]]:
+def points(report: Report) -> list[tuple[Role, int, str, float, bool]]:
     """What the plot draws: (role, block index, "before"/"after", kappa, has an after) per head; NaN/Inf left out."""
     blocks = list(dict.fromkeys(r.block.module for r in report.rows))
     out = []

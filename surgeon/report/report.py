@@ -13,7 +13,7 @@ from ..modes import NAMES as MODES
 from ..modes import get_mode
 from ..text.shown import note_lines, shown
 from ..text.sizes import fmt_bytes
-from ..vocab.blocks import AttentionBlock, split_module
+from ..vocab.blocks import AttentionBlock, Role, split_module
 from ..vocab.selection import format_indices
 from ..vocab.spectrum import Spectrum
 
@@ -57,7 +57,7 @@ class ProjectionRow:
     """One projection in a report: where it is, and its spectra."""
 
     block: AttentionBlock
-    role: str
+    role: Role
     before: Spectrum | None
     after: Spectrum | None = None
     heads_changed: tuple[int, ...] = ()

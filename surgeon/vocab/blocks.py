@@ -11,10 +11,16 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Literal, TypeGuard
 
 Role = Literal["q", "k", "v"]
 ROLES: tuple[Role, ...] = ("q", "k", "v")
+
+
+def is_role(name: str) -> TypeGuard[Role]:
+    """Whether ``name`` is a projection's role (a packing's slot may also be a gate)."""
+    return name in ROLES
+
 
 Slot = tuple[str, int]  # (role, head): one block of head_dim output features
 
@@ -115,7 +121,7 @@ class AttentionBlock:
     def projections(self) -> tuple[Projection, Projection, Projection]:
         return (self.q, self.k, self.v)
 
-    def projection(self, role: str) -> Projection:
+    def projection(self, role: Role) -> Projection:
         return {"q": self.q, "k": self.k, "v": self.v}[role]
 
     def kv_head(self, head: int) -> int:

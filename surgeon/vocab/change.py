@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from .blocks import AttentionBlock, Projection
+from .blocks import AttentionBlock, Projection, Role
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class Change:
     """Re-initialize ``heads`` of one projection (key/value head numbers for k and v)."""
 
     block: AttentionBlock
-    role: str
+    role: Role
     heads: tuple[int, ...]
 
     @property

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ..errors import SelectionError, opt
+from .blocks import ROLES, Role
 
 IndexSpec = str | int | Iterable[int] | None
 
@@ -140,12 +141,12 @@ def _run(run: list[int]) -> str:
     return str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}"
 
 
-TARGETS = ("q", "k", "v")
+TARGETS: tuple[Role, ...] = ROLES
 # Spellings that are refused with a hint, never guessed: 'query' (write q), 'qk' (write q,k).
 _TARGET_HINTS = {"query": "q", "key": "k", "value": "v"}
 
 
-def parse_targets(spec: str | Iterable[str] | None) -> tuple[str, ...]:
+def parse_targets(spec: str | Iterable[str] | None) -> tuple[Role, ...]:
     """``'q,k'`` / ``['q', 'v']`` -> ordered subset of ('q', 'k', 'v'). Only q, k and v are accepted."""
     if spec is None:
         return TARGETS

@@ -11,8 +11,6 @@ from surgeon.formats.base import TensorInfo
 from surgeon.formats.registry import FORMATS, WEIGHT_SUFFIXES, format_of
 from surgeon.vocab.blocks import PACKINGS
 
-from helpers.paths import ROOT
-
 
 def test_every_packing_has_a_kv_slot_rule():
     assert set(KV_SLOTS) == set(PACKINGS)
@@ -45,20 +43,6 @@ def test_every_format_is_found_by_its_suffixes():
             assert format_of(f"model{suffix}") is fmt and suffix in WEIGHT_SUFFIXES
         for suffix in fmt.index_suffixes:
             assert format_of(f"model{suffix}") is fmt
-
-
-def test_detect_routes_by_input_kind():
-    import torch
-
-    from surgeon.detect import detect
-    from surgeon.detect.module import ModuleDetection
-    from surgeon.open.source import open_source
-    from surgeon.vocab.detection import Detection
-
-    found = detect(open_source(ROOT / "examples" / "tiny-bert"))
-    assert isinstance(found, Detection) and found.blocks
-    module = torch.nn.Sequential(torch.nn.MultiheadAttention(8, 2))
-    assert isinstance(detect(module), ModuleDetection)
 
 
 def test_options_are_spelt_once():

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ...errors import LayoutError, opt
-from ...vocab.blocks import KV_MAPS, AttentionBlock, Projection, Rows
+from ...vocab.blocks import KV_MAPS, ROLES, AttentionBlock, Projection, Role, Rows
 from ..by_name import place_matches
 from ..hints import Hints
 from ..placement import join, kind
@@ -191,7 +191,7 @@ def _resolve(runs: dict[str, Watch], i: int, targets: Targets, hints: Hints) -> 
 def _block_from(resolved: dict, cap: Capture, targets: Targets) -> AttentionBlock:
     projections = {}
     sources = {}
-    for role in "qkv":
+    for role in ROLES:
         heads = resolved[role]
         pids = {p for p, _, _ in heads}
         axes = {a for _, a, _ in heads}
@@ -209,10 +209,10 @@ def _block_from(resolved: dict, cap: Capture, targets: Targets) -> AttentionBloc
             bias = Rows(op.bias[0], 0, tuple(op.bias[1] + o - op.start for o in offsets), size)
         sources[role] = op.source if op is not None else None
         in_features = targets.params[pid].shape[1 - axis]
-        projections[role] = Projection(role, Rows(name, axis, offsets, size), bias, in_features)  # type: ignore[arg-type]
+        projections[role] = Projection(role, Rows(name, axis, offsets, size), bias, in_features)
     _check_disjoint(projections)
-    module = _common_module(cap.module, [projections[r].weight.tensor.rpartition(".")[0] for r in "qkv"])
-    tensors = [projections[r].weight.tensor for r in "qkv"]
+    module = _common_module(cap.module, [projections[r].weight.tensor.rpartition(".")[0] for r in ROLES])
+    tensors = [projections[r].weight.tensor for r in ROLES]
     leaf = lambda t: t.removeprefix(module + ".") if module else t  # noqa: E731
     if len(set(tensors)) == 1:
         layout = f"forward: fused {leaf(tensors[0]).removesuffix('.weight')}"
@@ -245,7 +245,7 @@ def _covering(ops: list[Op], pid: int, axis: int, row: int) -> Op | None:
     return None
 
 
-def _check_disjoint(projs: dict[str, Projection]) -> None:
+def _check_disjoint(projs: dict[Role, Projection]) -> None:
     seen: dict[str, set[int]] = {}
     for role, p in projs.items():
         rows = {o + i for o in p.weight.offsets for i in range(p.weight.size)}

@@ -10,7 +10,7 @@ from torch import nn
 
 from ...errors import LayoutError, NoAttentionFoundError, SurgeonError, TensorParallelError
 from ...formats.base import TensorInfo
-from ...vocab.blocks import AttentionBlock, Projection, Rows, slot_offsets
+from ...vocab.blocks import ROLES, AttentionBlock, Projection, Rows, slot_offsets
 from ...vocab.config_keys import FRAMEWORK_CONFIGS, framework_config
 from ..base_model import base_path, relative_to
 from ..by_name import detect, match_modules, with_companions
@@ -249,7 +249,7 @@ def _mha_block(path: str, mha: nn.MultiheadAttention) -> AttentionBlock:
     qkv = slot_offsets("qkv", heads, heads, d)
     bias = join("in_proj_bias") if mha.in_proj_bias is not None else None
     projs = {}
-    for role in "qkv":
+    for role in ROLES:
         if mha._qkv_same_embed_dim:
             weight = Rows(join("in_proj_weight"), 0, qkv[role], d)
             width = mha.embed_dim
@@ -257,7 +257,7 @@ def _mha_block(path: str, mha: nn.MultiheadAttention) -> AttentionBlock:
             tensor = getattr(mha, f"{role}_proj_weight")
             weight = Rows(join(f"{role}_proj_weight"), 0, slot_offsets(role, heads, heads, d)[role], d)
             width = tensor.shape[1]
-        projs[role] = Projection(role, weight, Rows(bias, 0, qkv[role], d) if bias else None, width)  # type: ignore[arg-type]
+        projs[role] = Projection(role, weight, Rows(bias, 0, qkv[role], d) if bias else None, width)
     cross = not mha._qkv_same_embed_dim or kind(path) == "cross"
     layout = "fused in_proj" if mha._qkv_same_embed_dim else "separate in_proj"
     return AttentionBlock(

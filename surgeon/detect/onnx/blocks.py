@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 
 from ...errors import LayoutError, NoAttentionFoundError, UnsupportedWeightsError, opt
-from ...vocab.blocks import AttentionBlock, Projection, Rows
+from ...vocab.blocks import ROLES, AttentionBlock, Projection, Rows
 from ...vocab.detection import Detection, GraphFacts
 from ..config import ConfigView
 from ..families import REFUSED
@@ -169,10 +169,10 @@ def _block(
     if hinted and hinted != heads:
         note = f"{opt('num_heads', hinted)} ignored for {module}: the graph splits it into {heads} heads of {d}"
     projections = {}
-    for role, p, count in (("q", q, heads), ("k", k, kv_heads), ("v", v, kv_heads)):
+    for role, p, count in zip(ROLES, (q, k, v), (heads, kv_heads, kv_heads)):
         offsets = tuple(p.base + h * d for h in range(count))
         bias = Rows(p.bias, 0, tuple(o - p.bias_base for o in offsets), d) if p.bias else None
-        projections[role] = Projection(role, Rows(p.weight, p.axis, offsets, d), bias, p.in_features)  # type: ignore[arg-type]
+        projections[role] = Projection(role, Rows(p.weight, p.axis, offsets, d), bias, p.in_features)
     layout = _layout(q, k, v)
     if core.label:
         layout = f"{core.label}: {layout}"
