@@ -9,6 +9,7 @@ from typing import Any
 from .errors import OptionError, opt
 from .modes import NAMES as MODES
 from .modes import all_modes, get_mode, parameter
+from .vocab.blocks import Role
 from .vocab.selection import TARGETS, IndexSelection, parse_attention, parse_indices, parse_targets
 from .vocab.spectrum import VALUE_IDENTITIES
 
@@ -84,7 +85,7 @@ class ReinitOptions:
     layers: IndexSelection = _option(
         parse_indices("all", what="layer"), "Layers to re-initialize, per stack.", spec=True, shell_default="all"
     )
-    targets: tuple[str, ...] = _option(TARGETS, "Projections to re-initialize: any of q,k,v.", shell_default="q,k,v")
+    targets: tuple[Role, ...] = _option(TARGETS, "Projections to re-initialize: any of q,k,v.", shell_default="q,k,v")
     heads: IndexSelection = _option(
         parse_indices("all", what="head"),
         "Query heads to re-initialize (K/V: the key/value heads they use).",
