@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,8 +18,10 @@ from .open.hub_remote import fetch_weights, transfer_notes, transfer_of
 from .open.source import Source
 from .options import ReinitOptions
 from .plan.planner import Plan, prepare_checkpoint
-from .report.report import ProjectionRow, Report
-from .write.carry_out import carry_out
+from .report.report import Report
+from .text.notes import capped
+from .vocab.spectrum import ProjectionRow
+from .write.carry_out import ONE_PROCESS, CardFacts, Executor
 from .write.checkpoint_report import (
     commit_message,
     dry_run_notes,
@@ -36,6 +38,7 @@ from .write.push import PushTarget
 if TYPE_CHECKING:  # torch is imported when tensors are first touched, so that opening, planning and
     import torch  # the byte copies of a reinit run while it loads
 
+    from .vocab.detection import Detection
     from .write.push_result import PushResult
 
 
@@ -113,7 +116,13 @@ def inspect_checkpoint(
     unread = [f"cannot be read, left as it is by any reinit: {u.why}" for u in detection.unreadable]
     rest = [u.module or "the top-level attention module" for u in detection.unreadable[3:]]
     unread = unread[:3] + ([f"and {len(rest)} more that cannot be read: {', '.join(rest)}"] if rest else [])
-    notes = [*source.notes, *detection.left_alone, *unread, *detection.notes[:5], *transfer_notes(source)]
+    notes = [
+        *source.notes,
+        *detection.left_alone,
+        *unread,
+        *capped(detection.notes, "detection notes"),
+        *transfer_notes(source),
+    ]
     if emit_layout is not None:
         notes.append(f"wrote the detected layout to {emit_layout} (give it back with {opt('layout', emit_layout)})")
     if verify_layout:
@@ -218,47 +227,91 @@ def reinit_checkpoint(
     if base_model is not None:
         base_model = require_repo_id(base_model, opt("base_model"))
     check_device(device)
-    if distributed:
-        from .write import ranks
-
-        ranks.refuse(in_place=in_place, push=target is not None)
-        group = ranks.Ranks.join()
-        try:
-            return ranks.reinit_ranks(
-                group, model, opts, hints, output, overwrite=overwrite, dry_run=dry_run, device=device,
-                revision=revision, config=config, full=full, base_model=base_model,
-            )  # fmt: skip
-        finally:
-            group.close()
-    if target is not None and target.staging is not None:
+    staged = target is not None and target.staging is not None
+    if staged:
         if output is not None:
             raise OptionError(
                 f"{opt('staging')} is where a push stages what changed, and {opt('output')} writes the whole "
                 "output: give one of them"
             )
-        output, staged = target.staging, True
-    else:
-        staged = False
-    start = time.perf_counter()
-    source = hub.open_model(
-        model, config=config, revision=revision, progress=progress, recover=in_place and not dry_run, remote=True
-    )
-    why_not = (
-        None
-        if target is None
-        else no_copy_reason(
-            source, output_given=output is not None and not staged, no_server_copy=target.no_server_copy
+        assert target is not None and target.staging is not None
+        output = target.staging
+    read = ReadFrom(model, revision, config)
+    write_to = WriteTo(output, in_place, overwrite, dry_run, target, staged, base_model)
+    if not distributed:
+        return _reinit(read, RunWith(opts, hints, device, full, progress), write_to, ONE_PROCESS)
+    from .write import ranks
+
+    ranks.refuse(in_place=in_place, push=target is not None)
+    group = ranks.Ranks.join()
+    try:  # no progress bars: the ranks' would share one terminal
+        return _reinit(read, RunWith(opts, hints, device, full, False), write_to, ranks.RankedRun(group))
+    finally:
+        group.close()
+
+
+@dataclass(frozen=True)
+class ReadFrom:
+    """What a reinit reads: MODEL (a path or a Hub id), its revision, the config.json to read heads from."""
+
+    model: str | Path
+    revision: str | None = None
+    config: str | Path | None = None
+
+
+@dataclass(frozen=True)
+class RunWith:
+    """How a reinit runs: the options, the hints, where it computes, what it measures and shows."""
+
+    options: ReinitOptions
+    hints: Hints
+    device: str | torch.device = "auto"
+    full: bool = False
+    progress: bool = False
+
+
+@dataclass(frozen=True)
+class WriteTo:
+    """Where a reinit writes: the output (``staged``: a push's staging folder, which holds only what changed),
+    in place or not, over an existing output or not, or nothing (a dry run); the push and the card's lineage."""
+
+    output: str | Path | None = None
+    in_place: bool = False
+    overwrite: bool = False
+    dry_run: bool = False
+    push: PushTarget | None = None
+    staged: bool = False
+    base_model: str | None = None
+
+
+def _reinit(read: ReadFrom, how: RunWith, to: WriteTo, executor: Executor) -> Report:
+    """The checkpoint path, stage by stage: open, detect, plan, carry out (through ``executor``), push, report."""
+    start, target = time.perf_counter(), to.push
+
+    def prepare() -> tuple[Source, str | None, Destination, Detection, Plan]:
+        source = hub.open_model(
+            read.model, config=read.config, revision=read.revision, progress=how.progress,
+            recover=to.in_place and not to.dry_run, remote=executor.remote,
+        )  # fmt: skip
+        why_not = (
+            None
+            if target is None
+            else no_copy_reason(
+                source, output_given=to.output is not None and not to.staged, no_server_copy=target.no_server_copy
+            )
         )
-    )
-    dest = resolve_destination(
-        source, output, in_place=in_place, overwrite=overwrite or dry_run, push=target is not None,
-        changes_only=target is not None and why_not is None,
-    )  # fmt: skip
-    detection = detect_source(source, hints)
-    plan = prepare_checkpoint(source, detection, opts)
-    notes = [*source.notes, *detection.notes[:5], *plan.notes, *([why_not] if why_not else [])]
-    if dry_run:
-        notes += dry_run_notes(source, dest, overwrite=overwrite, push=target) + transfer_notes(source)
+        dest = resolve_destination(
+            source, to.output, in_place=to.in_place, overwrite=to.overwrite or to.dry_run, push=target is not None,
+            changes_only=target is not None and why_not is None,
+        )  # fmt: skip
+        executor.check(source, dest)
+        detection = detect_source(source, how.hints)
+        return source, why_not, dest, detection, prepare_checkpoint(source, detection, how.options)
+
+    source, why_not, dest, detection, plan = executor.step(prepare)  # a refusal on one rank stops them all
+    notes = [*source.notes, *capped(detection.notes, "detection notes"), *plan.notes, *([why_not] if why_not else [])]
+    if to.dry_run:
+        notes += dry_run_notes(source, dest, overwrite=to.overwrite, push=target) + transfer_notes(source)
         transfer = transfer_of(source)
         if dest.changes_only:
             from .write.hub_copy import predicted
@@ -267,28 +320,23 @@ def reinit_checkpoint(
             notes.append(line)
             transfer = {**(transfer or {}), **predicted_bytes}
         rows = planned_rows(source, plan)
-        return reinit_report(source, detection, plan, dest, rows, notes, device=str(device), transfer=transfer)
+        return reinit_report(source, detection, plan, dest, rows, notes, device=str(how.device), transfer=transfer)
     # a push by changes fetches only the shards that change; any other output, every shard
     fetch_weights(source, source.primary.changed_files(plan.tensors()) if dest.changes_only else None)  # type: ignore[attr-defined]
-    title = target.repo_id if target is not None else dest.path.name
-    with hold(source, exclusive=in_place):  # in place: alone; a copy: never while an in-place run patches it
-        done = carry_out(
-            source,
-            detection,
-            plan,
-            dest,
-            device=device,
-            full=full,
-            progress=progress,
-            title=title,
-            base_model=base_model,
-            command=lambda: reproduce(model, source, plan.options, hints, dest.path),
+    card = CardFacts(
+        target.repo_id if target is not None else dest.path.name,
+        lambda: reproduce(read.model, source, plan.options, how.hints, dest.path),
+        to.base_model,
+    )
+    with hold(source, exclusive=to.in_place):  # in place: alone; a copy: never while an in-place run patches it
+        done = executor.carry_out(
+            source, detection, plan, dest, device=how.device, full=how.full, progress=how.progress, card=card
         )
     seconds = time.perf_counter() - start
     notes += done.notes + transfer_notes(source)
     transfer = transfer_of(source)
     if target is not None:
-        pushed_notes, pushed = _push(dest, target, source, plan, progress=progress)
+        pushed_notes, pushed = _push(dest, target, source, plan, progress=how.progress)
         notes += pushed_notes
         transfer = {**(transfer or {}), "uploaded": pushed.bytes, "copied_server_side": pushed.copied_bytes}
     return reinit_report(

@@ -32,7 +32,8 @@ from .errors import OptionError, opt
 from .modes import get_mode
 from .options import ReinitOptions
 from .plan.planner import Plan, prepare
-from .report.report import ProjectionRow, Report
+from .report.report import Report
+from .vocab.spectrum import ProjectionRow
 
 
 def reinit_(
@@ -103,10 +104,7 @@ def _change_in_place(
 def _reinit_report(
     module: nn.Module, found: ModuleDetection, plan: Plan, engine: Engine, device: torch.device, start: float
 ) -> Report:
-    rows = [
-        ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed)
-        for r in engine.ordered_results()
-    ]
+    rows = engine.ordered_results()
     seconds = time.perf_counter() - start
     notes = [*_notes(found), *plan.notes] + [
         f"changed {len(engine.tensor_names)} parameters in place in {seconds:.2f} s on {device}"

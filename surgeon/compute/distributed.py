@@ -245,11 +245,13 @@ class ShardedTensor:
         )
 
 
-def write_params(engine: Engine, params: Mapping[str, torch.Tensor]) -> None:
-    """Carry out the engine's plan on parameters in memory, in place: plain tensors and DTensors alike.
+def write_params(engine: Engine, params: Mapping[str, torch.Tensor], *, record: bool = True) -> int:
+    """Carry out the engine's plan on parameters in memory, in place: plain tensors and DTensors alike. The one
+    writer of parameters in memory (``surgeon.reinit_``, the init hooks, the Trainer callback through them).
 
     Every refusal comes before the first write. A DTensor is written through :class:`ShardedTensor`
-    (each rank its own rows; ``engine.results`` gets the same spectra on every rank).
+    (each rank its own rows; ``engine.results`` gets the same spectra on every rank). ``record``: measure the
+    before/after spectra for the report (an init hook does not). Returns how many parameters were written.
     """
 
     def store(param: torch.Tensor) -> TensorStore:
@@ -261,7 +263,8 @@ def write_params(engine: Engine, params: Mapping[str, torch.Tensor]) -> None:
         ):  # refusals first (one projection gathered at a time): nothing changes unless everything can
             engine.check_values(name, store(params[name]))
         for name in engine.tensor_names:
-            engine.update_store(name, store(params[name]))
+            engine.update_store(name, store(params[name]), record=record)
+    return len(engine.tensor_names)
 
 
 def inspect_sharded(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -26,9 +26,10 @@ from ..modes.conditioning import (
     spectrum,
 )
 from ..plan.planner import Plan
-from ..vocab.blocks import AttentionBlock, Projection, Role, Rows
+from ..vocab.blocks import AttentionBlock, Projection, Rows
 from ..vocab.change import Change
 from ..vocab.selection import format_indices
+from ..vocab.spectrum import ProjectionRow
 
 
 def _row_index(rows: Rows, heads: Sequence[int], device: torch.device | str) -> torch.Tensor:
@@ -137,21 +138,6 @@ class Edit(NamedTuple):
     kind: EditKind
 
 
-@dataclass
-class ProjectionResult:
-    block: AttentionBlock
-    role: Role
-    heads: tuple[int, ...]  # heads that changed
-    dtype: str
-    before: Spectrum
-    after: Spectrum | None
-    bias_zeroed: bool
-
-    @property
-    def projection(self) -> Projection:
-        return self.block.projection(self.role)
-
-
 class Engine:
     """Applies a plan to tensors given one at a time, remembering before/after spectra.
 
@@ -177,7 +163,7 @@ class Engine:
                 self.edits[proj.bias.tensor].append(Edit(change, EditKind.BIAS))
             if change.role == "v" and change.block.module in plan.outputs:  # the mode's W_O (mimetic) too
                 self.edits[plan.outputs[change.block.module][0]].append(Edit(change, EditKind.OUT))
-        self.results: dict[tuple[str, str], ProjectionResult] = {}
+        self.results: dict[tuple[str, str], ProjectionRow] = {}
         self._zeroed: set[tuple[str, str]] = set()  # projections whose bias heads were zeroed
 
     @property
@@ -274,17 +260,23 @@ class Engine:
         else:
             after = Spectrum(None, tuple(kappas), None)
         dtype = str(current.dtype).removeprefix("torch.")
-        self.results[key] = ProjectionResult(
-            change.block, change.role, change.heads, dtype, before, after, key in self._zeroed
+        self.results[key] = ProjectionRow(
+            change.block, change.role, before, after, change.heads, dtype, bias_zeroed=key in self._zeroed
         )
 
     def _bias_zeroed(self, change: Change) -> None:
         key = (change.block.module, change.role)
         self._zeroed.add(key)  # the bias may be stored before its weight (another tensor, another shard)
         if key in self.results:
-            self.results[key].bias_zeroed = True
+            self.results[key] = replace(self.results[key], bias_zeroed=True)
 
-    def ordered_results(self) -> list[ProjectionResult]:
+    @property
+    def biases_zeroed(self) -> frozenset[tuple[str, str]]:
+        """The (block, role) of every projection whose bias heads this engine zeroed, measured or not: a bias
+        may be stored in another file than its weight, and so be written by another rank."""
+        return frozenset(self._zeroed)
+
+    def ordered_results(self) -> list[ProjectionRow]:
         return [
             self.results[(c.block.module, c.role)]
             for c in self.plan.changes

@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     from tqdm.auto import tqdm
 
     from ..formats.base import WeightSet
-    from .engine import Engine, ProjectionResult
+    from ..vocab.spectrum import ProjectionRow
+    from .engine import Engine
 
 
 class Compute:
@@ -45,12 +46,21 @@ class Compute:
             self._bar.__enter__()
         return self._engine
 
-    def results(self) -> list[ProjectionResult]:
+    def results(self) -> list[ProjectionRow]:
         """What the engine did, in plan order ([] when nothing was computed)."""
         return self._engine.ordered_results() if self._engine is not None else []
 
     def updates_for(self, weights: WeightSet, record: bool) -> Updates:
         return Updates(self, weights, record)
+
+    def used_device(self) -> str:
+        """The device the engine ran on (the one asked for, when nothing was computed)."""
+        return str(self._engine.device) if self._engine is not None else str(self.device)
+
+    def advance(self, tensors: int = 1) -> None:
+        """Count ``tensors`` more done on the progress bar (when it shows)."""
+        if self._bar.bar is not None:
+            self._bar.bar.update(tensors)
 
     def close(self) -> None:
         self._bar.__exit__(None, None, None)
@@ -76,8 +86,7 @@ class Updates:
             info = self.weights.tensors[name]
             yield name, run.engine.update(name, self.weights.read(name), record=self.record)
             run.bytes_changed += info.nbytes
-            if run._bar.bar is not None:
-                run._bar.bar.update(1)
+            run.advance()
 
 
 class Progress:

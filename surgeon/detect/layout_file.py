@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CheckpointError, LayoutError, OptionError
+from ..errors import CheckpointError, LayoutError, OptionError, opt
 from ..files.bounded import read_bytes
 from ..vocab.blocks import PACKINGS
 from .families import Part, Rule
@@ -83,7 +83,7 @@ def read_layout(path: str | os.PathLike[str]) -> Layout:
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise OptionError(f"{where} is not JSON ({e}); write it as in `surgeon inspect --emit-layout FILE`") from None
+        raise OptionError(f"{where} is not JSON ({e}); write it as {opt('emit_layout')} writes one") from None
     _keys(data, _TOP, where, required=("rules",))
     rules = data["rules"]
     if not isinstance(rules, list) or not rules:

@@ -350,5 +350,6 @@ def _olmo_bad(where: str, value: Any, wanted: str) -> CheckpointError:
     shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
     return CheckpointError(
         f"the OLMo-core config's {where} is {shown}, where OLMo-core writes {wanted}: is it the run's own "
-        "config.json? Fix it, or pass --config with the right one (or --num-heads / --num-kv-heads with --force-hints)"
+        f"config.json? Fix it, or pass {opt('config')} with the right one (or {opt('num_heads')} / "
+        f"{opt('num_kv_heads')} with {opt('force_hints', True)})"
     )

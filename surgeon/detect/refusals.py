@@ -121,7 +121,7 @@ def refuse_shared_rows(blocks: Sequence[AttentionBlock]) -> None:
             if start < end and a != b:
                 raise LayoutError(
                     f"{tensor} is both {a} and {b}: a tensor's rows play one role in one block; fix the layout "
-                    "(a layout file's rules, or --num-heads and its kin) so each role names its own tensor or rows",
+                    f"(a layout file's rules, or {opt('num_heads')} and its kin) so each role names its own tensor or rows",
                     tensor=tensor,
                 )
 

@@ -27,9 +27,9 @@ import weakref
 from dataclasses import replace
 from typing import Any
 
-import torch
 from torch import nn
 
+from ..compute.distributed import write_params
 from ..compute.engine import Engine
 from ..detect.hints import HintInput, Hints
 from ..detect.module import ModuleDetection, detect_module
@@ -155,9 +155,4 @@ def _refuse_unreachable(model: nn.Module, plan: Plan) -> None:
 def _write(found: ModuleDetection, plan: Plan) -> int:
     """Write ``plan``'s new heads into the parameters ``found`` holds; returns how many were written."""
     device = found.params[plan.changes[0].projection.weight.tensor].device
-    engine = Engine(plan, device)
-    with torch.no_grad():
-        for name in engine.tensor_names:
-            param = found.params[name]
-            param.copy_(engine.update(name, param.detach(), record=False))
-    return len(engine.tensor_names)
+    return write_params(Engine(plan, device), found.params, record=False)

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
-from ..compute.engine import ProjectionResult
 from ..detect.hints import Hints
 from ..files.bounded import CARD_LIMIT, read_text
 from ..files.folder import file_in
@@ -26,6 +25,7 @@ from ..plan.planner import Plan
 from ..text.shown import shown
 from ..vocab.blocks import AttentionBlock, split_module
 from ..vocab.selection import format_indices
+from ..vocab.spectrum import ProjectionRow
 from .report import fmt_kappa, with_streams
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ def build_card(
     source: Source,
     original: SourceCard | None,
     plan: Plan,
-    results: list[ProjectionResult],
+    results: list[ProjectionRow],
     command: str,
     title: str,
     base_model: str | None = None,
@@ -297,7 +297,7 @@ def _plan_notes(plan: Plan) -> list[str]:
     return ["\n".join(f"- {shown(spell(n, shell_spelling))}" for n in plan.notes)] if plan.notes else []
 
 
-def _kappa_table(results: list[ProjectionResult]) -> str:
+def _kappa_table(results: list[ProjectionRow]) -> str:
     measured = [r for r in results if r.before is not None and r.after is not None]
     whole = any(r.before.kappa is not None for r in measured if r.before is not None)
     lines = [

@@ -13,9 +13,9 @@ from ..modes import NAMES as MODES
 from ..modes import get_mode
 from ..text.shown import note_lines, shown
 from ..text.sizes import fmt_bytes
-from ..vocab.blocks import AttentionBlock, Role, split_module
+from ..vocab.blocks import AttentionBlock, split_module
 from ..vocab.selection import format_indices
-from ..vocab.spectrum import Spectrum
+from ..vocab.spectrum import ProjectionRow, Spectrum
 
 
 def fmt_kappa(x: float | None) -> str:
@@ -50,45 +50,6 @@ def table(headers: list[str], rows: list[list[str]], right: frozenset[int] | set
         ).rstrip()
 
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
-
-
-@dataclass
-class ProjectionRow:
-    """One projection in a report: where it is, and its spectra."""
-
-    block: AttentionBlock
-    role: Role
-    before: Spectrum | None
-    after: Spectrum | None = None
-    heads_changed: tuple[int, ...] = ()
-    dtype: str = ""
-    bias_zeroed: bool = False
-
-    def to_dict(self) -> dict:
-        proj = self.block.projection(self.role)
-        out = {
-            "module": self.block.module,
-            "stack": self.block.stack,
-            "layer": self.block.layer,
-            "kind": self.block.kind,
-            "role": self.role,
-            "tensor": proj.weight.tensor,
-            "bias": proj.bias.tensor if proj.bias else None,
-            "heads": proj.heads,
-            "head_dim": proj.head_dim,
-            "in_features": proj.in_features,
-            "dtype": self.dtype,
-            "before": self.before.to_dict() if self.before else None,
-        }
-        stream = split_module(self.block.module)[1]
-        if stream:  # a joint block's second stream: its projections, reported as that block's
-            out["stream"] = stream
-        if self.after is not None:
-            out["after"] = self.after.to_dict()
-        if self.after is not None or self.heads_changed:  # a dry run: what the real run would change
-            out["heads_changed"] = list(self.heads_changed)
-            out["bias_zeroed"] = self.bias_zeroed
-        return out
 
 
 @dataclass

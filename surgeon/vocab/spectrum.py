@@ -1,10 +1,12 @@
-"""Condition numbers as data: what a report holds about one projection (no torch needed)."""
+"""Condition numbers as data, and what a report holds about one projection (no torch needed)."""
 
 from __future__ import annotations
 
 import math
 import statistics
 from dataclasses import dataclass
+
+from .blocks import AttentionBlock, Role, split_module
 
 VALUE_IDENTITIES = ("block", "per-head")
 
@@ -62,6 +64,47 @@ class Spectrum:
             "heads": [_finite(k) for k in self.head_kappas],
             "nonfinite_heads": list(self.nonfinite_heads),
         }
+
+
+@dataclass(frozen=True)
+class ProjectionRow:
+    """One projection in a report: where it is, its spectra, and what a reinit changed (or, in a dry run, would).
+
+    The engine makes one per projection it measured; a dry run, one per planned change (no spectra)."""
+
+    block: AttentionBlock
+    role: Role
+    before: Spectrum | None
+    after: Spectrum | None = None
+    heads_changed: tuple[int, ...] = ()
+    dtype: str = ""
+    bias_zeroed: bool = False
+
+    def to_dict(self) -> dict:
+        proj = self.block.projection(self.role)
+        out = {
+            "module": self.block.module,
+            "stack": self.block.stack,
+            "layer": self.block.layer,
+            "kind": self.block.kind,
+            "role": self.role,
+            "tensor": proj.weight.tensor,
+            "bias": proj.bias.tensor if proj.bias else None,
+            "heads": proj.heads,
+            "head_dim": proj.head_dim,
+            "in_features": proj.in_features,
+            "dtype": self.dtype,
+            "before": self.before.to_dict() if self.before else None,
+        }
+        stream = split_module(self.block.module)[1]
+        if stream:  # a joint block's second stream: its projections, reported as that block's
+            out["stream"] = stream
+        if self.after is not None:
+            out["after"] = self.after.to_dict()
+        if self.after is not None or self.heads_changed:  # a dry run: what the real run would change
+            out["heads_changed"] = list(self.heads_changed)
+            out["bias_zeroed"] = self.bias_zeroed
+        return out
 
 
 def _finite(x: float | None) -> float | str | None:

@@ -1,26 +1,43 @@
-"""Carrying out a plan on a checkpoint in one process: compute the new values and write them to the destination."""
+"""Carrying out a plan: compute the new values and write them, in one process or over ranks.
+
+The checkpoint path (``surgeon.api``) is one pipeline over an executor: this module's :data:`ONE_PROCESS`,
+or ``surgeon.write.ranks.RankedRun`` under torchrun, which adds only "my files, barrier, gather".
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from ..compute.per_file import Compute
 from ..errors import CheckpointError
-from .checkpoint_report import done_rows
 
 if TYPE_CHECKING:
     import torch
 
     from ..open.source import Source
     from ..plan.planner import Plan
-    from ..report.report import ProjectionRow
     from ..vocab.detection import Detection
+    from ..vocab.spectrum import ProjectionRow
     from .output import Destination
 
+T = TypeVar("T")
 
-class Done(NamedTuple):
+
+@dataclass(frozen=True)
+class CardFacts:
+    """What the model card says beyond the run itself: its title, the reproduce command (made when the card is
+    written, so that nothing delays the byte copies), and the Hub model the source comes from."""
+
+    title: str
+    command: Callable[[], str]
+    base_model: str | None = None
+
+
+@dataclass(frozen=True)
+class Done:
     """What carrying out a plan gave: the report's rows and notes, the device used, the bytes written."""
 
     rows: list[ProjectionRow]
@@ -29,44 +46,83 @@ class Done(NamedTuple):
     bytes_written: int
 
 
-def carry_out(
-    source: Source,
-    detection: Detection,
-    plan: Plan,
-    dest: Destination,
-    *,
-    device: str | torch.device,
-    full: bool,
-    progress: bool,
-    title: str,
-    command: Callable[[], str],
-    base_model: str | None = None,
-) -> Done:
-    """Compute the new values and write them to ``dest``.
+class Executor(Protocol):
+    """Where a plan is carried out: the steps every run takes, and the one step that differs (the writing)."""
 
-    ``command()`` gives the model card's reproduce command; it is made after the weights, so that
-    nothing delays the start of the byte copies."""
-    write_plans = [weights.write_plan(plan, detection) for weights in source.weights]
-    notes = [note for write_plan in write_plans for note in write_plan.notes]
-    _check_secondary_sets(source, plan.tensors())
-    from ..report.card import source_card, write_card
+    @property
+    def remote(self) -> bool:
+        """Whether a Hub model's safetensors may stay on the Hub, read by Range and fetched when written."""
+        ...
 
-    original = source_card(source) if dest.gets_card else None  # a card that cannot be read refuses here
-    run = Compute(plan, device, whole=full, progress=progress, total=len(plan.tensors()) * len(source.weights))
+    def step(self, work: Callable[[], T]) -> T:
+        """Run one step of the pipeline (every rank alike: a refusal on one stops them all)."""
+        ...
 
-    def card(folder: Path) -> None:
-        write_card(
-            folder, source=source, original=original, plan=plan, results=run.results(), command=command(), title=title,
-            base_model=base_model,
-        )  # fmt: skip
+    def check(self, source: Source, dest: Destination) -> None:
+        """Refuse, before detection, what this executor cannot write."""
+        ...
 
-    try:
-        notes += dest.write(source, run.updates_for, plan.record(), write_plans, card=card)
-    finally:
-        run.close()
-    rows = done_rows(run.results())
-    used = str(run.engine.device) if run.started else str(device)
-    return Done(rows, notes, used, dest.size(source, patched=run.bytes_changed))
+    def carry_out(
+        self,
+        source: Source,
+        detection: Detection,
+        plan: Plan,
+        dest: Destination,
+        *,
+        device: str | torch.device,
+        full: bool,
+        progress: bool,
+        card: CardFacts,
+    ) -> Done:
+        """Compute the new values and write them to ``dest``, the model card last."""
+        ...
+
+
+class OneProcess:
+    """The executor of a run in this process alone."""
+
+    remote = True
+
+    def step(self, work: Callable[[], T]) -> T:
+        return work()
+
+    def check(self, source: Source, dest: Destination) -> None:
+        return None
+
+    def carry_out(
+        self,
+        source: Source,
+        detection: Detection,
+        plan: Plan,
+        dest: Destination,
+        *,
+        device: str | torch.device,
+        full: bool,
+        progress: bool,
+        card: CardFacts,
+    ) -> Done:
+        write_plans = [weights.write_plan(plan, detection) for weights in source.weights]
+        notes = [note for write_plan in write_plans for note in write_plan.notes]
+        _check_secondary_sets(source, plan.tensors())
+        from ..report.card import source_card, write_card
+
+        original = source_card(source) if dest.gets_card else None  # a card that cannot be read refuses here
+        run = Compute(plan, device, whole=full, progress=progress, total=len(plan.tensors()) * len(source.weights))
+
+        def write_the_card(folder: Path) -> None:
+            write_card(
+                folder, source=source, original=original, plan=plan, results=run.results(), command=card.command(),
+                title=card.title, base_model=card.base_model,
+            )  # fmt: skip
+
+        try:
+            notes += dest.write(source, run.updates_for, plan.record(), write_plans, card=write_the_card)
+        finally:
+            run.close()
+        return Done(run.results(), notes, run.used_device(), dest.size(source, patched=run.bytes_changed))
+
+
+ONE_PROCESS = OneProcess()
 
 
 def _check_secondary_sets(source: Source, tensors: list[str]) -> None:

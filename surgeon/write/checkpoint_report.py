@@ -4,18 +4,17 @@ reproduce command, the Hub commit message. Shared by the one-process run (surgeo
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .._version import __version__
 from ..errors import opt
 from ..modes import get_mode
-from ..report.report import ProjectionRow, Report
+from ..report.report import Report
+from ..vocab.spectrum import ProjectionRow
 from .output import folder_output_files
 
 if TYPE_CHECKING:
-    from ..compute.engine import ProjectionResult
     from ..detect.hints import Hints
     from ..open.source import Source
     from ..options import ReinitOptions
@@ -28,11 +27,6 @@ if TYPE_CHECKING:
 def source_label(source: Source) -> str:
     """How reports name the input: the Hub id for a Hub model (its cache path is in the notes)."""
     return f"{source.hub_id}@{source.hub_revision or 'main'}" if source.hub_id else str(source.path)
-
-
-def done_rows(results: Iterable[ProjectionResult]) -> list[ProjectionRow]:
-    """The report's rows for what was computed."""
-    return [ProjectionRow(r.block, r.role, r.before, r.after, r.heads, r.dtype, r.bias_zeroed) for r in results]
 
 
 def planned_rows(source: Source, plan: Plan) -> list[ProjectionRow]:

@@ -14,22 +14,20 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import OptionError, RankFailed, opt
+from .carry_out import CardFacts, Done
 
 if TYPE_CHECKING:
-    from ..compute.engine import ProjectionResult
     from ..compute.per_file import Compute
-    from ..detect.hints import Hints
     from ..formats.write_plan import WritePlan
     from ..open.source import Source
-    from ..options import ReinitOptions
     from ..plan.planner import Plan
-    from ..report.report import Report
     from ..vocab.detection import Detection
+    from ..vocab.spectrum import ProjectionRow
     from .output import Destination
 
 T = TypeVar("T")
@@ -134,77 +132,53 @@ def refuse(*, in_place: bool, push: bool, source: Source | None = None, dest: De
         )
 
 
-def reinit_ranks(
-    group: Ranks,
-    model: str | Path,
-    opts: ReinitOptions,
-    hints: Hints,
-    output: str | Path | None,
-    *,
-    overwrite: bool,
-    dry_run: bool,
-    device: Any,
-    revision: str | None,
-    config: str | Path | None,
-    full: bool,
-    base_model: str | None = None,
-) -> Report:
-    """surgeon.reinit_checkpoint on every rank of ``group``: each plans alike, writes its share, returns the whole report."""
-    import time
+@dataclass(frozen=True)
+class RankedRun:
+    """The executor of a run spread over ``ranks`` (see the module's docstring); the pipeline is the one of a
+    single process (``surgeon.api``): every rank opens, detects and plans alike, each step agreed by all."""
 
-    from ..compute.per_file import Compute
-    from ..detect import detect_source
-    from ..open.hub import open_model
-    from ..plan.planner import prepare_checkpoint
-    from ..report.card import source_card, write_card
-    from .checkpoint_report import done_rows, dry_run_notes, planned_rows, reinit_report, reproduce
-    from .journal import hold
-    from .output import resolve_destination
+    ranks: Ranks
+    remote = False  # every rank reads the same files: a Hub model is fetched whole
 
-    start = time.perf_counter()
+    def step(self, work: Callable[[], T]) -> T:
+        return self.ranks.step(work)
 
-    def prepare() -> tuple[Source, Destination, Detection, Plan]:
-        source = open_model(model, config=config, revision=revision)
-        dest = resolve_destination(source, output, in_place=False, overwrite=overwrite or dry_run)
+    def check(self, source: Source, dest: Destination) -> None:
         refuse(in_place=False, push=False, source=source, dest=dest)
-        detection = detect_source(source, hints)
-        return source, dest, detection, prepare_checkpoint(source, detection, opts)
 
-    source, dest, detection, plan = group.step(prepare)  # a refusal on one rank stops them all
-    notes = [*source.notes, *detection.notes[:5], *plan.notes]
-    if dry_run:
-        notes += dry_run_notes(source, dest, overwrite=overwrite, push=None)
-        return reinit_report(source, detection, plan, dest, planned_rows(source, plan), notes, device=str(device))
-    with hold(source, exclusive=False):
+    def carry_out(
+        self,
+        source: Source,
+        detection: Detection,
+        plan: Plan,
+        dest: Destination,
+        *,
+        device: Any,
+        full: bool,
+        progress: bool,
+        card: CardFacts,
+    ) -> Done:
+        """Each rank writes its share; the model card is rank 0's, from every rank's results. No progress bar:
+        the ranks' bars would share one terminal."""
+        from ..compute.per_file import Compute
+        from ..report.card import source_card, write_card
+
+        group = self.ranks
         write_plan = group.step(lambda: source.primary.write_plan(plan, detection))
-        notes += write_plan.notes
         original = group.step(lambda: source_card(source) if group.rank == 0 else None)
         run = Compute(plan, device, whole=full, progress=False, total=len(plan.tensors()))
-        command = reproduce(model, source, plan.options, hints, dest.path)
 
-        def card(folder: Path, results: list) -> None:
+        def write_the_card(folder: Path, results: list[ProjectionRow]) -> None:
             write_card(
-                folder, source=source, original=original, plan=plan, results=results, command=command,
-                title=dest.path.name, base_model=base_model,
+                folder, source=source, original=original, plan=plan, results=results, command=card.command(),
+                title=card.title, base_model=card.base_model,
             )  # fmt: skip
 
         try:
-            written, results = write(group, source, dest, run, plan.record(), write_plan, card=card)
+            written, results = write(group, source, dest, run, plan.record(), write_plan, card=write_the_card)
         finally:
             run.close()
-    used = str(run.engine.device) if run.started else str(device)
-    return reinit_report(
-        source,
-        detection,
-        plan,
-        dest,
-        done_rows(results),
-        notes + written,
-        device=used,
-        seconds=time.perf_counter() - start,
-        bytes_written=dest.size(source, patched=0),
-        dry_run=False,
-    )
+        return Done(results, [*write_plan.notes, *written], run.used_device(), dest.size(source, patched=0))
 
 
 def write(
@@ -215,8 +189,8 @@ def write(
     record: dict,
     write_plan: WritePlan,
     *,
-    card: Callable[[Path, list[ProjectionResult]], None],
-) -> tuple[list[str], list[ProjectionResult]]:
+    card: Callable[[Path, list[ProjectionRow]], None],
+) -> tuple[list[str], list[ProjectionRow]]:
     """Write the output folder with every rank (see the module's docstring), as ``write_plan`` (the weights'
     ``write_plan``) says; returns (notes, the results of all ranks)."""
     from ..formats.base import RankedWeightSet
@@ -236,7 +210,9 @@ def write(
         assert tmp is not None
         ranks.step(lambda: weights.save(tmp, run.updates_for(weights, True), record, write_plan, files=mine))
         engine = run.engine if run.started else None
-        shares = ranks.gather((engine.results if engine else {}, engine._zeroed if engine else set(), ranks.rank, mine))
+        shares = ranks.gather(
+            (engine.results if engine else {}, engine.biases_zeroed if engine else frozenset(), ranks.rank, mine)
+        )
         results = _merge(run, shares)
 
         def finish() -> None:
@@ -252,7 +228,7 @@ def write(
     return notes, results
 
 
-def _merge(run: Compute, shares: list) -> list[ProjectionResult]:
+def _merge(run: Compute, shares: list) -> list[ProjectionRow]:
     """Every rank's results in plan order (a tensor cut over two ranks' files is computed by both: one is kept),
     a bias zeroed by any rank marked so (the bias may be stored in another rank's file than its weight)."""
     found: dict = {}
@@ -265,6 +241,6 @@ def _merge(run: Compute, shares: list) -> list[ProjectionResult]:
     for change in run.plan.changes:
         key = (change.block.module, change.role)
         if key in found:
-            found[key].bias_zeroed = found[key].bias_zeroed or key in zeroed
-            out.append(found[key])
+            row = found[key]
+            out.append(replace(row, bias_zeroed=True) if key in zeroed else row)
     return out

@@ -10,6 +10,7 @@ from torch import nn
 
 from ...errors import LayoutError, NoAttentionFoundError, SurgeonError, TensorParallelError
 from ...formats.base import TensorInfo
+from ...text.notes import capped
 from ...vocab.blocks import ROLES, AttentionBlock, Projection, Rows, slot_offsets
 from ...vocab.config_keys import FRAMEWORK_CONFIGS, framework_config
 from ..base_model import base_path, relative_to
@@ -82,7 +83,7 @@ def detect_module(module: nn.Module, *, hints: Hints | None = None, example_inpu
                 rel = relative_to(name, prefix)
                 saved = renames.get(rel, rel)
                 found.seed_names[name] = relative_to(saved, base) if rel.startswith(base + ".") else saved
-        found.notes += detection.notes[:5]
+        found.notes += capped(detection.notes, "detection notes")
         found.notes += kept_norms_note(_norms_in(module, blocks), blocks)
     own: list[AttentionBlock] = []
     for path, mha in module.named_modules():
@@ -138,7 +139,7 @@ def _named_blocks(module: nn.Module, handled: list[str], hints: Hints, notes: li
         "tensor parallelism: the forward sees each rank's local heads, so the layout was read from the parameter "
         "names and the heads passed; each rank writes the rows of the global tensors it holds"
     )
-    notes += detection.notes[:5]
+    notes += capped(detection.notes, "detection notes")
     return list(detection.blocks)
 
 
