@@ -146,10 +146,10 @@ def inspect_checkpoint(
         source_label(source),
         weights.describe(),
         detection.blocks,
-        rows,
+        tuple(rows),
         seconds=time.perf_counter() - start,
         device=str(dev),
-        notes=notes,
+        notes=tuple(notes),
         jacobian=report_jacobian,
         transfer=transfer_of(source),
     )

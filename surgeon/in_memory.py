@@ -114,11 +114,11 @@ def _reinit_report(
         _label(module),
         _describe(module),
         found.blocks,
-        rows,
+        tuple(rows),
         options=plan.options.to_dict(),
         seconds=seconds,
         device=str(device),
-        notes=notes,
+        notes=tuple(notes),
     )
 
 
@@ -174,10 +174,10 @@ def inspect_module(
         _label(module),
         _describe(module),
         found.blocks,
-        rows,
+        tuple(rows),
         seconds=time.perf_counter() - start,
         device=str(first.device),
-        notes=_notes(found),
+        notes=tuple(_notes(found)),
     )
 
 

@@ -42,9 +42,11 @@ __all__ = ["cli_spelling", "main"]
 def _show(report: Report, *, plot: str | None, as_json: bool) -> None:
     """Print ``report`` (as JSON, or its table), after drawing its plot where one is asked for."""
     if plot:
+        from dataclasses import replace
+
         from ..report.plot import plot_kappas
 
-        report.notes.append(f"wrote {plot_kappas(report, plot)}")
+        report = replace(report, notes=(*report.notes, f"wrote {plot_kappas(report, plot)}"))
     _out(report.to_json(cli_spelling) if as_json else report.render(cli_spelling))
 
 

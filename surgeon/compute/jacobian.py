@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -64,12 +64,18 @@ class HeadJacobian:
     exact_pseudo: bool = False  # J was rank-deficient: exact is its pseudo-condition number
 
 
-@dataclass
+@dataclass(frozen=True)
 class JacobianReport:
-    """The Theorem 3.1 terms per head and input (``rows``), with per-layer summaries (:meth:`by_layer`)."""
+    """The Theorem 3.1 terms per head and input (``rows``), with per-layer summaries (:meth:`by_layer`).
 
-    rows: list[HeadJacobian]
-    notes: list[str] = field(default_factory=list)
+    A value, made once (lists given are made tuples); a note added makes a new one (``dataclasses.replace``)."""
+
+    rows: tuple[HeadJacobian, ...]
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rows", tuple(self.rows))
+        object.__setattr__(self, "notes", tuple(self.notes))
 
     def to_dict(self) -> dict:
         return {"rows": [asdict(r) for r in self.rows], "notes": list(self.notes), "layers": self.by_layer()}
@@ -212,38 +218,36 @@ def jacobian_report(
 
     calls = _calls(inputs)
     found = detect_module(model, hints=Hints(num_heads, num_kv_heads, head_dim), example_inputs=calls[0])
-    report = JacobianReport([])
-    blocks = _self_attention(found.blocks, report)
+    blocks, notes = _self_attention(found.blocks)
     captured = _run_captured(model, blocks, calls)
-    _add_head_rows(report, found.params, blocks, captured, exact, exact_limit)
-    if exact is None and not any(r.exact is not None for r in report.rows):
-        report.notes.append(
-            f"exact kappa(J) skipped: J has more than {exact_limit:,} entries (shorter inputs, or exact=True)"
-        )
-    report.notes.append(
+    rows = _head_rows(found.params, blocks, captured, exact, exact_limit)
+    if exact is None and not any(r.exact is not None for r in rows):
+        notes.append(f"exact kappa(J) skipped: J has more than {exact_limit:,} entries (shorter inputs, or exact=True)")
+    notes.append(
         "head function: softmax(X Wq Wk^T X^T / sqrt(d)) X Wv, float64, without the model's biases, masks or rotary embeddings"
     )
-    return report
+    return JacobianReport(tuple(rows), tuple(notes))
 
 
-def _self_attention(detected: Sequence[AttentionBlock], report: JacobianReport) -> list[AttentionBlock]:
-    """The self-attention blocks the theorem is about; the report notes what else was skipped."""
+def _self_attention(detected: Sequence[AttentionBlock]) -> tuple[list[AttentionBlock], list[str]]:
+    """The self-attention blocks the theorem is about, and the report's notes on what else was skipped."""
     from ..errors import OptionError
     from ..vocab.blocks import split_module
 
     streams = [b for b in detected if split_module(b.module)[1]]  # a joint block's second stream: not a module
     blocks = [b for b in detected if b.kind == "self" and not split_module(b.module)[1]]
+    notes = []
     if streams:
-        report.notes.append(
+        notes.append(
             f"{len(streams)} joint-attention context streams skipped: their heads attend together with their block's"
         )
     if len(blocks) + len(streams) < len(detected):
-        report.notes.append(
+        notes.append(
             f"{len(detected) - len(blocks) - len(streams)} cross-attention blocks skipped: the theorem is about self-attention"
         )
     if not blocks:
         raise OptionError("the Jacobian report needs self-attention blocks, and this model has only cross-attention")
-    return blocks
+    return blocks, notes
 
 
 def _run_captured(
@@ -275,19 +279,19 @@ def _run_captured(
     return captured
 
 
-def _add_head_rows(
-    report: JacobianReport,
+def _head_rows(
     params: Mapping[str, torch.Tensor],
     blocks: list[AttentionBlock],
     captured: dict[str, list[list[torch.Tensor]]],
     exact: bool | None,
     exact_limit: int,
-) -> None:
+) -> list[HeadJacobian]:
     """One row per (input, block, head): the Theorem 3.1 terms of that head on that input."""
     import torch
 
     from .engine import head_matrices
 
+    rows = []
     with torch.no_grad():
         for b in blocks:
             mats = {
@@ -301,7 +305,8 @@ def _add_head_rows(
                 for h in range(b.heads):
                     g = b.kv_head(h)
                     terms = head_terms(x, mats["q"][h].T, mats["k"][g].T, mats["v"][g].T, exact=do_exact)
-                    report.rows.append(HeadJacobian(i, b.module, b.layer, h, n, **terms))
+                    rows.append(HeadJacobian(i, b.module, b.layer, h, n, **terms))
+    return rows
 
 
 def _calls(inputs: ModelInputs) -> list[ModelCall]:
@@ -368,9 +373,8 @@ def source_jacobian(source: Source, *, inputs: str | Path | None = None, exact: 
         )
     check_ids(ids, arch, inputs)
     report = jacobian_report(arch, ids, exact=exact)
-    report.notes.insert(
-        0,
+    built = (
         f"{type(arch).__name__} built from config.json, {loaded} of its {len(state)} tensors loaded from the checkpoint; "
-        f"{len(ids)} inputs of {', '.join(str(t.shape[-1]) for t in ids)} tokens",
+        f"{len(ids)} inputs of {', '.join(str(t.shape[-1]) for t in ids)} tokens"
     )
-    return report
+    return replace(report, notes=(built, *report.notes))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import glob
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -81,9 +81,8 @@ def open_model(
         source = open_source(model, config=config, recover=recover)
         if repo_id is not None and _in_cache(repo_id):  # only where the Hub model of that name has been used here
             kind = "folder" if Path(text).is_dir() else "file"
-            source.notes.append(
-                f"{text} is a local {kind}, so it was used (write hf://{repo_id} for the Hub model of that name)"
-            )
+            used = f"{text} is a local {kind}, so it was used (write hf://{repo_id} for the Hub model of that name)"
+            source = replace(source, notes=(*source.notes, used))
         return source
     assert repo_id is not None
     try:
@@ -97,16 +96,22 @@ def open_model(
         source = open_source(snap.path, config=config, weights=weights)
     except CheckpointError as exc:
         raise CheckpointError(f"Hub model {repo_id}: {exc}") from None
-    source.hub_id, source.hub_revision, source.hub_commit = repo_id, revision, snap.commit
     where = f"the HF cache ({snap.cache_only}, nothing downloaded)" if snap.cache_only else "the HF cache"
     kept = "" if weights is None else f", the headers of its {len(weights.files)} safetensors files read by HTTP Range"
-    source.notes.append(
+    read = (
         f"read {repo_id} from the Hugging Face Hub, revision {snap.revision} (commit {snap.commit[:12]}): "
         f"{len(snap.files) - len(weights.files if weights else [])} files in {where} at {snap.path}{kept}"
     )
-    if snap.skipped_weights:
-        source.notes.append(f"not fetched (same weights in another format): {few(snap.skipped_weights)}")
-    return source
+    skipped = (
+        [f"not fetched (same weights in another format): {few(snap.skipped_weights)}"] if snap.skipped_weights else []
+    )
+    return replace(
+        source,
+        hub_id=repo_id,
+        hub_revision=revision,
+        hub_commit=snap.commit,
+        notes=(*source.notes, read, *skipped),
+    )
 
 
 def _open_remote(repo_id: str, snap: Snapshot, revision: str | None) -> RemoteSafetensorsWeights:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 from typing import NoReturn
 
@@ -36,18 +36,20 @@ STALE_WEIGHT_SUFFIXES = OTHER_FORMAT_SUFFIXES + ALONE_SUFFIXES
 STALE_WEIGHT_DIRS = EXPORT_DIRS | {"sharded"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class Source:
+    """What was opened: a value, made once (``open_source`` and ``open_model`` make a new one per step)."""
+
     path: Path  # what the user gave
     kind: str  # "file", "index" or "folder"
-    weights: list[WeightSet]  # the primary set first; a folder may hold the same weights twice
+    weights: tuple[WeightSet, ...]  # the primary set first; a folder may hold the same weights twice
     config: dict | None = None
     config_path: Path | None = None
-    extra_files: list[str] = field(default_factory=list)  # folder inputs: carried over unchanged
+    extra_files: tuple[str, ...] = ()  # folder inputs: carried over unchanged
     hub_id: str | None = None
     hub_revision: str | None = None  # as asked for (branch, tag or commit); None: the default branch
     hub_commit: str | None = None  # the commit the files came from
-    notes: list[str] = field(default_factory=list)  # for the report: where MODEL was read from
+    notes: tuple[str, ...] = ()  # for the report: where MODEL was read from
 
     @property
     def primary(self) -> WeightSet:
@@ -83,27 +85,30 @@ def open_source(
         raise CheckpointError(f"no such file or folder: {path}")
     recovered = roll_back(path, own=True) if recover else []
     refuse_journals(path)
-    source = _open_folder(path, weights) if path.is_dir() else _open_file(path)
+    opened = _open_folder(path, weights) if path.is_dir() else _open_file(path)
+    found: list[str] = []  # where the config came from
+    config_path = opened.config_path
     if config is not None:  # given by the user: theirs to choose, wherever it is
-        source.config_path = Path(config)
-    elif source.config_path is None:  # found beside the weights: only the folder's own (folder_files)
-        source.config_path = _config_beside(source)
-        if source.config_path is None and source.format == "dcp":  # a framework's DCP subfolder: its run's config
+        config_path = Path(config)
+    elif config_path is None:  # found beside the weights: only the folder's own (folder_files)
+        config_path = _config_beside(opened)
+        if config_path is None and opened.format == "dcp":  # a framework's DCP subfolder: its run's config
             from ..formats.dcp import nested_config
 
-            source.config_path = nested_config(source.folder)
-            if source.config_path is not None:
-                source.notes.append(f"head counts from the run's config beside the checkpoint, {source.config_path}")
-    if source.config_path is not None:
-        source.config = read_config(source.config_path)
-        if _framework(source.config_path) is not None:
+            config_path = nested_config(opened.folder)
+            if config_path is not None:
+                found.append(f"head counts from the run's config beside the checkpoint, {config_path}")
+    config_read = opened.config
+    if config_path is not None:
+        config_read = read_config(config_path)
+        if _framework(config_path) is not None:
             where = "beside the weights" if config is None else "given as the config"
-            source.notes.append(f"head counts from {source.config_path.name} {where}")
-    elif (embedded := source.primary.embedded_config()) is not None:
-        source.config = embedded
-        source.notes.append(f"head counts from the model arguments saved in {source.primary.embedded_config_file}")
-    source.notes[:0] = recovered
-    source.notes += [note for w in source.weights for note in w.notes]
+            found.append(f"head counts from {config_path.name} {where}")
+    elif (embedded := opened.primary.embedded_config()) is not None:
+        config_read = embedded
+        found.append(f"head counts from the model arguments saved in {opened.primary.embedded_config_file}")
+    notes = (*recovered, *opened.notes, *found, *(note for w in opened.weights for note in w.notes))
+    source = replace(opened, config=config_read, config_path=config_path, notes=notes)
     for weights in source.weights:  # stacked layers: as many as the config says the model has
         check_layer_count(getattr(weights, "slices", {}), layer_counts(source.config), source.path)
     return source
@@ -163,7 +168,7 @@ def _open_file(path: Path) -> Source:
         )
     weights = fmt.open(path.parent, [path.name])
     # An index file, or an .onnx with external data (like an index over its data files): the output is a folder.
-    return Source(path, "index" if fmt.is_index(path.name) or len(weights.files) > 1 else "file", [weights])
+    return Source(path, "index" if fmt.is_index(path.name) or len(weights.files) > 1 else "file", (weights,))
 
 
 def _split_variants(picked: list[str]) -> list[list[str]]:
@@ -214,7 +219,7 @@ def _open_folder(folder: Path, weights: WeightSet | None = None) -> Source:
         notes.append(
             f"left out other copies of the weights that surgeon does not rewrite here: {names} (re-export them from the output)"
         )
-    return Source(folder, "folder", sets, extra_files=extras, notes=notes + found.note())
+    return Source(folder, "folder", tuple(sets), extra_files=tuple(extras), notes=(*notes, *found.note()))
 
 
 _LEFTOVERS = (".surgeon-tmp", ".surgeon-old", ".surgeon-journal", ".surgeon-journal.tmp")  # a run's

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import Spelling, opt, python_spelling, spell
@@ -52,9 +52,12 @@ def table(headers: list[str], rows: list[list[str]], right: frozenset[int] | set
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
-@dataclass
+@dataclass(frozen=True)
 class Report:
     """What a command found or did: the blocks, each projection's condition numbers, the options and notes.
+
+    A value, made once: a caller that adds a note makes a new one (``dataclasses.replace``). The sequences are
+    tuples (lists given are made tuples).
 
     ``str(report)`` / :meth:`render` is the table, :meth:`to_dict` / :meth:`to_json` the same for machines.
     """
@@ -62,18 +65,22 @@ class Report:
     command: str  # "inspect" or "reinit"
     source: str
     format: str
-    blocks: Sequence[AttentionBlock]
-    rows: list[ProjectionRow] = field(default_factory=list)
+    blocks: tuple[AttentionBlock, ...]
+    rows: tuple[ProjectionRow, ...] = ()
     options: dict | None = None
     output: str | None = None
     dry_run: bool = False
     seconds: float = 0.0
     bytes_written: int = 0
     device: str = "cpu"
-    notes: list[str] = field(default_factory=list)
+    notes: tuple[str, ...] = ()
     jacobian: Any = None  # inspect with jacobian=True: a surgeon.compute.jacobian.JacobianReport
     # a Hub model read by Range, or a push: the bytes moved, counted as they went (surgeon.open.hub_remote)
     transfer: dict[str, int] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("blocks", "rows", "notes"):  # a list given (the API's callers may): a tuple all the same
+            object.__setattr__(self, name, tuple(getattr(self, name)))
 
     # --- machines ------------------------------------------------------------------------
     def to_dict(self, spelling: Spelling = python_spelling) -> dict:
@@ -116,7 +123,7 @@ class Report:
             parts.append(self._reinit_table())
         if self.command == "reinit" and not self.dry_run and self.rows:
             parts.append(spell(self._legend(), spelling))
-        parts += note_lines(spell(n, spelling) for n in self.nonfinite_notes() + self.notes)
+        parts += note_lines(spell(n, spelling) for n in [*self.nonfinite_notes(), *self.notes])
         if self.command == "reinit" and not self.dry_run and self.output:
             parts.append(
                 shown(f"wrote {self.output} ({fmt_bytes(self.bytes_written)}) in {self.seconds:.2f} s on {self.device}")

@@ -80,14 +80,14 @@ def reinit_report(
         source_label(source),
         source.describe(),
         detection.blocks,
-        rows,
+        tuple(rows),
         options=plan.options.to_dict(),  # with the mode's defaults from config (redraw: the family's std)
         output=str(dest.path),
         dry_run=dry_run,
         seconds=seconds,
         bytes_written=bytes_written,
         device=device,
-        notes=notes,
+        notes=tuple(notes),
         transfer=transfer,
     )
 

@@ -262,5 +262,5 @@ def folder_output_files(source: Source) -> tuple[list[str], list[str]]:
     the files it carries over byte for byte: index files and, from a folder, its other files)."""
     weights = [f for w in source.weights for f in w.files]
     indexes = [w.index for w in source.weights if w.index]
-    carried = source.extra_files if source.kind == "folder" else []
+    carried = list(source.extra_files) if source.kind == "folder" else []
     return sorted(set(weights)), sorted(set(indexes + carried))

@@ -7,6 +7,7 @@ autograd), every condition number from numpy's SVD.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -140,6 +141,9 @@ def test_a_custom_module_with_example_inputs(one_thread):
     x = torch.randn(5, 1, 16)
     report = surgeon.jacobian_report(mha, (x, x, x))
     assert len(report.rows) == 2
+    assert isinstance(report.rows, tuple) and isinstance(report.notes, tuple)
+    with pytest.raises(dataclasses.FrozenInstanceError):  # a value, made once
+        report.notes = ()
     w = mha.in_proj_weight.detach().double()
     for r in report.rows:
         rows = [slice(16 * i + 8 * r.head, 16 * i + 8 * (r.head + 1)) for i in range(3)]
