@@ -21,7 +21,7 @@ from .plan.planner import Plan, prepare_checkpoint
 from .report.report import Report
 from .text.notes import capped
 from .vocab.spectrum import ProjectionRow
-from .write.carry_out import ONE_PROCESS, CardFacts, Executor
+from .write.carry_out import ONE_PROCESS, CardFacts, Executor, Job
 from .write.checkpoint_report import (
     commit_message,
     dry_run_notes,
@@ -329,9 +329,7 @@ def _reinit(read: ReadFrom, how: RunWith, to: WriteTo, executor: Executor) -> Re
         to.base_model,
     )
     with hold(source, exclusive=to.in_place):  # in place: alone; a copy: never while an in-place run patches it
-        done = executor.carry_out(
-            source, detection, plan, dest, device=how.device, full=how.full, progress=how.progress, card=card
-        )
+        done = executor.carry_out(Job(source, detection, plan, dest, how.device, how.full, how.progress, card))
     seconds = time.perf_counter() - start
     notes += done.notes + transfer_notes(source)
     transfer = transfer_of(source)

@@ -37,6 +37,21 @@ class CardFacts:
 
 
 @dataclass(frozen=True)
+class Job:
+    """What carrying out a plan takes: the source and what was found and planned in it, where the output goes,
+    where it computes (``full``: also each whole projection's spectrum; ``progress``: a bar on stderr), the card."""
+
+    source: Source
+    detection: Detection
+    plan: Plan
+    dest: Destination
+    device: str | torch.device
+    full: bool
+    progress: bool
+    card: CardFacts
+
+
+@dataclass(frozen=True)
 class Done:
     """What carrying out a plan gave: the report's rows and notes, the device used, the bytes written."""
 
@@ -62,19 +77,8 @@ class Executor(Protocol):
         """Refuse, before detection, what this executor cannot write."""
         ...
 
-    def carry_out(
-        self,
-        source: Source,
-        detection: Detection,
-        plan: Plan,
-        dest: Destination,
-        *,
-        device: str | torch.device,
-        full: bool,
-        progress: bool,
-        card: CardFacts,
-    ) -> Done:
-        """Compute the new values and write them to ``dest``, the model card last."""
+    def carry_out(self, job: Job) -> Done:
+        """Compute the new values and write them to ``job.dest``, the model card last."""
         ...
 
 
@@ -89,25 +93,17 @@ class OneProcess:
     def check(self, source: Source, dest: Destination) -> None:
         return None
 
-    def carry_out(
-        self,
-        source: Source,
-        detection: Detection,
-        plan: Plan,
-        dest: Destination,
-        *,
-        device: str | torch.device,
-        full: bool,
-        progress: bool,
-        card: CardFacts,
-    ) -> Done:
-        write_plans = [weights.write_plan(plan, detection) for weights in source.weights]
+    def carry_out(self, job: Job) -> Done:
+        source, plan, dest, card = job.source, job.plan, job.dest, job.card
+        write_plans = [weights.write_plan(plan, job.detection) for weights in source.weights]
         notes = [note for write_plan in write_plans for note in write_plan.notes]
         _check_secondary_sets(source, plan.tensors())
         from ..report.card import source_card, write_card
 
         original = source_card(source) if dest.gets_card else None  # a card that cannot be read refuses here
-        run = Compute(plan, device, whole=full, progress=progress, total=len(plan.tensors()) * len(source.weights))
+        run = Compute(
+            plan, job.device, whole=job.full, progress=job.progress, total=len(plan.tensors()) * len(source.weights)
+        )
 
         def write_the_card(folder: Path) -> None:
             write_card(

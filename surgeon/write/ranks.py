@@ -19,14 +19,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import OptionError, RankFailed, opt
-from .carry_out import CardFacts, Done
+from .carry_out import Done, Job
 
 if TYPE_CHECKING:
     from ..compute.per_file import Compute
     from ..formats.write_plan import WritePlan
     from ..open.source import Source
-    from ..plan.planner import Plan
-    from ..vocab.detection import Detection
     from ..vocab.spectrum import ProjectionRow
     from .output import Destination
 
@@ -146,27 +144,16 @@ class RankedRun:
     def check(self, source: Source, dest: Destination) -> None:
         refuse(in_place=False, push=False, source=source, dest=dest)
 
-    def carry_out(
-        self,
-        source: Source,
-        detection: Detection,
-        plan: Plan,
-        dest: Destination,
-        *,
-        device: Any,
-        full: bool,
-        progress: bool,
-        card: CardFacts,
-    ) -> Done:
+    def carry_out(self, job: Job) -> Done:
         """Each rank writes its share; the model card is rank 0's, from every rank's results. No progress bar:
         the ranks' bars would share one terminal."""
         from ..compute.per_file import Compute
         from ..report.card import source_card, write_card
 
-        group = self.ranks
-        write_plan = group.step(lambda: source.primary.write_plan(plan, detection))
+        group, source, plan, dest, card = self.ranks, job.source, job.plan, job.dest, job.card
+        write_plan = group.step(lambda: source.primary.write_plan(plan, job.detection))
         original = group.step(lambda: source_card(source) if group.rank == 0 else None)
-        run = Compute(plan, device, whole=full, progress=False, total=len(plan.tensors()))
+        run = Compute(plan, job.device, whole=job.full, progress=False, total=len(plan.tensors()))
 
         def write_the_card(folder: Path, results: list[ProjectionRow]) -> None:
             write_card(
