@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, LayoutError, OutputError, opt
-from ..files.bounded import read_bytes, refuse_special
+from ..files.bounded import loads, read_bytes, refuse_special
 from ..vocab.blocks import AttentionBlock
 from .by_name import match_modules, place_matches
 from .config import ConfigView
@@ -109,7 +109,7 @@ def write_layout(data: dict[str, Any], path: str | os.PathLike[str]) -> None:
 def _is_layout(path: Path) -> bool:
     """Whether an existing file is a layout file (a JSON object with rules), which may be written over."""
     try:
-        data = json.loads(read_bytes(path, what="layout file", limit=MAX_LAYOUT_BYTES).decode("utf-8"))
-    except (CheckpointError, UnicodeDecodeError, ValueError, RecursionError):
+        data = loads(read_bytes(path, what="layout file", limit=MAX_LAYOUT_BYTES), where="layout file")
+    except CheckpointError:
         return False
     return isinstance(data, dict) and "rules" in data

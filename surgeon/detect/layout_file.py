@@ -20,14 +20,13 @@ checkpoint's detection found in the same form, so that the file fed back gives t
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointError, LayoutError, OptionError, opt
-from ..files.bounded import read_bytes
+from ..files.bounded import loads, read_bytes
 from ..vocab.blocks import PACKINGS
 from .families import Part, Rule
 
@@ -80,10 +79,10 @@ def read_layout(path: str | os.PathLike[str]) -> Layout:
         raw = read_bytes(os.fspath(path), what="layout file", limit=MAX_LAYOUT_BYTES)
     except CheckpointError as e:
         raise OptionError(e.message) from None
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise OptionError(f"{where} is not JSON ({e}); write it as {opt('emit_layout')} writes one") from None
+    try:  # the shared parser: the nesting is capped before json.loads can recurse
+        data = loads(raw, where=where)
+    except CheckpointError as e:
+        raise OptionError(f"{e.message}; write it as inspect's {opt('emit_layout')} writes one") from None
     _keys(data, _TOP, where, required=("rules",))
     rules = data["rules"]
     if not isinstance(rules, list) or not rules:

@@ -155,8 +155,8 @@ def _bad(tmp_path, text: str) -> Path:
 @pytest.mark.parametrize(
     "text, match",
     [
-        ("rules: []", "is not JSON"),
-        ("[" * 100_000, "is not JSON"),
+        ("rules: []", "is not valid JSON"),
+        ("[" * 100_000, "is not valid JSON (nested too deeply)"),
         (json.dumps({**LAYOUT, "head": 2}), "unknown key 'head'; the keys are rules, heads, kv_heads, head_dim"),
         (json.dumps({"rules": [{"parts": [{"weight": "w.weight", "packing": "qvk"}]}]}), "one of q, k, v, qkv, kv"),
         (json.dumps({"rules": [{"parts": [{"weight": "w.weight", "packing": "q"}]}]}), "0 k projections"),
