@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..errors import opt
 from ..open.hub_errors import one_line
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ def no_copy_reason(source: Source, *, output_given: bool, no_server_copy: bool) 
     if output_given or not isinstance(source.primary, RemoteSafetensorsWeights) or len(source.weights) > 1:
         return ""  # not a Hub model read by Range, or a full output asked for: nothing to say
     if no_server_copy:
-        return "uploading every file (--no-server-copy)"
+        return f"uploading every file ({opt('no_server_copy', True)})"
     if "src_repo_id" not in getattr(CommitOperationCopy, "__dataclass_fields__", {}):
         return f"uploading every file: huggingface_hub {__version__} has no cross-repo copies (2.x has)"
     return None
