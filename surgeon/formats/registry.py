@@ -7,7 +7,6 @@ Nothing here imports torch, numpy or onnx; a format's module is imported when a 
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,16 +84,16 @@ def pick_dcp(top: list[str]) -> list[str]:
 @dataclass(frozen=True)
 class Format:
     name: str
-    weights: str  # "module:Class" of its WeightSet, imported on first use
+    weights: Callable[[], type[WeightSet]]  # its WeightSet class, imported on first use
     suffixes: tuple[str, ...]  # of a single weight file
     index_suffixes: tuple[str, ...]  # of an index file over shards (opened as such when given as MODEL)
     pick: Callable[[list[str]], list[str]]  # a folder's top-level names -> this format's files, index first
     alone: bool = False  # read only when the folder holds no other format (ONNX: a graph, not a state dict)
-    opener: str | None = None  # "module:function" that opens the set from its first file, when not the class
+    opener: Callable[[Path], WeightSet] | None = None  # opens the set from its first file, when not the class
     data: tuple[str, ...] = ()  # companion files named after a weight file (ONNX external data: model.onnx_data)
 
     def weight_set(self) -> type[WeightSet]:
-        return _load(self.weights)
+        return self.weights()
 
     def is_index(self, name: str) -> bool:
         return name.endswith(self.index_suffixes)
@@ -102,32 +101,57 @@ class Format:
     def open(self, folder: Path, picked: list[str]) -> WeightSet:
         """The weight set of files chosen by :attr:`pick` (or one file given by the user)."""
         if self.opener is not None:
-            return _load(self.opener)(folder / picked[0])
+            return self.opener(folder / picked[0])
         cls: Any = self.weight_set()
         if self.is_index(picked[0]):
             return cls.from_index(folder / picked[0])
         return cls(folder, picked)
 
 
+# Each format's class and opener, imported when a file of it is opened (onnx, numpy and torch stay off the
+# start-up path), and typed: mypy checks each against what the table expects.
+def _safetensors() -> type[WeightSet]:
+    from .safetensors import SafetensorsWeights
+
+    return SafetensorsWeights
+
+
+def _torch() -> type[WeightSet]:
+    from .torchfile import TorchWeights
+
+    return TorchWeights
+
+
+def _dcp() -> type[WeightSet]:
+    from .dcp import DcpWeights
+
+    return DcpWeights
+
+
+def _open_dcp(path: Path) -> WeightSet:
+    from .dcp import open_dcp
+
+    return open_dcp(path)
+
+
+def _onnx() -> type[WeightSet]:
+    from .onnx import OnnxWeights
+
+    return OnnxWeights
+
+
+def _open_onnx(path: Path) -> WeightSet:
+    from .onnx import open_onnx
+
+    return open_onnx(path)
+
+
 FORMATS: tuple[Format, ...] = (  # in order of preference
-    Format(
-        "safetensors",
-        ".safetensors:SafetensorsWeights",
-        (".safetensors",),
-        (".safetensors.index.json",),
-        _pick_safetensors,
-    ),
-    Format("torch", ".torchfile:TorchWeights", TORCH_SUFFIXES, (".bin.index.json", ".pt.index.json"), _pick_torch),
-    Format("dcp", ".dcp:DcpWeights", (DCP_SUFFIX,), (DCP_METADATA,), pick_dcp, opener=".dcp:open_dcp"),
-    Format(
-        "onnx", ".onnx:OnnxWeights", (".onnx",), (), _pick_onnx, alone=True, opener=".onnx:open_onnx", data=ONNX_DATA
-    ),
+    Format("safetensors", _safetensors, (".safetensors",), (".safetensors.index.json",), _pick_safetensors),
+    Format("torch", _torch, TORCH_SUFFIXES, (".bin.index.json", ".pt.index.json"), _pick_torch),
+    Format("dcp", _dcp, (DCP_SUFFIX,), (DCP_METADATA,), pick_dcp, opener=_open_dcp),
+    Format("onnx", _onnx, (".onnx",), (), _pick_onnx, alone=True, opener=_open_onnx, data=ONNX_DATA),
 )
-
-
-def _load(ref: str) -> Any:  # a WeightSet class or an opener function, by name: no one static type
-    module, _, name = ref.partition(":")
-    return getattr(importlib.import_module(module, __package__), name)
 
 
 WEIGHT_SUFFIXES = tuple(s for f in FORMATS for s in f.suffixes)
