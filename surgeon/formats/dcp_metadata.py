@@ -23,9 +23,10 @@ from typing import Any
 from ..errors import CheckpointError
 from ..files.bounded import read_bytes
 from ..files.folder import file_in
+from .suffixes import DCP_SUFFIX
 
 METADATA = ".metadata"
-SUFFIX = ".distcp"
+SUFFIX = DCP_SUFFIX  # the registry's
 METADATA_LIMIT = 1 << 30  # a 405B model's metadata over thousands of ranks is some hundreds of MiB
 
 _DCP = "torch.distributed.checkpoint"

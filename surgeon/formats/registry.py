@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .suffixes import DCP_METADATA, DCP_SUFFIX, SAFETENSORS_INDEX, SAFETENSORS_SUFFIX, TORCH_SUFFIXES
+
 if TYPE_CHECKING:
     from .base import WeightSet
 
@@ -27,7 +29,6 @@ NOT_WEIGHTS = {
     "common.pt",
     "optim.pt",
 }
-TORCH_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 TORCH_NAMES = ("pytorch_model.bin", "model.bin", "model.pt", "model.pth", "model.ckpt")
 # Weights in formats surgeon does not rewrite.
 OTHER_FORMAT_SUFFIXES = (".h5", ".msgpack", ".ot", ".gguf", ".tflite", ".mlmodel")
@@ -45,8 +46,8 @@ def _is_torch(name: str) -> bool:
 
 
 def _pick_safetensors(top: list[str]) -> list[str]:
-    st = [n for n in top if n.endswith(".safetensors")]
-    index = sorted(n for n in top if n.endswith(".safetensors.index.json"))
+    st = [n for n in top if n.endswith(SAFETENSORS_SUFFIX)]
+    index = sorted(n for n in top if n.endswith(SAFETENSORS_INDEX))
     return index[:1] + st if index or st else []
 
 
@@ -70,9 +71,6 @@ def _pick_onnx(top: list[str]) -> list[str]:
         return []
     # with its external data file, when it has one
     return onnx[:1] + [n for n in top if n.startswith(tuple(onnx[0] + d for d in ONNX_DATA))]
-
-
-DCP_METADATA, DCP_SUFFIX = ".metadata", ".distcp"  # torch.distributed.checkpoint
 
 
 def pick_dcp(top: list[str]) -> list[str]:
@@ -147,7 +145,7 @@ def _open_onnx(path: Path) -> WeightSet:
 
 
 FORMATS: tuple[Format, ...] = (  # in order of preference
-    Format("safetensors", _safetensors, (".safetensors",), (".safetensors.index.json",), _pick_safetensors),
+    Format("safetensors", _safetensors, (SAFETENSORS_SUFFIX,), (SAFETENSORS_INDEX,), _pick_safetensors),
     Format("torch", _torch, TORCH_SUFFIXES, (".bin.index.json", ".pt.index.json"), _pick_torch),
     Format("dcp", _dcp, (DCP_SUFFIX,), (DCP_METADATA,), pick_dcp, opener=_open_dcp),
     Format("onnx", _onnx, (".onnx",), (), _pick_onnx, alone=True, opener=_open_onnx, data=ONNX_DATA),

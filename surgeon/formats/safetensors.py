@@ -29,6 +29,7 @@ from .safetensors_header import (
     read_header,
     with_metadata,
 )
+from .suffixes import SAFETENSORS_INDEX, SAFETENSORS_SUFFIX
 
 if TYPE_CHECKING:
     import threading
@@ -37,8 +38,7 @@ if TYPE_CHECKING:
 
     from .write_plan import WritePlan
 
-FILE_SUFFIX = ".safetensors"
-INDEX_SUFFIX = FILE_SUFFIX + ".index.json"
+FILE_SUFFIX, INDEX_SUFFIX = SAFETENSORS_SUFFIX, SAFETENSORS_INDEX  # the registry's
 _NAMES = {dtype: name for name, (dtype, _) in DTYPES.items() if dtype is not None}
 
 

@@ -26,6 +26,7 @@ from ..errors import CheckpointError, VerificationError
 from .base import TensorInfo, UpdatesFn, WeightSet
 from .fileio import same_bytes
 from .stacked import stacked_note, unstack
+from .suffixes import TORCH_SUFFIXES
 
 INDEX_SUFFIX = ".bin.index.json"
 WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "module")
@@ -239,7 +240,7 @@ class TorchWeights(WeightSet):
     rewrites_whole_tensors = True
     graph = False
     record_slot = False  # torch files have no metadata slot loaders ignore: a folder's model card carries the record
-    shard_suffix = ".bin"
+    shard_suffix = TORCH_SUFFIXES[0]
 
     def __init__(self, folder: Path, files: list[str], index: str | None = None) -> None:
         import torch
