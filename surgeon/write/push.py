@@ -218,14 +218,14 @@ def push_folder(
         folder, repo_id, branch=branch, create_pr=create_pr, private=private, commit_message=commit_message,
         no_server_copy=not server_copy,
     )  # fmt: skip
-    where = (private, branch, create_pr, commit_message, commit_description, token, progress)
+    where = (private, branch, create_pr, commit_message, commit_description, token, progress, retry)
     try:
         try:
-            return _push(folder, repo_id, rest, left_out, *where, copies, server_copy)
+            return _push(folder, repo_id, rest, left_out, *where, copies)
         except CopyRefused as why:  # nothing was committed: upload the rest too (what was sent is not sent again)
             if not own_copies:  # the caller's copies: the caller decides what to upload instead
                 raise
-            return _push(folder, repo_id, files, [*left_out, str(why)], *where, None, server_copy)
+            return _push(folder, repo_id, files, [*left_out, str(why)], *where, None)
     except HubError as exc:
         if not isinstance(exc, PushError):  # a partial push names its own command, with what reached the Hub
             exc.follow_up = f"retry with `{retry}`"
@@ -254,9 +254,11 @@ def _push(
     commit_description: str | None,
     token: str | None,
     progress: bool,
+    retry: str,
     copies: ServerCopies | None,
-    server_copy: bool,
 ) -> PushResult:
+    """One commit of ``files`` (and ``copies``); ``retry``: the ``surgeon push`` command that finishes it, for the
+    error of a push stopped part-way."""
     from huggingface_hub import CommitOperationAdd, HfApi
 
     token = _push_token(token)
@@ -264,15 +266,8 @@ def _push(
     created, notes = _prepare_repo(api, repo_id, token, private=private, branch=branch, create_pr=create_pr)
     notes = left_out + notes
     ops = [CommitOperationAdd(path_in_repo=f, path_or_fileobj=str(folder / f)) for f in files]
-    where: dict[str, Any] = {
-        "branch": branch,
-        "create_pr": create_pr,
-        "private": private,
-        "commit_message": commit_message,
-        "no_server_copy": not server_copy,
-    }  # for messages about a partial push
     with hf_progress(progress):
-        done = _preupload(api, repo_id, token, folder, ops, **where)
+        done = _preupload(api, repo_id, token, ops, branch=branch, create_pr=create_pr, retry=retry)
         message = commit_message or f"Upload {folder.resolve().name} with surgeon {__version__}"
         try:
             info = api.create_commit(
@@ -286,7 +281,7 @@ def _push(
         except Exception as exc:
             if copies is not None and is_copy_error(exc, copies):
                 raise refused(exc) from None
-            raise partial_push_error(exc, repo_id, token, folder, ops, len(ops), done, **where) from None
+            raise partial_push_error(exc, repo_id, token, ops, len(ops), done, retry) from None
     unchanged = [op.path_in_repo for op in ops if op._remote_oid is not None and op._remote_oid == op._local_oid]
     large = [op.path_in_repo for op in ops if op._upload_mode == "lfs" and op.path_in_repo not in unchanged]
     sent = sum((folder / f).stat().st_size for f in files if f not in unchanged)
@@ -344,15 +339,22 @@ def _prepare_repo(
 
 
 def _preupload(
-    api: HfApi, repo_id: str, token: str, folder: Path, ops: list[CommitOperationAdd], **where: Any
+    api: HfApi,
+    repo_id: str,
+    token: str,
+    ops: list[CommitOperationAdd],
+    *,
+    branch: str | None,
+    create_pr: bool,
+    retry: str,
 ) -> list[str]:
     """Upload the large files one at a time before the commit; returns those sent through the large-file path."""
     done: list[str] = []
     for i, op in enumerate(ops):
         try:
-            api.preupload_lfs_files(repo_id, additions=[op], revision=where["branch"], create_pr=where["create_pr"])
+            api.preupload_lfs_files(repo_id, additions=[op], revision=branch, create_pr=create_pr)
         except Exception as exc:
-            raise partial_push_error(exc, repo_id, token, folder, ops, i, done, **where) from None
+            raise partial_push_error(exc, repo_id, token, ops, i, done, retry) from None
         if op._upload_mode == "lfs":
             done.append(op.path_in_repo)
     return done

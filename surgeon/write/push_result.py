@@ -144,18 +144,13 @@ def partial_push_error(
     exc: Exception,
     repo_id: str,
     token: str,
-    folder: Path,
     ops: Sequence[CommitOperationAdd],
     failed_at: int,
     done: list[str],
-    *,
-    branch: str | None,
-    create_pr: bool,
-    private: bool,
-    commit_message: str | None = None,
-    no_server_copy: bool = False,
+    rerun: str,
 ) -> Exception:
-    """One line: what reached the Hub, what did not, and the command that finishes the job."""
+    """One line: what reached the Hub, what did not, and ``rerun``, the command that finishes the job
+    (:func:`push_command`)."""
     base = write_error(exc, repo_id, token, "push")
     if not isinstance(base, HubError) or (isinstance(base, (HubAuthError, HubAccessError)) and not done):
         return base  # refused outright: nothing reached the Hub, the plain reason is the whole story
@@ -163,10 +158,6 @@ def partial_push_error(
     pending = [op.path_in_repo for op in ops[failed_at:]] + [
         op.path_in_repo for op in ops[:failed_at] if op.path_in_repo not in done
     ]
-    rerun = push_command(
-        folder, repo_id, branch=branch, create_pr=create_pr, private=private, commit_message=commit_message,
-        no_server_copy=no_server_copy,
-    )  # fmt: skip
     if failed_at < len(ops):
         before = (
             f"uploaded before it: {few(done)} ({len(done)} large files)"
