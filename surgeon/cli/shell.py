@@ -273,33 +273,27 @@ class OneLineErrors(click.Group):
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
+# the push flags besides --push-to-hub -> the PushTarget field each sets
+PUSH_SETTINGS = {
+    "private": "private",
+    "push_branch": "branch",
+    "create_pr": "create_pr",
+    "commit_message": "commit_message",
+    "no_server_copy": "no_server_copy",
+    "staging": "staging",
+}
+
+
 def push_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """--push-to-hub and its companions (surgeon.write.push.PushTarget's fields). The command gets them as one
     ``push`` argument (a PushTarget, or None), as the Python API takes them."""
 
     @functools.wraps(fn)
-    def with_push(
-        *args: Any,
-        push_to_hub: str | None,
-        private: bool,
-        push_branch: str | None,
-        create_pr: bool,
-        commit_message: str | None,
-        no_server_copy: bool,
-        staging: str | None,
-        **kwargs: Any,
-    ) -> Any:
+    def with_push(*args: Any, push_to_hub: str | None, **kwargs: Any) -> Any:
         from ..write.push import PushTarget
 
-        push = PushTarget.build(  # checked here, before anything is opened
-            push_to_hub,
-            private=private,
-            branch=push_branch,
-            create_pr=create_pr,
-            commit_message=commit_message,
-            no_server_copy=no_server_copy,
-            staging=staging,
-        )
+        settings = {field: kwargs.pop(flag) for flag, field in PUSH_SETTINGS.items()}
+        push = PushTarget.build(push_to_hub, **settings)  # checked here, before anything is opened
         return fn(*args, push=push, **kwargs)
 
     for decorator in reversed(
