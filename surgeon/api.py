@@ -227,17 +227,16 @@ def reinit_checkpoint(
     if base_model is not None:
         base_model = require_repo_id(base_model, opt("base_model"))
     check_device(device)
-    staged = target is not None and target.staging is not None
-    if staged:
+    staging = target.staging if target is not None else None
+    if staging is not None:
         if output is not None:
             raise OptionError(
                 f"{opt('staging')} is where a push stages what changed, and {opt('output')} writes the whole "
                 "output: give one of them"
             )
-        assert target is not None and target.staging is not None
-        output = target.staging
+        output = staging
     read = ReadFrom(model, revision, config)
-    write_to = WriteTo(output, in_place, overwrite, dry_run, target, staged, base_model)
+    write_to = WriteTo(output, in_place, overwrite, dry_run, target, staging is not None, base_model)
     if not distributed:
         return _reinit(read, RunWith(opts, hints, device, full, progress), write_to, ONE_PROCESS)
     from .write import ranks
