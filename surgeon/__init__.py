@@ -40,10 +40,10 @@ _EXPORTS = {
     "HubNotFoundError": "errors",
     "HubOfflineError": "errors",
     "PushError": "errors",
-    "PushResult": "write.push_result",
-    "PushTarget": "write.push",
+    "PushResult": "hub.push_result",
+    "PushTarget": "hub.push",
     "Hints": "detect.hints",
-    "push_folder": "write.push",
+    "push_folder": "hub.push",
     "ReinitOptions": "options",
     "Report": "report.report",
     "jacobian_report": "compute.jacobian",
@@ -98,11 +98,11 @@ if TYPE_CHECKING:
         UnsupportedWeightsError,
         VerificationError,
     )
+    from .hub.push import PushTarget, push_folder
+    from .hub.push_result import PushResult
     from .in_memory import inspect, inspect_module, reinit, reinit_
     from .integrations.init_hooks import conditioned_init_
     from .open.recovery import recover
     from .options import ReinitOptions
     from .report.report import Report
     from .vocab.blocks import AttentionBlock, Projection, Rows
-    from .write.push import PushTarget, push_folder
-    from .write.push_result import PushResult

@@ -12,9 +12,11 @@ from .compute.per_file import Progress
 from .detect import detect_source
 from .detect.hints import HINT_KEYWORDS, HintInput, Hints
 from .errors import HubError, OptionError, opt
-from .open import hub
+from .hub import read as hub
+from .hub.copies import no_copy_reason
+from .hub.push import PushTarget
+from .hub.remote import fetch_weights, transfer_notes, transfer_of
 from .open.hub_ids import require_repo_id
-from .open.hub_remote import fetch_weights, transfer_notes, transfer_of
 from .open.source import Source
 from .options import ReinitOptions
 from .plan.planner import Plan, prepare_checkpoint
@@ -30,16 +32,14 @@ from .write.checkpoint_report import (
     reproduce,
     source_label,
 )
-from .write.hub_copy import no_copy_reason
 from .write.journal import hold
 from .write.output import Destination, resolve_destination
-from .write.push import PushTarget
 
 if TYPE_CHECKING:  # torch is imported when tensors are first touched, so that opening, planning and
     import torch  # the byte copies of a reinit run while it loads
 
+    from .hub.push_result import PushResult
     from .vocab.detection import Detection
-    from .write.push_result import PushResult
 
 
 def inspect_checkpoint(
@@ -190,7 +190,7 @@ def reinit_checkpoint(
             :mod:`surgeon.write.journal`).
         overwrite: Replace an existing output.
         dry_run: Plan only; write nothing.
-        push: Upload the output folder in one commit: a repo id, or a :class:`~surgeon.write.push.PushTarget`
+        push: Upload the output folder in one commit: a repo id, or a :class:`~surgeon.hub.push.PushTarget`
             for a branch, a pull request, a private repo or a token.
         device: Where generation and factorizations run: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
         revision: The Hub model's branch, tag or commit (default: main).
@@ -313,7 +313,7 @@ def _reinit(read: ReadFrom, how: RunWith, to: WriteTo, executor: Executor) -> Re
         notes += dry_run_notes(source, dest, overwrite=to.overwrite, push=target) + transfer_notes(source)
         transfer = transfer_of(source)
         if dest.changes_only:
-            from .write.hub_copy import predicted
+            from .hub.copies import predicted
 
             line, predicted_bytes = predicted(source, source.primary.changed_files(plan.tensors()))  # type: ignore[attr-defined]
             notes.append(line)
@@ -402,7 +402,7 @@ def _push(
     dest: Destination, target: PushTarget, source: Source, plan: Plan, *, progress: bool
 ) -> tuple[list[str], PushResult]:
     from .errors import PushError
-    from .write.hub_copy import CopyRefused, complete_staging, copies_for, resume_by_reinit
+    from .hub.copies import CopyRefused, complete_staging, copies_for, resume_by_reinit
 
     message, notes = commit_message(source, plan), []
     try:

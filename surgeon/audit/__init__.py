@@ -128,7 +128,7 @@ def verify(
             whose values differ.
     """
     from ..files.bounded import refuse_special
-    from ..open.hub import open_model
+    from ..hub.read import open_model
     from ..open.source import open_source
 
     src = open_model(original, config=config, revision=revision)

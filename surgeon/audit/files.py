@@ -17,9 +17,8 @@ from typing import TYPE_CHECKING
 
 from ..errors import VerificationError
 from ..formats.fileio import same_bytes
-from ..open.source import SKIP_DIRS
+from ..open.source import SKIP_DIRS, folder_output_files
 from ..report.record import Record, read_card
-from ..write.output import folder_output_files
 
 if TYPE_CHECKING:
     from ..open.source import Source

@@ -51,7 +51,7 @@ def verify_layout(
 ) -> LayoutCheck:
     """Raise LayoutError (one line) at the first disagreement; return the agreement otherwise."""
     from ..detect import detect_source
-    from ..open.hub import open_model
+    from ..hub.read import open_model
 
     source = open_model(model, config=config, revision=revision)
     return check_layout(source, detect_source(source, Hints(num_heads, num_kv_heads, head_dim, force_hints)).blocks)

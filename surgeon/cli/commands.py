@@ -28,9 +28,9 @@ from .shell import (
 )
 
 if TYPE_CHECKING:
+    from ..hub.push import PushTarget
     from ..options import ReinitOptions
     from ..report.report import Report
-    from ..write.push import PushTarget
     from .shell import ModelFlags
 
 __all__ = ["cli_spelling", "main"]
@@ -299,7 +299,7 @@ def push(
     from there, not uploaded. If the push stops part-way, running it again sends only
     what is missing and commits.
     """
-    from ..write.push import push_folder
+    from ..hub.push import push_folder
 
     result = push_folder(
         folder,

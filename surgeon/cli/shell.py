@@ -285,12 +285,12 @@ PUSH_SETTINGS = {
 
 
 def push_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """--push-to-hub and its companions (surgeon.write.push.PushTarget's fields). The command gets them as one
+    """--push-to-hub and its companions (surgeon.hub.push.PushTarget's fields). The command gets them as one
     ``push`` argument (a PushTarget, or None), as the Python API takes them."""
 
     @functools.wraps(fn)
     def with_push(*args: Any, push_to_hub: str | None, **kwargs: Any) -> Any:
-        from ..write.push import PushTarget
+        from ..hub.push import PushTarget
 
         settings = {field: kwargs.pop(flag) for flag, field in PUSH_SETTINGS.items()}
         push = PushTarget.build(push_to_hub, **settings)  # checked here, before anything is opened

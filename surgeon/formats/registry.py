@@ -1,7 +1,7 @@
 """The weight formats surgeon reads, by file name, in order of preference.
 
 The one table that opening a path (surgeon.open.source) and choosing what to download from the Hub
-(surgeon.open.hub) share: a new format is a ``formats/X.py`` with a WeightSet and one :class:`Format` here.
+(surgeon.hub.read) share: a new format is a ``formats/X.py`` with a WeightSet and one :class:`Format` here.
 Nothing here imports torch, numpy or onnx; a format's module is imported when a file is opened.
 """
 

@@ -160,7 +160,7 @@ class SafetensorsWeights(RankedWeightSet):
     def __init__(
         self, folder: Path, files: list[str], index: str | None = None, headers: dict[str, Header] | None = None
     ) -> None:
-        """``headers``: the shards' headers, read already (a Hub model's, by Range: see open.hub_remote)."""
+        """``headers``: the shards' headers, read already (a Hub model's, by Range: see hub.remote)."""
         super().__init__(folder, files, index)
         self.headers: dict[str, Header] = {}
         found: dict[str, str] = {}

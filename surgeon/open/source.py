@@ -324,3 +324,12 @@ def _other_files(files: list[str], weight_files: set[str]) -> tuple[list[str], l
             continue
         extras.append(name)
     return extras, stale
+
+
+def folder_output_files(source: Source) -> tuple[list[str], list[str]]:
+    """What a folder output of ``source`` holds besides its model card: (the weight files surgeon rewrites,
+    the files it carries over byte for byte: index files and, from a folder, its other files)."""
+    weights = [f for w in source.weights for f in w.files]
+    indexes = [w.index for w in source.weights if w.index]
+    carried = list(source.extra_files) if source.kind == "folder" else []
+    return sorted(set(weights)), sorted(set(indexes + carried))

@@ -35,7 +35,7 @@ class Plan:
     draw_keys: Mapping[str | tuple[str, str], str] = field(default_factory=dict)
     # the Hub model and commit the checkpoint was read from, kept in the card's record only (the weights are
     # the same bytes wherever they were read from): `surgeon push` of the output copies the files it holds
-    # unchanged from there, server-side (surgeon.write.hub_copy)
+    # unchanged from there, server-side (surgeon.hub.copies)
     origin: Mapping[str, str] | None = None
 
     @property

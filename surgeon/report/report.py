@@ -75,7 +75,7 @@ class Report:
     device: str = "cpu"
     notes: tuple[str, ...] = ()
     jacobian: Any = None  # inspect with jacobian=True: a surgeon.compute.jacobian.JacobianReport
-    # a Hub model read by Range, or a push: the bytes moved, counted as they went (surgeon.open.hub_remote)
+    # a Hub model read by Range, or a push: the bytes moved, counted as they went (surgeon.hub.remote)
     transfer: dict[str, int] | None = None
 
     def __post_init__(self) -> None:

@@ -10,18 +10,18 @@ from typing import TYPE_CHECKING
 from .._version import __version__
 from ..errors import opt
 from ..modes import get_mode
+from ..open.source import folder_output_files
 from ..report.report import Report
 from ..vocab.spectrum import ProjectionRow
-from .output import folder_output_files
 
 if TYPE_CHECKING:
     from ..detect.hints import Hints
+    from ..hub.push import PushTarget
     from ..open.source import Source
     from ..options import ReinitOptions
     from ..plan.planner import Plan
     from ..vocab.detection import Detection
     from .output import Destination
-    from .push import PushTarget
 
 
 def source_label(source: Source) -> str:
@@ -53,7 +53,7 @@ def dry_run_notes(source: Source, dest: Destination, *, overwrite: bool, push: P
         weights, carried = folder_output_files(source)
         files = sorted({*weights, *carried, "README.md"})  # the folder surgeon writes, its model card included
         notes.append(f"the real run pushes {dest.path.name} to {push.repo_id}: {len(files)} files, {', '.join(files)}")
-        from .push import NO_TOKEN_YET, has_token
+        from ..hub.push import NO_TOKEN_YET, has_token
 
         if not has_token(push.token):
             notes.append(NO_TOKEN_YET)

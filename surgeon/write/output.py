@@ -79,7 +79,7 @@ class Destination:
                 return notes
             for i, (weights, write_plan) in enumerate(zip(source.weights, write_plans, strict=True)):
                 new = updates(weights, i == 0)
-                if self.changes_only:  # the rest is copied server-side (write.hub_copy)
+                if self.changes_only:  # the rest is copied server-side (hub.copies)
                     cast("RankedWeightSet", weights).save(tmp, new, record, write_plan, changed_files(weights, new))
                 else:
                     weights.save(tmp, new, record, write_plan)
@@ -119,7 +119,7 @@ def resolve_destination(
     """The destination, after every check that can fail before anything is written.
 
     ``push``: the output is uploaded, so it must be a folder (even for an .onnx with external data);
-    ``changes_only``: a staging folder for a push by changes (``write.hub_copy``)."""
+    ``changes_only``: a staging folder for a push by changes (``hub.copies``)."""
     if in_place:
         return _in_place(source, output)
     if push and source.kind == "file":
@@ -255,12 +255,3 @@ def copy_extras(source: Source, dest: Path) -> None:
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, target)
-
-
-def folder_output_files(source: Source) -> tuple[list[str], list[str]]:
-    """What a folder output of ``source`` holds besides its model card: (the weight files surgeon rewrites,
-    the files it carries over byte for byte: index files and, from a folder, its other files)."""
-    weights = [f for w in source.weights for f in w.files]
-    indexes = [w.index for w in source.weights if w.index]
-    carried = list(source.extra_files) if source.kind == "folder" else []
-    return sorted(set(weights)), sorted(set(indexes + carried))

@@ -61,7 +61,7 @@ def test_verifies_a_conditioned_output_byte_for_byte(cli, llama_out, tmp_path):
     assert "re-derived byte for byte" in result.stdout and result.stdout.count("\n") == 1
     v = surgeon.verify(src, out)
     assert sorted(v.changed) == sorted(f"model.layers.{i}.self_attn.{p}_proj.weight" for i in (1, 2) for p in "qkv")
-    assert v.identical == len(surgeon.open.hub.open_model(src).primary.tensors) - 6
+    assert v.identical == len(surgeon.hub.read.open_model(src).primary.tensors) - 6
 
 
 def test_a_changed_byte_anywhere_is_found(cli, llama_out, tmp_path):

@@ -137,7 +137,7 @@ def test_inspect_with_layout_check_and_jacobian_opens_and_detects_once(tmp_path,
     """`inspect --verify-layout --jacobian` reads the checkpoint once: one open, one detection, both checks on it."""
     import surgeon.api
     import surgeon.detect
-    import surgeon.open.hub
+    import surgeon.hub.read
 
     folder = tmp_path / "bert"
     tiny_bert().save_pretrained(folder)
@@ -146,7 +146,7 @@ def test_inspect_with_layout_check_and_jacobian_opens_and_detects_once(tmp_path,
 
     torch.save(torch.tensor([[1, 5, 7, 9, 2]]), ids)
     calls = {"open": 0, "detect": 0}
-    real_open, real_detect = surgeon.open.hub.open_model, surgeon.detect.detect_source
+    real_open, real_detect = surgeon.hub.read.open_model, surgeon.detect.detect_source
 
     def counting_open(*a, **k):
         calls["open"] += 1
@@ -156,7 +156,7 @@ def test_inspect_with_layout_check_and_jacobian_opens_and_detects_once(tmp_path,
         calls["detect"] += 1
         return real_detect(*a, **k)
 
-    monkeypatch.setattr(surgeon.open.hub, "open_model", counting_open)
+    monkeypatch.setattr(surgeon.hub.read, "open_model", counting_open)
     monkeypatch.setattr(surgeon.api, "detect_source", counting_detect)
     monkeypatch.setattr(surgeon.detect, "detect_source", counting_detect)
     result = cli("inspect", folder, "--verify-layout", "--jacobian", "--inputs", ids, "--json")

@@ -181,7 +181,7 @@ def test_emitted_layout_round_trips(name, cli, tmp_path):
     """The emitted file, fed back, gives the same blocks and the same plan (its rules matched first)."""
     from surgeon.detect import detect_source
     from surgeon.detect.hints import Hints
-    from surgeon.open.hub import open_model as load
+    from surgeon.hub.read import open_model as load
     from surgeon.options import ReinitOptions
     from surgeon.plan.planner import prepare_checkpoint
 

@@ -204,7 +204,7 @@ def test_offline_from_a_hand_built_cache(tmp_path, sources):
 
 
 def test_which_files_are_fetched():
-    from surgeon.open.hub import pick_files
+    from surgeon.hub.read import pick_files
 
     bert = [  # a classic transformers repo: the same weights in five formats, plus exports in folders
         ".gitattributes",

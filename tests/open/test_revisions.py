@@ -135,7 +135,7 @@ def test_the_python_api_refuses_the_same_revisions(tmp_path, llama_dir):
 
 
 def test_a_push_branch_follows_the_same_rules():
-    from surgeon.write.push import PushTarget
+    from surgeon.hub.push import PushTarget
 
     for branch in ("a\nb", "x~1", "..", "%2e%2e", "main.lock"):
         with pytest.raises(OptionError, match="the branch to push to"):
@@ -146,7 +146,7 @@ def test_a_push_branch_follows_the_same_rules():
 
 def test_a_push_branch_has_one_name():
     """revision= names what a model is read at; the branch a push commits to is branch= only (no alias)."""
-    from surgeon.write.push import PushTarget
+    from surgeon.hub.push import PushTarget
 
     with pytest.raises(TypeError, match="revision"):
         PushTarget("me/model", revision="reset-v2")  # type: ignore[call-arg]

@@ -15,9 +15,9 @@ ALLOWED = {
     ("surgeon/errors.py", "--output"),  # SHELL_FLAGS: how the shell spells output
     ("surgeon/detect/by_name.py", "--list-names"),  # LIST_NAMES: the command that lists the names surgeon knows
     ("surgeon/report/card.py", "--full"),
-    ("surgeon/write/hub_copy.py", "--overwrite"),  # the reinit command line that finishes a stopped push
-    *(("surgeon/write/push_result.py", f) for f in ("--branch", "--create-pr", "--private", "--commit-message")),
-    ("surgeon/write/push_result.py", "--no-server-copy"),  # push_command: the `surgeon push` that finishes a push
+    ("surgeon/hub/copies.py", "--overwrite"),  # the reinit command line that finishes a stopped push
+    *(("surgeon/hub/push_result.py", f) for f in ("--branch", "--create-pr", "--private", "--commit-message")),
+    ("surgeon/hub/push_result.py", "--no-server-copy"),  # push_command: the `surgeon push` that finishes a push
 }
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z-]+)")
 

@@ -32,6 +32,7 @@ ORDER = [
     "plan",
     "compute",
     "report",
+    "hub",  # the Hub at the two ends: a Hub model read where it is (open_model), a folder committed (push)
     "write",
     "audit",
     "api",

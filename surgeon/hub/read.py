@@ -24,16 +24,16 @@ from ..formats.registry import (
     is_weight,
     pick_weights,
 )
+from ..open.hub_ids import HF_PREFIX, check_commit, check_revision, hf_progress, parse_repo_id
+from ..open.source import Source, open_source
 from ..text.redact import remember
-from .hub_errors import few, is_connection_error, read_error
-from .hub_ids import HF_PREFIX, check_commit, check_revision, hf_progress, parse_repo_id
-from .hub_remote import remote_layout
-from .source import Source, open_source
+from .failures import few, is_connection_error, read_error
+from .remote import remote_layout
 
 if TYPE_CHECKING:
     from huggingface_hub import HfApi
 
-    from .hub_remote import RemoteSafetensorsWeights
+    from .remote import RemoteSafetensorsWeights
 
 # --- reading -----------------------------------------------------------------------------------
 
@@ -64,7 +64,7 @@ def open_model(
     """Open MODEL: a local path when one exists by that name, otherwise a Hub id (``org/name`` or ``hf://org/name``).
 
     ``recover``: roll back an interrupted in-place run on a local checkpoint first (see ``source.open_source``).
-    ``remote``: a Hub model's safetensors stay on the Hub, their headers read by Range (``hub_remote``); the
+    ``remote``: a Hub model's safetensors stay on the Hub, their headers read by Range (``remote``); the
     caller fetches the shards it writes. Otherwise (and offline) every weight file is fetched."""
     revision = check_revision(revision)  # before anything else sees it: it becomes a path in the HF cache
     text = str(model)
@@ -116,7 +116,7 @@ def open_model(
 
 def _open_remote(repo_id: str, snap: Snapshot, revision: str | None) -> RemoteSafetensorsWeights:
     """The Hub model's safetensors, their headers read by Range at the snapshot's commit."""
-    from .hub_remote import RemoteRepo, open_remote
+    from .remote import RemoteRepo, open_remote
 
     assert snap.remote is not None
     try:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import opt
-from ..open.hub_errors import one_line
+from .failures import one_line
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitOperationCopy
@@ -57,7 +57,7 @@ def no_copy_reason(source: Source, *, output_given: bool, no_server_copy: bool) 
     """Why a push of ``source``'s re-initialization cannot copy unchanged files server-side (None: it can)."""
     from huggingface_hub import CommitOperationCopy, __version__
 
-    from ..open.hub_remote import RemoteSafetensorsWeights
+    from .remote import RemoteSafetensorsWeights
 
     if output_given or not isinstance(source.primary, RemoteSafetensorsWeights) or len(source.weights) > 1:
         return ""  # not a Hub model read by Range, or a full output asked for: nothing to say
@@ -71,8 +71,8 @@ def no_copy_reason(source: Source, *, output_given: bool, no_server_copy: bool) 
 def copies_for(source: Source, staged: list[str]) -> ServerCopies:
     """What a full output of ``source`` holds and the staging folder (``staged``) does not: copied."""
     from ..files.folder import file_in
-    from ..open.hub_remote import RemoteSafetensorsWeights
-    from .output import folder_output_files
+    from ..open.source import folder_output_files
+    from .remote import RemoteSafetensorsWeights
 
     weights, carried = folder_output_files(source)
     assert source.hub_id is not None and source.hub_commit is not None
@@ -194,8 +194,8 @@ def predicted(source: Source, changed: list[str]) -> tuple[str, dict[str, int]]:
     """What a push by changes will move, from the headers read (a dry run's line, and its figures for the
     report's transfer): the changed shards' bytes, downloaded and then uploaded (with the record added to
     their headers), and the copies."""
-    from ..open.hub_remote import RemoteSafetensorsWeights
     from ..text.sizes import fmt_bytes
+    from .remote import RemoteSafetensorsWeights
 
     weights = source.primary
     assert isinstance(weights, RemoteSafetensorsWeights)

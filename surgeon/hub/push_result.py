@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import HubAccessError, HubAuthError, HubError, PushError
-from ..open.hub_errors import few, write_error
+from .failures import few, write_error
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitOperationAdd

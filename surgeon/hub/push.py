@@ -12,11 +12,11 @@ from ..errors import CheckpointError, HubAuthError, HubError, OptionError, PushE
 from ..files.bounded import CARD_LIMIT, read_bytes
 from ..files.folder import walk
 from ..formats.journal_file import SUFFIX
-from ..open.hub_errors import one_line, write_error
 from ..open.hub_ids import check_revision, hf_progress, require_repo_id
 from ..open.recovery import refuse_journals
 from ..text.redact import remember
-from .hub_copy import CopyRefused, ServerCopies, copies_from_record, is_copy_error, refused
+from .copies import CopyRefused, ServerCopies, copies_from_record, is_copy_error, refused
+from .failures import one_line, write_error
 from .push_result import PushResult, partial_push_error, push_command
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ class PushTarget:
         commit_message: The commit message (default: what was re-initialized).
         token: The Hub token (default: HF_TOKEN or `hf auth login`).
         no_server_copy: Upload every file, even those a Hub source holds unchanged (default: copy those
-            server-side from the source's commit; see :mod:`surgeon.write.hub_copy`).
+            server-side from the source's commit; see :mod:`surgeon.hub.copies`).
         staging: The folder a push by changes stages the changed shards and the card in, for a reinit
             given no output (default: ``./NAME-reinit``); where the changes cannot be pushed alone, the
             whole output goes there.
@@ -168,7 +168,7 @@ def push_folder(
     it holds unchanged are copied server-side from there rather than uploaded (``server_copy=False``: every
     file uploaded); where the copy cannot be done, every file is uploaded and a note says why.
     ``copies``: files for the same commit that are not in ``folder``, copied server-side from another repo at a
-    pinned commit (``hub_copy``); where the Hub refuses them, :class:`~surgeon.write.hub_copy.CopyRefused` is
+    pinned commit (``copies``); where the Hub refuses them, :class:`~surgeon.hub.copies.CopyRefused` is
     raised before anything is committed.
 
     Large files are uploaded before the commit, one at a time, so a failure can say which reached the Hub;

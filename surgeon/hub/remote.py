@@ -22,7 +22,7 @@ from ..formats.safetensors_header import Header, header_length, parse_header, re
 if TYPE_CHECKING:
     import torch
 
-    from .source import Source
+    from ..open.source import Source
 
 
 @dataclass
@@ -145,7 +145,7 @@ class RemoteSafetensorsWeights(SafetensorsWeights):
         them from there on; a shard whose header is no longer the one planned from is refused."""
         from huggingface_hub import hf_hub_download
 
-        from .hub_errors import read_error
+        from .failures import read_error
 
         for file in self.files if files is None else files:
             if file in self.fetched:
