@@ -11,11 +11,9 @@ from .compute.devices import check_device, resolve_device
 from .compute.per_file import Progress
 from .detect import detect_source
 from .detect.hints import HINT_KEYWORDS, HintInput, Hints
-from .errors import HubError, OptionError, opt
-from .hub import read as hub
-from .hub.copies import no_copy_reason
+from .errors import OptionError, opt
 from .hub.push import PushTarget
-from .hub.remote import fetch_weights, transfer_notes, transfer_of
+from .hub.read import open_model
 from .open.hub_ids import require_repo_id
 from .open.source import Source
 from .options import ReinitOptions
@@ -24,21 +22,13 @@ from .report.report import Report
 from .text.notes import capped
 from .vocab.spectrum import ProjectionRow
 from .write.carry_out import ONE_PROCESS, CardFacts, Executor, Job
-from .write.checkpoint_report import (
-    commit_message,
-    dry_run_notes,
-    planned_rows,
-    reinit_report,
-    reproduce,
-    source_label,
-)
+from .write.checkpoint_report import planned_rows, reinit_report, reproduce, source_label
 from .write.journal import hold
-from .write.output import Destination, resolve_destination
+from .write.sinks import Outcome, Sink, WriteTo, open_sink
 
 if TYPE_CHECKING:  # torch is imported when tensors are first touched, so that opening, planning and
     import torch  # the byte copies of a reinit run while it loads
 
-    from .hub.push_result import PushResult
     from .vocab.detection import Detection
 
 
@@ -99,7 +89,7 @@ def inspect_checkpoint(
     dev = resolve_device(device)
     start = time.perf_counter()
     # read by Range where it can: the measured tensors' bytes, not whole shards (the jacobian loads the model)
-    source = hub.open_model(model, config=config, revision=revision, progress=progress, remote=not jacobian)
+    source = open_model(model, config=config, revision=revision, progress=progress, whole=jacobian)
     detection = detect_source(source, hints)
     weights = source.primary
     if emit_layout is not None:
@@ -121,7 +111,7 @@ def inspect_checkpoint(
         *detection.left_alone,
         *unread,
         *capped(detection.notes, "detection notes"),
-        *transfer_notes(source),
+        *_moved(source),
     ]
     if emit_layout is not None:
         notes.append(f"wrote the detected layout to {emit_layout} (give it back with {opt('layout', emit_layout)})")
@@ -151,7 +141,7 @@ def inspect_checkpoint(
         device=str(dev),
         notes=tuple(notes),
         jacobian=report_jacobian,
-        transfer=transfer_of(source),
+        transfer=source.transfer.to_dict() if source.transfer is not None else None,
     )
 
 
@@ -223,7 +213,7 @@ def reinit_checkpoint(
     >>> reinit_checkpoint("./bert", options=ReinitOptions(targets="q,k"), push="me/bert-reset")  # doctest: +SKIP
     """
     opts, hints = _options_and_hints(options, hints, keywords)
-    target = _push_target(push, in_place=in_place, dry_run=dry_run)
+    target = _push_target(push, dry_run=dry_run)
     if base_model is not None:
         base_model = require_repo_id(base_model, opt("base_model"))
     check_device(device)
@@ -269,86 +259,56 @@ class RunWith:
     progress: bool = False
 
 
-@dataclass(frozen=True)
-class WriteTo:
-    """Where a reinit writes: the output (``staged``: a push's staging folder, which holds only what changed),
-    in place or not, over an existing output or not, or nothing (a dry run); the push and the card's lineage."""
-
-    output: str | Path | None = None
-    in_place: bool = False
-    overwrite: bool = False
-    dry_run: bool = False
-    push: PushTarget | None = None
-    staged: bool = False
-    base_model: str | None = None
-
-
 def _reinit(read: ReadFrom, how: RunWith, to: WriteTo, executor: Executor) -> Report:
-    """The checkpoint path, stage by stage: open, detect, plan, carry out (through ``executor``), push, report."""
-    start, target = time.perf_counter(), to.push
+    """The checkpoint path, stage by stage: open, sink, detect, plan, then predict (a dry run) or carry out
+    (through ``executor``) and finish, report."""
+    start = time.perf_counter()
 
-    def prepare() -> tuple[Source, str | None, Destination, Detection, Plan]:
-        source = hub.open_model(
+    def prepare() -> tuple[Source, Sink, Detection, Plan]:
+        source = open_model(
             read.model, config=read.config, revision=read.revision, progress=how.progress,
-            recover=to.in_place and not to.dry_run, remote=executor.remote,
+            recover=to.patches_input and not to.dry_run,
         )  # fmt: skip
-        why_not = (
-            None
-            if target is None
-            else no_copy_reason(
-                source, output_given=to.output is not None and not to.staged, no_server_copy=target.no_server_copy
-            )
-        )
-        dest = resolve_destination(
-            source, to.output, in_place=to.in_place, overwrite=to.overwrite or to.dry_run, push=target is not None,
-            changes_only=target is not None and why_not is None,
-        )  # fmt: skip
-        executor.check(source, dest)
+        sink = open_sink(source, to)
+        executor.check(source, sink.dest)
         detection = detect_source(source, how.hints)
-        return source, why_not, dest, detection, prepare_checkpoint(source, detection, how.options)
+        return source, sink, detection, prepare_checkpoint(source, detection, how.options)
 
-    source, why_not, dest, detection, plan = executor.step(prepare)  # a refusal on one rank stops them all
-    notes = [*source.notes, *capped(detection.notes, "detection notes"), *plan.notes, *([why_not] if why_not else [])]
+    source, sink, detection, plan = executor.step(prepare)  # a refusal on one rank stops them all
+    notes = [*source.notes, *capped(detection.notes, "detection notes"), *plan.notes]
     if to.dry_run:
-        notes += dry_run_notes(source, dest, overwrite=to.overwrite, push=target) + transfer_notes(source)
-        transfer = transfer_of(source)
-        if dest.changes_only:
-            from .hub.copies import predicted
-
-            line, predicted_bytes = predicted(source, source.primary.changed_files(plan.tensors()))  # type: ignore[attr-defined]
-            notes.append(line)
-            transfer = {**(transfer or {}), **predicted_bytes}
+        predicted = sink.predict(source, plan)
         rows = planned_rows(source, plan)
-        return reinit_report(source, detection, plan, dest, rows, notes, device=str(how.device), transfer=transfer)
-    # a push by changes fetches only the shards that change; any other output, every shard
-    fetch_weights(source, source.primary.changed_files(plan.tensors()) if dest.changes_only else None)  # type: ignore[attr-defined]
+        return reinit_report(
+            source, detection, plan, sink.dest, rows, [*notes, *predicted.notes, *_moved(source)],
+            device=str(how.device), transfer=_figures(source, predicted),
+        )  # fmt: skip
     card = CardFacts(
-        target.repo_id if target is not None else dest.path.name,
-        lambda: reproduce(read.model, source, plan.options, how.hints, dest.path),
+        sink.title,
+        lambda: reproduce(read.model, source, plan.options, how.hints, sink.dest.path),
         to.base_model,
     )
-    with hold(source, exclusive=to.in_place):  # in place: alone; a copy: never while an in-place run patches it
-        done = executor.carry_out(Job(source, detection, plan, dest, how.device, how.full, how.progress, card))
+    with hold(source, exclusive=to.patches_input):  # in place: alone; a copy: never while an in-place run patches it
+        done = executor.carry_out(Job(source, detection, plan, sink.dest, how.device, how.full, how.progress, card))
     seconds = time.perf_counter() - start
-    notes += done.notes + transfer_notes(source)
-    transfer = transfer_of(source)
-    if target is not None:
-        pushed_notes, pushed = _push(dest, target, source, plan, progress=how.progress)
-        notes += pushed_notes
-        transfer = {**(transfer or {}), "uploaded": pushed.bytes, "copied_server_side": pushed.copied_bytes}
+    finished = sink.finish(source, plan, progress=how.progress)
     return reinit_report(
-        source,
-        detection,
-        plan,
-        dest,
-        done.rows,
-        notes,
-        device=done.device,
-        seconds=seconds,
-        bytes_written=done.bytes_written,
-        dry_run=False,
-        transfer=transfer,
-    )
+        source, detection, plan, sink.dest, done.rows, [*notes, *done.notes, *_moved(source), *finished.notes],
+        device=done.device, seconds=seconds, bytes_written=done.bytes_written, dry_run=False,
+        transfer=_figures(source, finished),
+    )  # fmt: skip
+
+
+def _moved(source: Source) -> list[str]:
+    """The report's line on what reading the weights moved over the network (none where they are on disk)."""
+    return [source.transfer.note()] if source.transfer is not None else []
+
+
+def _figures(source: Source, outcome: Outcome) -> dict[str, int] | None:
+    """The report's ``transfer``: what reading moved, and what the sink moved (or would)."""
+    if source.transfer is None and not outcome.transfer:
+        return None
+    return {**(source.transfer.to_dict() if source.transfer is not None else {}), **outcome.transfer}
 
 
 _PUSH_KEYWORDS = {  # a push setting given as a keyword of reinit_checkpoint -> the PushTarget field that takes it
@@ -382,44 +342,13 @@ def _options_and_hints(
     return ReinitOptions.build(options, **keywords), Hints.build(hints, **hint_keywords)
 
 
-def _push_target(push: PushTarget | str | None, *, in_place: bool, dry_run: bool) -> PushTarget | None:
+def _push_target(push: PushTarget | str | None, *, dry_run: bool) -> PushTarget | None:
     """The push a reinit asks for, checked before anything is opened (its token too, unless nothing is sent)."""
     if push is None:
         return None
-    if in_place:
-        raise OptionError(
-            f"{opt('push_to_hub')} pushes a new output folder; it cannot be combined with {opt('in_place', True)}"
-        )
     if not isinstance(push, (PushTarget, str)):
         raise TypeError(f"push must be a repo id 'org/name' or a surgeon.PushTarget, not {type(push).__name__}")
     target = push if isinstance(push, PushTarget) else PushTarget(push)
     if not dry_run:
         target.check_token()
     return target
-
-
-def _push(
-    dest: Destination, target: PushTarget, source: Source, plan: Plan, *, progress: bool
-) -> tuple[list[str], PushResult]:
-    from .errors import PushError
-    from .hub.copies import CopyRefused, complete_staging, copies_for, resume_by_reinit
-
-    message, notes = commit_message(source, plan), []
-    try:
-        try:
-            copies = None
-            if dest.changes_only:
-                staged = sorted(p.relative_to(dest.path).as_posix() for p in dest.path.rglob("*") if p.is_file())
-                copies = copies_for(source, staged)
-            pushed = target.push(dest.path, default_message=message, progress=progress, copies=copies)
-        except CopyRefused as why:  # nothing was committed: make the whole output here, and upload it
-            notes.append(str(why))
-            fetch_weights(source)
-            complete_staging(dest.path, source)
-            pushed = target.push(dest.path, default_message=message, progress=progress, server_copy=False)
-    except HubError as exc:  # the output is on disk: say so, and keep the error's type
-        if dest.changes_only and isinstance(exc, PushError):  # the folder holds only the changes: not pushed alone
-            exc = resume_by_reinit(exc)
-        exc.context = f"wrote {dest.path}, but the push failed: "
-        raise exc from None
-    return notes + pushed.notes + [pushed.summary(), f"files pushed: {', '.join(pushed.files)}"], pushed

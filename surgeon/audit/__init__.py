@@ -131,7 +131,7 @@ def verify(
     from ..hub.read import open_model
     from ..open.source import open_source
 
-    src = open_model(original, config=config, revision=revision)
+    src = open_model(original, config=config, revision=revision, whole=True)
     out_path = Path(output)
     if not out_path.exists():
         raise CheckpointError(f"no such file or folder {output}: give the output of surgeon reinit as OUTPUT")

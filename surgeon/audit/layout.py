@@ -53,7 +53,7 @@ def verify_layout(
     from ..detect import detect_source
     from ..hub.read import open_model
 
-    source = open_model(model, config=config, revision=revision)
+    source = open_model(model, config=config, revision=revision, whole=True)
     return check_layout(source, detect_source(source, Hints(num_heads, num_kv_heads, head_dim, force_hints)).blocks)
 
 

@@ -13,6 +13,7 @@ from ..errors import CheckpointError
 from ..files.bounded import INDEX_LIMIT, read_json
 from ..files.folder import file_in
 from ..vocab.change import PlanView
+from .byte_source import ByteSource, LocalFiles
 from .write_plan import WritePlan
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ class WeightSet(ABC):
         self.index = index  # the index file (model.safetensors.index.json), if sharded
         self._infos: dict[str, TensorInfo] = {}
         self.notes: list[str] = []  # for the report: how the set was read (a DCP state's model entries)
+        self.bytes: ByteSource = LocalFiles(folder)  # a Hub model's safetensors: surgeon.hub.remote.HubFiles
 
     @classmethod
     def from_index(cls, index_path: Path) -> WeightSet:
@@ -103,7 +105,11 @@ class WeightSet(ABC):
     @property
     def local_files(self) -> list[str]:
         """The files of ``all_files`` that are on disk (a Hub model read by Range has only some there)."""
-        return self.all_files
+        return [f for f in self.all_files if self.bytes.on_disk(f)]
+
+    def local_path(self, file: str) -> Path:
+        """One of ``all_files`` on disk, for a writer that copies it whole (fetched first where it is remote)."""
+        return self.bytes.local(file)
 
     @property
     def tensors(self) -> dict[str, TensorInfo]:

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
     import torch
 
+    from .byte_source import ByteSource
     from .write_plan import WritePlan
 
 FILE_SUFFIX, INDEX_SUFFIX = SAFETENSORS_SUFFIX, SAFETENSORS_INDEX  # the registry's
@@ -158,10 +159,18 @@ class SafetensorsWeights(RankedWeightSet):
     shard_suffix = FILE_SUFFIX
 
     def __init__(
-        self, folder: Path, files: list[str], index: str | None = None, headers: dict[str, Header] | None = None
+        self,
+        folder: Path,
+        files: list[str],
+        index: str | None = None,
+        headers: dict[str, Header] | None = None,
+        source: ByteSource | None = None,
     ) -> None:
-        """``headers``: the shards' headers, read already (a Hub model's, by Range: see hub.remote)."""
+        """``headers``: the shards' headers, read already, and ``source``: where the shards' bytes are (a Hub
+        model's, read by Range: surgeon.hub.remote); default: the files in ``folder``, headers read from them."""
         super().__init__(folder, files, index)
+        if source is not None:
+            self.bytes = source
         self.headers: dict[str, Header] = {}
         found: dict[str, str] = {}
         for file in files:
@@ -180,15 +189,50 @@ class SafetensorsWeights(RankedWeightSet):
 
     def read(self, name: str) -> torch.Tensor:
         info = self._infos[name]
-        return read_tensor(self.headers[info.file], name)
+        if self.bytes.on_disk(info.file):
+            return read_tensor(self.headers[info.file], name)
+        import torch
+
+        header = self.headers[info.file]
+        dtype, shape = torch_dtype(header, name), tuple(header.entries[name]["shape"])
+        data = self.raw(name)
+        return (
+            torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape) if data else torch.empty(shape, dtype=dtype)
+        )
 
     def raw(self, name: str) -> bytes:
         info = self.tensors[name]
         header = self.headers[info.file]
         begin, end = header.entries[name]["data_offsets"]
+        if end == begin:
+            return b""
+        if not self.bytes.on_disk(info.file):
+            return self.bytes.read(info.file, header.data_start + begin, end - begin)
         with open(header.path, "rb") as f:
             f.seek(header.data_start + begin)
             return f.read(end - begin)
+
+    def nbytes(self) -> int:
+        """The bytes of the set's files, from their headers (a remote shard is not on disk)."""
+        return sum(h.file_size for h in self.headers.values()) + (
+            (self.folder / self.index).stat().st_size if self.index else 0
+        )
+
+    def local_path(self, file: str) -> Path:
+        """A shard on disk, fetched first where it is remote; a fetched shard whose header is not the one
+        planned from is refused (the plan's offsets would not be its bytes)."""
+        path = self.bytes.local(file)
+        planned = self.headers.get(file)
+        if planned is None or planned.path == path:
+            return path
+        local = read_header(path)
+        if local.entries != planned.entries or local.file_size != planned.file_size:
+            raise CheckpointError(
+                f"{file} fetched from {self.bytes.describe(file)} is not the file whose header was read; "
+                "remove it from the HF cache and run this again"
+            )
+        self.headers[file] = local  # read from the disk from here on
+        return path
 
     def record_texts(self) -> list[tuple[str, list[str]]]:
         # an in-place run adds its record only to the shards whose header has room for it
@@ -245,6 +289,7 @@ class SafetensorsWeights(RankedWeightSet):
             history = self.history()
             changed = self.changed_files(updates.names)
             for file in self.files if files is None else files:
+                self.local_path(file)  # a remote shard is fetched the first time a writer needs its bytes
                 header = self.headers[file]
                 # the record goes where the change is: a shard with no change stays its source's bytes
                 starts[file] = start_file(header, dest / file, record if file in changed else None, history)

@@ -57,9 +57,9 @@ def no_copy_reason(source: Source, *, output_given: bool, no_server_copy: bool) 
     """Why a push of ``source``'s re-initialization cannot copy unchanged files server-side (None: it can)."""
     from huggingface_hub import CommitOperationCopy, __version__
 
-    from .remote import RemoteSafetensorsWeights
+    from .remote import ranged
 
-    if output_given or not isinstance(source.primary, RemoteSafetensorsWeights) or len(source.weights) > 1:
+    if output_given or ranged(source) is None or len(source.weights) > 1:
         return ""  # not a Hub model read by Range, or a full output asked for: nothing to say
     if no_server_copy:
         return f"uploading every file ({opt('no_server_copy', True)})"
@@ -72,12 +72,13 @@ def copies_for(source: Source, staged: list[str]) -> ServerCopies:
     """What a full output of ``source`` holds and the staging folder (``staged``) does not: copied."""
     from ..files.folder import file_in
     from ..open.source import folder_output_files
-    from .remote import RemoteSafetensorsWeights
+    from .remote import ranged
 
     weights, carried = folder_output_files(source)
     assert source.hub_id is not None and source.hub_commit is not None
     rest = sorted({*weights, *carried} - set(staged) - {"README.md"})
-    headers = source.primary.headers if isinstance(source.primary, RemoteSafetensorsWeights) else {}
+    read_by_range = ranged(source)
+    headers = read_by_range.headers if read_by_range is not None else {}
     sizes = {f: headers[f].file_size for f in rest if f in headers}
     for f in rest:
         path = None if f in sizes else file_in(source.folder, f)
@@ -167,7 +168,7 @@ def complete_staging(folder: Path, source: Source) -> None:
     weights = source.primary
     for file in weights.all_files:
         if not (folder / file).exists():
-            shutil.copyfile(weights.folder / file, folder / file)
+            shutil.copyfile(weights.local_path(file), folder / file)  # a remote shard is fetched here
     for rel in source.extra_files:  # as copy_extras does, but the new card stays
         path = file_in(source.folder, rel)
         if path is not None and not (folder / rel).exists():
@@ -195,10 +196,10 @@ def predicted(source: Source, changed: list[str]) -> tuple[str, dict[str, int]]:
     report's transfer): the changed shards' bytes, downloaded and then uploaded (with the record added to
     their headers), and the copies."""
     from ..text.sizes import fmt_bytes
-    from .remote import RemoteSafetensorsWeights
+    from .remote import ranged
 
-    weights = source.primary
-    assert isinstance(weights, RemoteSafetensorsWeights)
+    weights = ranged(source)
+    assert weights is not None  # a push by changes is planned only for these
     moved = sum(weights.headers[f].file_size for f in changed)
     copied = sum(h.file_size for f, h in weights.headers.items() if f not in changed)
     line = (

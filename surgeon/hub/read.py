@@ -33,7 +33,7 @@ from .remote import remote_layout
 if TYPE_CHECKING:
     from huggingface_hub import HfApi
 
-    from .remote import RemoteSafetensorsWeights
+    from ..formats.safetensors import SafetensorsWeights
 
 # --- reading -----------------------------------------------------------------------------------
 
@@ -59,13 +59,13 @@ def open_model(
     revision: str | None = None,
     progress: bool = False,
     recover: bool = False,
-    remote: bool = False,
+    whole: bool = False,
 ) -> Source:
     """Open MODEL: a local path when one exists by that name, otherwise a Hub id (``org/name`` or ``hf://org/name``).
 
     ``recover``: roll back an interrupted in-place run on a local checkpoint first (see ``source.open_source``).
-    ``remote``: a Hub model's safetensors stay on the Hub, their headers read by Range (``remote``); the
-    caller fetches the shards it writes. Otherwise (and offline) every weight file is fetched."""
+    A Hub model's safetensors stay on the Hub, their headers read by Range (:mod:`surgeon.hub.remote`) and a shard fetched
+    the first time a writer needs it; ``whole`` (or offline): every weight file is fetched now."""
     revision = check_revision(revision)  # before anything else sees it: it becomes a path in the HF cache
     text = str(model)
     explicit = isinstance(model, str) and text.startswith(HF_PREFIX)
@@ -86,7 +86,7 @@ def open_model(
         return source
     assert repo_id is not None
     try:
-        snap = download(repo_id, revision=revision, progress=progress, remote=remote)
+        snap = download(repo_id, revision=revision, progress=progress, remote=not whole)
     except (HubNotFoundError, HubOfflineError) as exc:
         if not explicit and revision is None:  # it may as well be a mistyped path: say there is none
             exc.context = f"there is no file or folder {text}, and "
@@ -114,7 +114,7 @@ def open_model(
     )
 
 
-def _open_remote(repo_id: str, snap: Snapshot, revision: str | None) -> RemoteSafetensorsWeights:
+def _open_remote(repo_id: str, snap: Snapshot, revision: str | None) -> SafetensorsWeights:
     """The Hub model's safetensors, their headers read by Range at the snapshot's commit."""
     from .remote import RemoteRepo, open_remote
 

@@ -12,6 +12,7 @@ from ..errors import CheckpointError
 from ..files.bounded import read_json, read_yaml, refuse_special
 from ..files.folder import file_in, walk
 from ..formats.base import WeightSet
+from ..formats.byte_source import Transfer
 from ..formats.registry import (
     ALONE_SUFFIXES,
     EXPORT_DIRS,
@@ -65,6 +66,11 @@ class Source:
 
     def describe(self) -> str:
         return self.primary.describe()
+
+    @property
+    def transfer(self) -> Transfer | None:
+        """What reading the weights moved over the network so far (None: they are on disk)."""
+        return self.primary.bytes.transfer
 
 
 def open_source(

@@ -64,11 +64,6 @@ class Done:
 class Executor(Protocol):
     """Where a plan is carried out: the steps every run takes, and the one step that differs (the writing)."""
 
-    @property
-    def remote(self) -> bool:
-        """Whether a Hub model's safetensors may stay on the Hub, read by Range and fetched when written."""
-        ...
-
     def step(self, work: Callable[[], T]) -> T:
         """Run one step of the pipeline (every rank alike: a refusal on one stops them all)."""
         ...
@@ -84,8 +79,6 @@ class Executor(Protocol):
 
 class OneProcess:
     """The executor of a run in this process alone."""
-
-    remote = True
 
     def step(self, work: Callable[[], T]) -> T:
         return work()

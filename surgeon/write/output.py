@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import shutil
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -63,31 +64,61 @@ class Destination:
         *,
         card: Callable[[Path], None],
     ) -> list[str]:
-        """Write the output: ``updates(weights, record)`` gives each weight set's new tensors (the record
-        goes into the first set only), ``write_plans`` what each set's format decided about writing them
-        (``WeightSet.write_plan``, in the order of ``source.weights``); ``card(folder)`` writes the model
-        card of a folder output. Returns notes for the report (temporary folders of killed runs left in
-        place, a patch's notes)."""
+        """Write the output in this process: staged, the weights, the shared files and the card, put in place.
+
+        ``updates(weights, record)`` gives each weight set's new tensors (the record goes into the first set
+        only), ``write_plans`` what each set's format decided about writing them (``WeightSet.write_plan``, in
+        the order of ``source.weights``); ``card(folder)`` writes the model card of a folder output. Returns
+        notes for the report (temporary folders of killed runs left in place, a patch's notes). The ranks of a
+        distributed run take the same steps (:meth:`staging`, :meth:`write_weights`, :meth:`write_shared`),
+        each its own share of the data files (``surgeon.write.ranks``)."""
         if self.kind is OutputKind.PATCH:
             from .journal import patch_in_place
 
             return patch_in_place(source, updates(source.primary, True), record)
         notes: list[str] = []
-        with staged(self.path, self.kind, file_name=self.staged_name, notes=notes) as tmp:
-            if self.kind is OutputKind.FILES:
-                source.primary.save_as(tmp, self.path.name, updates(source.primary, True), record, write_plans[0])
-                return notes
-            for i, (weights, write_plan) in enumerate(zip(source.weights, write_plans, strict=True)):
-                new = updates(weights, i == 0)
-                if self.changes_only:  # the rest is copied server-side (hub.copies)
-                    cast("RankedWeightSet", weights).save(tmp, new, record, write_plan, changed_files(weights, new))
-                else:
-                    weights.save(tmp, new, record, write_plan)
-            if self.kind is OutputKind.FOLDER:
-                if source.kind == "folder" and not self.changes_only:
-                    copy_extras(source, tmp)
-                card(tmp)
+        with self.staging(notes) as tmp:
+            self.write_weights(tmp, source, updates, record, write_plans)
+            self.write_shared(tmp, source, card=card)
         return notes
+
+    def staging(self, notes: list[str]) -> AbstractContextManager[Path]:
+        """The temporary folder the output is written into, put in place when the context ends without an error
+        (``notes``: temporary folders of killed runs found beside it)."""
+        return staged(self.path, self.kind, file_name=self.staged_name, notes=notes)
+
+    def write_weights(
+        self,
+        tmp: Path,
+        source: Source,
+        updates: Callable[[WeightSet, bool], UpdatesFn],
+        record: dict,
+        write_plans: Sequence[WritePlan],
+        *,
+        share: list[str] | None = None,
+    ) -> None:
+        """Write the weight files into ``tmp`` (``share``: only these data files of the primary set, one rank's,
+        their shared files left to :meth:`write_shared`)."""
+        if self.kind is OutputKind.FILES:
+            source.primary.save_as(tmp, self.path.name, updates(source.primary, True), record, write_plans[0])
+            return
+        for i, (weights, write_plan) in enumerate(zip(source.weights, write_plans, strict=True)):
+            new = updates(weights, i == 0)
+            files = share if share is not None else changed_files(weights, new) if self.changes_only else None
+            if files is None:
+                weights.save(tmp, new, record, write_plan)
+            else:  # the rest is another rank's, or copied server-side (hub.copies)
+                cast("RankedWeightSet", weights).save(tmp, new, record, write_plan, files)
+
+    def write_shared(self, tmp: Path, source: Source, *, card: Callable[[Path], None], shares: bool = False) -> None:
+        """Write what the weight files share (``shares``: the data files were written in shares, so the index
+        or ``.metadata`` is written here), a folder input's other files and the model card."""
+        if shares:
+            cast("RankedWeightSet", source.primary).save_shared(tmp)
+        if self.kind is OutputKind.FOLDER:
+            if source.kind == "folder" and not self.changes_only:
+                copy_extras(source, tmp)
+            card(tmp)
 
     def size(self, source: Source, *, patched: int) -> int:
         """The bytes the output holds (``patched``: the bytes a patch rewrote)."""

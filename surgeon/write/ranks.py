@@ -141,7 +141,6 @@ class RankedRun:
     single process (``surgeon.api``): every rank opens, detects and plans alike, each step agreed by all."""
 
     ranks: Ranks
-    remote = False  # every rank reads the same files: a Hub model is fetched whole
 
     def step(self, work: Callable[[], T]) -> T:
         return self.ranks.step(work)
@@ -183,11 +182,10 @@ def write(
     *,
     card: Callable[[Path, list[ProjectionRow]], None],
 ) -> tuple[list[str], list[ProjectionRow]]:
-    """Write the output folder with every rank (see the module's docstring), as ``write_plan`` (the weights'
-    ``write_plan``) says; returns (notes, the results of all ranks)."""
+    """Write the output folder with every rank, through the destination's own steps (a single process takes the
+    same ones in ``Destination.write``): rank 0 stages, every rank writes its share of the data files, rank 0
+    writes the shared files and the card from every rank's results; returns (notes, the results of all ranks)."""
     from ..formats.base import RankedWeightSet
-    from .output import copy_extras
-    from .staging import staged
 
     weights = source.primary
     assert isinstance(weights, RankedWeightSet)  # refuse() let only these through
@@ -196,11 +194,11 @@ def write(
     with ExitStack() as stack:
 
         def stage() -> Path | None:
-            return stack.enter_context(staged(dest.path, "folder", notes=notes)) if ranks.rank == 0 else None
+            return stack.enter_context(dest.staging(notes)) if ranks.rank == 0 else None
 
         tmp = ranks.broadcast(ranks.step(stage))
         assert tmp is not None
-        ranks.step(lambda: weights.save(tmp, run.updates_for(weights, True), record, write_plan, files=mine))
+        ranks.step(lambda: dest.write_weights(tmp, source, run.updates_for, record, [write_plan], share=mine))
         engine = run.engine if run.started else None
         shares = ranks.gather(
             (engine.results if engine else {}, engine.biases_zeroed if engine else frozenset(), ranks.rank, mine)
@@ -209,10 +207,7 @@ def write(
 
         def finish() -> None:
             if ranks.rank == 0:
-                weights.save_shared(tmp)
-                if source.kind == "folder":
-                    copy_extras(source, tmp)
-                card(tmp, results)
+                dest.write_shared(tmp, source, card=lambda folder: card(folder, results), shares=True)
                 stack.close()  # the rename into place
 
         ranks.step(finish)

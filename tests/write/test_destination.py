@@ -124,8 +124,6 @@ def test_grouped_objects_and_their_keywords(saved, tmp_path):
 
 def test_push_target_is_checked_before_anything_is_opened(tmp_path):
     missing = tmp_path / "nothing-here"
-    with pytest.raises(OptionError, match="cannot be combined with in_place=True"):
-        reinit_checkpoint(missing, push=PushTarget("me/x"), in_place=True)
     with pytest.raises(OptionError, match="not a"):
         reinit_checkpoint(missing, push="not a repo!")
     with pytest.raises(OptionError, match="opens a pull request against main"):

@@ -236,7 +236,6 @@ def test_push_refusals_are_one_line_and_write_nothing(sources, tmp_path):
                 ["reinit", "org/tiny", "--push-to-hub", "not a repo!"],
                 "push target 'not a repo!' is not a Hub repository id",
             ),
-            (["reinit", "org/tiny", "--in-place", "--push-to-hub", "me/x"], "cannot be combined with --in-place"),
         ]
         for run, (args, text) in zip(surgeon.many(*[c[0] for c in no_token]), no_token):
             assert text in run.error, (args, run.error)
@@ -256,7 +255,7 @@ def test_push_refusals_are_one_line_and_write_nothing(sources, tmp_path):
         # a stranger may not commit to org/tiny, and a reinit that fails to push keeps its output and says where
         stranger, kept = surgeon.many(
             ["push", out, "org/tiny"],
-            ["reinit", "org/tiny", "-o", "kept", "--push-to-hub", "org/tiny"],
+            ["reinit", "org/tiny", "-o", "kept", "--push-to-hub", "org/tiny", "--push-branch", "dev"],
             token=OTHER_TOKEN,
         )
         assert (
@@ -294,12 +293,12 @@ def test_dry_runs_need_no_token_and_every_failed_push_ends_with_the_command_that
         # the Hub refuses a stranger's push outright: nothing arrived, and the line ends with the retry
         refused, kept = surgeon.many(
             ["push", out, "org/tiny", "--branch", "dev"],
-            ["reinit", "org/tiny", "-o", "kept", "--push-to-hub", "org/tiny", "--commit-message", "reset it"],
+            ["reinit", "org/tiny", "-o", "kept", "--push-to-hub", "org/other", "--commit-message", "reset it"],
             token=OTHER_TOKEN,
         )
     for run, rerun in (
         (refused, f"surgeon push {out} org/tiny --branch dev"),
-        (kept, "surgeon push kept org/tiny --commit-message 'reset it'"),
+        (kept, "surgeon push kept org/other --commit-message 'reset it'"),
     ):
         assert run.rc != 0 and run.error.endswith(f"; retry with `{rerun}`"), run.error
         assert OTHER_TOKEN not in run.stderr
