@@ -1,7 +1,8 @@
 """``surgeon verify ORIGINAL OUTPUT``: check an output against the record surgeon wrote into it.
 
 The record (``__metadata__["surgeon"]`` in safetensors, ``metadata_props["surgeon"]`` in ONNX, a comment
-in the model card README.md of a folder output for PyTorch files) holds the options of the run; it is
+in the model card README.md of a folder output for PyTorch files) holds the options of the run: read from the
+weights where their format has a slot for it, the card's one record must equal it (``files.check_card``); it is
 read as hostile input and type-checked field by field (surgeon.report.record). From it and the ORIGINAL, the
 plan is made again, exactly as ``surgeon reinit`` made it, and everything in OUTPUT is checked:
 
@@ -35,7 +36,7 @@ from ..errors import CheckpointError, DerivedMismatch, SurgeonError, Verificatio
 from ..formats.write_plan import WritePlan
 from ..modes import get_mode
 from ..report.card import card_comment
-from ..report.record import Record, card_records, other_version_note, parse_record, stored_history
+from ..report.record import Record, card_records, only_record, other_version_note, parse_record, stored_history
 from ..text.shown import shown
 from ..vocab.blocks import split_module
 from ..write.journal import hold
@@ -93,9 +94,9 @@ class Verification:
 
 
 def card_record(text: str) -> dict | None:
-    """The model card's own record (surgeon writes it before the source's card and its older records)."""
-    found = card_records(text)
-    return found[0] if found else None
+    """The model card's record: surgeon writes one, the output's own (a source card's records are escaped in it);
+    several are a VerificationError."""
+    return only_record(card_records(text), "the model card")
 
 
 def verify(

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from ..errors import VerificationError
 from ..formats.fileio import same_bytes
 from ..open.source import SKIP_DIRS, folder_output_files
-from ..report.record import Record, read_card
+from ..report.record import Record, read_card_record
 
 if TYPE_CHECKING:
     from ..open.source import Source
@@ -105,10 +105,10 @@ def check_card(src: Source, out: Source, record: Record, output: str | Path) -> 
         return
     if theirs is not None and theirs.is_file() and same_bytes(theirs, card):
         return
-    own = read_card(card)[:1]
-    if not own:
+    own = read_card_record(card)  # its one record (several: refused), never one of the source's, escaped in it
+    if own is None:
         raise VerificationError(f"{output}: its {CARD} is neither surgeon's model card nor {src.path}'s")
-    if not isinstance(own[0], dict) or _as_weights_hold(own[0]) != _as_weights_hold(record.raw):
+    if not isinstance(own, dict) or _as_weights_hold(own) != _as_weights_hold(record.raw):
         raise VerificationError(
             f"{output}: the record in its {CARD} is not the record of its weights: the card was changed after surgeon wrote it"
         )

@@ -10,6 +10,9 @@ wrappers around it, DDP, torch.compile, PEFT and sentence-transformers, are look
 The prefix is the model's own, never guessed from the names: in memory, the path of ``model.base_model`` in the
 module tree; on disk, ``base_model_prefix`` of the class config.json names (``architectures``), taken off the
 names that carry it, as transformers' own loader does when it loads a base model from a task checkpoint.
+
+Two tensors whose keys would be one (``bert.encoder...`` beside ``encoder...`` in one checkpoint, two models of
+one kind in one module) would draw the same heads: the plan refuses them (surgeon.plan.planner).
 """
 
 from __future__ import annotations
@@ -44,6 +47,13 @@ class CheckpointDrawKeys(Mapping[str | tuple[str, str], str]):
         model_type = (config or {}).get("model_type")
         self._model_type = model_type if isinstance(model_type, str) and model_type.isidentifier() else None
         self._keys: dict[str | tuple[str, str], str] | None = None
+
+    def may_share(self) -> bool:
+        """Whether two of the tensors could be keyed alike: only where one's name is another's with one more
+        leading part (``bert.x`` beside ``x``; a prefix is one identifier). Else the prefix need not be looked up
+        to know the keys are distinct."""
+        names = set(self._tensors)
+        return any(n.partition(".")[2] in names for n in self._tensors)
 
     def _resolved(self) -> dict[str | tuple[str, str], str]:
         if self._keys is None:

@@ -99,7 +99,10 @@ def prepare_checkpoint(source: Source, detection: Detection, options: ReinitOpti
         depths=detection.depths,
         unreadable=detection.unreadable,
     )
-    plan = replace(plan, draw_keys=CheckpointDrawKeys(plan.tensors(), source.config))  # resolved when drawn
+    keys = CheckpointDrawKeys(plan.tensors(), source.config)  # resolved when drawn, or here where two may share
+    plan = replace(plan, draw_keys=keys)
+    if keys.may_share():
+        _refuse_shared_draws(plan)
     # named in the report and the card too; the layout file the blocks were read with, kept in the record
     origin = {"repo": source.hub_id, "commit": source.hub_commit} if source.hub_id and source.hub_commit else None
     return replace(plan, notes=(*detection.left_alone, *plan.notes), layout=detection.layout, origin=origin)
@@ -132,7 +135,38 @@ def prepare(
             "(an ONNX graph) surgeon patches Q/K/V initializers only; use a safetensors/PyTorch checkpoint"
         )
     plan = make_plan(blocks, mode.with_defaults(options, config), depths, unreadable)
-    return replace(plan, outputs=mode.find_outputs(plan, shapes or {}), draw_keys=dict(draw_keys or {}))
+    plan = replace(plan, outputs=mode.find_outputs(plan, shapes or {}), draw_keys=dict(draw_keys or {}))
+    if draw_keys:  # else each tensor's draws are keyed by its own name: no two alike
+        _refuse_shared_draws(plan)
+    return plan
+
+
+def _refuse_shared_draws(plan: Plan) -> None:
+    """Refuse two tensors whose draws would be keyed alike (by the name in the base model, and the role).
+
+    They would get the same heads, where the card says each draw depends on its tensor's name. Refused rather
+    than keyed by their full names: then a tensor's heads would depend on whether the other is there, and differ
+    from the heads the same model gets alone (its base checkpoint, any task class of it), silently. Refused, the
+    user says which copy is meant (a checkpoint holding a model twice is read as one by a loader, which takes one
+    copy) and the seed of each. One line, naming both, before anything is written.
+    """
+    keys = plan.draw_keys
+    seen: dict[tuple[str, str], Change] = {}
+    for change in plan.changes:
+        tensor = change.projection.weight.tensor
+        key = keys.get((tensor, change.role)) or keys.get(tensor) or tensor
+        first = seen.setdefault((key, change.role), change)
+        other = first.projection.weight.tensor
+        if other == tensor:
+            continue
+        stacks = (first.block.stack, change.block.stack)
+        how = f" ({opt('stack', stacks[0])}, then {opt('stack', stacks[1])})" if stacks[0] != stacks[1] else ""
+        raise SelectionError(
+            f"{other} and {tensor} would draw the same heads: draws are keyed by a tensor's name inside its base "
+            f"model (no task-class prefix such as bert., no path of a module holding it) and both are {key} there; "
+            f"re-initialize them one at a time{how}, "
+            f"with different {opt('seed')} values if they should differ"
+        )
 
 
 def _stack_matches(stack: str, wanted: list[str]) -> bool:

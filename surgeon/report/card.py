@@ -1,9 +1,14 @@
 """The model card (README.md) of a re-initialized model folder.
 
 Front matter the Hub understands (base model, tags, library, license), then what was done, the
-condition numbers this run measured, the command that reproduces it and the paper to cite. The source
-model's own card follows, unchanged, so nothing it said is lost. Never holds a token, a time or an
-absolute path: the same run gives the same card.
+condition numbers this run measured, the command that reproduces it (with surgeon's record of the run) and the
+paper to cite. The source model's own card follows in a section of its own, its front matter as a code block and
+its text as it came, so nothing it said is lost. Never holds a token, a time or an absolute path: the same run
+gives the same card.
+
+The card holds one surgeon record, the output's own: any other text that would read as one (in the source's
+card, its tags, a tensor or folder name) is escaped (``<`` as ``&lt;``), so that no source can speak for the
+output to `surgeon verify` or `surgeon push`.
 """
 
 from __future__ import annotations
@@ -38,12 +43,13 @@ KEPT_METADATA = ("license", "license_name", "license_link", "language", "pipelin
 _YAML_BLOCK = re.compile(r"^(\s*---[\r\n]+)([\S\s]*?)([\r\n]+---(\r\n|\n|$))")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SourceCard:
-    """The source model's card: its metadata (as a dict) and its Markdown body."""
+    """The source model's card: its metadata (as a dict), its front matter as written and its Markdown body."""
 
     metadata: dict
     body: str
+    matter: str = ""
 
     @classmethod
     def read(cls, path: Path) -> SourceCard | None:
@@ -52,12 +58,13 @@ class SourceCard:
         from huggingface_hub import ModelCard
 
         text = read_text(path, what="model card", limit=CARD_LIMIT)
+        match = _YAML_BLOCK.search(text)
+        matter = match.group(2) if match else ""
         try:
             card = ModelCard(text, ignore_metadata_errors=True)
-            return cls(card.data.to_dict(), card.text)
+            return cls(card.data.to_dict(), card.text, matter)
         except Exception:  # front matter that is not a YAML mapping: keep the text, drop the metadata
-            match = _YAML_BLOCK.search(text)
-            return cls({}, text[match.end() :] if match else text)
+            return cls({}, text[match.end() :] if match else text, matter)
 
 
 def reproduce_command(model: str, *, revision: str | None, options: dict, hints: Hints, output: str) -> str:
@@ -126,7 +133,7 @@ def build_card(
     mode = get_mode(plan.options.mode)
     lineage = source.hub_id or base_model or _named_base(original.metadata if original else {})
     data = _card_data(source, original.metadata if original else {}, mode.tag, lineage)
-    parts = [
+    ours = [
         f"# {shown(title)}",
         _intro(source, plan, lineage),
         mode.card_caveat(),
@@ -141,25 +148,37 @@ def build_card(
         "## Reproduce",
         f"With surgeon {__version__}:",
         f"```bash\n{command}\n```",
-        _record_comment(plan),
     ]
+    after: list[str] = []
     if mode.fresh:
-        parts.append(
+        after.append(
             "Each head's random draw depends only on (seed, tensor name, role, head), the name as in the base model "
             "(without a task class's prefix such as `bert.` or `model.`), not on the order of processing, "
             "the sharding or the other heads selected."
         )
     if mode.citation:
-        parts += ["## Citation", f"```bibtex\n{mode.citation}\n```"]
-    if original and original.body.strip():
-        name = f"`{source.hub_id}`" if source.hub_id else "the source model"
-        parts += [
-            "## Source model card",
-            f"The card of {name}, as it came with the source, follows unchanged.",
-            original.body.strip(),
-        ]
-    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(parts) + "\n")
-    return card
+        after += ["## Citation", f"```bibtex\n{mode.citation}\n```"]
+    if original and (original.body.strip() or original.matter.strip()):
+        after += _source_section(source, original)
+    # the record goes in as written; every other part is escaped, so that the record is the card's only one
+    parts = [*map(inert, ours), _record_comment(plan), *map(inert, after)]
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(parts) + "\n")
+
+
+def _source_section(source: Source, original: SourceCard) -> list[str]:
+    """The source's card in a section of its own: its front matter as a code block (metadata of the source, never
+    of this model), then its text as it came."""
+    name = f"`{source.hub_id}`" if source.hub_id else "the source model"
+    section = [
+        "## Source model card",
+        f"The card of {name}, as it came with the source: it describes the source, not this model "
+        "(a surgeon record in it is escaped, `<` as `&lt;`: it is the source's, never this model's).",
+    ]
+    if original.matter.strip():
+        section += ["Its front matter:", _fenced(original.matter.strip("\r\n"), "yaml")]
+    if original.body.strip():
+        section.append(original.body.strip())
+    return section
 
 
 def _named_base(meta: dict) -> str | None:
@@ -175,15 +194,13 @@ def _card_data(source: Source, meta: dict, mode_tag: str, lineage: str | None) -
     """The front matter: the source's metadata that still holds (KEPT_METADATA), its tags and surgeon's."""
     from huggingface_hub import ModelCardData
 
-    kept = {k: meta[k] for k in KEPT_METADATA if meta.get(k) is not None}
+    kept = {k: inert_value(meta[k]) for k in KEPT_METADATA if meta.get(k) is not None}
     if "library_name" not in kept and isinstance(source.config, dict) and source.config.get("model_type"):
         kept["library_name"] = "transformers"  # a config.json with a model_type is a transformers model
     source_tags = meta.get("tags") or []
-    tags = list(
-        dict.fromkeys(
-            [TAG, mode_tag] + [str(t) for t in (source_tags if isinstance(source_tags, list) else [source_tags])]
-        )
-    )
+    carried = [str(t) for t in (source_tags if isinstance(source_tags, list) else [source_tags])]
+    # a tag is a word on one line: markup (a comment, a record) is no tag, and stays in the source's section
+    tags = list(dict.fromkeys([TAG, mode_tag] + [t for t in carried if shown(t) == t and not set(t) & set("<>")]))
     return ModelCardData(base_model=lineage, tags=tags, **kept)
 
 
@@ -230,6 +247,26 @@ CARD_OPEN, CARD_CLOSE = "<!-- surgeon-record ", " -->"
 def card_comment(record: dict) -> str:
     """The record as an HTML comment for the model card (``>`` escaped, so the comment cannot end early)."""
     return CARD_OPEN + json.dumps(record, sort_keys=True, separators=(",", ":")).replace(">", "\\u003e") + CARD_CLOSE
+
+
+_MARK = CARD_OPEN.rstrip()
+
+
+def inert(text: str) -> str:
+    """``text`` with nothing in it that reads as a surgeon record: the comment's ``<`` as ``&lt;`` (Markdown shows
+    the same text; in a code block, the escape itself)."""
+    return text.replace(_MARK, "&lt;" + _MARK[1:])
+
+
+def inert_value(value: Any) -> Any:
+    """:func:`inert` on every string of a metadata value (lists and mappings too, keys included)."""
+    if isinstance(value, str):
+        return inert(value)
+    if isinstance(value, list):
+        return [inert_value(v) for v in value]
+    if isinstance(value, dict):
+        return {inert_value(k): inert_value(v) for k, v in value.items()}
+    return value
 
 
 def write_card(folder: Path, **kwargs: Any) -> Path:
@@ -323,6 +360,12 @@ def _code(name: str) -> str:
     fence = "`" * (max((len(run) for run in re.findall("`+", name)), default=0) + 1)
     pad = " " if name.startswith("`") or name.endswith("`") else ""
     return f"{fence}{pad}{name}{pad}{fence}"
+
+
+def _fenced(text: str, info: str) -> str:
+    """``text`` as a fenced code block, fenced by more backticks than it holds in a row (it cannot end the block)."""
+    fence = "`" * max(3, max((len(run) for run in re.findall("`+", text)), default=0) + 1)
+    return f"{fence}{info}\n{text}\n{fence}"
 
 
 def _cell(text: str) -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
-from ..errors import CheckpointError, SurgeonError
+from ..errors import CheckpointError, SurgeonError, VerificationError
 from ..files.bounded import CARD_LIMIT, loads, read_text
 from ..modes import all_modes, get_mode, parameter
 from ..open.hub_ids import parse_repo_id
@@ -80,8 +80,8 @@ def history(value: Any, where: str) -> list:
 
 
 def card_records(text: str) -> list[dict]:
-    """The records in a model card, in the order they appear. The card's own record comes first:
-    surgeon writes it before the source model's card, which may carry the records of earlier runs."""
+    """Every record in a model card, in the order they appear. surgeon writes one, the output's own: the records
+    a source's card carries (earlier runs, or forged ones) are escaped in it (surgeon.report.card.inert)."""
     found, pos = [], 0
     while (start := text.find(CARD_OPEN, pos)) >= 0:
         end = text.find(CARD_CLOSE, start + len(CARD_OPEN))
@@ -95,8 +95,24 @@ def card_records(text: str) -> list[dict]:
 
 
 def read_card(path: Path) -> list[dict]:
-    """The records in the model card ``path`` (its own first); a card too large or unreadable is one line."""
+    """The records in the model card ``path``; a card too large or unreadable is one line."""
     return card_records(read_text(path, what="model card", limit=CARD_LIMIT))
+
+
+def only_record(found: list[dict], where: str) -> dict | None:
+    """The one record of a model card (None: it holds none). Several: the card was changed after surgeon wrote it,
+    as surgeon writes one, and which one speaks for the output cannot be told (a VerificationError)."""
+    if len(found) > 1:
+        raise VerificationError(
+            f"{where} holds {len(found)} surgeon records, and surgeon writes one (the output's own, a source card's "
+            "escaped): the card was changed after surgeon wrote it"
+        )
+    return found[0] if found else None
+
+
+def read_card_record(path: Path) -> dict | None:
+    """The one record of the model card ``path`` (:func:`only_record`)."""
+    return only_record(read_card(path), f"the model card {path}")
 
 
 def parse_record(value: Any, where: str) -> Record:
@@ -338,6 +354,6 @@ def stored_history(source: Source) -> tuple[list | None, str]:
         return found, where
     card = source.folder / "README.md"
     if source.kind == "folder" and card.is_file():
-        found = read_card(card)
-        return (found[:1] or None), f"the model card {card}"
+        own = read_card_record(card)
+        return ([own] if own is not None else None), f"the model card {card}"
     return None, "the file (PyTorch files have no metadata slot)"

@@ -396,7 +396,8 @@ def test_a_chain_verifies_against_the_last_record(cli, tmp_path, fmt):
     cli("reinit", a, "--layers", "0", "-o", tmp_path / "B")
     cli("reinit", tmp_path / "B", "--layers", "1", "--seed", "3", "-o", tmp_path / "C")
     card = (tmp_path / "C" / "README.md").read_text()
-    assert len(card_records(card)) == 2  # its own record, then B's in the source card
+    assert len(card_records(card)) == 1  # its own record; B's, in the source card, escaped (the source's)
+    assert card.count("&lt;!-- surgeon-record {") == 1
     assert cli("verify", tmp_path / "B", tmp_path / "C").stdout.startswith(
         f"verified: {tmp_path / 'C'} is {tmp_path / 'B'} with 1 attention block"
     )
