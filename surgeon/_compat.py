@@ -103,3 +103,9 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'surgeon._compat' has no attribute {name!r}")
     globals()[name] = value
     return value
+
+
+def hub_client_factory() -> Any:
+    """The factory huggingface_hub makes its shared HTTP client with (the client's own, or the one a user set with
+    its public ``set_client_factory``), which has no public getter: surgeon's policy wraps it (``hub.http``)."""
+    return resolve("huggingface_hub.utils._http", "_GLOBAL_CLIENT_FACTORY", "huggingface-hub")

@@ -11,9 +11,11 @@ from ..errors import (
     HubError,
     HubNotFoundError,
     HubOfflineError,
+    SurgeonError,
     opt,
 )
 from ..text.redact import redact, remember
+from .http import transport_error
 
 if TYPE_CHECKING:
     from huggingface_hub.errors import HfHubHTTPError
@@ -37,6 +39,8 @@ def read_error(exc: Exception, repo_id: str, revision: str | None, offline: bool
 
     unresolved = (LocalEntryNotFoundError, RevisionResolutionError or LocalEntryNotFoundError)
     exc = _cause(exc)
+    if isinstance(exc, SurgeonError):  # the HTTP policy's own refusals, raised inside the client's calls
+        return exc
     at = f" at revision {revision}" if revision else ""
     cache = constants.HF_HUB_CACHE
     if offline and isinstance(exc, (*unresolved, OfflineModeIsEnabled)):
@@ -44,6 +48,8 @@ def read_error(exc: Exception, repo_id: str, revision: str | None, offline: bool
             f"{repo_id}{at} is not (completely) in the Hugging Face cache {cache}, and HF_HUB_OFFLINE is set, so it cannot "
             "be downloaded: run once with network access, or unset HF_HUB_OFFLINE"
         )
+    if is_timeout_or_loop(exc):
+        return transport_error(exc)
     if isinstance(exc, unresolved) or is_connection_error(exc):
         return HubOfflineError(
             f"cannot reach the Hugging Face Hub at {constants.ENDPOINT} and {repo_id}{at} is not (completely) in the cache "
@@ -96,7 +102,10 @@ def write_error(exc: Exception, repo_id: str, token: str, stage: str) -> Excepti
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
     exc = _cause(exc)
-
+    if isinstance(exc, SurgeonError):  # the HTTP policy's own refusals, raised inside the client's calls
+        return exc
+    if is_timeout_or_loop(exc):
+        return transport_error(exc)
     if is_connection_error(exc):
         return HubError(_scrub(f"cannot reach the Hugging Face Hub at {constants.ENDPOINT}: {one_line(exc)}", token))
     if isinstance(exc, HfHubHTTPError):
@@ -117,12 +126,15 @@ def write_error(exc: Exception, repo_id: str, token: str, stage: str) -> Excepti
 
 
 def _cause(exc: Exception) -> Exception:
-    """The HTTP or connection error under the client's wrappers ("Error while uploading 'x'" from ...)."""
+    """The HTTP or connection error under the client's wrappers ("Error while uploading 'x'" from ...), or the
+    HTTP policy's own error (``hub.http``)."""
     from huggingface_hub.errors import HfHubHTTPError
 
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, Exception) and (isinstance(seen, HfHubHTTPError) or is_connection_error(seen)):
+        if isinstance(seen, Exception) and (
+            isinstance(seen, (HfHubHTTPError, SurgeonError)) or is_connection_error(seen) or is_timeout_or_loop(seen)
+        ):
             return seen
         seen = seen.__cause__
     return exc
@@ -132,6 +144,14 @@ def _http_error(exc: HfHubHTTPError, repo_id: str, token: str | None = None) -> 
     status = exc.response.status_code
     detail = exc.server_message or exc.response.reason_phrase or ""
     return HubError(_scrub(f"the Hub answered {status} for {repo_id}: {one_line(detail)}", token))
+
+
+def is_timeout_or_loop(exc: Exception) -> bool:
+    """Whether ``exc`` is the HTTP client's timeout or its redirect cap (``hub.http`` sets both)."""
+    from .._compat import hub_http
+
+    http = hub_http()
+    return isinstance(exc, (http.TimeoutException, http.TooManyRedirects))
 
 
 def is_connection_error(exc: Exception) -> bool:

@@ -17,6 +17,7 @@ from ..open.recovery import refuse_journals
 from ..text.redact import remember
 from .copies import CopyRefused, ServerCopies, copies_from_record, is_copy_error, refused
 from .failures import one_line, write_error
+from .http import use_policy
 from .push_result import PushResult, partial_push_error, push_command
 
 if TYPE_CHECKING:
@@ -197,6 +198,7 @@ def push_folder(
     """
     from huggingface_hub import constants
 
+    use_policy()  # every request of the push (a dry run's questions too) runs under the Hub HTTP policy
     folder = Path(folder)
     if folder.is_dir():  # a half-patched folder (an in-place run's journal beside its weights) is never offered
         refuse_journals(folder, unfinished=True)

@@ -28,6 +28,7 @@ from ..open.hub_ids import HF_PREFIX, check_commit, check_revision, hf_progress,
 from ..open.source import Source, open_source
 from ..text.redact import remember
 from .failures import few, is_connection_error, read_error
+from .http import use_policy
 from .remote import remote_layout
 
 if TYPE_CHECKING:
@@ -146,6 +147,7 @@ def download(repo_id: str, *, revision: str | None = None, progress: bool = Fals
 
     offline = constants.is_offline_mode() if hasattr(constants, "is_offline_mode") else constants.HF_HUB_OFFLINE
     remember(get_token())  # the read path's token, masked like the push path's
+    use_policy()  # every request below, the client's included, runs under the Hub HTTP policy
     api = HfApi()
     try:
         info, reachable = None, not offline

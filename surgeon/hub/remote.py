@@ -32,27 +32,27 @@ class RemoteRepo:
         self.transfer = Transfer()
 
     def read(self, file: str, start: int, length: int) -> tuple[bytes, int]:
-        """``length`` bytes of ``file`` from ``start``, and the file's whole size (from Content-Range)."""
+        """``length`` bytes of ``file`` from ``start``, and the file's whole size (from Content-Range); the body
+        is streamed under the Hub HTTP policy (``hub.http``): never more than ``length`` bytes are taken."""
         import re
 
         from huggingface_hub import hf_hub_url
-        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+        from huggingface_hub.utils import build_hf_headers
+
+        from .http import get_range
 
         url = hf_hub_url(self.repo_id, file, revision=self.commit)  # the commit: never a branch that can move
-        headers = {**build_hf_headers(), "range": f"bytes={start}-{start + length - 1}"}
-        response = get_session().get(url, headers=headers)
-        hf_raise_for_status(response)
-        data = response.content
+        answer = get_range(url, build_hf_headers(), start, length)
         self.transfer.range_requests += 1
-        total = re.fullmatch(r"bytes \d+-\d+/(\d+)", response.headers.get("content-range", ""))
-        if response.status_code != 206 or total is None:
+        total = re.fullmatch(r"bytes \d+-\d+/(\d+)", answer.content_range)
+        if answer.status != 206 or total is None:
             raise CheckpointError(
-                f"{file}: the Hub answered a byte-range request with the whole file (HTTP {response.status_code}); "
+                f"{file}: the Hub answered a byte-range request with the whole file (HTTP {answer.status}); "
                 "read it without Range"
             )
-        if len(data) != min(length, max(0, int(total.group(1)) - start)):
-            raise CheckpointError(f"{file}: the Hub sent {len(data)} bytes for a range of {length}")
-        return data, int(total.group(1))
+        if len(answer.data) != min(length, max(0, int(total.group(1)) - start)):
+            raise CheckpointError(f"{file}: the Hub sent {len(answer.data)} bytes for a range of {length}")
+        return answer.data, int(total.group(1))
 
     def header(self, file: str) -> Header:
         """The shard's header, as strictly checked as a local file's: its length, then its JSON."""
