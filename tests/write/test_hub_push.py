@@ -185,7 +185,7 @@ def test_an_interrupted_push_says_what_arrived_and_a_rerun_finishes(sources, tmp
         assert f"wrote {out}, but the push failed: push to org/sharded stopped at {shards[1]} " in error
         assert "(the Hub answered 507 for org/sharded: Insufficient Storage)" in error
         assert f"uploaded before it: {shards[0]} (1 large files); not uploaded: {shards[1]}, {shards[2]}, " in error
-        assert "nothing was committed: run `" in error
+        assert "nothing was committed; run `" in error
         assert hub.pushed == [] and set(hub.files("org/sharded")) == {".gitattributes"}
         assert TOKEN not in error
 
