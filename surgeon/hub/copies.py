@@ -276,11 +276,15 @@ def part_of_a_model(folder: Path, files: list[str], also: Iterable[str] = ()) ->
         named = {(where / s).as_posix() for s in read_index(folder / index, shard_suffix).values()}
         missing = sorted(named - held)
         if missing:
-            return f"its {index} names {len(missing)} weight files it does not hold ({few(missing)})"
+            return f"its {index} names {_files(len(missing), 'weight file')} it does not hold ({few(missing)})"
     shards = sorted(f for f in files if _SHARD.search(f) and f not in set(also))
     if shards and not any(f.endswith(indexes) for f in held):
-        return f"it holds {len(shards)} shards of a sharded model ({few(shards)}) and no index"
+        return f"it holds {_files(len(shards), 'shard')} of a sharded model ({few(shards)}) and no index"
     return None
+
+
+def _files(n: int, what: str) -> str:
+    return f"{n} {what}{'s' if n != 1 else ''}"
 
 
 def refuse_part(folder: Path, why: str, resume: str | None) -> OptionError:
@@ -296,31 +300,48 @@ def refuse_part(folder: Path, why: str, resume: str | None) -> OptionError:
 # --- copies of an output's unchanged files ----------------------------------------------------------
 
 
-def copies_from_origin(
-    folder: Path, files: list[str], made: Made, token: str | None
-) -> tuple[ServerCopies | None, str | None]:
+# What every whole output of a model folder carries where its source has it: a folder made from a Hub model that
+# lacks it is part of an output (the staging folder of a push by changes from a one-file model)
+_EVERY_OUTPUT_CARRIES = ("config.json",)
+
+
+@dataclass(frozen=True)
+class FromOrigin:
+    """What a folder's origin says (:func:`copies_from_origin`): the files to copy from it, a note where none can
+    be, and the files it holds that every whole output of it carries and the folder lacks (``lacks``)."""
+
+    copies: ServerCopies | None = None
+    note: str | None = None
+    lacks: tuple[str, ...] = ()
+
+
+def copies_from_origin(folder: Path, files: list[str], made: Made, token: str | None) -> FromOrigin:
     """The files of an output folder its origin holds unchanged, to copy server-side rather than upload, and a
-    one-line note where none can be (None, None: the folder was not made from a Hub model). Each file's entry
-    in the source's answer is kept: the push plans with it and checks the destination against it."""
+    one-line note where none can be (nothing: the folder was not made from a Hub model). Each file's entry
+    in the source's answer is kept: the push plans with it and checks the destination against it. The same
+    question asks for the files every whole output carries: where the origin holds one the folder lacks, the
+    folder is part of an output."""
     from huggingface_hub import HfApi
 
     if made.origin is None:
-        return None, made.note
+        return FromOrigin(note=made.note)
     source, commit = made.origin
     if not has_cross_repo_copies():
-        return None, _no_cross_repo_copies()
+        return FromOrigin(note=_no_cross_repo_copies())
     candidates = [f for f in files if f != "README.md"]  # the card is always new
+    carried = [f for f in _EVERY_OUTPUT_CARRIES if f not in files]
     api = HfApi(token=token)
     try:  # any failure (an HTTP error, no network, a malformed answer) only means no copies: said, then uploaded
-        answer = api.get_paths_info(source, candidates, revision=commit)
+        answer = api.get_paths_info(source, candidates + carried, revision=commit)
         found = {f.path: f for f in map(planned_file, answer) if f is not None}
     except Exception as exc:
         why = f"could not ask {source}@{commit[:12]} about its files ({one_line(exc)})"
-        return None, f"{why}; uploading every file instead"
+        return FromOrigin(note=f"{why}; uploading every file instead")
     same = [f for f in candidates if f in found and same_bytes(folder / f, found[f])]
     planned = {f: found[f] for f in same}
     sizes = {f: (folder / f).stat().st_size for f in same}
-    return (ServerCopies(source, commit, tuple(same), sizes, planned) if same else None), None
+    copies = ServerCopies(source, commit, tuple(same), sizes, planned) if same else None
+    return FromOrigin(copies, lacks=tuple(f for f in carried if f in found))
 
 
 def planned_file(entry: Any) -> PlannedFile | None:

@@ -294,8 +294,13 @@ def push_folder(
         raise refuse_part(folder, partial, commands.resume)
     own_copies = copies is None and server_copy
     if own_copies:  # read-only questions to the Hub: a dry run asks them too
-        copies, why = copies_from_origin(folder, files, made, token)
-        left_out += [why] if why else []
+        origin = copies_from_origin(folder, files, made, token)
+        if origin.lacks and made.origin is not None:
+            held = f"{made.origin[0]}@{made.origin[1][:12]}"
+            why = f"it holds no {origin.lacks[0]}, which {held} holds and every whole output of it carries"
+            raise refuse_part(folder, why, commands.resume)
+        copies = origin.copies
+        left_out += [origin.note] if origin.note else []
     push = _Push(folder, repo_id, private, branch, create_pr, commit_message, commit_description, token, progress,
         keep_other_weights, commands.retry, commands.fix)  # fmt: skip
     if dry_run:

@@ -201,9 +201,9 @@ def test_the_staging_folder_of_a_failed_push_is_refused_with_the_reinit_that_res
     )
     for run in (alone, dry):
         assert run.error.startswith(
-            f"surgeon: error: {staging} is not a whole model: it holds 1 shards of a sharded model ({LAST}) and no index"
+            f"surgeon: error: {staging} is not a whole model: it holds 1 shard of a sharded model ({LAST}) and no index"
         ), run.error
-    assert f"its model.safetensors.index.json names 1 weight files it does not hold ({LAST})" in short_run.error
+    assert f"its model.safetensors.index.json names 1 weight file it does not hold ({LAST})" in short_run.error
     assert [r for r in hub.requests[since:] if r.method != "GET"] == []  # nothing sent, nothing asked to write
     resume = shlex.split(re.search(r"run `(surgeon reinit [^`]+)`", alone.error).group(1))
     commit = hub.repos["org/M"].branches["main"]
@@ -214,6 +214,31 @@ def test_the_staging_folder_of_a_failed_push_is_refused_with_the_reinit_that_res
     expected = folder_files(full)
     assert repo.keys() == expected.keys()
     assert all(repo[p] == expected[p] for p in expected if p != "README.md")  # the card's title names its repo
+
+
+@copies_across_repos
+def test_the_staging_folder_of_a_one_file_model_is_refused_too(outputs, tmp_path):
+    """A one-file model's staging folder (its card and model.safetensors) holds no shard to give it away: the
+    question its push asks the source anyway says the source holds a config.json, which every whole output
+    carries. Refused with the reinit that resumes, which makes the whole repo."""
+    single = outputs[0]
+    with served() as hub:
+        hub.add_model("org/one", single)
+        commit = hub.repos["org/one"].branches["main"]
+        hub.fail("POST", r"^/api/models/me/O/commit/", status=503, message="try later")
+        surgeon = Surgeon(tmp_path, hub.url)
+        surgeon("reinit", "org/one", "--layers", "0", "--push-to-hub", "me/O", ok=False, token=TOKEN)
+        staging = tmp_path / "one-reinit"
+        assert sorted(p.name for p in staging.iterdir()) == ["README.md", "model.safetensors"]
+        run = surgeon("push", staging, "me/O", ok=False, token=TOKEN)
+        assert run.error.startswith(
+            f"surgeon: error: {staging} is not a whole model: it holds no config.json, which org/one@{commit[:12]} "
+            "holds and every whole output of it carries"
+        ), run.error
+        assert hub.pushed == []
+        resume = shlex.split(re.search(r"run `(surgeon reinit [^`]+)`", run.error).group(1))
+        surgeon(*resume[1:], token=TOKEN)
+        assert set(hub.files("me/O")) == {".gitattributes", *folder_files(single)}
 
 
 def test_a_card_whose_record_is_not_its_weights_is_refused(shards, hub, tmp_path):
