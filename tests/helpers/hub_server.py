@@ -10,7 +10,7 @@ chosen requests to test interrupted pushes (``fail``) or to lie in its paths-inf
 As the real Hub: resolve answers a Range request (the client sends the header as lowercase ``range``)
 with 206 and the slice; tree and paths-info list LFS entries with their sha256 and a Xet hash; large
 files are stored per repository, so a file reaches a repo only by an upload or by the duplicate endpoint
-(``/api/models/SRC/lfs-files/duplicate``, which huggingface_hub 2.x calls for a cross-repo
+(``/api/models/SRC/lfs-files/duplicate``, which huggingface_hub 1.17+ calls for a cross-repo
 ``CommitOperationCopy``), never because another repo holds the same bytes. Every request keeps the bytes
 it received and the bytes it was sent (``Seen.received``, ``Seen.sent``), counted on the wire's body.
 

@@ -15,7 +15,7 @@ from helpers.hub import TOKEN, Surgeon, header_bytes, weights_served
 
 pytestmark = pytest.mark.skipif(
     "src_repo_id" not in CommitOperationCopy.__dataclass_fields__,
-    reason="this huggingface_hub has no cross-repo copies (2.x has)",
+    reason="this huggingface_hub has no cross-repo copies (1.17 or newer has)",
 )
 LAST = "model-00007-of-00008.safetensors"  # holds layer 7's q/k/v (make_llama_shards)
 LFS_DATA = r"^/__lfs/[0-9a-f]{64}$"  # the loopback Hub's LFS upload of one object's bytes

@@ -252,7 +252,11 @@ def test_a_card_whose_record_is_not_its_weights_is_refused(shards, hub, tmp_path
     surgeon("reinit", "org/M", "--layers", "-1", "-o", out)
     card = (out / "README.md").read_text()
     record = json.loads(re.search(r"<!-- surgeon-record (\{.*?\}) -->", card).group(1))
-    forged = {**record, "options": {**record["options"], "seed": 7}, "origin": {"repo": "org/Other", "commit": "0" * 40}}
+    forged = {
+        **record,
+        "options": {**record["options"], "seed": 7},
+        "origin": {"repo": "org/Other", "commit": "0" * 40},
+    }
     (out / "README.md").write_text(card.replace("tags:\n", f"tags:\n- '{card_comment(forged)}'\n", 1))
     stranger = tmp_path / "stranger"
     shutil.copytree(shards, stranger)  # the source's weights, which hold no record, under the output's card
