@@ -3,9 +3,9 @@
 Before the commit, a :class:`~surgeon.hub.push_result.PushPlan` states what the destination will hold, file by
 file (path, size, oid): the uploads, the server-side copies, and the deletions: files already there that a
 loader would read instead of or beside the new weights (another weight layout, a stale index, shards of
-another count; :func:`other_weights`), deleted in the same commit unless kept as asked. The commit is made on
-top of the destination's commit the plan was made against, or not at all. After it, the new commit's files are
-compared with the plan; any difference is an error naming the files and the command that puts them right.
+another count; :func:`other_weights`), deleted in the same commit unless kept as asked. After the commit, the
+new commit's files are compared with the plan (and with the other weights kept); any difference is an error
+naming the files and the command that puts them right.
 """
 
 from __future__ import annotations
@@ -65,7 +65,6 @@ _HUB_LFS_SUFFIXES = (
     *".parquet .pb .pickle .pkl .pt .pth .rar .safetensors .tar .tflite .tgz .wasm .xz .zip .zst".split(),
 )
 _HUB_LFS_SIZE = 10 * 1024 * 1024
-_PATHS_PER_ASK = 500  # paths in one paths-info request (the Hub takes 1,000 at most)
 
 
 @dataclass(frozen=True)
@@ -443,7 +442,6 @@ def _push(
                 commit_description=push.commit_description,
                 revision=push.branch,
                 create_pr=push.create_pr,
-                parent_commit=there.commit,  # the commit planned against, or none
             )
         except Exception as exc:
             if copies is not None and is_copy_error(exc, copies):
@@ -490,17 +488,15 @@ def _not_there(copies: ServerCopies, there: Destination) -> ServerCopies | None:
 
 
 def _check_pushed(api: HfApi, plan: PushPlan, commit: str, commit_url: str, push: _Push) -> None:
-    """The new commit holds what the plan says, file by file (size and oid), and none of what it deletes.
+    """The new commit holds what the plan says, file by file (size and oid), none of what it deletes, and no
+    other weights but those kept (a commit made between the plan and this one could have added some).
 
     Raises:
         PushError: It does not (the files and the command that puts them right), or cannot be read back.
     """
-    paths = [*plan.holds, *(f.path for f in plan.deletions)]
-    found: dict[str, PlannedFile] = {}
     try:
-        for i in range(0, len(paths), _PATHS_PER_ASK):
-            answer = api.get_paths_info(plan.repo_id, paths[i : i + _PATHS_PER_ASK], revision=commit)
-            found.update((f.path, f) for f in map(planned_file, answer) if f is not None)
+        listing = api.list_repo_tree(plan.repo_id, revision=commit, recursive=True)
+        found = {f.path: f for f in map(planned_file, listing) if f is not None}
     except Exception as exc:
         error = PushError(
             f"pushed to {plan.repo_id} ({commit_url}), but could not read back what it holds to check it "
@@ -509,6 +505,7 @@ def _check_pushed(api: HfApi, plan: PushPlan, commit: str, commit_url: str, push
         error.follow_up = f"run {as_run(push.retry)} to check it again (what is there is not sent again)"
         raise error from None
     wrong = plan.differences(found)
+    wrong += [f"{f} is there, other weights" for f in other_weights(plan.holds, found) if f not in plan.kept]
     if wrong:
         raise not_as_planned(plan, commit_url, wrong, push.fix)
 

@@ -38,8 +38,7 @@ class PushPlan:
     Attributes:
         repo_id: The repo pushed to.
         revision: The branch (or ``refs/pr/N``) committed to; a pull request's base for a new one.
-        base: The commit the plan was made against (None: the repo does not exist yet); the commit is made on
-            top of it or not at all.
+        base: The commit the plan was made against (None: the repo does not exist yet).
         uploads: The folder's files, as uploaded (those already there unchanged are sent no bytes).
         copies: The files copied server-side from ``copied_from``, as the answer they were decided from says.
         copied_from: ``org/name@commit``, where there are copies.
