@@ -407,8 +407,8 @@ def _dry_run(
 def _push(
     push: _Push, files: list[str], left_out: list[str], copies: ServerCopies | None, own_copies: bool
 ) -> PushResult:
-    """One commit of the folder's files, ``copies`` and the deletions of the plan, made on top of the commit
-    the plan was made against; then the destination checked against the plan."""
+    """One commit of the folder's files, ``copies`` and the deletions of the plan; then the destination checked
+    against the plan."""
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 
     from .._compat import upload_state
