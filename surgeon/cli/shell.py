@@ -358,6 +358,7 @@ REINIT_SECTIONS = {  # `surgeon reinit --help`, by what a flag decides
         "commit_message",
         "no_server_copy",
         "staging",
+        "keep_other_weights",
         "base_model",
     ),
     "Hints (when config.json does not say)": (
