@@ -88,6 +88,7 @@ def check() -> None:
     for name in [*APIS, *NEWER]:
         __getattr__(name)
     hub_http()
+    check_upload_state()
 
 
 def __getattr__(name: str) -> Any:
@@ -109,3 +110,35 @@ def hub_client_factory() -> Any:
     """The factory huggingface_hub makes its shared HTTP client with (the client's own, or the one a user set with
     its public ``set_client_factory``), which has no public getter: surgeon's policy wraps it (``hub.http``)."""
     return resolve("huggingface_hub.utils._http", "_GLOBAL_CLIENT_FACTORY", "huggingface-hub")
+
+
+# huggingface_hub's private bookkeeping on a CommitOperationAdd, set by preupload_lfs_files: how the Hub takes the
+# file ("lfs" or "regular"), the oid it holds at that path (None: none), and the file's own oid (sha256 for a
+# large file, the git blob id for the others). No public API says it; a push reads it through here only.
+ADD_STATE = ("_upload_mode", "_remote_oid", "_local_oid")
+
+
+def upload_state(operation: Any) -> tuple[str | None, str | None, str | None]:
+    """(upload mode, the Hub's oid at the path, the file's oid) of a CommitOperationAdd after preupload."""
+    _check_add_state(type(operation))
+    mode = operation._upload_mode
+    return mode, operation._remote_oid, operation._local_oid if mode is not None else None
+
+
+def check_upload_state() -> None:
+    """The bookkeeping ``upload_state`` reads is there (``check`` calls it)."""
+    from huggingface_hub import CommitOperationAdd
+
+    _check_add_state(CommitOperationAdd)
+
+
+def _check_add_state(cls: type) -> None:
+    missing = [name for name in ADD_STATE if not hasattr(cls, name)]
+    if missing:
+        from ._version import __version__
+
+        tested = TESTED["huggingface-hub"]
+        raise DependencyError(
+            f"huggingface-hub {installed_version('huggingface-hub')} has no CommitOperationAdd.{missing[0]}; "
+            f"surgeon {__version__} is tested with huggingface-hub {tested}: pip install 'huggingface-hub=={tested}'"
+        )

@@ -277,7 +277,15 @@ The token comes from HF_TOKEN or `hf auth login`; HF_ENDPOINT selects another Hu
     help="Upload every file, even those the Hub model FOLDER was made from holds unchanged "
     "(default: copy those server-side from its commit).",
 )
-@click.option("--dry-run", is_flag=True, help="Print the files that would be uploaded and send nothing.")
+@click.option(
+    "--keep-other-weights",
+    is_flag=True,
+    help="Keep the repo's files a loader would read instead of or beside FOLDER's weights (another layout, a "
+    "stale index, shards of another count), with a warning (default: delete them in the same commit).",
+)
+@click.option(
+    "--dry-run", is_flag=True, help="Print the files that would be uploaded, copied and deleted, and send nothing."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print what was pushed as JSON on stdout.")
 def push(
     folder: str,
@@ -287,6 +295,7 @@ def push(
     create_pr: bool,
     commit_message: str | None,
     no_server_copy: bool,
+    keep_other_weights: bool,
     dry_run: bool,
     as_json: bool,
 ) -> None:
@@ -294,10 +303,13 @@ def push(
 
     Creates the repo if needed and uploads every file in one commit, large files through
     the Hub client's large-file path, and prints the files uploaded. Only the folder's own
-    files go: a link that leads out of it is refused. A folder made from a Hub model names
+    files go: a link that leads out of it is refused, and so is a folder that is part of a
+    model (the staging folder of a push by changes). A folder made from a Hub model names
     it and its commit in its record: the files it holds unchanged are copied server-side
-    from there, not uploaded. If the push stops part-way, running it again sends only
-    what is missing and commits.
+    from there, not uploaded. Files of the repo that a loader would read instead of or
+    beside the new weights are deleted in the same commit; after it, what the repo holds is
+    checked file by file. If the push stops part-way, running it again sends only what is
+    missing and commits.
     """
     from ..hub.push import push_folder
 
@@ -311,6 +323,7 @@ def push(
         progress=not as_json and sys.stderr.isatty(),
         dry_run=dry_run,
         server_copy=not no_server_copy,
+        keep_other_weights=keep_other_weights,
     )
     if as_json:
         _out(json.dumps(result.to_dict(), indent=2))

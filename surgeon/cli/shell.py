@@ -281,6 +281,7 @@ PUSH_SETTINGS = {
     "commit_message": "commit_message",
     "no_server_copy": "no_server_copy",
     "staging": "staging",
+    "keep_other_weights": "keep_other_weights",
 }
 
 
@@ -331,6 +332,13 @@ def push_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                 help="With --push-to-hub and no -o: stage the changed shards and the card in DIR "
                 "(default: ./NAME-reinit).",
             ),
+            click.option(
+                "--keep-other-weights",
+                is_flag=True,
+                help="With --push-to-hub: keep the repo's files a loader would read instead of or beside the new "
+                "weights (another layout, a stale index, shards of another count), with a warning "
+                "(default: delete them in the same commit).",
+            ),
         ]
     ):
         with_push = decorator(with_push)
@@ -350,6 +358,7 @@ REINIT_SECTIONS = {  # `surgeon reinit --help`, by what a flag decides
         "commit_message",
         "no_server_copy",
         "staging",
+        "keep_other_weights",
         "base_model",
     ),
     "Hints (when config.json does not say)": (

@@ -1,10 +1,19 @@
-"""Pushing a folder to the Hub in one commit (repo and branch created when needed)."""
+"""Pushing a folder to the Hub in one commit (repo and branch created when needed), checked as a whole.
+
+Before the commit, a :class:`~surgeon.hub.push_result.PushPlan` states what the destination will hold, file by
+file (path, size, oid): the uploads, the server-side copies, and the deletions: files already there that a
+loader would read instead of or beside the new weights (another weight layout, a stale index, shards of
+another count; :func:`other_weights`), deleted in the same commit unless kept as asked. After the commit, the
+new commit's files are compared with the plan (and with the other weights kept); any difference is an error
+naming the files and the command that puts them right.
+"""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
@@ -12,19 +21,51 @@ from ..errors import CheckpointError, HubAuthError, HubError, OptionError, PushE
 from ..files.bounded import CARD_LIMIT, read_bytes
 from ..files.folder import walk
 from ..formats.journal_file import SUFFIX
+from ..formats.registry import NOT_WEIGHTS, STATE_DICT_SUFFIXES
 from ..open.hub_ids import check_revision, hf_progress, require_repo_id
 from ..open.recovery import refuse_journals
+from ..open.source import STALE_WEIGHT_SUFFIXES
 from ..text.redact import remember
-from .copies import CopyRefused, ServerCopies, copies_from_record, is_copy_error, refused
-from .failures import one_line, write_error
+from .copies import (
+    CopyRefused,
+    Made,
+    ServerCopies,
+    copies_from_origin,
+    file_oid,
+    how_made,
+    is_copy_error,
+    part_of_a_model,
+    pinned,
+    planned_file,
+    refuse_part,
+    refused,
+    resume_command,
+    same_reinit,
+)
+from .failures import few, one_line, read_error, write_error
 from .http import use_policy
-from .push_result import PushResult, partial_push_error, push_command
+from .push_result import (
+    PlannedFile,
+    PushPlan,
+    PushResult,
+    as_run,
+    not_as_planned,
+    partial_push_error,
+    push_command,
+)
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitOperationAdd, HfApi
 
 # Never uploaded: version control and huggingface_hub's own bookkeeping (same as upload_folder).
 _PUSH_SKIP = {".git", ".cache"}
+# What the Hub stores as large (LFS) files by its default .gitattributes, besides anything of 10 MiB or more: how
+# a dry run, which asks the Hub nothing, predicts which oid is a file's (the real push takes the Hub's answer).
+_HUB_LFS_SUFFIXES = (
+    *".7z .arrow .bin .bz2 .ckpt .ftz .gz .h5 .joblib .mlmodel .model .msgpack .npy .npz .onnx .ot".split(),
+    *".parquet .pb .pickle .pkl .pt .pth .rar .safetensors .tar .tflite .tgz .wasm .xz .zip .zst".split(),
+)
+_HUB_LFS_SIZE = 10 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -43,6 +84,8 @@ class PushTarget:
         staging: The folder a push by changes stages the changed shards and the card in, for a reinit
             given no output (default: ``./NAME-reinit``); where the changes cannot be pushed alone, the
             whole output goes there.
+        keep_other_weights: Keep the files of the destination that a loader would read instead of or beside the
+            new weights (:func:`other_weights`; default: delete them in the same commit); a note warns of them.
 
     Raises:
         OptionError: The repo id or the branch is malformed, or ``create_pr`` is given a branch.
@@ -56,6 +99,7 @@ class PushTarget:
     token: str | None = field(default=None, repr=False)
     no_server_copy: bool = False
     staging: str | Path | None = None
+    keep_other_weights: bool = False
 
     def __post_init__(self) -> None:  # the token is checked by check_token, where the caller chooses
         object.__setattr__(self, "repo_id", _check_target(self.repo_id, self.branch, self.create_pr))
@@ -120,6 +164,19 @@ class PushTarget:
             progress=progress,
             copies=copies,
             server_copy=server_copy and not self.no_server_copy,
+            keep_other_weights=self.keep_other_weights,
+        )
+
+    def would_delete(self, files: Iterable[str]) -> list[str]:
+        """The files this push would delete from the destination, were the output to hold ``files``
+        (:func:`would_delete`; none where ``keep_other_weights``). Read-only."""
+        return would_delete(
+            self.repo_id,
+            files,
+            branch=self.branch,
+            create_pr=self.create_pr,
+            token=self.token,
+            keep_other_weights=self.keep_other_weights,
         )
 
 
@@ -148,6 +205,24 @@ def _push_token(token: str | None) -> str:
     return found
 
 
+@dataclass(frozen=True)
+class _Push:
+    """One push's settings, and the commands that finish it (``retry``) or put its files right (``fix``)."""
+
+    folder: Path
+    repo_id: str
+    private: bool
+    branch: str | None
+    create_pr: bool
+    commit_message: str | None
+    commit_description: str | None
+    token: str | None
+    progress: bool
+    keep_other_weights: bool
+    retry: str
+    fix: str
+
+
 def push_folder(
     folder: str | Path,
     repo_id: str,
@@ -162,15 +237,21 @@ def push_folder(
     dry_run: bool = False,
     copies: ServerCopies | None = None,
     server_copy: bool = True,
+    keep_other_weights: bool = False,
 ) -> PushResult:
-    """Upload every file of ``folder`` to the model repo ``repo_id`` in one commit.
+    """Upload every file of ``folder`` to the model repo ``repo_id`` in one commit, checked before and after.
 
-    A folder made by ``surgeon reinit`` from a Hub model names that model and commit in its record: the files
-    it holds unchanged are copied server-side from there rather than uploaded (``server_copy=False``: every
-    file uploaded); where the copy cannot be done, every file is uploaded and a note says why.
-    ``copies``: files for the same commit that are not in ``folder``, copied server-side from another repo at a
-    pinned commit (``copies``); where the Hub refuses them, :class:`~surgeon.hub.copies.CopyRefused` is
-    raised before anything is committed.
+    A folder made by ``surgeon reinit`` from a Hub model says so in its record: the files it holds unchanged
+    are copied server-side from that model's commit rather than uploaded (``server_copy=False``: every file
+    uploaded); where the copy cannot be done, every file is uploaded and a note says why. The record is the
+    one in the folder's weights: a card that carries another is refused. ``copies``: files for the same commit
+    that are not in ``folder``, copied server-side from another repo at a pinned commit (a push by changes,
+    whose staging folder holds the rest); where the Hub refuses them, :class:`~surgeon.hub.copies.CopyRefused`
+    is raised before anything is committed. A folder that is part of a model (a staging folder alone) is refused.
+
+    Files of the destination that a loader would read instead of or beside the new weights are deleted in the
+    same commit (``keep_other_weights=True``: kept, with a note that warns of them). After the commit, what the
+    destination holds is compared with the plan (:class:`~surgeon.hub.push_result.PushPlan`).
 
     Large files are uploaded before the commit, one at a time, so a failure can say which reached the Hub;
     running the same push again uploads only the rest (the Hub already holds the others) and commits.
@@ -185,53 +266,93 @@ def push_folder(
         commit_description: The commit's longer description.
         token: The Hub token (default: HF_TOKEN or `hf auth login`).
         progress: Show the Hub client's progress bars.
-        dry_run: Make every check, then return the files that would be uploaded; send nothing.
+        dry_run: Make every check, then return the plan: the files that would be uploaded, copied and deleted;
+            send nothing (the destination and a Hub source are asked read-only questions).
         copies: Files not in the folder, copied server-side into the same commit.
         server_copy: Copy what the folder's record names as unchanged from a Hub model, server-side.
+        keep_other_weights: Keep the destination's other weights (default: delete them in the same commit).
 
     Returns:
         What was pushed (or, for a dry run, what would be).
 
     Raises:
-        OptionError: The folder, the repo id or the branch cannot be pushed.
-        HubError: The Hub refused or failed (PushError: part-way, saying what arrived).
+        OptionError: The folder, the repo id or the branch cannot be pushed, or the folder is part of a model.
+        CheckpointError: The folder's card carries another record than its weights.
+        HubError: The Hub refused or failed (PushError: part-way, saying what arrived; or the commit left the
+            destination other than planned, naming the files).
     """
-    from huggingface_hub import constants
-
     use_policy()  # every request of the push (a dry run's questions too) runs under the Hub HTTP policy
     folder = Path(folder)
     if folder.is_dir():  # a half-patched folder (an in-place run's journal beside its weights) is never offered
         refuse_journals(folder, unfinished=True)
     repo_id = _check_target(repo_id, branch, create_pr)
     files, left_out = _files_to_push(folder)
+    made = how_made(folder)
+    commands = _commands(folder, repo_id, made, staged=copies is not None, branch=branch, create_pr=create_pr,
+        private=private, commit_message=commit_message, server_copy=server_copy, keep=keep_other_weights)  # fmt: skip
+    partial = part_of_a_model(folder, files, copies.files if copies is not None else ())
+    if partial is not None:
+        raise refuse_part(folder, partial, commands.resume)
     own_copies = copies is None and server_copy
     if own_copies:  # read-only questions to the Hub: a dry run asks them too
-        copies, why = copies_from_record(folder, files, token, repo_id=repo_id, revision=branch)
-        left_out += [why] if why else []
-    rest = [f for f in files if copies is None or f not in copies.files]  # what is uploaded
-    if dry_run:  # nothing is sent, so no token is needed: the result says whether the real push has one
-        url, size = f"{constants.ENDPOINT.rstrip('/')}/{repo_id}", sum((folder / f).stat().st_size for f in rest)
-        notes = left_out + ([] if has_token(token) else [NO_TOKEN_YET])
-        return PushResult(
-            repo_id, url, branch or "main", False, "", "", None, rest, [], [], size, notes, dry_run=True,
-            **_copied(copies),
-        )  # fmt: skip
-    retry = push_command(
-        folder, repo_id, branch=branch, create_pr=create_pr, private=private, commit_message=commit_message,
-        no_server_copy=not server_copy,
-    )  # fmt: skip
-    where = (private, branch, create_pr, commit_message, commit_description, token, progress, retry)
+        origin = copies_from_origin(folder, files, made, token)
+        if origin.lacks and made.origin is not None:
+            held = f"{made.origin[0]}@{made.origin[1][:12]}"
+            why = f"it holds no {origin.lacks[0]}, which {held} holds and every whole output of it carries"
+            raise refuse_part(folder, why, commands.resume)
+        copies = origin.copies
+        left_out += [origin.note] if origin.note else []
+    push = _Push(folder, repo_id, private, branch, create_pr, commit_message, commit_description, token, progress,
+        keep_other_weights, commands.retry, commands.fix)  # fmt: skip
+    if dry_run:
+        return _dry_run(push, files, left_out, copies, own_copies)
     try:
         try:
-            return _push(folder, repo_id, rest, left_out, *where, copies)
+            return _push(push, files, left_out, copies, own_copies)
         except CopyRefused as why:  # nothing was committed: upload the rest too (what was sent is not sent again)
             if not own_copies:  # the caller's copies: the caller decides what to upload instead
                 raise
-            return _push(folder, repo_id, files, [*left_out, str(why)], *where, None)
+            return _push(push, files, [*left_out, str(why)], None, False)
     except HubError as exc:
-        if not isinstance(exc, PushError):  # a partial push names its own command, with what reached the Hub
-            exc.follow_up = f"retry with `{retry}`"
+        if exc.follow_up is None:  # a push stopped part-way names its own command, with what reached the Hub
+            exc.follow_up = f"retry with {as_run(push.retry)}"
         raise
+
+
+@dataclass(frozen=True)
+class _Commands:
+    """The commands a push's errors end with: ``retry`` (the same push again), ``fix`` (every file uploaded,
+    nothing copied: what puts right a destination the commit left other than planned) and ``resume`` (for a
+    folder made by a reinit whose card says how: that reinit, pushing by changes again; None where unknown)."""
+
+    retry: str
+    fix: str
+    resume: str | None
+
+
+def _commands(
+    folder: Path,
+    repo_id: str,
+    made: Made,
+    *,
+    staged: bool,
+    branch: str | None,
+    create_pr: bool,
+    private: bool,
+    commit_message: str | None,
+    server_copy: bool,
+    keep: bool,
+) -> _Commands:
+    """A push's commands. A staging folder (``staged``: the caller copies the rest) is never pushed alone: its
+    commands are the reinit's that made it (or, where its card does not say, words saying to run it again)."""
+    settings: dict[str, Any] = {"branch": branch, "create_pr": create_pr, "private": private,
+        "commit_message": commit_message, "keep_other_weights": keep}  # fmt: skip
+    resume = resume_command(folder, made.reproduce, repo_id, **settings)
+    if staged:
+        fix = resume_command(folder, made.reproduce, repo_id, no_server_copy=True, **settings)
+        return _Commands(resume or same_reinit(), fix or same_reinit(no_server_copy=True), resume)
+    retry = push_command(folder, repo_id, no_server_copy=not server_copy, **settings)
+    return _Commands(retry, push_command(folder, repo_id, no_server_copy=True, **settings), resume)
 
 
 NO_TOKEN_YET = "no Hub token found: the real push needs one with write access (HF_TOKEN or `hf auth login`)"
@@ -244,65 +365,234 @@ def has_token(token: str | None = None) -> bool:
     return bool(token or get_token())
 
 
-def _push(
-    folder: Path,
-    repo_id: str,
-    files: list[str],
-    left_out: list[str],
-    private: bool,
-    branch: str | None,
-    create_pr: bool,
-    commit_message: str | None,
-    commit_description: str | None,
-    token: str | None,
-    progress: bool,
-    retry: str,
-    copies: ServerCopies | None,
+def _dry_run(
+    push: _Push, files: list[str], left_out: list[str], copies: ServerCopies | None, own_copies: bool
 ) -> PushResult:
-    """One commit of ``files`` (and ``copies``); ``retry``: the ``surgeon push`` command that finishes it, for the
-    error of a push stopped part-way."""
-    from huggingface_hub import CommitOperationAdd, HfApi
+    """The plan, made as the push would make it from read-only questions; nothing is sent, so no token is needed
+    (the result says whether the real push has one). Which files are large is the Hub's default here."""
+    from huggingface_hub import HfApi, constants
 
-    token = _push_token(token)
+    notes = list(left_out)
+    api = HfApi(token=push.token)
+    try:
+        there = read_destination(api, push.repo_id, push.branch, push.create_pr)
+    except Exception as exc:  # the real push reads it again, with its token
+        there = Destination(None, {})
+        notes.append(
+            f"could not read what {push.repo_id} holds ({one_line(exc)}): the real push reads it before it commits"
+        )
+    if copies is not None and own_copies:
+        copies = _not_there(copies, there)
+    elif copies is not None:
+        try:
+            copies = pinned(copies, push.token)
+        except CopyRefused as why:
+            notes.append(str(why))
+            copies = None
+    rest = [f for f in files if copies is None or f not in copies.files]
+    uploads = []
+    for f in rest:
+        path = push.folder / f
+        size = path.stat().st_size
+        lfs = there.files[f].lfs if f in there.files else (size >= _HUB_LFS_SIZE or f.endswith(_HUB_LFS_SUFFIXES))
+        uploads.append(PlannedFile(f, size, file_oid(path, lfs), lfs))
+    plan = _plan(push, there, uploads, copies, predicted=True)
+    notes += _kept_note(plan) + ([] if has_token(push.token) else [NO_TOKEN_YET])
+    url = f"{constants.ENDPOINT.rstrip('/')}/{push.repo_id}"
+    return PushResult(
+        push.repo_id, url, push.branch or "main", False, "", "", None, rest, [], [], sum(u.size for u in uploads),
+        notes, dry_run=True, deleted=[f.path for f in plan.deletions], kept=list(plan.kept), plan=plan,
+        **_copied(copies),
+    )  # fmt: skip
+
+
+def _push(
+    push: _Push, files: list[str], left_out: list[str], copies: ServerCopies | None, own_copies: bool
+) -> PushResult:
+    """One commit of the folder's files, ``copies`` and the deletions of the plan; then the destination checked
+    against the plan."""
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
+
+    from .._compat import upload_state
+
+    token = _push_token(push.token)
     api = HfApi(token=token)
-    created, notes = _prepare_repo(api, repo_id, token, private=private, branch=branch, create_pr=create_pr)
+    created, notes = _prepare_repo(api, push.repo_id, token, private=push.private, branch=push.branch,
+        create_pr=push.create_pr)  # fmt: skip
     notes = left_out + notes
-    ops = [CommitOperationAdd(path_in_repo=f, path_or_fileobj=str(folder / f)) for f in files]
-    with hf_progress(progress):
-        done = _preupload(api, repo_id, token, ops, branch=branch, create_pr=create_pr, retry=retry)
-        message = commit_message or f"Upload {folder.resolve().name} with surgeon {__version__}"
+    try:
+        there = read_destination(api, push.repo_id, push.branch, push.create_pr)
+    except Exception as exc:
+        raise write_error(exc, push.repo_id, token, "reading what it holds") from None
+    if copies is not None:  # the folder's own copies: those there already are uploads the Hub skips
+        copies = _not_there(copies, there) if own_copies else pinned(copies, token)
+    rest = [f for f in files if copies is None or f not in copies.files]
+    ops = [CommitOperationAdd(path_in_repo=f, path_or_fileobj=str(push.folder / f)) for f in rest]
+    with hf_progress(push.progress):
+        done = _preupload(api, push.repo_id, token, ops, branch=push.branch, create_pr=push.create_pr, retry=push.retry)
+        states = {op.path_in_repo: upload_state(op) for op in ops}
+        uploads = [PlannedFile(op.path_in_repo, op.upload_info.size, str(states[op.path_in_repo][2]),
+            states[op.path_in_repo][0] == "lfs") for op in ops]  # fmt: skip
+        plan = _plan(push, there, uploads, copies)
+        deletions = [CommitOperationDelete(path_in_repo=f.path) for f in plan.deletions]
+        message = push.commit_message or f"Upload {push.folder.resolve().name} with surgeon {__version__}"
         try:
             info = api.create_commit(
-                repo_id,
-                [*ops, *(copies.operations() if copies else [])],
+                push.repo_id,
+                [*ops, *(copies.operations() if copies else []), *deletions],
                 commit_message=message,
-                commit_description=commit_description,
-                revision=branch,
-                create_pr=create_pr,
+                commit_description=push.commit_description,
+                revision=push.branch,
+                create_pr=push.create_pr,
             )
         except Exception as exc:
             if copies is not None and is_copy_error(exc, copies):
                 raise refused(exc) from None
-            raise partial_push_error(exc, repo_id, token, ops, len(ops), done, retry) from None
-    unchanged = [op.path_in_repo for op in ops if op._remote_oid is not None and op._remote_oid == op._local_oid]
-    large = [op.path_in_repo for op in ops if op._upload_mode == "lfs" and op.path_in_repo not in unchanged]
-    sent = sum((folder / f).stat().st_size for f in files if f not in unchanged)
-    url = f"{api.endpoint}/{repo_id}"
+            raise partial_push_error(exc, push.repo_id, token, ops, len(ops), done, push.retry) from None
+    _check_pushed(api, plan, info.oid, info.commit_url, push)
+    unchanged = [f for f, (_, remote, local) in states.items() if remote is not None and remote == local]
+    large = [f for f, (mode, _, _) in states.items() if mode == "lfs" and f not in unchanged]
     return PushResult(
-        repo_id,
-        url,
-        branch or "main",
-        created,
-        info.oid,
-        info.commit_url,
-        info.pr_url,
-        files,
-        large,
-        unchanged,
-        sent,
-        notes,
+        push.repo_id, f"{api.endpoint}/{push.repo_id}", push.branch or "main", created, info.oid, info.commit_url,
+        info.pr_url, rest, large, unchanged, sum(u.size for u in uploads if u.path not in unchanged),
+        notes + _kept_note(plan), deleted=[f.path for f in plan.deletions], kept=list(plan.kept), plan=plan,
         **_copied(copies),
-    )
+    )  # fmt: skip
+
+
+def _plan(
+    push: _Push, there: Destination, uploads: list[PlannedFile], copies: ServerCopies | None, *, predicted: bool = False
+) -> PushPlan:
+    """What the destination will hold: the uploads and copies, without the other weights it holds now."""
+    copied = tuple(copies.planned[f] for f in copies.files) if copies is not None else ()
+    other = other_weights([f.path for f in (*uploads, *copied)], there.files)
+    return PushPlan(
+        push.repo_id, push.branch or "main", there.commit, tuple(uploads), copied,
+        f"{copies.repo_id}@{copies.commit}" if copies is not None else None,
+        deletions=() if push.keep_other_weights else tuple(there.files[f] for f in other),
+        kept=tuple(other) if push.keep_other_weights else (), predicted=predicted,
+    )  # fmt: skip
+
+
+def _kept_note(plan: PushPlan) -> list[str]:
+    if not plan.kept:
+        return []
+    return [
+        f"kept {few(list(plan.kept))} in {plan.repo_id} as asked ({opt('keep_other_weights', True)}): other weights "
+        "than the ones pushed, which a loader may read instead of them or beside them"
+    ]
+
+
+def _not_there(copies: ServerCopies, there: Destination) -> ServerCopies | None:
+    """The copies less the files the destination holds with the same bytes already: uploaded instead, they send
+    nothing (copied again, they would make a commit that changes nothing)."""
+    return copies.without(f for f in copies.files if there.files.get(f) == copies.planned.get(f))
+
+
+def _check_pushed(api: HfApi, plan: PushPlan, commit: str, commit_url: str, push: _Push) -> None:
+    """The new commit holds what the plan says, file by file (size and oid), none of what it deletes, and no
+    other weights but those kept (a commit made between the plan and this one could have added some).
+
+    Raises:
+        PushError: It does not (the files and the command that puts them right), or cannot be read back.
+    """
+    try:
+        listing = api.list_repo_tree(plan.repo_id, revision=commit, recursive=True)
+        found = {f.path: f for f in map(planned_file, listing) if f is not None}
+    except Exception as exc:
+        error = PushError(
+            f"pushed to {plan.repo_id} ({commit_url}), but could not read back what it holds to check it "
+            f"({one_line(write_error(exc, plan.repo_id, push.token or '', 'reading back'))})"
+        )
+        error.follow_up = f"run {as_run(push.retry)} to check it again (what is there is not sent again)"
+        raise error from None
+    wrong = plan.differences(found)
+    wrong += [f"{f} is there, other weights" for f in other_weights(plan.holds, found) if f not in plan.kept]
+    if wrong:
+        raise not_as_planned(plan, commit_url, wrong, push.fix)
+
+
+@dataclass(frozen=True)
+class Destination:
+    """What a push's destination holds: the commit it would go on top of (None: no such repo yet), and its
+    files by path."""
+
+    commit: str | None
+    files: Mapping[str, PlannedFile]
+
+
+def read_destination(api: HfApi, repo_id: str, branch: str | None, create_pr: bool) -> Destination:
+    """What ``repo_id`` holds where a push would commit: ``branch`` (a new one starts from main), or main for a
+    pull request. Read-only; a repo that does not exist (or that the token cannot see) holds nothing."""
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    revision = "main" if create_pr or branch is None else branch
+    try:
+        try:
+            commit = api.repo_info(repo_id, revision=revision).sha
+        except RevisionNotFoundError:
+            if revision.startswith("refs/"):
+                raise
+            commit = api.repo_info(repo_id).sha  # a branch not there yet is made from main
+    except GatedRepoError:
+        raise
+    except RepositoryNotFoundError:
+        return Destination(None, {})
+    assert commit is not None
+    listing = api.list_repo_tree(repo_id, revision=commit, recursive=True)
+    return Destination(commit, {f.path: f for f in map(planned_file, listing) if f is not None})
+
+
+def is_weight_file(path: str) -> bool:
+    """Whether a loader reads ``path`` as weights (or their index), by its name: the state-dict formats and their
+    indexes, and the exports surgeon leaves out of its outputs (ONNX, GGUF, TF, Flax, ...)."""
+    name = PurePosixPath(path).name
+    if name in NOT_WEIGHTS or name.startswith(("rng_state", "optimizer", "scheduler")):
+        return False
+    return name.endswith(STATE_DICT_SUFFIXES + STALE_WEIGHT_SUFFIXES)
+
+
+def other_weights(pushed: Iterable[str], there: Iterable[str]) -> list[str]:
+    """The files of a destination (``there``) that a loader would read instead of or beside the weights among
+    ``pushed``: weight files and indexes, in a folder where the push puts weights, that the push does not write.
+
+    transformers reads ``model.safetensors`` before ``model.safetensors.index.json``, and safetensors before
+    ``pytorch_model*.bin``: a single file left beside new shards is read instead of them, an index left beside
+    a new single file names shards of other weights, and shards of another count stay behind an index that
+    no longer names them. A ``pytorch_model*.bin`` beside new safetensors is read by whoever asks for it
+    (``use_safetensors=False``, other tools), with the old weights: it is another layout too. Other folders
+    (``onnx/``, a variant's) are left alone.
+    """
+    pushed = set(pushed)
+    folders = {PurePosixPath(f).parent for f in pushed if is_weight_file(f)}
+    return sorted(f for f in there if f not in pushed and PurePosixPath(f).parent in folders and is_weight_file(f))
+
+
+def would_delete(
+    repo_id: str,
+    files: Iterable[str],
+    *,
+    branch: str | None = None,
+    create_pr: bool = False,
+    token: str | None = None,
+    keep_other_weights: bool = False,
+) -> list[str]:
+    """The files of ``repo_id`` (at ``branch``, or main for a pull request) a push of ``files`` would delete:
+    its other weights (:func:`other_weights`; none where ``keep_other_weights``). Read-only, for a dry run:
+    [] where the repo does not exist yet (or the token cannot see it).
+
+    Raises:
+        OptionError: The repo id or the branch is malformed.
+        HubError: The Hub cannot be asked (one line).
+    """
+    from huggingface_hub import HfApi
+
+    repo_id = _check_target(repo_id, branch, create_pr)
+    try:
+        there = read_destination(HfApi(token=token), repo_id, branch, create_pr)
+    except Exception as exc:
+        raise read_error(exc, repo_id, branch, False) from None
+    return [] if keep_other_weights else other_weights(files, there.files)
 
 
 def _copied(copies: ServerCopies | None) -> dict[str, Any]:
@@ -351,13 +641,15 @@ def _preupload(
     retry: str,
 ) -> list[str]:
     """Upload the large files one at a time before the commit; returns those sent through the large-file path."""
+    from .._compat import upload_state
+
     done: list[str] = []
     for i, op in enumerate(ops):
         try:
             api.preupload_lfs_files(repo_id, additions=[op], revision=branch, create_pr=create_pr)
         except Exception as exc:
             raise partial_push_error(exc, repo_id, token, ops, i, done, retry) from None
-        if op._upload_mode == "lfs":
+        if upload_state(op)[0] == "lfs":
             done.append(op.path_in_repo)
     return done
 

@@ -89,7 +89,7 @@ class HubFolder:
 
     def predict(self, source: Source, plan: Plan) -> Outcome:
         notes = dry_run_notes(source, self.dest, overwrite=self.overwrite, push=self.target)
-        return Outcome(tuple([*([self.why] if self.why else []), *notes]))
+        return Outcome(tuple([*([self.why] if self.why else []), *notes, *_deletions(source, self.target)]))
 
     def finish(self, source: Source, plan: Plan, *, progress: bool) -> Outcome:
         try:
@@ -118,7 +118,7 @@ class HubChanges:
 
         notes = dry_run_notes(source, self.dest, overwrite=self.overwrite, push=self.target)
         line, figures = predicted(source, source.primary.changed_files(plan.tensors()))  # type: ignore[attr-defined]
-        return Outcome(tuple([*notes, line]), figures)
+        return Outcome(tuple([*notes, line, *_deletions(source, self.target)]), figures)
 
     def finish(self, source: Source, plan: Plan, *, progress: bool) -> Outcome:
         from ..errors import PushError
@@ -140,6 +140,24 @@ class HubChanges:
                 exc = resume_by_reinit(exc)
             raise _on_disk(exc, self.dest) from None
         return _pushed(notes, pushed)
+
+
+def _deletions(source: Source, target: PushTarget) -> list[str]:
+    """A dry run's line on the destination's other weights, which the real push deletes in its commit (read-only:
+    where the destination cannot be asked, it says so and the real push decides)."""
+    from ..open.source import folder_output_files
+
+    weights, carried = folder_output_files(source)
+    try:
+        doomed = target.would_delete([*weights, *carried, "README.md"])
+    except HubError as exc:
+        return [f"could not ask {target.repo_id} which files it holds ({exc}); the real push decides what it deletes"]
+    if not doomed:
+        return []
+    return [
+        f"the real push deletes {len(doomed)} other weight file(s) {target.repo_id} holds, which a loader would read "
+        f"instead of the new weights or beside them: {', '.join(doomed)} ({opt('keep_other_weights', True)} keeps them)"
+    ]
 
 
 def _on_disk(exc: HubError, dest: Destination) -> HubError:

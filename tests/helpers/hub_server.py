@@ -4,12 +4,13 @@ Serves model repos (branches, tags, pull requests, private and gated repos, toke
 and accepts pushes through the client's own code path: repo creation, branches, README validation,
 preupload, the LFS batch API (basic and multipart transfers, verify) and NDJSON commits. It keeps what
 arrives (files, bytes, commit messages, every request) so tests can check it, and can be told to fail
-chosen requests to test interrupted pushes.
+chosen requests to test interrupted pushes (``fail``) or to lie in its paths-info answers
+(``forge_paths_info``).
 
 As the real Hub: resolve answers a Range request (the client sends the header as lowercase ``range``)
 with 206 and the slice; tree and paths-info list LFS entries with their sha256 and a Xet hash; large
 files are stored per repository, so a file reaches a repo only by an upload or by the duplicate endpoint
-(``/api/models/SRC/lfs-files/duplicate``, which huggingface_hub 2.x calls for a cross-repo
+(``/api/models/SRC/lfs-files/duplicate``, which huggingface_hub 1.17+ calls for a cross-repo
 ``CommitOperationCopy``), never because another repo holds the same bytes. Every request keeps the bytes
 it received and the bytes it was sent (``Seen.received``, ``Seen.sent``), counted on the wire's body.
 
@@ -129,6 +130,7 @@ class HubServer:
         self.validated_cards: list[str] = []
         self.pushed: list[dict] = []  # one entry per commit received through the API
         self.faults: list[dict] = []
+        self.forged: list[dict] = []  # paths-info answers that lie (forge_paths_info)
         self._duplicated: list[dict] = []
         # model info field -> the request's Authorization header, in a 200 answer (a careless mirror)
         self.echo_auth_in: str | None = None
@@ -206,6 +208,12 @@ class HubServer:
                 "echo_auth": echo_auth,
             }
         )
+
+    def forge_paths_info(self, repo_id: str, files: dict[str, bytes], *, times: int = 1) -> None:
+        """Answer the next ``times`` paths-info requests for ``repo_id`` as if ``files`` (path -> bytes) held those
+        bytes, the other paths as they are: a server (or a proxy) whose answer changes between calls. What the repo
+        holds, and every other request, is unchanged."""
+        self.forged.append({"repo_id": repo_id, "files": dict(files), "times": times})
 
     def files(self, repo_id: str, revision: str = "main") -> dict[str, bytes]:
         repo = self.repos[repo_id]
@@ -500,6 +508,11 @@ def paths_info(hub: HubServer, repo_id: str, revision: str, req: Seen) -> list:
     those paths that exist (files; a folder's entry for a folder), in the order asked."""
     repo = _readable(hub, repo_id, req)
     files = repo.commits[_commit_of(repo, revision)].files
+    with hub.lock:  # a lie told once (forge_paths_info): these paths answered as other bytes
+        forged = next((f for f in hub.forged if f["repo_id"] == repo_id and f["times"] > 0), None)
+        if forged is not None:
+            forged["times"] -= 1
+            files = {**files, **forged["files"]}
     form = parse_qs(req.body.decode())
     out = []
     for path in form.get("paths", []):

@@ -185,7 +185,7 @@ def test_an_interrupted_push_says_what_arrived_and_a_rerun_finishes(sources, tmp
         assert f"wrote {out}, but the push failed: push to org/sharded stopped at {shards[1]} " in error
         assert "(the Hub answered 507 for org/sharded: Insufficient Storage)" in error
         assert f"uploaded before it: {shards[0]} (1 large files); not uploaded: {shards[1]}, {shards[2]}, " in error
-        assert "nothing was committed: run `" in error
+        assert "nothing was committed; run `" in error
         assert hub.pushed == [] and set(hub.files("org/sharded")) == {".gitattributes"}
         assert TOKEN not in error
 
@@ -329,7 +329,7 @@ def test_a_local_source_card_names_its_lineage_and_never_the_local_path(sources,
 
 
 def test_push_of_an_output_made_from_the_hub_copies_or_says_why_not(sources, tmp_path):
-    """`surgeon push` of an output made from org/tiny: with a huggingface_hub that copies across repos (2.x),
+    """`surgeon push` of an output made from org/tiny: with a huggingface_hub that copies across repos (1.17 or newer),
     the files the record's commit holds unchanged are copied server-side; with one that cannot (the floors
     job's 1.3), a note says so and every file is uploaded. Either way the repo holds the folder's bytes."""
     from huggingface_hub import CommitOperationCopy, __version__

@@ -5,6 +5,8 @@ source's commit; the pushed repo is byte-identical to the full local output push
 from __future__ import annotations
 
 import json
+import re
+import shlex
 
 import pytest
 from huggingface_hub import CommitOperationCopy
@@ -13,7 +15,7 @@ from helpers.hub import TOKEN, Surgeon, header_bytes, weights_served
 
 pytestmark = pytest.mark.skipif(
     "src_repo_id" not in CommitOperationCopy.__dataclass_fields__,
-    reason="this huggingface_hub has no cross-repo copies (2.x has)",
+    reason="this huggingface_hub has no cross-repo copies (1.17 or newer has)",
 )
 LAST = "model-00007-of-00008.safetensors"  # holds layer 7's q/k/v (make_llama_shards)
 LFS_DATA = r"^/__lfs/[0-9a-f]{64}$"  # the loopback Hub's LFS upload of one object's bytes
@@ -94,15 +96,20 @@ def test_fallbacks_say_why_in_one_line_and_push_the_same_repo(shards, hub, tmp_p
 
 
 def test_an_interrupted_push_resumes(shards, hub, tmp_path):
-    """The commit fails after the changed shard was uploaded: the error says how to finish, the same reinit
-    finishes it without sending the shard again, and the repo is the whole output."""
+    """The commit fails after the changed shard was uploaded: the error gives the reinit command that finishes it
+    (the card's reproduce command, pushing by changes again), which finishes it without sending the shard
+    again, and the repo is the whole output."""
     surgeon = Surgeon(tmp_path, hub.url)
     hub.fail("POST", r"^/api/models/me/resumed/commit/", status=503, message="try later")
     stopped = surgeon("reinit", "org/M", "--layers", "-1", "--push-to-hub", "me/resumed", ok=False, token=TOKEN)
-    assert "run the same `surgeon reinit` again with --overwrite to finish" in stopped.error
     assert "surgeon push" not in stopped.error  # the staging folder alone is not the model
+    resume = shlex.split(re.search(r"run `(surgeon reinit [^`]+)` to finish", stopped.error).group(1))
+    commit = hub.repos["org/M"].branches["main"]
+    assert resume[:5] == ["surgeon", "reinit", "org/M", "--revision", commit] and "--layers=-1" in resume
+    assert resume[-7:-4] == ["--push-to-hub", "me/resumed", "--commit-message"]
+    assert resume[-3:] == ["--staging", str(tmp_path / "M-reinit"), "--overwrite"]
     sent = hub.received(LFS_DATA)
-    surgeon("reinit", "org/M", "--layers", "-1", "--push-to-hub", "me/resumed", "--overwrite", token=TOKEN)
+    surgeon(*resume[1:], token=TOKEN)
     assert hub.received(LFS_DATA) == sent == len(pushed(hub, "me/resumed")[LAST])  # uploaded once, in all
     surgeon(
         "reinit",
