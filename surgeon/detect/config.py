@@ -35,6 +35,7 @@ from ..vocab.config_keys import (
     PER_LAYER_CONFIG_KEYS,
     PER_LAYER_SUFFIX,
     PER_STAGE_SUFFIX,
+    ROTARY_FREE_LATENT_LAYERS,
     SUBCONFIG_BY_PATH,
     V_HEAD_DIM_KEYS,
     nested,
@@ -300,15 +301,32 @@ class ConfigView:
             tuple(name for name, value in hinted.items() if value is not None),
         )
 
-    def latent_sizes(self, stack: str, latent: Latent) -> tuple[int, int, int] | None:
-        """(key size without the rotary part, rotary part, value size) of ``stack``'s latent attention, as the
-        config gives them (the keys ``latent`` names), or None."""
+    def latent_sizes(self, stack: str, latent: Latent, layer: int | None = None) -> tuple[int, int, int] | None:
+        """(key size without the rotary part, rotary part, value size) of ``stack``'s latent attention in layer
+        ``layer``, as the config gives them (the keys ``latent`` names; what the config says of that layer alone
+        first: Dots 3's per_layer_config), or None. A layer its family builds without a rotary part
+        (ROTARY_FREE_LATENT_LAYERS: Mistral Large 4's no_rope_layers) has its rotary size folded into the key's."""
         scope, _ = self._scope(stack)
-        sizes = [scope.get(k) for k in (latent.nope_key, latent.rope_key, latent.value_key)]
-        nope, rope, value = (v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None for v in sizes)
+        scopes = self._layer_facts(scope, layer) + [scope]
+        sizes = [
+            next((s[k] for s in scopes if isinstance(s.get(k), int) and not isinstance(s.get(k), bool)), None)
+            for k in (latent.nope_key, latent.rope_key, latent.value_key)
+        ]
+        nope, rope, value = (v if isinstance(v, int) and v >= 0 else None for v in sizes)
         if nope is None or rope is None or value is None or nope + rope == 0 or value == 0:
             return None
+        if self._rotary_free(scope, layer):
+            return nope + rope, 0, value
         return nope, rope, value
+
+    @staticmethod
+    def _rotary_free(scope: dict, layer: int | None) -> bool:
+        """Whether the config marks latent attention layer ``layer`` as built without a rotary part."""
+        key, marker = ROTARY_FREE_LATENT_LAYERS.get(str(scope.get("model_type")), ("", None))
+        marks = scope.get(key) if key else None
+        if layer is None or not isinstance(marks, list) or layer >= len(marks):
+            return False
+        return marks[layer] == marker and not isinstance(marks[layer], bool)
 
     def fused_packing(self, tensor: str, stack: str, module: str = "") -> str | None:
         """How the fused tensor ``tensor`` (e.g. "query_key_value") of this model packs its rows,

@@ -49,7 +49,7 @@ def latent_block(
     part and the value rows, over the latents; the shared down-projections are not part of it."""
     where = module or "the top-level attention module"
     heads = facts.pick(facts.heads, None)
-    sizes = view.latent_sizes(stack, latent)
+    sizes = view.latent_sizes(stack, latent, layer)
     if not isinstance(heads, int) or sizes is None:
         missing = "the number of heads" if not isinstance(heads, int) else "its head sizes"
         keys = f"{latent.nope_key}, {latent.rope_key}, {latent.value_key}"

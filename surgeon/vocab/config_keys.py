@@ -93,6 +93,12 @@ SUBCONFIG_BY_PATH = {
     # EvollaSequenceCompressorResampler), not its protein_encoder_config's heads
     "evolla": {"protein_encoder.sequence_compressor_resampler.layers": "/resampler_"},
     "vjepa2": {"predictor": "/pred_"},  # the predictor: pred_num_attention_heads, pred_hidden_size
+    # JEV (modeling_jev.py JevForDecision): its model is built from text_config (Qwen3.5 by default), under model
+    "jev": {"model": "text_config"},
+    # Gemma 3n's audio conformer (modeling_gemma3n.py Gemma3nAudioAttention): conf_num_attention_heads heads over
+    # hidden_size; in the whole model, its audio tower is built from audio_config
+    "gemma3n_audio": {"conformer": "/conf_"},
+    "gemma3n": {"audio_tower.conformer": "audio_config/conf_"},
     # Idefics2PerceiverAttention: perceiver_config.resampler_n_heads heads of resampler_head_dim (modeling_idefics2.py),
     # not the vision or text tower's heads; its key/value heads follow from k_proj's rows
     "idefics2": {"connector": "perceiver_config/resampler_"},
@@ -237,6 +243,12 @@ LAYER_TYPE_SCALES = {("mimo_v2_flash", "sliding_attention"): {"num_key_value_hea
 # num_attention_heads_per_layer: the fact is the key less this suffix).
 PER_LAYER_CONFIG_KEYS = ("per_layer_config",)
 PER_LAYER_SUFFIX = "_per_layer"
+# Latent attention layers a family's code builds without a rotary part, by model type: the config list that marks
+# them and the entry that does. Mistral Large 4 (modeling_mistral_large4.py MistralLarge4TextAttention): where
+# no_rope_layers[i] is 0 (its default: every fourth layer), that layer's qk_rope_head_dim is 0 and its
+# qk_nope_head_dim is qk_nope_head_dim + qk_rope_head_dim, so kv_b_proj holds per head that many key rows; its
+# queries keep qk_nope_head_dim + qk_rope_head_dim rows per head.
+ROTARY_FREE_LATENT_LAYERS = {"mistral_large4_text": ("no_rope_layers", 0)}
 # Per-stage lists over one flat list of blocks: the key that gives each stage's number of blocks, and the
 # suffix of the per-stage lists it indexes, read as the fact less the suffix for a block of that stage (SAM 2's
 # Hiera: blocks_per_stage, num_attention_heads_per_stage, beside a stale scalar num_attention_heads).

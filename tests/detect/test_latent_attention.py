@@ -87,3 +87,74 @@ def test_latent_sizes_missing_from_the_config_are_refused(tmp_path):
     with pytest.raises(surgeon.SurgeonError, match=r"latent attention.*qk_nope_head_dim"):
         surgeon.reinit_checkpoint(tmp_path / "model", output=tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+# Mistral Large 4 (modeling_mistral_large4.py): its config's own default makes every fourth layer rotary-free
+# (no_rope_layers), where kv_b_proj holds per head qk_nope_head_dim + qk_rope_head_dim key rows; the queries keep
+# that many rows per head in every layer
+ML4_SIZES = dict(qk_nope_head_dim=24, qk_rope_head_dim=16, v_head_dim=16, kv_lora_rank=64)
+
+
+def _mistral_large4(tmp_path):
+    from transformers import AutoConfig, AutoModel
+
+    config = AutoConfig.for_model(
+        "mistral_large4_text",
+        hidden_size=64,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        index_n_heads=2,
+        index_head_dim=32,
+        index_topk=4,
+        vocab_size=100,
+        **ML4_SIZES,
+    )
+    torch.manual_seed(0)
+    model = AutoModel.from_config(config).eval()
+    model.save_pretrained(tmp_path / "model")
+    return model
+
+
+@pytest.mark.parametrize(("layers", "chosen"), [("all", (0, 1, 2, 3)), ("-1", (3,)), ("3", (3,))])
+def test_rotary_free_latent_layers_are_sized_as_the_model_builds_them(tmp_path, layers, chosen):
+    model = _mistral_large4(tmp_path)
+    attns = [layer.self_attn for layer in model.layers]
+    rope = ML4_SIZES["qk_rope_head_dim"]
+    assert [a.qk_rope_head_dim for a in attns] == [rope, rope, rope, 0]  # the model's own layers differ
+    surgeon.reinit_checkpoint(tmp_path / "model", output=tmp_path / "out", layers=layers, seed=3)
+    loaded = type(model).from_pretrained(tmp_path / "out").eval()
+    old, new = model.state_dict(), loaded.state_dict()
+    changed = {n for n in old if not torch.equal(old[n], new[n])}
+    assert changed == {f"layers.{i}.self_attn.{p}.weight" for i in chosen for p in ("q_proj", "kv_b_proj")}
+    r, v = ML4_SIZES["kv_lora_rank"], ML4_SIZES["v_head_dim"]
+    with torch.no_grad():
+        for i in chosen:
+            attn = loaded.layers[i].self_attn
+            query, key, value = _maps(attn)
+            assert key.shape[1] == attn.qk_nope_head_dim == (40 if i == 3 else 24)
+            for maps in (query, key):  # each head: orthonormal rows at the size this layer's code uses
+                gram = maps @ maps.transpose(1, 2)
+                assert torch.allclose(gram, torch.eye(maps.shape[1]).expand_as(gram), atol=1e-5)
+            for h in range(attn.num_heads):
+                start = (h % (r // v)) * v
+                assert torch.equal(value[h], torch.eye(r)[start : start + v])
+        assert torch.isfinite(loaded(torch.randint(0, 100, (1, 6))).last_hidden_state).all()
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    [
+        "mistral_large4_text",  # no_rope_layers (its census settings keep a rotary-free layer)
+        "dots3_note_text",  # per_layer_config: its sliding layers' own heads and key sizes
+    ],
+)
+def test_latent_sizes_per_layer_in_the_census(model_type, tmp_path):
+    from helpers.census import census_one
+
+    verdict = census_one(model_type, work=tmp_path)
+    assert verdict.verdict == "right", f"{verdict.verdict} {verdict.detail}"

@@ -134,6 +134,10 @@ TYPE_SETTINGS: dict[str, dict[str, object]] = {
     # the decoder layer indexes mlp_layer_types (the first layer dense, the rest sparse)
     "deepseek_ocr2": {"text_config.mlp_layer_types": ["dense", "sparse"]},
     "deepseek_ocr2_text": {"mlp_layer_types": ["dense", "sparse"]},
+    # its default config makes every fourth latent-attention layer rotary-free (no_rope_layers, 0: no rotary part,
+    # modeling_mistral_large4.py), which two shrunk layers would not reach: the second of them rotary-free
+    "mistral_large4_text": {"no_rope_layers": [1, 0]},
+    "mistral_large4": {"text_config.no_rope_layers": [1, 0]},
     # the shrink leaves 8 expert groups over 4 experts (none per group): one group, as DeepSeek-V2-Lite's config
     "axk1": {"n_group": 1, "topk_group": 1},
     # a denoiser's rotary needs 3 * 2 + 10 pairs (its validator: head_dim >= 32); the diffusion module's atom

@@ -15,9 +15,21 @@ from ...errors import LayoutError, opt
 from ...vocab.blocks import KV_MAPS, ROLES, AttentionBlock, Projection, Role, Rows
 from ..by_name import place_matches
 from ..hints import Hints
+from ..libraries import companion_block
 from ..placement import join, kind
 from .inputs import decoder_inputs, example_call, hf_inputs
-from .probe import FILLS, PROBE_TOKENS, Capture, Op, Targets, Unresolved, Watch, probing, watch_all
+from .probe import (
+    FILLS,
+    PROBE_TOKENS,
+    Capture,
+    Op,
+    Targets,
+    Unresolved,
+    Watch,
+    probing,
+    stream_starts,
+    watch_all,
+)
 
 
 def under(path: str, prefixes: list[str]) -> bool:
@@ -54,11 +66,22 @@ def placed(blocks: list[AttentionBlock]) -> list[AttentionBlock]:
 # --- reading the codes back -----------------------------------------------------------------
 
 
+def _captures(runs: Mapping[str, Watch], i: int, token: int = 0) -> dict[str, Capture]:
+    """Attention product ``i`` as each coded forward caught it, with q/k/v at ``token`` (0, or the first token of a
+    later stream, which the forwards kept: Capture.at)."""
+    caps = {f: runs[f].captures[i] for f in FILLS}
+    if token == 0:
+        return caps
+    if any(token not in c.at for c in caps.values()):
+        raise Unresolved(f"its q/k/v at token {token} were not kept")
+    return {f: replace(c, q=c.at[token][0], k=c.at[token][1], v=c.at[token][2]) for f, c in caps.items()}
+
+
 def _decode(
-    runs: dict[str, Watch], i: int, role: str, targets: Targets
+    caps: Mapping[str, Capture], role: str, targets: Targets
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(param number, axis, row) of every entry of one captured q/k/v at the first token."""
-    ones, index, param, rand = (getattr(runs[f].captures[i], role) for f in FILLS)
+    """(param number, axis, row) of every entry of one captured q/k/v at its token."""
+    ones, index, param, rand = (getattr(caps[f], role) for f in FILLS)
     if ones.shape != index.shape or ones.shape != param.shape or ones.shape != rand.shape:
         raise Unresolved(f"its {_ROLE[role]} changes shape between forwards")
     if not torch.isfinite(ones).all() or (ones.abs() < 1e-30).any():
@@ -101,9 +124,9 @@ def _decode(
 _ROLE = {"q": "query", "k": "key", "v": "value"}
 
 
-def _decodes(runs: dict[str, Watch], i: int, role: str, targets: Targets) -> bool:
+def _decodes(caps: Mapping[str, Capture], role: str, targets: Targets) -> bool:
     try:
-        _decode(runs, i, role, targets)
+        _decode(caps, role, targets)
     except Unresolved:
         return False
     return True
@@ -145,9 +168,9 @@ def _head_rows(
     return out
 
 
-def _resolve(runs: dict[str, Watch], i: int, targets: Targets, hints: Hints) -> dict:
-    cap = runs["ones"].captures[i]
-    decoded = {role: _decode(runs, i, role, targets) for role in "qkv"}
+def _resolve(caps: Mapping[str, Capture], targets: Targets, hints: Hints) -> dict:
+    cap = caps["ones"]
+    decoded = {role: _decode(caps, role, targets) for role in "qkv"}
     q_heads = _head_rows(*decoded["q"], cap.heads, None, "q", targets.names)
     heads = len(q_heads)
     sequences = cap.q.shape[0] // heads
@@ -238,6 +261,53 @@ def _block_from(resolved: dict, cap: Capture, targets: Targets) -> AttentionBloc
     )
 
 
+def _call_block(runs: Mapping[str, Watch], i: int, targets: Targets, hints: Hints) -> AttentionBlock:
+    """The block of attention product ``i``. Where its queries come from another projection from some token on
+    (joint attention: Flux's [context | image] tokens, SD3's [image | context]), each stream is read at its own
+    first token and the streams are one block and its context stream (COMPANION_STREAMS), as their names say and
+    the forward shows; a later stream the codes do not reach leaves the product read at token 0 alone."""
+    caps = _captures(runs, i)
+    block = _block_from(_resolve(caps, targets, hints), caps["ones"], targets)
+    starts = stream_starts(runs, i)
+    if len(starts) == 1:
+        return block
+    streams = [block]
+    for token in starts[1:]:
+        try:
+            later = _captures(runs, i, token)
+            streams.append(_block_from(_resolve(later, targets, hints), later["ones"], targets))
+        except Unresolved:
+            return block  # as before streams were followed: the names route refuses a stream no product used
+    return _joint(streams, targets)
+
+
+def _joint(streams: list[AttentionBlock], targets: Targets) -> AttentionBlock:
+    """The block of a joint attention product whose streams are ``streams``: the one whose context stream
+    (surgeon.detect.libraries.companion_block, by its names) is the other, row for row as the forward read it."""
+    shapes = {name: tuple(p.shape) for name, p in targets.root.named_parameters()}
+    for main in streams:
+        try:
+            companion = companion_block(main, shapes)
+        except LayoutError:
+            companion = None
+        others = [b for b in streams if b is not main]
+        if (
+            companion is not None
+            and len(others) == 1
+            and all(
+                (getattr(companion, r).weight, getattr(companion, r).bias)
+                == (getattr(others[0], r).weight, getattr(others[0], r).bias)
+                for r in ROLES
+            )
+        ):
+            return main
+    read = ", ".join(b.q.weight.tensor for b in streams)
+    raise Unresolved(
+        f"its queries come from {len(streams)} projections token by token ({read}), which surgeon does not know as "
+        "one block and its context stream"
+    )
+
+
 def _covering(ops: list[Op], pid: int, axis: int, row: int) -> Op | None:
     for op in reversed(ops):
         if op.pid == pid and op.axis == axis and op.start <= row < op.start + op.size:
@@ -293,9 +363,10 @@ def probe_blocks(
                 if skip and under(cap.module, skip):
                     continue
                 try:
-                    block = _block_from(_resolve(runs, i, targets, hints), cap, targets)
+                    block = _call_block(runs, i, targets, hints)
                 except Unresolved as exc:
-                    if cap.via == "matmul" and not any(_decodes(runs, i, role, targets) for role in "qkv"):
+                    caps = _captures(runs, i)
+                    if cap.via == "matmul" and not any(_decodes(caps, role, targets) for role in "qkv"):
                         continue  # products around a softmax that involve no projection: not attention
                     where = join(prefix, cap.module) or type(module).__name__
                     raise LayoutError(f"cannot resolve the attention in {where}: {exc}") from None

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,6 +46,11 @@ class Capture:
     kv_heads: int | None
     ops: list[Op]  # projection ops seen before the capture
     via: str = "sdpa"  # or "matmul": softmax(Q Kᵀ) V recognised from the products around a softmax
+    # the query's first feature of its first head at every token, float64 on the CPU: where its tokens start to
+    # come from another projection (joint attention's streams), read by stream_starts
+    streams: torch.Tensor | None = None
+    # (q, k, v) at more tokens, as q/k/v are at the first: the first token of each later stream (Watch.positions)
+    at: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 # Normalization modules (torch's LayerNorm/RMSNorm, transformers' Qwen3RMSNorm, diffusers' RMSNorm, timm's
@@ -71,9 +76,16 @@ def _source_key(x: Any) -> tuple:
 class Watch(TorchFunctionMode):
     """Replaces projection outputs with codes and records what reaches each attention product."""
 
-    def __init__(self, targets: Targets, fill: str, names: dict[nn.Module, str]) -> None:
+    def __init__(
+        self,
+        targets: Targets,
+        fill: str,
+        names: dict[nn.Module, str],
+        positions: Mapping[int, tuple[int, ...]] | None = None,
+    ) -> None:
         super().__init__()
         self.targets, self.fill, self.names = targets, fill, names
+        self.positions = dict(positions or {})  # capture number -> more tokens whose q/k/v it keeps
         self.frames: list[tuple[nn.Module, list]] = []
         self.ops: list[Op] = []
         self.captures: list[Capture] = []
@@ -221,7 +233,8 @@ class Watch(TorchFunctionMode):
         if not all(isinstance(t, torch.Tensor) and t.dim() >= 3 for t in (q, k, v)):
             return
         module = module if module is not None else (self.frames[-1][0] if self.frames else None)
-        first = [t[..., 0, :].reshape(-1, t.shape[-1]).detach().to("cpu", torch.float64) for t in (q, k, v)]
+        more = [p for p in self.positions.get(len(self.captures), ()) if all(p < t.shape[-2] for t in (q, k, v))]
+        first = [_rows(t, 0) for t in (q, k, v)]
         heads = q.shape[-3] if q.dim() >= 4 else None
         kv_heads = k.shape[-3] if k.dim() >= 4 else None
         self.captures.append(
@@ -234,8 +247,36 @@ class Watch(TorchFunctionMode):
                 kv_heads,
                 list(self.ops),
                 via,
+                q.reshape(-1, *q.shape[-2:])[0, :, 0].detach().to("cpu", torch.float64),
+                {p: (_rows(q, p), _rows(k, p), _rows(v, p)) for p in more},
             )
         )
+
+
+def _rows(t: torch.Tensor, token: int) -> torch.Tensor:
+    """(N, d): every row of ``t`` (..., L, d) at one token, float64 on the CPU."""
+    return t[..., token, :].reshape(-1, t.shape[-1]).detach().to("cpu", torch.float64)
+
+
+def stream_starts(runs: Mapping[str, Watch], i: int) -> tuple[int, ...]:
+    """The tokens where the query of attention product ``i`` starts to come from another parameter: token 0, then
+    the first token of each later stream (joint attention: Flux's processor puts the context's tokens before
+    the image's, SD3's after them). A token's parameter is its "param" code over its "ones" code, which a
+    rotary embedding (linear, the same in both runs) leaves whole; a token whose ratio is no code says nothing."""
+    ones, param = runs["ones"].captures[i].streams, runs["param"].captures[i].streams
+    if ones is None or param is None or ones.shape != param.shape:
+        return (0,)
+    code = param / ones
+    clean = torch.isfinite(code) & (ones.abs() > 1e-6) & ((code - code.round()).abs() < 1e-3) & (code.round() >= 1)
+    starts, last = [0], None
+    for t in range(len(code)):
+        if not clean[t]:
+            continue
+        now = int(code[t].round())
+        if last is not None and now != last:
+            starts.append(t)
+        last = now
+    return tuple(starts)
 
 
 def _as_matmul(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -326,8 +367,15 @@ def probing(module: nn.Module) -> Iterator[None]:
             m.training = flag
 
 
-def _run(root: nn.Module, call: Callable[[], Any], fill: str, names: dict[nn.Module, str], targets: Targets) -> Watch:
-    watch = Watch(targets, fill, names)
+def _run(
+    root: nn.Module,
+    call: Callable[[], Any],
+    fill: str,
+    names: dict[nn.Module, str],
+    targets: Targets,
+    positions: Mapping[int, tuple[int, ...]] | None = None,
+) -> Watch:
+    watch = Watch(targets, fill, names, positions)
     handles = _hooks(root, watch)
     try:  # compiled regions (torchtitan's compiled flex attention) run eagerly, where the mode sees each op
         with torch.no_grad(), torch.compiler.set_stance("force_eager"), watch:
@@ -341,7 +389,9 @@ def _run(root: nn.Module, call: Callable[[], Any], fill: str, names: dict[nn.Mod
 def watch_all(
     root: nn.Module, call: Callable[[], Any], names: dict[nn.Module, str], targets: Targets
 ) -> dict[str, Watch] | None:
-    """The four coded forwards; None when the call fails on the first (wrong inputs for this module)."""
+    """The four coded forwards; None when the call fails on the first (wrong inputs for this module). Where an
+    attention product's queries come from several projections by token (joint attention), the four again,
+    keeping q/k/v at the first token of each stream too (stream_starts)."""
     try:
         first = _run(root, call, "ones", names, targets)
     except SurgeonError:  # a refusal from the probe itself (tensor parallelism), not wrong inputs
@@ -353,8 +403,17 @@ def watch_all(
         return runs
     for fill in FILLS[1:]:
         runs[fill] = _run(root, call, fill, names, targets)
-        if len(runs[fill].captures) != len(first.captures):
-            raise LayoutError(
-                f"{type(root).__name__}: its forward is not deterministic (a different number of attention calls on a second run); surgeon cannot observe it"
-            )
+        _check_same_calls(root, first, runs[fill])
+    streams = {i: s[1:] for i in range(len(first.captures)) if len(s := stream_starts(runs, i)) > 1}
+    if streams:
+        runs = {fill: _run(root, call, fill, names, targets, streams) for fill in FILLS}
+        for watch in runs.values():
+            _check_same_calls(root, first, watch)
     return runs
+
+
+def _check_same_calls(root: nn.Module, first: Watch, other: Watch) -> None:
+    if len(other.captures) != len(first.captures):
+        raise LayoutError(
+            f"{type(root).__name__}: its forward is not deterministic (a different number of attention calls on a second run); surgeon cannot observe it"
+        )
