@@ -157,6 +157,7 @@ def test_inspect_with_layout_check_and_jacobian_opens_and_detects_once(tmp_path,
         return real_detect(*a, **k)
 
     monkeypatch.setattr(surgeon.hub.read, "open_model", counting_open)
+    monkeypatch.setattr(surgeon.api, "open_model", counting_open)  # the API's own name for it
     monkeypatch.setattr(surgeon.api, "detect_source", counting_detect)
     monkeypatch.setattr(surgeon.detect, "detect_source", counting_detect)
     result = cli("inspect", folder, "--verify-layout", "--jacobian", "--inputs", ids, "--json")
