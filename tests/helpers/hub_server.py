@@ -295,39 +295,51 @@ def _error(status: int, message: str, code: str | None = None, **headers) -> _Re
     return _Reply(status, {"error": message}, h)
 
 
+def request_body(handler: BaseHTTPRequestHandler) -> bytes:
+    """A request's body as it arrived: chunked, or of its Content-Length."""
+    if handler.headers.get("Transfer-Encoding", "").lower() == "chunked":
+        chunks = []
+        while True:
+            size = int(handler.rfile.readline().split(b";")[0].strip(), 16)
+            if size == 0:
+                while handler.rfile.readline() not in (b"\r\n", b"\n", b""):
+                    pass
+                return b"".join(chunks)
+            chunks.append(handler.rfile.read(size))
+            handler.rfile.readline()
+    return handler.rfile.read(int(handler.headers.get("Content-Length") or 0))
+
+
+class Serving(BaseHTTPRequestHandler):
+    """A quiet HTTP/1.1 handler (keep-alive, as the client expects; every reply has a Content-Length) that hands
+    every method to ``_serve``."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:  # quiet
+        pass
+
+    def do_GET(self):
+        self._serve("GET")
+
+    def do_HEAD(self):
+        self._serve("HEAD")
+
+    def do_POST(self):
+        self._serve("POST")
+
+    def do_PUT(self):
+        self._serve("PUT")
+
+    def _body(self) -> bytes:
+        return request_body(self)
+
+    def _serve(self, method: str) -> None:
+        raise NotImplementedError
+
+
 def _handler(hub: HubServer):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"  # keep-alive, as the client expects; every reply has a Content-Length
-
-        def log_message(self, *args) -> None:  # quiet
-            pass
-
-        def do_GET(self):
-            self._serve("GET")
-
-        def do_HEAD(self):
-            self._serve("HEAD")
-
-        def do_POST(self):
-            self._serve("POST")
-
-        def do_PUT(self):
-            self._serve("PUT")
-
-        # --- plumbing ------------------------------------------------------------------------
-        def _body(self) -> bytes:
-            if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-                chunks = []
-                while True:
-                    size = int(self.rfile.readline().split(b";")[0].strip(), 16)
-                    if size == 0:
-                        while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                            pass
-                        return b"".join(chunks)
-                    chunks.append(self.rfile.read(size))
-                    self.rfile.readline()
-            return self.rfile.read(int(self.headers.get("Content-Length") or 0))
-
+    class Handler(Serving):
         def _serve(self, method: str) -> None:
             split = urlsplit(self.path)
             body = self._body() if method in ("POST", "PUT") else b""

@@ -25,8 +25,10 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from urllib.parse import urlsplit
+
+from helpers.hub_server import Serving
 
 ENDLESS, STALL, DRIP, LOOP, PING_PONG = "endless", "stall", "drip", "loop", "ping-pong"
 MAX_BYTES = 32 * 1024 * 1024
@@ -117,37 +119,7 @@ class LyingHub:
 
 
 def _handler(proxy: LyingHub):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args) -> None:  # quiet
-            pass
-
-        def do_GET(self):
-            self._serve("GET")
-
-        def do_HEAD(self):
-            self._serve("HEAD")
-
-        def do_POST(self):
-            self._serve("POST")
-
-        def do_PUT(self):
-            self._serve("PUT")
-
-        def _body(self) -> bytes:
-            if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-                chunks = []
-                while True:
-                    size = int(self.rfile.readline().split(b";")[0].strip(), 16)
-                    if size == 0:
-                        while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                            pass
-                        return b"".join(chunks)
-                    chunks.append(self.rfile.read(size))
-                    self.rfile.readline()
-            return self.rfile.read(int(self.headers.get("Content-Length") or 0))
-
+    class Handler(Serving):
         def _serve(self, method: str) -> None:
             body = self._body() if method in ("POST", "PUT") else b""
             path = urlsplit(self.path).path
