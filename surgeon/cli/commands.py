@@ -261,6 +261,8 @@ Examples:
   surgeon push ./llama-reinit org/llama-reinit --branch reset-v2     # to a branch
   surgeon push ./llama-reinit org/llama-reinit --create-pr           # as a pull request
   surgeon push ./llama-reinit org/llama-reinit --dry-run             # the files it would upload
+  surgeon push ./finetuned me/finetuned --exclude '*.onnx'           # leave out more
+  surgeon push ./finetuned me/finetuned --include 'checkpoint-500/*' # only these files
 \b
 The token comes from HF_TOKEN or `hf auth login`; HF_ENDPOINT selects another Hub.
 """,
@@ -284,7 +286,17 @@ The token comes from HF_TOKEN or `hf auth login`; HF_ENDPOINT selects another Hu
     "stale index, shards of another count), with a warning (default: delete them in the same commit).",
 )
 @click.option(
-    "--dry-run", is_flag=True, help="Print the files that would be uploaded, copied and deleted, and send nothing."
+    "--include",
+    multiple=True,
+    metavar="GLOB",
+    help="Push only the files matching GLOB (repeatable; as in `hf upload`), in place of the default: the model's "
+    "files, without checkpoint-*/, optimizer, scheduler and RNG state, training_args.bin and logs.",
+)
+@click.option("--exclude", multiple=True, metavar="GLOB", help="Leave out the files matching GLOB (repeatable).")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print the files that would be uploaded, copied, deleted and left out, and where, and send nothing.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print what was pushed as JSON on stdout.")
 def push(
@@ -296,13 +308,17 @@ def push(
     commit_message: str | None,
     no_server_copy: bool,
     keep_other_weights: bool,
+    include: tuple[str, ...],
+    exclude: tuple[str, ...],
     dry_run: bool,
     as_json: bool,
 ) -> None:
-    """Upload FOLDER (e.g. an output of surgeon reinit) to the Hub model repo ORG/NAME.
+    """Upload the model in FOLDER (an output of surgeon reinit, a fine-tuned model) to the Hub model repo ORG/NAME.
 
-    Creates the repo if needed and uploads every file in one commit, large files through
-    the Hub client's large-file path, and prints the files uploaded. Only the folder's own
+    Creates the repo if needed and uploads the model's files in one commit, large files through
+    the Hub client's large-file path, and prints the files uploaded. What training leaves beside
+    a model (Trainer checkpoints, optimizer, scheduler and RNG state, training_args.bin, logs) is
+    left out, with a note naming it and its size (--include / --exclude choose). Only the folder's own
     files go: a link that leads out of it is refused, and so is a folder that is part of a
     model (the staging folder of a push by changes). A folder made from a Hub model names
     it and its commit in its record: the files it holds unchanged are copied server-side
@@ -324,6 +340,8 @@ def push(
         dry_run=dry_run,
         server_copy=not no_server_copy,
         keep_other_weights=keep_other_weights,
+        include=list(include) or None,
+        exclude=list(exclude) or None,
     )
     if as_json:
         _out(json.dumps(result.to_dict(), indent=2))
