@@ -19,6 +19,7 @@ _EXPORTS = {
     "inspect_module": "in_memory",
     "reinit": "in_memory",
     "reinit_": "in_memory",
+    "lineage_card": "in_memory",
     "conditioned_init_": "integrations.init_hooks",
     "recover": "open.recovery",
     "verify": "audit",
@@ -100,7 +101,7 @@ if TYPE_CHECKING:
     )
     from .hub.push import PushTarget, push_folder
     from .hub.push_result import PushResult
-    from .in_memory import inspect, inspect_module, reinit, reinit_
+    from .in_memory import inspect, inspect_module, lineage_card, reinit, reinit_
     from .integrations.init_hooks import conditioned_init_
     from .open.recovery import recover
     from .options import ReinitOptions
