@@ -23,6 +23,7 @@ _EXPORTS = {
     "conditioned_init_": "integrations.init_hooks",
     "recover": "open.recovery",
     "verify": "audit",
+    "diff": "audit.diff",
     "Verification": "audit",
     "VerificationError": "errors",
     "CheckpointError": "errors",
@@ -79,6 +80,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from .api import inspect_checkpoint, reinit_checkpoint
     from .audit import Verification, verify
+    from .audit.diff import diff
     from .compute.jacobian import JacobianReport, jacobian_report
     from .detect.hints import Hints
     from .errors import (

@@ -385,6 +385,33 @@ def verify(original: str, output: str, model_flags: ModelFlags, as_json: bool) -
     context_settings=CONTEXT,
     epilog="""\b
 Examples:
+  surgeon diff ./reset ./finetuned             # what fine-tuning changed since the reset
+  surgeon diff org/model ./resaved             # did the loader re-initialize something?
+  surgeon diff ./reset ./finetuned --json
+\b
+Exit status: 0 whether or not they differ; 1 when A or B cannot be read.
+""",
+)
+@click.argument("a")
+@click.argument("b")
+@model_options
+def diff(a: str, b: str, model_flags: ModelFlags, as_json: bool) -> None:
+    """Compare checkpoints A and B tensor by tensor: identical or changed (and how much).
+
+    For each attention projection that changed (found in A as inspect finds it), each head's
+    relative change ||B - A|| / ||A|| and its condition number in A and in B. The options
+    say how to read A.
+    """
+    from ..audit.diff import diff as compare
+
+    result = compare(a, b, **model_flags.keywords())
+    _out(json.dumps(result.to_dict(), indent=2) if as_json else str(result))
+
+
+@main.command(
+    context_settings=CONTEXT,
+    epilog="""\b
+Examples:
   surgeon recover model.safetensors
   surgeon recover ./llama                      # a sharded checkpoint folder
   surgeon recover model.safetensors --json     # what was done, as JSON
