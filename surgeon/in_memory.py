@@ -107,8 +107,9 @@ def _leave_record(model: nn.Module, plan: Plan, hints: Hints) -> None:
     }
     earlier = getattr(config, CONFIG_KEY, None)
     setattr(config, CONFIG_KEY, [*(earlier if isinstance(earlier, list) else []), record])
-    if hasattr(model, "add_model_tags"):
-        model.add_model_tags([TAG, get_mode(plan.options.mode).tag])
+    add_tags = getattr(model, "add_model_tags", None)
+    if callable(add_tags):
+        add_tags([TAG, get_mode(plan.options.mode).tag])
 
 
 def _base(config: Any) -> dict:

@@ -149,9 +149,9 @@ def diff(
     tensors = [_tensor_change(wa, wb, name) for name in sorted(set(wa.tensors) | set(wb.tensors))]
     status = {t.name: t.status for t in tensors}
     try:
-        blocks = detect_source(src_a, hints).blocks
+        blocks = tuple(detect_source(src_a, hints).blocks)
     except NoAttentionFoundError:  # a model without attention still has tensors to compare
-        blocks = []
+        blocks = ()
     heads = []
     for block in blocks:
         for p in block.projections:

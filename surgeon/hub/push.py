@@ -381,9 +381,9 @@ def _commands(
     if staged:
         fix = resume_command(folder, made.reproduce, repo_id, no_server_copy=True, **settings)
         return _Commands(resume or same_reinit(), fix or same_reinit(no_server_copy=True), resume)
-    chosen = {"include": include, "exclude": exclude}
-    retry = push_command(folder, repo_id, no_server_copy=not server_copy, **settings, **chosen)
-    return _Commands(retry, push_command(folder, repo_id, no_server_copy=True, **settings, **chosen), resume)
+    retry = push_command(folder, repo_id, no_server_copy=not server_copy, include=include, exclude=exclude, **settings)
+    fix = push_command(folder, repo_id, no_server_copy=True, include=include, exclude=exclude, **settings)
+    return _Commands(retry, fix, resume)
 
 
 NO_TOKEN_YET = "no Hub token found: the real push needs one with write access (HF_TOKEN or `hf auth login`)"
@@ -667,7 +667,8 @@ def select_files(
 ) -> tuple[list[str], list[str]]:
     """(pushed, left out): ``files`` (relative paths) split by the selection of a push. Without ``include``, the
     model's files (not :func:`is_training_file`); with it, those matching it; less those matching ``exclude``."""
-    pushed, left = [], []
+    pushed: list[str] = []
+    left: list[str] = []
     for f in files:
         wanted = _matches(f, include) if include else not is_training_file(f)
         (pushed if wanted and not (exclude and _matches(f, exclude)) else left).append(f)

@@ -111,7 +111,7 @@ class ReinitCallback(TrainerCallback):
             return
         mark_trained(model, f"trained {state.global_step} steps with the transformers Trainer")
         card = lineage_card(model)
-        readme = Path(args.output_dir) / "README.md"
+        readme = Path(args.output_dir or ".") / "README.md"
         if card is not None and state.is_world_process_zero and not readme.exists():
             readme.parent.mkdir(parents=True, exist_ok=True)
             readme.write_text(card, encoding="utf-8")
