@@ -65,6 +65,9 @@ class Verification:
     mode: str
     files: int = 0  # other files of a folder output checked byte-identical
 
+    def __str__(self) -> str:  # print(surgeon.verify(...)) prints the verdict, not the fields
+        return self.summary()
+
     def summary(self) -> str:
         """The one-line verdict (names shown escaped: a path with a newline in it stays on the line)."""
         o = self.record.get("options", {})

@@ -68,7 +68,24 @@ def main(debug: bool) -> None:
     """
 
 
+INSPECT_SECTIONS = {  # `surgeon inspect --help`, grouped as reinit's
+    "What to report": ("full", "jacobian", "inputs", "verify_layout", "emit_layout", "list_names"),
+    "Output": ("as_json", "plot", "device"),
+    "Hub": ("revision",),
+    "Hints (when config.json does not say)": (
+        "config",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "force_hints",
+        "layout",
+    ),  # fmt: skip
+}
+
+
 @main.command(
+    cls=SectionedCommand,
+    sections=INSPECT_SECTIONS,
     context_settings=CONTEXT,
     epilog="""\b
 Examples:

@@ -1,0 +1,23 @@
+"""The paper cuts of issue 53: `inspect --help` grouped like `reinit --help`, `print(surgeon.verify(...))` the
+one-line verdict."""
+
+from __future__ import annotations
+
+import surgeon
+
+from helpers.tiny import tiny_llama
+
+
+def test_inspect_help_groups_its_options_like_reinit(cli):
+    text = cli("inspect", "--help").output
+    titles = [line[:-1] for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert titles == ["What to report", "Output", "Hub", "Hints (when config.json does not say)", "Other options"]
+    other = text.split("Other options:")[1]
+    assert "--help" in other and "--json" not in other and "--num-heads" not in other
+
+
+def test_printing_a_verify_result_prints_its_one_line_verdict(tmp_path, cli):
+    tiny_llama().save_pretrained(tmp_path / "base")
+    cli("reinit", tmp_path / "base", "--layers", "0", "-o", tmp_path / "out")
+    result = surgeon.verify(tmp_path / "base", tmp_path / "out")
+    assert str(result) == result.summary() and str(result).startswith("verified: ") and "\n" not in str(result)
