@@ -12,7 +12,7 @@ def test_inspect_help_groups_its_options_like_reinit(cli):
     text = cli("inspect", "--help").output
     titles = [line[:-1] for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
     assert titles == ["What to report", "Output", "Hub", "Hints (when config.json does not say)", "Other options"]
-    other = text.split("Other options:")[1]
+    other = text.split("Other options:")[1].split("Examples:")[0]
     assert "--help" in other and "--json" not in other and "--num-heads" not in other
 
 
