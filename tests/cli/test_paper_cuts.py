@@ -21,3 +21,12 @@ def test_printing_a_verify_result_prints_its_one_line_verdict(tmp_path, cli):
     cli("reinit", tmp_path / "base", "--layers", "0", "-o", tmp_path / "out")
     result = surgeon.verify(tmp_path / "base", tmp_path / "out")
     assert str(result) == result.summary() and str(result).startswith("verified: ") and "\n" not in str(result)
+
+
+def test_a_mistyped_path_under_a_local_folder_is_a_local_path_with_a_did_you_mean(tmp_path, cli, monkeypatch):
+    from helpers.cli import expect_cli_error
+
+    tiny_llama().save_pretrained(tmp_path / "minilm")
+    monkeypatch.chdir(tmp_path)
+    line = expect_cli_error(cli, tmp_path, "inspect", "minilm/model.safetensor", match="no such file or folder")
+    assert "did you mean minilm/model.safetensors?" in line and "HF_ENDPOINT" not in line and len(line) < 200
