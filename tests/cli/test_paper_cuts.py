@@ -30,3 +30,9 @@ def test_a_mistyped_path_under_a_local_folder_is_a_local_path_with_a_did_you_mea
     monkeypatch.chdir(tmp_path)
     line = expect_cli_error(cli, tmp_path, "inspect", "minilm/model.safetensor", match="no such file or folder")
     assert "did you mean minilm/model.safetensors?" in line and "HF_ENDPOINT" not in line and len(line) < 200
+
+
+def test_a_reinit_dry_run_names_where_the_real_run_writes(tmp_path, cli):
+    tiny_llama().save_pretrained(tmp_path / "llama")
+    out = cli("reinit", tmp_path / "llama", "--layers", "0", "-o", tmp_path / "reset", "--dry-run").stdout
+    assert f"note: the real run writes {tmp_path / 'reset'}" in out.splitlines() and not (tmp_path / "reset").exists()
