@@ -76,7 +76,7 @@ def reinit_(
     hints = Hints(num_heads, num_kv_heads, head_dim)
     with _detected(module, hints, example_inputs) as (inner, found):
         plan, engine, device = _change_in_place(inner, found, chosen, full)
-        _leave_record(inner, plan, hints)
+        leave_record(inner, plan, hints)
     return _reinit_report(module, found, plan, engine, device, start)
 
 
@@ -87,10 +87,15 @@ CONFIG_KEY = "surgeon"
 TRAINED = "reset in memory; the weights saved with this record are those of the model when it was saved"
 
 
-def _leave_record(model: nn.Module, plan: Plan, hints: Hints) -> None:
-    """Add what this reset did to ``model.config`` (a list: one entry per reset) and surgeon's tags to the model's."""
+def leave_record(model: nn.Module, plan: Plan, hints: Hints, *, after: str = TRAINED) -> None:
+    """Add what this reset did to ``model.config`` (a list: one entry per reset) and surgeon's tags to the model's;
+    ``after``: what the record says came after it."""
+    import sys
+
     config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "to_dict"):  # no transformers config: nothing carries a record
+    loaded = sys.modules.get("transformers")  # a transformers config is only there where transformers is loaded
+    config_class = getattr(loaded, "PreTrainedConfig", None) or getattr(loaded, "PretrainedConfig", None)
+    if config_class is None or not isinstance(config, config_class):  # nothing saves a record with the weights
         return
     from .modes import get_mode
     from .report.card import TAG, reproduce_command
@@ -103,7 +108,7 @@ def _leave_record(model: nn.Module, plan: Plan, hints: Hints) -> None:
         "reproduce": reproduce_command(
             where, revision=base.get("commit"), options=plan.options.to_dict(), hints=hints, output="RESET"
         ),
-        "after": TRAINED,
+        "after": after,
     }
     earlier = getattr(config, CONFIG_KEY, None)
     setattr(config, CONFIG_KEY, [*(earlier if isinstance(earlier, list) else []), record])
@@ -217,7 +222,7 @@ def lineage_card(model: Any, *, trained: str | None = None) -> str | None:
             "# Fine-tuned after an attention reset",
             "",
             f"Reset from {origin} by surgeon {last.get('version')}: the attention query/key/value projections of "
-            f"{len(last.get('blocks', []))} blocks (layers {', '.join(map(str, layers)) or '-'}) re-initialized "
+            f"{len(last.get('blocks', []))} block{'s' if len(last.get('blocks', [])) != 1 else ''} (layers {', '.join(map(str, layers)) or '-'}) re-initialized "
             f"({last.get('method')}, mode `{mode}`, seed {options.get('seed')}, targets "
             f"`{','.join(options.get('targets') or [])}`); then {trained or _after(last)}.",
             "",

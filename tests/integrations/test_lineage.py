@@ -102,3 +102,25 @@ def test_a_model_never_reset_gets_nothing_of_surgeon(tmp_path):
     model.save_pretrained(tmp_path / "plain")
     assert "surgeon" not in json.loads((tmp_path / "plain" / "config.json").read_text())
     assert surgeon.lineage_card(model) is None and not model.model_tags
+
+
+def test_conditioned_init_at_construction_leaves_its_record_on_the_config(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from surgeon.integrations.init_hooks import CONSTRUCTED
+
+    class ConditionedLlama(LlamaForCausalLM):
+        def init_weights(self):
+            super().init_weights()
+            surgeon.conditioned_init_(self, seed=0)
+
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2)  # fmt: skip
+    model = ConditionedLlama(config)
+    model.save_pretrained(tmp_path / "built")
+    (record,) = json.loads((tmp_path / "built" / "config.json").read_text())["surgeon"]
+    assert record["after"] == CONSTRUCTED and record["base"] == {} and record["options"]["seed"] == 0
+    assert [b["layer"] for b in record["blocks"]] == [0, 1] and model.model_tags == [
+        "surgeon",
+        "conditioned-initialization",
+    ]
