@@ -3,6 +3,8 @@ one-line verdict."""
 
 from __future__ import annotations
 
+import torch
+
 import surgeon
 
 from helpers.tiny import tiny_llama
@@ -36,3 +38,15 @@ def test_a_reinit_dry_run_names_where_the_real_run_writes(tmp_path, cli):
     tiny_llama().save_pretrained(tmp_path / "llama")
     out = cli("reinit", tmp_path / "llama", "--layers", "0", "-o", tmp_path / "reset", "--dry-run").stdout
     assert f"note: the real run writes {tmp_path / 'reset'}" in out.splitlines() and not (tmp_path / "reset").exists()
+
+
+def test_no_attention_found_is_short_however_deep_the_path(tmp_path, cli):
+    from safetensors.torch import save_file
+
+    from helpers.cli import expect_cli_error
+
+    deep = tmp_path / "a-long-temporary-folder-name-of-the-kind-tools-make" / "and-one-more-level"
+    deep.mkdir(parents=True)
+    save_file({"embed.weight": torch.zeros(4, 4)}, deep / "model.safetensors")
+    line = expect_cli_error(cli, tmp_path, "inspect", deep / "model.safetensors", match="no attention found in")
+    assert str(tmp_path) not in line and "and-one-more-level/model.safetensors" in line and len(line) <= 220
