@@ -363,7 +363,7 @@ def _nothing_found(tensors: Mapping[str, TensorInfo], notes: list[str], source: 
     why = f"; closest: {notes[0]}" if notes else ""
     return (  # short: the names surgeon knows are a command away, not in the message
         f"no attention found in {_short(source)}: none of its {len(names)} tensors ({sample}) is named like a q/k/v "
-        f"projection (`{LIST_NAMES}`){why}; name yours with {opt('layout', 'FILE')}"
+        f"projection (`{LIST_NAMES}` lists them){why}; name yours with {opt('layout', 'FILE')}"
     )
 
 
