@@ -19,9 +19,11 @@ _EXPORTS = {
     "inspect_module": "in_memory",
     "reinit": "in_memory",
     "reinit_": "in_memory",
+    "lineage_card": "in_memory",
     "conditioned_init_": "integrations.init_hooks",
     "recover": "open.recovery",
     "verify": "audit",
+    "diff": "audit.diff",
     "Verification": "audit",
     "VerificationError": "errors",
     "CheckpointError": "errors",
@@ -78,6 +80,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from .api import inspect_checkpoint, reinit_checkpoint
     from .audit import Verification, verify
+    from .audit.diff import diff
     from .compute.jacobian import JacobianReport, jacobian_report
     from .detect.hints import Hints
     from .errors import (
@@ -100,7 +103,7 @@ if TYPE_CHECKING:
     )
     from .hub.push import PushTarget, push_folder
     from .hub.push_result import PushResult
-    from .in_memory import inspect, inspect_module, reinit, reinit_
+    from .in_memory import inspect, inspect_module, lineage_card, reinit, reinit_
     from .integrations.init_hooks import conditioned_init_
     from .open.recovery import recover
     from .options import ReinitOptions

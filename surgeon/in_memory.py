@@ -73,9 +73,172 @@ def reinit_(
     _check(module, "reinit_")
     chosen = ReinitOptions.build(options, **keywords)
     start = time.perf_counter()
-    with _detected(module, Hints(num_heads, num_kv_heads, head_dim), example_inputs) as (inner, found):
+    hints = Hints(num_heads, num_kv_heads, head_dim)
+    with _detected(module, hints, example_inputs) as (inner, found):
         plan, engine, device = _change_in_place(inner, found, chosen, full)
+        leave_record(inner, plan, hints)
     return _reinit_report(module, found, plan, engine, device, start)
+
+
+# Where a reset in memory leaves its record: the model's config, which save_pretrained, Trainer.save_model and
+# push_to_hub write as config.json (a model loaded from it carries it on); the Hub tags go on the model's
+# ``model_tags``, which transformers puts in the card it writes. A model never reset gets neither.
+CONFIG_KEY = "surgeon"
+TRAINED = "reset in memory; the weights saved with this record are those of the model when it was saved"
+
+
+def leave_record(model: nn.Module, plan: Plan, hints: Hints, *, after: str = TRAINED) -> None:
+    """Add what this reset did to ``model.config`` (a list: one entry per reset) and surgeon's tags to the model's;
+    ``after``: what the record says came after it."""
+    import sys
+
+    config = getattr(model, "config", None)
+    loaded = sys.modules.get("transformers")  # a transformers config is only there where transformers is loaded
+    config_class = getattr(loaded, "PreTrainedConfig", None) or getattr(loaded, "PretrainedConfig", None)
+    if config_class is None or not isinstance(config, config_class):  # nothing saves a record with the weights
+        return
+    from .modes import get_mode
+    from .report.card import TAG, reproduce_command
+
+    base = _base(config)
+    where = base.get("repo") or base.get("model") or "MODEL"
+    record = {
+        **plan.record(),
+        "base": base,
+        "reproduce": reproduce_command(
+            where, revision=base.get("commit"), options=plan.options.to_dict(), hints=hints, output="RESET"
+        ),
+        "after": after,
+    }
+    earlier = getattr(config, CONFIG_KEY, None)
+    setattr(config, CONFIG_KEY, [*(earlier if isinstance(earlier, list) else []), record])
+    add_tags = getattr(model, "add_model_tags", None)
+    if callable(add_tags):
+        add_tags([TAG, get_mode(plan.options.mode).tag])
+
+
+def _base(config: Any) -> dict:
+    """What the model was loaded from, by its config: a Hub id and commit, or a local file's name and sha256
+    (a local path is not published); {} for a model built in memory."""
+    from .open.hub_ids import parse_repo_id
+
+    name = str(getattr(config, "_name_or_path", "") or "")
+    if not name:
+        return {}
+    path = Path(name)
+    if path.exists():
+        weights = path if path.is_file() else _weights_file(path)
+        found = {"model": path.name}
+        if weights is None:
+            return found
+        return {**found, "file": weights.relative_to(path.parent).as_posix(), "sha256": sha256_file(weights)}
+    if parse_repo_id(f"hf://{name}") == name:
+        commit = getattr(config, "_commit_hash", None) or _cached_commit(name)
+        return {"repo": name, **({"commit": commit} if isinstance(commit, str) else {})}
+    return {"model": path.name}
+
+
+def _cached_commit(repo_id: str) -> str | None:
+    """The commit of ``repo_id``'s main in the Hub cache (what from_pretrained loaded), if it is there."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # a malformed cache entry: the record names the repo without a commit
+        return None
+    return Path(found).parent.name if isinstance(found, str) else None
+
+
+def sha256_file(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _after(record: dict) -> str:
+    after = record.get("after")
+    return "trained" if after == TRAINED or not isinstance(after, str) else after
+
+
+def _weights_file(folder: Path) -> Path | None:
+    for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"):
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
+def reset_records(model: Any) -> list[dict]:
+    """The records the resets in memory of ``model`` (or of the model it was loaded from) left on its config."""
+    config = getattr(model, "config", None)
+    found = getattr(config, CONFIG_KEY, None) if config is not None else None
+    return [r for r in found if isinstance(r, dict)] if isinstance(found, list) else []
+
+
+def mark_trained(model: Any, how: str) -> None:
+    """Say in the last reset record of ``model`` how it was trained since."""
+    records = reset_records(model)
+    if records:
+        records[-1]["after"] = how
+
+
+def lineage_card(model: Any, *, trained: str | None = None) -> str | None:
+    """A model card (README.md text) for a model reset in memory and trained since: its base model, surgeon's
+    tags, what the reset did and the command that makes the reset point again. None for a model never reset.
+
+    Args:
+        model: The model (its config carries the records :func:`reinit_` left).
+        trained: How it was trained since (default: the record's words).
+    """
+    from huggingface_hub import ModelCardData, constants
+
+    from .modes import get_mode
+    from .report.card import TAG
+
+    records = reset_records(model)
+    if not records:
+        return None
+    last = records[-1]
+    base, options = last.get("base") or {}, last.get("options") or {}
+    repo = base.get("repo")
+    mode = str(options.get("mode", "conditioned"))
+    tags = list(dict.fromkeys([TAG, get_mode(mode).tag, *(getattr(model, "model_tags", None) or [])]))
+    data = ModelCardData(base_model=repo, tags=tags, library_name="transformers")
+    if repo:
+        commit = f" (commit `{base['commit'][:12]}`)" if base.get("commit") else ""
+        origin = f"[`{repo}`]({constants.ENDPOINT.rstrip('/')}/{repo}){commit}"
+    elif base.get("model"):
+        origin = f"`{base.get('file', base['model'])}`" + (
+            f" (sha256 `{base['sha256']}`)" if base.get("sha256") else ""
+        )
+    else:
+        origin = "a model built in memory"
+    layers = sorted({b.get("layer") for b in last.get("blocks", []) if isinstance(b.get("layer"), int)})
+    body = "\n".join(
+        [
+            "# Fine-tuned after an attention reset",
+            "",
+            f"Reset from {origin} by surgeon {last.get('version')}: the attention query/key/value projections of "
+            f"{len(last.get('blocks', []))} block{'s' if len(last.get('blocks', [])) != 1 else ''} (layers {', '.join(map(str, layers)) or '-'}) re-initialized "
+            f"({last.get('method')}, mode `{mode}`, seed {options.get('seed')}, targets "
+            f"`{','.join(options.get('targets') or [])}`); then {trained or _after(last)}.",
+            "",
+            "The reset point, made again from the base model (the same weights, byte for byte):",
+            "",
+            "```bash",
+            str(last.get("reproduce")),
+            "```",
+            "",
+            "What training changed since the reset: `surgeon diff RESET THIS-FOLDER`.",
+            "",
+            "The full record is the `surgeon` entry of `config.json`.",
+            "",
+        ]
+    )
+    return f"---\n{data.to_yaml()}\n---\n\n{body}"
 
 
 def _change_in_place(

@@ -65,6 +65,9 @@ class Verification:
     mode: str
     files: int = 0  # other files of a folder output checked byte-identical
 
+    def __str__(self) -> str:  # print(surgeon.verify(...)) prints the verdict, not the fields
+        return self.summary()
+
     def summary(self) -> str:
         """The one-line verdict (names shown escaped: a path with a newline in it stays on the line)."""
         o = self.record.get("options", {})
@@ -191,6 +194,13 @@ def _check_kind(src: Source, out: Source, original: str | Path, output: str | Pa
 def _read_record(out: Source, output: str | Path) -> tuple[Record, list | None, str]:
     """The last record (type-checked), the ones before it (None where the format keeps no history), where they are."""
     found, where = stored_history(out)
+    reset_in_memory = (out.config or {}).get("surgeon") if isinstance(out.config, dict) else None
+    if not found and isinstance(reset_in_memory, list) and reset_in_memory and isinstance(reset_in_memory[-1], dict):
+        raise CheckpointError(  # a model reset in memory and trained since: its config says how to diff it
+            f"{output} was reset in memory and trained since (its config.json's surgeon entry), so its weights are not "
+            f"a reset to verify: make the reset point with `{reset_in_memory[-1].get('reproduce')}` and run "
+            f"`surgeon diff RESET {output}` to see what training changed"
+        )
     if not found:
         hint = " (a folder output carries it in its README.md; a single .bin/.pt file has none)" * (
             not out.primary.record_slot

@@ -68,7 +68,24 @@ def main(debug: bool) -> None:
     """
 
 
+INSPECT_SECTIONS = {  # `surgeon inspect --help`, grouped as reinit's
+    "What to report": ("full", "jacobian", "inputs", "verify_layout", "emit_layout", "list_names"),
+    "Output": ("as_json", "plot", "device"),
+    "Hub": ("revision",),
+    "Hints (when config.json does not say)": (
+        "config",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "force_hints",
+        "layout",
+    ),  # fmt: skip
+}
+
+
 @main.command(
+    cls=SectionedCommand,
+    sections=INSPECT_SECTIONS,
     context_settings=CONTEXT,
     epilog="""\b
 Examples:
@@ -261,6 +278,8 @@ Examples:
   surgeon push ./llama-reinit org/llama-reinit --branch reset-v2     # to a branch
   surgeon push ./llama-reinit org/llama-reinit --create-pr           # as a pull request
   surgeon push ./llama-reinit org/llama-reinit --dry-run             # the files it would upload
+  surgeon push ./finetuned me/finetuned --exclude '*.onnx'           # leave out more
+  surgeon push ./finetuned me/finetuned --include 'checkpoint-500/*' # only these files
 \b
 The token comes from HF_TOKEN or `hf auth login`; HF_ENDPOINT selects another Hub.
 """,
@@ -284,7 +303,17 @@ The token comes from HF_TOKEN or `hf auth login`; HF_ENDPOINT selects another Hu
     "stale index, shards of another count), with a warning (default: delete them in the same commit).",
 )
 @click.option(
-    "--dry-run", is_flag=True, help="Print the files that would be uploaded, copied and deleted, and send nothing."
+    "--include",
+    multiple=True,
+    metavar="GLOB",
+    help="Push only the files matching GLOB (repeatable; as in `hf upload`), in place of the default: the model's "
+    "files, without checkpoint-*/, optimizer, scheduler and RNG state, training_args.bin and logs.",
+)
+@click.option("--exclude", multiple=True, metavar="GLOB", help="Leave out the files matching GLOB (repeatable).")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print the files that would be uploaded, copied, deleted and left out, and where, and send nothing.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print what was pushed as JSON on stdout.")
 def push(
@@ -296,13 +325,17 @@ def push(
     commit_message: str | None,
     no_server_copy: bool,
     keep_other_weights: bool,
+    include: tuple[str, ...],
+    exclude: tuple[str, ...],
     dry_run: bool,
     as_json: bool,
 ) -> None:
-    """Upload FOLDER (e.g. an output of surgeon reinit) to the Hub model repo ORG/NAME.
+    """Upload the model in FOLDER (an output of surgeon reinit, a fine-tuned model) to the Hub model repo ORG/NAME.
 
-    Creates the repo if needed and uploads every file in one commit, large files through
-    the Hub client's large-file path, and prints the files uploaded. Only the folder's own
+    Creates the repo if needed and uploads the model's files in one commit, large files through
+    the Hub client's large-file path, and prints the files uploaded. What training leaves beside
+    a model (Trainer checkpoints, optimizer, scheduler and RNG state, training_args.bin, logs) is
+    left out, with a note naming it and its size (--include / --exclude choose). Only the folder's own
     files go: a link that leads out of it is refused, and so is a folder that is part of a
     model (the staging folder of a push by changes). A folder made from a Hub model names
     it and its commit in its record: the files it holds unchanged are copied server-side
@@ -324,6 +357,8 @@ def push(
         dry_run=dry_run,
         server_copy=not no_server_copy,
         keep_other_weights=keep_other_weights,
+        include=list(include) or None,
+        exclude=list(exclude) or None,
     )
     if as_json:
         _out(json.dumps(result.to_dict(), indent=2))
@@ -361,6 +396,33 @@ def verify(original: str, output: str, model_flags: ModelFlags, as_json: bool) -
     device = "cpu" if model_flags.device == "auto" else model_flags.device
     result = check(original, output, **model_flags.keywords(device=device))
     _out(json.dumps(result.to_dict(), indent=2) if as_json else result.summary())
+
+
+@main.command(
+    context_settings=CONTEXT,
+    epilog="""\b
+Examples:
+  surgeon diff ./reset ./finetuned             # what fine-tuning changed since the reset
+  surgeon diff org/model ./resaved             # did the loader re-initialize something?
+  surgeon diff ./reset ./finetuned --json
+\b
+Exit status: 0 whether or not they differ; 1 when A or B cannot be read.
+""",
+)
+@click.argument("a")
+@click.argument("b")
+@model_options
+def diff(a: str, b: str, model_flags: ModelFlags, as_json: bool) -> None:
+    """Compare checkpoints A and B tensor by tensor: identical or changed (and how much).
+
+    For each attention projection that changed (found in A as inspect finds it), each head's
+    relative change ||B - A|| / ||A|| and its condition number in A and in B. The options
+    say how to read A.
+    """
+    from ..audit.diff import diff as compare
+
+    result = compare(a, b, **model_flags.keywords())
+    _out(json.dumps(result.to_dict(), indent=2) if as_json else str(result))
 
 
 @main.command(

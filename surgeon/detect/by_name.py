@@ -362,9 +362,16 @@ def _nothing_found(tensors: Mapping[str, TensorInfo], notes: list[str], source: 
     sample = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
     why = f"; closest: {notes[0]}" if notes else ""
     return (  # short: the names surgeon knows are a command away, not in the message
-        f"no attention found in {source}: none of its {len(names)} tensors ({sample}) is named like a q/k/v projection "
-        f"surgeon knows (`{LIST_NAMES}` lists them){why}; name yours in a layout file ({opt('layout', 'FILE')})"
+        f"no attention found in {_short(source)}: none of its {len(names)} tensors ({sample}) is named like a q/k/v "
+        f"projection (`{LIST_NAMES}` lists them){why}; name yours with {opt('layout', 'FILE')}"
     )
+
+
+def _short(source: str, limit: int = 48) -> str:
+    """A long path as its last two parts (a temporary folder's name says nothing and fills the line)."""
+    if len(source) <= limit or "/" not in source:
+        return source
+    return ".../" + "/".join(source.rstrip("/").split("/")[-2:])
 
 
 LIST_NAMES = "surgeon inspect --list-names"  # the command that prints projection_names()

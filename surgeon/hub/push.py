@@ -10,8 +10,9 @@ naming the files and the command that puts them right.
 
 from __future__ import annotations
 
+import fnmatch
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
@@ -66,6 +67,13 @@ _HUB_LFS_SUFFIXES = (
     *".parquet .pb .pickle .pkl .pt .pth .rar .safetensors .tar .tflite .tgz .wasm .xz .zip .zst".split(),
 )
 _HUB_LFS_SIZE = 10 * 1024 * 1024
+# What a training run leaves beside the model it saves (transformers' Trainer, Accelerate, Lightning, loggers): the
+# state to resume training, not the model. Left out of a push unless asked for (``include``).
+_TRAINING_FOLDERS = ("checkpoint-*", "global_step*", "runs", "logs", "wandb", "mlruns", "lightning_logs",
+    "tensorboard", "__pycache__", ".ipynb_checkpoints")  # fmt: skip
+_TRAINING_FILES = ("optimizer.*", "scheduler.*", "scaler.*", "rng_state*.pth", "training_args.bin",
+    "trainer_state.json", "all_results.json", "train_results.json", "eval_results.json", "*.log",
+    "events.out.tfevents.*", "latest")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -221,6 +229,8 @@ class _Push:
     keep_other_weights: bool
     retry: str
     fix: str
+    skipped: tuple[str, ...] = ()  # the folder's files the selection leaves out
+    skipped_bytes: int = 0
 
 
 def push_folder(
@@ -238,8 +248,10 @@ def push_folder(
     copies: ServerCopies | None = None,
     server_copy: bool = True,
     keep_other_weights: bool = False,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
 ) -> PushResult:
-    """Upload every file of ``folder`` to the model repo ``repo_id`` in one commit, checked before and after.
+    """Upload the model files of ``folder`` to the model repo ``repo_id`` in one commit, checked before and after.
 
     A folder made by ``surgeon reinit`` from a Hub model says so in its record: the files it holds unchanged
     are copied server-side from that model's commit rather than uploaded (``server_copy=False``: every file
@@ -248,6 +260,13 @@ def push_folder(
     that are not in ``folder``, copied server-side from another repo at a pinned commit (a push by changes,
     whose staging folder holds the rest); where the Hub refuses them, :class:`~surgeon.hub.copies.CopyRefused`
     is raised before anything is committed. A folder that is part of a model (a staging folder alone) is refused.
+
+    By default a push sends the files a model needs (weights, index, config, generation config, tokenizer files,
+    card, sentence-transformers module folders, ...) and leaves out what training leaves beside them: Trainer
+    checkpoints (``checkpoint-*``), optimizer, scheduler and RNG state, ``training_args.bin``, logs (``runs/``,
+    ``*.log``, ``trainer_state.json``); a note names what was left out and its size. ``include`` / ``exclude``:
+    globs on the folder's relative paths, as ``hf upload`` takes them (``*`` matches ``/`` too; a pattern ending
+    in ``/`` is a folder); ``include`` replaces the default selection.
 
     Files of the destination that a loader would read instead of or beside the new weights are deleted in the
     same commit (``keep_other_weights=True``: kept, with a note that warns of them). After the commit, what the
@@ -271,6 +290,8 @@ def push_folder(
         copies: Files not in the folder, copied server-side into the same commit.
         server_copy: Copy what the folder's record names as unchanged from a Hub model, server-side.
         keep_other_weights: Keep the destination's other weights (default: delete them in the same commit).
+        include: Push only the files matching one of these globs (default: the model's files).
+        exclude: Leave out the files matching one of these globs.
 
     Returns:
         What was pushed (or, for a dry run, what would be).
@@ -287,9 +308,16 @@ def push_folder(
         refuse_journals(folder, unfinished=True)
     repo_id = _check_target(repo_id, branch, create_pr)
     files, left_out = _files_to_push(folder)
+    files, skipped = select_files(files, include, exclude)
+    if not files:
+        raise OptionError(f"no file of {folder} is left to push by {_selection_words(include, exclude)}")
+    skipped_bytes = sum((folder / f).stat().st_size for f in skipped)
+    if skipped:
+        left_out = [_left_out_note(skipped, skipped_bytes, include), *left_out]
     made = how_made(folder)
     commands = _commands(folder, repo_id, made, staged=copies is not None, branch=branch, create_pr=create_pr,
-        private=private, commit_message=commit_message, server_copy=server_copy, keep=keep_other_weights)  # fmt: skip
+        private=private, commit_message=commit_message, server_copy=server_copy, keep=keep_other_weights,
+        include=include, exclude=exclude)  # fmt: skip
     partial = part_of_a_model(folder, files, copies.files if copies is not None else ())
     if partial is not None:
         raise refuse_part(folder, partial, commands.resume)
@@ -303,7 +331,7 @@ def push_folder(
         copies = origin.copies
         left_out += [origin.note] if origin.note else []
     push = _Push(folder, repo_id, private, branch, create_pr, commit_message, commit_description, token, progress,
-        keep_other_weights, commands.retry, commands.fix)  # fmt: skip
+        keep_other_weights, commands.retry, commands.fix, tuple(skipped), skipped_bytes)  # fmt: skip
     if dry_run:
         return _dry_run(push, files, left_out, copies, own_copies)
     try:
@@ -342,6 +370,8 @@ def _commands(
     commit_message: str | None,
     server_copy: bool,
     keep: bool,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
 ) -> _Commands:
     """A push's commands. A staging folder (``staged``: the caller copies the rest) is never pushed alone: its
     commands are the reinit's that made it (or, where its card does not say, words saying to run it again)."""
@@ -351,8 +381,9 @@ def _commands(
     if staged:
         fix = resume_command(folder, made.reproduce, repo_id, no_server_copy=True, **settings)
         return _Commands(resume or same_reinit(), fix or same_reinit(no_server_copy=True), resume)
-    retry = push_command(folder, repo_id, no_server_copy=not server_copy, **settings)
-    return _Commands(retry, push_command(folder, repo_id, no_server_copy=True, **settings), resume)
+    retry = push_command(folder, repo_id, no_server_copy=not server_copy, include=include, exclude=exclude, **settings)
+    fix = push_command(folder, repo_id, no_server_copy=True, include=include, exclude=exclude, **settings)
+    return _Commands(retry, fix, resume)
 
 
 NO_TOKEN_YET = "no Hub token found: the real push needs one with write access (HF_TOKEN or `hf auth login`)"
@@ -402,7 +433,7 @@ def _dry_run(
     return PushResult(
         push.repo_id, url, push.branch or "main", False, "", "", None, rest, [], [], sum(u.size for u in uploads),
         notes, dry_run=True, deleted=[f.path for f in plan.deletions], kept=list(plan.kept), plan=plan,
-        **_copied(copies),
+        left_out=list(push.skipped), left_out_bytes=push.skipped_bytes, **_copied(copies),
     )  # fmt: skip
 
 
@@ -456,7 +487,7 @@ def _push(
         push.repo_id, f"{api.endpoint}/{push.repo_id}", push.branch or "main", created, info.oid, info.commit_url,
         info.pr_url, rest, large, unchanged, sum(u.size for u in uploads if u.path not in unchanged),
         notes + _kept_note(plan), deleted=[f.path for f in plan.deletions], kept=list(plan.kept), plan=plan,
-        **_copied(copies),
+        left_out=list(push.skipped), left_out_bytes=push.skipped_bytes, **_copied(copies),
     )  # fmt: skip
 
 
@@ -615,6 +646,54 @@ def _files_to_push(folder: Path) -> tuple[list[str], list[str]]:
         )
     _check_card(folder)
     return files, left_out
+
+
+def is_training_file(path: str) -> bool:
+    """Whether ``path`` (relative, ``/``-separated) is something training leaves beside a model rather than part of
+    it: in a checkpoint or log folder, or optimizer, scheduler and RNG state, training arguments, logs."""
+    parts = PurePosixPath(path).parts
+    if any(fnmatch.fnmatchcase(p, g) for p in parts[:-1] for g in _TRAINING_FOLDERS):
+        return True
+    return any(fnmatch.fnmatchcase(parts[-1], g) for g in _TRAINING_FILES)
+
+
+def _matches(path: str, patterns: Sequence[str]) -> bool:
+    """Whether ``path`` matches a glob as ``hf upload`` reads them: ``*`` matches ``/`` too, ``dir/`` is ``dir/*``."""
+    return any(fnmatch.fnmatch(path, p + "*" if p.endswith("/") else p) for p in patterns)
+
+
+def select_files(
+    files: Sequence[str], include: Sequence[str] | None = None, exclude: Sequence[str] | None = None
+) -> tuple[list[str], list[str]]:
+    """(pushed, left out): ``files`` (relative paths) split by the selection of a push. Without ``include``, the
+    model's files (not :func:`is_training_file`); with it, those matching it; less those matching ``exclude``."""
+    pushed: list[str] = []
+    left: list[str] = []
+    for f in files:
+        wanted = _matches(f, include) if include else not is_training_file(f)
+        (pushed if wanted and not (exclude and _matches(f, exclude)) else left).append(f)
+    return pushed, left
+
+
+def _selection_words(include: Sequence[str] | None, exclude: Sequence[str] | None) -> str:
+    words = [f"{opt('include', ' '.join(include))}" if include else "the default selection (the model's files)"]
+    return " and ".join(words + ([opt("exclude", " ".join(exclude))] if exclude else []))
+
+
+def _left_out_note(skipped: list[str], size: int, include: Sequence[str] | None) -> str:
+    """One line: what the selection left out (folders counted as one), its size, and how to push it anyway."""
+    from ..text.sizes import fmt_bytes
+
+    grouped: dict[str, int] = {}
+    for f in skipped:
+        top = f.split("/", 1)[0] + "/" if "/" in f else f
+        grouped[top] = grouped.get(top, 0) + 1
+    names = [f"{k} ({n} files)" if k.endswith("/") else k for k, n in grouped.items()]
+    why = "not asked for" if include else "training state and logs, not the model"
+    return (
+        f"left out {len(skipped)} files ({fmt_bytes(size)}), {why}: {few(names, 4)} "
+        f"(to push them: {opt('include', 'GLOB')})"
+    )
 
 
 def _prepare_repo(

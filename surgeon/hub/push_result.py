@@ -118,6 +118,9 @@ class PushResult:
             instead of or beside the new ones (for a dry run: those it would delete).
         kept: Such files kept, as asked (``keep_other_weights``).
         plan: What the destination was to hold, file by file; after a push, it was checked to hold it.
+        left_out: The folder's files the push left out (training state and logs by default; see ``include`` and
+            ``exclude`` of :func:`~surgeon.hub.push.push_folder`).
+        left_out_bytes: Their bytes.
     """
 
     repo_id: str
@@ -139,6 +142,8 @@ class PushResult:
     deleted: list[str] = field(default_factory=list)  # other weights deleted in the same commit
     kept: list[str] = field(default_factory=list)  # other weights kept as asked
     plan: PushPlan | None = None
+    left_out: list[str] = field(default_factory=list)  # the folder's files not pushed (not the model's, or not asked)
+    left_out_bytes: int = 0
 
     def to_dict(self) -> dict:
         """The result as ``surgeon push --json`` prints it."""
@@ -162,6 +167,8 @@ class PushResult:
             "deleted": self.deleted,
             "kept": self.kept,
             "plan": self.plan.to_dict() if self.plan is not None else None,
+            "left_out": self.left_out,
+            "left_out_bytes": self.left_out_bytes,
         }
 
     def summary(self) -> str:
@@ -178,7 +185,7 @@ class PushResult:
                 f"dry run: would push these {len(self.files)} files ({fmt_bytes(self.bytes)})"
                 + (f" and copy {copies}" if self.copied else "")
                 + (f", and delete {deleted}," if self.deleted else "")
-                + f" to {self.repo_id} (branch {self.revision}); nothing was sent"
+                + f" to {self.repo_id} ({self.repo_url}, branch {self.revision}); nothing was sent"
             )
         changed = len(self.files) - len(self.unchanged)
         if not changed and not self.copied and not self.deleted:
@@ -198,7 +205,7 @@ class PushResult:
 
     def listing(self) -> list[str]:
         """Every file of the push, one line each (the exact list uploaded, or that a dry run would upload), then
-        the copies, the deletions and the other weights kept."""
+        the copies, the deletions, the other weights kept and the folder's files left out."""
         from ..text.shown import shown
 
         unchanged = set(self.unchanged)
@@ -207,6 +214,7 @@ class PushResult:
             + [f"  {shown(f)} (copied server-side)" for f in self.copied]
             + [f"  {shown(f)} (deleted: other weights)" for f in self.deleted]
             + [f"  {shown(f)} (kept: other weights)" for f in self.kept]
+            + [f"  {shown(f)} (left out)" for f in self.left_out]
         )
 
 
@@ -220,6 +228,8 @@ def push_command(
     commit_message: str | None = None,
     no_server_copy: bool = False,
     keep_other_weights: bool = False,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
 ) -> str:
     """The ``surgeon push`` command that sends ``folder`` as the push that failed would have."""
     q = shlex.quote
@@ -230,6 +240,8 @@ def push_command(
         *([shell_spelling("commit_message", q(commit_message))] if commit_message else []),
         *([shell_spelling("no_server_copy", "True")] if no_server_copy else []),
         *([shell_spelling("keep_other_weights", "True")] if keep_other_weights else []),
+        *[shell_spelling("include", q(g)) for g in include or ()],
+        *[shell_spelling("exclude", q(g)) for g in exclude or ()],
     ]
     return " ".join(["surgeon", "push", q(str(folder)), repo_id, *flags])
 

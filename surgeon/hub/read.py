@@ -53,6 +53,20 @@ class Snapshot:
     remote: tuple[list[str], str | None] | None = None  # safetensors left on the Hub, read by Range: (files, index)
 
 
+def _not_there(text: str, repo_id: str) -> str:
+    """A path whose first part is a local folder is a local path: it is not there; the near names in that folder."""
+    import difflib
+
+    path = Path(text)
+    near = (
+        difflib.get_close_matches(path.name, [p.name for p in path.parent.iterdir()], n=1)
+        if path.parent.is_dir()
+        else []
+    )
+    did = f" (did you mean {path.parent / near[0]}?)" if near else ""
+    return f"no such file or folder: {text}{did}; {path.parts[0]}/ is a local folder (hf://{repo_id} for the Hub model)"
+
+
 def open_model(
     model: str | Path,
     *,
@@ -73,6 +87,8 @@ def open_model(
     repo_id = parse_repo_id(text) if isinstance(model, str) else None
     if explicit and repo_id is None:
         raise OptionError(f"{text!r} is not a Hub model id: write hf://org/name")
+    if not explicit and repo_id is not None and not Path(text).exists() and Path(repo_id.split("/")[0]).is_dir():
+        raise CheckpointError(_not_there(text, repo_id))  # `minilm/model.safetensor` beside a folder minilm/
     if not explicit and (repo_id is None or Path(text).exists()):
         if revision is not None:
             hint = f"; for the Hub model of that name write hf://{repo_id}" if repo_id else ""

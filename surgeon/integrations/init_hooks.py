@@ -106,7 +106,22 @@ def conditioned_init_(
         if len(done) == len(plan.changes):  # all written: a later call on the model plans afresh
             del cache[chosen]
     mine = [c for c in mine if not _loaded(found, c)]  # what from_pretrained loaded stays as loaded
-    return _write(found, replace(plan, changes=mine)) if mine else 0
+    if not mine:
+        return 0
+    written = _write(found, replace(plan, changes=mine))
+    if module is model or path_done(cache, chosen):  # the model's init is complete: its config says how it was made
+        from ..in_memory import leave_record
+
+        leave_record(model, plan, Hints(num_heads, num_kv_heads, head_dim), after=CONSTRUCTED)
+    return written
+
+
+CONSTRUCTED = "conditioned init when the model was built (surgeon.conditioned_init_), not a reset of trained weights"
+
+
+def path_done(cache: dict, chosen: ReinitOptions) -> bool:
+    """Whether the per-module hook has written every change of the plan (its cache entry is gone then)."""
+    return chosen not in cache
 
 
 _ON_META = (

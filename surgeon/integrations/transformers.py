@@ -50,10 +50,13 @@ class ReinitCallback(TrainerCallback):
     Raises:
         OptionError: A keyword is not one :func:`surgeon.reinit_` takes.
 
-    The report is kept as ``.report`` (None until training begins).
+    The report is kept as ``.report`` (None until training begins). The reset's record goes on the model's
+    config (``config.json`` when saved); at the end of training, the card (base model, tags, the reset, the
+    command that makes the reset point again) is written into the output folder.
     """
 
     def __init__(self, options: ReinitOptions | None = None, **keywords: Any) -> None:
+        self._model: nn.Module | None = None
         unknown = sorted(set(keywords) - _reinit_keywords())
         if unknown:
             from ..errors import OptionError
@@ -89,5 +92,26 @@ class ReinitCallback(TrainerCallback):
         from ..in_memory import reinit_
 
         self.report = reinit_(model, **self.options)
+        self._model = model
         if state.is_world_process_zero:
             print(self.report)
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Say in the model's record how it was trained, and write its card (base_model, tags, the reset) into
+        the output folder, where ``trainer.save_model()`` then saves the model beside it (a README.md there
+        already is left as it is)."""
+        from pathlib import Path
+
+        from ..in_memory import lineage_card, mark_trained
+
+        model = kwargs.get("model") or getattr(self, "_model", None)
+        if self.report is None or model is None:  # resumed, or never reset: nothing of surgeon's to write
+            return
+        mark_trained(model, f"trained {state.global_step} steps with the transformers Trainer")
+        card = lineage_card(model)
+        readme = Path(args.output_dir or ".") / "README.md"
+        if card is not None and state.is_world_process_zero and not readme.exists():
+            readme.parent.mkdir(parents=True, exist_ok=True)
+            readme.write_text(card, encoding="utf-8")

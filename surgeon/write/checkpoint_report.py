@@ -46,7 +46,7 @@ def planned_rows(source: Source, plan: Plan) -> list[ProjectionRow]:
 
 def dry_run_notes(source: Source, dest: Destination, *, overwrite: bool, push: PushTarget | None) -> list[str]:
     """What a dry run says besides the plan: an output in the way, the files a push would send."""
-    notes = []
+    notes = [f"the real run patches {dest.path} in place" if dest.in_place else f"the real run writes {dest.path}"]
     if dest.path.exists() and not overwrite and not dest.in_place:
         notes.append(f"{dest.path} exists: the real run needs {opt('overwrite', True)} or another {opt('output')}")
     if push is not None:

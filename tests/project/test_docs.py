@@ -29,8 +29,10 @@ PAGE_MODELS = {
     "docs/hub.md": ("bert",),
     "docs/python-api.md": ("llama", "encoder.safetensors"),
     "docs/frameworks.md": ("checkpoint/step-1000",),
+    "docs/fine-tune.md": (),  # the task guide: everything from the (loopback) Hub
+    "docs/getting-started.md": (),
 }
-HUB_PAGES = {"docs/hub.md"}
+HUB_PAGES = {"docs/hub.md", "docs/fine-tune.md", "docs/getting-started.md"}
 MOST_ILLUSTRATIVE = 3  # blocks that no test runs: a handful at most, each with its reason
 
 ALL = {str(p.relative_to(ROOT)): blocks(p) for p in pages()}
@@ -98,6 +100,28 @@ def test_the_site_builds_strict_with_no_broken_link(tmp_path):
     assert sorted(nav) == on_disk  # every page is in the navigation
     for page in nav:
         assert (tmp_path / "site" / ("" if page == "index.md" else page[:-3]) / "index.html").is_file()
+
+
+def test_the_built_site_shows_no_escaped_characters_and_documents_every_command(tmp_path):
+    """A Markdown escape inside a code span (``\\|`` in a table) is shown as written; the built pages have none,
+    and the home page says how to install and set up, and the CLI page has a section for every command."""
+    from surgeon.cli.commands import main
+
+    built = _build(ROOT / "mkdocs.yml", tmp_path / "site")
+    assert built.returncode == 0, built.stderr
+    escaped = {}
+    for html in sorted((tmp_path / "site").rglob("*.html")):
+        text = re.sub(r"<pre>.*?</pre>", "", html.read_text(encoding="utf-8"), flags=re.S)
+        found = re.findall(r"\\[|*_`\[\]]", text)
+        if found:
+            escaped[str(html.relative_to(tmp_path / "site"))] = found
+    assert not escaped, escaped
+    home = " ".join((tmp_path / "site" / "index.html").read_text(encoding="utf-8").split())
+    assert "pip install -c constraints/test.txt -e ." in home and "No release is published yet" in home
+    assert "pip install &#39;attention-surgeon" not in home and "pip install attention-surgeon" not in home
+    cli = (tmp_path / "site" / "cli" / "index.html").read_text(encoding="utf-8")
+    for command in main.commands:
+        assert re.search(rf'<h2 id="surgeon-{command}\b', cli), command
 
 
 def test_a_broken_link_or_anchor_fails_the_build(tmp_path):

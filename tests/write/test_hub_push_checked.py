@@ -101,7 +101,8 @@ def test_other_weights_are_deleted_in_the_same_commit_and_transformers_loads_the
         assert "deleted 1 files of other weights a loader would read (model.safetensors)" in onto_single.stdout
         assert "  model.safetensors (deleted: other weights)" in onto_single.stdout.splitlines()
         assert deleted_in_commits(hub, "me/D") == ["model.safetensors"]  # in the one commit, beside the uploads
-        assert {p: c for p, c in hub.files("me/D").items() if p != ".gitattributes"} == folder_files(out_sharded)
+        model = {p: c for p, c in folder_files(out_sharded).items() if p != "training_args.bin"}  # training state
+        assert {p: c for p, c in hub.files("me/D").items() if p != ".gitattributes"} == model
         new = loaded(hub.files("me/D"), tmp_path / "D")
         assert same_weights(new, loaded(folder_files(out_sharded), tmp_path / "expected-D"))
         assert not same_weights(new, loaded(folder_files(single), tmp_path / "old-D"))  # layer 0 was re-initialized
@@ -292,7 +293,7 @@ def test_would_delete_and_a_dry_run_read_the_destination_and_send_nothing(output
         assert would_delete("me/none", files, token=TOKEN) == []
         assert PushTarget("me/D", token=TOKEN, keep_other_weights=True).would_delete(files) == []
         assert PushTarget("me/D", token=TOKEN).would_delete(files) == ["model.safetensors"]
-        result = push_folder(out_sharded, "me/D", token=TOKEN, dry_run=True)
+        result = push_folder(out_sharded, "me/D", token=TOKEN, dry_run=True, include=["*"])  # training_args.bin too
         assert result.deleted == ["model.safetensors"] and result.plan is not None
         assert {f.path for f in result.plan.uploads} == set(files) and result.plan.predicted
         with pytest.raises(dataclasses.FrozenInstanceError):
