@@ -57,10 +57,8 @@ class Conditioned(Mode, name="conditioned"):
         return f"conditioned, value identity {options.get('value_identity')}{gain}"
 
     def legend(self, options: dict) -> str:
-        return (
-            "Each query/key head is drawn independently (as in the paper), so heads are not mutually orthogonal"
-            " and the whole q/k matrix keeps a kappa above 1"
-            + ("; the block value identity is kappa 1 as a whole." if options.get("value_identity") == "block" else ".")
+        return "q/k heads are drawn independently (the paper's way), so a whole q/k keeps kappa > 1" + (
+            "; block value identity: kappa 1 as a whole." if options.get("value_identity") == "block" else "."
         )
 
     def card_intro(self, options: dict, blocks: Sequence) -> str:

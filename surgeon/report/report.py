@@ -146,16 +146,15 @@ class Report:
         return out
 
     def _legend(self) -> str:
+        """One line under the table: what its kappas are, and what the mode leaves (its own legend)."""
         o = self.options or {}
-        text = "head kappa: condition number of each head's own matrix, min/median/max over the heads" + (
-            "; kappa: of the whole projection, all heads stacked."
+        text = "head kappa: each head's, min/med/max" + (
+            "; kappa: the whole projection's"
             if self._whole_measured()
-            else f" ({opt('full', True)} adds the whole projection's)."
+            else f" ({opt('full', True)} adds the whole projection's)"
         )
         legend = get_mode(str(o["mode"])).legend(o) if o.get("mode") in MODES else ""
-        if legend:
-            text += "\n" + legend
-        return text
+        return f"{text}; {legend}" if legend else text + "."
 
     def _summary(self) -> str:
         stacks = list(dict.fromkeys(b.stack for b in self.blocks))

@@ -50,3 +50,12 @@ def test_no_attention_found_is_short_however_deep_the_path(tmp_path, cli):
     save_file({"embed.weight": torch.zeros(4, 4)}, deep / "model.safetensors")
     line = expect_cli_error(cli, tmp_path, "inspect", deep / "model.safetensors", match="no attention found in")
     assert str(tmp_path) not in line and "and-one-more-level/model.safetensors" in line and len(line) <= 230
+
+
+def test_the_footnote_under_the_table_is_one_line(tmp_path, cli):
+    """Every reinit's legend (what the kappas are, what the mode leaves) is one line of at most ~200 characters, once."""
+    tiny_llama().save_pretrained(tmp_path / "base")
+    out = cli("reinit", tmp_path / "base", "--layers", "0", "-o", tmp_path / "out").stdout.splitlines()
+    (at,) = [i for i, line in enumerate(out) if line.startswith("head kappa:")]
+    assert len(out[at]) <= 210 and "kappa > 1" in out[at], out[at]
+    assert at + 1 == len(out) or not out[at + 1].strip()  # nothing of it spills onto a second line
