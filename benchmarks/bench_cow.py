@@ -31,6 +31,7 @@ import argparse
 import fcntl
 import json
 import os
+import resource
 import shutil
 import statistics
 import struct
@@ -160,7 +161,7 @@ def run_cases(fs: Path, src: Path, repeats: int, *, xfs: bool, versions: dict[st
     out, copy = fs / "out", fs / "copy"
     cases = case_list(src, out, copy, xfs=xfs, versions=versions)
     for case in cases:
-        case["seconds"], case["allocated"] = [], []
+        case["seconds"], case["cpu"], case["allocated"] = [], [], []
     for _ in range(repeats):  # every case once per round: drift on a shared machine hits all alike
         for case in cases:
             remove(out)
@@ -170,9 +171,10 @@ def run_cases(fs: Path, src: Path, repeats: int, *, xfs: bool, versions: dict[st
             target = case["out"]
             before = unshared_bytes(target) if target.exists() else 0
             os.sync()
-            start = time.perf_counter()
+            cpu, start = _children_cpu(), time.perf_counter()
             subprocess.run([str(a) for a in case["argv"]], check=True, stdout=subprocess.DEVNULL)
             case["seconds"].append(time.perf_counter() - start)
+            case["cpu"].append(_children_cpu() - cpu)
             case["allocated"].append(unshared_bytes(target) - before)
     remove(out)
     remove(copy)
@@ -181,19 +183,26 @@ def run_cases(fs: Path, src: Path, repeats: int, *, xfs: bool, versions: dict[st
             "case": c["label"],
             "seconds": statistics.median(c["seconds"]),
             "spread": (max(c["seconds"]) - min(c["seconds"])) / statistics.median(c["seconds"]),
+            "cpu": statistics.median(c["cpu"]),
             "allocated": statistics.median(c["allocated"]),
         }
         for c in cases
     ]
 
 
+def _children_cpu() -> float:
+    """CPU seconds (user + system) of every child waited for so far: a measure a busy machine blurs less."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def show(title: str, rows: list[dict], size: int) -> None:
     print(f"\n{title}")
-    header = f"{'case':<40} {'wall':>8} {'spread':>7} {'new blocks':>12} {'of the model':>13}"
+    header = f"{'case':<40} {'wall':>8} {'spread':>7} {'CPU':>7} {'new blocks':>12} {'of the model':>13}"
     print(header + "\n" + "-" * len(header))
     for r in rows:
         print(
-            f"{r['case']:<40} {r['seconds']:7.2f}s {r['spread']:6.0%} {r['allocated'] / 1e6:9.1f} MB "
+            f"{r['case']:<40} {r['seconds']:7.2f}s {r['spread']:6.0%} {r['cpu']:6.2f}s {r['allocated'] / 1e6:9.1f} MB "
             f"{r['allocated'] / size:12.2%}"
         )
 

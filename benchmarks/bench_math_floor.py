@@ -204,9 +204,11 @@ def main() -> None:
     args = ap.parse_args()
     hidden, layers, heads, kv, head_dim = SHAPES[args.shape]
     layers = args.layers or layers
-    from surgeon._compat import prefer_huge_pages
+    from surgeon import _compat
 
-    prefer_huge_pages()  # as a reinit does before torch's first tensor (both sides run with it)
+    # as a reinit does before torch's first tensor (both sides run with it; an older surgeon, with --baseline
+    # runs of benchmarks/bench_cow.py, has no such step)
+    getattr(_compat, "prefer_huge_pages", lambda: None)()
     from surgeon.modes.conditioning import workers
 
     threads = workers()
