@@ -294,7 +294,7 @@ def _reinit(read: ReadFrom, how: RunWith, to: WriteTo, executor: Executor) -> Re
     finished = sink.finish(source, plan, progress=how.progress)
     return reinit_report(
         source, detection, plan, sink.dest, done.rows, [*notes, *done.notes, *_moved(source), *finished.notes],
-        device=done.device, seconds=seconds, bytes_written=done.bytes_written, dry_run=False,
+        device=done.device, seconds=seconds, bytes_written=done.bytes_written, io=done.io, dry_run=False,
         transfer=_figures(source, finished),
     )  # fmt: skip
 

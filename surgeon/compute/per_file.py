@@ -39,6 +39,9 @@ class Compute:
     @property
     def engine(self) -> Engine:
         if self._engine is None:
+            from .._compat import prefer_huge_pages
+
+            prefer_huge_pages()  # before torch's first tensor (the engine's module imports torch)
             from .devices import resolve_device
             from .engine import Engine
 

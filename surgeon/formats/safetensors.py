@@ -5,6 +5,11 @@ relative to the start of the data section. surgeon keeps every tensor's dtype an
 offsets never move: the output is the input's data section with the updated byte ranges
 overwritten, behind a header that differs only in ``__metadata__``. Untouched tensors are copied
 as bytes, never decoded.
+
+The data section does not move either: the new header is padded with spaces to the source's length, or,
+where it does not fit, grown by whole file system blocks (``output_length``). Every untouched byte then sits
+at the same offset as in the source modulo a block, and the kernel copies it by sharing the source's blocks
+on a copy-on-write file system; a shard with no change is cloned whole (``fileio.clone_file``).
 """
 
 from __future__ import annotations
@@ -18,14 +23,17 @@ from typing import TYPE_CHECKING, cast
 from ..errors import CheckpointError, VerificationError
 from ..files.bounded import loads
 from .base import RankedWeightSet, TensorInfo, UpdatesFn, WeightSet, tensor_bytes
-from .fileio import BackgroundCopies, copy_range
+from .fileio import BLOCK, BackgroundCopies, clone_file, copy_range, count
 from .safetensors_header import (
     DTYPES,
     METADATA_KEY,
     Header,
     add_record,
-    encode_header,
+    encode_header,  # noqa: F401  (surgeon's safetensors writer, for the tests that tamper with a header)
+    header_json,
     history_in,
+    output_length,
+    padded,
     read_header,
     with_metadata,
 )
@@ -84,6 +92,7 @@ def read_tensor(header: Header, name: str) -> torch.Tensor:
                 path=header.path,
                 tensor=name,
             )
+    count(read=len(buf))
     return torch.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
@@ -97,7 +106,8 @@ def write_patched(header: Header, dest: Path, updates: dict[str, torch.Tensor], 
 def start_file(header: Header, dest: Path, record: dict | None, history: list | None = None) -> int:
     """Create ``dest`` at its final size with ``header`` (plus ``record``, appended to ``history``) written;
     returns where its data starts. Without a record the header is the original's bytes, so a shard with
-    no change is byte for byte its source (and can be copied server-side on the Hub).
+    no change is byte for byte its source (and can be copied server-side on the Hub). With one, the header is
+    padded to the source's length, or grown by whole blocks (:func:`output_header`).
 
     The data section is left as a hole, for :func:`copy_gaps` and :func:`patch` to fill in any order.
     """
@@ -107,13 +117,29 @@ def start_file(header: Header, dest: Path, record: dict | None, history: list | 
         if len(raw_header) != header.length:
             raise CheckpointError(f"{header.path} changed while surgeon read it; run this again", path=header.path)
     else:
-        raw_header = encode_header(with_metadata(header.entries, add_record(header.metadata, record, history)))
+        raw_header = output_header(header, with_metadata(header.entries, add_record(header.metadata, record, history)))
     data_start = 8 + len(raw_header)
     with open(dest, "wb") as out:
         out.write(struct.pack("<Q", len(raw_header)))
         out.write(raw_header)
         out.truncate(data_start + header.file_size - header.data_start)
+    count(written=data_start)
     return data_start
+
+
+def output_header(source: Header, entries: dict) -> bytes:
+    """The header ``entries`` of an output of ``source``: the data starts where the source's does (the JSON
+    padded with spaces), or, where the JSON does not fit, whole blocks later; so every data byte keeps its
+    offset in its block and a copy-on-write file system shares every block no changed byte is in."""
+    text = header_json(entries)
+    return padded(text, output_length(source, len(text), BLOCK))
+
+
+def clone_shard(header: Header, source: Path, dest: Path, cancel: threading.Event | None = None) -> None:
+    """``dest`` becomes the file of ``header`` (at ``source``), cloned whole, never read."""
+    clone_file(source, dest, cancel)
+    if dest.stat().st_size != header.file_size:
+        raise CheckpointError(f"{header.path} changed while surgeon read it; run this again", path=header.path)
 
 
 def spans(header: Header, names: Iterable[str]) -> list[tuple[int, int]]:
@@ -145,7 +171,9 @@ def patch(header: Header, path: Path, data_start: int, updates: Iterable[tuple[s
                 or _NAMES.get(str(tensor.dtype).removeprefix("torch.")) != entry["dtype"]
             ):
                 raise AssertionError(f"update of {name} changes its shape or dtype")
-            os.pwrite(out.fileno(), tensor_bytes(tensor), data_start + entry["data_offsets"][0])
+            data = tensor_bytes(tensor)
+            os.pwrite(out.fileno(), data, data_start + entry["data_offsets"][0])
+            count(written=len(data))
             written.append(name)
     return written
 
@@ -210,7 +238,9 @@ class SafetensorsWeights(RankedWeightSet):
             return self.bytes.read(info.file, header.data_start + begin, end - begin)
         with open(header.path, "rb") as f:
             f.seek(header.data_start + begin)
-            return f.read(end - begin)
+            data = f.read(end - begin)
+        count(read=len(data))
+        return data
 
     def nbytes(self) -> int:
         """The bytes of the set's files, from their headers (a remote shard is not on disk)."""
@@ -279,20 +309,24 @@ class SafetensorsWeights(RankedWeightSet):
         self, dest: Path, updates: UpdatesFn, record: dict, write_plan: WritePlan, files: list[str] | None = None
     ) -> None:
         """``files``: only these shards, and not the index (one rank's share; see save_shared)."""
-        # Every shard is created at its final size, and all bytes but the changing tensors' are copied
-        # on a background thread (kernel-side, so it overlaps torch's import and the math). Meanwhile
-        # each new tensor is written into its own, disjoint, range as soon as it is computed, so one
-        # tensor's new value is in memory at a time, whatever the size of the shard.
+        # A shard with no change is cloned whole, never read. Every other one is created at its final size,
+        # and all bytes but the changing tensors' are copied on a background thread (kernel-side, so it
+        # overlaps torch's import and the math; shared, not copied, on a copy-on-write file system).
+        # Meanwhile each new tensor is written into its own, disjoint, range as soon as it is computed, so
+        # one tensor's new value is in memory at a time, whatever the size of the shard.
         with BackgroundCopies() as copies:
             jobs = []
             starts = {}
             history = self.history()
             changed = self.changed_files(updates.names)
             for file in self.files if files is None else files:
-                self.local_path(file)  # a remote shard is fetched the first time a writer needs its bytes
+                source = self.local_path(file)  # a remote shard is fetched the first time a writer needs its bytes
                 header = self.headers[file]
-                # the record goes where the change is: a shard with no change stays its source's bytes
-                starts[file] = start_file(header, dest / file, record if file in changed else None, history)
+                if file not in changed:  # the whole file, header included, is its source's
+                    jobs.append(copies.submit(clone_shard, header, source, dest / file, copies.cancel))
+                    continue
+                # the record goes where the change is
+                starts[file] = start_file(header, dest / file, record, history)
                 skip = {n for n in header.tensor_entries() if n in updates.names}
                 jobs.append(copies.submit(copy_gaps, header, dest / file, starts[file], skip, copies.cancel))
             for file in starts:

@@ -214,9 +214,35 @@ def _naturals(value: object) -> TypeGuard[list[int]]:
     return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
 
 
-def encode_header(entries: dict) -> bytes:
-    raw = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    return raw + b" " * (-len(raw) % 8)  # pad to 8 bytes, as the reference writer does
+def encode_header(entries: dict, length: int | None = None) -> bytes:
+    """The header's JSON padded with spaces (which readers allow after the JSON) to a multiple of 8 bytes, as
+    the reference writer does, or to exactly ``length`` bytes (at least the JSON's own)."""
+    return padded(header_json(entries), length)
+
+
+def header_json(entries: dict) -> bytes:
+    """The header's JSON, compact, unpadded."""
+    return json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def padded(text: bytes, length: int | None = None) -> bytes:
+    """``text`` followed by spaces up to ``length`` bytes (None: the next multiple of 8)."""
+    if length is None:
+        length = len(text) + -len(text) % 8
+    if length < len(text):
+        raise ValueError(f"a header of {len(text)} bytes does not fit in {length}")
+    return text + b" " * (length - len(text))
+
+
+def output_length(source: Header, needed: int, block: int) -> int:
+    """The header length N of an output of ``source`` whose JSON takes ``needed`` bytes: the source's own where
+    it fits (padded with spaces), else the source's plus whole ``block``s, so that every data byte stays the
+    same distance from a block boundary as in the source and a copy-on-write file system can share its block.
+    A header that would pass the readers' cap that way is packed instead (padded to 8 bytes only)."""
+    if needed <= source.length:
+        return source.length
+    grown = source.length + -(-(needed - source.length) // block) * block
+    return grown if grown <= _MAX_HEADER else needed + -needed % 8
 
 
 def with_metadata(entries: dict, metadata: dict[str, str]) -> dict:

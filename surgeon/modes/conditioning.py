@@ -129,7 +129,7 @@ def semi_orthogonal_batch(
 
     def orthonormalize(idx: list[int]) -> None:
         part = slice(idx[0], idx[-1] + 1)
-        out[part] = orthonormal_columns(x[part], transposed=rows < cols)
+        orthonormal_columns(x[part], transposed=rows < cols, out=out[part])
 
     in_parallel(orthonormalize, heads, device=device)
     return out
@@ -142,10 +142,11 @@ def semi_orthogonal_batch(
 CHOLESKY_ASPECT = 4
 
 
-def orthonormal_columns(x: torch.Tensor, *, transposed: bool = False) -> torch.Tensor:
+def orthonormal_columns(x: torch.Tensor, *, transposed: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """The Q factor with positive diag(R) of each tall matrix in ``x`` (batched, on x's device).
 
-    ``transposed``: return Q^T, computed as such (contiguous, no transposing copy afterwards).
+    ``transposed``: return Q^T, computed as such (contiguous, no transposing copy afterwards); ``out``: written
+    there (the same bits as without: the same GEMM), not into a new tensor copied over afterwards.
     """
     if x.shape[-2] >= CHOLESKY_ASPECT * x.shape[-1]:
         chol, info = torch.linalg.cholesky_ex(x.mT @ x)
@@ -154,12 +155,13 @@ def orthonormal_columns(x: torch.Tensor, *, transposed: bool = False) -> torch.T
             # as well conditioned as X, so forming its inverse loses nothing.
             eye = torch.eye(x.shape[-1], dtype=x.dtype, device=x.device).expand_as(chol)
             r_inv = torch.linalg.solve_triangular(chol.mT, eye, upper=True)
-            return r_inv.mT @ x.mT if transposed else x @ r_inv
+            return torch.matmul(r_inv.mT, x.mT, out=out) if transposed else torch.matmul(x, r_inv, out=out)
     q, r = torch.linalg.qr(x)
     signs = torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))
     signs[signs == 0] = 1
     q = q * signs.unsqueeze(-2)
-    return q.mT if transposed else q
+    q = q.mT if transposed else q
+    return q if out is None else out.copy_(q)
 
 
 def value_identity(
@@ -216,12 +218,22 @@ def singular_values(mats: torch.Tensor, dtype: torch.dtype = torch.float64) -> t
     Matrices holding NaN or Inf get NaN singular values (the eigensolver would fail on them).
     """
     mats = mats.to(dtype)
+    gram = _gram(mats)
+    # A NaN or Inf anywhere in a matrix shows on its Gram diagonal (sums of squares): checking those few
+    # numbers spares an elementwise pass over the matrices (as long as the Gram itself) where all is finite.
+    if bool(torch.isfinite(torch.diagonal(gram, dim1=-2, dim2=-1)).all()):
+        return torch.linalg.eigvalsh(gram).clamp_min(0).sqrt()
     finite = torch.isfinite(mats).flatten(-2).all(-1)
     if not bool(finite.all()):
         mats = torch.where(finite[..., None, None], mats, torch.zeros((), dtype=mats.dtype, device=mats.device))
-    gram = mats @ mats.transpose(-1, -2) if mats.shape[-2] <= mats.shape[-1] else mats.transpose(-1, -2) @ mats
+        gram = _gram(mats)
     values = torch.linalg.eigvalsh(gram).clamp_min(0).sqrt()
     return torch.where(finite[..., None], values, torch.full((), math.nan, dtype=values.dtype, device=values.device))
+
+
+def _gram(mats: torch.Tensor) -> torch.Tensor:
+    """The smaller Gram matrix of each matrix of ``mats``."""
+    return mats @ mats.transpose(-1, -2) if mats.shape[-2] <= mats.shape[-1] else mats.transpose(-1, -2) @ mats
 
 
 # Per-head kappas of 16-bit weights (bf16, fp16: already rounded to 3-4 digits) are first computed

@@ -6,7 +6,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import Spelling, opt, python_spelling, spell
 from ..modes import NAMES as MODES
@@ -16,6 +16,9 @@ from ..text.sizes import fmt_bytes
 from ..vocab.blocks import AttentionBlock, split_module
 from ..vocab.selection import format_indices
 from ..vocab.spectrum import ProjectionRow, Spectrum
+
+if TYPE_CHECKING:
+    from ..formats.fileio import IOFigures
 
 
 def fmt_kappa(x: float | None) -> str:
@@ -77,6 +80,8 @@ class Report:
     jacobian: Any = None  # inspect with jacobian=True: a surgeon.compute.jacobian.JacobianReport
     # a Hub model read by Range, or a push: the bytes moved, counted as they went (surgeon.hub.remote)
     transfer: dict[str, int] | None = None
+    # what writing the output moved on disk: bytes written from memory, copied or shared by the kernel, read
+    io: IOFigures | None = None
 
     def __post_init__(self) -> None:
         for name in ("blocks", "rows", "notes"):  # a list given (the API's callers may): a tuple all the same
@@ -102,6 +107,8 @@ class Report:
             out["jacobian"] = self.jacobian.to_dict()
         if self.transfer is not None:
             out["transfer"] = self.transfer
+        if self.io is not None:
+            out["io"] = self.io.to_dict()
         return out
 
     def to_json(self, spelling: Spelling = python_spelling, **kwargs: Any) -> str:
@@ -125,12 +132,20 @@ class Report:
             parts.append(spell(self._legend(), spelling))
         parts += note_lines(spell(n, spelling) for n in [*self.nonfinite_notes(), *self.notes])
         if self.command == "reinit" and not self.dry_run and self.output:
-            parts.append(
-                shown(f"wrote {self.output} ({fmt_bytes(self.bytes_written)}) in {self.seconds:.2f} s on {self.device}")
-            )
+            parts.append(shown(f"wrote {self.output} ({self._sizes()}) in {self.seconds:.2f} s on {self.device}"))
         if self.jacobian is not None:
             parts.append(self.jacobian.render())
         return "\n\n".join(p for p in parts if p)
+
+    def _sizes(self) -> str:
+        size = fmt_bytes(self.bytes_written)
+        io = self.io
+        if io is None:
+            return size
+        return (
+            f"{size}: {fmt_bytes(io.written)} written, {fmt_bytes(io.kernel)} shared or copied by the kernel, "
+            f"{fmt_bytes(io.read)} read"
+        )
 
     def nonfinite_notes(self) -> list[str]:
         """Heads whose weights hold NaN or Inf: reported, never a traceback."""

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from ..compute.per_file import Compute
 from ..errors import CheckpointError
+from ..formats.fileio import IOFigures, metered
+from .output import OutputKind
 
 if TYPE_CHECKING:
     import torch
@@ -53,12 +55,15 @@ class Job:
 
 @dataclass(frozen=True)
 class Done:
-    """What carrying out a plan gave: the report's rows and notes, the device used, the bytes written."""
+    """What carrying out a plan gave: the report's rows and notes, the device used, the bytes the output holds
+    (``bytes_written``; a patch: the bytes it rewrote) and what writing it moved (``io``: written from memory,
+    copied or shared by the kernel, read; None where not counted)."""
 
     rows: list[ProjectionRow]
     notes: list[str]
     device: str
     bytes_written: int
+    io: IOFigures | None = None
 
 
 class Executor(Protocol):
@@ -105,10 +110,25 @@ class OneProcess:
             )  # fmt: skip
 
         try:
-            notes += dest.write(source, run.updates_for, plan.record(), write_plans, card=write_the_card)
+            with metered() as meter:
+                notes += dest.write(source, run.updates_for, plan.record(), write_plans, card=write_the_card)
         finally:
             run.close()
-        return Done(run.results(), notes, run.used_device(), dest.size(source, patched=run.bytes_changed))
+        size = dest.size(source, patched=run.bytes_changed)
+        return Done(
+            run.results(),
+            notes,
+            run.used_device(),
+            size,
+            io_figures(meter.figures(), size, patched=dest.kind is OutputKind.PATCH),
+        )
+
+
+def io_figures(counted: IOFigures, size: int, *, patched: bool) -> IOFigures:
+    """What writing moved: the kernel's copies and the reads as counted; written, what a patch rewrote, and of
+    any other output every byte that is not a kernel copy (the files copied beside the weights, the card, the
+    formats that write every byte)."""
+    return IOFigures(counted.written if patched else max(size - counted.kernel, 0), counted.kernel, counted.read)
 
 
 ONE_PROCESS = OneProcess()

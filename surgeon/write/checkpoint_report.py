@@ -16,6 +16,7 @@ from ..vocab.spectrum import ProjectionRow
 
 if TYPE_CHECKING:
     from ..detect.hints import Hints
+    from ..formats.fileio import IOFigures
     from ..hub.push import PushTarget
     from ..open.source import Source
     from ..options import ReinitOptions
@@ -73,6 +74,7 @@ def reinit_report(
     bytes_written: int = 0,
     dry_run: bool = True,
     transfer: dict[str, int] | None = None,
+    io: IOFigures | None = None,
 ) -> Report:
     """The reinit's report, made once from what was planned or done."""
     return Report(
@@ -89,6 +91,7 @@ def reinit_report(
         device=device,
         notes=tuple(notes),
         transfer=transfer,
+        io=io,
     )
 
 

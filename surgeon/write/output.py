@@ -9,7 +9,6 @@ refused output writes nothing.
 from __future__ import annotations
 
 import enum
-import shutil
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, cast
 from ..errors import CheckpointError, OptionError, OutputError, opt
 from ..files.bounded import refuse_special
 from ..files.folder import file_in
+from ..formats.fileio import clone_file
 from ..formats.registry import OTHER_FORMAT_SUFFIXES, WEIGHT_SUFFIXES
 from ..open.source import Source
 from .staging import staged
@@ -285,4 +285,4 @@ def copy_extras(source: Source, dest: Path) -> None:
             raise CheckpointError(f"{rel} of {source.folder} is gone since the folder was opened; run this again")
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, target)
+        clone_file(path, target)  # shared with the source on a copy-on-write file system
