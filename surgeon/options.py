@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import OptionError, opt
 from .modes import NAMES as MODES
-from .modes import all_modes, get_mode, parameter
+from .modes import all_modes, get_mode, parameters
 from .vocab.blocks import Role
 from .vocab.selection import TARGETS, IndexSelection, parse_attention, parse_indices, parse_targets
 from .vocab.spectrum import VALUE_IDENTITIES
@@ -33,6 +33,7 @@ class OptionInfo:
     switch: bool = False  # a bool field: given or not (--keep-scale)
     shell_default: Any = AS_FIELD  # the default a shell shows, where it differs from the field's
     spec: bool = False  # an index spec (may start with "-": a command line writes --layers=SPEC)
+    metavar: str | None = None  # what --help shows after the flag (None: the kind's)
     # recorded options -> whether a reproduce command needs it (an option recorded as None never is)
     recorded: Callable[[dict], bool] | None = None
 
@@ -41,9 +42,14 @@ def _option(default: Any, help: str, **info: Any) -> Any:
     return field(default=default, metadata={"shell": OptionInfo(help, **info)})
 
 
-def _parameter(name: str) -> Any:
-    """The field that carries the mode parameter ``name``: the mode that owns it declares its help and checks it."""
-    return field(default=None, metadata={"shell": OptionInfo(parameter(name).help, kind=float)})
+def _with_mode_parameters(cls: type) -> type:
+    """``cls`` with one field per mode parameter (surgeon.modes.parameters: each declared by its mode, with its
+    help and checks), after the fields written here: a mode's parameter is spelt once, where the mode declares it."""
+    for declared in parameters():
+        cls.__annotations__[declared.name] = f"{declared.kind.__name__} | None"
+        info = OptionInfo(declared.help, kind=declared.kind, metavar=declared.metavar)
+        setattr(cls, declared.name, field(default=None, metadata={"shell": info}))
+    return cls
 
 
 def option_infos() -> list[tuple[str, OptionInfo]]:
@@ -52,6 +58,7 @@ def option_infos() -> list[tuple[str, OptionInfo]]:
 
 
 @dataclass(frozen=True)
+@_with_mode_parameters
 class ReinitOptions:
     """How to re-initialize; the defaults are the paper's conditioned reset of every layer.
 
@@ -63,8 +70,9 @@ class ReinitOptions:
     A frozen, hashable value, read and checked when made: the selection is kept read (``layers`` and ``heads`` as
     :class:`~surgeon.vocab.selection.IndexSelection`, ``targets`` and ``stack`` as tuples), and a value no model
     can use is refused here, before any checkpoint is opened; what needs the model (a layer past its last, a head
-    it does not have) is checked when planning. The modes' own parameters (``strength``, ``gain``, ``std``) are
-    declared and checked by their modes (``surgeon.modes.Mode.parameters``).
+    it does not have) is checked when planning. The modes' own parameters (``strength``, ``gain``, ``std``, ...) are
+    declared and checked by their modes (``surgeon.modes.Mode.parameters``): each is a field too, added after
+    the ones below, None where not given.
 
     Attributes:
         layers: Layers per stack: a spec (``"all"``, ``"0-11"``, ``"-2-"``, ``"0,3,5-7"``) or ints, kept read.
@@ -73,13 +81,10 @@ class ReinitOptions:
         attention: ``"self"``, ``"cross"`` or ``"all"``.
         stack: Only the stacks whose path or name part is given (None: all), kept as a tuple.
         mode: ``conditioned``, ``polar``, ``redraw`` or ``mimetic``.
-        strength: Polar mode's t in (0, 1] (None: 1).
         value_identity: ``"block"`` or ``"per-head"`` value identity.
         keep_scale: Rescale each new head to the old one's Frobenius norm.
         bias: ``"auto"``, ``"zero"`` or ``"keep"`` for the re-initialized heads' biases.
         seed: The draws' seed.
-        gain: Conditioned mode's scale of the q/k heads (None: 1).
-        std: Redraw mode's std (None: from config.json).
     """
 
     layers: IndexSelection = _option(
@@ -97,7 +102,6 @@ class ReinitOptions:
         None, "Only these stacks, by path or name part (e.g. encoder, decoder); comma-separated."
     )
     mode: str = _option("conditioned", " ".join(f"{m.name}: {m.help}." for m in all_modes()), choices=MODES)
-    strength: float | None = _parameter("strength")
     value_identity: str = _option(
         "block",
         "block: the whole value projection is the rectangular identity; per-head: every head is I.",
@@ -118,8 +122,11 @@ class ReinitOptions:
     seed: int = _option(
         0, "Random seed; each head's draw depends only on (seed, the tensor's name in the base model, head).", kind=int
     )
-    gain: float | None = _parameter("gain")
-    std: float | None = _parameter("std")
+    # + one field per mode parameter (_with_mode_parameters): gain, strength, std, ...
+
+    if TYPE_CHECKING:  # for type checkers: the mode parameters' fields, added from the registry
+
+        def __getattr__(self, name: str) -> Any: ...
 
     def __post_init__(self) -> None:
         """Check the values against each other, then read the selection (against a model: when planning).

@@ -41,34 +41,49 @@ class Draw:
 
 @dataclass(frozen=True)
 class Parameter:
-    """A number only one mode takes, declared by that mode (``Mode.parameters``) and checked by it.
+    """A setting only one mode takes, declared by that mode (``Mode.parameters``) and checked by it: the one place
+    it is spelt.
 
-    Its name is the ReinitOptions field, the Python keyword and (as ``--name``) the command-line flag that carry
-    it; options given it for another mode are refused, naming its mode.
+    Everything else is made from it: its ``surgeon.options.ReinitOptions`` field (``name``, default None), the Python
+    keyword and the command-line flag (``--name``, dashes for underscores, a trailing underscore dropped: ``from_``
+    is ``--from``), its ``--help`` line, the record's row (read back and checked by surgeon.report.record), its row
+    in the model card and in docs/modes.md. Options given it for another mode are refused, naming its mode.
     """
 
     name: str
-    help: str  # for --help
-    default: float | None = None  # the value used where not given (None: the mode decides, or none)
-    high: float | None = None  # values lie in (0, high] (None: any finite number above 0)
+    help: str  # for --help, the card's and the docs' tables
+    kind: type = float  # float: a number; str: a word or a name (a path, a Hub id)
+    default: float | str | None = None  # the value used where not given (None: the mode decides, or none)
+    high: float | None = None  # numbers lie in (0, high] (None: any finite number above 0)
     always_recorded: bool = False  # the record lists it resolved for its mode and None for the others (else: where set)
     elsewhere: str = ""  # added to the error that refuses it for another mode
+    metavar: str | None = None  # what --help shows after the flag (default: the kind's)
 
     def problem(self, value: Any) -> str | None:
         """Why ``value`` (given: not None) is refused, or None."""
+        if self.kind is str:
+            if not isinstance(value, str) or not value.strip() or not value.isprintable() or len(value) > 4096:
+                return f"{opt(self.name)} must be a name on one line, not {value!r}"
+            return None
+        number = not isinstance(value, bool) and isinstance(value, (int, float))
         if self.high is not None:
-            return (
-                None
-                if 0.0 < float(value) <= self.high
-                else f"{opt(self.name)} must be in (0, {self.high:g}], not {value}"
-            )
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            if number and 0.0 < float(value) <= self.high:
+                return None
+            return f"{opt(self.name)} must be in (0, {self.high:g}], not {value}"
+        if not number or not math.isfinite(value) or value <= 0:
             return f"{opt(self.name)} must be a finite number above 0, not {value!r}"
         return None
 
-    def resolved(self, value: Any) -> float | None:
+    def resolved(self, value: Any) -> float | str | None:
         """``value`` as used: the default where not given."""
-        return float(value) if value is not None else self.default
+        if value is None:
+            return self.default
+        return str(value) if self.kind is str else float(value)
+
+    @property
+    def label(self) -> str:
+        """How the model card's options table names it."""
+        return self.name.strip("_").replace("_", " ")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ class Polar(Mode, name="polar"):
             high=1.0,
             always_recorded=True,
             elsewhere=" (the conditioned reset always reaches kappa = 1)",
+            metavar="T",
         ),
     )
     fresh = False

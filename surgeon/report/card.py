@@ -283,8 +283,10 @@ def write_card(folder: Path, **kwargs: Any) -> Path:
 
 def _options_table(plan: Plan) -> str:
     o = plan.options.to_dict()
+    mode = get_mode(o["mode"])
     rows = [
-        ("mode", get_mode(o["mode"]).card_row(o, plan.touched_blocks)),
+        ("mode", mode.card_row(o, plan.touched_blocks)),
+        *((p.label, str(o[p.name])) for p in mode.parameters if o.get(p.name) is not None),  # as declared
         ("projections", ", ".join(o["targets"])),
         ("layers", str(o["layers"]) if not isinstance(o["layers"], list) else format_indices(o["layers"])),
         ("heads", str(o["heads"]) if not isinstance(o["heads"], list) else format_indices(o["heads"])),

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from .._version import __version__
 from ..errors import CheckpointError, SurgeonError, VerificationError
 from ..files.bounded import CARD_LIMIT, loads, read_text
-from ..modes import all_modes, get_mode, parameter
+from ..modes import Parameter, all_modes, get_mode, parameters
 from ..open.hub_ids import parse_repo_id
 from ..options import BIAS_CHOICES, MODES, ReinitOptions
 from ..vocab.spectrum import VALUE_IDENTITIES
@@ -237,24 +237,26 @@ _OPTIONS: dict[str, Any] = {
         v is None or (isinstance(v, list) and len(v) <= MAX_LIST and all(isinstance(s, str) and _text(s) for s in v))
     ),
     "mode": lambda v: _choice(v, MODES),
-    "strength": lambda v: _parameter_ok("strength", v),
     "value_identity": lambda v: _choice(v, VALUE_IDENTITIES),
     "keep_scale": lambda v: isinstance(v, bool),
     "bias": lambda v: _choice(v, BIAS_CHOICES),
     "seed": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "gain": lambda v: _parameter_ok("gain", v),
-    "std": lambda v: _parameter_ok("std", v),
+    # each mode's own parameters, as their modes declare them
+    **{p.name: (lambda v, p=p: _parameter_ok(p, v)) for p in parameters()},
 }
 
 
-def _parameter_ok(name: str, v: Any) -> bool:
+def _parameter_ok(declared: Parameter, v: Any) -> bool:
     """A mode parameter as its mode records it: in its range, and None only where it is always recorded."""
-    declared = parameter(name)
-    return (v is None and declared.always_recorded) or (_number(v) and declared.problem(v) is None)
+    if v is None:
+        return declared.always_recorded
+    if declared.kind is str:
+        return isinstance(v, str) and _text(v) and declared.problem(v) is None
+    return _number(v) and declared.problem(v) is None
 
 
 # recorded only where set (the others are always recorded)
-_WHERE_SET = tuple(p.name for m in all_modes() for p in m.parameters if not p.always_recorded)
+_WHERE_SET = tuple(p.name for p in parameters() if not p.always_recorded)
 
 
 def parse_options(options: dict, where: str) -> ReinitOptions:

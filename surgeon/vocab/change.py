@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from .blocks import AttentionBlock, Projection, Role
 
@@ -36,10 +36,6 @@ class OptionsView(Protocol):
     @property
     def value_identity(self) -> str: ...
     @property
-    def gain(self) -> float | None: ...
-    @property
-    def std(self) -> float | None: ...
-    @property
     def keep_scale(self) -> bool: ...
     @property
     def effective_strength(self) -> float: ...
@@ -47,6 +43,10 @@ class OptionsView(Protocol):
     def zero_bias(self) -> bool: ...
 
     __dataclass_fields__: ClassVar[dict[str, Any]]  # a dataclass: Mode.with_defaults may replace() a field
+
+    if TYPE_CHECKING:  # each mode's own parameters (gain, std, ...): fields made from their declarations
+
+        def __getattr__(self, name: str) -> Any: ...
 
 
 class PlanView(Protocol):
