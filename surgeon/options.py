@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import OptionError, opt
 from .modes import NAMES as MODES
 from .modes import all_modes, get_mode, parameters
+from .modes.base import STRENGTH_SPELLING, Strength, parse_strength
 from .vocab.blocks import Role
 from .vocab.selection import TARGETS, IndexSelection, parse_attention, parse_indices, parse_targets
 from .vocab.spectrum import VALUE_IDENTITIES
@@ -52,6 +53,18 @@ def _with_mode_parameters(cls: type) -> type:
     return cls
 
 
+def _strength_help() -> str:
+    """--strength's help: what t does in each mode, as the modes say it (Mode.strength_help)."""
+    meanings: dict[str, list[str]] = {}
+    for mode in all_modes():
+        meanings.setdefault(mode.strength_help, []).append(mode.name)
+    return (
+        f"How far the selected heads move: {STRENGTH_SPELLING}. "
+        + "; ".join(f"{', '.join(names)}: {meaning}" for meaning, names in meanings.items())
+        + "."
+    )
+
+
 def option_infos() -> list[tuple[str, OptionInfo]]:
     """(field name, OptionInfo) of every option, in field order."""
     return [(f.name, f.metadata["shell"]) for f in fields(ReinitOptions)]
@@ -70,7 +83,7 @@ class ReinitOptions:
     A frozen, hashable value, read and checked when made: the selection is kept read (``layers`` and ``heads`` as
     :class:`~surgeon.vocab.selection.IndexSelection`, ``targets`` and ``stack`` as tuples), and a value no model
     can use is refused here, before any checkpoint is opened; what needs the model (a layer past its last, a head
-    it does not have) is checked when planning. The modes' own parameters (``strength``, ``gain``, ``std``, ...) are
+    it does not have) is checked when planning. The modes' own parameters (``gain``, ``std``, ...) are
     declared and checked by their modes (``surgeon.modes.Mode.parameters``): each is a field too, added after
     the ones below, None where not given.
 
@@ -80,7 +93,10 @@ class ReinitOptions:
         heads: Query heads, as a spec or ints (K/V: the key/value heads they use), kept read.
         attention: ``"self"``, ``"cross"`` or ``"all"``.
         stack: Only the stacks whose path or name part is given (None: all), kept as a tuple.
-        mode: ``conditioned``, ``polar``, ``redraw`` or ``mimetic``.
+        mode: ``conditioned``, ``polar``, ``redraw``, ``mimetic`` (every mode of the registry).
+        strength: How far the selected heads move (:class:`~surgeon.modes.base.Strength`, kept read): t in (0, 1]
+            (``0.5``, ``"0.5"``) or a per-layer ramp ``"A:B"`` (or ``(A, B)``); None: 1. Where the mode mixes,
+            each head becomes ``(1 - t) * old + t * new``; polar: sigma -> sigma^(1-t).
         value_identity: ``"block"`` or ``"per-head"`` value identity.
         keep_scale: Rescale each new head to the old one's Frobenius norm.
         bias: ``"auto"``, ``"zero"`` or ``"keep"`` for the re-initialized heads' biases.
@@ -102,6 +118,7 @@ class ReinitOptions:
         None, "Only these stacks, by path or name part (e.g. encoder, decoder); comma-separated."
     )
     mode: str = _option("conditioned", " ".join(f"{m.name}: {m.help}." for m in all_modes()), choices=MODES)
+    strength: Strength | None = _option(None, _strength_help(), kind=str, metavar="T|A:B")
     value_identity: str = _option(
         "block",
         "block: the whole value projection is the rectangular identity; per-head: every head is I.",
@@ -122,7 +139,7 @@ class ReinitOptions:
     seed: int = _option(
         0, "Random seed; each head's draw depends only on (seed, the tensor's name in the base model, head).", kind=int
     )
-    # + one field per mode parameter (_with_mode_parameters): gain, strength, std, ...
+    # + one field per mode parameter (_with_mode_parameters): gain, std, ...
 
     if TYPE_CHECKING:  # for type checkers: the mode parameters' fields, added from the registry
 
@@ -144,6 +161,11 @@ class ReinitOptions:
             for given in owner.parameters:
                 if owner is not mode and getattr(self, given.name) is not None:
                     raise OptionError(f"{opt(given.name)} applies to {opt('mode', owner.name)} only{given.elsewhere}")
+        strength = parse_strength(self.strength)
+        # t = 1 is the mode's full effect, as without it: recorded so, the same bytes in every output
+        object.__setattr__(
+            self, "strength", None if strength is not None and strength.full and mode.mixes else strength
+        )
         mode.check(self)
         if self.value_identity not in VALUE_IDENTITIES:
             raise OptionError(f"unknown value identity {self.value_identity!r}: use block or per-head")
@@ -184,11 +206,6 @@ class ReinitOptions:
         return replace(options if options is not None else cls(), **keywords)
 
     @property
-    def effective_strength(self) -> float:
-        """The polar strength used: ``strength``, or 1 when not given."""
-        return 1.0 if self.strength is None else float(self.strength)
-
-    @property
     def zero_bias(self) -> bool:
         """Whether the re-initialized heads' biases are zeroed (``bias="auto"``: for the fresh modes)."""
         # A fresh reset starts from zero biases; conditioning pretrained weights keeps them.
@@ -198,9 +215,9 @@ class ReinitOptions:
         """The options as recorded in reports, records and cards.
 
         Returns:
-            A JSON-ready dict: specs as given, targets and stacks as lists, the bias policy resolved; a mode
-            parameter recorded as its ``Parameter`` says (strength: resolved for its mode, None for the others;
-            gain and std only where set).
+            A JSON-ready dict: specs as given, targets and stacks as lists, the bias policy resolved, the strength
+            as a number or ``"A:B"`` (None where not given and the mode mixes; polar's default 1 where not given); a
+            mode parameter recorded as its ``Parameter`` says (gain and std only where set).
         """
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         for key in ("layers", "heads"):
@@ -210,6 +227,8 @@ class ReinitOptions:
         out["stack"] = None if self.stack is None else list(self.stack)
         out["bias"] = "zero" if self.zero_bias else "keep"
         mode = get_mode(self.mode)
+        # a number or "A:B"; not given: None, where the mode mixes (t = 1), else the mode's own default, 1
+        out["strength"] = self.strength.recorded() if self.strength is not None else (None if mode.mixes else 1.0)
         for owner in all_modes():
             for given in owner.parameters:
                 if given.always_recorded:

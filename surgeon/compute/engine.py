@@ -17,7 +17,7 @@ import torch
 
 from ..errors import UnsupportedWeightsError, opt
 from ..modes import get_mode
-from ..modes.base import Draw
+from ..modes.base import Draw, mixed
 from ..modes.conditioning import (
     Spectrum,
     head_kappas,
@@ -67,16 +67,19 @@ def new_heads(
     *,
     seed_name: str | None = None,
     device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """New per-head matrices (float64) for ``change.heads``, given their old values ``(len(heads), d, in)``.
 
-    ``old`` is only read by polar mode and ``keep_scale`` (pass None otherwise). Draws are keyed by
+    ``old`` is only read where the mode reads it (polar, a mix at strength t < 1) and by ``keep_scale`` (pass None
+    otherwise); ``dtype``: how they are stored. Draws are keyed by
     ``seed_name`` (default: the tensor's own name), so that a model in memory whose parameter names
     differ from its checkpoint's can draw exactly what the checkpoint path draws.
     """
     opts, proj = plan.options, change.projection
     device = old.device if old is not None else (device or "cpu")
-    new = get_mode(opts.mode).draw(Draw(change, old, opts, key=seed_name or proj.weight.tensor, device=device))
+    job = Draw(change, old, opts, key=seed_name or proj.weight.tensor, device=device, dtype=dtype)
+    new = get_mode(opts.mode).heads(job)
     if opts.keep_scale:
         assert old is not None  # needs_old_values: keep_scale reads the old values
         return rescale_to(new, old)
@@ -84,7 +87,7 @@ def new_heads(
 
 
 def needs_old_values(plan: Plan) -> bool:
-    return not get_mode(plan.options.mode).fresh or plan.options.keep_scale
+    return get_mode(plan.options.mode).reads_old(plan.options) or plan.options.keep_scale
 
 
 @runtime_checkable
@@ -192,11 +195,13 @@ class Engine:
                 elif what is EditKind.OUT:  # the mode's output projection (mimetic's W_O), drawn whole
                     options, v = self.plan.options, proj.weight.tensor
                     linear = self.plan.outputs[change.block.module][1]
-                    store.fill(
-                        get_mode(options.mode).draw_output(
-                            change, options, key=self.seed_names.get(v) or v, linear=linear
-                        )
+                    new = get_mode(options.mode).draw_output(
+                        change, options, key=self.seed_names.get(v) or v, linear=linear
                     )
+                    if change.strength is not None:  # mixed with the old W_O, as the heads are
+                        whole = store.heads(Rows(name, 0, (0,), new.shape[0]))[0]
+                        new = mixed(whole.to(self.device, torch.float64), new, change.strength, whole.dtype)
+                    store.fill(new)
                 else:
                     self._update_weight(name, change, store, record)
 
@@ -205,14 +210,13 @@ class Engine:
         # Rows of one projection are read before they are written: within a fused tensor, the edits of
         # the other projections touch other rows, so these are the original values.
         current = store.heads(rows) if record else None  # every head: the report's spectra
-        old = None
+        old, dtype = None, None
         if needs_old_values(self.plan):
-            old = (current[list(change.heads)] if current is not None else store.heads(rows, change.heads)).to(
-                self.device, torch.float64
-            )
+            stored = current[list(change.heads)] if current is not None else store.heads(rows, change.heads)
+            old, dtype = stored.to(self.device, torch.float64), stored.dtype
             self.refuse_nonfinite(name, change, old)
         seed_name = self.seed_names.get((name, change.role)) or self.seed_names.get(name)
-        new = new_heads(change, old, self.plan, seed_name=seed_name, device=self.device)
+        new = new_heads(change, old, self.plan, seed_name=seed_name, device=self.device, dtype=dtype)
         rounded = store.set_heads(rows, change.heads, new)
         if current is not None:
             self._record(change, current, rounded)
@@ -234,7 +238,13 @@ class Engine:
         bad = [h for h, ok in zip(change.heads, torch.isfinite(old).flatten(1).all(1).tolist()) if not ok]
         if bad:
             mode = get_mode(self.plan.options.mode)
-            how = f"{mode.name} mode" if not mode.fresh else opt("keep_scale", True)
+            how = (
+                f"{mode.name} mode"
+                if not mode.fresh
+                else opt("strength", change.strength)
+                if change.strength is not None
+                else opt("keep_scale", True)
+            )
             raise UnsupportedWeightsError(
                 f"{name}: {change.role} head{'s' if len(bad) > 1 else ''} {format_indices(bad)} hold{'' if len(bad) > 1 else 's'} "
                 f"NaN or Inf, and {how} needs the old values; re-initialize them with the conditioned reset "

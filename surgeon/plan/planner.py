@@ -228,6 +228,9 @@ def make_plan(
         raise SelectionError(
             f"the selection picks no projection: check {opt('layers')}, {opt('heads')}, {opt('targets')} and {opt('attention')}"
         )
+    if options.strength is not None:  # each change at its layer's t: a ramp runs over each stack's selected layers
+        at = options.strength.per_layer([c.block for c in changes])
+        changes = [replace(c, strength=at[(c.block.stack, c.block.layer)]) for c in changes]
     return Plan(options=options, blocks=tuple(blocks), changes=tuple(changes), notes=tuple(notes))
 
 

@@ -21,6 +21,7 @@ from .._version import __version__
 from ..errors import CheckpointError, SurgeonError, VerificationError
 from ..files.bounded import CARD_LIMIT, loads, read_text
 from ..modes import Parameter, all_modes, get_mode, parameters
+from ..modes.base import parse_strength
 from ..open.hub_ids import parse_repo_id
 from ..options import BIAS_CHOICES, MODES, ReinitOptions
 from ..vocab.spectrum import VALUE_IDENTITIES
@@ -237,6 +238,7 @@ _OPTIONS: dict[str, Any] = {
         v is None or (isinstance(v, list) and len(v) <= MAX_LIST and all(isinstance(s, str) and _text(s) for s in v))
     ),
     "mode": lambda v: _choice(v, MODES),
+    "strength": lambda v: v is None or _strength(v),
     "value_identity": lambda v: _choice(v, VALUE_IDENTITIES),
     "keep_scale": lambda v: isinstance(v, bool),
     "bias": lambda v: _choice(v, BIAS_CHOICES),
@@ -244,6 +246,17 @@ _OPTIONS: dict[str, Any] = {
     # each mode's own parameters, as their modes declare them
     **{p.name: (lambda v, p=p: _parameter_ok(p, v)) for p in parameters()},
 }
+
+
+def _strength(v: Any) -> bool:
+    """A strength as ReinitOptions.to_dict writes it: a number in (0, 1], or "A:B"."""
+    if not (_number(v) or (isinstance(v, str) and len(v) <= 64)):
+        return False
+    try:
+        parse_strength(v)
+    except SurgeonError:
+        return False
+    return True
 
 
 def _parameter_ok(declared: Parameter, v: Any) -> bool:

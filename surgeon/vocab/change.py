@@ -17,11 +17,13 @@ from .blocks import AttentionBlock, Projection, Role
 
 @dataclass(frozen=True)
 class Change:
-    """Re-initialize ``heads`` of one projection (key/value head numbers for k and v)."""
+    """Re-initialize ``heads`` of one projection (key/value head numbers for k and v), ``strength``: how far (t of
+    its layer; None: not given, the mode's full effect)."""
 
     block: AttentionBlock
     role: Role
     heads: tuple[int, ...]
+    strength: float | None = None
 
     @property
     def projection(self) -> Projection:
@@ -38,7 +40,9 @@ class OptionsView(Protocol):
     @property
     def keep_scale(self) -> bool: ...
     @property
-    def effective_strength(self) -> float: ...
+    def strength(self) -> Any: ...  # a surgeon.modes.base.Strength, or None
+    @property
+    def bias(self) -> str: ...
     @property
     def zero_bias(self) -> bool: ...
 

@@ -53,9 +53,12 @@ def test_names_methods_and_tags_are_distinct_and_options_have_one_owner():
     for attr in ("name", "method", "label", "tag"):
         values = [getattr(m, attr) for m in modes]
         assert len(set(values)) == len(values), attr
-    for option in ("gain", "strength", "std"):
+    declared = [p.name for m in modes for p in m.parameters]
+    assert {"gain", "std"} <= set(declared)
+    for option in declared:
         owners = [m.name for m in modes if any(p.name == option for p in m.parameters)]
         assert len(owners) == 1 and owner_of(option).name == owners[0]
+    assert owner_of("strength") is None  # every mode takes --strength, each saying what t does (strength_help)
 
 
 def test_no_module_outside_modes_compares_mode_names():
