@@ -14,7 +14,7 @@ from .vocab.blocks import Role
 from .vocab.selection import TARGETS, IndexSelection, parse_attention, parse_indices, parse_targets
 from .vocab.spectrum import VALUE_IDENTITIES
 
-BIAS_CHOICES = ("auto", "zero", "keep")
+BIAS_CHOICES = ("auto", "zero", "keep", "source")  # source: SOURCE's, for a mode that reads one
 
 
 AS_FIELD = "(the field's default)"  # OptionInfo.shell_default when a shell shows the field's own default
@@ -99,7 +99,8 @@ class ReinitOptions:
             each head becomes ``(1 - t) * old + t * new``; polar: sigma -> sigma^(1-t).
         value_identity: ``"block"`` or ``"per-head"`` value identity.
         keep_scale: Rescale each new head to the old one's Frobenius norm.
-        bias: ``"auto"``, ``"zero"`` or ``"keep"`` for the re-initialized heads' biases.
+        bias: ``"auto"``, ``"zero"``, ``"keep"`` or ``"source"`` (a restore's default) for the re-initialized
+            heads' biases.
         seed: The draws' seed.
     """
 
@@ -128,12 +129,13 @@ class ReinitOptions:
     keep_scale: bool = _option(False, "Rescale each new head matrix to the original's Frobenius norm.", switch=True)
     bias: str = _option(
         "auto",
-        "Biases of re-initialized heads. Default: zero for the fresh modes ("
-        + ", ".join(m.name for m in all_modes() if m.fresh)
-        + "), keep for "
-        + ", ".join(m.name for m in all_modes() if not m.fresh)
+        "Biases of re-initialized heads (source: SOURCE's, mixed as the heads are). Default: "
+        + "; ".join(
+            f"{policy} for {', '.join(m.name for m in all_modes() if m.default_bias == policy)}"
+            for policy in dict.fromkeys(m.default_bias for m in all_modes())
+        )
         + ".",
-        choices=("zero", "keep"),
+        choices=BIAS_CHOICES[1:],
         shell_default=None,
     )
     seed: int = _option(
@@ -170,7 +172,10 @@ class ReinitOptions:
         if self.value_identity not in VALUE_IDENTITIES:
             raise OptionError(f"unknown value identity {self.value_identity!r}: use block or per-head")
         if self.bias not in BIAS_CHOICES:
-            raise OptionError(f"unknown bias policy {self.bias!r}: use zero, keep or auto")
+            raise OptionError(f"unknown bias policy {self.bias!r}: use zero, keep, source or auto")
+        if self.bias == "source" and not mode.reference:
+            readers = ", ".join(m.name for m in all_modes() if m.reference)
+            raise OptionError(f"{opt('bias', 'source')} takes SOURCE's biases: it goes with {opt('mode', readers)}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise OptionError(f"seed must be an integer, not {self.seed!r}")
         parse_attention(self.attention)
@@ -208,8 +213,13 @@ class ReinitOptions:
     @property
     def zero_bias(self) -> bool:
         """Whether the re-initialized heads' biases are zeroed (``bias="auto"``: for the fresh modes)."""
-        # A fresh reset starts from zero biases; conditioning pretrained weights keeps them.
-        return self.bias == "zero" or (self.bias == "auto" and get_mode(self.mode).fresh)
+        return self.bias_policy == "zero"
+
+    @property
+    def bias_policy(self) -> str:
+        """What happens to the re-initialized heads' biases: "zero", "keep" or "source" (``auto``: the mode's)."""
+        # A fresh reset starts from zero biases; conditioning pretrained weights keeps them; a restore takes SOURCE's.
+        return self.bias if self.bias != "auto" else get_mode(self.mode).default_bias
 
     def to_dict(self) -> dict:
         """The options as recorded in reports, records and cards.
@@ -225,7 +235,7 @@ class ReinitOptions:
             out[key] = given if given is None or isinstance(given, (str, int)) else list(given)
         out["targets"] = list(self.targets)
         out["stack"] = None if self.stack is None else list(self.stack)
-        out["bias"] = "zero" if self.zero_bias else "keep"
+        out["bias"] = self.bias_policy
         mode = get_mode(self.mode)
         # a number or "A:B"; not given: None, where the mode mixes (t = 1), else the mode's own default, 1
         out["strength"] = self.strength.recorded() if self.strength is not None else (None if mode.mixes else 1.0)

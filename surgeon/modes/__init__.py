@@ -22,6 +22,7 @@ from .conditioned import Conditioned
 from .mimetic import Mimetic
 from .polar import Polar
 from .redraw import Redraw
+from .restore import Restore
 
 __all__ = [
     "CONDITIONED_BIBTEX",
@@ -37,7 +38,7 @@ __all__ = [
     "parameters",
 ]
 
-_REGISTRY: dict[str, Mode] = {m.name: m for m in (Conditioned(), Polar(), Redraw(), Mimetic())}
+_REGISTRY: dict[str, Mode] = {m.name: m for m in (Conditioned(), Polar(), Redraw(), Mimetic(), Restore())}
 NAMES: tuple[str, ...] = tuple(_REGISTRY)
 
 

@@ -38,6 +38,7 @@ class Draw:
     key: str  # the name the draws are keyed by: the tensor's checkpoint name
     device: torch.device | str
     dtype: torch.dtype | None = None  # how the heads are stored, where ``old`` was read (a mix rounds the draw to it)
+    reference: torch.Tensor | None = None  # the same heads in SOURCE (float64), for a mode that reads one
 
     @property
     def strength(self) -> float | None:
@@ -197,6 +198,8 @@ class Mode:
     writes_outputs: ClassVar[bool] = False  # also rewrites each block's output projection W_O (find_outputs)
     sharded: ClassVar[bool] = True  # supported on sharded (FSDP2 / DTensor) parameters
     citation: ClassVar[str | None] = None  # BibTeX for the card, None: nothing to cite
+    # reads the heads of another checkpoint, SOURCE (Mode.source names it): the engine hands them to draw
+    reference: ClassVar[bool] = False
     # --strength t: each selected head becomes (1 - t) * old + t * new (else the mode reads t itself: polar)
     mixes: ClassVar[bool] = True
     strength_help: ClassVar[str] = "each selected head becomes (1 - t) * old + t * new (default 1: the new heads)"
@@ -227,6 +230,14 @@ class Mode:
         """New per-head matrices ``(len(job.change.heads), d, in)`` (float64), PyTorch (out, in) orientation."""
         raise NotImplementedError
 
+    def source(self, options: OptionsView) -> tuple[str, str | None] | None:
+        """The checkpoint a mode with a ``reference`` reads (a path or a Hub id, and a Hub revision), else None."""
+        return None
+
+    def with_reference(self, options: Options, label: str, revision: str | None) -> Options:
+        """``options`` naming SOURCE as published (a Hub id and its commit, or a file or folder's name: no path)."""
+        return options
+
     def reads_old(self, options: OptionsView) -> bool:
         """Whether the heads' old values are read (a mode that is not fresh, or a mix at t < 1)."""
         return not self.fresh or (self.mixes and options.strength is not None)
@@ -239,7 +250,8 @@ class Mode:
 
     @property
     def default_bias(self) -> str:
-        """What ``bias="auto"`` does to the selected heads' biases: "zero" (a fresh start) or "keep"."""
+        """What ``bias="auto"`` does to the selected heads' biases: "zero" (a fresh start), "keep", or "source"
+        (SOURCE's, for a mode with a ``reference``)."""
         return "zero" if self.fresh else "keep"
 
     def with_defaults(self, options: Options, config: Any) -> Options:

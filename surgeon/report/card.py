@@ -296,7 +296,7 @@ def _options_table(plan: Plan) -> str:
         ("layers", str(o["layers"]) if not isinstance(o["layers"], list) else format_indices(o["layers"])),
         ("heads", str(o["heads"]) if not isinstance(o["heads"], list) else format_indices(o["heads"])),
         ("attention", o["attention"] + (f", stacks {', '.join(o['stack'])}" if o.get("stack") else "")),
-        ("biases of re-initialized heads", "zeroed" if o["bias"] == "zero" else "kept"),
+        ("biases of re-initialized heads", {"zero": "zeroed", "keep": "kept", "source": "SOURCE's"}[o["bias"]]),
         ("keep scale", "yes (each head rescaled to its old Frobenius norm)" if o["keep_scale"] else "no"),
         ("seed", str(o["seed"])),
         ("surgeon", __version__),

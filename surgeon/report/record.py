@@ -51,6 +51,11 @@ class Record:
         return (found["repo"], found["commit"]) if found else None
 
     @property
+    def source(self) -> dict | None:
+        """SOURCE, as a restore recorded it (checked when parsed): ``{"repo", "commit"}`` or ``{"sha256": {...}}``."""
+        return self.raw.get("from")
+
+    @property
     def other_version(self) -> bool:
         return self.version != __version__
 
@@ -148,6 +153,7 @@ _TOP: dict[str, type] = {
     "copies": dict,
     "layout": dict,
     "origin": dict,
+    "from": dict,
 }
 _REQUIRED = ("tool", "version", "method", "options", "blocks")
 
@@ -192,7 +198,42 @@ def _parse(value: dict, version: str, where: str) -> Record:
         and re.fullmatch("[0-9a-f]{40}", origin["commit"])
     ):
         raise CheckpointError(f"{where}: the last surgeon record's origin is not a Hub model id and a commit id")
+    source = value.get("from")
+    if source is not None and not (_hub_commit(source) or _digests(source)):
+        raise CheckpointError(
+            f"{where}: the last surgeon record's SOURCE is neither a Hub model id and a commit id nor files' sha256"
+        )
+    if (source is not None) != get_mode(options.mode).reference:
+        raise CheckpointError(
+            f"{where}: the last surgeon record {'names' if source is not None else 'does not name'} a SOURCE for "
+            f"mode {options.mode}: not surgeon's"
+        )
     return Record(value, version, options, blocks, dict(copies))
+
+
+def _hub_commit(value: dict) -> bool:
+    """``{"repo": ..., "commit": ...}``: a Hub model id and a commit id."""
+    return (
+        set(value) == {"repo", "commit"}
+        and isinstance(value["repo"], str)
+        and parse_repo_id(value["repo"]) == value["repo"]
+        and isinstance(value["commit"], str)
+        and re.fullmatch("[0-9a-f]{40}", value["commit"]) is not None
+    )
+
+
+def _digests(value: dict) -> bool:
+    """``{"sha256": {file: digest}}``: the weight files of a checkpoint on disk, each by its sha256."""
+    files = value.get("sha256")
+    return (
+        set(value) == {"sha256"}
+        and isinstance(files, dict)
+        and 0 < len(files) <= MAX_LIST
+        and all(
+            isinstance(k, str) and _text(k) and isinstance(v, str) and re.fullmatch("[0-9a-f]{64}", v)
+            for k, v in files.items()
+        )
+    )
 
 
 def _text(s: str) -> bool:
