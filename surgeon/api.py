@@ -11,7 +11,7 @@ from .compute.devices import check_device, resolve_device
 from .compute.per_file import Progress
 from .detect import detect_source
 from .detect.hints import HINT_KEYWORDS, HintInput, Hints
-from .errors import OptionError, opt
+from .errors import OptionError, SurgeonError, opt
 from .hub.push import PushTarget
 from .hub.read import open_model
 from .modes import get_mode
@@ -304,7 +304,15 @@ def _reinit(read: ReadFrom, how: RunWith, to: WriteTo, executor: Executor) -> Re
 def _open_reference(options: ReinitOptions, progress: bool) -> Source | None:
     """The checkpoint the mode reads besides MODEL (restore's SOURCE: a path or a Hub id), opened, or None."""
     named = get_mode(options.mode).source(options)
-    return open_model(named[0], revision=named[1], progress=progress) if named is not None else None
+    if named is None:
+        return None
+    if named[1] is not None and Path(named[0]).exists():
+        raise OptionError(f"{opt('from_revision')} applies to a Hub SOURCE, and {named[0]} is a local path")
+    try:
+        return open_model(named[0], revision=named[1], progress=progress)
+    except SurgeonError as exc:  # said of SOURCE, not of MODEL
+        exc.context = f"SOURCE {named[0]}: {exc.context or ''}"
+        raise
 
 
 def _moved(source: Source) -> list[str]:

@@ -42,7 +42,7 @@ class OptionsView(Protocol):
     @property
     def strength(self) -> Any: ...  # a surgeon.modes.base.Strength, or None
     @property
-    def bias(self) -> str: ...
+    def bias_policy(self) -> str: ...  # "zero", "keep" or "source"
     @property
     def zero_bias(self) -> bool: ...
 
