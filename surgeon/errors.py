@@ -51,10 +51,12 @@ SHELL_WITH_VALUE = {"output": "-o"}  # "-o out/" reads best
 
 
 def shell_spelling(name: str, value: str | None) -> str:
-    """How the CLI names an option: ``--num-heads``, ``--num-heads 4``, ``--force-hints`` (True), ``-o PATH``."""
+    """How the CLI names an option: ``--num-heads``, ``--num-heads 4``, ``--force-hints`` (True), ``-o PATH``; a
+    keyword that takes a trailing underscore for being a Python word is spelt without it (``from_``: ``--from``)."""
+    plain = "--" + name.rstrip("_").replace("_", "-")
     if value is None:
-        return SHELL_FLAGS.get(name, "--" + name.replace("_", "-"))
-    flag = SHELL_WITH_VALUE.get(name, "--" + name.replace("_", "-"))
+        return SHELL_FLAGS.get(name, plain)
+    flag = SHELL_WITH_VALUE.get(name, plain)
     if value == "True":
         return flag
     return f"{flag}={value}" if value.startswith("-") else f"{flag} {value}"

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import OptionError, opt
 from .modes import NAMES as MODES
-from .modes import all_modes, get_mode, parameter
+from .modes import all_modes, get_mode, parameters
+from .modes.base import STRENGTH_SPELLING, Strength, parse_strength
 from .vocab.blocks import Role
 from .vocab.selection import TARGETS, IndexSelection, parse_attention, parse_indices, parse_targets
 from .vocab.spectrum import VALUE_IDENTITIES
 
-BIAS_CHOICES = ("auto", "zero", "keep")
+BIAS_CHOICES = ("auto", "zero", "keep", "source")  # source: SOURCE's, for a mode that reads one
 
 
 AS_FIELD = "(the field's default)"  # OptionInfo.shell_default when a shell shows the field's own default
@@ -33,6 +34,7 @@ class OptionInfo:
     switch: bool = False  # a bool field: given or not (--keep-scale)
     shell_default: Any = AS_FIELD  # the default a shell shows, where it differs from the field's
     spec: bool = False  # an index spec (may start with "-": a command line writes --layers=SPEC)
+    metavar: str | None = None  # what --help shows after the flag (None: the kind's)
     # recorded options -> whether a reproduce command needs it (an option recorded as None never is)
     recorded: Callable[[dict], bool] | None = None
 
@@ -41,9 +43,26 @@ def _option(default: Any, help: str, **info: Any) -> Any:
     return field(default=default, metadata={"shell": OptionInfo(help, **info)})
 
 
-def _parameter(name: str) -> Any:
-    """The field that carries the mode parameter ``name``: the mode that owns it declares its help and checks it."""
-    return field(default=None, metadata={"shell": OptionInfo(parameter(name).help, kind=float)})
+def _with_mode_parameters(cls: type) -> type:
+    """``cls`` with one field per mode parameter (surgeon.modes.parameters: each declared by its mode, with its
+    help and checks), after the fields written here: a mode's parameter is spelt once, where the mode declares it."""
+    for declared in parameters():
+        cls.__annotations__[declared.name] = f"{declared.kind.__name__} | None"
+        info = OptionInfo(declared.help, kind=declared.kind, metavar=declared.metavar)
+        setattr(cls, declared.name, field(default=None, metadata={"shell": info}))
+    return cls
+
+
+def _strength_help() -> str:
+    """--strength's help: what t does in each mode, as the modes say it (Mode.strength_help)."""
+    meanings: dict[str, list[str]] = {}
+    for mode in all_modes():
+        meanings.setdefault(mode.strength_help, []).append(mode.name)
+    return (
+        f"How far the selected heads move: {STRENGTH_SPELLING}. "
+        + "; ".join(f"{', '.join(names)}: {meaning}" for meaning, names in meanings.items())
+        + "."
+    )
 
 
 def option_infos() -> list[tuple[str, OptionInfo]]:
@@ -52,6 +71,7 @@ def option_infos() -> list[tuple[str, OptionInfo]]:
 
 
 @dataclass(frozen=True)
+@_with_mode_parameters
 class ReinitOptions:
     """How to re-initialize; the defaults are the paper's conditioned reset of every layer.
 
@@ -63,8 +83,9 @@ class ReinitOptions:
     A frozen, hashable value, read and checked when made: the selection is kept read (``layers`` and ``heads`` as
     :class:`~surgeon.vocab.selection.IndexSelection`, ``targets`` and ``stack`` as tuples), and a value no model
     can use is refused here, before any checkpoint is opened; what needs the model (a layer past its last, a head
-    it does not have) is checked when planning. The modes' own parameters (``strength``, ``gain``, ``std``) are
-    declared and checked by their modes (``surgeon.modes.Mode.parameters``).
+    it does not have) is checked when planning. The modes' own parameters (``gain``, ``std``, ...) are
+    declared and checked by their modes (``surgeon.modes.Mode.parameters``): each is a field too, added after
+    the ones below, None where not given.
 
     Attributes:
         layers: Layers per stack: a spec (``"all"``, ``"0-11"``, ``"-2-"``, ``"0,3,5-7"``) or ints, kept read.
@@ -72,14 +93,15 @@ class ReinitOptions:
         heads: Query heads, as a spec or ints (K/V: the key/value heads they use), kept read.
         attention: ``"self"``, ``"cross"`` or ``"all"``.
         stack: Only the stacks whose path or name part is given (None: all), kept as a tuple.
-        mode: ``conditioned``, ``polar``, ``redraw`` or ``mimetic``.
-        strength: Polar mode's t in (0, 1] (None: 1).
+        mode: ``conditioned``, ``polar``, ``redraw``, ``mimetic`` (every mode of the registry).
+        strength: How far the selected heads move (:class:`~surgeon.modes.base.Strength`, kept read): t in (0, 1]
+            (``0.5``, ``"0.5"``) or a per-layer ramp ``"A:B"`` (or ``(A, B)``); None: 1. Where the mode mixes,
+            each head becomes ``(1 - t) * old + t * new``; polar: sigma -> sigma^(1-t).
         value_identity: ``"block"`` or ``"per-head"`` value identity.
         keep_scale: Rescale each new head to the old one's Frobenius norm.
-        bias: ``"auto"``, ``"zero"`` or ``"keep"`` for the re-initialized heads' biases.
+        bias: ``"auto"``, ``"zero"``, ``"keep"`` or ``"source"`` (a restore's default) for the re-initialized
+            heads' biases.
         seed: The draws' seed.
-        gain: Conditioned mode's scale of the q/k heads (None: 1).
-        std: Redraw mode's std (None: from config.json).
     """
 
     layers: IndexSelection = _option(
@@ -97,7 +119,7 @@ class ReinitOptions:
         None, "Only these stacks, by path or name part (e.g. encoder, decoder); comma-separated."
     )
     mode: str = _option("conditioned", " ".join(f"{m.name}: {m.help}." for m in all_modes()), choices=MODES)
-    strength: float | None = _parameter("strength")
+    strength: Strength | None = _option(None, _strength_help(), kind=str, metavar="T|A:B")
     value_identity: str = _option(
         "block",
         "block: the whole value projection is the rectangular identity; per-head: every head is I.",
@@ -107,19 +129,23 @@ class ReinitOptions:
     keep_scale: bool = _option(False, "Rescale each new head matrix to the original's Frobenius norm.", switch=True)
     bias: str = _option(
         "auto",
-        "Biases of re-initialized heads. Default: zero for the fresh modes ("
-        + ", ".join(m.name for m in all_modes() if m.fresh)
-        + "), keep for "
-        + ", ".join(m.name for m in all_modes() if not m.fresh)
+        "Biases of re-initialized heads (source: SOURCE's, mixed as the heads are). Default: "
+        + "; ".join(
+            f"{policy} for {', '.join(m.name for m in all_modes() if m.default_bias == policy)}"
+            for policy in dict.fromkeys(m.default_bias for m in all_modes())
+        )
         + ".",
-        choices=("zero", "keep"),
+        choices=BIAS_CHOICES[1:],
         shell_default=None,
     )
     seed: int = _option(
         0, "Random seed; each head's draw depends only on (seed, the tensor's name in the base model, head).", kind=int
     )
-    gain: float | None = _parameter("gain")
-    std: float | None = _parameter("std")
+    # + one field per mode parameter (_with_mode_parameters): gain, std, ...
+
+    if TYPE_CHECKING:  # for type checkers: the mode parameters' fields, added from the registry
+
+        def __getattr__(self, name: str) -> Any: ...
 
     def __post_init__(self) -> None:
         """Check the values against each other, then read the selection (against a model: when planning).
@@ -137,11 +163,19 @@ class ReinitOptions:
             for given in owner.parameters:
                 if owner is not mode and getattr(self, given.name) is not None:
                     raise OptionError(f"{opt(given.name)} applies to {opt('mode', owner.name)} only{given.elsewhere}")
+        strength = parse_strength(self.strength)
+        # t = 1 is the mode's full effect, as without it: recorded so, the same bytes in every output
+        object.__setattr__(
+            self, "strength", None if strength is not None and strength.full and mode.mixes else strength
+        )
         mode.check(self)
         if self.value_identity not in VALUE_IDENTITIES:
             raise OptionError(f"unknown value identity {self.value_identity!r}: use block or per-head")
         if self.bias not in BIAS_CHOICES:
-            raise OptionError(f"unknown bias policy {self.bias!r}: use zero, keep or auto")
+            raise OptionError(f"unknown bias policy {self.bias!r}: use zero, keep, source or auto")
+        if self.bias == "source" and not mode.reference:
+            readers = ", ".join(m.name for m in all_modes() if m.reference)
+            raise OptionError(f"{opt('bias', 'source')} takes SOURCE's biases: it goes with {opt('mode', readers)}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise OptionError(f"seed must be an integer, not {self.seed!r}")
         parse_attention(self.attention)
@@ -177,23 +211,23 @@ class ReinitOptions:
         return replace(options if options is not None else cls(), **keywords)
 
     @property
-    def effective_strength(self) -> float:
-        """The polar strength used: ``strength``, or 1 when not given."""
-        return 1.0 if self.strength is None else float(self.strength)
-
-    @property
     def zero_bias(self) -> bool:
         """Whether the re-initialized heads' biases are zeroed (``bias="auto"``: for the fresh modes)."""
-        # A fresh reset starts from zero biases; conditioning pretrained weights keeps them.
-        return self.bias == "zero" or (self.bias == "auto" and get_mode(self.mode).fresh)
+        return self.bias_policy == "zero"
+
+    @property
+    def bias_policy(self) -> str:
+        """What happens to the re-initialized heads' biases: "zero", "keep" or "source" (``auto``: the mode's)."""
+        # A fresh reset starts from zero biases; conditioning pretrained weights keeps them; a restore takes SOURCE's.
+        return self.bias if self.bias != "auto" else get_mode(self.mode).default_bias
 
     def to_dict(self) -> dict:
         """The options as recorded in reports, records and cards.
 
         Returns:
-            A JSON-ready dict: specs as given, targets and stacks as lists, the bias policy resolved; a mode
-            parameter recorded as its ``Parameter`` says (strength: resolved for its mode, None for the others;
-            gain and std only where set).
+            A JSON-ready dict: specs as given, targets and stacks as lists, the bias policy resolved, the strength
+            as a number or ``"A:B"`` (None where not given and the mode mixes; polar's default 1 where not given); a
+            mode parameter recorded as its ``Parameter`` says (gain and std only where set).
         """
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         for key in ("layers", "heads"):
@@ -201,8 +235,10 @@ class ReinitOptions:
             out[key] = given if given is None or isinstance(given, (str, int)) else list(given)
         out["targets"] = list(self.targets)
         out["stack"] = None if self.stack is None else list(self.stack)
-        out["bias"] = "zero" if self.zero_bias else "keep"
+        out["bias"] = self.bias_policy
         mode = get_mode(self.mode)
+        # a number or "A:B"; not given: None, where the mode mixes (t = 1), else the mode's own default, 1
+        out["strength"] = self.strength.recorded() if self.strength is not None else (None if mode.mixes else 1.0)
         for owner in all_modes():
             for given in owner.parameters:
                 if given.always_recorded:

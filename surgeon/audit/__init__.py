@@ -32,7 +32,7 @@ import torch
 
 from .._version import __version__
 from ..detect.hints import HintInput, Hints
-from ..errors import CheckpointError, DerivedMismatch, SurgeonError, VerificationError, opt
+from ..errors import CheckpointError, DerivedMismatch, OptionError, SurgeonError, VerificationError, opt
 from ..formats.write_plan import WritePlan
 from ..modes import get_mode
 from ..report.card import card_comment
@@ -110,6 +110,7 @@ def verify(
     config: str | Path | None = None,
     hints: Hints | None = None,
     device: str | torch.device = "cpu",
+    from_: str | Path | None = None,
     **hint_keywords: HintInput | bool,
 ) -> Verification:
     """Check that ``output`` is exactly what surgeon's record in it says was made from ``original``.
@@ -121,6 +122,8 @@ def verify(
         config: A config.json to read heads from (default: the one beside the weights).
         hints: What the run needed to be told about heads (a :class:`~surgeon.detect.hints.Hints`).
         device: Where the values are re-derived.
+        from_: A restore's SOURCE on disk (its files must have the sha256 the record names); a SOURCE on the Hub
+            is read from the Hub at the recorded commit.
         **hint_keywords: Fields of Hints (``num_heads=8``, ...), replacing those of ``hints``.
 
     Returns:
@@ -142,7 +145,7 @@ def verify(
     refuse_special(out_path, what="OUTPUT")  # a FIFO or a device would hang the readers
     out = open_source(out_path, config=config)
     with hold(src, exclusive=False), hold(out, exclusive=False):  # never while an in-place run patches either
-        return _verify_opened(src, out, Hints.build(hints, **hint_keywords), device, original, output)
+        return _verify_opened(src, out, Hints.build(hints, **hint_keywords), device, original, output, from_)
 
 
 def _verify_opened(
@@ -152,6 +155,7 @@ def _verify_opened(
     device: str | torch.device,
     original: str | Path,
     output: str | Path,
+    from_: str | Path | None = None,
 ) -> Verification:
     _check_kind(src, out, original, output)
     record, earlier, where = _read_record(out, output)
@@ -166,7 +170,8 @@ def _verify_opened(
             f"{', '.join(w.describe() for w in src.weights)}: surgeon rewrites each set its original has, and adds none"
         )
     try:
-        changed, identical = _check_weights(src, out, record, earlier, hints, device, output, original)
+        reference = _reference(record, from_, output)
+        changed, identical = _check_weights(src, out, record, earlier, hints, device, output, original, reference)
     except DerivedMismatch as exc:
         if not record.other_version:
             raise
@@ -178,6 +183,32 @@ def _verify_opened(
 
         check_card(src, out, record, output)
     return Verification(str(original), str(output), record.raw, sorted(changed), identical, record.options.mode, files)
+
+
+def _reference(record: Record, given: str | Path | None, output: str | Path) -> Source | None:
+    """A restore's SOURCE, opened as its record names it: the Hub model at the recorded commit, or the checkpoint
+    on disk given as ``given`` (its digests are compared once it is planned); None for the other modes."""
+    from ..hub.read import open_model
+
+    named = record.source
+    if named is None:
+        if given is not None:
+            raise OptionError(f"{output} was not restored from another checkpoint: leave {opt('from_')} out")
+        return None
+    if "repo" in named:
+        if given is not None:
+            raise OptionError(
+                f"{output} was restored from the Hub model {named['repo']} at commit {named['commit']}, which verify "
+                f"reads from the Hub: leave {opt('from_')} out"
+            )
+        return open_model(f"hf://{named['repo']}", revision=named["commit"])
+    if given is None:
+        files = ", ".join(f"{name} (sha256 {digest[:16]}...)" for name, digest in sorted(named["sha256"].items()))
+        raise CheckpointError(
+            f"{output} was restored from {record.options.from_}, a checkpoint on disk ({files}): give it with "
+            f"{opt('from_', 'PATH')}"
+        )
+    return open_model(given)
 
 
 def _check_kind(src: Source, out: Source, original: str | Path, output: str | Path) -> None:
@@ -236,6 +267,7 @@ def _check_weights(
     device: str | torch.device,
     output: str | Path,
     original: str | Path,
+    reference: Source | None = None,
 ) -> tuple[set[str], int]:
     """The plan made again from the record; every weight set's tensors checked. Returns (changed, identical)."""
     from ..compute.devices import resolve_device
@@ -245,11 +277,16 @@ def _check_weights(
 
     detection = detect_source(src, hints)
     try:
-        plan = prepare_checkpoint(src, detection, record.options)
+        plan = prepare_checkpoint(src, detection, record.options, reference=reference)
     except SurgeonError as exc:
         raise DerivedMismatch(
             f"{output}: its recorded options do not fit {original} ({exc}); is ORIGINAL the model it was made from?"
         ) from None
+    if plan.record().get("from") != record.source:  # the SOURCE given is the one the record names, file for file
+        raise CheckpointError(
+            f"{output} was restored from a SOURCE whose files have other sha256 digests than the one given "
+            f"({opt('from_')}): give the checkpoint it was restored from"
+        )
     _same_layout(plan.record().get("layout"), record.raw.get("layout"), output)
     if plan.record()["blocks"] != record.blocks:
         raise DerivedMismatch(

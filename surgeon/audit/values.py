@@ -161,7 +161,7 @@ def check_polar(
             f"{output}: tensor {name!r}: element {list(where)} is {got64[where].item():.9g}, polar conditioning of the original gives "
             f"{exp64[where].item():.9g} ({off:.3g} ulps of {found.dtype} off, beyond {found.dtype} rounding: 1 ulp)"
         )
-    if options.effective_strength == 1.0 and not options.keep_scale:
+    if not options.keep_scale:  # the heads at strength 1 are semi-orthogonal
         _check_semi_orthogonal(name, engine, got64, tau, found.dtype, output)
 
 
@@ -177,7 +177,7 @@ def _check_semi_orthogonal(
 
     eps = torch.finfo(dtype).eps
     for change, what in engine.edits[name]:
-        if what is not EditKind.WEIGHT:
+        if what is not EditKind.WEIGHT or change.strength not in (None, 1.0):
             continue
         rows = change.projection.weight
         heads = head_matrices(got64, rows, change.heads)

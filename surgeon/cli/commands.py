@@ -179,6 +179,9 @@ Examples:
   surgeon reinit ./t5 --attention cross --stack decoder
   surgeon reinit model.onnx --layers -2- -o out.onnx               # ONNX: out.onnx (+ out.onnx.data)
   surgeon reinit ./model --mode polar --strength 0.5 --keep-scale   # halve log-kappa, keep scale
+  surgeon reinit ./model --strength 0.3                             # 30% of the way to a fresh draw
+  surgeon reinit ./model --layers -4- --strength 0.2:1              # a per-layer ramp, softest first
+  surgeon reinit ./tuned --mode restore --from ./base --layers 0-3  # layers 0-3 back to ./base's
   surgeon reinit model.safetensors --dry-run                        # print the plan only
   surgeon reinit org/model --revision v1.0 -o ./model-reset         # read a Hub model at a tag
   surgeon reinit org/model --push-to-hub me/model-reset --private   # then publish the output
@@ -374,6 +377,7 @@ Examples:
   surgeon verify ./bert ./bert-reinit                 # a folder output (PyTorch: the record is in README.md)
   surgeon verify model.onnx model.reinit.onnx --json
   surgeon verify encoder.safetensors out.safetensors --num-heads 8   # the hints the run needed
+  surgeon verify ./tuned ./tuned-restored --from ./base               # a restore from a checkpoint on disk
 \b
 Exit status: 0 verified, 3 OUTPUT differs from what its record says, 1 cannot verify (no record, a
 malformed one, bad input, or another surgeon version's output whose draws differ: the line names the version).
@@ -381,8 +385,15 @@ malformed one, bad input, or another surgeon version's output whose draws differ
 )
 @click.argument("original")
 @click.argument("output", type=click.Path())
+@click.option(
+    "--from",
+    "from_",
+    metavar="SOURCE",
+    help="For an output of --mode restore from a checkpoint on disk: that checkpoint (its files must have the "
+    "sha256 digests the record names; a Hub SOURCE is read from the Hub at the recorded commit).",
+)
 @model_options
-def verify(original: str, output: str, model_flags: ModelFlags, as_json: bool) -> None:
+def verify(original: str, output: str, from_: str | None, model_flags: ModelFlags, as_json: bool) -> None:
     """Check that OUTPUT is exactly what surgeon made from ORIGINAL, by the record surgeon wrote in it.
 
     Every file of a folder output must be one surgeon writes (carried-over files byte for byte, nothing
@@ -394,7 +405,7 @@ def verify(original: str, output: str, model_flags: ModelFlags, as_json: bool) -
     from ..audit import verify as check
 
     device = "cpu" if model_flags.device == "auto" else model_flags.device
-    result = check(original, output, **model_flags.keywords(device=device))
+    result = check(original, output, from_=from_, **model_flags.keywords(device=device))
     _out(json.dumps(result.to_dict(), indent=2) if as_json else result.summary())
 
 

@@ -187,6 +187,8 @@ def reinit_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                 flag["type"] = click.Choice(list(info.choices))
             elif info.kind is not None:
                 flag["type"] = info.kind
+            if info.metavar:
+                flag["metavar"] = info.metavar
         with_options = click.option(cli_spelling(name, None), name, **flag)(with_options)
     return with_options
 
@@ -345,9 +347,19 @@ def push_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return with_push
 
 
+SELECTION = ("layers", "targets", "heads", "attention", "stack")
+
+
+def _how() -> tuple[str, ...]:
+    """The options that say how: every field of ReinitOptions but the selection, the modes' parameters included."""
+    from ..options import option_infos
+
+    return tuple(name for name, _ in option_infos() if name not in SELECTION)
+
+
 REINIT_SECTIONS = {  # `surgeon reinit --help`, by what a flag decides
-    "Selection (what to re-initialize)": ("layers", "targets", "heads", "attention", "stack"),
-    "Mode (how)": ("mode", "strength", "value_identity", "keep_scale", "bias", "seed", "gain", "std"),
+    "Selection (what to re-initialize)": SELECTION,
+    "Mode (how)": _how(),
     "Output": ("output", "overwrite", "in_place", "dry_run", "as_json", "full", "plot", "device"),
     "Hub": (
         "revision",

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import UnsupportedWeightsError, opt
 from ..modes import get_mode
-from ..modes.base import Draw
+from ..modes.base import Draw, mixed
 from ..modes.conditioning import (
     Spectrum,
     head_kappas,
@@ -41,7 +41,8 @@ def head_matrices(tensor: torch.Tensor, rows: Rows, heads: Sequence[int] | None 
     """The per-head matrices ``(H, d, in)`` of a projection, in PyTorch (out, in) orientation (a copy)."""
     chosen = range(len(rows.offsets)) if heads is None else heads
     mat = tensor if rows.axis == 0 else tensor.transpose(0, 1)
-    return mat.index_select(0, _row_index(rows, chosen, tensor.device)).reshape(len(chosen), rows.size, mat.shape[1])
+    # (H, d, in); a bias: (H, d)
+    return mat.index_select(0, _row_index(rows, chosen, tensor.device)).reshape(len(chosen), rows.size, *mat.shape[1:2])
 
 
 def _set_heads(tensor: torch.Tensor, rows: Rows, heads: tuple[int, ...], values: torch.Tensor) -> torch.Tensor:
@@ -67,16 +68,20 @@ def new_heads(
     *,
     seed_name: str | None = None,
     device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    reference: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """New per-head matrices (float64) for ``change.heads``, given their old values ``(len(heads), d, in)``.
 
-    ``old`` is only read by polar mode and ``keep_scale`` (pass None otherwise). Draws are keyed by
+    ``old`` is only read where the mode reads it (polar, a mix at strength t < 1) and by ``keep_scale`` (pass None
+    otherwise); ``dtype``: how they are stored; ``reference``: the same heads in SOURCE (a restore). Draws are keyed by
     ``seed_name`` (default: the tensor's own name), so that a model in memory whose parameter names
     differ from its checkpoint's can draw exactly what the checkpoint path draws.
     """
     opts, proj = plan.options, change.projection
     device = old.device if old is not None else (device or "cpu")
-    new = get_mode(opts.mode).draw(Draw(change, old, opts, key=seed_name or proj.weight.tensor, device=device))
+    job = Draw(change, old, opts, key=seed_name or proj.weight.tensor, device=device, dtype=dtype, reference=reference)
+    new = get_mode(opts.mode).heads(job)
     if opts.keep_scale:
         assert old is not None  # needs_old_values: keep_scale reads the old values
         return rescale_to(new, old)
@@ -84,7 +89,7 @@ def new_heads(
 
 
 def needs_old_values(plan: Plan) -> bool:
-    return not get_mode(plan.options.mode).fresh or plan.options.keep_scale
+    return get_mode(plan.options.mode).reads_old(plan.options) or plan.options.keep_scale
 
 
 @runtime_checkable
@@ -159,12 +164,13 @@ class Engine:
         for change in plan.changes:
             proj = change.projection
             self.edits[proj.weight.tensor].append(Edit(change, EditKind.WEIGHT))
-            if plan.options.zero_bias and proj.bias is not None:
+            if plan.options.bias_policy != "keep" and proj.bias is not None:
                 self.edits[proj.bias.tensor].append(Edit(change, EditKind.BIAS))
             if change.role == "v" and change.block.module in plan.outputs:  # the mode's W_O (mimetic) too
                 self.edits[plan.outputs[change.block.module][0]].append(Edit(change, EditKind.OUT))
         self.results: dict[tuple[str, str], ProjectionRow] = {}
         self._zeroed: set[tuple[str, str]] = set()  # projections whose bias heads were zeroed
+        self._source: tuple[str, torch.Tensor] | None = None  # the SOURCE tensor last read (a restore)
 
     @property
     def tensor_names(self) -> list[str]:
@@ -185,18 +191,26 @@ class Engine:
         with single_threaded():
             for change, what in self.edits[name]:
                 proj = change.projection
-                if what is EditKind.BIAS:
+                if what is EditKind.BIAS and self.plan.options.bias_policy == "source":  # SOURCE's, mixed as the heads
+                    assert proj.bias is not None  # a bias edit is planned only for a projection with one
+                    stored = store.heads(proj.bias, change.heads)
+                    source = self._reference_heads(name, proj.bias, change.heads)
+                    new = mixed(stored.to(self.device, torch.float64), source, change.strength, stored.dtype)
+                    store.set_heads(proj.bias, change.heads, new)
+                elif what is EditKind.BIAS:
                     assert proj.bias is not None  # a bias edit is planned only for a projection with one
                     store.zero_heads(proj.bias, change.heads)
                     self._bias_zeroed(change)
                 elif what is EditKind.OUT:  # the mode's output projection (mimetic's W_O), drawn whole
                     options, v = self.plan.options, proj.weight.tensor
                     linear = self.plan.outputs[change.block.module][1]
-                    store.fill(
-                        get_mode(options.mode).draw_output(
-                            change, options, key=self.seed_names.get(v) or v, linear=linear
-                        )
+                    new = get_mode(options.mode).draw_output(
+                        change, options, key=self.seed_names.get(v) or v, linear=linear
                     )
+                    if change.strength is not None:  # mixed with the old W_O, as the heads are
+                        whole = store.heads(Rows(name, 0, (0,), new.shape[0]))[0]
+                        new = mixed(whole.to(self.device, torch.float64), new, change.strength, whole.dtype)
+                    store.fill(new)
                 else:
                     self._update_weight(name, change, store, record)
 
@@ -205,17 +219,27 @@ class Engine:
         # Rows of one projection are read before they are written: within a fused tensor, the edits of
         # the other projections touch other rows, so these are the original values.
         current = store.heads(rows) if record else None  # every head: the report's spectra
-        old = None
+        old, dtype = None, None
         if needs_old_values(self.plan):
-            old = (current[list(change.heads)] if current is not None else store.heads(rows, change.heads)).to(
-                self.device, torch.float64
-            )
+            stored = current[list(change.heads)] if current is not None else store.heads(rows, change.heads)
+            old, dtype = stored.to(self.device, torch.float64), stored.dtype
             self.refuse_nonfinite(name, change, old)
         seed_name = self.seed_names.get((name, change.role)) or self.seed_names.get(name)
-        new = new_heads(change, old, self.plan, seed_name=seed_name, device=self.device)
+        reference = self._reference_heads(name, rows, change.heads) if self.plan.reference is not None else None
+        new = new_heads(
+            change, old, self.plan, seed_name=seed_name, device=self.device, dtype=dtype, reference=reference
+        )
         rounded = store.set_heads(rows, change.heads, new)
         if current is not None:
             self._record(change, current, rounded)
+
+    def _reference_heads(self, name: str, rows: Rows, heads: tuple[int, ...]) -> torch.Tensor:
+        """The same heads of tensor ``name`` in SOURCE (a restore's), float64 on the engine's device; each tensor
+        of SOURCE is read once for all its edits."""
+        assert self.plan.reference is not None
+        if self._source is None or self._source[0] != name:
+            self._source = (name, self.plan.reference.weights.read(name))
+        return head_matrices(self._source[1], rows, heads).to(self.device, torch.float64)
 
     def check_values(self, name: str, tensor: torch.Tensor | TensorStore) -> None:
         """Refuse, before anything changes, heads whose old values the plan reads but that hold NaN/Inf.
@@ -234,7 +258,13 @@ class Engine:
         bad = [h for h, ok in zip(change.heads, torch.isfinite(old).flatten(1).all(1).tolist()) if not ok]
         if bad:
             mode = get_mode(self.plan.options.mode)
-            how = f"{mode.name} mode" if not mode.fresh else opt("keep_scale", True)
+            how = (
+                f"{mode.name} mode"
+                if not mode.fresh
+                else opt("strength", change.strength)
+                if change.strength is not None
+                else opt("keep_scale", True)
+            )
             raise UnsupportedWeightsError(
                 f"{name}: {change.role} head{'s' if len(bad) > 1 else ''} {format_indices(bad)} hold{'' if len(bad) > 1 else 's'} "
                 f"NaN or Inf, and {how} needs the old values; re-initialize them with the conditioned reset "

@@ -81,7 +81,7 @@ def _chosen_readers(plan: PlanView, found: GraphFacts) -> dict[str, set[int]]:
     for change in plan.changes:
         proj, users = change.projection, found.users[(change.block.module, change.role)]
         allowed.setdefault(proj.weight.tensor, set()).update(users["weight"])
-        if plan.options.zero_bias and proj.bias is not None:
+        if plan.options.bias_policy != "keep" and proj.bias is not None:  # zeroed, or SOURCE's (a restore)
             allowed.setdefault(proj.bias.tensor, set()).update(users["bias"])
     return allowed
 

@@ -22,6 +22,7 @@ class Conditioned(Mode, name="conditioned"):
             "gain",
             "Conditioned mode: scale of the semi-orthogonal q/k heads (default 1; 0.02 * sqrt(width) matches a "
             "normal(0, 0.02) init's scale).",
+            metavar="G",
         ),
     )
     method = "conditioned-initialization"

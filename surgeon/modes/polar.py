@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .base import CONDITIONED_BIBTEX, CONDITIONED_PAPER, Mode, Parameter
+from .base import CONDITIONED_BIBTEX, CONDITIONED_PAPER, Mode
 
 if TYPE_CHECKING:
     import torch
@@ -15,16 +15,8 @@ if TYPE_CHECKING:
 
 class Polar(Mode, name="polar"):
     help = "condition the existing weights (keep each head's singular vectors, move its singular values to 1)"
-    parameters = (
-        Parameter(
-            "strength",
-            "Polar mode: sigma -> sigma^(1-t) for t in (0, 1] (kappa -> kappa^(1-t)). Default 1.",
-            default=1.0,
-            high=1.0,
-            always_recorded=True,
-            elsewhere=" (the conditioned reset always reaches kappa = 1)",
-        ),
-    )
+    mixes = False  # --strength is polar's own: how far the singular values move
+    strength_help = "sigma -> sigma^(1-t), so kappa -> kappa^(1-t) (default 1: the nearest semi-orthogonal matrix)"
     fresh = False
     method = "polar-conditioning"
     label = "Polar conditioning"
@@ -36,7 +28,7 @@ class Polar(Mode, name="polar"):
         from .conditioning import polar
 
         assert job.old is not None  # not fresh: the engine passes the old values
-        return polar(job.old, job.options.effective_strength)
+        return polar(job.old, 1.0 if job.strength is None else job.strength)
 
     def summary(self, options: dict, blocks: Sequence) -> str:
         return f"polar, strength {options.get('strength')}"

@@ -21,6 +21,7 @@ class Redraw(Mode, name="redraw"):
             "std",
             "Redraw mode: std of the normal draws (default: config.json's initializer_range, else 0.02; "
             "nn.MultiheadAttention tensors use xavier_uniform).",
+            metavar="S",
         ),
     )
     method = "default-init-redraw"

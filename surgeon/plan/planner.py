@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from .._version import __version__
 from ..detect.base_model import CheckpointDrawKeys
 from ..detect.placement import kind
-from ..errors import OptionError, SelectionError, opt
+from ..errors import CheckpointError, OptionError, SelectionError, opt
 from ..modes import get_mode
 from ..options import ReinitOptions
 from ..vocab.blocks import AttentionBlock, Unreadable
@@ -17,8 +17,43 @@ from ..vocab.change import Change
 from ..vocab.selection import IndexSelection, format_indices, parse_attention
 
 if TYPE_CHECKING:
+    from ..formats.base import TensorInfo, WeightSet
     from ..open.source import Source
     from ..vocab.detection import Detection
+
+
+@dataclass(frozen=True)
+class Reference:
+    """SOURCE, the checkpoint a restore reads: its weights (read tensor by tensor), its name as published (a Hub id,
+    or the file or folder's name: never a local path), and what the record says it is (``identity``: the Hub model
+    and commit, or the sha256 of each of its weight files)."""
+
+    weights: WeightSet
+    label: str
+    revision: str | None
+    identity: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, source: Source) -> Reference:
+        """``source`` as a restore's SOURCE: named and identified (its files hashed where it is not a Hub model)."""
+        weights = source.primary
+        if source.hub_id and source.hub_commit:
+            return cls(weights, source.hub_id, source.hub_commit, {"repo": source.hub_id, "commit": source.hub_commit})
+        return cls(weights, source.path.name, None, {"sha256": file_digests(weights)})
+
+
+def file_digests(weights: WeightSet) -> dict[str, str]:
+    """The sha256 of each file of a weight set on disk (its shards and index), by name relative to its folder."""
+    import hashlib
+
+    digests = {}
+    for name in weights.all_files:
+        digest = hashlib.sha256()
+        with open(weights.folder / name, "rb") as f:
+            while block := f.read(1 << 22):
+                digest.update(block)
+        digests[name] = digest.hexdigest()
+    return digests
 
 
 @dataclass(frozen=True)
@@ -37,6 +72,8 @@ class Plan:
     # the same bytes wherever they were read from): `surgeon push` of the output copies the files it holds
     # unchanged from there, server-side (surgeon.hub.copies)
     origin: Mapping[str, str] | None = None
+    # the checkpoint a mode with a reference reads (restore's SOURCE), opened, and how the record names it
+    reference: Reference | None = None
 
     @property
     def touched_blocks(self) -> list[AttentionBlock]:
@@ -49,7 +86,7 @@ class Plan:
         names: list[str] = []
         for c in self.changes:
             p = c.projection
-            for rows in (p.weight, p.bias if self.options.zero_bias else None):
+            for rows in (p.weight, p.bias if self.options.bias_policy != "keep" else None):
                 if rows is not None and rows.tensor not in names:
                     names.append(rows.tensor)
         names += [t for t, _ in self.outputs.values() if t not in names]
@@ -83,13 +120,21 @@ class Plan:
         }
         if self.layout is not None:  # verify reads the blocks with this layout, or refuses
             record["layout"] = dict(self.layout)
+        if self.reference is not None:  # verify reads SOURCE again: the Hub commit, or files with these digests
+            record["from"] = dict(self.reference.identity)
         return redact_obj(record)  # never a token, even one typed into an option
 
 
-def prepare_checkpoint(source: Source, detection: Detection, options: ReinitOptions) -> Plan:
+def prepare_checkpoint(
+    source: Source, detection: Detection, options: ReinitOptions, *, reference: Source | None = None
+) -> Plan:
     """:func:`prepare` for a checkpoint on disk (a reinit, and verify re-deriving one): its config, its
-    tensors' shapes, whether its format rewrites whole tensors, and its stacks' depths."""
+    tensors' shapes, whether its format rewrites whole tensors, and its stacks' depths; ``reference``: SOURCE,
+    opened, for a mode that reads one (restore), checked against the tensors the plan changes."""
     weights = source.primary
+    if reference is not None:  # named in the options as published: a Hub id and its commit, or a name, never a path
+        found = Reference.of(reference)
+        options = get_mode(options.mode).with_reference(options, found.label, found.revision)
     plan = prepare(
         detection.blocks,
         options,
@@ -98,7 +143,10 @@ def prepare_checkpoint(source: Source, detection: Detection, options: ReinitOpti
         whole_tensors=weights.rewrites_whole_tensors,
         depths=detection.depths,
         unreadable=detection.unreadable,
+        reference=found if reference is not None else None,
     )
+    if plan.reference is not None:
+        _check_reference(plan, plan.reference, weights.tensors)
     keys = CheckpointDrawKeys(plan.tensors(), source.config)  # resolved when drawn, or here where two may share
     plan = replace(plan, draw_keys=keys)
     if keys.may_share():
@@ -118,6 +166,7 @@ def prepare(
     depths: Mapping[str, int] | None = None,
     unreadable: Sequence[Unreadable] = (),
     draw_keys: Mapping[str | tuple[str, str], str] | None = None,
+    reference: Reference | None = None,
 ) -> Plan:
     """The one planning step of every entry point (checkpoints, verify, models in memory, init hooks).
 
@@ -126,9 +175,15 @@ def prepare(
     ``whole_tensors``: whether the weights' format can rewrite tensors besides Q/K/V
     (``WeightSet.rewrites_whole_tensors``), for modes that write more (W_O); ``depths``: each stack's number of layers,
     those without attention included (Detection.depths), so that layer numbers are the model's own;
-    ``draw_keys``: the names the draws are keyed by, where they are not the tensors' own (``Plan.draw_keys``).
+    ``draw_keys``: the names the draws are keyed by, where they are not the tensors' own (``Plan.draw_keys``);
+    ``reference``: SOURCE, for a mode that reads one (only a checkpoint on disk or on the Hub can be SOURCE).
     """
     mode = get_mode(options.mode)
+    if mode.reference and reference is None:
+        raise OptionError(
+            f"{opt('mode', mode.name)} reads the tensors of another checkpoint ({opt('from_')}), which surgeon opens "
+            "for a checkpoint it re-initializes: restore a checkpoint on disk or on the Hub (surgeon.reinit_checkpoint)"
+        )
     if mode.writes_outputs and not whole_tensors:
         raise OptionError(
             f"{opt('mode', mode.name)} is not supported on these weights: it rewrites W_O too, and in this format "
@@ -138,7 +193,30 @@ def prepare(
     plan = replace(plan, outputs=mode.find_outputs(plan, shapes or {}), draw_keys=dict(draw_keys or {}))
     if draw_keys:  # else each tensor's draws are keyed by its own name: no two alike
         _refuse_shared_draws(plan)
-    return plan
+    return replace(plan, reference=reference) if reference is not None else plan
+
+
+def _check_reference(plan: Plan, reference: Reference, mine: Mapping[str, TensorInfo]) -> None:
+    """Every tensor the plan changes is in SOURCE under the same name, with the same shape and dtype: one line
+    naming the first that is not."""
+    theirs = reference.weights.tensors
+    for name in plan.tensors():
+        found, ours = theirs.get(name), mine[name]
+        if found is None:
+            raise CheckpointError(
+                f"SOURCE {reference.label} holds no tensor {name}: restore from a checkpoint of the same "
+                "architecture, saved under the same tensor names"
+            )
+        if tuple(found.shape) != tuple(ours.shape):
+            raise CheckpointError(
+                f"{name} is {list(found.shape)} in SOURCE {reference.label} and {list(ours.shape)} here: restore "
+                "from a checkpoint of the same architecture"
+            )
+        if (found.element or found.dtype) != (ours.element or ours.dtype):
+            raise CheckpointError(
+                f"{name} is {found.element or found.dtype} in SOURCE {reference.label} and {ours.element or ours.dtype} "
+                "here: restore from a checkpoint saved in the same dtype (or convert one of them first)"
+            )
 
 
 def _refuse_shared_draws(plan: Plan) -> None:
@@ -228,6 +306,9 @@ def make_plan(
         raise SelectionError(
             f"the selection picks no projection: check {opt('layers')}, {opt('heads')}, {opt('targets')} and {opt('attention')}"
         )
+    if options.strength is not None:  # each change at its layer's t: a ramp runs over each stack's selected layers
+        at = options.strength.per_layer([c.block for c in changes])
+        changes = [replace(c, strength=at[(c.block.stack, c.block.layer)]) for c in changes]
     return Plan(options=options, blocks=tuple(blocks), changes=tuple(changes), notes=tuple(notes))
 
 

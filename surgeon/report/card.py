@@ -283,13 +283,20 @@ def write_card(folder: Path, **kwargs: Any) -> Path:
 
 def _options_table(plan: Plan) -> str:
     o = plan.options.to_dict()
+    mode = get_mode(o["mode"])
     rows = [
-        ("mode", get_mode(o["mode"]).card_row(o, plan.touched_blocks)),
+        ("mode", mode.card_row(o, plan.touched_blocks)),
+        *((p.label, str(o[p.name])) for p in mode.parameters if o.get(p.name) is not None),  # as declared
+        *(
+            [("strength", _strength_cell(o["strength"], mode.strength_help))]
+            if o["strength"] is not None and mode.mixes
+            else []
+        ),
         ("projections", ", ".join(o["targets"])),
         ("layers", str(o["layers"]) if not isinstance(o["layers"], list) else format_indices(o["layers"])),
         ("heads", str(o["heads"]) if not isinstance(o["heads"], list) else format_indices(o["heads"])),
         ("attention", o["attention"] + (f", stacks {', '.join(o['stack'])}" if o.get("stack") else "")),
-        ("biases of re-initialized heads", "zeroed" if o["bias"] == "zero" else "kept"),
+        ("biases of re-initialized heads", {"zero": "zeroed", "keep": "kept", "source": "SOURCE's"}[o["bias"]]),
         ("keep scale", "yes (each head rescaled to its old Frobenius norm)" if o["keep_scale"] else "no"),
         ("seed", str(o["seed"])),
         ("surgeon", __version__),
@@ -297,11 +304,19 @@ def _options_table(plan: Plan) -> str:
     return "| | |\n| --- | --- |\n" + "\n".join(f"| {k} | {_cell(v)} |" for k, v in rows)
 
 
+def _strength_cell(strength: float | str, meaning: str) -> str:
+    ramp = " (each layer's t in the blocks table)" if isinstance(strength, str) else ""
+    return f"t = {strength}{ramp}: {meaning}"
+
+
 def _blocks_table(plan: Plan) -> str:
-    """One row per attention block; a joint block's context stream is in its cells, not a row of its own."""
+    """One row per attention block; a joint block's context stream is in its cells, not a row of its own; with a
+    strength ramp, the t of each block's layer."""
     targets = plan.options.to_dict()["targets"]
-    lines = ["| block | kind | " + " | ".join(targets) + " |"]
-    lines.append("| --- | --- |" + " --- |" * len(targets))
+    ramp = plan.options.strength is not None and plan.options.strength.ramp
+    at = {(c.block.stack, c.block.layer): c.strength for c in plan.changes}
+    lines = ["| block | kind | " + " | ".join(targets) + (" | strength |" if ramp else " |")]
+    lines.append("| --- | --- |" + " --- |" * (len(targets) + ramp))
     attention, streams = with_streams(plan.touched_blocks)
     orphans = [s for owner, ss in streams.items() if owner not in {b.module for b in attention} for s in ss]
     for block in attention + orphans:
@@ -315,6 +330,8 @@ def _blocks_table(plan: Plan) -> str:
             else:
                 own += "".join(f"; {name} stream: {text}" for name, text in extra)
             cells.append(own)
+        if ramp:
+            cells.append(f"{at[(block.stack, block.layer)]:.4g}")
         lines.append(f"| {_cell(_code(block.module))} | {block.kind} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 from .._version import __version__
 from ..errors import CheckpointError, SurgeonError, VerificationError
 from ..files.bounded import CARD_LIMIT, loads, read_text
-from ..modes import all_modes, get_mode, parameter
+from ..modes import Parameter, all_modes, get_mode, parameters
+from ..modes.base import parse_strength
 from ..open.hub_ids import parse_repo_id
 from ..options import BIAS_CHOICES, MODES, ReinitOptions
 from ..vocab.spectrum import VALUE_IDENTITIES
@@ -48,6 +49,11 @@ class Record:
         """The Hub model and commit the output was made from (checked when parsed), if it was made from one."""
         found = self.raw.get("origin")
         return (found["repo"], found["commit"]) if found else None
+
+    @property
+    def source(self) -> dict | None:
+        """SOURCE, as a restore recorded it (checked when parsed): ``{"repo", "commit"}`` or ``{"sha256": {...}}``."""
+        return self.raw.get("from")
 
     @property
     def other_version(self) -> bool:
@@ -147,6 +153,7 @@ _TOP: dict[str, type] = {
     "copies": dict,
     "layout": dict,
     "origin": dict,
+    "from": dict,
 }
 _REQUIRED = ("tool", "version", "method", "options", "blocks")
 
@@ -191,7 +198,42 @@ def _parse(value: dict, version: str, where: str) -> Record:
         and re.fullmatch("[0-9a-f]{40}", origin["commit"])
     ):
         raise CheckpointError(f"{where}: the last surgeon record's origin is not a Hub model id and a commit id")
+    source = value.get("from")
+    if source is not None and not (_hub_commit(source) or _digests(source)):
+        raise CheckpointError(
+            f"{where}: the last surgeon record's SOURCE is neither a Hub model id and a commit id nor files' sha256"
+        )
+    if (source is not None) != get_mode(options.mode).reference:
+        raise CheckpointError(
+            f"{where}: the last surgeon record {'names' if source is not None else 'does not name'} a SOURCE for "
+            f"mode {options.mode}: not surgeon's"
+        )
     return Record(value, version, options, blocks, dict(copies))
+
+
+def _hub_commit(value: dict) -> bool:
+    """``{"repo": ..., "commit": ...}``: a Hub model id and a commit id."""
+    return (
+        set(value) == {"repo", "commit"}
+        and isinstance(value["repo"], str)
+        and parse_repo_id(value["repo"]) == value["repo"]
+        and isinstance(value["commit"], str)
+        and re.fullmatch("[0-9a-f]{40}", value["commit"]) is not None
+    )
+
+
+def _digests(value: dict) -> bool:
+    """``{"sha256": {file: digest}}``: the weight files of a checkpoint on disk, each by its sha256."""
+    files = value.get("sha256")
+    return (
+        set(value) == {"sha256"}
+        and isinstance(files, dict)
+        and 0 < len(files) <= MAX_LIST
+        and all(
+            isinstance(k, str) and _text(k) and isinstance(v, str) and re.fullmatch("[0-9a-f]{64}", v)
+            for k, v in files.items()
+        )
+    )
 
 
 def _text(s: str) -> bool:
@@ -237,24 +279,38 @@ _OPTIONS: dict[str, Any] = {
         v is None or (isinstance(v, list) and len(v) <= MAX_LIST and all(isinstance(s, str) and _text(s) for s in v))
     ),
     "mode": lambda v: _choice(v, MODES),
-    "strength": lambda v: _parameter_ok("strength", v),
+    "strength": lambda v: v is None or _strength(v),
     "value_identity": lambda v: _choice(v, VALUE_IDENTITIES),
     "keep_scale": lambda v: isinstance(v, bool),
     "bias": lambda v: _choice(v, BIAS_CHOICES),
     "seed": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "gain": lambda v: _parameter_ok("gain", v),
-    "std": lambda v: _parameter_ok("std", v),
+    # each mode's own parameters, as their modes declare them
+    **{p.name: (lambda v, p=p: _parameter_ok(p, v)) for p in parameters()},
 }
 
 
-def _parameter_ok(name: str, v: Any) -> bool:
+def _strength(v: Any) -> bool:
+    """A strength as ReinitOptions.to_dict writes it: a number in (0, 1], or "A:B"."""
+    if not (_number(v) or (isinstance(v, str) and len(v) <= 64)):
+        return False
+    try:
+        parse_strength(v)
+    except SurgeonError:
+        return False
+    return True
+
+
+def _parameter_ok(declared: Parameter, v: Any) -> bool:
     """A mode parameter as its mode records it: in its range, and None only where it is always recorded."""
-    declared = parameter(name)
-    return (v is None and declared.always_recorded) or (_number(v) and declared.problem(v) is None)
+    if v is None:
+        return declared.always_recorded
+    if declared.kind is str:
+        return isinstance(v, str) and _text(v) and declared.problem(v) is None
+    return _number(v) and declared.problem(v) is None
 
 
 # recorded only where set (the others are always recorded)
-_WHERE_SET = tuple(p.name for m in all_modes() for p in m.parameters if not p.always_recorded)
+_WHERE_SET = tuple(p.name for p in parameters() if not p.always_recorded)
 
 
 def parse_options(options: dict, where: str) -> ReinitOptions:

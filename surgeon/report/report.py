@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import Spelling, opt, python_spelling, spell
 from ..modes import NAMES as MODES
 from ..modes import get_mode
+from ..modes.base import parse_strength
 from ..text.shown import note_lines, shown
 from ..text.sizes import fmt_bytes
 from ..vocab.blocks import AttentionBlock, split_module
@@ -88,7 +89,13 @@ class Report:
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
     # --- machines ------------------------------------------------------------------------
+    def strengths(self) -> dict[tuple[str, int], float]:
+        """(stack, layer) -> the strength t each re-initialized layer got ({} where none was given)."""
+        strength = parse_strength((self.options or {}).get("strength")) if self.command == "reinit" else None
+        return strength.per_layer([r.block for r in self.rows]) if strength is not None else {}  # as the plan did
+
     def to_dict(self, spelling: Spelling = python_spelling) -> dict:
+        at = self.strengths()
         out = {
             "command": self.command,
             "source": self.source,
@@ -100,7 +107,9 @@ class Report:
             "bytes_written": self.bytes_written,
             "options": self.options,
             "blocks": block_dicts(self.blocks),
-            "projections": [r.to_dict() for r in self.rows],
+            "projections": [
+                r.to_dict() | ({"strength": at[(r.block.stack, r.block.layer)]} if at else {}) for r in self.rows
+            ],
             "notes": [spell(n, spelling) for n in self.notes],
         }
         if self.jacobian is not None:
@@ -184,9 +193,12 @@ class Report:
         o = self.options or {}
         what = "plan (dry run, nothing written)" if self.dry_run else "re-initialized"
         mode = get_mode(str(o["mode"])).summary(o, self.blocks) if o.get("mode") in MODES else str(o.get("mode"))
+        mixes = o.get("mode") in MODES and get_mode(str(o["mode"])).mixes
         extras = f"mode {mode}, bias {o.get('bias')}, seed {o.get('seed')}" + (
             ", keep scale" if o.get("keep_scale") else ""
         )
+        if mixes and o.get("strength") is not None:  # polar says its own
+            extras += f", strength {o['strength']}" + (" (per layer below)" if isinstance(o["strength"], str) else "")
         touched = len({split_module(r.block.module)[0] for r in self.rows})
         return f"{head}\n" + shown(
             f"{what}: {_count(len(self.rows), 'projection')} in {_count(touched, 'block')}; {extras}"
@@ -251,7 +263,18 @@ class Report:
                     "yes" if r.bias_zeroed else "no",
                 ]
             )
-        return table(["block", "proj", "tensor", "heads", "zero bias"], rows)
+        return self._with_strengths(table, ["block", "proj", "tensor", "heads", "zero bias"], rows)
+
+    def _with_strengths(self, make: Any, headers: list[str], rows: list[list[str]], **kw: Any) -> str:
+        """The table with a strength column where a ramp gave each layer its own (rows in the order of self.rows)."""
+        at = self.strengths()
+        if not isinstance((self.options or {}).get("strength"), str):
+            return make(headers, rows, **kw)
+        return make(
+            [*headers, "strength"],
+            [[*cells, f"{at[(r.block.stack, r.block.layer)]:.4g}"] for cells, r in zip(rows, self.rows)],
+            **kw,
+        )
 
     def _reinit_table(self) -> str:
         whole, rows = self._whole_measured(), []
@@ -266,8 +289,10 @@ class Report:
             else:
                 rows.append([_where(r.block), r.role, heads, f"{b[1]} -> {a[1]}"])
         if whole:
-            return table(["block", "proj", "heads", "kappa", "head kappa min/med/max", "||W||2"], rows)
-        return table(["block", "proj", "heads", "head kappa min/med/max"], rows)
+            return self._with_strengths(
+                table, ["block", "proj", "heads", "kappa", "head kappa min/med/max", "||W||2"], rows
+            )
+        return self._with_strengths(table, ["block", "proj", "heads", "head kappa min/med/max"], rows)
 
 
 def with_streams(blocks: Sequence[AttentionBlock]) -> tuple[list[AttentionBlock], dict[str, list[AttentionBlock]]]:

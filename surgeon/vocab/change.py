@@ -10,18 +10,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from .blocks import AttentionBlock, Projection, Role
 
 
 @dataclass(frozen=True)
 class Change:
-    """Re-initialize ``heads`` of one projection (key/value head numbers for k and v)."""
+    """Re-initialize ``heads`` of one projection (key/value head numbers for k and v), ``strength``: how far (t of
+    its layer; None: not given, the mode's full effect)."""
 
     block: AttentionBlock
     role: Role
     heads: tuple[int, ...]
+    strength: float | None = None
 
     @property
     def projection(self) -> Projection:
@@ -36,17 +38,19 @@ class OptionsView(Protocol):
     @property
     def value_identity(self) -> str: ...
     @property
-    def gain(self) -> float | None: ...
-    @property
-    def std(self) -> float | None: ...
-    @property
     def keep_scale(self) -> bool: ...
     @property
-    def effective_strength(self) -> float: ...
+    def strength(self) -> Any: ...  # a surgeon.modes.base.Strength, or None
+    @property
+    def bias_policy(self) -> str: ...  # "zero", "keep" or "source"
     @property
     def zero_bias(self) -> bool: ...
 
     __dataclass_fields__: ClassVar[dict[str, Any]]  # a dataclass: Mode.with_defaults may replace() a field
+
+    if TYPE_CHECKING:  # each mode's own parameters (gain, std, ...): fields made from their declarations
+
+        def __getattr__(self, name: str) -> Any: ...
 
 
 class PlanView(Protocol):

@@ -51,7 +51,7 @@ def test_no_attention_found_names_the_near_miss(cli, tmp_path):
         (["--targets", "q,o"], "unknown target 'o'"),
         (["--attention", "cross"], "no cross-attention blocks"),
         (["--stack", "encoder"], "no stack named 'encoder'"),
-        (["--strength", "0.5"], "--strength applies to --mode polar only"),
+        (["--strength", "0"], "--strength 0 changes nothing"),
         (["--mode", "polar", "--strength", "1.5"], "--strength must be in (0, 1]"),
         (["--device", "cuda:7"], "--device cuda:7"),
         (["--device", "tpu"], "unknown device 'tpu'"),
@@ -72,7 +72,9 @@ _NO_MODEL_NEEDED = [
     (["--layers", "5-3"], "layer range '5-3' is empty"),
     (["--heads", "0,y"], "cannot read head spec item 'y'"),
     (["--targets", "qk"], "unknown target 'qk': write q,k, comma-separated"),
-    (["--strength", "0.5"], "--strength applies to --mode polar only"),
+    (["--strength", "0"], "--strength 0 changes nothing"),
+    (["--strength", "0.2:0"], "--strength 0.2:0 changes nothing"),
+    (["--strength", "0.2-1"], "cannot read --strength 0.2-1"),
     (["--mode", "polar", "--strength", "1.5"], "--strength must be in (0, 1]"),
     (["--mode", "redraw", "--std", "0"], "--std must be a finite number above 0"),
     (["--gain", "2", "--keep-scale"], "--gain and --keep-scale both set the scale"),
@@ -279,14 +281,11 @@ def test_errors_live_in_one_module_and_carry_fields(tmp_path):
 
     errors = [getattr(surgeon, n) for n in surgeon.__all__ if n.endswith("Error")]
     assert errors and all(e.__module__ == "surgeon.errors" and issubclass(e, SurgeonError) for e in errors)
-    with pytest.raises(surgeon.OptionError) as err:  # a Python caller is told about the keyword, not --strength
-        surgeon.ReinitOptions(strength=0.5)
-    assert str(err.value) == "strength applies to mode=polar only (the conditioned reset always reaches kappa = 1)"
-    assert err.value.options == ("strength", "mode") and err.value.option == "strength"
-    assert (
-        err.value.describe(cli_spelling)
-        == "--strength applies to --mode polar only (the conditioned reset always reaches kappa = 1)"
-    )
+    with pytest.raises(surgeon.OptionError) as err:  # a Python caller is told about the keyword, not --gain
+        surgeon.ReinitOptions(mode="polar", gain=0.5)
+    assert str(err.value) == "gain applies to mode=conditioned only"
+    assert err.value.options == ("gain", "mode") and err.value.option == "gain"
+    assert err.value.describe(cli_spelling) == "--gain applies to --mode conditioned only"
     exc = surgeon.HubError("boom")
     exc.context = "wrote out, but the push failed: "
     assert str(exc) == "wrote out, but the push failed: boom" and exc.args == ("boom",)

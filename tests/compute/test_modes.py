@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from huggingface_hub import ModelCard
 from safetensors import safe_open
 
@@ -53,9 +54,12 @@ def test_names_methods_and_tags_are_distinct_and_options_have_one_owner():
     for attr in ("name", "method", "label", "tag"):
         values = [getattr(m, attr) for m in modes]
         assert len(set(values)) == len(values), attr
-    for option in ("gain", "strength", "std"):
+    declared = [p.name for m in modes for p in m.parameters]
+    assert {"gain", "std"} <= set(declared)
+    for option in declared:
         owners = [m.name for m in modes if any(p.name == option for p in m.parameters)]
         assert len(owners) == 1 and owner_of(option).name == owners[0]
+    assert owner_of("strength") is None  # every mode takes --strength, each saying what t does (strength_help)
 
 
 def test_no_module_outside_modes_compares_mode_names():
@@ -84,7 +88,15 @@ def bert_dir(tmp_path):
 @pytest.mark.parametrize("mode", MODES)
 def test_card_and_record_say_what_was_done(bert_dir, tmp_path, mode, cli):
     out = tmp_path / f"out-{mode}"
-    reinit_checkpoint(bert_dir, output=out, mode=mode)
+    source = ()
+    if get_mode(mode).reference:  # restore: another checkpoint of the same architecture to take values from
+        other = tiny_bert()
+        with torch.no_grad():
+            for p in other.parameters():
+                p.mul_(1.5)
+        other.save_pretrained(tmp_path / "source")
+        source = ("--from", tmp_path / "source")
+    reinit_checkpoint(bert_dir, output=out, mode=mode, **{"from_": str(source[1])} if source else {})
     with safe_open(out / "model.safetensors", "np") as f:
         (record,) = json.loads(f.metadata()["surgeon"])
     assert record["method"] == get_mode(mode).method and record["options"]["mode"] == mode
@@ -99,6 +111,7 @@ def test_card_and_record_say_what_was_done(bert_dir, tmp_path, mode, cli):
         "polar": "singular vectors kept",
         "redraw": "default init",
         "mimetic": "W_O",
+        "restore": "take the values of `source`",
     }
     assert words[mode] in text
     if mode == "redraw":
@@ -107,7 +120,7 @@ def test_card_and_record_say_what_was_done(bert_dir, tmp_path, mode, cli):
     if mode == "mimetic":
         assert "Trockman" in card.text and "@inproceedings{trockman2023mimetic" in card.text
     assert ("no longer hold what the source model learned" in text) == get_mode(mode).fresh
-    cli("verify", bert_dir, out)  # what the card and record describe is what the weights hold
+    cli("verify", bert_dir, out, *source)  # what the card and record describe is what the weights hold
 
 
 def test_a_mode_says_where_it_is_not_supported(tmp_path, cli):

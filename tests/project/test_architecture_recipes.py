@@ -57,9 +57,9 @@ def _package_with_a_new_mode(tmp_path: Path) -> Path:
     modes = src / "surgeon" / "modes"
     (modes / "halved.py").write_text(HALVED)
     init = (modes / "__init__.py").read_text()
-    registry = "for m in (Conditioned(), Polar(), Redraw(), Mimetic())}"
+    registry = "for m in (Conditioned(), Polar(), Redraw(), Mimetic(), Restore())}"
     assert registry in init  # the one registry line the recipe names
-    init = init.replace(registry, "for m in (Conditioned(), Polar(), Redraw(), Mimetic(), Halved())}")
+    init = init.replace(registry, "for m in (Conditioned(), Polar(), Redraw(), Mimetic(), Restore(), Halved())}")
     (modes / "__init__.py").write_text(
         init.replace("from .conditioned import", "from .halved import Halved\nfrom .conditioned import")
     )
@@ -81,7 +81,7 @@ def test_a_mode_added_by_the_recipe_runs_end_to_end(tmp_path):
     helped = _surgeon(src, "reinit", "--help")
     text = " ".join(helped.stdout.split())  # click wraps the help
     assert (
-        helped.returncode == 0 and "|mimetic|halved]" in text and "halved: the conditioned reset at half scale" in text
+        helped.returncode == 0 and "|restore|halved]" in text and "halved: the conditioned reset at half scale" in text
     )
 
     run = _surgeon(
