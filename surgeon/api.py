@@ -17,8 +17,8 @@ from .hub.read import open_model
 from .modes import get_mode
 from .open.hub_ids import require_repo_id
 from .open.source import Source
-from .options import ReinitOptions
-from .plan.planner import Plan, prepare_checkpoint
+from .options import Recipe, ReinitOptions
+from .plan.planner import Plan, prepare_checkpoint, prepare_recipe, read_recipe
 from .report.report import Report
 from .text.notes import capped
 from .vocab.spectrum import ProjectionRow
@@ -46,6 +46,7 @@ def inspect_checkpoint(
     jacobian: bool = False,
     inputs: str | Path | None = None,
     emit_layout: str | Path | None = None,
+    emit_recipe: str | Path | None = None,
     **hint_keywords: HintInput | bool | str | Path,
 ) -> Report:
     """Find the attention blocks of a checkpoint and the condition numbers of their projections.
@@ -67,6 +68,8 @@ def inspect_checkpoint(
         jacobian: Also the attention Jacobian report (``report.jacobian``).
         inputs: With ``jacobian``: text lines or a .pt of token ids (default: a built-in sample).
         emit_layout: Write the detected layout to this file, in the form ``layout`` reads.
+        emit_recipe: Write the recipe of a surgeon output (its record: a recipe's steps, or its one run) to this
+            file, in the TOML ``recipe`` reads, so that the run can be replayed or edited.
         **hint_keywords: Fields of Hints (``num_heads``, ``num_kv_heads``, ``head_dim``, ``force_hints``,
             ``layout``: a layout file whose rules are tried before the built-in ones), replacing those of
             ``hints``.
@@ -101,6 +104,8 @@ def inspect_checkpoint(
         from .detect.layout_emit import emit, write_layout
 
         write_layout(emit(weights.tensors, source.config, hints, detection.blocks), emit_layout)
+    if emit_recipe is not None:
+        _emit_recipe(source, emit_recipe)
     tensors = {p.weight.tensor for b in detection.blocks for p in b.projections}
     with hold(source, exclusive=False), Progress(progress, len(tensors), "inspect") as bar:
         spectra = inspect_blocks(detection.blocks, weights.read, dev, progress=bar.update if bar else None, whole=full)
@@ -116,6 +121,8 @@ def inspect_checkpoint(
     ]
     if emit_layout is not None:
         notes.append(f"wrote the detected layout to {emit_layout} (give it back with {opt('layout', emit_layout)})")
+    if emit_recipe is not None:
+        notes.append(f"wrote the recipe of its record to {emit_recipe} (run it with {opt('recipe', emit_recipe)})")
     if verify_layout:
         from .audit.layout import check_layout
 
@@ -163,6 +170,7 @@ def reinit_checkpoint(
     progress: bool = False,
     distributed: bool = False,
     base_model: str | None = None,
+    recipe: Recipe | str | Path | None = None,
     **keywords: Any,
 ) -> Report:
     """Re-initialize the chosen Q/K/V projections of a checkpoint and write a new one.
@@ -195,6 +203,8 @@ def reinit_checkpoint(
         base_model: The Hub model a local MODEL comes from, ``org/name``, for the model card's lineage (its
             ``base_model`` metadata and first line); default: a Hub MODEL's own id, else the ``base_model`` the
             source's own card names.
+        recipe: Several steps in one pass over the bytes, instead of ``options``: a
+            :class:`~surgeon.options.Recipe`, or a .toml/.yaml file of one (``surgeon.plan.planner.read_recipe``).
         **keywords: Fields of ReinitOptions (``layers``, ``targets``, ``mode``, ``seed``, ...) or of Hints
             (``num_heads``, ``head_dim``, ...), replacing those of ``options`` and ``hints``.
 
@@ -214,6 +224,18 @@ def reinit_checkpoint(
     >>> reinit_checkpoint("./bert", options=ReinitOptions(targets="q,k"), push="me/bert-reset")  # doctest: +SKIP
     """
     opts, hints = _options_and_hints(options, hints, keywords)
+    if recipe is not None:
+        given = [k for k in keywords if k in {f.name for f in fields(ReinitOptions)}]
+        if options is not None or given:
+            raise OptionError(
+                f"{opt('recipe')} holds the options of each of its steps: give them there, not as "
+                f"{opt(given[0]) if given else opt('options')}"
+            )
+        if distributed:
+            raise OptionError(f"{opt('recipe')} runs in one process: run it without torchrun")
+    chosen: ReinitOptions | Recipe = (
+        opts if recipe is None else recipe if isinstance(recipe, Recipe) else read_recipe(recipe)
+    )
     target = _push_target(push, dry_run=dry_run)
     if base_model is not None:
         base_model = require_repo_id(base_model, opt("base_model"))
@@ -229,7 +251,7 @@ def reinit_checkpoint(
     read = ReadFrom(model, revision, config)
     write_to = WriteTo(output, in_place, overwrite, dry_run, target, staging is not None, base_model)
     if not distributed:
-        return _reinit(read, RunWith(opts, hints, device, full, progress), write_to, ONE_PROCESS)
+        return _reinit(read, RunWith(chosen, hints, device, full, progress), write_to, ONE_PROCESS)
     from .write import ranks
 
     ranks.refuse(in_place=in_place, push=target is not None)
@@ -253,7 +275,7 @@ class ReadFrom:
 class RunWith:
     """How a reinit runs: the options, the hints, where it computes, what it measures and shows."""
 
-    options: ReinitOptions
+    options: ReinitOptions | Recipe
     hints: Hints
     device: str | torch.device = "auto"
     full: bool = False
@@ -273,6 +295,9 @@ def _reinit(read: ReadFrom, how: RunWith, to: WriteTo, executor: Executor) -> Re
         sink = open_sink(source, to)
         executor.check(source, sink.dest)
         detection = detect_source(source, how.hints)
+        if isinstance(how.options, Recipe):  # each step's SOURCE, where its mode reads one
+            references = [_open_reference(step, how.progress) for step in how.options.steps]
+            return source, sink, detection, prepare_recipe(source, detection, how.options, references)
         reference = _open_reference(how.options, how.progress)  # restore's SOURCE (None: the mode reads none)
         return source, sink, detection, prepare_checkpoint(source, detection, how.options, reference=reference)
 
@@ -287,7 +312,7 @@ def _reinit(read: ReadFrom, how: RunWith, to: WriteTo, executor: Executor) -> Re
         )  # fmt: skip
     card = CardFacts(
         sink.title,
-        lambda: reproduce(read.model, source, plan.options, how.hints, sink.dest.path),
+        lambda: reproduce(read.model, source, plan, how.hints, sink.dest.path),
         to.base_model,
     )
     with hold(source, exclusive=to.patches_input):  # in place: alone; a copy: never while an in-place run patches it
@@ -299,6 +324,26 @@ def _reinit(read: ReadFrom, how: RunWith, to: WriteTo, executor: Executor) -> Re
         device=done.device, seconds=seconds, bytes_written=done.bytes_written, io=done.io, dry_run=False,
         transfer=_figures(source, finished),
     )  # fmt: skip
+
+
+def _emit_recipe(source: Source, path: str | Path) -> None:
+    """The recipe of the output ``source`` (its last record: a recipe's steps or its one run) written to ``path``."""
+    from .report.record import parse_record, stored_history
+
+    found, where = stored_history(source)
+    if not found:
+        raise OptionError(
+            f"{opt('emit_recipe')} writes the recipe surgeon recorded in an output, and {source.path} holds no record "
+            f"in {where}"
+        )
+    record = parse_record(found[-1], f"{source.path} ({where})")
+    recipe = record.recipe or Recipe((record.options,))
+    notes = {
+        i: "SOURCE was a checkpoint on disk, named here by its name only: write its path (the record keeps its sha256)"
+        for i, run in enumerate(record.runs)
+        if run.source is not None and "sha256" in run.source
+    }
+    Path(path).write_text(recipe.to_toml(notes), encoding="utf-8")
 
 
 def _open_reference(options: ReinitOptions, progress: bool) -> Source | None:

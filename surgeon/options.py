@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
-from .errors import OptionError, opt
+from .errors import OptionError, SurgeonError, opt
 from .modes import NAMES as MODES
 from .modes import all_modes, get_mode, parameters
 from .modes.base import STRENGTH_SPELLING, Strength, parse_strength
@@ -251,3 +251,96 @@ class ReinitOptions:
 def _stacks(spec: str | Iterable[str]) -> tuple[str, ...]:
     items = spec.split(",") if isinstance(spec, str) else list(spec)
     return tuple(s.strip() for s in items if s.strip())
+
+
+MAX_STEPS = 64  # steps in a recipe: beyond any real schedule of resets
+RECIPE_METHOD = "recipe"  # the record's method of a recipe of several steps (each step names its own)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Several re-initializations of one checkpoint, applied in order in one pass over its bytes: each tensor is
+    read once, every step that touches it changes it in turn (a later step reads what the earlier ones left), and
+    it is written once. Each step is a :class:`ReinitOptions` (its own selection, mode and strength); a recipe of
+    one step is that step's run, byte for byte.
+
+    Read from a file by ``surgeon.plan.planner.read_recipe`` (TOML ``[[step]]`` tables or YAML ``steps:``), written
+    back by :meth:`to_toml` (``surgeon inspect --emit-recipe``)."""
+
+    steps: tuple[ReinitOptions, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "steps", tuple(self.steps))
+        if not 0 < len(self.steps) <= MAX_STEPS:
+            raise OptionError(f"a recipe holds 1 to {MAX_STEPS} steps, not {len(self.steps)}")
+        if not all(isinstance(s, ReinitOptions) for s in self.steps):
+            raise TypeError("the steps of a Recipe are surgeon.ReinitOptions")
+
+    @classmethod
+    def from_data(cls, data: Any, where: str) -> Recipe:
+        """A recipe from a parsed file: ``{"step": [...]}`` (TOML's ``[[step]]``) or ``{"steps": [...]}``, each step
+        a table of options by their flag's name (``layers``, ``keep-scale``, ``from``, ...) or their keyword.
+
+        Raises:
+            OptionError: Not a list of steps, an option no step takes, or a value an option refuses (named with its
+                step).
+        """
+        steps = data.get("steps", data.get("step")) if isinstance(data, dict) else None
+        if not isinstance(data, dict) or set(data) - {"step", "steps"} or not isinstance(steps, list) or not steps:
+            raise OptionError(
+                f"{where} is not a recipe: give a list of steps ([[step]] tables in TOML, steps: in YAML)"
+            )
+        names = {shell_name(f.name): f.name for f in fields(ReinitOptions)}
+        read = []
+        for i, step in enumerate(steps[: MAX_STEPS + 1], 1):
+            if not isinstance(step, dict):
+                raise OptionError(f"{where}: step {i} is not a table of options")
+            unknown = [k for k in step if shell_name(str(k)) not in names]
+            if unknown:
+                raise OptionError(
+                    f"{where}: step {i} has an option surgeon does not know ({unknown[0]!r}): the options are "
+                    + ", ".join(sorted(names))
+                )
+            given = {names[shell_name(str(k))]: v for k, v in step.items()}
+            for name, info in option_infos():  # a spec as the command line gives it, so the record is the CLI's
+                value = given.get(name)
+                if info.spec and isinstance(value, (int, list)) and not isinstance(value, bool):
+                    given[name] = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+            try:
+                read.append(ReinitOptions.build(**given))
+            except SurgeonError as exc:
+                exc.context = f"{where}: step {i}: {exc.context or ''}"
+                raise
+        return cls(tuple(read))
+
+    def to_toml(self, notes: dict[int, str] | None = None) -> str:
+        """The recipe as a TOML file: one ``[[step]]`` table per step, each with the options a reproduce command
+        spells (those that apply to its mode), by their flag's name; ``notes``: a comment above a step."""
+        lines = []
+        for i, step in enumerate(self.steps):
+            options = step.to_dict()
+            note = (notes or {}).get(i)
+            lines += ([""] if i else []) + ([f"# {line}" for line in note.splitlines()] if note else []) + ["[[step]]"]
+            for name, info in option_infos():
+                value = options.get(name)
+                if value is None or (info.recorded is not None and not info.recorded(options)):
+                    continue
+                lines.append(f"{shell_name(name)} = {_toml_value(value)}")
+        return "\n".join(lines) + "\n"
+
+
+def shell_name(name: str) -> str:
+    """An option as a recipe file names it: its flag without the dashes (``keep-scale``, ``from``)."""
+    return name.rstrip("_").replace("_", "-")
+
+
+def _toml_value(value: Any) -> str:
+    import json
+
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))  # a basic string: JSON's escapes are TOML's

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from ..formats.base import WeightSet
     from ..formats.onnx import OnnxWeights
     from ..open.source import Source
+    from ..options import ReinitOptions
     from ..plan.planner import Plan
     from ..vocab.detection import Detection
 
@@ -70,15 +71,21 @@ class Verification:
 
     def summary(self) -> str:
         """The one-line verdict (names shown escaped: a path with a newline in it stays on the line)."""
-        o = self.record.get("options", {})
-        how = get_mode(self.mode).verify_bound
+        runs = self.record.get("steps") or [self.record]  # a recipe: each step
+        o = runs[0].get("options", {})
+        how = get_mode(self.mode).verify_bound if "steps" not in self.record else "re-derived byte for byte"
         # a joint block's context stream ("<module>:context") is recorded beside its block: one attention block
-        n = len({split_module(str(b.get("module", "")))[0] for b in self.record.get("blocks", [])})
+        n = len({split_module(str(b.get("module", "")))[0] for run in runs for b in run.get("blocks", [])})
         files = f", {self.files} other file{'s' if self.files != 1 else ''} byte-identical" if self.files else ""
         made = f" (made by surgeon {self.record.get('version')})" if self.record.get("version") != __version__ else ""
+        what = (
+            f"a recipe of {len(runs)} steps: modes {', '.join(str(r.get('options', {}).get('mode')) for r in runs)}"
+            if len(runs) > 1
+            else f"mode {self.mode}, targets {','.join(o.get('targets', []))}, seed {o.get('seed')}"
+        )
         return shown(
             f"verified: {self.output} is {self.original} with {n} attention block{'s' if n != 1 else ''} re-initialized as recorded "
-            f"(mode {self.mode}, targets {','.join(o.get('targets', []))}, seed {o.get('seed')}): {len(self.changed)} changed "
+            f"({what}): {len(self.changed)} changed "
             f"tensor{'s' if len(self.changed) != 1 else ''} {how}, {self.identical} other tensor{'s' if self.identical != 1 else ''} "
             f"byte-identical{files}{made}"
         )
@@ -170,8 +177,10 @@ def _verify_opened(
             f"{', '.join(w.describe() for w in src.weights)}: surgeon rewrites each set its original has, and adds none"
         )
     try:
-        reference = _reference(record, from_, output)
-        changed, identical = _check_weights(src, out, record, earlier, hints, device, output, original, reference)
+        references = [_reference(step.source, step.options, from_, output) for step in record.runs]
+        if from_ is not None and all(r is None for r in references):
+            raise OptionError(f"{output} was not restored from a checkpoint on disk: leave {opt('from_')} out")
+        changed, identical = _check_weights(src, out, record, earlier, hints, device, output, original, references)
     except DerivedMismatch as exc:
         if not record.other_version:
             raise
@@ -185,27 +194,21 @@ def _verify_opened(
     return Verification(str(original), str(output), record.raw, sorted(changed), identical, record.options.mode, files)
 
 
-def _reference(record: Record, given: str | Path | None, output: str | Path) -> Source | None:
-    """A restore's SOURCE, opened as its record names it: the Hub model at the recorded commit, or the checkpoint
-    on disk given as ``given`` (its digests are compared once it is planned); None for the other modes."""
+def _reference(
+    named: dict | None, options: ReinitOptions, given: str | Path | None, output: str | Path
+) -> Source | None:
+    """A restore's SOURCE (``named``: as its record names it), opened: the Hub model at the recorded commit, or the
+    checkpoint on disk given as ``given`` (its digests are compared once it is planned); None for the other modes."""
     from ..hub.read import open_model
 
-    named = record.source
     if named is None:
-        if given is not None:
-            raise OptionError(f"{output} was not restored from another checkpoint: leave {opt('from_')} out")
         return None
     if "repo" in named:
-        if given is not None:
-            raise OptionError(
-                f"{output} was restored from the Hub model {named['repo']} at commit {named['commit']}, which verify "
-                f"reads from the Hub: leave {opt('from_')} out"
-            )
         return open_model(f"hf://{named['repo']}", revision=named["commit"])
     if given is None:
         files = ", ".join(f"{name} (sha256 {digest[:16]}...)" for name, digest in sorted(named["sha256"].items()))
         raise CheckpointError(
-            f"{output} was restored from {record.options.from_}, a checkpoint on disk ({files}): give it with "
+            f"{output} was restored from {options.from_}, a checkpoint on disk ({files}): give it with "
             f"{opt('from_', 'PATH')}"
         )
     return open_model(given)
@@ -267,28 +270,34 @@ def _check_weights(
     device: str | torch.device,
     output: str | Path,
     original: str | Path,
-    reference: Source | None = None,
+    references: list[Source | None],
 ) -> tuple[set[str], int]:
-    """The plan made again from the record; every weight set's tensors checked. Returns (changed, identical)."""
+    """The plan made again from the record (a recipe's: every step, in order); every weight set's tensors checked.
+    Returns (changed, identical)."""
     from ..compute.devices import resolve_device
     from ..compute.engine import Engine
     from ..detect import detect_source
-    from ..plan.planner import prepare_checkpoint
+    from ..plan.planner import prepare_checkpoint, prepare_recipe
 
     detection = detect_source(src, hints)
     try:
-        plan = prepare_checkpoint(src, detection, record.options, reference=reference)
+        if record.recipe is not None:
+            plan = prepare_recipe(src, detection, record.recipe, references)
+        else:
+            plan = prepare_checkpoint(src, detection, record.options, reference=references[0])
     except SurgeonError as exc:
         raise DerivedMismatch(
             f"{output}: its recorded options do not fit {original} ({exc}); is ORIGINAL the model it was made from?"
         ) from None
-    if plan.record().get("from") != record.source:  # the SOURCE given is the one the record names, file for file
-        raise CheckpointError(
-            f"{output} was restored from a SOURCE whose files have other sha256 digests than the one given "
-            f"({opt('from_')}): give the checkpoint it was restored from"
-        )
-    _same_layout(plan.record().get("layout"), record.raw.get("layout"), output)
-    if plan.record()["blocks"] != record.blocks:
+    made = plan.record()
+    for step, again in zip(record.runs, made.get("steps") or [made], strict=True):
+        if again.get("from") != step.source:  # the SOURCE given is the one the record names, file for file
+            raise CheckpointError(
+                f"{output} was restored from a SOURCE whose files have other sha256 digests than the one given "
+                f"({opt('from_')}): give the checkpoint it was restored from"
+            )
+    _same_layout(made.get("layout"), record.raw.get("layout"), output)
+    if [again["blocks"] for again in made.get("steps") or [made]] != [step.blocks for step in record.runs]:
         raise DerivedMismatch(
             f"{output}: its record lists re-initialized blocks that the recorded options do not select in {original}; "
             "is ORIGINAL the model it was made from?"

@@ -29,7 +29,7 @@ from .shell import (
 
 if TYPE_CHECKING:
     from ..hub.push import PushTarget
-    from ..options import ReinitOptions
+    from ..options import Recipe, ReinitOptions
     from ..report.report import Report
     from .shell import ModelFlags
 
@@ -98,6 +98,7 @@ Examples:
   surgeon inspect ./my-model --verify-layout                       # names vs the real forward
   surgeon inspect ./my-model --emit-layout layout.json             # the layout found, to edit
   surgeon inspect ./my-model --layout layout.json                  # your projection names
+  surgeon inspect ./model-reinit --emit-recipe recipe.toml         # the recipe of a surgeon output
 """,
 )
 @click.argument("model")
@@ -113,6 +114,12 @@ Examples:
     "--emit-layout",
     type=click.Path(dir_okay=False),
     help="Write the detected layout (the rules that matched, heads, head size) as a layout file for --layout.",
+)
+@click.option(
+    "--emit-recipe",
+    type=click.Path(dir_okay=False),
+    help="MODEL being a surgeon output: write the recipe its record holds (its steps, or its one run) as a TOML "
+    "file for reinit --recipe, to replay or edit the run.",
 )
 @click.option(
     "--verify-layout",
@@ -138,6 +145,7 @@ Examples:
 def inspect(
     model: str,
     emit_layout: str | None,
+    emit_recipe: str | None,
     verify_layout: bool,
     jacobian: bool,
     inputs: str | None,
@@ -163,6 +171,7 @@ def inspect(
         jacobian=jacobian,
         inputs=inputs,
         emit_layout=emit_layout,
+        emit_recipe=emit_recipe,
     )
     _show(report, plot=plot, as_json=as_json)
 
@@ -182,6 +191,7 @@ Examples:
   surgeon reinit ./model --strength 0.3                             # 30% of the way to a fresh draw
   surgeon reinit ./model --layers -4- --strength 0.2:1              # a per-layer ramp, softest first
   surgeon reinit ./tuned --mode restore --from ./base --layers 0-3  # layers 0-3 back to ./base's
+  surgeon reinit ./model --recipe recipe.toml                       # several steps in one pass
   surgeon reinit model.safetensors --dry-run                        # print the plan only
   surgeon reinit org/model --revision v1.0 -o ./model-reset         # read a Hub model at a tag
   surgeon reinit org/model --push-to-hub me/model-reset --private   # then publish the output
@@ -232,7 +242,7 @@ def reinit(
     model_flags: ModelFlags,
     full: bool,
     as_json: bool,
-    options: ReinitOptions,
+    options: ReinitOptions | Recipe,
 ) -> None:
     """Re-initialize query/key/value projections of MODEL with conditioned initialization.
 
@@ -253,9 +263,13 @@ def reinit(
 
     if plot and dry_run:
         raise OptionError("--plot draws the condition numbers before and after, and a --dry-run computes none")
+    from ..options import Recipe
+
+    recipe, one = (options, None) if isinstance(options, Recipe) else (None, options)
     report = api.reinit_checkpoint(
         model,
-        options=options,
+        options=one,
+        recipe=recipe,
         **model_flags.keywords(),
         output=output,
         in_place=in_place,

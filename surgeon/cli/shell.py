@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ..errors import OptionError, SurgeonError, spell
+from ..errors import OptionError, SurgeonError, opt, spell
 from ..errors import shell_spelling as cli_spelling  # how the shell names an option the core names by keyword
 
 if TYPE_CHECKING:
@@ -166,10 +166,18 @@ def reinit_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     names = [name for name, _ in option_infos()]
 
     @functools.wraps(fn)
-    def with_options(*args: Any, **kwargs: Any) -> Any:
+    def with_options(*args: Any, recipe: str | None, **kwargs: Any) -> Any:
         given = {name: kwargs.pop(name) for name in names}
         try:  # read and checked when made: a bad option is one line, before any model is opened or fetched
-            options = ReinitOptions.build(**{k: v for k, v in given.items() if v is not None})
+            options: Any = ReinitOptions.build(**{k: v for k, v in given.items() if v is not None})
+            if recipe is not None:  # a recipe holds every step's options: none of them may come as flags too
+                from ..plan.planner import read_recipe
+
+                ctx = click.get_current_context()
+                typed = [n for n in names if ctx.get_parameter_source(n) is click.core.ParameterSource.COMMANDLINE]
+                if typed:
+                    raise OptionError(f"{opt('recipe', recipe)} holds each step's options: give {opt(typed[0])} there")
+                options = read_recipe(recipe)
         except SurgeonError as exc:
             _fail(exc.describe(cli_spelling), exc.exit_code)
         return fn(*args, options=options, **kwargs)
@@ -190,7 +198,14 @@ def reinit_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             if info.metavar:
                 flag["metavar"] = info.metavar
         with_options = click.option(cli_spelling(name, None), name, **flag)(with_options)
-    return with_options
+    return click.option(
+        "--recipe",
+        type=click.Path(dir_okay=False),
+        metavar="FILE",
+        help="Several steps in one pass over the bytes, each with the selection and mode options above, in a .toml "
+        "([[step]] tables) or .yaml (steps: a list) file; steps on the same tensor compose in order "
+        "(see `surgeon inspect --emit-recipe`).",
+    )(with_options)
 
 
 def _debugging(args: list[str]) -> tuple[list[str], bool]:
@@ -359,7 +374,7 @@ def _how() -> tuple[str, ...]:
 
 REINIT_SECTIONS = {  # `surgeon reinit --help`, by what a flag decides
     "Selection (what to re-initialize)": SELECTION,
-    "Mode (how)": _how(),
+    "Mode (how)": (*_how(), "recipe"),
     "Output": ("output", "overwrite", "in_place", "dry_run", "as_json", "full", "plot", "device"),
     "Hub": (
         "revision",

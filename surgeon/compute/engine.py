@@ -171,6 +171,12 @@ class Engine:
         self.results: dict[tuple[str, str], ProjectionRow] = {}
         self._zeroed: set[tuple[str, str]] = set()  # projections whose bias heads were zeroed
         self._source: tuple[str, torch.Tensor] | None = None  # the SOURCE tensor last read (a restore)
+        # a recipe: one engine per step, each tensor's steps applied in order to the same copy (read once)
+        self.steps = [Engine(step, device, whole=whole) for step in plan.steps]
+        if self.steps:
+            self.edits = defaultdict(
+                list, {n: [e for s in self.steps for e in s.edits.get(n, [])] for n in plan.tensors()}
+            )
 
     @property
     def tensor_names(self) -> list[str]:
@@ -188,6 +194,11 @@ class Engine:
 
     def update_store(self, name: str, store: TensorStore, *, record: bool = True) -> None:
         """Carry out the edits of tensor ``name`` through ``store`` (a copy in memory, a DTensor's shards, ...)."""
+        if self.steps:  # a recipe: each step that touches the tensor, in order, on what the earlier ones left
+            for step in self.steps:
+                if name in step.edits:
+                    step.update_store(name, store, record=record)
+            return
         with single_threaded():
             for change, what in self.edits[name]:
                 proj = change.projection
@@ -291,8 +302,9 @@ class Engine:
             after = Spectrum(None, tuple(kappas), None)
         dtype = str(current.dtype).removeprefix("torch.")
         self.results[key] = ProjectionRow(
-            change.block, change.role, before, after, change.heads, dtype, bias_zeroed=key in self._zeroed
-        )
+            change.block, change.role, before, after, change.heads, dtype, bias_zeroed=key in self._zeroed,
+            strength=change.strength, step=change.step,
+        )  # fmt: skip
 
     def _bias_zeroed(self, change: Change) -> None:
         key = (change.block.module, change.role)
@@ -304,9 +316,11 @@ class Engine:
     def biases_zeroed(self) -> frozenset[tuple[str, str]]:
         """The (block, role) of every projection whose bias heads this engine zeroed, measured or not: a bias
         may be stored in another file than its weight, and so be written by another rank."""
-        return frozenset(self._zeroed)
+        return frozenset(self._zeroed).union(*(step.biases_zeroed for step in self.steps))
 
     def ordered_results(self) -> list[ProjectionRow]:
+        if self.steps:
+            return [row for step in self.steps for row in step.ordered_results()]
         return [
             self.results[(c.block.module, c.role)]
             for c in self.plan.changes

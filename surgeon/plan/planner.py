@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
 from ..detect.base_model import CheckpointDrawKeys
 from ..detect.placement import kind
-from ..errors import CheckpointError, OptionError, SelectionError, opt
+from ..errors import CheckpointError, OptionError, SelectionError, SurgeonError, opt
 from ..modes import get_mode
-from ..options import ReinitOptions
+from ..options import RECIPE_METHOD, Recipe, ReinitOptions
 from ..vocab.blocks import AttentionBlock, Unreadable
 from ..vocab.change import Change
 from ..vocab.selection import IndexSelection, format_indices, parse_attention
@@ -74,6 +75,9 @@ class Plan:
     origin: Mapping[str, str] | None = None
     # the checkpoint a mode with a reference reads (restore's SOURCE), opened, and how the record names it
     reference: Reference | None = None
+    # a recipe of several steps: each step's own plan (its changes tagged with its number), applied in order; this
+    # plan's changes are all of theirs, its options the first step's (prepare_recipe)
+    steps: tuple[Plan, ...] = ()
 
     @property
     def touched_blocks(self) -> list[AttentionBlock]:
@@ -83,6 +87,8 @@ class Plan:
         return list(seen.values())
 
     def tensors(self) -> list[str]:
+        if self.steps:  # every step's, in the order the steps first touch them
+            return list(dict.fromkeys(name for step in self.steps for name in step.tensors()))
         names: list[str] = []
         for c in self.changes:
             p = c.projection
@@ -92,8 +98,25 @@ class Plan:
         names += [t for t, _ in self.outputs.values() if t not in names]
         return names
 
+    def options_record(self) -> dict:
+        """The options as reports record them: ``ReinitOptions.to_dict()``, or a recipe's ``{"steps": [...]}``."""
+        return {"steps": [step.options.to_dict() for step in self.steps]} if self.steps else self.options.to_dict()
+
     def record(self) -> dict:
-        """What surgeon did, for the output's metadata: no paths, no times, so outputs are reproducible."""
+        """What surgeon did, for the output's metadata: no paths, no times, so outputs are reproducible. A recipe
+        records each step (its method, options, blocks and SOURCE) under ``steps``, in order."""
+        if self.steps:
+            from ..text.redact import redact_obj
+
+            steps = [
+                {k: v for k, v in step.record().items() if k not in ("tool", "version", "layout")}
+                for step in self.steps
+            ]
+            recipe: dict[str, Any] = {"tool": "surgeon", "version": __version__, "method": RECIPE_METHOD}
+            recipe["steps"] = steps
+            if self.layout is not None:
+                recipe["layout"] = dict(self.layout)
+            return redact_obj(recipe)
         blocks = []
         for block in self.touched_blocks:
             entry: dict = {
@@ -111,7 +134,7 @@ class Plan:
             blocks.append(entry)
         from ..text.redact import redact_obj
 
-        record = {
+        record: dict[str, Any] = {
             "tool": "surgeon",
             "version": __version__,
             "method": get_mode(self.options.mode).method,
@@ -154,6 +177,79 @@ def prepare_checkpoint(
     # named in the report and the card too; the layout file the blocks were read with, kept in the record
     origin = {"repo": source.hub_id, "commit": source.hub_commit} if source.hub_id and source.hub_commit else None
     return replace(plan, notes=(*detection.left_alone, *plan.notes), layout=detection.layout, origin=origin)
+
+
+RECIPE_LIMIT = 1 << 20  # a recipe file: a few lines per step
+
+
+def read_recipe(path: str | Path) -> Recipe:
+    """The recipe in ``path``: TOML (``[[step]]`` tables) or YAML (``steps:``, a list of mappings), by its suffix.
+
+    Raises:
+        OptionError: Not a .toml/.yaml file, not readable as one, or not a recipe (surgeon.options.Recipe.from_data).
+    """
+    from ..files.bounded import read_text
+
+    where = Path(path)
+    kind = where.suffix.lower()
+    if kind not in (".toml", ".yaml", ".yml"):
+        raise OptionError(f"{opt('recipe', where)} is neither a .toml nor a .yaml file: write the recipe as one")
+    text = read_text(where, what="recipe", limit=RECIPE_LIMIT)
+    try:
+        if kind == ".toml":
+            import tomllib  # Python 3.11+
+
+            data: Any = tomllib.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except ImportError:
+        raise OptionError(f"{where}: this Python reads no TOML (3.11 and later do): write the recipe as YAML") from None
+    except Exception as exc:  # noqa: BLE001 - the parsers' own errors: one line, with where
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise OptionError(f"{where} cannot be read as {kind.lstrip('.').upper()}: {first}") from None
+    return Recipe.from_data(data, str(where))
+
+
+def prepare_recipe(
+    source: Source, detection: Detection, recipe: Recipe, references: Sequence[Source | None] = ()
+) -> Plan:
+    """The plan of a recipe: each step planned as :func:`prepare_checkpoint` plans a run (``references``: each
+    step's SOURCE, None where its mode reads none), then put together so that one pass carries them all out. A
+    recipe of one step is that step's plan, so it writes what the same run writes, record included."""
+    refs = list(references) or [None] * len(recipe.steps)
+    if len(recipe.steps) == 1:
+        return prepare_checkpoint(source, detection, recipe.steps[0], reference=refs[0])
+    if source.primary.graph:
+        raise OptionError(
+            f"a recipe of several steps rewrites tensors in one pass, which an ONNX graph's shared initializers do "
+            f"not allow: run the steps one at a time ({opt('recipe')} of one step each)"
+        )
+    plans = []
+    for i, (step, ref) in enumerate(zip(recipe.steps, refs, strict=True)):
+        mode = get_mode(step.mode)
+        if not mode.exact:
+            raise OptionError(
+                f"step {i} of the recipe is {opt('mode', mode.name)}, which verify checks within rounding, not byte "
+                "for byte, so the steps after it could not be re-derived: run it on its own, before or after the recipe"
+            )
+        try:
+            plan = prepare_checkpoint(source, detection, step, reference=ref)
+        except SurgeonError as exc:
+            exc.context = f"step {i} of the recipe: {exc.context or ''}"
+            raise
+        plans.append(replace(plan, changes=tuple(replace(c, step=i) for c in plan.changes)))
+    first = plans[0]
+    return replace(
+        first,
+        changes=tuple(c for plan in plans for c in plan.changes),
+        outputs={k: v for plan in plans for k, v in plan.outputs.items()},
+        notes=tuple(dict.fromkeys(n for plan in plans for n in plan.notes)),
+        draw_keys={k: v for plan in plans for k, v in plan.draw_keys.items()},
+        reference=None,
+        steps=tuple(plans),
+    )
 
 
 def prepare(

@@ -36,6 +36,9 @@ from .report import fmt_kappa, with_streams
 if TYPE_CHECKING:
     from huggingface_hub import ModelCard, ModelCardData
 
+    from ..options import Recipe
+
+RECIPE_FILE = "recipe.toml"  # how a recipe's reproduce command names the recipe its card shows
 TAG = "surgeon"  # every card; the mode adds its own (conditioned-initialization, default-init-redraw, ...)
 # Source metadata that still describes the re-initialized model. Evaluation results (model-index),
 # datasets, metrics and the source's own base_model describe the source only, so they are dropped.
@@ -71,7 +74,7 @@ def reproduce_command(model: str, *, revision: str | None, options: dict, hints:
     """The ``surgeon reinit`` command line that makes the same weights again (every option spelled out).
 
     Made from the fields of ReinitOptions (``options``: as recorded by ``ReinitOptions.to_dict``),
-    spelt as the CLI spells them.
+    spelt as the CLI spells them; a recipe's (``{"steps": [...]}``) names its file, ``recipe.toml``.
     """
     from ..errors import shell_spelling as flag
     from ..options import option_infos
@@ -86,7 +89,10 @@ def reproduce_command(model: str, *, revision: str | None, options: dict, hints:
     args = ["surgeon", "reinit", q(model)]
     if revision:
         args.append(flag("revision", q(revision)))
-    for name, info in option_infos():
+    recipe = "steps" in options  # its steps in the recipe file the card shows beside the command
+    if recipe:
+        args.append(flag("recipe", RECIPE_FILE))
+    for name, info in [] if recipe else option_infos():
         value = options.get(name)
         if (info.recorded is not None and not info.recorded(options)) or value is None or value == []:
             continue
@@ -130,15 +136,23 @@ def build_card(
     local source comes from (default: the source's Hub id, else the ``base_model`` its own card names)."""
     from huggingface_hub import ModelCard
 
-    mode = get_mode(plan.options.mode)
+    modes = list(dict.fromkeys(get_mode(step.options.mode) for step in (plan.steps or (plan,))))  # a recipe: each
     lineage = source.hub_id or base_model or _named_base(original.metadata if original else {})
-    data = _card_data(source, original.metadata if original else {}, mode.tag, lineage)
+    data = _card_data(source, original.metadata if original else {}, [m.tag for m in modes], lineage)
+    recipe = (
+        [
+            "The steps, in the order they were applied (`recipe.toml`):",
+            _fenced(_recipe(plan).to_toml().rstrip(), "toml"),
+        ]
+        if plan.steps
+        else []
+    )
     ours = [
         f"# {shown(title)}",
         _intro(source, plan, lineage),
-        mode.card_caveat(),
+        *dict.fromkeys(m.card_caveat() for m in modes),
         "## What was done",
-        _options_table(plan),
+        _steps_table(plan) if plan.steps else _options_table(plan),
         _blocks_table(plan),
         *_plan_notes(plan),
         "## Condition numbers",
@@ -148,16 +162,18 @@ def build_card(
         "## Reproduce",
         f"With surgeon {__version__}:",
         f"```bash\n{command}\n```",
+        *recipe,
     ]
     after: list[str] = []
-    if mode.fresh:
+    if any(m.fresh for m in modes):
         after.append(
             "Each head's random draw depends only on (seed, tensor name, role, head), the name as in the base model "
             "(without a task class's prefix such as `bert.` or `model.`), not on the order of processing, "
             "the sharding or the other heads selected."
         )
-    if mode.citation:
-        after += ["## Citation", f"```bibtex\n{mode.citation}\n```"]
+    citations = list(dict.fromkeys(m.citation for m in modes if m.citation))
+    if citations:
+        after += ["## Citation", *(f"```bibtex\n{c}\n```" for c in citations)]
     if original and (original.body.strip() or original.matter.strip()):
         after += _source_section(source, original)
     # the record goes in as written; every other part is escaped, so that the record is the card's only one
@@ -190,7 +206,7 @@ def _named_base(meta: dict) -> str | None:
     return parse_repo_id(f"hf://{named}") if isinstance(named, str) else None
 
 
-def _card_data(source: Source, meta: dict, mode_tag: str, lineage: str | None) -> ModelCardData:
+def _card_data(source: Source, meta: dict, mode_tags: list[str], lineage: str | None) -> ModelCardData:
     """The front matter: the source's metadata that still holds (KEPT_METADATA), its tags and surgeon's."""
     from huggingface_hub import ModelCardData
 
@@ -200,7 +216,7 @@ def _card_data(source: Source, meta: dict, mode_tag: str, lineage: str | None) -
     source_tags = meta.get("tags") or []
     carried = [str(t) for t in (source_tags if isinstance(source_tags, list) else [source_tags])]
     # a tag is a word on one line: markup (a comment, a record) is no tag, and stays in the source's section
-    tags = list(dict.fromkeys([TAG, mode_tag] + [t for t in carried if shown(t) == t and not set(t) & set("<>")]))
+    tags = list(dict.fromkeys([TAG, *mode_tags] + [t for t in carried if shown(t) == t and not set(t) & set("<>")]))
     return ModelCardData(base_model=lineage, tags=tags, **kept)
 
 
@@ -208,7 +224,6 @@ def _intro(source: Source, plan: Plan, lineage: str | None) -> str:
     """The card's first paragraph: which model, how many blocks changed, by which mode."""
     from huggingface_hub import constants
 
-    mode, options = get_mode(plan.options.mode), plan.options.to_dict()
     endpoint = constants.ENDPOINT.rstrip("/")
     if source.hub_id:
         commit = f" (commit `{source.hub_commit[:12]}`)" if source.hub_commit else ""
@@ -218,17 +233,56 @@ def _intro(source: Source, plan: Plan, lineage: str | None) -> str:
     else:
         origin = _code(source.path.name)
     touched, blocks = len(with_streams(plan.touched_blocks)[0]), len(with_streams(plan.blocks)[0])
+    steps = plan.steps or (plan,)
+    hows = [get_mode(s.options.mode).card_intro(s.options.to_dict(), s.touched_blocks) for s in steps]
+    how = (
+        hows[0]
+        if not plan.steps
+        else f"by a recipe of {len(steps)} steps in one pass, in this order: "
+        + "; ".join(f"step {i}, {h}" for i, h in enumerate(hows))
+    )
+    outputs = any(get_mode(s.options.mode).writes_outputs for s in steps)
     return (
         f"This is {origin} with the attention query/key/value projections of {touched} of its "
         f"{blocks} attention block{'s' if blocks != 1 else ''} re-initialized by surgeon {__version__} "
-        f"{mode.card_intro(options, plan.touched_blocks)}. Every other tensor"
-        + (
-            " (except the output projections W_O of those blocks, rewritten by this mode)"
-            if mode.writes_outputs
-            else ""
-        )
+        f"{how}. Every other tensor"
+        + (" (except the output projections W_O of those blocks, rewritten by this mode)" if outputs else "")
         + " is byte for byte the source's."
     )
+
+
+def _recipe(plan: Plan) -> Recipe:
+    from ..options import Recipe
+
+    return Recipe(tuple(step.options for step in plan.steps))
+
+
+def _steps_table(plan: Plan) -> str:
+    """A recipe's steps, one row each, in the order they were applied."""
+    lines = ["| step | mode | projections | layers | heads | biases | keep scale | strength | seed |"]
+    lines.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for i, step in enumerate(plan.steps):
+        o = step.options.to_dict()
+        cells = [
+            str(i),
+            get_mode(o["mode"]).card_row(o, step.touched_blocks),
+            ", ".join(o["targets"]),
+            _spec_cell(o["layers"]),
+            _spec_cell(o["heads"]),
+            _BIASES[o["bias"]],
+            "yes" if o["keep_scale"] else "no",
+            "-" if o["strength"] is None else str(o["strength"]),
+            str(o["seed"]),
+        ]
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+_BIASES = {"zero": "zeroed", "keep": "kept", "source": "SOURCE's"}
+
+
+def _spec_cell(value: Any) -> str:
+    return str(value) if not isinstance(value, list) else format_indices(value)
 
 
 def _record_comment(plan: Plan) -> str:
@@ -293,10 +347,10 @@ def _options_table(plan: Plan) -> str:
             else []
         ),
         ("projections", ", ".join(o["targets"])),
-        ("layers", str(o["layers"]) if not isinstance(o["layers"], list) else format_indices(o["layers"])),
-        ("heads", str(o["heads"]) if not isinstance(o["heads"], list) else format_indices(o["heads"])),
+        ("layers", _spec_cell(o["layers"])),
+        ("heads", _spec_cell(o["heads"])),
         ("attention", o["attention"] + (f", stacks {', '.join(o['stack'])}" if o.get("stack") else "")),
-        ("biases of re-initialized heads", {"zero": "zeroed", "keep": "kept", "source": "SOURCE's"}[o["bias"]]),
+        ("biases of re-initialized heads", _BIASES[o["bias"]]),
         ("keep scale", "yes (each head rescaled to its old Frobenius norm)" if o["keep_scale"] else "no"),
         ("seed", str(o["seed"])),
         ("surgeon", __version__),
@@ -311,28 +365,36 @@ def _strength_cell(strength: float | str, meaning: str) -> str:
 
 def _blocks_table(plan: Plan) -> str:
     """One row per attention block; a joint block's context stream is in its cells, not a row of its own; with a
-    strength ramp, the t of each block's layer."""
-    targets = plan.options.to_dict()["targets"]
-    ramp = plan.options.strength is not None and plan.options.strength.ramp
-    at = {(c.block.stack, c.block.layer): c.strength for c in plan.changes}
-    lines = ["| block | kind | " + " | ".join(targets) + (" | strength |" if ramp else " |")]
-    lines.append("| --- | --- |" + " --- |" * (len(targets) + ramp))
-    attention, streams = with_streams(plan.touched_blocks)
-    orphans = [s for owner, ss in streams.items() if owner not in {b.module for b in attention} for s in ss]
-    for block in attention + orphans:
-        cells = []
-        for role in targets:
-            own = _heads_cell(plan, block, role)
-            extra = [(split_module(s.module)[1], _heads_cell(plan, s, role)) for s in streams.get(block.module, ())]
-            extra = [(name, text) for name, text in extra if text != "-"]
-            if extra and all(text == own for _, text in extra):
-                own += "".join(f" (and its {name} stream)" for name, _ in extra)
-            else:
-                own += "".join(f"; {name} stream: {text}" for name, text in extra)
-            cells.append(own)
-        if ramp:
-            cells.append(f"{at[(block.stack, block.layer)]:.4g}")
-        lines.append(f"| {_cell(_code(block.module))} | {block.kind} | " + " | ".join(cells) + " |")
+    strength ramp, the t of each block's layer. A recipe: one row per step and block, its step first, and the t
+    of every row where a step gave one."""
+    steps = plan.steps or (plan,)
+    targets = [r for r in ("q", "k", "v") if any(r in s.options.targets for s in steps)]
+    recipe = bool(plan.steps)
+    ramp = any(s.options.strength is not None and (s.options.strength.ramp or recipe) for s in steps)
+    lines = [
+        ("| step " if recipe else "") + "| block | kind | " + " | ".join(targets) + (" | strength |" if ramp else " |")
+    ]
+    lines.append(("| --- " if recipe else "") + "| --- | --- |" + " --- |" * (len(targets) + ramp))
+    for i, step in enumerate(steps):
+        at = {(c.block.stack, c.block.layer): c.strength for c in step.changes}
+        attention, streams = with_streams(step.touched_blocks)
+        orphans = [s for owner, ss in streams.items() if owner not in {b.module for b in attention} for s in ss]
+        for block in attention + orphans:
+            cells = []
+            for role in targets:
+                own = _heads_cell(step, block, role)
+                extra = [(split_module(s.module)[1], _heads_cell(step, s, role)) for s in streams.get(block.module, ())]
+                extra = [(name, text) for name, text in extra if text != "-"]
+                if extra and all(text == own for _, text in extra):
+                    own += "".join(f" (and its {name} stream)" for name, _ in extra)
+                else:
+                    own += "".join(f"; {name} stream: {text}" for name, text in extra)
+                cells.append(own)
+            if ramp:
+                t = at.get((block.stack, block.layer))
+                cells.append("-" if t is None else f"{t:.4g}")
+            first = f"| {i} " if recipe else ""
+            lines.append(f"{first}| {_cell(_code(block.module))} | {block.kind} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -354,17 +416,22 @@ def _plan_notes(plan: Plan) -> list[str]:
 def _kappa_table(results: list[ProjectionRow]) -> str:
     measured = [r for r in results if r.before is not None and r.after is not None]
     whole = any(r.before.kappa is not None for r in measured if r.before is not None)
+    steps = any(r.step is not None for r in measured)  # a recipe: each step's before is what the last one left
     lines = [
-        "| block | proj | "
+        ("| step " if steps else "")
+        + "| block | proj | "
         + ("kappa before | kappa after | " if whole else "")
         + "head kappa before (min/med/max) | head kappa after (min/med/max) |"
     ]
-    lines.append("| --- | --- | " + ("---: | ---: | " if whole else "") + "--- | --- |")
+    lines.append(("| --- " if steps else "") + "| --- | --- | " + ("---: | ---: | " if whole else "") + "--- | --- |")
     for r in measured:
         assert r.before is not None and r.after is not None
         heads = lambda s: "/".join(fmt_kappa(x) for x in (s.head_min, s.head_median, s.head_max))  # noqa: E731
         cells = f"{fmt_kappa(r.before.kappa)} | {fmt_kappa(r.after.kappa)} | " if whole else ""
-        lines.append(f"| {_cell(_code(r.block.module))} | {r.role} | {cells}{heads(r.before)} | {heads(r.after)} |")
+        step = f"| {r.step} " if steps else ""
+        lines.append(
+            f"{step}| {_cell(_code(r.block.module))} | {r.role} | {cells}{heads(r.before)} | {heads(r.after)} |"
+        )
     return "\n".join(lines)
 
 

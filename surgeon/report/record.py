@@ -23,7 +23,7 @@ from ..files.bounded import CARD_LIMIT, loads, read_text
 from ..modes import Parameter, all_modes, get_mode, parameters
 from ..modes.base import parse_strength
 from ..open.hub_ids import parse_repo_id
-from ..options import BIAS_CHOICES, MODES, ReinitOptions
+from ..options import BIAS_CHOICES, MAX_STEPS, MODES, RECIPE_METHOD, Recipe, ReinitOptions
 from ..vocab.spectrum import VALUE_IDENTITIES
 from .card import CARD_CLOSE, CARD_OPEN
 
@@ -35,14 +35,36 @@ MAX_TEXT = 100_000  # characters in any string of a record
 
 
 @dataclass(frozen=True)
+class RecordStep:
+    """One run's part of a record (a recipe has one per step): its options as surgeon reads them, the blocks it
+    re-initialized and its SOURCE (a restore), as stored."""
+
+    options: ReinitOptions
+    blocks: list
+    source: dict | None = None
+
+
+@dataclass(frozen=True)
 class Record:
-    """A type-checked record: ``raw`` as stored, the options as surgeon reads them."""
+    """A type-checked record: ``raw`` as stored, the options as surgeon reads them (a recipe's: its first step's,
+    every step in ``steps``)."""
 
     raw: dict
     version: str
     options: ReinitOptions
     blocks: list
     copies: dict[str, str]
+    steps: tuple[RecordStep, ...] = ()  # a recipe of several steps, in order
+
+    @property
+    def runs(self) -> tuple[RecordStep, ...]:
+        """Every run the record holds: a recipe's steps, or the one run."""
+        return self.steps or (RecordStep(self.options, self.blocks, self.source),)
+
+    @property
+    def recipe(self) -> Recipe | None:
+        """The recipe a recipe's record holds (None for a single run)."""
+        return Recipe(tuple(step.options for step in self.steps)) if self.steps else None
 
     @property
     def origin(self) -> tuple[str, str] | None:
@@ -154,29 +176,38 @@ _TOP: dict[str, type] = {
     "layout": dict,
     "origin": dict,
     "from": dict,
+    "steps": list,
 }
 _REQUIRED = ("tool", "version", "method", "options", "blocks")
+_REQUIRED_RECIPE = ("tool", "version", "method", "steps")
 
 
 def _parse(value: dict, version: str, where: str) -> Record:
-    bad = _bad_keys(value, _TOP, _REQUIRED)
+    recipe = value.get("method") == RECIPE_METHOD
+    bad = _bad_keys(value, _TOP, _REQUIRED_RECIPE if recipe else _REQUIRED)
+    if not bad and recipe and ({"options", "blocks", "from"} & set(value)):
+        bad = f"has {sorted({'options', 'blocks', 'from'} & set(value))[0]!r} beside its steps"
+    if not bad and not recipe and "steps" in value:
+        bad = "has 'steps' for a single run"
     if bad:
         raise CheckpointError(f"{where}: the last surgeon record {bad}")
-    methods = {m.method for m in all_modes()} | {LEGACY_METHOD}
+    methods = {m.method for m in all_modes()} | {LEGACY_METHOD, RECIPE_METHOD}
     if value["tool"] != "surgeon" or value["method"] not in methods:
         raise CheckpointError(
             f"{where}: the last surgeon record names tool {_show(value['tool'])}, method {_show(value['method'])}: not surgeon's"
         )
-    options = parse_options(value["options"], where)
-    if value["method"] not in (get_mode(options.mode).method, LEGACY_METHOD):
-        raise CheckpointError(
-            f"{where}: the last surgeon record says method {_show(value['method'])} for mode {options.mode}: not surgeon's"
+    if recipe:
+        found = value["steps"]
+        if not 1 < len(found) <= MAX_STEPS:
+            raise CheckpointError(
+                f"{where}: the last surgeon record holds a recipe of {len(found)} steps: not surgeon's"
+            )
+        steps = tuple(
+            _step(step, f"{where}: step {i} of the last surgeon record", where, alone=True)
+            for i, step in enumerate(found)
         )
-    blocks = value["blocks"]
-    for i, block in enumerate(blocks[: MAX_LIST + 1]):
-        problem = _block_problem(block) if i < MAX_LIST else "is one too many"
-        if problem:
-            raise CheckpointError(f"{where}: block {i} of the last surgeon record {problem}")
+    else:
+        steps = (_step(value, f"{where}: the last surgeon record", where, alone=False),)
     copies = value.get("copies", {})
     if not all(isinstance(k, str) and isinstance(v, str) and _text(k) and _text(v) for k, v in copies.items()):
         raise CheckpointError(f"{where}: the last surgeon record's copies are not initializer names")
@@ -198,17 +229,37 @@ def _parse(value: dict, version: str, where: str) -> Record:
         and re.fullmatch("[0-9a-f]{40}", origin["commit"])
     ):
         raise CheckpointError(f"{where}: the last surgeon record's origin is not a Hub model id and a commit id")
+    first = steps[0]
+    return Record(value, version, first.options, first.blocks, dict(copies), steps if recipe else ())
+
+
+_STEP: dict[str, type] = {"method": str, "options": dict, "blocks": list, "from": dict}
+
+
+def _step(value: Any, label: str, where: str, *, alone: bool) -> RecordStep:
+    """One run's method, options, blocks and SOURCE, checked (``label``: the record, or a recipe's step of it, with
+    ``where`` first; ``alone``: a recipe's step holds nothing else)."""
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{label} is {_kind(value)}, not a record")
+    bad = _bad_keys({k: v for k, v in value.items() if k in _STEP}, _STEP, ("method", "options", "blocks"))
+    extra = [k for k in value if k not in _STEP] if alone else []
+    if bad or extra:
+        raise CheckpointError(f"{label} {bad or f'has a field surgeon does not write ({_show(extra[0])})'}")
+    options = parse_options(value["options"], where)
+    if value["method"] not in (get_mode(options.mode).method, LEGACY_METHOD):
+        raise CheckpointError(f"{label} says method {_show(value['method'])} for mode {options.mode}: not surgeon's")
+    blocks = value["blocks"]
+    for i, block in enumerate(blocks[: MAX_LIST + 1]):
+        problem = _block_problem(block) if i < MAX_LIST else "is one too many"
+        if problem:
+            raise CheckpointError(f"{where}: block {i} of {label.removeprefix(where + ': ')} {problem}")
     source = value.get("from")
     if source is not None and not (_hub_commit(source) or _digests(source)):
-        raise CheckpointError(
-            f"{where}: the last surgeon record's SOURCE is neither a Hub model id and a commit id nor files' sha256"
-        )
+        raise CheckpointError(f"{label}'s SOURCE is neither a Hub model id and a commit id nor files' sha256")
     if (source is not None) != get_mode(options.mode).reference:
-        raise CheckpointError(
-            f"{where}: the last surgeon record {'names' if source is not None else 'does not name'} a SOURCE for "
-            f"mode {options.mode}: not surgeon's"
-        )
-    return Record(value, version, options, blocks, dict(copies))
+        named = "names" if source is not None else "does not name"
+        raise CheckpointError(f"{label} {named} a SOURCE for mode {options.mode}: not surgeon's")
+    return RecordStep(options, blocks, source)
 
 
 def _hub_commit(value: dict) -> bool:

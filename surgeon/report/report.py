@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 from ..errors import Spelling, opt, python_spelling, spell
 from ..modes import NAMES as MODES
 from ..modes import get_mode
-from ..modes.base import parse_strength
 from ..text.shown import note_lines, shown
 from ..text.sizes import fmt_bytes
 from ..vocab.blocks import AttentionBlock, split_module
@@ -89,13 +88,7 @@ class Report:
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
     # --- machines ------------------------------------------------------------------------
-    def strengths(self) -> dict[tuple[str, int], float]:
-        """(stack, layer) -> the strength t each re-initialized layer got ({} where none was given)."""
-        strength = parse_strength((self.options or {}).get("strength")) if self.command == "reinit" else None
-        return strength.per_layer([r.block for r in self.rows]) if strength is not None else {}  # as the plan did
-
     def to_dict(self, spelling: Spelling = python_spelling) -> dict:
-        at = self.strengths()
         out = {
             "command": self.command,
             "source": self.source,
@@ -107,9 +100,7 @@ class Report:
             "bytes_written": self.bytes_written,
             "options": self.options,
             "blocks": block_dicts(self.blocks),
-            "projections": [
-                r.to_dict() | ({"strength": at[(r.block.stack, r.block.layer)]} if at else {}) for r in self.rows
-            ],
+            "projections": [r.to_dict() for r in self.rows],
             "notes": [spell(n, spelling) for n in self.notes],
         }
         if self.jacobian is not None:
@@ -177,8 +168,9 @@ class Report:
             if self._whole_measured()
             else f" ({opt('full', True)} adds the whole projection's)"
         )
-        legend = get_mode(str(o["mode"])).legend(o) if o.get("mode") in MODES else ""
-        return f"{text}; {legend}" if legend else text + "."
+        steps = o.get("steps") or [o]  # a recipe: each step's mode says its own
+        legends = [get_mode(str(step["mode"])).legend(step) if step.get("mode") in MODES else "" for step in steps]
+        return "; ".join([text, *dict.fromkeys(legend for legend in legends if legend)]) + ("" if any(legends) else ".")
 
     def _summary(self) -> str:
         stacks = list(dict.fromkeys(b.stack for b in self.blocks))
@@ -192,17 +184,17 @@ class Report:
             return head
         o = self.options or {}
         what = "plan (dry run, nothing written)" if self.dry_run else "re-initialized"
-        mode = get_mode(str(o["mode"])).summary(o, self.blocks) if o.get("mode") in MODES else str(o.get("mode"))
-        mixes = o.get("mode") in MODES and get_mode(str(o["mode"])).mixes
-        extras = f"mode {mode}, bias {o.get('bias')}, seed {o.get('seed')}" + (
-            ", keep scale" if o.get("keep_scale") else ""
-        )
-        if mixes and o.get("strength") is not None:  # polar says its own
-            extras += f", strength {o['strength']}" + (" (per layer below)" if isinstance(o["strength"], str) else "")
         touched = len({split_module(r.block.module)[0] for r in self.rows})
-        return f"{head}\n" + shown(
-            f"{what}: {_count(len(self.rows), 'projection')} in {_count(touched, 'block')}; {extras}"
-        )
+        done = f"{what}: {_count(len(self.rows), 'projection')} in {_count(touched, 'block')}"
+        if "steps" in o:  # a recipe: one line per step, in the order they were applied
+            lines = [f"  step {i}: {_step_summary(s, self.blocks, selection=True)}" for i, s in enumerate(o["steps"])]
+            return (
+                f"{head}\n"
+                + shown(f"{done}; a recipe of {len(o['steps'])} steps in one pass")
+                + "\n"
+                + "\n".join(shown(line) for line in lines)
+            )
+        return f"{head}\n" + shown(f"{done}; {_step_summary(o, self.blocks)}")
 
     def _stacks_table(self) -> str:
         attention, streams = with_streams(self.blocks)
@@ -266,15 +258,19 @@ class Report:
         return self._with_strengths(table, ["block", "proj", "tensor", "heads", "zero bias"], rows)
 
     def _with_strengths(self, make: Any, headers: list[str], rows: list[list[str]], **kw: Any) -> str:
-        """The table with a strength column where a ramp gave each layer its own (rows in the order of self.rows)."""
-        at = self.strengths()
-        if not isinstance((self.options or {}).get("strength"), str):
-            return make(headers, rows, **kw)
-        return make(
-            [*headers, "strength"],
-            [[*cells, f"{at[(r.block.stack, r.block.layer)]:.4g}"] for cells, r in zip(rows, self.rows)],
-            **kw,
+        """The table with a step column (a recipe) and a strength column where a ramp or a recipe gave layers their
+        own t (``rows``: in the order of self.rows)."""
+        o = self.options or {}
+        recipe = "steps" in o
+        if recipe:
+            headers, rows = ["step", *headers], [[str(r.step), *cells] for cells, r in zip(rows, self.rows)]
+        ramps = isinstance(o.get("strength"), str) or any(
+            isinstance(s.get("strength"), str) for s in o.get("steps", [])
         )
+        if ramps or (recipe and any(r.strength is not None for r in self.rows)):
+            strengths = ["-" if r.strength is None else f"{r.strength:.4g}" for r in self.rows]
+            headers, rows = [*headers, "strength"], [[*cells, t] for cells, t in zip(rows, strengths)]
+        return make(headers, rows, **kw)
 
     def _reinit_table(self) -> str:
         whole, rows = self._whole_measured(), []
@@ -293,6 +289,27 @@ class Report:
                 table, ["block", "proj", "heads", "kappa", "head kappa min/med/max", "||W||2"], rows
             )
         return self._with_strengths(table, ["block", "proj", "heads", "head kappa min/med/max"], rows)
+
+
+def _step_summary(o: dict, blocks: Sequence[AttentionBlock], *, selection: bool = False) -> str:
+    """One run's (or, with its ``selection``, a recipe step's) mode, bias, seed, scale and strength, as recorded."""
+    known = o.get("mode") in MODES
+    mode = get_mode(str(o["mode"])).summary(o, blocks) if known else str(o.get("mode"))
+    extras = f"mode {mode}, bias {o.get('bias')}, seed {o.get('seed')}" + (
+        ", keep scale" if o.get("keep_scale") else ""
+    )
+    if known and get_mode(str(o["mode"])).mixes and o.get("strength") is not None:  # polar says its own
+        extras += f", strength {o['strength']}" + (" (per layer below)" if isinstance(o["strength"], str) else "")
+    if selection:
+        chosen = [f"{key} {_spelled(o.get(key))}" for key in ("layers", "heads", "targets") if o.get(key) is not None]
+        extras = ", ".join(chosen) + "; " + extras
+    return extras
+
+
+def _spelled(value: object) -> str:
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return str(value)
 
 
 def with_streams(blocks: Sequence[AttentionBlock]) -> tuple[list[AttentionBlock], dict[str, list[AttentionBlock]]]:

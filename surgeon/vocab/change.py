@@ -18,12 +18,13 @@ from .blocks import AttentionBlock, Projection, Role
 @dataclass(frozen=True)
 class Change:
     """Re-initialize ``heads`` of one projection (key/value head numbers for k and v), ``strength``: how far (t of
-    its layer; None: not given, the mode's full effect)."""
+    its layer; None: not given, the mode's full effect); ``step``: the recipe step it belongs to (None: no recipe)."""
 
     block: AttentionBlock
     role: Role
     heads: tuple[int, ...]
     strength: float | None = None
+    step: int | None = None
 
     @property
     def projection(self) -> Projection:

@@ -79,6 +79,8 @@ class ProjectionRow:
     heads_changed: tuple[int, ...] = ()
     dtype: str = ""
     bias_zeroed: bool = False
+    strength: float | None = None  # the t it was changed at, where a strength was given
+    step: int | None = None  # the recipe step that changed it (from 0), in a recipe's report
 
     def to_dict(self) -> dict:
         proj = self.block.projection(self.role)
@@ -104,6 +106,10 @@ class ProjectionRow:
         if self.after is not None or self.heads_changed:  # a dry run: what the real run would change
             out["heads_changed"] = list(self.heads_changed)
             out["bias_zeroed"] = self.bias_zeroed
+        if self.strength is not None:
+            out["strength"] = self.strength
+        if self.step is not None:
+            out["step"] = self.step
         return out
 
 

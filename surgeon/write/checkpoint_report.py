@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from ..formats.fileio import IOFigures
     from ..hub.push import PushTarget
     from ..open.source import Source
-    from ..options import ReinitOptions
     from ..plan.planner import Plan
     from ..vocab.detection import Detection
     from .output import Destination
@@ -38,8 +37,11 @@ def planned_rows(source: Source, plan: Plan) -> list[ProjectionRow]:
             c.role,
             None,
             heads_changed=c.heads,
-            bias_zeroed=plan.options.zero_bias and c.projection.bias is not None,
+            bias_zeroed=(plan.steps[c.step] if c.step is not None else plan).options.zero_bias
+            and c.projection.bias is not None,
             dtype=source.primary.tensors[c.projection.weight.tensor].element or "",
+            strength=c.strength,
+            step=c.step,
         )
         for c in plan.changes
     ]
@@ -83,7 +85,7 @@ def reinit_report(
         source.describe(),
         detection.blocks,
         tuple(rows),
-        options=plan.options.to_dict(),  # with the mode's defaults from config (redraw: the family's std)
+        options=plan.options_record(),  # with the mode's defaults from config (redraw: the family's std)
         output=str(dest.path),
         dry_run=dry_run,
         seconds=seconds,
@@ -95,20 +97,25 @@ def reinit_report(
     )
 
 
-def reproduce(model: str | Path, source: Source, options: ReinitOptions, hints: Hints, dest: Path) -> str:
-    """The model card's command that makes the same output again."""
+def reproduce(model: str | Path, source: Source, plan: Plan, hints: Hints, dest: Path) -> str:
+    """The model card's command that makes the same output again (a recipe's: with ``--recipe``, its file shown
+    beside it in the card)."""
     from ..report.card import reproduce_command
 
     if source.hub_id:
         label, revision = source.hub_id, source.hub_commit
     else:  # its name only: a path, relative or absolute, would publish a local directory layout
         label, revision = Path(model).name, None
-    return reproduce_command(label, revision=revision, options=options.to_dict(), hints=hints, output=dest.name)
+    options = plan.options_record()
+    return reproduce_command(label, revision=revision, options=options, hints=hints, output=dest.name)
 
 
 def commit_message(source: Source, plan: Plan) -> str:
     """A push's default commit message: what was re-initialized, of which model."""
-    targets = ",".join(plan.options.to_dict()["targets"])
     of = f" of {source.hub_id}" if source.hub_id else ""
     n = len(plan.touched_blocks)
-    return f"{get_mode(plan.options.mode).label} of {targets} in {n} attention block{'s' if n != 1 else ''}{of} (surgeon {__version__})"
+    blocks = f"{n} attention block{'s' if n != 1 else ''}"
+    if plan.steps:
+        return f"A recipe of {len(plan.steps)} steps on {blocks}{of} (surgeon {__version__})"
+    targets = ",".join(plan.options.to_dict()["targets"])
+    return f"{get_mode(plan.options.mode).label} of {targets} in {blocks}{of} (surgeon {__version__})"
