@@ -103,11 +103,11 @@ def write_patched(header: Header, dest: Path, updates: dict[str, torch.Tensor], 
     patch(header, dest, data_start, updates.items())
 
 
-def start_file(header: Header, dest: Path, record: dict | None, history: list | None = None, block: int = BLOCK) -> int:
+def start_file(header: Header, dest: Path, record: dict | None, history: list | None = None) -> int:
     """Create ``dest`` at its final size with ``header`` (plus ``record``, appended to ``history``) written;
     returns where its data starts. Without a record the header is the original's bytes, so a shard with
     no change is byte for byte its source (and can be copied server-side on the Hub). With one, the header is
-    padded to the source's length, or grown by whole ``block``s (:func:`output_header`; 8: packed).
+    padded to the source's length, or grown by whole blocks (:func:`output_header`).
 
     The data section is left as a hole, for :func:`copy_gaps` and :func:`patch` to fill in any order.
     """
@@ -117,8 +117,7 @@ def start_file(header: Header, dest: Path, record: dict | None, history: list | 
         if len(raw_header) != header.length:
             raise CheckpointError(f"{header.path} changed while surgeon read it; run this again", path=header.path)
     else:
-        entries = with_metadata(header.entries, add_record(header.metadata, record, history))
-        raw_header = output_header(header, entries, block)
+        raw_header = output_header(header, with_metadata(header.entries, add_record(header.metadata, record, history)))
     data_start = 8 + len(raw_header)
     with open(dest, "wb") as out:
         out.write(struct.pack("<Q", len(raw_header)))
@@ -128,12 +127,12 @@ def start_file(header: Header, dest: Path, record: dict | None, history: list | 
     return data_start
 
 
-def output_header(source: Header, entries: dict, block: int = BLOCK) -> bytes:
+def output_header(source: Header, entries: dict) -> bytes:
     """The header ``entries`` of an output of ``source``: the data starts where the source's does (the JSON
     padded with spaces), or, where the JSON does not fit, whole blocks later; so every data byte keeps its
     offset in its block and a copy-on-write file system shares every block no changed byte is in."""
     text = header_json(entries)
-    return padded(text, output_length(source, len(text), block))
+    return padded(text, output_length(source, len(text), BLOCK))
 
 
 def clone_shard(header: Header, source: Path, dest: Path, cancel: threading.Event | None = None) -> None:
@@ -327,8 +326,7 @@ class SafetensorsWeights(RankedWeightSet):
                     jobs.append(copies.submit(clone_shard, header, source, dest / file, copies.cancel))
                     continue
                 # the record goes where the change is
-                block = BLOCK if write_plan.shares_blocks else 8  # packed: what travels shares no block
-                starts[file] = start_file(header, dest / file, record, history, block)
+                starts[file] = start_file(header, dest / file, record, history)
                 skip = {n for n in header.tensor_entries() if n in updates.names}
                 jobs.append(copies.submit(copy_gaps, header, dest / file, starts[file], skip, copies.cancel))
             for file in starts:

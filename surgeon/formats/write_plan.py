@@ -29,9 +29,6 @@ class WritePlan:
 
     notes: tuple[str, ...] = ()
     copies: tuple[SharedCopy, ...] = ()
-    # untouched bytes keep their offsets within file system blocks, so a copy-on-write file system shares them;
-    # False: headers packed, for files that only travel (a Hub push by changes: no block is shared there)
-    shares_blocks: bool = True
 
     @property
     def copy_names(self) -> dict[str, str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -103,8 +103,6 @@ class Destination:
             source.primary.save_as(tmp, self.path.name, updates(source.primary, True), record, write_plans[0])
             return
         for i, (weights, write_plan) in enumerate(zip(source.weights, write_plans, strict=True)):
-            if self.changes_only:  # the staged shards only travel to the Hub: their headers packed, no block shared
-                write_plan = replace(write_plan, shares_blocks=False)
             new = updates(weights, i == 0)
             files = share if share is not None else changed_files(weights, new) if self.changes_only else None
             if files is None:
