@@ -208,7 +208,7 @@ def test_a_valid_file_with_empty_tensors_is_still_accepted(cli, tmp_path):
             ["reinit", "MODEL", "--mode", "fast"],
             "invalid value for '--mode': 'fast' is not one of 'conditioned', 'polar'",
         ),
-        (["reinit", "MODEL", "--frob"], "no such option '--frob' (see surgeon reinit --help)"),
+        (["reinit", "MODEL", "--zzz"], "no such option '--zzz' (see surgeon reinit --help)"),
         (["inspect"], "missing argument 'MODEL' (see surgeon inspect --help)"),
         (["inspect", "MODEL", "--num-heads", "0"], "invalid value for '--num-heads'"),
         (["push", "MODEL"], "missing argument 'ORG/NAME' (see surgeon push --help)"),
