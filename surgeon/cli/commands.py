@@ -14,6 +14,8 @@ from ..errors import OptionError
 from ..text.shown import note_lines, shown
 from .shell import (
     CONTEXT,
+    HINT_OPTIONS,
+    HINTS_SECTION,
     REINIT_SECTIONS,
     OneLineErrors,
     SectionedCommand,
@@ -72,14 +74,7 @@ INSPECT_SECTIONS = {  # `surgeon inspect --help`, grouped as reinit's
     "What to report": ("full", "jacobian", "inputs", "verify_layout", "emit_layout", "list_names"),
     "Output": ("as_json", "plot", "device"),
     "Hub": ("revision",),
-    "Hints (when config.json does not say)": (
-        "config",
-        "num_heads",
-        "num_kv_heads",
-        "head_dim",
-        "force_hints",
-        "layout",
-    ),  # fmt: skip
+    HINTS_SECTION: HINT_OPTIONS,
 }
 
 

@@ -18,6 +18,8 @@ from ..errors import shell_spelling as cli_spelling  # how the shell names an op
 if TYPE_CHECKING:
     from ..detect.hints import HintInput, Hints
 
+HINTS_SECTION = "Hints (when config.json does not say)"
+HINT_OPTIONS = ("config", "num_heads", "num_kv_heads", "head_dim", "force_hints", "layout")  # reinit's and inspect's
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
@@ -388,14 +390,7 @@ REINIT_SECTIONS = {  # `surgeon reinit --help`, by what a flag decides
         "keep_other_weights",
         "base_model",
     ),
-    "Hints (when config.json does not say)": (
-        "config",
-        "num_heads",
-        "num_kv_heads",
-        "head_dim",
-        "force_hints",
-        "layout",
-    ),
+    HINTS_SECTION: HINT_OPTIONS,
 }
 
 
