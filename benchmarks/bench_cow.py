@@ -42,11 +42,12 @@ import time
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from bench_reinit import VOCAB, layer_shapes, write_config
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SHARDS = 4
 SHAPE = (2048, 16, 32, 8, 64)  # hidden, layers, heads, KV heads, head dim: bench_reinit.py's A
-VOCAB = 32000
 
 
 def build_sharded(folder: Path, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int) -> Path:
@@ -56,23 +57,11 @@ def build_sharded(folder: Path, hidden: int, layers: int, heads: int, kv_heads: 
 
     folder.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(0)
-    inter = hidden * 8 // 3
     per_shard = -(-layers // SHARDS)
     shards: list[dict[str, tuple[int, ...]]] = [{} for _ in range(SHARDS)]
     shards[0]["model.embed_tokens.weight"] = (VOCAB, hidden)
     for i in range(layers):
-        p = f"model.layers.{i}"
-        shards[i // per_shard] |= {
-            f"{p}.input_layernorm.weight": (hidden,),
-            f"{p}.self_attn.q_proj.weight": (heads * head_dim, hidden),
-            f"{p}.self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
-            f"{p}.self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
-            f"{p}.self_attn.o_proj.weight": (hidden, heads * head_dim),
-            f"{p}.post_attention_layernorm.weight": (hidden,),
-            f"{p}.mlp.gate_proj.weight": (inter, hidden),
-            f"{p}.mlp.up_proj.weight": (inter, hidden),
-            f"{p}.mlp.down_proj.weight": (hidden, inter),
-        }
+        shards[i // per_shard] |= layer_shapes(f"model.layers.{i}", hidden, heads, kv_heads, head_dim)
     shards[-1] |= {"model.norm.weight": (hidden,), "lm_head.weight": (VOCAB, hidden)}
     weight_map = {}
     for n, shapes in enumerate(shards, 1):
@@ -84,19 +73,7 @@ def build_sharded(folder: Path, hidden: int, layers: int, heads: int, kv_heads: 
     total = sum((folder / f).stat().st_size for f in set(weight_map.values()))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    config = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": hidden,
-        "intermediate_size": inter,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "num_hidden_layers": layers,
-        "vocab_size": VOCAB,
-        "torch_dtype": "bfloat16",
-    }
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    write_config(folder, hidden, layers, heads, kv_heads, head_dim)
     return folder
 
 

@@ -61,29 +61,39 @@ def build(folder: Path, hidden: int, layers: int, heads: int, kv_heads: int, hea
 
     folder.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(0)
-    inter = hidden * 8 // 3
     shapes = {"model.embed_tokens.weight": (VOCAB, hidden)}
     for i in range(layers):
-        p = f"model.layers.{i}"
-        shapes |= {
-            f"{p}.input_layernorm.weight": (hidden,),
-            f"{p}.self_attn.q_proj.weight": (heads * head_dim, hidden),
-            f"{p}.self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
-            f"{p}.self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
-            f"{p}.self_attn.o_proj.weight": (hidden, heads * head_dim),
-            f"{p}.post_attention_layernorm.weight": (hidden,),
-            f"{p}.mlp.gate_proj.weight": (inter, hidden),
-            f"{p}.mlp.up_proj.weight": (inter, hidden),
-            f"{p}.mlp.down_proj.weight": (hidden, inter),
-        }
+        shapes |= layer_shapes(f"model.layers.{i}", hidden, heads, kv_heads, head_dim)
     shapes |= {"model.norm.weight": (hidden,), "lm_head.weight": (VOCAB, hidden)}
     sd = {name: (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16) for name, shape in shapes.items()}
     save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+    write_config(folder, hidden, layers, heads, kv_heads, head_dim)
+    return folder
+
+
+def layer_shapes(p: str, hidden: int, heads: int, kv_heads: int, head_dim: int) -> dict[str, tuple[int, ...]]:
+    """One Llama decoder layer's tensors (under the prefix ``p``) and their shapes."""
+    inter = hidden * 8 // 3
+    return {
+        f"{p}.input_layernorm.weight": (hidden,),
+        f"{p}.self_attn.q_proj.weight": (heads * head_dim, hidden),
+        f"{p}.self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+        f"{p}.self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+        f"{p}.self_attn.o_proj.weight": (hidden, heads * head_dim),
+        f"{p}.post_attention_layernorm.weight": (hidden,),
+        f"{p}.mlp.gate_proj.weight": (inter, hidden),
+        f"{p}.mlp.up_proj.weight": (inter, hidden),
+        f"{p}.mlp.down_proj.weight": (hidden, inter),
+    }
+
+
+def write_config(folder: Path, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int) -> None:
+    """The config.json of the Llama-shaped checkpoint these benchmarks build."""
     config = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": hidden,
-        "intermediate_size": inter,
+        "intermediate_size": hidden * 8 // 3,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
@@ -92,7 +102,6 @@ def build(folder: Path, hidden: int, layers: int, heads: int, kv_heads: int, hea
         "torch_dtype": "bfloat16",
     }
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    return folder
 
 
 def build_onnx(path: Path) -> Path:
