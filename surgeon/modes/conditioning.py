@@ -56,19 +56,27 @@ def in_parallel(
     device: torch.device | str = "cpu",
     min_chunk: int = 2,
 ) -> list[_Result]:
-    """``[fn(chunk) for chunk in chunks(items)]`` over a thread pool, in order, on CPU only.
+    """``[fn(chunk) for chunk in chunks(items)]`` over a thread pool, in order; on a GPU, one chunk.
 
-    Run it inside :func:`single_threaded`: the parallelism is ours (one chunk per core), not LAPACK's.
-    On a GPU the work is already parallel, and runs as one chunk.
+    On the CPU every chunk runs with one intra-op thread, in the pool or in the caller: the parallelism
+    is ours (one chunk per core), not LAPACK's. That also makes the numbers the same in every process:
+    MKL's thread count is per thread, so a pool thread first used outside :func:`single_threaded` would
+    otherwise factor with two threads and round differently from its neighbours (seen as kappas that
+    differed in the 12th digit between two runs on one machine).
     """
     global _POOL
-    n = workers()
-    if torch.device(device).type != "cpu" or n == 1 or len(items) < 2 * min_chunk:
+    if torch.device(device).type != "cpu":
         return [fn(items)]
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(n, thread_name_prefix="surgeon")
-    size = -(-len(items) // n)
-    return list(_POOL.map(fn, [items[i : i + size] for i in range(0, len(items), size)]))
+    n = workers()
+    with single_threaded():
+        if n == 1 or len(items) < 2 * min_chunk:
+            return [fn(items)]
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(
+                n, thread_name_prefix="surgeon", initializer=torch.set_num_threads, initargs=(1,)
+            )
+        size = -(-len(items) // n)
+        return list(_POOL.map(fn, [items[i : i + size] for i in range(0, len(items), size)]))
 
 
 @contextmanager

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
 
 from surgeon.modes.conditioning import (
     head_seed,
+    in_parallel,
     polar,
     rescale_to,
     semi_orthogonal,
+    single_threaded,
     singular_values,
     spectrum,
     value_identity,
@@ -148,3 +151,24 @@ def test_whole_spectrum_only_when_asked():
         float(ref[0]), rel=1e-9
     )
     assert full.head_kappas == spectrum(wide).head_kappas
+
+
+def test_parallel_chunks_run_with_one_intra_op_thread_whoever_calls():
+    """Every chunk factors with one thread, in the pool or in the caller, inside single_threaded or not.
+
+    MKL's thread count is per thread: a pool thread first used outside single_threaded used to keep
+    two threads and round differently from its neighbours, so two processes printed different kappas.
+    """
+    torch.set_num_threads(2)
+
+    def threads(chunk):
+        return torch.get_num_threads()
+
+    try:
+        seen = in_parallel(threads, list(range(64)), min_chunk=1) + in_parallel(threads, [0])
+        with single_threaded():
+            seen += in_parallel(threads, list(range(64)), min_chunk=1)
+        assert set(seen) == {1}
+        assert torch.get_num_threads() == 2  # the caller's setting comes back
+    finally:
+        torch.set_num_threads(os.cpu_count() or 1)

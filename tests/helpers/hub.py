@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from helpers.hub_server import HubServer
@@ -253,3 +254,14 @@ def header_bytes(folder: Path) -> int:
 def weights_served(hub: Any, since: int = 0) -> int:
     """The bytes of safetensors files the loopback Hub sent (whole or by Range), from request ``since`` on."""
     return sum(r.sent for r in hub.requests[since:] if r.method == "GET" and r.path.endswith(".safetensors"))
+
+
+def local_kappas(path: Path) -> list[Any]:
+    """Per-head kappas of a local checkpoint, row by row, to compare with a report's ``before.heads``.
+
+    Each row is a ``pytest.approx`` to 1e-9: two processes agree to the last digit or two only, as
+    LAPACK promises nothing more between runs.
+    """
+    from surgeon import inspect_checkpoint
+
+    return [pytest.approx(list(r.before.head_kappas), rel=1e-9) for r in inspect_checkpoint(path).rows]

@@ -12,9 +12,9 @@ from urllib.parse import unquote
 
 import pytest
 
-from surgeon import inspect_checkpoint, reinit_checkpoint
+from surgeon import reinit_checkpoint
 
-from helpers.hub import OTHER_TOKEN, TOKEN, Surgeon, build_cache, closed_port_url, digest, make_source
+from helpers.hub import OTHER_TOKEN, TOKEN, Surgeon, build_cache, closed_port_url, digest, local_kappas, make_source
 from helpers.hub_server import HubServer
 
 FETCHED = [
@@ -68,9 +68,7 @@ def test_reads_by_id_fetching_only_what_it_needs(surgeon, hub, sources, tmp_path
         k: v for k, v in digest(sources[0]).items() if k in FETCHED and k != "model.safetensors"
     }
     assert (surgeon.hf_home / "hub" / "models--org--tiny" / "refs" / "main").read_text() == commit
-    assert kappas(report) == [
-        list(r.before.head_kappas) for r in inspect_checkpoint(sources[0]).rows
-    ]  # same numbers as locally
+    assert kappas(report) == local_kappas(sources[0])  # same numbers as locally
 
     # reinit by id: the default output is ./<name>-reinit, the same weights as a local run, from the cache
     n = len(hub.downloads())
@@ -96,7 +94,7 @@ def test_revision_branch_tag_and_commit(surgeon, hub, sources):
     )
     main, on_branch, by_commit, by_tag = (kappas(json.loads(r.stdout)) for r in runs[:4])
     assert on_branch != main
-    assert on_branch == [list(r.before.head_kappas) for r in inspect_checkpoint(sources[1]).rows]
+    assert on_branch == local_kappas(sources[1])
     assert by_commit == on_branch and by_tag == main
     assert "org/tiny has no revision 'nope'" in runs[4].error
 
@@ -109,7 +107,7 @@ def test_a_local_path_wins_over_a_hub_id(surgeon, hub, sources, tmp_path):
     assert local["source"] == "org/tiny"
     # nothing of the Hub's org/tiny has been used here: no note that it could have been meant
     assert not [n for n in local["notes"] if "hf://" in n]
-    assert kappas(local) == [list(r.before.head_kappas) for r in inspect_checkpoint(sources[1]).rows]
+    assert kappas(local) == local_kappas(sources[1])
     expected = "--revision applies to Hugging Face Hub ids only, and org/tiny is a local path; for the Hub model of that name write hf://org/tiny"
     assert expected in revision.error
     remote = json.loads(surgeon("inspect", "hf://org/tiny", "--json").stdout)
@@ -179,7 +177,7 @@ def test_offline_from_a_hand_built_cache(tmp_path, sources):
         f"(commit {commit[:12]}): 3 files in the HF cache (HF_HUB_OFFLINE is set, nothing downloaded)" in n
         for n in report["notes"]
     )
-    assert kappas(report) == [list(r.before.head_kappas) for r in inspect_checkpoint(sources[0]).rows]
+    assert kappas(report) == local_kappas(sources[0])
     assert reinit.rc == 0 and "base_model: org/cached" in (tmp_path / "cached-reinit" / "README.md").read_text()
     for run, text in zip(
         errors,
