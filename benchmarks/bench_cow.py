@@ -20,7 +20,8 @@ extents that the file system does not share with another file (``FIEMAP``, as ``
 the in-place run, how many more there are after it than before). Free space before and after would do too,
 but XFS frees a removed file's blocks in the background, so the previous run's output blurs it. It then prints the math floor of
 the two reinits (benchmarks/bench_math_floor.py: the per-head math at numpy's and BLAS's rates, and surgeon's
-own time for it) and the fixed start-up (Python, ``surgeon --help``, a dry run, torch's import). Everything it
+own time for it), the fixed start-up (Python, ``surgeon --help``, a dry run, torch's import), and each ``-o``
+reinit's wall time against its floor: torch's import, the math's floor and writing the changed bytes. Everything it
 made is removed at the end (the image unmounted and deleted), also when it fails. The machine may be shared:
 read ratios and block counts, which do not depend on it, more than seconds.
 """
@@ -242,6 +243,48 @@ def math_floor(select: str, repeats: int, pythonpath: Path) -> dict:
         return json.loads(Path(f.name).read_text())
 
 
+def write_floor(fs: Path, sizes: dict[str, int], repeats: int) -> dict[str, float]:
+    """Median seconds to write each of ``sizes`` bytes to a new file on ``fs`` (buffered, no fsync: as a reinit's
+    ``-o`` writes its changed bytes), alternately."""
+    block = os.urandom(8 << 20)
+    times: dict[str, list[float]] = {k: [] for k in sizes}
+    for _ in range(repeats):
+        for key, size in sizes.items():
+            path = fs / "write-floor"
+            start = time.perf_counter()
+            with open(path, "wb") as f:
+                for offset in range(0, size, len(block)):
+                    f.write(block[: min(len(block), size - offset)])
+            times[key].append(time.perf_counter() - start)
+            path.unlink()
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def against_floor(rows: list[dict], startup: dict[str, float], floors: dict, writes: dict[str, float]) -> list[dict]:
+    """Each ``-o`` reinit's wall time against its floor: the start-up any torch program pays (Python and
+    ``import torch``), the per-head math at its floor, and writing the changed bytes."""
+    out = []
+    for sel in ("-1", "all"):
+        row = next((r for r in rows if r["case"] == f"reinit --layers {sel} -o"), None)
+        if row is None:
+            continue
+        parts = (startup["python -c 'import torch'"], floors[sel]["floor_wall_s"], writes[sel])
+        out.append({"case": row["case"], "wall": row["seconds"], "floor": sum(parts), "parts": parts})
+    return out
+
+
+def show_floor(title: str, rows: list[dict]) -> None:
+    print(
+        f"\n{title}: wall against the floor (Python and torch's import + the math's floor + writing the changed bytes)"
+    )
+    for r in rows:
+        start, math, write = r["parts"]
+        print(
+            f"  {r['case']:<28} wall {r['wall']:6.2f} s, floor {r['floor']:6.2f} s "
+            f"({start:.2f} + {math:.3f} + {write:.3f}): {r['wall'] / r['floor']:.2f}x"
+        )
+
+
 def startup(repeats: int, src: Path, pythonpath: Path) -> dict[str, float]:
     """The fixed costs, alternately: Python itself, surgeon --help, a dry run (open, detect, plan), torch's import."""
     commands = {
@@ -286,10 +329,12 @@ def main() -> None:
                     rows = run_cases(xfs, xsrc, args.repeats, xfs=True, versions=versions)
                     show("XFS (reflink), on a loop device", rows, size)
                     results["xfs"] = rows
+                    results["xfs_write"] = write_floor(xfs, {"-1": last, "all": every}, args.repeats)
                     remove(xsrc)
         rows = run_cases(ext4, src, args.repeats, xfs=False, versions=versions)
         show(f"ext4 ({ext4})", rows, size)
         results["ext4"] = rows
+        results["ext4_write"] = write_floor(ext4, {"-1": last, "all": every}, args.repeats)
         results["startup"] = startup(args.repeats + 2, src, ROOT)
     floors = {sel: math_floor(sel, args.repeats, ROOT) for sel in ("-1", "all")}
     results["floor"] = floors
@@ -302,6 +347,10 @@ def main() -> None:
     print("\nstart-up, medians:")
     for k, v in results["startup"].items():
         print(f"  {k:<28} {v:6.3f} s")
+    for fs in ("xfs", "ext4"):
+        if fs in results:
+            results[f"{fs}_floor"] = against_floor(results[fs], results["startup"], floors, results[f"{fs}_write"])
+            show_floor("XFS" if fs == "xfs" else "ext4", results[f"{fs}_floor"])
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     with suppress(Exception):

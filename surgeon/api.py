@@ -12,7 +12,6 @@ from .compute.per_file import Progress
 from .detect import detect_source
 from .detect.hints import HINT_KEYWORDS, HintInput, Hints
 from .errors import OptionError, SurgeonError, opt
-from .hub.push import PushTarget
 from .hub.read import open_model
 from .modes import get_mode
 from .open.hub_ids import require_repo_id
@@ -30,6 +29,7 @@ from .write.sinks import Outcome, Sink, WriteTo, open_sink
 if TYPE_CHECKING:  # torch is imported when tensors are first touched, so that opening, planning and
     import torch  # the byte copies of a reinit run while it loads
 
+    from .hub.push import PushTarget  # imported by a push only: it is most of surgeon's own start-up
     from .vocab.detection import Detection
 
 
@@ -407,6 +407,8 @@ def _push_target(push: PushTarget | str | None, *, dry_run: bool) -> PushTarget 
     """The push a reinit asks for, checked before anything is opened (its token too, unless nothing is sent)."""
     if push is None:
         return None
+    from .hub.push import PushTarget
+
     if not isinstance(push, (PushTarget, str)):
         raise TypeError(f"push must be a repo id 'org/name' or a surgeon.PushTarget, not {type(push).__name__}")
     target = push if isinstance(push, PushTarget) else PushTarget(push)

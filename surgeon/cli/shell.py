@@ -310,9 +310,11 @@ def push_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def with_push(*args: Any, push_to_hub: str | None, **kwargs: Any) -> Any:
+        settings = {field: kwargs.pop(flag) for flag, field in PUSH_SETTINGS.items()}
+        if push_to_hub is None and all(v is None or v is False for v in settings.values()):
+            return fn(*args, push=None, **kwargs)  # no push flag: the push module (70 ms of imports) stays unloaded
         from ..hub.push import PushTarget
 
-        settings = {field: kwargs.pop(flag) for flag, field in PUSH_SETTINGS.items()}
         push = PushTarget.build(push_to_hub, **settings)  # checked here, before anything is opened
         return fn(*args, push=push, **kwargs)
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import threading
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -321,6 +323,20 @@ def inert_value(value: Any) -> Any:
     if isinstance(value, dict):
         return {inert_value(k): inert_value(v) for k, v in value.items()}
     return value
+
+
+def load_in_background() -> None:
+    """Import the card's parser (``huggingface_hub.ModelCard``: 0.1-0.2 s) on a thread of its own.
+
+    Called once torch is loaded: the math and the kernel's copies release the GIL, so the import runs beside
+    them, and the card, written last, finds it done. A failed import here is tried again, and reported, there.
+    """
+    threading.Thread(target=_import_model_card, name="surgeon-card-import", daemon=True).start()
+
+
+def _import_model_card() -> None:
+    with suppress(Exception):
+        import huggingface_hub.repocard  # noqa: F401
 
 
 def write_card(folder: Path, **kwargs: Any) -> Path:
