@@ -6,7 +6,7 @@ and the math overlap the copying; nothing here imports torch until a tensor is a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ..plan.planner import Plan
@@ -25,16 +25,9 @@ class Compute:
     and the bytes its updates rewrote."""
 
     def __init__(
-        self,
-        plan: Plan,
-        device: str | torch.device | None,
-        *,
-        whole: bool,
-        progress: bool,
-        total: int,
-        on_start: Callable[[], None] | None = None,
+        self, plan: Plan, device: str | torch.device | None, *, whole: bool, progress: bool, total: int
     ) -> None:
-        self.plan, self.device, self.whole, self.on_start = plan, device, whole, on_start
+        self.plan, self.device, self.whole = plan, device, whole
         self._engine: Engine | None = None
         self._bar = Progress(progress, total, "reinit")
         self.bytes_changed = 0
@@ -54,8 +47,6 @@ class Compute:
 
             self._engine = Engine(self.plan, resolve_device(self.device), whole=self.whole)
             self._bar.__enter__()
-            if self.on_start is not None:  # torch is loaded now: what else loads can overlap the math
-                self.on_start()
         return self._engine
 
     def results(self) -> list[ProjectionRow]:

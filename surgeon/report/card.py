@@ -16,8 +16,6 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import threading
-from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,7 +34,7 @@ from ..vocab.spectrum import ProjectionRow
 from .report import fmt_kappa, with_streams
 
 if TYPE_CHECKING:
-    from huggingface_hub import ModelCard, ModelCardData
+    from huggingface_hub import ModelCardData
 
     from ..options import Recipe
 
@@ -60,16 +58,21 @@ class SourceCard:
     def read(cls, path: Path) -> SourceCard | None:
         if not path.is_file():
             return None
-        from huggingface_hub import ModelCard
+        import yaml  # PyYAML: huggingface-hub's own dependency
+        from huggingface_hub import ModelCardData
 
         text = read_text(path, what="model card", limit=CARD_LIMIT)
+        # as huggingface_hub.ModelCard parses a card, without the import of the Hub client that comes with it
+        # (0.15 s of every run that writes a card)
         match = _YAML_BLOCK.search(text)
-        matter = match.group(2) if match else ""
+        matter, body = (match.group(2), text[match.end() :]) if match else ("", text)
         try:
-            card = ModelCard(text, ignore_metadata_errors=True)
-            return cls(card.data.to_dict(), card.text, matter)
+            metadata = yaml.safe_load(matter) or {}
+            if not isinstance(metadata, dict):
+                raise ValueError("the front matter is not a mapping")
+            return cls(ModelCardData(**metadata, ignore_metadata_errors=True).to_dict(), body, matter)
         except Exception:  # front matter that is not a YAML mapping: keep the text, drop the metadata
-            return cls({}, text[match.end() :] if match else text, matter)
+            return cls({}, body, matter)
 
 
 def reproduce_command(model: str, *, revision: str | None, options: dict, hints: Hints, output: str) -> str:
@@ -132,12 +135,10 @@ def build_card(
     command: str,
     title: str,
     base_model: str | None = None,
-) -> ModelCard:
-    """The card as a ``huggingface_hub.ModelCard`` (metadata validated by its own parser); ``original``:
+) -> str:
+    """The card's text, its front matter rendered by ``huggingface_hub.ModelCardData``; ``original``:
     the input's card (:func:`source_card`), whose metadata and text it keeps; ``base_model``: the Hub model a
     local source comes from (default: the source's Hub id, else the ``base_model`` its own card names)."""
-    from huggingface_hub import ModelCard
-
     modes = list(dict.fromkeys(get_mode(step.options.mode) for step in (plan.steps or (plan,))))  # a recipe: each
     lineage = source.hub_id or base_model or _named_base(original.metadata if original else {})
     data = _card_data(source, original.metadata if original else {}, [m.tag for m in modes], lineage)
@@ -180,7 +181,7 @@ def build_card(
         after += _source_section(source, original)
     # the record goes in as written; every other part is escaped, so that the record is the card's only one
     parts = [*map(inert, ours), _record_comment(plan), *map(inert, after)]
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(parts) + "\n")
+    return f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(parts) + "\n"
 
 
 def _source_section(source: Source, original: SourceCard) -> list[str]:
@@ -325,20 +326,6 @@ def inert_value(value: Any) -> Any:
     return value
 
 
-def load_in_background() -> None:
-    """Import the card's parser (``huggingface_hub.ModelCard``: 0.1-0.2 s) on a thread of its own.
-
-    Called once torch is loaded: the math and the kernel's copies release the GIL, so the import runs beside
-    them, and the card, written last, finds it done. A failed import here is tried again, and reported, there.
-    """
-    threading.Thread(target=_import_model_card, name="surgeon-card-import", daemon=True).start()
-
-
-def _import_model_card() -> None:
-    with suppress(Exception):
-        import huggingface_hub.repocard  # noqa: F401
-
-
 def write_card(folder: Path, **kwargs: Any) -> Path:
     from ..text.redact import redact
 
@@ -347,7 +334,7 @@ def write_card(folder: Path, **kwargs: Any) -> Path:
     with open(
         path, mode="w", newline="", encoding="utf-8"
     ) as f:  # as ModelCard.save, with no token, even one in the source's card
-        f.write(redact(str(build_card(**kwargs))))
+        f.write(redact(build_card(**kwargs)))
     return path
 
 

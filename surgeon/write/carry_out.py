@@ -96,13 +96,12 @@ class OneProcess:
         write_plans = [weights.write_plan(plan, job.detection) for weights in source.weights]
         notes = [note for write_plan in write_plans for note in write_plan.notes]
         _check_secondary_sets(source, plan.tensors())
-        from ..report.card import load_in_background, source_card, write_card
+        from ..report.card import source_card, write_card
 
         original = source_card(source) if dest.gets_card else None  # a card that cannot be read refuses here
         run = Compute(
-            plan, job.device, whole=job.full, progress=job.progress, total=len(plan.tensors()) * len(source.weights),
-            on_start=load_in_background if dest.gets_card else None,
-        )  # fmt: skip
+            plan, job.device, whole=job.full, progress=job.progress, total=len(plan.tensors()) * len(source.weights)
+        )
 
         def write_the_card(folder: Path) -> None:
             write_card(
