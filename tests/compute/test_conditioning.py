@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -159,6 +158,7 @@ def test_parallel_chunks_run_with_one_intra_op_thread_whoever_calls():
     MKL's thread count is per thread: a pool thread first used outside single_threaded used to keep
     two threads and round differently from its neighbours, so two processes printed different kappas.
     """
+    before = torch.get_num_threads()
     torch.set_num_threads(2)
 
     def threads(chunk):
@@ -171,4 +171,4 @@ def test_parallel_chunks_run_with_one_intra_op_thread_whoever_calls():
         assert set(seen) == {1}
         assert torch.get_num_threads() == 2  # the caller's setting comes back
     finally:
-        torch.set_num_threads(os.cpu_count() or 1)
+        torch.set_num_threads(before)
