@@ -38,6 +38,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bench_reinit import write_config
+
 SHAPES = {  # hidden, layers, heads, KV heads, head dim
     "A": (2048, 16, 32, 8, 64),
     "B": (4096, 4, 32, 8, 128),
@@ -65,19 +67,7 @@ def build(folder: Path, hidden: int, layers: int, heads: int, kv_heads: int, hea
         }
     sd = {name: (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16) for name, shape in shapes.items()}
     save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
-    config = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": hidden,
-        "intermediate_size": hidden * 8 // 3,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "num_hidden_layers": layers,
-        "vocab_size": 256,
-        "torch_dtype": "bfloat16",
-    }
-    (folder / "config.json").write_text(json.dumps(config))
+    write_config(folder, hidden, layers, heads, kv_heads, head_dim, vocab=256)
     return folder
 
 

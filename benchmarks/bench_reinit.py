@@ -87,7 +87,9 @@ def layer_shapes(p: str, hidden: int, heads: int, kv_heads: int, head_dim: int) 
     }
 
 
-def write_config(folder: Path, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int) -> None:
+def write_config(
+    folder: Path, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, *, vocab: int = VOCAB
+) -> None:
     """The config.json of the Llama-shaped checkpoint these benchmarks build."""
     config = {
         "model_type": "llama",
@@ -98,7 +100,7 @@ def write_config(folder: Path, hidden: int, layers: int, heads: int, kv_heads: i
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "num_hidden_layers": layers,
-        "vocab_size": VOCAB,
+        "vocab_size": vocab,
         "torch_dtype": "bfloat16",
     }
     (folder / "config.json").write_text(json.dumps(config, indent=2))

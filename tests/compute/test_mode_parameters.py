@@ -6,17 +6,13 @@ own is added as one module (and its registry entry), nothing else, and runs from
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from helpers.elements import nudge
+from helpers.package_copy import package_with_mode, python_from, surgeon_from
 from helpers.paths import ROOT
 
 SCALED = """
@@ -57,48 +53,17 @@ class Scaled(Mode, name="scaled"):
 """
 
 
-def _package_with_a_scaled_mode(tmp_path: Path) -> Path:
-    src = tmp_path / "src"
-    shutil.copytree(ROOT / "surgeon", src / "surgeon", ignore=shutil.ignore_patterns("__pycache__"))
-    modes = src / "surgeon" / "modes"
-    (modes / "scaled.py").write_text(SCALED)
-    init = (modes / "__init__.py").read_text()
-    start = init.index("_REGISTRY: dict[str, Mode] = {m.name: m for m in (")
-    end = init.index(")}", start)
-    init = init[:end] + ", Scaled()" + init[end:]  # the registry's one line
-    (modes / "__init__.py").write_text(
-        init.replace("from .base import", "from .scaled import Scaled\nfrom .base import")
-    )
-    return src
-
-
-def _surgeon(src: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(src), "HF_HUB_OFFLINE": "1"}
-    code = (
-        "import sys, surgeon; assert surgeon.__file__.startswith(sys.argv[1]); "
-        "from surgeon.cli.commands import main; sys.argv[1:2] = []; main()"
-    )
-    return subprocess.run(
-        [sys.executable, "-c", code, str(src), *args], env=env, cwd=src, capture_output=True, text=True, timeout=600
-    )
-
-
-def _python(src: Path, code: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(src), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-c", code], env=env, cwd=src, capture_output=True, text=True, timeout=600)
-
-
 def test_a_mode_with_a_parameter_of_its_own_runs_end_to_end(tmp_path):
-    src = _package_with_a_scaled_mode(tmp_path)
+    src = package_with_mode(tmp_path, "scaled", SCALED, "Scaled")
     model, out = ROOT / "examples" / "tiny-bert", tmp_path / "out"
 
-    helped = _surgeon(src, "reinit", "--help")
+    helped = surgeon_from(src, "reinit", "--help")
     text = " ".join(helped.stdout.split())  # click wraps the help
     assert helped.returncode == 0, helped.stderr
     assert "--scale C Scaled mode: the singular value of every new q/k head (default 0.5)." in text
     assert text.index("Mode (how):") < text.index("--scale C") < text.index("Output:")  # in the mode's section
 
-    run = _surgeon(
+    run = surgeon_from(
         src, "reinit", str(model), "--mode", "scaled", "--scale", "0.25", "--layers", "1", "--targets", "q,k",
         "-o", str(out), "--json",
     )  # fmt: skip
@@ -123,10 +88,10 @@ def test_a_mode_with_a_parameter_of_its_own_runs_end_to_end(tmp_path):
     card = (out / "README.md").read_text()
     assert "| scale | 0.25 |" in card and "--mode scaled" in card and "--scale 0.25" in card
 
-    verified = _surgeon(src, "verify", str(model), str(out))
+    verified = surgeon_from(src, "verify", str(model), str(out))
     assert verified.returncode == 0 and verified.stdout.startswith("verified:"), verified.stdout + verified.stderr
     nudge(out / "model.safetensors", "encoder.layer.1.attention.self.query.weight")
-    refused = _surgeon(src, "verify", str(model), str(out))
+    refused = surgeon_from(src, "verify", str(model), str(out))
     assert refused.returncode == 3 and "encoder.layer.1.attention.self.query.weight" in refused.stderr, refused.stderr
 
     # refused for another mode and out of range, by the declaration, before any model is opened
@@ -134,11 +99,11 @@ def test_a_mode_with_a_parameter_of_its_own_runs_end_to_end(tmp_path):
         (("--scale", "0.25"), "--scale applies to --mode scaled only"),
         (("--mode", "scaled", "--scale", "0"), "--scale must be a finite number above 0"),
     ):
-        bad = _surgeon(src, "reinit", str(tmp_path / "missing"), *args)
+        bad = surgeon_from(src, "reinit", str(tmp_path / "missing"), *args)
         assert bad.returncode == 1 and says in bad.stderr, bad.stderr
 
     # the Python keyword, and the docs' table row
-    api = _python(
+    api = python_from(
         src,
         "from surgeon import ReinitOptions; from surgeon.modes import parameter_docs; "
         "o = ReinitOptions(mode='scaled', scale=0.25); print(o.scale, o.to_dict()['scale']); print(parameter_docs())",

@@ -32,6 +32,7 @@ import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Self
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import yaml
@@ -115,7 +116,29 @@ class Seen:
         return len(self.body)
 
 
-class HubServer:
+class Loopback:
+    """An HTTP server on 127.0.0.1 (any free port), served from a thread of its own inside ``with``."""
+
+    def _listen(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class HubServer(Loopback):
     """``with HubServer() as hub:`` starts it on 127.0.0.1 (any free port); ``hub.url`` is HF_ENDPOINT."""
 
     def __init__(self, *, multipart_threshold: int | None = None, chunk_size: int = 64 * 1024) -> None:
@@ -138,23 +161,9 @@ class HubServer:
         self.chunk_size = chunk_size
         self.lock = threading.RLock()
         self._counter = itertools.count(1)
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self._listen(_handler(self))
 
     # --- lifecycle -----------------------------------------------------------------------------
-    @property
-    def url(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def __enter__(self) -> HubServer:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._server.shutdown()
-        self._server.server_close()
 
     # --- set-up, for tests ---------------------------------------------------------------------
     def add_token(self, token: str, user: str, orgs: tuple[str, ...] = ()) -> None:

@@ -25,10 +25,9 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-from helpers.hub_server import Serving
+from helpers.hub_server import Loopback, Serving
 
 ENDLESS, STALL, DRIP, LOOP, PING_PONG = "endless", "stall", "drip", "loop", "ping-pong"
 MAX_BYTES = 32 * 1024 * 1024
@@ -60,7 +59,7 @@ class Lie:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-class LyingHub:
+class LyingHub(Loopback):
     """``with LyingHub(hub.url) as proxy:``; ``proxy.url`` is the HF_ENDPOINT the client is given."""
 
     def __init__(self, upstream: str) -> None:
@@ -70,29 +69,17 @@ class LyingHub:
         self.lies: list[Lie] = []
         self.stop = threading.Event()
         self.lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-
-    @property
-    def url(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        self._listen(_handler(self))
 
     @property
     def host(self) -> str:
         """How an error names this server: ``127.0.0.1:PORT``."""
         return self.url.removeprefix("http://")
 
-    def __enter__(self) -> LyingHub:
-        self._thread.start()
-        return self
-
     def __exit__(self, *exc) -> None:
         self.stop.set()  # every lie still being told ends within a poll
         self.settle(5)
-        self._server.shutdown()
-        self._server.server_close()
+        super().__exit__(*exc)
 
     def lie(
         self, kind: str, path: str, *, range: str | None = None, method: str = "GET", interval: float = 1.0

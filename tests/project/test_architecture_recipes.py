@@ -6,15 +6,12 @@ singular values, read back with the reference safetensors reader."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import load_file
 
+from helpers.package_copy import package_with_mode, surgeon_from
 from helpers.paths import ROOT
 
 HALVED = """
@@ -51,40 +48,19 @@ class Halved(Mode, name="halved"):
 """
 
 
-def _package_with_a_new_mode(tmp_path: Path) -> Path:
-    src = tmp_path / "src"
-    shutil.copytree(ROOT / "surgeon", src / "surgeon", ignore=shutil.ignore_patterns("__pycache__"))
-    modes = src / "surgeon" / "modes"
-    (modes / "halved.py").write_text(HALVED)
-    init = (modes / "__init__.py").read_text()
-    registry = "for m in (Conditioned(), Polar(), Redraw(), Mimetic(), Restore())}"
-    assert registry in init  # the one registry line the recipe names
-    init = init.replace(registry, "for m in (Conditioned(), Polar(), Redraw(), Mimetic(), Restore(), Halved())}")
-    (modes / "__init__.py").write_text(
-        init.replace("from .conditioned import", "from .halved import Halved\nfrom .conditioned import")
-    )
-    return src
-
-
-def _surgeon(src: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(src), "HF_HUB_OFFLINE": "1"}
-    code = "import sys, surgeon; assert surgeon.__file__.startswith(sys.argv[1]); from surgeon.cli.commands import main; sys.argv[1:2] = []; main()"
-    return subprocess.run(
-        [sys.executable, "-c", code, str(src), *args], env=env, cwd=src, capture_output=True, text=True, timeout=600
-    )
-
-
 def test_a_mode_added_by_the_recipe_runs_end_to_end(tmp_path):
-    src = _package_with_a_new_mode(tmp_path)
+    registry = "for m in (Conditioned(), Polar(), Redraw(), Mimetic(), Restore())}"
+    assert registry in (ROOT / "surgeon" / "modes" / "__init__.py").read_text()  # the one line the recipe names
+    src = package_with_mode(tmp_path, "halved", HALVED, "Halved")
     model, out = ROOT / "examples" / "tiny-bert", tmp_path / "out"
 
-    helped = _surgeon(src, "reinit", "--help")
+    helped = surgeon_from(src, "reinit", "--help")
     text = " ".join(helped.stdout.split())  # click wraps the help
     assert (
         helped.returncode == 0 and "|restore|halved]" in text and "halved: the conditioned reset at half scale" in text
     )
 
-    run = _surgeon(
+    run = surgeon_from(
         src, "reinit", str(model), "--mode", "halved", "--layers", "1", "--targets", "q,k", "-o", str(out), "--json"
     )
     assert run.returncode == 0, run.stderr
@@ -105,7 +81,7 @@ def test_a_mode_added_by_the_recipe_runs_end_to_end(tmp_path):
     assert record["method"] == "halved-conditioned-initialization"
     assert "halved" in (out / "README.md").read_text()
 
-    verified = _surgeon(src, "verify", str(model), str(out))
+    verified = surgeon_from(src, "verify", str(model), str(out))
     assert verified.returncode == 0, verified.stdout + verified.stderr
 
 
