@@ -38,7 +38,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench_reinit import write_config
+from bench_reinit import layer_shapes, write_config
 
 SHAPES = {  # hidden, layers, heads, KV heads, head dim
     "A": (2048, 16, 32, 8, 64),
@@ -55,16 +55,9 @@ def build(folder: Path, hidden: int, layers: int, heads: int, kv_heads: int, hea
     folder.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(0)
     shapes = {"model.embed_tokens.weight": (256, hidden), "model.norm.weight": (hidden,)}
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        shapes |= {
-            f"{p}.input_layernorm.weight": (hidden,),
-            f"{p}.self_attn.q_proj.weight": (heads * head_dim, hidden),
-            f"{p}.self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
-            f"{p}.self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
-            f"{p}.self_attn.o_proj.weight": (hidden, heads * head_dim),
-            f"{p}.post_attention_layernorm.weight": (hidden,),
-        }
+    for i in range(layers):  # attention only: the MLP is no part of the math
+        layer = layer_shapes(f"model.layers.{i}", hidden, heads, kv_heads, head_dim)
+        shapes |= {name: shape for name, shape in layer.items() if ".mlp." not in name}
     sd = {name: (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16) for name, shape in shapes.items()}
     save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
     write_config(folder, hidden, layers, heads, kv_heads, head_dim, vocab=256)

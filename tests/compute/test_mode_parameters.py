@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import load_file
 
 from helpers.elements import nudge
-from helpers.package_copy import package_with_mode, python_from, surgeon_from
+from helpers.package_copy import assert_layer_1_qk_heads_at, package_with_mode, python_from, surgeon_from
 from helpers.paths import ROOT
 
 SCALED = """
@@ -71,15 +69,7 @@ def test_a_mode_with_a_parameter_of_its_own_runs_end_to_end(tmp_path):
     assert json.loads(run.stdout)["options"]["scale"] == 0.25
 
     # the weights: every new q/k head has all its singular values at the scale given
-    before, after = load_file(model / "model.safetensors"), load_file(out / "model.safetensors")
-    config = json.loads((model / "config.json").read_text())
-    heads, width = config["num_attention_heads"], config["hidden_size"]
-    changed = {n for n in before if not np.array_equal(before[n], after[n])}
-    assert changed == {f"encoder.layer.1.attention.self.{p}.{t}" for p in ("query", "key") for t in ("weight", "bias")}
-    for p in ("query", "key"):
-        weight = after[f"encoder.layer.1.attention.self.{p}.weight"].astype(np.float64)
-        for head in weight.reshape(heads, width // heads, width):
-            np.testing.assert_allclose(np.linalg.svd(head, compute_uv=False), 0.25, rtol=1e-5)
+    assert_layer_1_qk_heads_at(model, out, 0.25)
 
     # the record's row, the card's row and its reproduce command
     with safe_open(out / "model.safetensors", "np") as f:

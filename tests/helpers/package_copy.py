@@ -3,11 +3,15 @@ surgeon/modes/ and one entry in the registry), and surgeon run from that copy in
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file
 
 from helpers.paths import ROOT
 
@@ -54,3 +58,17 @@ def python_from(src: Path, code: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", code], env=_env(src), cwd=src, capture_output=True, text=True, timeout=600
     )
+
+
+def assert_layer_1_qk_heads_at(model: Path, out: Path, value: float) -> None:
+    """``out`` is the BERT ``model`` with layer 1's query and key changed, and nothing else: every head's
+    singular values at ``value`` (read back with the reference safetensors reader)."""
+    before, after = load_file(model / "model.safetensors"), load_file(out / "model.safetensors")
+    config = json.loads((model / "config.json").read_text())
+    heads, width = config["num_attention_heads"], config["hidden_size"]
+    changed = {n for n in before if not np.array_equal(before[n], after[n])}
+    assert changed == {f"encoder.layer.1.attention.self.{p}.{t}" for p in ("query", "key") for t in ("weight", "bias")}
+    for p in ("query", "key"):
+        weight = after[f"encoder.layer.1.attention.self.{p}.weight"].astype(np.float64)
+        for head in weight.reshape(heads, width // heads, width):
+            np.testing.assert_allclose(np.linalg.svd(head, compute_uv=False), value, rtol=1e-5)

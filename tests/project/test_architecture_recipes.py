@@ -8,10 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-from safetensors.numpy import load_file
-
-from helpers.package_copy import package_with_mode, surgeon_from
+from helpers.package_copy import assert_layer_1_qk_heads_at, package_with_mode, surgeon_from
 from helpers.paths import ROOT
 
 HALVED = """
@@ -67,15 +64,7 @@ def test_a_mode_added_by_the_recipe_runs_end_to_end(tmp_path):
     report = json.loads(run.stdout)
     assert report["options"]["mode"] == "halved"
 
-    before, after = load_file(model / "model.safetensors"), load_file(out / "model.safetensors")
-    config = json.loads((model / "config.json").read_text())
-    heads, width = config["num_attention_heads"], config["hidden_size"]
-    changed = {n for n in before if not np.array_equal(before[n], after[n])}
-    assert changed == {f"encoder.layer.1.attention.self.{p}.{t}" for p in ("query", "key") for t in ("weight", "bias")}
-    for p in ("query", "key"):
-        weight = after[f"encoder.layer.1.attention.self.{p}.weight"].astype(np.float64)
-        for head in weight.reshape(heads, width // heads, width):
-            np.testing.assert_allclose(np.linalg.svd(head, compute_uv=False), 0.5, rtol=1e-5)
+    assert_layer_1_qk_heads_at(model, out, 0.5)
 
     (record,) = json.loads(load_file_metadata(out / "model.safetensors")["surgeon"])
     assert record["method"] == "halved-conditioned-initialization"
