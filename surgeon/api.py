@@ -29,7 +29,7 @@ from .write.sinks import Outcome, Sink, WriteTo, open_sink
 if TYPE_CHECKING:  # torch is imported when tensors are first touched, so that opening, planning and
     import torch  # the byte copies of a reinit run while it loads
 
-    from .hub.push import PushTarget  # imported by a push only: it is most of surgeon's own start-up
+    from .hub.push import PushTarget  # imported by a push only (0.07 s of imports)
     from .vocab.detection import Detection
 
 

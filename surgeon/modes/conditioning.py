@@ -59,10 +59,9 @@ def in_parallel(
     """``[fn(chunk) for chunk in chunks(items)]`` over a thread pool, in order; on a GPU, one chunk.
 
     On the CPU every chunk runs with one intra-op thread, in the pool or in the caller: the parallelism
-    is ours (one chunk per core), not LAPACK's. That also makes the numbers the same in every process:
-    MKL's thread count is per thread, so a pool thread first used outside :func:`single_threaded` would
-    otherwise factor with two threads and round differently from its neighbours (seen as kappas that
-    differed in the 12th digit between two runs on one machine).
+    is ours (one chunk per core), not LAPACK's. It also keeps the rounding the same whichever thread runs a
+    chunk: MKL's thread count is per thread, so a pool thread first used outside :func:`single_threaded`
+    would otherwise keep factoring with several threads while its neighbours use one.
     """
     global _POOL
     if torch.device(device).type != "cpu":

@@ -63,7 +63,7 @@ class SourceCard:
 
         text = read_text(path, what="model card", limit=CARD_LIMIT)
         # as huggingface_hub.ModelCard parses a card, without the import of the Hub client that comes with it
-        # (0.15 s of every run that writes a card)
+        # (about 0.1 s of every run that writes a card)
         match = _YAML_BLOCK.search(text)
         matter, body = (match.group(2), text[match.end() :]) if match else ("", text)
         try:
